@@ -1,0 +1,1 @@
+"""dflash-ops: operate DFlash drafter training runs on Proxmox GPU hosts."""

@@ -1,0 +1,1 @@
+"""trainer: the DFlash block-diffusion drafter trainer."""
