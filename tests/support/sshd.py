@@ -134,15 +134,18 @@ class Sshd:
         """Stop the listener; with `drop_connections` also the per-connection sshd processes it forked."""
         if self._proc is None:
             return
-        sessions = procfs.children(self._proc.pid) if drop_connections else []
-        self._kill_listener()
-        for pid in sessions:
+        if drop_connections:
             # Only processes sshd itself forked (its per-connection monitors); user commands are their children.
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        _wait_gone(sessions, timeout_s=5.0)
+            # They go first, while the listener still runs to reap them: orphaned, they would wait on the
+            # machine's init, which in some sandboxes never reaps.
+            sessions = procfs.children(self._proc.pid)
+            for pid in sessions:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            _wait_gone(sessions, timeout_s=5.0)
+        self._kill_listener()
 
     def restart(self, *, drop_connections: bool = True) -> "Sshd":
         """Stop and start again on the same port with the same host key (see the module docstring)."""
