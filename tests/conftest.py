@@ -10,6 +10,8 @@ and refuses tests not marked `@pytest.mark.ssh`):
 - `testbed`       factory: `testbed(n=1, ctids=None, host="pve-test", default_host="local") -> Testbed`: sshd +
                   containers + inventory.yaml (support/testbed.py). For CLI end-to-end tests:
                   `tb = testbed(); cli(["--inventory", tb.inventory, …, "--host", tb.host, "--ct", tb.containers[0].ctid])`
+- `host_tools`    factory: `host_tools(name, script_text) -> Path` puts an executable on the PATH of every SSH
+                  session of `sshd` (e.g. a fake `nvidia-smi`); removed at teardown
 - `repo_root`     the repository root (pass it as PYTHONPATH to subprocesses, with sys.executable)
 On failure, the sshd log and the container init logs are attached to the test report.
 """
@@ -86,6 +88,23 @@ def sshd(request: pytest.FixtureRequest, _session_sshd: sshd_mod.Sshd) -> sshd_m
         _session_sshd.start()
     request.node.stash[_LOG_SOURCES].append(("sshd log", _session_sshd.log_tail))
     return _session_sshd
+
+
+@pytest.fixture
+def host_tools(sshd: sshd_mod.Sshd):
+    """Factory: `host_tools(name, script_text) -> Path`, an executable found by name in SSH sessions of `sshd`."""
+    installed: list[Path] = []
+
+    def install(name: str, text: str) -> Path:
+        path = sshd.install_executable(name, text)
+        installed.append(path)
+        return path
+
+    try:
+        yield install
+    finally:
+        for path in installed:
+            path.unlink(missing_ok=True)
 
 
 @pytest.fixture

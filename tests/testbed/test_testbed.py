@@ -84,15 +84,10 @@ def test_changed_host_key_is_refused(sshd, tmp_path):
         connect(sshd, known_hosts=wrong)
 
 
-def test_sessions_find_executables_in_bin_dir(sshd):
-    tool = sshd.bin_dir / "fake-tool-for-test"
-    tool.write_text("#!/bin/sh\necho fake tool ran with \"$@\"\n")
-    tool.chmod(0o755)
-    try:
-        with connect(sshd) as client:
-            result = run(client, "fake-tool-for-test a1")
-    finally:
-        tool.unlink()
+def test_host_tools_are_on_the_session_path(sshd, host_tools):
+    host_tools("fake-tool-for-test", "#!/bin/sh\necho fake tool ran with \"$@\"\n")
+    with connect(sshd) as client:
+        result = run(client, "fake-tool-for-test a1")
     assert (result.exit_code, result.stdout) == (0, b"fake tool ran with a1\n")
 
 
