@@ -1,4 +1,5 @@
-"""The closed set of domain errors. Exit codes are docs/contracts.md section 4.
+"""The closed set of domain errors. Exit codes are docs/contracts.md section 4 (130, Ctrl-C while tailing, is
+not an error: `cli/tail.py` exits with it directly).
 
 Every failure a user can cause or meet is one of these; the CLI renders them in one place
 (`cli._boundary.rendered_errors`). Anything else is a bug and keeps its traceback.
@@ -64,13 +65,3 @@ class ConfigError(OpsError):
     """Malformed inventory or runbook YAML, or a missing / wrong field (file:line in the message)."""
 
     code, exit_code = "config", 78
-
-
-class Interrupted(OpsError):
-    """Ctrl-C while tailing: only the tail stops, the run goes on."""
-
-    code, exit_code = "interrupted", 130
-
-
-ALL_ERRORS = (RemoteFailed, UsageError, RunNotFound, RunFailed, Refused, HostUnreachable, AuthFailed,
-              ConfigError, Interrupted)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from dflash_ops import names
-from dflash_ops.errors import ConfigError, UsageError
+from dflash_ops.errors import UsageError
 from dflash_ops.spec import Liveness, Runbook, RunSpec, Target
 from dflash_ops.yamlsrc import Fields, load
 
@@ -80,8 +80,3 @@ def run_spec(book: Runbook, target: Target, *, name: str, run_id: str, extra_arg
         host=target.host.name, ct=target.container.ctid if target.container else None, liveness=book.liveness,
     )
 
-
-def check_nul(values: tuple[str, ...]) -> None:
-    for v in values:
-        if "\0" in v:
-            raise ConfigError("a command argument or environment value contains a NUL byte")

@@ -36,6 +36,10 @@ def launch(
         if dry_run:
             render.dry_run(spec, ops.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
             return
+        live = spec.liveness
+        render.info(f"launching {spec.run_id} on {session.target.label}; proving it alive: wait "
+                    f"{live.wait_s if wait is None else wait:g} s, then /{live.pattern}/ in the log"
+                    + (f" (up to {live.timeout_s:g} s)" if live.timeout_s else ""))
         try:
             launched = ops.launch(session, spec, force=force, wait_s=wait)
             render.launched(launched, json_out=json_out)
