@@ -23,7 +23,7 @@ def _wait_state(env, run_id: str, want: str, timeout: float = 20) -> dict:
 
 
 def test_launch_proves_alive_and_records_exit_code(ops_env):
-    done = ops_env.sub("launch", "job", "--json", "--", "--lines", "10", "--every", "0.1", "--rc", "3")
+    done = ops_env.sub("launch", "job", "--json", "--", "--lines", "30", "--every", "0.1", "--rc", "3")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["state"] == "running" and out["matched_line"] == "job started"
@@ -31,16 +31,19 @@ def test_launch_proves_alive_and_records_exit_code(ops_env):
     assert int((run_dir / "pid").read_text()) == out["pid"]
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["run_id"] == out["run_id"] and meta["runbook"] == "job" and meta["ct"] is None
-    assert meta["argv"][-6:] == ["--lines", "10", "--every", "0.1", "--rc", "3"]
+    assert meta["argv"][-6:] == ["--lines", "30", "--every", "0.1", "--rc", "3"]
     assert isinstance(meta["started_at"], int) and meta["env_keys"] == ["PYTHONUNBUFFERED"]
     run = _wait_state(ops_env, out["run_id"], "exited 3")
     assert run["state"] == "exited" and run["exit_code"] == 3
     assert (run_dir / "exit_code").read_text() == "3\n"
-    assert b"step 9" in (run_dir / "output.log").read_bytes()
+    assert b"step 29" in (run_dir / "output.log").read_bytes()
 
 
 def test_launch_reports_a_run_that_dies_during_the_wait(ops_env):
-    done = ops_env.sub("launch", "job", "--wait", "0.5", "--", "--rc", "7")
+    # a pattern the job never prints: launch keeps probing until the job is dead, however slow this box is
+    (ops_env.runbooks / "dies.yaml").write_text((ops_env.runbooks / "job.yaml").read_text().replace(
+        'pattern: "job started"', 'pattern: "never printed"').replace("timeout_s: 10", "timeout_s: 60"))
+    done = ops_env.sub("launch", "dies", "--", "--rc", "7")
     assert done.returncode == 4, done.stderr
     assert "exited 7" in done.stderr and "job started" in done.stderr
 

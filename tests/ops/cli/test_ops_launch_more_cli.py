@@ -19,10 +19,10 @@ def test_bare_address_and_ct_need_no_inventory(ops_env):
 
 
 def test_launch_follow_streams_to_the_end(ops_env):
-    done = ops_env.sub("launch", "job", "--follow", "--", "--lines", "8", "--every", "0.1", "--rc", "2")
+    done = ops_env.sub("launch", "job", "--follow", "--", "--lines", "30", "--every", "0.1", "--rc", "2")
     assert done.returncode == 4, done.stderr
     log = (ops_env.run_dirs()[-1] / "output.log").read_text()
-    assert done.stdout.endswith(log) and "step 7" in log and "exited 2" in done.stderr
+    assert done.stdout.endswith(log) and "step 29" in log and "exited 2" in done.stderr
 
 
 def _cache_runbook(env, cache) -> None:

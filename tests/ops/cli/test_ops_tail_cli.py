@@ -28,13 +28,13 @@ def test_tail_follows_to_the_end_with_every_line_once(ops_env):
 
 
 def test_tail_exit_4_when_the_run_fails_and_no_follow_returns_at_once(ops_env):
-    run = _launch(ops_env, "--lines", "10", "--every", "0.1", "--rc", "9")
+    run = _launch(ops_env, "--lines", "30", "--every", "0.1", "--rc", "9")
     done = ops_env.sub("tail", "job", "-n", "2")
     assert done.returncode == 4 and "exited 9" in done.stderr
     log = (ops_env.run_dirs()[-1] / "output.log").read_text()
     assert len(done.stdout.splitlines()) >= 2 and log.endswith(done.stdout)  # a contiguous suffix, no dup
     again = ops_env.sub("tail", "--no-follow", "-n", "1")  # latest run by default
-    assert again.returncode == 4 and again.stdout == "step 9 xx\n"
+    assert again.returncode == 4 and again.stdout == "step 29 x\n"
 
 
 class FlakyTransport:
