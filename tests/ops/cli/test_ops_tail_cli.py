@@ -79,8 +79,11 @@ def test_follow_resumes_at_the_byte_offset_across_drops(ops_env):
 
 def test_ctrl_c_stops_tailing_only(ops_env):
     run = _launch(ops_env, "--hold")
+    # as from a terminal: SIGINT at its default even when pytest itself runs in the background (where the shell
+    # sets it to SIG_IGN, and Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "tail", run["run_id"]], env=ops_env.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline() == "job started\n"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=20)
