@@ -210,9 +210,11 @@ def _drain(chan, timeout_s: float | None) -> tuple[bytes, bytes, int]:
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(65536)
             got = True
-        if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+        # the exit status may arrive before the last output: finish only after EOF (or close) as well
+        finished = chan.exit_status_ready() and (chan.eof_received or chan.closed)
+        if finished and not chan.recv_ready() and not chan.recv_stderr_ready():
             break
-        if chan.closed and not got:
+        if chan.closed and not got and not chan.exit_status_ready():
             raise EOFError("channel closed before the command exited")
         if deadline is not None and time.monotonic() > deadline:
             chan.close()

@@ -130,8 +130,8 @@ class Fields:
         for k, v in found.value.items():
             if not isinstance(k, str) or not ENV_KEY_RE.fullmatch(k):
                 raise v.fail(f"{self.what}: invalid variable name {k!r} in {key!r}")
-            if v.value is None or isinstance(v.value, (dict, list)):
-                raise v.fail(f"{self.what}: {key}.{k} must be a string")
+            if v.value is None or isinstance(v.value, (dict, list, bool)):
+                raise v.fail(f"{self.what}: {key}.{k} must be a string (quote it, e.g. \"1\")")
             pairs.append((k, _text(v.value)))
         return tuple(pairs)
 
@@ -142,12 +142,11 @@ class Fields:
         if not isinstance(found.value, list):
             raise found.fail(f"{self.what}: {key!r} must be a list")
         for item in found.value:
-            if item.value is None or isinstance(item.value, (dict, list)):
-                raise item.fail(f"{self.what}: every item of {key!r} must be a string")
+            if item.value is None or isinstance(item.value, (dict, list, bool)):
+                raise item.fail(f"{self.what}: every item of {key!r} must be a string (quote yes/no/true/false)")
         return tuple(_text(item.value) for item in found.value)
 
 
 def _text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
+    """Numbers become their YAML spelling; booleans were refused before (yes/on/true are ambiguous)."""
     return str(value)

@@ -94,3 +94,15 @@ def test_unknown_pre_step_and_bad_regex(tmp_path):
         runbooks.load_runbook(tmp_path, "b")
     with pytest.raises(UsageError, match="unknown runbook"):
         runbooks.load_runbook(tmp_path, "c")
+
+
+def test_yaml_booleans_are_refused_where_strings_are_expected(tmp_path):
+    (tmp_path / "a.yaml").write_text('command: [x]\nenv:\n  FLAG: yes\nliveness: {pattern: "."}\n')
+    (tmp_path / "b.yaml").write_text('command: [x, on]\nliveness: {pattern: "."}\n')
+    (tmp_path / "c.yaml").write_text('command: [x, 3, 0.5]\nenv: {N: 1}\nliveness: {pattern: "."}\n')
+    with pytest.raises(ConfigError, match=r"a\.yaml:3: .*FLAG must be a string"):
+        runbooks.load_runbook(tmp_path, "a")
+    with pytest.raises(ConfigError, match=r"b\.yaml:1: "):
+        runbooks.load_runbook(tmp_path, "b")
+    c = runbooks.load_runbook(tmp_path, "c")
+    assert c.command == ("x", "3", "0.5") and c.env == (("N", "1"),)
