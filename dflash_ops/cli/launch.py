@@ -41,7 +41,11 @@ def launch(
                     f"{live.wait_s if wait is None else wait:g} s, then /{live.pattern}/ in the log"
                     + (f" (up to {live.timeout_s:g} s)" if live.timeout_s else ""))
         try:
-            launched = ops.launch(session, spec, force=force, wait_s=wait)
+            try:
+                launched = ops.launch(session, spec, force=force, wait_s=wait)
+            except KeyboardInterrupt:
+                render.info(f"interrupted; if {spec.run_id} started it goes on (`dflash-ops runs`, `dflash-ops stop`)")
+                raise typer.Exit(130) from None
             render.launched(launched, json_out=json_out)
             if follow and launched.status is not None:
                 from dflash_ops.cli.tail import follow_run
