@@ -36,16 +36,8 @@ def launch(
         if dry_run:
             render.dry_run(spec, ops.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
             return
-        live = spec.liveness
-        render.info(f"launching {spec.run_id} on {session.target.label}; proving it alive: wait "
-                    f"{live.wait_s if wait is None else wait:g} s, then /{live.pattern}/ in the log"
-                    + (f" (up to {live.timeout_s:g} s)" if live.timeout_s else ""))
         try:
-            try:
-                launched = ops.launch(session, spec, force=force, wait_s=wait)
-            except KeyboardInterrupt:
-                render.info(f"interrupted; if {spec.run_id} started it goes on (`dflash-ops runs`, `dflash-ops stop`)")
-                raise typer.Exit(130) from None
+            launched = _launch(session, spec, force=force, wait_s=wait)
             render.launched(launched, json_out=json_out)
             if follow and launched.status is not None:
                 from dflash_ops.cli.tail import follow_run
@@ -53,3 +45,16 @@ def launch(
                 follow_run(session, launched.status, start=0)
         finally:
             session.transport.close()
+
+
+def _launch(session, spec, *, force: bool, wait_s: float | None):
+    """ops.launch, saying first what it waits for; Ctrl-C exits 130 and leaves the run alone."""
+    from dflash_ops import ops
+    from dflash_ops.cli import render
+
+    render.launching(spec, session.target.label, wait_s)
+    try:
+        return ops.launch(session, spec, force=force, wait_s=wait_s)
+    except KeyboardInterrupt:
+        render.info(f"interrupted; if {spec.run_id} started it goes on (`dflash-ops runs`, `dflash-ops stop`)")
+        raise typer.Exit(130) from None

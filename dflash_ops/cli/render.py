@@ -43,6 +43,13 @@ def status_dict(s: RunStatus) -> dict:
     return d
 
 
+def launching(spec, target: str, wait_s: float | None) -> None:
+    live = spec.liveness
+    wait = live.wait_s if wait_s is None else wait_s
+    upto = f" (up to {live.timeout_s:g} s)" if live.timeout_s else ""
+    _err(f"launching {spec.run_id} on {target}; proving it alive: wait {wait:g} s, then /{live.pattern}/ in the log{upto}")
+
+
 def launched(l: Launched, *, json_out: bool) -> None:
     if json_out:
         _out(json.dumps({"run_id": l.spec.run_id, "name": l.spec.name, "runbook": l.spec.runbook, "host": l.spec.host,
