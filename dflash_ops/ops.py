@@ -109,7 +109,11 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
         stopped = tuple(r.run_id for r in alive)
     wait = spec.liveness.wait_s if wait_s is None else wait_s
     t0 = time.monotonic()
-    done = s.run(shellcmd.launch_script(spec, probe_after_s=wait), f"launching {spec.run_id}", timeout_s=wait + 60)
+    try:
+        done = s.run(shellcmd.launch_script(spec, probe_after_s=wait), f"launching {spec.run_id}",
+                     timeout_s=wait + 60)
+    except HostUnreachable as exc:  # the connection may have dropped after the job started
+        raise HostUnreachable(exc.message, hint=f"{spec.run_id} may have started: check `dflash-ops runs`") from None
     words = parse.tagged(done.out, "DFLASH_LAUNCHED")
     if not words or not words[0].isdigit():
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
