@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ops import names
@@ -152,8 +152,8 @@ def resolve_host(inv: Inventory, text: str, *, with_ct: bool) -> Host:
     port = int(m.group("port")) if m.group("port") else None
     if port is not None and not 0 < port < 65536:
         raise UsageError(f"invalid port in {text!r}")
-    return replace(Host(name=text, transport=PROXMOX if with_ct else SSH, address=m.group("host").strip("[]"),
-                        user=m.group("user"), port=port))
+    return Host(name=text, transport=PROXMOX if with_ct else SSH, address=m.group("host").strip("[]"),
+                user=m.group("user"), port=port)
 
 
 def _looks_like_address(text: str, host: str) -> bool:

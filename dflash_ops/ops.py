@@ -119,7 +119,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
     deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
     status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep)
-    return Launched(spec=spec, target=s.target.label, pid=int(words[0]), command=done.command, status=status,
+    return Launched(spec=spec, target=s.target.label, pid=int(words[0]), status=status,
                     matched_line=line, verified_after_s=time.monotonic() - t0, stopped_first=stopped)
 
 
@@ -161,9 +161,7 @@ def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
     done = s.run(shellcmd.stop_script(run.run_dir, grace_s), f"stopping {run.run_id}", timeout_s=grace_s + 30)
     how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
     raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
-    meta = {"name": run.name, "runbook": run.runbook, "started_at": run.started_at}
-    status = parse.status(raw, meta, time.time(), s.target.runs_dir) if raw else run
-    return Stopped(how=how, status=status)
+    return Stopped(how=how, status=parse.updated(run, raw, time.time()) if raw else run)
 
 
 # -- tail -----------------------------------------------------------------------------------------------------
@@ -209,8 +207,7 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
         if not keep_following or not raw.alive:
             for line in asm.flush():
                 emit(line)
-            meta = {"name": run.name, "runbook": run.runbook, "started_at": run.started_at}
-            return parse.status(raw, meta, time.time(), s.target.runs_dir)
+            return parse.updated(run, raw, time.time())
         sleep(poll_s)
 
 

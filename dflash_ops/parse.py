@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dflash_ops import names
 from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, RunStatus
@@ -58,6 +58,12 @@ def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
         started_at=float(started) if isinstance(started, (int, float)) else None, ended_at=raw.ended_at, now=now,
         run_dir=f"{runs_dir}/{raw.run_id}", runbook=str(meta.get("runbook") or ""),
         argv=tuple(str(a) for a in argv) if isinstance(argv, list) else (), log_size=raw.log_size)
+
+
+def updated(run: RunStatus, raw: RawState, now: float) -> RunStatus:
+    """`run` with the state read in `raw` (identity, argv and start time kept)."""
+    return replace(run, state=state_of(raw), pid=raw.pid, exit_code=raw.exit_code, ended_at=raw.ended_at, now=now,
+                   log_size=raw.log_size)
 
 
 def now_line(text: str) -> float | None:

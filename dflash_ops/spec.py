@@ -198,7 +198,6 @@ class Launched:
     spec: RunSpec
     target: str
     pid: int
-    command: str
     status: RunStatus | None = None       # after the liveness proof
     matched_line: str | None = None
     verified_after_s: float | None = None

@@ -35,7 +35,7 @@ def root(
     ctx.obj = Settings(inventory=inventory, runbooks=runbooks)
 
 
-app.command("launch", context_settings={"allow_interspersed_args": True})(launch.launch)
+app.command("launch")(launch.launch)
 app.command("tail")(tail.tail)
 app.command("stop")(stop.stop)
 app.command("runs")(runs.runs)

@@ -29,13 +29,18 @@ def settings(ctx: typer.Context) -> Settings:
     return ctx.obj if isinstance(ctx.obj, Settings) else Settings()
 
 
+def _inventory(ctx: typer.Context):
+    from dflash_ops import inventory
+
+    return inventory.load_inventory(settings(ctx).inventory or inventory.default_path())
+
+
 def open_session(ctx: typer.Context, host: str | None, ct: str | None):
     """Resolve --host/--ct through the inventory into a Session (no connection is made yet)."""
     from dflash_ops import inventory, transport
     from dflash_ops.ops import Session
 
-    inv = inventory.load_inventory(settings(ctx).inventory or inventory.default_path())
-    target = inventory.resolve_target(inv, host, ct)
+    target = inventory.resolve_target(_inventory(ctx), host, ct)
     return Session(target=target, transport=transport.for_host(target.host))
 
 
@@ -43,8 +48,7 @@ def resolve_host(ctx: typer.Context, host: str):
     """--host alone (no container) -> Host, through the inventory."""
     from dflash_ops import inventory
 
-    inv = inventory.load_inventory(settings(ctx).inventory or inventory.default_path())
-    return inventory.resolve_host(inv, host, with_ct=False)
+    return inventory.resolve_host(_inventory(ctx), host, with_ct=False)
 
 
 def runbooks_dir(ctx: typer.Context) -> Path:
