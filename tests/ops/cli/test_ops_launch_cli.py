@@ -151,3 +151,16 @@ def test_a_run_whose_child_outlives_it_is_exited_and_stop_cleans_the_leftover(op
     assert stop.returncode == 0 and "leftover" in stop.stdout
     assert not ops_env.pid_alive(child)
     assert _wait_state(ops_env, run_id, "exited 0")["state_text"] == "exited 0"  # its state is kept
+
+
+def test_text_summary_and_runs_table(ops_env):
+    done = ops_env.cli("launch", "job", "--", "--hold")
+    assert done.exit_code == 0, done.output
+    run_dir = ops_env.run_dirs()[-1]
+    pid = (run_dir / "pid").read_text().strip()
+    assert f"launched {run_dir.name}" in done.stdout and f"pid       {pid}" in done.stdout
+    assert f"log       {run_dir}/output.log" in done.stdout and "host      local" in done.stdout
+    table = ops_env.cli("runs")
+    assert table.exit_code == 0
+    row = next(line for line in table.stdout.splitlines() if run_dir.name in line)
+    assert "running" in row and pid in row and "job" in row

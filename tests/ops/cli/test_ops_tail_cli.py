@@ -91,3 +91,22 @@ def test_ctrl_c_stops_tailing_only(ops_env):
     assert f"stopped tailing; run {run['run_id']} goes on" in err
     assert ops_env.pid_alive(run["pid"])
     assert ops_env.runs_json()[-1]["state"] == "running"
+
+
+class DeadTransport(FlakyTransport):
+    def run(self, argv, *, timeout_s=None):
+        raise HostUnreachable("host is gone")
+
+
+def test_follow_gives_up_after_its_reconnect_budget(ops_env):
+    import pytest
+
+    run = _launch(ops_env, "--hold")
+    target = inventory.resolve_target(inventory.Inventory(), None, None)
+    status = next(r for r in ops.list_runs(ops.Session(target, transport.LocalTransport())) if r.run_id == run["run_id"])
+    dead = DeadTransport()
+    notes: list[str] = []
+    with pytest.raises(HostUnreachable):
+        ops.follow(ops.Session(target, dead), status, start=0, emit=lambda line: None, sleep=lambda s: None,
+                   reconnect_budget_s=0.3, notify=notes.append)
+    assert dead.reconnects >= 1 and len(notes) == 1 and "resuming at byte 0" in notes[0]
