@@ -1,0 +1,413 @@
+"""GPU facts and GPU holders: pure builders and parsers (no SSH, no subprocess).
+
+One remote bash script (`probe_script`) runs on the machine that owns the GPUs -- the Proxmox host, never a
+container, because a container may not see host PIDs (research/ops.md section 4). It prints sections:
+
+    @@SELF <pid> <pid> ...          the probe's own shell and its ancestors (never killed)
+    @@NOGPU <reason>                 no usable nvidia-smi (this machine, CI)
+    @@GPUS / @@APPS                  nvidia-smi --query-gpu / --query-compute-apps CSV (noheader, nounits)
+    @@FDS                            "<pid> <link target>" for every fd pointing at an nvidia device node
+    @@PROCS                          "P\t<pid>\t<NSpid line>\t<cgroup lines joined by |>\t<stat>" per candidate
+                                     "L\t<pgid>\t<NSpid line of the group leader>" per candidate's group
+    @@END
+
+`parse_probe` turns that into a `GpuSnapshot`; `find_holders` joins it into `Holder`s, mapped to containers by
+cgroup (`lxc/<ctid>`, PVE) and to container PIDs by `NSpid`.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+GPU_QUERY = "--query-gpu=index,uuid,memory.used,memory.total,utilization.gpu"
+APPS_QUERY = "--query-compute-apps=pid,process_name,used_memory,gpu_uuid"
+CSV_FORMAT = "--format=csv,noheader,nounits"
+DEFAULT_DEV_GLOB = "/dev/nvidia*"
+
+# Daemons that keep /dev/nvidia* open without being anyone's job; killing them breaks the host, not a run.
+SYSTEM_COMMS = frozenset({"nvidia-persistenced", "nv-fabricmanager", "nvidia-smi", "nv-hostengine", "dcgm-exporter",
+                          "sshd", "systemd", "init"})
+
+# PVE: lxc.cgroup.dir.container = lxc/<vmid> (+ "/ns"); plain LXC: lxc.payload.<vmid>.
+_CT_CGROUP = re.compile(r"/lxc(?:\.payload)?[./](\d+)(?:/|\||$)")
+_DEV_GPU = re.compile(r"/nvidia(\d+)$")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    mem_used_mib: int
+    mem_total_mib: int
+    util_pct: int | None
+
+
+@dataclass(frozen=True)
+class ComputeApp:
+    pid: int                      # PID in the namespace nvidia-smi ran in (the host's, by design)
+    process_name: str
+    used_mib: int | None          # None when the driver says [N/A]
+    gpu_uuid: str
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    comm: str
+    state: str                    # one letter from /proc/PID/stat; "Z" is a zombie (holds nothing)
+    ppid: int
+    pgid: int
+    starttime: int                # clock ticks since boot: with pid, identifies the process (PID-reuse guard)
+    nspid: tuple[int, ...]        # host PID first, innermost namespace PID last
+    ctid: int | None              # container by cgroup, None for the host itself
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    gpus: tuple[GpuInfo, ...] = ()
+    apps: tuple[ComputeApp, ...] = ()
+    fds: tuple[tuple[int, str], ...] = ()            # (pid, device path)
+    procs: tuple[ProcInfo, ...] = ()
+    leaders: tuple[tuple[int, tuple[int, ...]], ...] = ()   # (pgid, NSpid of the group leader)
+    self_pids: tuple[int, ...] = ()
+    self_pgids: tuple[int, ...] = ()
+    no_gpu_reason: str | None = None
+
+    def proc(self, pid: int) -> ProcInfo | None:
+        return next((p for p in self.procs if p.pid == pid), None)
+
+    def leader_nspid(self, pgid: int) -> tuple[int, ...]:
+        return next((ns for g, ns in self.leaders if g == pgid), ())
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One process holding GPUs: a compute app, or a process with an nvidia device node open."""
+    pid: int
+    comm: str
+    gpu_indices: tuple[int, ...]   # empty when it holds only control nodes (nvidiactl, nvidia-uvm)
+    used_mib: int                  # from compute apps; 0 for fd-only holders
+    is_compute_app: bool
+    pgid: int
+    starttime: int
+    ctid: int | None
+    ct_pid: int | None             # PID inside its container (innermost NSpid), None on the host
+    ct_pgid: int | None = None     # the group leader's PID inside its namespace: the run's `pid` file
+    devices: tuple[str, ...] = field(default=())
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _int_or_none(text: str) -> int | None:
+    text = text.strip()
+    try:
+        return int(float(text))
+    except ValueError:
+        return None       # "[N/A]", "[Not Supported]"
+
+
+def parse_query_gpu(text: str) -> tuple[GpuInfo, ...]:
+    """Rows of `nvidia-smi --query-gpu=index,uuid,memory.used,memory.total,utilization.gpu` (csv,noheader,nounits)."""
+    gpus = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < 4 or _int_or_none(cells[0]) is None:
+            continue
+        gpus.append(GpuInfo(index=int(cells[0]), uuid=cells[1], mem_used_mib=_int_or_none(cells[2]) or 0,
+                            mem_total_mib=_int_or_none(cells[3]) or 0,
+                            util_pct=_int_or_none(cells[4]) if len(cells) > 4 else None))
+    return tuple(gpus)
+
+
+def parse_compute_apps(text: str) -> tuple[ComputeApp, ...]:
+    """Rows of `--query-compute-apps=pid,process_name,used_memory,gpu_uuid`; names may contain commas."""
+    apps = []
+    for line in text.splitlines():
+        head, _, rest = line.partition(",")
+        if _int_or_none(head) is None or not rest:
+            continue
+        name_and_mem, _, uuid = rest.rpartition(",")
+        name, _, mem = name_and_mem.rpartition(",")
+        apps.append(ComputeApp(pid=int(head), process_name=name.strip(), used_mib=_int_or_none(mem),
+                               gpu_uuid=uuid.strip()))
+    return tuple(apps)
+
+
+def parse_nspid(line: str) -> tuple[int, ...]:
+    """`NSpid:\t1590\t1` -> (1590, 1); empty for kernels without NSpid."""
+    _, _, values = line.partition(":")
+    return tuple(int(v) for v in values.split() if v.isdigit())
+
+
+def ctid_from_cgroup(cgroup: str) -> int | None:
+    """Container id from /proc/PID/cgroup text (`0::/lxc/200/ns/...` on PVE), None outside containers."""
+    match = _CT_CGROUP.search(cgroup)
+    return int(match.group(1)) if match else None
+
+
+def parse_stat(stat: str) -> tuple[str, str, int, int, int]:
+    """/proc/PID/stat -> (comm, state, ppid, pgid, starttime). comm may hold spaces and parens."""
+    comm = stat[stat.find("(") + 1:stat.rfind(")")]
+    rest = stat[stat.rfind(")") + 2:].split()   # rest[0] is field 3 (state)
+    return comm, rest[0], int(rest[1]), int(rest[2]), int(rest[19])
+
+
+def _parse_proc_row(cells: list[str]) -> ProcInfo | None:
+    if len(cells) < 5 or not cells[1].isdigit():
+        return None
+    try:
+        comm, state, ppid, pgid, start = parse_stat(cells[4])
+    except (IndexError, ValueError):
+        return None
+    return ProcInfo(pid=int(cells[1]), comm=comm, state=state, ppid=ppid, pgid=pgid, starttime=start,
+                    nspid=parse_nspid(cells[2]), ctid=ctid_from_cgroup(cells[3]))
+
+
+def _split_sections(text: str) -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("@@"):
+            name, _, arg = line[2:].partition(" ")
+            current = name
+            sections.setdefault(name, [])
+            if arg:
+                sections[name].append(arg)
+        elif current is not None:
+            sections[current].append(line)
+    return sections
+
+
+def _ints(lines: list[str]) -> tuple[int, ...]:
+    return tuple(int(p) for p in " ".join(lines).split() if p.isdigit())
+
+
+def parse_probe(text: str) -> GpuSnapshot:
+    """Output of `probe_script` -> GpuSnapshot. Raises ValueError when the script did not finish (no @@END)."""
+    sec = _split_sections(text)
+    if "END" not in sec:
+        raise ValueError("GPU probe output is incomplete (no @@END marker)")
+    procs, leaders = [], []
+    for line in sec.get("PROCS", []):
+        cells = line.split("\t", 4)   # stat last: a comm may hold a tab
+        if cells[0] == "P" and (proc := _parse_proc_row(cells)):
+            procs.append(proc)
+        elif cells[0] == "L" and len(cells) >= 3 and cells[1].isdigit():
+            leaders.append((int(cells[1]), parse_nspid(cells[2])))
+    fds = []
+    for line in sec.get("FDS", []):
+        pid, _, dev = line.partition(" ")
+        if pid.isdigit():
+            fds.append((int(pid), dev.strip()))
+    reason = (" ".join(sec["NOGPU"]).strip() or "nvidia-smi failed") if "NOGPU" in sec else None
+    return GpuSnapshot(
+        gpus=parse_query_gpu("\n".join(sec.get("GPUS", []))),
+        apps=parse_compute_apps("\n".join(sec.get("APPS", []))),
+        fds=tuple(fds), procs=tuple(procs), leaders=tuple(leaders),
+        self_pids=_ints(sec.get("SELF", [])), self_pgids=_ints(sec.get("SELFPG", [])),
+        no_gpu_reason=reason)
+
+
+# --------------------------------------------------------------------------- holders
+
+def find_holders(snap: GpuSnapshot) -> tuple[Holder, ...]:
+    """Join compute apps and device fds into one Holder per live process, sorted by pid."""
+    by_uuid = {g.uuid: g.index for g in snap.gpus}
+    pids = sorted({a.pid for a in snap.apps} | {pid for pid, _ in snap.fds})
+    holders = []
+    for pid in pids:
+        proc = snap.proc(pid)
+        if proc is None or proc.state == "Z":
+            continue            # gone since nvidia-smi listed it, or a zombie: holds nothing
+        apps = [a for a in snap.apps if a.pid == pid]
+        devices = tuple(sorted({d for p, d in snap.fds if p == pid}))
+        indices = {by_uuid[a.gpu_uuid] for a in apps if a.gpu_uuid in by_uuid}
+        indices |= {int(m.group(1)) for d in devices if (m := _DEV_GPU.search(d))}
+        leader = snap.leader_nspid(proc.pgid)
+        in_ct = proc.ctid is not None and len(proc.nspid) > 1
+        holders.append(Holder(
+            pid=pid, comm=proc.comm, gpu_indices=tuple(sorted(indices)),
+            used_mib=sum(a.used_mib or 0 for a in apps), is_compute_app=bool(apps),
+            pgid=proc.pgid, starttime=proc.starttime, ctid=proc.ctid,
+            ct_pid=proc.nspid[-1] if in_ct else None,
+            ct_pgid=leader[-1] if in_ct and len(leader) > 1 else None, devices=devices))
+    return tuple(holders)
+
+
+def is_idle(snap: GpuSnapshot, *, threshold_mib: int = 0) -> bool:
+    """No compute app left and memory.used <= threshold on every GPU (H200 idles at exactly 0 MiB)."""
+    return not snap.apps and all(g.mem_used_mib <= threshold_mib for g in snap.gpus)
+
+
+# --------------------------------------------------------------------------- what to kill
+
+@dataclass(frozen=True)
+class Scope:
+    """Which holders a reset may touch. On a plain host (local, SSH) every holder is in scope."""
+    ctid: int | None = None
+    all_containers: bool = False
+
+    def covers(self, holder: Holder) -> bool:
+        return self.all_containers or self.ctid is None or holder.ctid == self.ctid
+
+    def describe(self) -> str:
+        return "all containers" if self.all_containers or self.ctid is None else f"container {self.ctid}"
+
+
+@dataclass(frozen=True)
+class KillTarget:
+    pid: int
+    starttime: int                 # the kill script re-checks it: a reused PID is never signalled
+    pgid: int | None               # signal this group; None: the pid alone (its group holds something we keep)
+
+
+@dataclass(frozen=True)
+class KillPlan:
+    targets: tuple[KillTarget, ...]
+    spared: tuple[tuple[Holder, str], ...]      # (holder, why it is not killed)
+
+
+def _spare_reason(h: Holder, snap: GpuSnapshot, scope: Scope) -> str | None:
+    if h.pid in snap.self_pids:
+        return "our own session"
+    if h.pid == 1:
+        return "the host's init"
+    if h.comm in SYSTEM_COMMS:
+        return f"system process ({h.comm})"
+    proc = snap.proc(h.pid)
+    if proc and proc.nspid and proc.nspid[-1] == 1 and not h.is_compute_app:
+        return "init of its PID namespace, holds no GPU memory"
+    if not scope.covers(h):
+        where = f"container {h.ctid}" if h.ctid is not None else "the host, outside any container"
+        return f"belongs to {where}, not {scope.describe()} (use --all-containers)"
+    return None
+
+
+def plan_kill(snap: GpuSnapshot, scope: Scope) -> KillPlan:
+    """Decide, per holder, whether to signal its process group, the pid alone, or nothing.
+
+    A group is signalled only when no process we must keep (our session, system daemons, spared holders) is in it;
+    otherwise the holder's pid alone is signalled.
+    """
+    targets, spared = [], []
+    holders = find_holders(snap)
+    keep_groups = {p.pgid for p in snap.procs if p.comm in SYSTEM_COMMS}
+    keep_groups |= {0, 1} | set(snap.self_pids) | set(snap.self_pgids)
+    decided = [(h, _spare_reason(h, snap, scope)) for h in holders]
+    keep_groups |= {h.pgid for h, why in decided if why}
+    for h, why in decided:
+        if why:
+            spared.append((h, why))
+        else:
+            targets.append(KillTarget(pid=h.pid, starttime=h.starttime,
+                                      pgid=None if h.pgid in keep_groups else h.pgid))
+    return KillPlan(targets=tuple(targets), spared=tuple(spared))
+
+
+# --------------------------------------------------------------------------- remote scripts
+
+_SELF_CHAIN = r"""
+chain=""; chain_pg=""; p=$$
+while [ -n "$p" ] && [ "$p" -gt 1 ] 2>/dev/null; do
+  s=$(cat "/proc/$p/stat" 2>/dev/null) || break
+  set -- ${s##*) }
+  chain="$chain $p"; chain_pg="$chain_pg $3"; p=$2
+done
+"""
+
+_PROBE_BODY = r"""
+echo "@@SELF$chain"; echo "@@SELFPG$chain_pg"
+if ! command -v "$smi" >/dev/null 2>&1; then
+  echo "@@NOGPU nvidia-smi not found ($smi)"
+elif ! gpus=$("$smi" "$gq" "$fmt" 2>&1); then
+  echo "@@NOGPU $(printf '%s' "$gpus" | head -n 1)"
+else
+  echo "@@GPUS"; printf '%s\n' "$gpus"
+  echo "@@APPS"; apps=$("$smi" "$aq" "$fmt" 2>/dev/null) && printf '%s\n' "$apps"
+fi
+echo "@@FDS"
+fds=$(find /proc/[0-9]*/fd -maxdepth 1 -lname "$glob" -printf '%h %l\n' 2>/dev/null | sed 's#^/proc/\([0-9]*\)/fd #\1 #')
+[ -n "$fds" ] && printf '%s\n' "$fds"
+echo "@@PROCS"
+pids=$({ printf '%s\n' "${apps:-}" | cut -d, -f1; printf '%s\n' "$fds" | cut -d' ' -f1; } | tr -d ' ' | grep -E '^[0-9]+$' | sort -un)
+for pid in $pids; do
+  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
+  nspid=$(grep -m1 '^NSpid:' "/proc/$pid/status" 2>/dev/null | tr '\t' ' ')
+  cg=$(tr '\n\t' '| ' < "/proc/$pid/cgroup" 2>/dev/null)
+  printf 'P\t%s\t%s\t%s\t%s\n' "$pid" "$nspid" "$cg" "$stat"
+  rest=${stat##*) }; set -- $rest
+  printf 'L\t%s\t%s\n' "$3" "$(grep -m1 '^NSpid:' "/proc/$3/status" 2>/dev/null | tr '\t' ' ')"
+done
+echo "@@END"
+"""
+
+
+def probe_script(*, nvidia_smi: str = "nvidia-smi", dev_glob: str = DEFAULT_DEV_GLOB) -> str:
+    """Bash for the GPU-owning machine: GPUs, compute apps, device-fd holders and their /proc facts (see module doc)."""
+    head = "\n".join([
+        "export LC_ALL=C",
+        f"smi={shlex.quote(nvidia_smi)}; glob={shlex.quote(dev_glob)}",
+        f"gq={shlex.quote(GPU_QUERY)}; aq={shlex.quote(APPS_QUERY)}; fmt={shlex.quote(CSV_FORMAT)}",
+        "apps=''",
+    ])
+    return head + _SELF_CHAIN + _PROBE_BODY
+
+
+_KILL_BODY = r"""
+protect=" $chain $chain_pg "
+now_us() { echo "${EPOCHREALTIME/./}"; }
+# alive PID START: the same process (not a reused pid, not a zombie) still exists
+alive() { local s; s=$(cat "/proc/$1/stat" 2>/dev/null) || return 1; set -- "$2" ${s##*) }
+          [ "$2" != Z ] && [ "${21}" = "$1" ]; }
+signal() {   # signal SIG: every target still alive gets SIG, by group when allowed
+  for t in $targets; do IFS=: read -r pid start pg <<<"$t"
+    alive "$pid" "$start" || continue
+    if [ "$pg" != 0 ] && [[ "$protect" != *" $pg "* ]]; then kill -s "$1" -- "-$pg" 2>/dev/null
+    else kill -s "$1" "$pid" 2>/dev/null; fi
+  done; }
+left() { local n=0; for t in $targets; do IFS=: read -r pid start pg <<<"$t"
+           if alive "$pid" "$start"; then n=$((n+1))
+           elif [ "$pg" != 0 ] && [[ "$protect" != *" $pg "* ]] && kill -0 -- "-$pg" 2>/dev/null; then n=$((n+1)); fi
+         done; echo "$n"; }
+wait_gone() { local end=$(( $(now_us) + $1 )); while [ "$(left)" != 0 ] && [ "$(now_us)" -lt "$end" ]; do sleep 0.05; done; }
+present=""
+for t in $targets; do IFS=: read -r pid start pg <<<"$t"
+  if alive "$pid" "$start"; then present="$present $t"; else echo "R $pid absent"; fi
+done
+targets=$present
+signal TERM; wait_gone "$grace_us"
+for t in $targets; do IFS=: read -r pid start pg <<<"$t"; alive "$pid" "$start" || echo "R $pid term"; done
+if [ "$(left)" != 0 ]; then signal KILL; wait_gone 5000000; fi
+for t in $targets; do IFS=: read -r pid start pg <<<"$t"; alive "$pid" "$start" && echo "R $pid alive" || echo "R $pid gone"; done
+echo "@@END"
+"""
+
+
+def kill_script(targets: tuple[KillTarget, ...], *, grace_s: float) -> str:
+    """Bash for the GPU-owning machine: SIGTERM each target's group (or pid), wait up to grace_s, SIGKILL what
+    is left, wait up to 5 s more. Prints `R <pid> absent` (already gone, or its PID reused: not signalled),
+    `R <pid> term` (died on TERM), then `R <pid> gone|alive` for each target that was present.
+    Our own shell, its ancestors and their groups are never signalled, whatever the targets say.
+    """
+    if grace_s < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace_s}")
+    spec = " ".join(f"{int(t.pid)}:{int(t.starttime)}:{int(t.pgid or 0)}" for t in targets)
+    head = f"export LC_ALL=C\ntargets={shlex.quote(spec)}; grace_us={int(grace_s * 1_000_000)}"
+    return head + _SELF_CHAIN + _KILL_BODY
+
+
+@dataclass(frozen=True)
+class KillReport:
+    absent: tuple[int, ...]
+    died_on_term: tuple[int, ...]
+    gone: tuple[int, ...]
+    alive: tuple[int, ...]
+
+
+def parse_kill_report(text: str) -> KillReport:
+    if "@@END" not in text:
+        raise ValueError("kill script output is incomplete (no @@END marker)")
+    rows = [line.split() for line in text.splitlines() if line.startswith("R ")]
+    pick = lambda word: tuple(int(r[1]) for r in rows if len(r) == 3 and r[2] == word)  # noqa: E731
+    return KillReport(absent=pick("absent"), died_on_term=pick("term"), gone=pick("gone"), alive=pick("alive"))
