@@ -7,12 +7,14 @@ container, because a container may not see host PIDs (research/ops.md section 4)
     @@NOGPU <reason>                 no usable nvidia-smi (this machine, CI)
     @@GPUS / @@APPS                  nvidia-smi --query-gpu / --query-compute-apps CSV (noheader, nounits)
     @@FDS                            "<pid> <link target>" for every fd pointing at an nvidia device node
-    @@PROCS                          "P\t<pid>\t<NSpid line>\t<cgroup lines joined by |>\t<stat>" per candidate
+    @@CTNS                           "<ctid> pid:[<inode>]" per container asked about (its PID namespace)
+    @@PROCS                          "P\t<pid>\t<NSpid line>\t<cgroup lines joined by |>\t<pid ns>\t<stat>"
                                      "L\t<pgid>\t<NSpid line of the group leader>" per candidate's group
     @@END
 
 `parse_probe` turns that into a `GpuSnapshot`; `find_holders` joins it into `Holder`s, mapped to containers by
-cgroup (`lxc/<ctid>`, PVE) and to container PIDs by `NSpid`.
+cgroup (`lxc/<ctid>`, PVE) or else by PID namespace (the inode `pct exec CT -- readlink /proc/self/ns/pid` shows is
+the one the host sees), and to container PIDs by `NSpid`.
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ class ProcInfo:
     pgid: int
     starttime: int                # clock ticks since boot: with pid, identifies the process (PID-reuse guard)
     nspid: tuple[int, ...]        # host PID first, innermost namespace PID last
-    ctid: int | None              # container by cgroup, None for the host itself
+    ctid: int | None              # container by cgroup, None if the cgroup names none
+    pidns: str = ""               # "pid:[4026532345]"
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class GpuSnapshot:
     leaders: tuple[tuple[int, tuple[int, ...]], ...] = ()   # (pgid, NSpid of the group leader)
     self_pids: tuple[int, ...] = ()
     self_pgids: tuple[int, ...] = ()
+    ct_pidns: tuple[tuple[int, str], ...] = ()      # (ctid, its PID namespace) for the containers asked about
     no_gpu_reason: str | None = None
 
     def proc(self, pid: int) -> ProcInfo | None:
@@ -157,11 +161,11 @@ def _parse_proc_row(cells: list[str]) -> ProcInfo | None:
     if len(cells) < 5 or not cells[1].isdigit():
         return None
     try:
-        comm, state, ppid, pgid, start = parse_stat(cells[4])
+        comm, state, ppid, pgid, start = parse_stat(cells[5])
     except (IndexError, ValueError):
         return None
     return ProcInfo(pid=int(cells[1]), comm=comm, state=state, ppid=ppid, pgid=pgid, starttime=start,
-                    nspid=parse_nspid(cells[2]), ctid=ctid_from_cgroup(cells[3]))
+                    nspid=parse_nspid(cells[2]), ctid=ctid_from_cgroup(cells[3]), pidns=cells[4].strip())
 
 
 def _split_sections(text: str) -> dict[str, list[str]]:
@@ -190,11 +194,16 @@ def parse_probe(text: str) -> GpuSnapshot:
         raise ValueError("GPU probe output is incomplete (no @@END marker)")
     procs, leaders = [], []
     for line in sec.get("PROCS", []):
-        cells = line.split("\t", 4)   # stat last: a comm may hold a tab
+        cells = line.split("\t", 5)   # stat last: a comm may hold a tab
         if cells[0] == "P" and (proc := _parse_proc_row(cells)):
             procs.append(proc)
         elif cells[0] == "L" and len(cells) >= 3 and cells[1].isdigit():
             leaders.append((int(cells[1]), parse_nspid(cells[2])))
+    ct_pidns = []
+    for line in sec.get("CTNS", []):
+        ctid, _, ns = line.partition(" ")
+        if ctid.isdigit() and ns.startswith("pid:["):
+            ct_pidns.append((int(ctid), ns.strip()))
     fds = []
     for line in sec.get("FDS", []):
         pid, _, dev = line.partition(" ")
@@ -204,7 +213,7 @@ def parse_probe(text: str) -> GpuSnapshot:
     return GpuSnapshot(
         gpus=parse_query_gpu("\n".join(sec.get("GPUS", []))),
         apps=parse_compute_apps("\n".join(sec.get("APPS", []))),
-        fds=tuple(fds), procs=tuple(procs), leaders=tuple(leaders),
+        fds=tuple(fds), procs=tuple(procs), leaders=tuple(leaders), ct_pidns=tuple(ct_pidns),
         self_pids=_ints(sec.get("SELF", [])), self_pgids=_ints(sec.get("SELFPG", [])),
         no_gpu_reason=reason)
 
@@ -215,6 +224,7 @@ def find_holders(snap: GpuSnapshot) -> tuple[Holder, ...]:
     """Join compute apps and device fds into one Holder per live process, sorted by pid."""
     by_uuid = {g.uuid: g.index for g in snap.gpus}
     pids = sorted({a.pid for a in snap.apps} | {pid for pid, _ in snap.fds})
+    ct_by_ns = {ns: ctid for ctid, ns in snap.ct_pidns}
     holders = []
     for pid in pids:
         proc = snap.proc(pid)
@@ -225,11 +235,12 @@ def find_holders(snap: GpuSnapshot) -> tuple[Holder, ...]:
         indices = {by_uuid[a.gpu_uuid] for a in apps if a.gpu_uuid in by_uuid}
         indices |= {int(m.group(1)) for d in devices if (m := _DEV_GPU.search(d))}
         leader = snap.leader_nspid(proc.pgid)
-        in_ct = proc.ctid is not None and len(proc.nspid) > 1
+        ctid = proc.ctid if proc.ctid is not None else ct_by_ns.get(proc.pidns)
+        in_ct = ctid is not None and len(proc.nspid) > 1
         holders.append(Holder(
             pid=pid, comm=proc.comm, gpu_indices=tuple(sorted(indices)),
             used_mib=sum(a.used_mib or 0 for a in apps), is_compute_app=bool(apps),
-            pgid=proc.pgid, starttime=proc.starttime, ctid=proc.ctid,
+            pgid=proc.pgid, starttime=proc.starttime, ctid=ctid,
             ct_pid=proc.nspid[-1] if in_ct else None,
             ct_pgid=leader[-1] if in_ct and len(leader) > 1 else None, devices=devices))
     return tuple(holders)
@@ -326,6 +337,8 @@ else
   echo "@@GPUS"; printf '%s\n' "$gpus"
   echo "@@APPS"; apps=$("$smi" "$aq" "$fmt" 2>/dev/null) && printf '%s\n' "$apps"
 fi
+echo "@@CTNS"
+for ct in $ctids; do printf '%s %s\n' "$ct" "$("$pct" exec "$ct" -- readlink /proc/self/ns/pid 2>/dev/null)"; done
 echo "@@FDS"
 fds=$(find /proc/[0-9]*/fd -maxdepth 1 -lname "$glob" -printf '%h %l\n' 2>/dev/null | sed 's#^/proc/\([0-9]*\)/fd #\1 #')
 [ -n "$fds" ] && printf '%s\n' "$fds"
@@ -335,7 +348,7 @@ for pid in $pids; do
   stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
   nspid=$(grep -m1 '^NSpid:' "/proc/$pid/status" 2>/dev/null | tr '\t' ' ')
   cg=$(tr '\n\t' '| ' < "/proc/$pid/cgroup" 2>/dev/null)
-  printf 'P\t%s\t%s\t%s\t%s\n' "$pid" "$nspid" "$cg" "$stat"
+  printf 'P\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$nspid" "$cg" "$(readlink "/proc/$pid/ns/pid" 2>/dev/null)" "$stat"
   rest=${stat##*) }; set -- $rest
   printf 'L\t%s\t%s\n' "$3" "$(grep -m1 '^NSpid:' "/proc/$3/status" 2>/dev/null | tr '\t' ' ')"
 done
@@ -343,9 +356,12 @@ echo "@@END"
 """
 
 
-def probe_script(*, nvidia_smi: str = "nvidia-smi", dev_glob: str = DEFAULT_DEV_GLOB) -> str:
-    """Bash for the GPU-owning machine: GPUs, compute apps, device-fd holders and their /proc facts (see module doc)."""
+def probe_script(*, nvidia_smi: str = "nvidia-smi", dev_glob: str = DEFAULT_DEV_GLOB,
+                 pct: str = "pct", ctids: tuple[int, ...] = ()) -> str:
+    """Bash for the GPU-owning machine: GPUs, compute apps, device-fd holders and their /proc facts (see module doc).
+    ctids: containers whose PID namespace to ask for through `pct exec` (maps holders when cgroups name none)."""
     head = "\n".join([
+        f"pct={shlex.quote(pct)}; ctids={shlex.quote(' '.join(str(int(c)) for c in ctids))}",
         "export LC_ALL=C",
         f"smi={shlex.quote(nvidia_smi)}; glob={shlex.quote(dev_glob)}",
         f"gq={shlex.quote(GPU_QUERY)}; aq={shlex.quote(APPS_QUERY)}; fmt={shlex.quote(CSV_FORMAT)}",

@@ -14,8 +14,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-sys.path.insert(0, str(REPO / "tests" / "support"))
-import fake_nvidia_smi  # noqa: E402
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from tests.support import fake_nvidia_smi  # noqa: E402
 
 HOLDER = HERE / "gpu_holder.py"
 CGROUP_ROOTS = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")

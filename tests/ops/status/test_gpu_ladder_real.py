@@ -88,3 +88,28 @@ def test_container_holders_map_to_ct_pids_and_are_scoped(fake_gpus, holders):
     gpus.parse_kill_report(run_bash(gpus.kill_script(plan.targets, grace_s=5)))
     after = gpus.find_holders(probe(fake_gpus))
     assert [h.pid for h in after] == [on_host] and alive(on_host)
+
+
+def test_holder_started_through_pct_maps_by_pid_namespace(tmp_path, fake_gpus):
+    import shlex
+    import sys
+    import time
+
+    from conftest import HOLDER, host_pid_of
+    from tests.support.container import EmulatedContainer
+
+    with EmulatedContainer(412, tmp_path / "pve") as ct:
+        ready = tmp_path / "ct-holder.ready"
+        argv = [sys.executable, str(HOLDER), "--hold", "7:900", "--ready", str(ready), "--dev", fake_gpus.dev("nvidia7")]
+        ct.pct_exec("bash", "-c", f"setsid {shlex.join(argv)} </dev/null >/dev/null 2>&1 &", check=True)
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        pid = host_pid_of(ready)
+        script = gpus.probe_script(nvidia_smi=str(fake_gpus.nvidia_smi), dev_glob=fake_gpus.dev_glob,
+                                   pct=str(ct.pct), ctids=(412, 413))
+        snap = gpus.parse_probe(run_bash(script))
+        (holder,) = gpus.find_holders(snap)
+        assert (holder.pid, holder.ctid, holder.ct_pid) == (pid, 412, ct.container_pid(pid))
+        assert holder.ct_pgid == holder.ct_pid and [c for c, _ in snap.ct_pidns] == [412]

@@ -14,11 +14,11 @@ PROBE = """@@SELF 900 899 1
 1601 /dev/nvidia0
 777 /dev/nvidiactl
 @@PROCS
-P\t1585\tNSpid: 1585 12\t0::/lxc/200/ns/user.slice|\t1585 (python3) S 1500 1500 1500 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 424242 1 1
+P\t1585\tNSpid: 1585 12\t0::/lxc/200/ns/user.slice|\tpid:[4026532001]\t1585 (python3) S 1500 1500 1500 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 424242 1 1
 L\t1500\tNSpid: 1500 7
-P\t1601\tNSpid: 1601 13\t0::/lxc/200/ns|\t1601 (pt_data (worker)) S 1585 1500 1500 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 424250 1 1
+P\t1601\tNSpid: 1601 13\t0::/lxc/200/ns|\tpid:[4026532001]\t1601 (pt_data (worker)) S 1585 1500 1500 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 424250 1 1
 L\t1500\tNSpid: 1500 7
-P\t777\tNSpid: 777\t0::/system.slice|\t777 (nvidia-persistenced) S 1 777 777 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 100 1 1
+P\t777\tNSpid: 777\t0::/system.slice|\tpid:[4026531836]\t777 (nvidia-persistenced) S 1 777 777 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 100 1 1
 L\t777\tNSpid: 777
 @@END
 """
@@ -73,6 +73,12 @@ def test_plan_signals_pid_alone_when_its_group_holds_our_session():
     plan = gpus.plan_kill(gpus.parse_probe(probe), gpus.Scope())
     assert {(t.pid, t.pgid) for t in plan.targets} == {(1585, None), (1601, None)}
     assert gpus.parse_probe(probe).self_pgids == (1500, 1)
+
+
+def test_pid_namespace_maps_holders_when_the_cgroup_names_no_container():
+    probe = PROBE.replace("0::/lxc/200/ns", "0::/user.slice").replace("@@FDS", "@@CTNS\n200 pid:[4026532001]\n@@FDS")
+    by_pid = {h.pid: h for h in gpus.find_holders(gpus.parse_probe(probe))}
+    assert (by_pid[1585].ctid, by_pid[1585].ct_pid, by_pid[777].ctid) == (200, 12, None)
 
 
 def test_no_gpu_and_truncated_output():
