@@ -1,0 +1,58 @@
+"""Shared CLI plumbing: settings, option aliases, opening a Session, and the ONE error boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_ops.errors import OpsError
+
+
+@dataclass(frozen=True)
+class Settings:
+    inventory: Path | None = None
+    runbooks: Path | None = None
+
+
+HostOpt = Annotated[Optional[str], typer.Option(
+    "--host", "-H", help="Inventory name, `local`, or a bare address ([user@]host[:port], ~/.ssh/config alias).")]
+CtOpt = Annotated[Optional[str], typer.Option("--ct", help="Proxmox container id: run inside it via `pct exec`.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout (errors too).")]
+
+
+def settings(ctx: typer.Context) -> Settings:
+    return ctx.obj if isinstance(ctx.obj, Settings) else Settings()
+
+
+def open_session(ctx: typer.Context, host: str | None, ct: str | None):
+    """Resolve --host/--ct through the inventory into a Session (no connection is made yet)."""
+    from dflash_ops import inventory, transport
+    from dflash_ops.ops import Session
+
+    inv = inventory.load_inventory(settings(ctx).inventory or inventory.default_path())
+    target = inventory.resolve_target(inv, host, ct)
+    return Session(target=target, transport=transport.for_host(target.host))
+
+
+def runbooks_dir(ctx: typer.Context) -> Path:
+    from dflash_ops import runbooks
+
+    return settings(ctx).runbooks or runbooks.default_dir()
+
+
+@contextmanager
+def rendered_errors(json_out: bool = False, session=None) -> Iterator[None]:
+    """The error boundary: an OpsError becomes `error: ...` / `hint: ...` on stderr (or a JSON object on stdout)
+    and its exit code. Other exceptions are bugs and keep their traceback. Closes `session`'s transport."""
+    from dflash_ops.cli import render
+
+    try:
+        yield
+    except OpsError as exc:
+        render.error(exc, json_out=json_out)
+        raise typer.Exit(exc.exit_code) from None

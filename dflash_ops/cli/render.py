@@ -1,0 +1,115 @@
+"""Values -> text or JSON. Data goes to stdout; chatter and errors to stderr. Rich is imported lazily."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+
+from dflash_ops.errors import OpsError
+from dflash_ops.spec import Launched, RunStatus
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def error(exc: OpsError, *, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps({"error": {"code": exc.code, "exit_code": exc.exit_code, "message": exc.message,
+                                   "hint": exc.hint, "detail": exc.detail}}))
+        return
+    _err(f"error: {exc.message}")
+    if exc.detail:
+        _err("\n".join(f"  | {line}" for line in exc.detail.splitlines()))
+    if exc.hint:
+        _err(f"hint: {exc.hint}")
+
+
+def info(text: str) -> None:
+    _err(text)
+
+
+def status_dict(s: RunStatus) -> dict:
+    d = asdict(s)
+    d.update(state_text=s.state_text, duration_s=s.duration_s, log_path=s.log_path, argv=list(s.argv))
+    return d
+
+
+def launched(l: Launched, *, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps({"run_id": l.spec.run_id, "name": l.spec.name, "runbook": l.spec.runbook, "host": l.spec.host,
+                         "ct": l.spec.ct, "target": l.target, "pid": l.pid, "run_dir": l.spec.run_dir,
+                         "log": l.spec.log_path, "state": l.status.state_text if l.status else None,
+                         "matched_line": l.matched_line, "verified_after_s": l.verified_after_s,
+                         "stopped_first": list(l.stopped_first)}))
+        return
+    for rid in l.stopped_first:
+        _err(f"stopped {rid} first (--force)")
+    state = l.status.state_text if l.status else "?"
+    _out(f"launched {l.spec.run_id}")
+    _out(f"  host      {l.spec.host}" + (f"  container {l.spec.ct}" if l.spec.ct else ""))
+    _out(f"  pid       {l.pid}  (process group {l.pid})")
+    _out(f"  log       {l.spec.log_path}")
+    _out(f"  state     {state} after {l.verified_after_s or 0:.1f} s")
+    if l.matched_line is not None:
+        _out(f"  matched   {l.matched_line[:200]}")
+
+
+def dry_run(spec, command: str, *, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps({"run_id": spec.run_id, "run_dir": spec.run_dir, "argv": list(spec.argv), "command": command}))
+        return
+    _err(f"# dry run: would launch {spec.run_id} ({' '.join(spec.argv)[:120]}); nothing was run")
+    _out(command)
+
+
+def _when(epoch: float | None) -> str:
+    return "-" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps([status_dict(r) for r in runs]))
+        return
+    if not runs:
+        _err(f"no runs on {target}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"runs on {target}", title_justify="left")
+    widest = max(len(r.run_id) for r in runs)
+    for col in ("name", "run id", "state", "pid", "started", "duration"):
+        # ids and times are copied into other commands: never fold or ellipsize them
+        table.add_column(col, no_wrap=True, min_width=widest if col == "run id" else None)
+    colors = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
+    for r in runs:
+        color = "red" if r.state == "exited" and r.exit_code else colors.get(r.state, "")
+        table.add_row(r.name, r.run_id, f"[{color}]{r.state_text}[/]" if color else r.state_text,
+                      str(r.pid or "-"), _when(r.started_at), _duration(r.duration_s))
+    Console(soft_wrap=True).print(table)
+
+
+def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps({"run_id": run_id, "action": how, "status": status_dict(status)}))
+        return
+    if how == "not_running":
+        _out(f"run {run_id} is not running ({status.state_text}); nothing to stop")
+    else:
+        _out(f"stopped {run_id}: {how} ({status.state_text})")

@@ -1,0 +1,35 @@
+"""`dflash-ops stop RUN`: SIGTERM the run's process group, wait, SIGKILL what is left."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, open_session, rendered_errors
+
+
+def stop(
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="Run id, or run name (its latest run).")],
+    host: HostOpt = None,
+    ct: CtOpt = None,
+    grace: Annotated[float, typer.Option("--grace", min=0, help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Stop a run: SIGTERM its process group, wait --grace seconds, SIGKILL what is left.
+
+    Only a process group that carries the run's marker (DFLASH_OPS_RUN_ID) is signalled, so a reused pid is never
+    hit. Stopping a run that is not running is a no-op (exit 0).
+    """
+    from dflash_ops import ops
+    from dflash_ops.cli import render
+
+    with rendered_errors(json_out):
+        session = open_session(ctx, host, ct)
+        try:
+            status = ops.find_run(session, run)
+            result = ops.stop(session, status, grace_s=grace)
+            render.stopped(status.run_id, result.how, result.status, json_out=json_out)
+        finally:
+            session.transport.close()

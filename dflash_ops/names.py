@@ -1,0 +1,59 @@
+"""Strict validation of every name that reaches a remote shell (defence in depth: values are quoted anyway)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+from dflash_ops.errors import UsageError
+
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RUN_ID_RE = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63})-(?P<stamp>[0-9]{8}T[0-9]{6})-(?P<tag>[0-9a-f]{4})")
+CTID_RE = re.compile(r"[1-9][0-9]{0,8}")
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+HOST_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# user@host:port, host a DNS name, IPv4, or [IPv6]; no shell metacharacters anywhere.
+ADDRESS_RE = re.compile(
+    r"(?:(?P<user>[A-Za-z_][A-Za-z0-9._-]{0,31})@)?"
+    r"(?P<host>[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]+\])"
+    r"(?::(?P<port>[0-9]{1,5}))?"
+)
+
+
+def run_name(value: str) -> str:
+    """Return `value` if it is a valid run name, else raise UsageError."""
+    if not RUN_NAME_RE.fullmatch(value):
+        raise UsageError(f"invalid run name {value!r}",
+                         hint="use 1-64 characters from A-Z a-z 0-9 . _ - starting with a letter or digit")
+    return value
+
+
+def run_id(value: str) -> str:
+    if not RUN_ID_RE.fullmatch(value):
+        raise UsageError(f"invalid run id {value!r}", hint="a run id looks like NAME-20260101T120000-ab12")
+    return value
+
+
+def is_run_id(value: str) -> bool:
+    return RUN_ID_RE.fullmatch(value) is not None
+
+
+def ctid(value: str | int) -> str:
+    """Proxmox container ids are integers 1..999999999; returned as the canonical string."""
+    text = str(value)
+    if not CTID_RE.fullmatch(text):
+        raise UsageError(f"invalid container id {text!r}", hint="a container id is a positive integer, e.g. 200")
+    return text
+
+
+def env_key(value: str) -> str:
+    if not ENV_KEY_RE.fullmatch(value):
+        raise UsageError(f"invalid environment variable name {value!r}")
+    return value
+
+
+def new_run_id(name: str, now: float | None = None, tag: str | None = None) -> str:
+    """`<name>-<UTC yyyymmddTHHMMSS>-<4 hex>` (docs/contracts.md section 2)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{run_name(name)}-{stamp}-{tag or secrets.token_hex(2)}"

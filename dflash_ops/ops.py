@@ -1,0 +1,214 @@
+"""Use cases: launch, prove alive, list, find, follow, stop. shellcmd + transport + parse; no typer, no rich.
+
+Every function takes a Session (a Target and the Transport that reaches it), returns values, raises OpsError.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dflash_ops import names, parse, shellcmd
+from dflash_ops.errors import HostUnreachable, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
+from dflash_ops.runbooks import run_spec
+from dflash_ops.spec import EXITED, Completed, Launched, Runbook, RunSpec, RunStatus, Target
+from dflash_ops.transport import Transport
+
+LAST_LINES = 20
+POLL_S = 0.25
+TAIL_POLL_S = 0.2
+RECONNECT_BUDGET_S = 120.0
+
+
+@dataclass(frozen=True)
+class Session:
+    target: Target
+    transport: Transport
+
+    def argv(self, script: str) -> list[str]:
+        return shellcmd.target_argv(self.target, script)
+
+    def run(self, script: str, what: str, *, timeout_s: float = 60.0, ok: tuple[int, ...] = (0,)) -> Completed:
+        """Run `script` on the target; an exit code outside `ok` (and not a known refusal) is RemoteFailed."""
+        done = self.transport.run(self.argv(script), timeout_s=timeout_s)
+        if done.exit_code in ok:
+            return done
+        if done.exit_code == 3 and "DFLASH_MISSING" in done.out:
+            raise RunNotFound(f"no such run on {self.target.label} ({what})")
+        refused = parse.tagged(done.out, "DFLASH_REFUSED")
+        if done.exit_code == 5 and refused:
+            raise _refusal(refused, self.target)
+        last = "\n".join((done.err + done.out).strip().splitlines()[-LAST_LINES:])
+        raise RemoteFailed(f"{what} on {self.target.label} failed with exit code {done.exit_code}",
+                           hint="check the host, the container (`pct status CT`) and the runs dir",
+                           detail=last or None)
+
+
+def _refusal(words: list[str], target: Target) -> Refused:
+    kind, run = (words + ["-", "-"])[:2]
+    if kind == "alive":
+        return Refused(f"run {run} of that name is alive on {target.label}",
+                       hint=f"stop it (`dflash-ops stop {run}`) or pass --force, or choose another --name")
+    if kind == "cache":
+        return Refused(f"not clearing the inductor cache: run {run} is alive on {target.label}",
+                       hint=f"wait for it or `dflash-ops stop {run}` first")
+    return Refused(f"another launch holds the lock on {target.label}", hint="retry in a few seconds")
+
+
+# -- listing and lookup ---------------------------------------------------------------------------------------
+def list_runs(s: Session) -> list[RunStatus]:
+    done = s.run(shellcmd.list_script(s.target.runs_dir), "listing runs")
+    return parse.run_list(done.out, s.target.runs_dir)
+
+
+def find_run(s: Session, ref: str | None) -> RunStatus:
+    """`ref` is a run id, a run name (its latest run), or None (the latest run of the target)."""
+    if ref is not None and not names.is_run_id(ref):
+        names.run_name(ref)
+    runs = list_runs(s)
+    if ref is not None:
+        runs = [r for r in runs if r.run_id == ref or r.name == ref]
+    if not runs:
+        what = f"run {ref!r}" if ref else "any run"
+        raise RunNotFound(f"no {what} on {s.target.label} (runs dir {s.target.runs_dir})",
+                          hint="`dflash-ops runs` lists the runs of a host/container")
+    return runs[-1]
+
+
+# -- launch ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DryRun:
+    spec: RunSpec
+    command: str
+
+
+def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, ...] = ()) -> RunSpec:
+    name = names.run_name(name or book.name)
+    spec = run_spec(book, s.target, name=name, run_id=names.new_run_id(name), extra_args=extra_args)
+    if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
+        raise UsageError("arguments and environment values cannot contain NUL bytes")
+    return spec
+
+
+def dry_run(s: Session, spec: RunSpec) -> DryRun:
+    return DryRun(spec=spec, command=s.transport.describe(s.argv(shellcmd.launch_script(spec))))
+
+
+def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
+           grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep) -> Launched:
+    """Start `spec` detached, then prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
+    unless `force`, which stops those runs first."""
+    stopped: tuple[str, ...] = ()
+    if force:
+        alive = [r for r in list_runs(s) if r.name == spec.name and r.state == "running"]
+        for r in alive:
+            stop(s, r, grace_s=grace_s)
+        stopped = tuple(r.run_id for r in alive)
+    done = s.run(shellcmd.launch_script(spec), f"launching {spec.run_id}")
+    words = parse.tagged(done.out, "DFLASH_LAUNCHED")
+    if not words or not words[0].isdigit():
+        raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
+    pid = int(words[0])
+    t0 = time.monotonic()
+    status, line = prove_alive(s, spec, wait_s=spec.liveness.wait_s if wait_s is None else wait_s, sleep=sleep)
+    return Launched(spec=spec, target=s.target.label, pid=pid, command=done.command, status=status,
+                    matched_line=line, verified_after_s=time.monotonic() - t0, stopped_first=stopped)
+
+
+def prove_alive(s: Session, spec: RunSpec, *, wait_s: float,
+                sleep: Callable[[float], None] = time.sleep) -> tuple[RunStatus, str | None]:
+    """After `wait_s`, the run must still be alive and a log line must match the liveness pattern; polled until
+    `liveness.timeout_s` (from launch) if set. A run that already exited 0 counts as proven. Else RunFailed."""
+    pattern = re.compile(spec.liveness.pattern)
+    deadline = time.monotonic() + max(wait_s, spec.liveness.timeout_s or 0.0)
+    sleep(wait_s)
+    while True:
+        probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run", ok=(0,)).stdout)
+        if probe.raw is None:
+            raise RemoteFailed(f"run dir of {spec.run_id} is unreadable on {s.target.label}")
+        status = parse.status(probe.raw, {"name": spec.name, "runbook": spec.runbook}, probe.now, spec.runs_dir)
+        lines = probe.log_tail.decode("utf-8", "replace").splitlines()
+        matched = next((ln for ln in lines if pattern.search(ln)), None)
+        if status.state != "running":
+            if status.state == EXITED and status.exit_code == 0:
+                return status, matched
+            raise RunFailed(f"run {spec.run_id} {status.state_text} during its liveness check",
+                            hint=f"log: {spec.log_path}", detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
+        if matched is not None:
+            return status, matched
+        if time.monotonic() >= deadline:
+            raise RunFailed(f"run {spec.run_id} is alive (pid {status.pid}) but no log line matched "
+                            f"/{spec.liveness.pattern}/ within {max(wait_s, spec.liveness.timeout_s or 0):g} s",
+                            hint=f"it goes on; `dflash-ops tail {spec.run_id}` or `dflash-ops stop {spec.run_id}`",
+                            detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
+        sleep(POLL_S)
+
+
+# -- stop -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stopped:
+    how: str            # terminated | killed | not_running
+    status: RunStatus
+
+
+def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
+    done = s.run(shellcmd.stop_script(run.run_dir, grace_s), f"stopping {run.run_id}", timeout_s=grace_s + 30)
+    how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
+    raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
+    meta = {"name": run.name, "runbook": run.runbook, "started_at": run.started_at}
+    status = parse.status(raw, meta, time.time(), s.target.runs_dir) if raw else run
+    return Stopped(how=how, status=status)
+
+
+# -- tail -----------------------------------------------------------------------------------------------------
+def tail_start(s: Session, run: RunStatus, lines: int) -> int:
+    done = s.run(shellcmd.tail_start_script(run.run_dir, lines), f"reading {run.run_id}'s log")
+    words = parse.tagged(done.out, "DFLASH_START")
+    return int(words[0]) if words and words[0].lstrip("-").isdigit() else 0
+
+
+def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], None], keep_following: bool = True,
+           poll_s: float = TAIL_POLL_S, sleep: Callable[[float], None] = time.sleep,
+           reconnect_budget_s: float = RECONNECT_BUDGET_S) -> RunStatus:
+    """Emit complete log lines from byte `start`; with `keep_following`, until the run ends.
+
+    Survives dropped connections: reconnects with bounded backoff and resumes at the exact byte offset
+    (LineAssembler), so no line is lost or repeated. Returns the final state read with the last bytes.
+    """
+    asm = parse.LineAssembler(offset=start)
+    backoff, lost_since = 0.25, None
+    while True:
+        try:
+            done = s.run(shellcmd.tail_chunk_script(run.run_dir, asm.offset), f"reading {run.run_id}'s log",
+                         timeout_s=30.0)
+        except HostUnreachable:
+            lost_since = lost_since or time.monotonic()
+            if time.monotonic() - lost_since > reconnect_budget_s:
+                raise
+            sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+            _try_reconnect(s)
+            continue
+        backoff, lost_since = 0.25, None
+        raw, data = parse.chunk(done.stdout)
+        for line in asm.feed(asm.offset, data):
+            emit(line)
+        if raw is None:
+            raise RemoteFailed(f"cannot read the state of {run.run_id}", detail=done.out[-2000:])
+        if len(data) >= shellcmd.CHUNK_BYTES:
+            continue  # more is already there
+        if not keep_following or not raw.alive:
+            for line in asm.flush():
+                emit(line)
+            meta = {"name": run.name, "runbook": run.runbook, "started_at": run.started_at}
+            return parse.status(raw, meta, time.time(), s.target.runs_dir)
+        sleep(poll_s)
+
+
+def _try_reconnect(s: Session) -> None:
+    try:
+        s.transport.reconnect()
+    except HostUnreachable:
+        pass  # the next run() raises again and the backoff continues

@@ -1,0 +1,148 @@
+"""PURE parsers of what the shellcmd scripts print, and the byte-exact line assembler used by `tail`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from dflash_ops import names
+from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, RunStatus
+
+
+@dataclass(frozen=True)
+class RawState:
+    """One `DFLASH_RUN <id> <alive> <pid> <exit> <stopped> <ended> <log size>` line."""
+
+    run_id: str
+    alive: bool
+    pid: int | None
+    exit_code: int | None
+    stopped: bool
+    ended_at: float | None
+    log_size: int
+
+
+def _opt_int(text: str) -> int | None:
+    return None if text == "-" else int(text)
+
+
+def state_line(line: str) -> RawState | None:
+    words = line.split()
+    if len(words) != 8 or words[0] != "DFLASH_RUN" or not names.is_run_id(words[1]):
+        return None
+    try:
+        return RawState(run_id=words[1], alive=words[2] == "1", pid=_opt_int(words[3]), exit_code=_opt_int(words[4]),
+                        stopped=words[5] == "1", ended_at=None if words[6] == "-" else float(words[6]),
+                        log_size=int(words[7]))
+    except ValueError:
+        return None
+
+
+def state_of(raw: RawState) -> str:
+    """docs/contracts.md section 2: running / exited N / killed / lost."""
+    if raw.alive:
+        return RUNNING
+    if raw.stopped or (raw.exit_code is not None and raw.exit_code >= 128):
+        return KILLED
+    if raw.exit_code is not None:
+        return EXITED
+    return LOST
+
+
+def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
+    argv = meta.get("argv")
+    started = meta.get("started_at")
+    return RunStatus(
+        run_id=raw.run_id, name=str(meta.get("name") or names.RUN_ID_RE.fullmatch(raw.run_id).group("name")),
+        state=state_of(raw), pid=raw.pid, exit_code=raw.exit_code,
+        started_at=float(started) if isinstance(started, (int, float)) else None, ended_at=raw.ended_at, now=now,
+        run_dir=f"{runs_dir}/{raw.run_id}", runbook=str(meta.get("runbook") or ""),
+        argv=tuple(str(a) for a in argv) if isinstance(argv, list) else (), log_size=raw.log_size)
+
+
+def now_line(text: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith("DFLASH_NOW "):
+            try:
+                return float(line.split()[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def run_list(text: str, runs_dir: str) -> list[RunStatus]:
+    """Output of `list_script` -> statuses, oldest first (run ids sort by their UTC stamp)."""
+    now = now_line(text) or 0.0
+    out: list[RunStatus] = []
+    pending: RawState | None = None
+    for line in text.splitlines():
+        raw = state_line(line)
+        if raw is not None:
+            pending = raw
+        elif line.startswith("DFLASH_JSON") and pending is not None:
+            try:
+                meta = json.loads(line[len("DFLASH_JSON"):].strip() or "{}")
+            except json.JSONDecodeError:
+                meta = {}
+            out.append(status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir))
+            pending = None
+    return sorted(out, key=lambda s: (names.RUN_ID_RE.fullmatch(s.run_id).group("stamp"), s.started_at or 0, s.run_id))
+
+
+@dataclass(frozen=True)
+class Probe:
+    raw: RawState | None
+    now: float
+    log_tail: bytes
+
+
+def probe(stdout: bytes) -> Probe:
+    """Output of `probe_script`: header lines, then `DFLASH_LOG\\n`, then raw log bytes."""
+    head, sep, log = stdout.partition(b"DFLASH_LOG\n")
+    text = head.decode("utf-8", "replace")
+    raw = next((r for r in map(state_line, text.splitlines()) if r is not None), None)
+    return Probe(raw=raw, now=now_line(text) or 0.0, log_tail=log if sep else b"")
+
+
+def tagged(text: str, tag: str) -> list[str] | None:
+    """Words after the first line starting with `tag` (e.g. DFLASH_LAUNCHED), or None."""
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] == tag:
+            return words[1:]
+    return None
+
+
+def chunk(stdout: bytes) -> tuple[RawState | None, bytes]:
+    """Output of `tail_chunk_script`: one state line, then raw log bytes."""
+    first, _, data = stdout.partition(b"\n")
+    return state_line(first.decode("utf-8", "replace")), data
+
+
+@dataclass
+class LineAssembler:
+    """Turns byte chunks read at known offsets into complete lines, each exactly once.
+
+    `offset` is the next byte to request. A chunk whose start is not `offset` is trimmed or rejected, so a resumed
+    read after a reconnect can neither repeat nor skip a byte. Only complete lines are released; `flush()` releases
+    a final unterminated line when the run is over.
+    """
+
+    offset: int = 0
+    pending: bytearray = field(default_factory=bytearray)
+
+    def feed(self, start: int, data: bytes) -> list[bytes]:
+        if start > self.offset:
+            raise ValueError(f"gap in log: have bytes up to {self.offset}, got a chunk starting at {start}")
+        data = data[self.offset - start:]
+        self.offset += len(data)
+        self.pending += data
+        *lines, rest = bytes(self.pending).split(b"\n")
+        self.pending = bytearray(rest)
+        return [line + b"\n" for line in lines]
+
+    def flush(self) -> list[bytes]:
+        if not self.pending:
+            return []
+        line, self.pending = bytes(self.pending) + b"\n", bytearray()
+        return [line]

@@ -1,0 +1,87 @@
+"""runbooks/<name>.yaml -> Runbook, and Runbook + Target -> RunSpec (placeholders by exact token substitution)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from dflash_ops import names
+from dflash_ops.errors import ConfigError, UsageError
+from dflash_ops.spec import Liveness, Runbook, RunSpec, Target
+from dflash_ops.yamlsrc import Fields, load
+
+RUNBOOK_KEYS = {"description", "command", "workdir", "env", "pre", "liveness"}
+LIVENESS_KEYS = {"wait_s", "pattern", "timeout_s"}
+PRE_STEPS = ("clear_inductor_cache",)
+PLACEHOLDER_RE = re.compile(r"\{(python|run_dir|run_id|name)\}")
+BUNDLED = Path(__file__).resolve().parent.parent / "runbooks"
+
+
+def default_dir() -> Path:
+    """`$DFLASH_OPS_RUNBOOKS`, else ./runbooks, else the runbooks shipped next to the package."""
+    env = os.environ.get("DFLASH_OPS_RUNBOOKS")
+    if env:
+        return Path(env)
+    return Path("runbooks") if Path("runbooks").is_dir() else BUNDLED
+
+
+def available(directory: Path) -> list[str]:
+    return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
+
+
+def load_runbook(directory: Path, name: str) -> Runbook:
+    if not names.RUN_NAME_RE.fullmatch(name):
+        raise UsageError(f"invalid runbook name {name!r}")
+    path = directory / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(available(directory)) or "none"
+        raise UsageError(f"unknown runbook {name!r} in {directory} (available: {known})")
+    f = Fields.of(load(path), f"runbook {name!r}")
+    f.check_keys(RUNBOOK_KEYS)
+    command = f.str_list("command", required=True)
+    if not command:
+        raise f.require("command").fail(f"runbook {name!r}: 'command' must not be empty")
+    pre = f.str_list("pre")
+    for step, node in zip(pre, f.require("pre").value if pre else []):
+        if step not in PRE_STEPS:
+            raise node.fail(f"runbook {name!r}: unknown pre step {step!r} (known: {', '.join(PRE_STEPS)})")
+    return Runbook(name=name, command=command, description=f.str("description", "") or "",
+                   workdir=f.str("workdir", "{run_dir}") or "{run_dir}", env=f.str_map("env"), pre=pre,
+                   liveness=_liveness(f, name), source=str(path))
+
+
+def _liveness(f: Fields, name: str) -> Liveness:
+    node = f.require("liveness")
+    lf = Fields.of(node, f"runbook {name!r} liveness")
+    lf.check_keys(LIVENESS_KEYS)
+    pattern = lf.str("pattern", required=True) or ""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise lf.require("pattern").fail(f"runbook {name!r}: liveness.pattern is not a valid regex: {exc}") from None
+    return Liveness(wait_s=lf.number("wait_s", 5.0) or 0.0, pattern=pattern, timeout_s=lf.number("timeout_s"))
+
+
+def substitute(text: str, values: dict[str, str]) -> str:
+    """Replace `{python}`, `{run_dir}`, `{run_id}`, `{name}` tokens; everything else is left verbatim."""
+    return PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], text)
+
+
+def run_spec(book: Runbook, target: Target, *, name: str, run_id: str, extra_args: tuple[str, ...] = ()) -> RunSpec:
+    """Resolve a runbook on a target. `extra_args` (after `--`) are appended verbatim, never substituted."""
+    runs_dir = target.runs_dir
+    values = {"python": target.python, "run_dir": f"{runs_dir}/{run_id}", "run_id": run_id, "name": name}
+    env = tuple((k, substitute(v, values)) for k, v in target.env + book.env)
+    return RunSpec(
+        run_id=run_id, name=name, runbook=book.name,
+        argv=tuple(substitute(a, values) for a in book.command) + tuple(extra_args),
+        workdir=substitute(book.workdir, values), env=env, pre=book.pre, runs_dir=runs_dir,
+        host=target.host.name, ct=target.container.ctid if target.container else None, liveness=book.liveness,
+    )
+
+
+def check_nul(values: tuple[str, ...]) -> None:
+    for v in values:
+        if "\0" in v:
+            raise ConfigError("a command argument or environment value contains a NUL byte")

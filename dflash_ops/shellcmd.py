@@ -1,0 +1,209 @@
+"""PURE builders of the bash scripts run on a target, and of the argv/string that carries them.
+
+Quoting contract: every value from a user, an inventory or a runbook enters a script only through `shlex.quote`
+(or `shlex.join` for an argv). Fixed shell text is ours. The resulting layers are:
+
+    ssh channel string = shlex.join(target_argv)                      (parse 1: the remote login shell)
+    target_argv        = [pct, exec, CT, --, env, -i, ..., bash, -c, SCRIPT]  or  [bash, -c, SCRIPT]
+    SCRIPT             = "... nohup setsid bash -c " + quote(WRAPPED)  (parse 2: bash -c SCRIPT)
+    WRAPPED            = "... " + shlex.join(argv)                      (parse 3: bash -c WRAPPED)
+
+Scripts report on stdout with lines tagged `DFLASH_<WORD>`; `parse.py` reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+
+from dflash_ops.spec import CT_BASE_ENV, RunSpec, Target
+
+q = shlex.quote
+MARKER_VAR = "DFLASH_OPS_RUN_ID"
+RUN_ID_GLOB = "-" + "[0-9]" * 8 + "T" + "[0-9]" * 6 + "-" + "[0-9a-f]" * 4
+LOG_TAIL_BYTES = 65536
+CHUNK_BYTES = 1 << 20
+
+# Shared helpers. A run is alive when some process of its group (pgid = the recorded pid) is not a zombie and
+# carries DFLASH_OPS_RUN_ID=<run id> in /proc/<pid>/environ: a reused pid never matches (zombies have no environ).
+PRELUDE = r"""set -u
+dflash_marked() { grep -qzxF -- "DFLASH_OPS_RUN_ID=$2" "/proc/$1/environ" 2>/dev/null; }
+dflash_group_alive() {
+  local s line f p
+  dflash_marked "$1" "$2" && return 0
+  for s in /proc/[0-9]*/stat; do
+    read -r line < "$s" 2>/dev/null || continue
+    read -r -a f <<< "${line##*) }"
+    [ "${f[2]:-}" = "$1" ] || continue
+    p=${s#/proc/}; p=${p%/stat}
+    dflash_marked "$p" "$2" && return 0
+  done
+  return 1
+}
+dflash_pid() { local p=; [ -r "$1/pid" ] && read -r p < "$1/pid"; case $p in ''|*[!0-9]*) echo -;; *) echo "$p";; esac; }
+dflash_alive_dir() { local p; p=$(dflash_pid "$1"); [ "$p" != - ] && dflash_group_alive "$p" "${1##*/}"; }
+dflash_state() {
+  local d=$1 pid alive=0 ex=- st=0 ended=- size
+  pid=$(dflash_pid "$d")
+  [ "$pid" != - ] && dflash_group_alive "$pid" "${d##*/}" && alive=1
+  if [ -r "$d/exit_code" ]; then
+    read -r ex < "$d/exit_code" || ex=-; case $ex in ''|*[!0-9]*) ex=-;; esac
+    ended=$(stat -c %Y -- "$d/exit_code" 2>/dev/null || echo -)
+  fi
+  if [ -e "$d/stopped" ]; then st=1; [ "$ended" = - ] && ended=$(stat -c %Y -- "$d/stopped" 2>/dev/null || echo -); fi
+  size=$(stat -c %s -- "$d/output.log" 2>/dev/null || echo 0)
+  printf 'DFLASH_RUN %s %s %s %s %s %s %s\n' "${d##*/}" "$alive" "$pid" "$ex" "$st" "$ended" "$size"
+}
+"""
+
+
+def target_argv(target: Target, script: str) -> list[str]:
+    """The argv that runs `script` on the target: through `pct exec` with a clean env for a container."""
+    if target.container is None:
+        return ["bash", "-c", script]
+    env = [f"{k}={v}" for k, v in CT_BASE_ENV]
+    return [target.host.pct, "exec", target.container.ctid, "--", "env", "-i", *env, "bash", "-c", script]
+
+
+def command_string(argv: Sequence[str]) -> str:
+    """The one string sent over SSH (parsed once by the remote login shell)."""
+    return shlex.join(argv)
+
+
+def run_json_prefix(spec: RunSpec) -> str:
+    """run.json without its closing brace; the script appends `"started_at": <remote epoch>}`."""
+    body = {"run_id": spec.run_id, "name": spec.name, "runbook": spec.runbook, "argv": list(spec.argv),
+            "workdir": spec.workdir, "env_keys": [k for k, _ in spec.env], "host": spec.host, "ct": spec.ct}
+    return json.dumps(body, ensure_ascii=True)[:-1] + ', "started_at": '
+
+
+def wrapper_script(spec: RunSpec) -> str:
+    """What the detached `bash -c` runs: env, the argv, then the exit code via tmp+rename.
+
+    `trap : TERM INT` makes the wrapper outlive a group SIGTERM long enough to record the job's status.
+    """
+    rd = q(spec.run_dir)
+    lines = ["trap : TERM INT"]
+    lines += [f"export {k}={q(v)}" for k, v in spec.env]
+    lines += [f"cd -- {q(spec.workdir)} && {shlex.join(spec.argv)}", "rc=$?",
+              f"printf '%s\\n' \"$rc\" > {rd}/exit_code.tmp && mv -f -- {rd}/exit_code.tmp {rd}/exit_code",
+              'exit "$rc"']
+    return "\n".join(lines) + "\n"
+
+
+def _alive_loop(glob_prefix: str, tag: str) -> str:
+    return (f"for d in {glob_prefix}{RUN_ID_GLOB}; do\n"
+            f"  [ -d \"$d\" ] || continue\n"
+            f"  if dflash_alive_dir \"$d\"; then printf 'DFLASH_REFUSED {tag} %s\\n' \"${{d##*/}}\"; exit 5; fi\n"
+            f"done\n")
+
+
+def clear_cache_step(spec: RunSpec) -> str:
+    """Refused while any run in this runs dir is alive; honours the runbook's TORCHINDUCTOR_CACHE_DIR."""
+    env = dict(spec.env)
+    set_dir = f"TORCHINDUCTOR_CACHE_DIR={q(env['TORCHINDUCTOR_CACHE_DIR'])}\n" if "TORCHINDUCTOR_CACHE_DIR" in env else ""
+    return (_alive_loop('"$RUNS"/*', "cache") + set_dir +
+            'cache=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}\n'
+            'rm -rf -- "$cache" || { printf \'DFLASH_ERROR cannot clear %s\\n\' "$cache"; exit 1; }\n'
+            "printf 'DFLASH_PRE clear_inductor_cache %s\\n' \"$cache\"\n")
+
+
+PRE_BUILDERS = {"clear_inductor_cache": clear_cache_step}
+
+
+def launch_script(spec: RunSpec) -> str:
+    """Create the run dir, refuse a live duplicate, run pre-steps, start the job detached, print its pid.
+
+    `flock` on `<runs>/.launch.lock` serialises launches in one runs dir (fd 9 is closed for the job so the lock
+    is released when this script ends). The `cd ... || exit 1;` then `nohup ... &` on its own line avoids the
+    `a && b & ` trap (which would background the whole list and hold the channel open).
+    """
+    rd = q(spec.run_dir)
+    parts = [
+        PRELUDE,
+        f"RUNS={q(spec.runs_dir)}\n",
+        'mkdir -p -- "$RUNS" || { printf \'DFLASH_ERROR cannot create %s\\n\' "$RUNS"; exit 1; }\n',
+        'if command -v flock >/dev/null 2>&1; then\n'
+        '  exec 9>>"$RUNS/.launch.lock" && flock -w 15 9 || { echo "DFLASH_REFUSED lock -"; exit 5; }\n'
+        'fi\n',
+        _alive_loop(f'"$RUNS"/{q(spec.name)}', "alive"),
+        *(PRE_BUILDERS[step](spec) for step in spec.pre),
+        f"mkdir -- {rd} || exit 1\n",
+        f"printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
+        f" && mv -f -- {rd}/run.json.tmp {rd}/run.json || exit 1\n",
+        f"cd -- {rd} || exit 1\n",
+        f"{MARKER_VAR}={q(spec.run_id)} nohup setsid bash -c {q(wrapper_script(spec))}"
+        " >>output.log 2>&1 </dev/null 9>&- &\n",
+        "pid=$!\n",
+        "printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid\n",
+        "printf 'DFLASH_LAUNCHED %s\\n' \"$pid\"\n",
+    ]
+    return "".join(parts)
+
+
+def list_script(runs_dir: str) -> str:
+    """Every run dir under `runs_dir`: a DFLASH_RUN state line followed by a DFLASH_JSON line (run.json)."""
+    return (PRELUDE + f"RUNS={q(runs_dir)}\n"
+            "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
+            '[ -d "$RUNS" ] || exit 0\n'
+            f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
+            '  [ -d "$d" ] || continue\n'
+            '  dflash_state "$d"\n'
+            "  printf 'DFLASH_JSON '; { head -c 65536 -- \"$d/run.json\" 2>/dev/null || true; } | tr -d '\\n'; echo\n"
+            "done\n")
+
+
+def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
+    """State of one run, then `DFLASH_LOG` and the last `tail_bytes` of its log."""
+    return (PRELUDE + f"D={q(run_dir)}\n"
+            "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
+            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+            'dflash_state "$D"\n'
+            "echo DFLASH_LOG\n"
+            f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')
+
+
+def tail_start_script(run_dir: str, lines: int) -> str:
+    """Byte offset where the last `lines` lines of the log begin (a trailing partial line counts as one)."""
+    return (f"D={q(run_dir)}\n"
+            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+            'size=$(stat -c %s -- "$D/output.log" 2>/dev/null || echo 0)\n'
+            f'n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n {int(lines)} | wc -c)\n'
+            "printf 'DFLASH_START %s\\n' \"$((size - n))\"\n")
+
+
+def tail_chunk_script(run_dir: str, offset: int, max_bytes: int = CHUNK_BYTES) -> str:
+    """State first, then up to `max_bytes` of the log from byte `offset`.
+
+    Order matters: the state is read before the bytes, so once it says "not alive" the bytes read after it are
+    everything the job ever wrote (up to max_bytes).
+    """
+    return (PRELUDE + f"D={q(run_dir)}\n"
+            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+            'dflash_state "$D"\n'
+            f'tail -c +{int(offset) + 1} -- "$D/output.log" 2>/dev/null | head -c {int(max_bytes)}\n')
+
+
+def stop_script(run_dir: str, grace_s: float) -> str:
+    """SIGTERM the run's process group, wait up to `grace_s`, SIGKILL what is left.
+
+    Only a group that still carries the run's marker is signalled; `stopped` is written before the first signal.
+    """
+    tenths = max(0, int(round(grace_s * 10)))
+    return (PRELUDE + f"D={q(run_dir)}\n"
+            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+            'ID=${D##*/}; pid=$(dflash_pid "$D")\n'
+            'if [ "$pid" = - ] || ! dflash_group_alive "$pid" "$ID"; then\n'
+            '  echo "DFLASH_STOP not_running"; dflash_state "$D"; exit 0\n'
+            'fi\n'
+            'date +%s > "$D/stopped.tmp" && mv -f -- "$D/stopped.tmp" "$D/stopped"\n'
+            'kill -TERM -- "-$pid" 2>/dev/null\n'
+            f'i=0; while [ $i -lt {tenths} ] && dflash_group_alive "$pid" "$ID"; do sleep 0.1; i=$((i+1)); done\n'
+            'how=terminated\n'
+            'if dflash_group_alive "$pid" "$ID"; then\n'
+            '  how=killed; kill -KILL -- "-$pid" 2>/dev/null\n'
+            '  i=0; while [ $i -lt 50 ] && dflash_group_alive "$pid" "$ID"; do sleep 0.1; i=$((i+1)); done\n'
+            'fi\n'
+            'echo "DFLASH_STOP $how"\n'
+            'dflash_state "$D"\n')

@@ -1,0 +1,205 @@
+"""Frozen values that cross module seams: where a run lives, what it runs, and what became of it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCAL, SSH, PROXMOX = "local", "ssh", "proxmox"
+TRANSPORTS = (LOCAL, SSH, PROXMOX)
+DEFAULT_PCT = "/usr/sbin/pct"
+DEFAULT_CT_RUNS_DIR = "/root/dflash-runs"
+# `pct exec` keeps the PVE host's environment by default (leaks host secrets): we start from `env -i` + these.
+CT_BASE_ENV = (("HOME", "/root"), ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"))
+
+
+def local_runs_dir() -> str:
+    """`$XDG_STATE_HOME/dflash-ops/runs`, default `~/.local/state/dflash-ops/runs`."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(state) / "dflash-ops" / "runs")
+
+
+@dataclass(frozen=True)
+class Container:
+    """One LXC container of a Proxmox host; `runs_dir`/`python` are paths inside the container."""
+
+    ctid: str
+    runs_dir: str = DEFAULT_CT_RUNS_DIR
+    python: str = "python3"
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Host:
+    """A named machine and how to reach it. `address` may be an ~/.ssh/config alias."""
+
+    name: str
+    transport: str = LOCAL
+    address: str | None = None
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None       # None: ~/.ssh/known_hosts
+    jump: str | None = None              # "user@host:port"
+    pct: str = DEFAULT_PCT
+    runs_dir: str | None = None          # for runs on the host itself (no container)
+    python: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    containers: tuple[Container, ...] = ()
+    containers_listed: bool = False      # True: --ct must name one of `containers`
+    connect_timeout_s: float = 10.0
+    keepalive_s: int = 15
+
+    def container(self, ctid: str) -> Container | None:
+        return next((c for c in self.containers if c.ctid == ctid), None)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Host x optional container: where scripts run. With a container, scripts go through `pct exec`."""
+
+    host: Host
+    container: Container | None = None
+
+    @property
+    def label(self) -> str:
+        return self.host.name if self.container is None else f"{self.host.name}/ct{self.container.ctid}"
+
+    @property
+    def runs_dir(self) -> str:
+        if self.container is not None:
+            return self.container.runs_dir
+        if self.host.runs_dir:
+            return self.host.runs_dir
+        if self.host.transport == LOCAL:
+            return local_runs_dir()
+        user = self.host.user or "root"
+        return "/root/dflash-runs" if user == "root" else f"/home/{user}/dflash-runs"
+
+    @property
+    def python(self) -> str:
+        if self.container is not None:
+            return self.container.python
+        if self.host.python:
+            return self.host.python
+        return sys.executable if self.host.transport == LOCAL else "python3"
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        return self.host.env + (self.container.env if self.container else ())
+
+
+@dataclass(frozen=True)
+class Liveness:
+    wait_s: float = 5.0
+    pattern: str = "."
+    timeout_s: float | None = None   # keep polling for `pattern` until wait_s + ... up to this many seconds
+
+
+@dataclass(frozen=True)
+class Runbook:
+    name: str
+    command: tuple[str, ...]
+    description: str = ""
+    workdir: str = "{run_dir}"
+    env: tuple[tuple[str, str], ...] = ()
+    pre: tuple[str, ...] = ()
+    liveness: Liveness = field(default_factory=Liveness)
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A fully resolved launch: every placeholder substituted, every value still unquoted."""
+
+    run_id: str
+    name: str
+    runbook: str
+    argv: tuple[str, ...]
+    workdir: str
+    env: tuple[tuple[str, str], ...]
+    pre: tuple[str, ...]
+    runs_dir: str
+    host: str
+    ct: str | None
+    liveness: Liveness
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.runs_dir}/{self.run_id}"
+
+    @property
+    def log_path(self) -> str:
+        return f"{self.run_dir}/output.log"
+
+
+RUNNING, EXITED, KILLED, LOST = "running", "exited", "killed", "lost"
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A run as read back from its run directory (docs/contracts.md section 2)."""
+
+    run_id: str
+    name: str
+    state: str                      # running | exited | killed | lost
+    pid: int | None
+    exit_code: int | None
+    started_at: float | None
+    ended_at: float | None          # mtime of exit_code / stopped, when present
+    now: float                      # the remote clock when this was read
+    run_dir: str
+    runbook: str = ""
+    argv: tuple[str, ...] = ()
+    log_size: int = 0
+
+    @property
+    def log_path(self) -> str:
+        return f"{self.run_dir}/output.log"
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None:
+            return None
+        end = self.now if self.state == RUNNING else self.ended_at
+        return None if end is None else max(0.0, end - self.started_at)
+
+    @property
+    def state_text(self) -> str:
+        if self.state == EXITED:
+            return f"exited {self.exit_code}"
+        if self.state == KILLED and self.exit_code is not None:
+            return f"killed ({self.exit_code})"
+        return self.state
+
+
+@dataclass(frozen=True)
+class Completed:
+    """Result of one command on a target; a non-zero exit is data, not an exception."""
+
+    command: str
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def out(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Launched:
+    spec: RunSpec
+    target: str
+    pid: int
+    command: str
+    status: RunStatus | None = None       # after the liveness proof
+    matched_line: str | None = None
+    verified_after_s: float | None = None
+    stopped_first: tuple[str, ...] = ()   # run ids stopped by --force

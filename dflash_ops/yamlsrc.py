@@ -1,0 +1,153 @@
+"""YAML -> plain values that remember where they came from, so every config error can say file:line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_ops.errors import ConfigError
+
+
+class Node:
+    """A mapping/sequence/scalar value plus its 1-based line in `path`."""
+
+    __slots__ = ("value", "line", "path")
+
+    def __init__(self, value: Any, line: int, path: str) -> None:
+        self.value, self.line, self.path = value, line, path
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    def fail(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.where()}: {message}")
+
+    def plain(self) -> Any:
+        if isinstance(self.value, dict):
+            return {k: v.plain() for k, v in self.value.items()}
+        if isinstance(self.value, list):
+            return [v.plain() for v in self.value]
+        return self.value
+
+
+def load(path: Path) -> Node:
+    """Parse `path`; malformed YAML raises ConfigError with file:line."""
+    import yaml  # lazy: keeps `--help` light
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        raise ConfigError(f"{path}:{line}: malformed YAML: {exc.problem or exc.context}") from None
+    if root is None:
+        return Node({}, 1, str(path))
+    return _convert(root, str(path), yaml)
+
+
+def _convert(node: Any, path: str, yaml: Any) -> Node:
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Node] = {}
+        for key_node, value_node in node.value:
+            key = _scalar(key_node, path, yaml)
+            if key in out:
+                raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: duplicate key {key!r}")
+            out[key] = _convert(value_node, path, yaml)
+        return Node(out, line, path)
+    if isinstance(node, yaml.SequenceNode):
+        return Node([_convert(v, path, yaml) for v in node.value], line, path)
+    return Node(_scalar(node, path, yaml), line, path)
+
+
+def _scalar(node: Any, path: str, yaml: Any) -> Any:
+    if not isinstance(node, yaml.ScalarNode):
+        raise ConfigError(f"{path}:{node.start_mark.line + 1}: expected a plain value here")
+    try:
+        return yaml.SafeLoader(" ").construct_object(node)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}:{node.start_mark.line + 1}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Typed access to a mapping Node; every failure names file:line and the field."""
+
+    node: Node
+    what: str
+
+    @staticmethod
+    def of(node: Node, what: str) -> "Fields":
+        if not isinstance(node.value, dict):
+            raise node.fail(f"{what} must be a mapping")
+        return Fields(node, what)
+
+    def check_keys(self, allowed: set[str]) -> None:
+        for key, value in self.node.value.items():
+            if key not in allowed:
+                raise value.fail(f"{self.what}: unknown field {key!r} (known: {', '.join(sorted(allowed))})")
+
+    def get(self, key: str) -> Node | None:
+        found = self.node.value.get(key)
+        return None if found is None or found.value is None else found
+
+    def require(self, key: str) -> Node:
+        found = self.get(key)
+        if found is None:
+            raise self.node.fail(f"{self.what} is missing required field {key!r}")
+        return found
+
+    def str(self, key: str, default: str | None = None, *, required: bool = False) -> str | None:
+        found = self.require(key) if required else self.get(key)
+        if found is None:
+            return default
+        if isinstance(found.value, bool) or not isinstance(found.value, (str, int, float)):
+            raise found.fail(f"{self.what}: {key!r} must be a string")
+        return str(found.value)
+
+    def number(self, key: str, default: float | None = None) -> float | None:
+        found = self.get(key)
+        if found is None:
+            return default
+        if isinstance(found.value, bool) or not isinstance(found.value, (int, float)) or found.value < 0:
+            raise found.fail(f"{self.what}: {key!r} must be a non-negative number")
+        return float(found.value)
+
+    def str_map(self, key: str) -> tuple[tuple[str, str], ...]:
+        from dflash_ops.names import ENV_KEY_RE
+
+        found = self.get(key)
+        if found is None:
+            return ()
+        if not isinstance(found.value, dict):
+            raise found.fail(f"{self.what}: {key!r} must be a mapping of NAME: value")
+        pairs = []
+        for k, v in found.value.items():
+            if not isinstance(k, str) or not ENV_KEY_RE.fullmatch(k):
+                raise v.fail(f"{self.what}: invalid variable name {k!r} in {key!r}")
+            if v.value is None or isinstance(v.value, (dict, list)):
+                raise v.fail(f"{self.what}: {key}.{k} must be a string")
+            pairs.append((k, _text(v.value)))
+        return tuple(pairs)
+
+    def str_list(self, key: str, *, required: bool = False) -> tuple[str, ...]:
+        found = self.require(key) if required else self.get(key)
+        if found is None:
+            return ()
+        if not isinstance(found.value, list):
+            raise found.fail(f"{self.what}: {key!r} must be a list")
+        for item in found.value:
+            if item.value is None or isinstance(item.value, (dict, list)):
+                raise item.fail(f"{self.what}: every item of {key!r} must be a string")
+        return tuple(_text(item.value) for item in found.value)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
