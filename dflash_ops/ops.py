@@ -85,7 +85,7 @@ class DryRun:
 
 
 def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, ...] = ()) -> RunSpec:
-    name = names.run_name(name or book.name)
+    name = names.run_name(book.name if name is None else name)
     spec = run_spec(book, s.target, name=name, run_id=names.new_run_id(name), extra_args=extra_args)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")

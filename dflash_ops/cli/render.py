@@ -102,7 +102,10 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
         color = "red" if r.state == "exited" and r.exit_code else colors.get(r.state, "")
         table.add_row(r.name, r.run_id, f"[{color}]{r.state_text}[/]" if color else r.state_text,
                       str(r.pid or "-"), _when(r.started_at), _duration(r.duration_s))
-    Console(soft_wrap=True).print(table)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=250)  # piped: never squeeze ids and times into 80 columns
+    console.print(table)
 
 
 def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None:

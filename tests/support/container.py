@@ -126,6 +126,9 @@ class EmulatedContainer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def __repr__(self) -> str:
+        return f"EmulatedContainer({self.ctid}, init_pid={self.init_pid}, state_dir={self.state_dir})"
+
     # ------------------------------------------------------------------------------------------------ queries
     @property
     def running(self) -> bool:

@@ -29,7 +29,8 @@ from . import procfs
 
 SSHD_BIN = Path("/usr/sbin/sshd")
 HOST = "127.0.0.1"
-# The PATH sshd gives a session when no config overrides it (Debian's build, verified with `env` over SSH).
+# What sessions get after `bin_dir` on PATH (set explicitly through SetEnv, so every distro's sshd behaves the same;
+# root's ~/.bashrc may still prepend its own entries).
 SSHD_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -134,15 +135,18 @@ class Sshd:
         """Stop the listener; with `drop_connections` also the per-connection sshd processes it forked."""
         if self._proc is None:
             return
-        sessions = procfs.children(self._proc.pid) if drop_connections else []
-        self._kill_listener()
-        for pid in sessions:
+        if drop_connections:
             # Only processes sshd itself forked (its per-connection monitors); user commands are their children.
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        _wait_gone(sessions, timeout_s=5.0)
+            # They go first, while the listener still runs to reap them: orphaned, they would wait on the
+            # machine's init, which in some sandboxes never reaps.
+            sessions = procfs.children(self._proc.pid)
+            for pid in sessions:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            _wait_gone(sessions, timeout_s=5.0)
+        self._kill_listener()
 
     def restart(self, *, drop_connections: bool = True) -> "Sshd":
         """Stop and start again on the same port with the same host key (see the module docstring)."""
@@ -154,6 +158,20 @@ class Sshd:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def install_executable(self, name: str, text: str) -> Path:
+        """Write an executable `bin_dir/name` (e.g. a fake `nvidia-smi`) that later SSH sessions find by name."""
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"not a plain file name: {name!r}")
+        self.bin_dir.mkdir(parents=True, exist_ok=True)
+        path = self.bin_dir / name
+        path.write_text(text)
+        path.chmod(0o755)
+        return path
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"Sshd({self.user}@{HOST}:{self.port}, {state}, workdir={self.workdir})"
 
     # ------------------------------------------------------------------------------------------------ queries
     @property

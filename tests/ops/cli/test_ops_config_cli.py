@@ -1,0 +1,72 @@
+"""Configuration errors: one clear line naming file:line, and the documented exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.ops.conftest import REPO
+
+
+def test_malformed_runbook_yaml_names_file_and_line(ops_env):
+    (ops_env.runbooks / "bad.yaml").write_text('command: ["a"]\nliveness:\n  pattern: "x"\n  wait_s: [1\n')
+    done = ops_env.cli("launch", "bad")
+    assert done.exit_code == 78
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("error: ") and f"{ops_env.runbooks / 'bad.yaml'}:" in first and "malformed YAML" in first
+
+
+def test_missing_field_names_the_field_and_line(ops_env):
+    (ops_env.runbooks / "nocmd.yaml").write_text('description: x\n\nliveness: {pattern: "x"}\n')
+    done = ops_env.cli("launch", "nocmd")
+    assert done.exit_code == 78
+    assert "nocmd.yaml:1" in done.stderr and "'command'" in done.stderr
+
+
+def test_unknown_field_points_at_its_line(ops_env):
+    (ops_env.runbooks / "typo.yaml").write_text('command: ["a"]\nliveness: {pattern: "x"}\nenviron: {A: "1"}\n')
+    done = ops_env.cli("launch", "typo")
+    assert done.exit_code == 78 and "typo.yaml:3" in done.stderr and "'environ'" in done.stderr
+
+
+def test_malformed_inventory_names_file_and_line(ops_env):
+    inv = ops_env.root / "inv.yaml"
+    inv.write_text("hosts:\n  pve1:\n    transport: proxmox\n    port: 99999\n")
+    done = ops_env.cli("--inventory", str(inv), "runs", "--host", "pve1", "--ct", "200")
+    assert done.exit_code == 78 and f"{inv}:4" in done.stderr
+
+
+def test_unknown_runbook_host_and_container_exit_2(ops_env):
+    inv = ops_env.root / "inv.yaml"
+    inv.write_text("hosts:\n  pve1:\n    transport: proxmox\n    address: 10.1.2.6\n    containers:\n      200: {}\n")
+    assert ops_env.cli("launch", "nope").exit_code == 2
+    unknown_host = ops_env.cli("--inventory", str(inv), "runs", "--host", "pve2")
+    assert unknown_host.exit_code == 2 and "unknown host 'pve2'" in unknown_host.stderr
+    unknown_ct = ops_env.cli("--inventory", str(inv), "runs", "--host", "pve1", "--ct", "201")
+    assert unknown_ct.exit_code == 2 and "unknown container 201" in unknown_ct.stderr
+    no_ct = ops_env.cli("--inventory", str(inv), "runs", "--host", "pve1")
+    assert no_ct.exit_code == 2 and "--ct" in no_ct.stderr
+
+
+def test_json_errors_are_one_object_on_stdout(ops_env):
+    done = ops_env.cli("runs", "--host", "nosuchhost", "--json")
+    assert done.exit_code == 2
+    err = json.loads(done.stdout)["error"]
+    assert err["code"] == "usage" and err["exit_code"] == 2 and "nosuchhost" in err["message"]
+
+
+def test_run_not_found_exit_3(ops_env):
+    assert ops_env.cli("stop", "ghost").exit_code == 3
+    assert ops_env.cli("tail").exit_code == 3
+
+
+def test_help_imports_no_torch_fabric_paramiko_yaml():
+    code = ("import sys, runpy; sys.argv = ['dflash-ops', '--help']\n"
+            "try:\n    runpy.run_module('dflash_ops', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'fabric', 'paramiko', 'invoke', 'yaml', 'rich') if m in sys.modules]\n"
+            "assert not heavy, heavy\nprint('clean')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("clean") and "launch" in done.stdout

@@ -1,0 +1,51 @@
+"""Hostile values round-trip byte-exact and execute nothing; hostile names are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+NASTY = [
+    "it's \"quoted\"", "a; touch {canary}", "$(touch {canary})", "`touch {canary}`", "back\\slash\\n",
+    "new\nline", "  spaces  ", "", "uni\u00e9\u4e2d\U0001f600", "$HOME ${PATH} $((1+1))", "'; echo PWNED; '",
+    "--x", "*", "~", "a|b&c>d<e", "%s%n",
+]
+
+
+def test_hostile_args_and_env_round_trip(ops_env, tmp_path):
+    canary = tmp_path / "canary"
+    args = [a.replace("{canary}", str(canary)) for a in NASTY]
+    hostile_env = "x'; touch " + str(canary) + "; '$(touch " + str(canary) + ")\n\"`id`\""
+    (ops_env.runbooks / "env.yaml").write_text(
+        (ops_env.runbooks / "job.yaml").read_text().replace(
+            'PYTHONUNBUFFERED: "1"', "PYTHONUNBUFFERED: \"1\"\n  HOSTILE: " + json.dumps(hostile_env)))
+    out = tmp_path / "argv.json"
+    done = ops_env.sub("launch", "env", "--", "--out", str(out), *args)
+    assert done.returncode == 0, done.stderr
+    ops_env.wait_for(out)
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert got["argv"][2:] == ["--out", str(out), *args]
+    assert got["env"]["HOSTILE"] == hostile_env
+    assert got["env"]["DFLASH_OPS_RUN_ID"] == ops_env.run_dirs()[-1].name
+    assert not canary.exists(), "a hostile value was executed"
+
+
+@pytest.mark.parametrize("name", ["a;b", "../x", "$(id)", "", "-x", "a b", "a\nb", "x" * 65, "caf\u00e9", "a/b"])
+def test_hostile_run_names_exit_2(ops_env, name):
+    done = ops_env.cli("launch", "job", "--name", name)
+    assert done.exit_code == 2, done.output
+    assert "invalid run name" in done.stderr
+    assert ops_env.run_dirs() == []
+
+
+@pytest.mark.parametrize("ct", ["0", "abc", "1;id", "-1", "200 201", "1234567890"])
+def test_hostile_container_ids_exit_2(ops_env, ct):
+    done = ops_env.cli("launch", "job", "--host", "10.0.0.1", "--ct", ct, "--dry-run")
+    assert done.exit_code == 2 and "invalid container id" in done.stderr
+
+
+@pytest.mark.parametrize("host", ["a;b", "$(id)", "pve 1", "-oProxyCommand=id", "nosuchhost"])
+def test_bad_hosts_exit_2(ops_env, host):
+    done = ops_env.cli("runs", "--host", host)
+    assert done.exit_code == 2 and "unknown host" in done.stderr

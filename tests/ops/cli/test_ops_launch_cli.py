@@ -1,0 +1,136 @@
+"""launch / runs / stop / tail through the CLI on the local transport: real processes, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ops.conftest import pid_alive
+
+
+def _wait_state(env, run_id: str, want: str, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = next(r for r in env.runs_json() if r["run_id"] == run_id)
+        if run["state_text"] == want or time.monotonic() > deadline:
+            return run
+        time.sleep(0.1)
+
+
+def test_launch_proves_alive_and_records_exit_code(ops_env):
+    done = ops_env.sub("launch", "job", "--json", "--", "--lines", "10", "--every", "0.1", "--rc", "3")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["state"] == "running" and out["matched_line"] == "job started"
+    run_dir = Path(out["run_dir"])
+    assert int((run_dir / "pid").read_text()) == out["pid"]
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["run_id"] == out["run_id"] and meta["runbook"] == "job" and meta["ct"] is None
+    assert meta["argv"][-6:] == ["--lines", "10", "--every", "0.1", "--rc", "3"]
+    assert isinstance(meta["started_at"], int) and meta["env_keys"] == ["PYTHONUNBUFFERED"]
+    run = _wait_state(ops_env, out["run_id"], "exited 3")
+    assert run["state"] == "exited" and run["exit_code"] == 3
+    assert (run_dir / "exit_code").read_text() == "3\n"
+    assert b"step 9" in (run_dir / "output.log").read_bytes()
+
+
+def test_launch_reports_a_run_that_dies_during_the_wait(ops_env):
+    done = ops_env.sub("launch", "job", "--wait", "0.5", "--", "--rc", "7")
+    assert done.returncode == 4, done.stderr
+    assert "exited 7" in done.stderr and "job started" in done.stderr
+
+
+def test_launch_without_the_pattern_fails_with_4(ops_env):
+    (ops_env.runbooks / "quiet.yaml").write_text(
+        'command: ["sleep", "30"]\nliveness: {wait_s: 0.2, pattern: "never-printed", timeout_s: 0.6}\n')
+    done = ops_env.sub("launch", "quiet")
+    assert done.returncode == 4 and "no log line matched" in done.stderr
+    assert ops_env.sub("stop", "quiet", "--grace", "1").returncode == 0
+
+
+def test_duplicate_is_refused_and_force_replaces_it(ops_env):
+    first = ops_env.cli("launch", "job", "--json", "--", "--hold")
+    assert first.exit_code == 0, first.output
+    first_id = json.loads(first.stdout)["run_id"]
+    again = ops_env.cli("launch", "job", "--", "--hold")
+    assert again.exit_code == 5 and first_id in again.stderr and "--force" in again.stderr
+    forced = ops_env.sub("launch", "job", "--force", "--json", "--", "--hold")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["stopped_first"] == [first_id]
+    states = {r["run_id"]: r["state"] for r in ops_env.runs_json()}
+    assert states[first_id] == "killed" and list(states.values()).count("running") == 1
+    # another name may run next to it
+    assert ops_env.sub("launch", "job", "--name", "job-2", "--", "--hold").returncode == 0
+
+
+def test_stop_kills_the_whole_group_child_included(ops_env, tmp_path):
+    child_file = tmp_path / "child.pid"
+    done = ops_env.sub("launch", "job", "--json", "--", "--child", str(child_file), "--hold")
+    assert done.returncode == 0, done.stderr
+    pid = json.loads(done.stdout)["pid"]
+    ops_env.wait_for(child_file)
+    child = int(child_file.read_text())
+    assert pid_alive(pid) and pid_alive(child) and os.getpgid(child) == pid
+    stop = ops_env.sub("stop", "job", "--grace", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert "stopped job-" in stop.stdout
+    assert not pid_alive(pid) and not pid_alive(child)
+    run = ops_env.runs_json()[-1]
+    assert run["state"] == "killed"
+    again = ops_env.sub("stop", "job")  # idempotent
+    assert again.returncode == 0 and "not running" in again.stdout
+
+
+def test_stop_never_hits_a_reused_pid(ops_env):
+    """A run record whose pid now belongs to an unrelated process (no marker): nothing is signalled."""
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its own group: pgid == pid
+    try:
+        run_dir = ops_env.runs_dir / "old-20260101T000000-abcd"
+        run_dir.mkdir(parents=True)
+        (run_dir / "pid").write_text(f"{stranger.pid}\n")
+        (run_dir / "run.json").write_text(json.dumps({"run_id": run_dir.name, "name": "old", "started_at": 1}))
+        assert ops_env.runs_json()[0]["state"] == "lost"
+        done = ops_env.sub("stop", "old", "--grace", "0")
+        assert done.returncode == 0 and "not running" in done.stdout
+        time.sleep(0.2)
+        assert stranger.poll() is None, "the unrelated process was signalled"
+        assert not (run_dir / "stopped").exists()
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_sigterm_lets_the_wrapper_record_the_status(ops_env):
+    done = ops_env.sub("launch", "job", "--json", "--", "--hold")
+    pid = json.loads(done.stdout)["pid"]
+    os.killpg(pid, signal.SIGTERM)  # as someone else would (no `stopped` file)
+    run = _wait_state(ops_env, json.loads(done.stdout)["run_id"], "killed (143)")
+    assert run["exit_code"] == 143 and run["state"] == "killed"
+
+
+def test_dry_run_runs_nothing_and_prints_the_command(ops_env):
+    import shlex
+
+    done = ops_env.sub("launch", "job", "--dry-run", "--", "--rc", "1")
+    assert done.returncode == 0, done.stderr
+    argv = shlex.split(done.stdout.strip())
+    assert argv[:2] == ["bash", "-c"] and "nohup setsid bash -c" in argv[2]
+    assert ops_env.run_dirs() == [] and not ops_env.runs_dir.exists()
+
+
+def test_dry_run_into_a_container_shows_pct_exec(ops_env):
+    import shlex
+
+    inv = ops_env.root / "inv.yaml"
+    inv.write_text("hosts:\n  box:\n    transport: local\n    pct: /opt/fake/pct\n")
+    done = ops_env.sub("--inventory", str(inv), "launch", "job", "--host", "box", "--ct", "200", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    argv = shlex.split(done.stdout.strip())
+    assert argv[:8] == ["/opt/fake/pct", "exec", "200", "--", "env", "-i", "HOME=/root", argv[7]]
+    assert argv[8:10] == ["bash", "-c"] and "/root/dflash-runs/job-" in argv[10]
