@@ -124,7 +124,7 @@ def report_renderable(outcomes: list[Outcome], elapsed_s: float):
             continue
         hs: HostStatus = o.value
         if hs.snapshot is None or hs.snapshot.no_gpu_reason:
-            parts.append(Text(f"{hs.host}: no GPU: {hs.gpu_error or hs.snapshot.no_gpu_reason}", style="dim"))
+            parts.append(Text(f"{hs.host}: no GPU ({hs.gpu_error or hs.snapshot.no_gpu_reason})", style="bold"))
         else:
             parts.append(gpu_table(hs.snapshot, hs.holders, dict(hs.holder_runs), title=f"GPUs on {hs.host}"))
         parts.append(runs_table(hs))

@@ -6,8 +6,8 @@ State file (JSON, path from --state or $FAKE_NVIDIA_SMI_STATE):
      "holders": [{"pid": 1234, "gpu": 0, "mib": 2048}, ...],     # optional, host PIDs
      "resets": []}                                                # appended to by `-r -i UUID`
 
-Besides the listed holders, every live process whose environment carries `FAKE_NVIDIA_HOLD=<gpu>:<mib>` holds
-<mib> MiB on GPU <gpu> -- so holders started inside a PID namespace need no host-PID bookkeeping. Memory is
+Besides the listed holders, every live process whose environment carries `FAKE_NVIDIA_HOLD=<gpu>:<mib>[:<state>]`
+holds <mib> MiB on GPU <gpu> (of the fake whose state file is <state>, or of every fake when it is left out) -- so holders started inside a PID namespace need no host-PID bookkeeping. Memory is
 computed on each call from /proc: a holder that is gone, or a zombie, holds nothing.
 
 Answers only what dflash-ops asks:
@@ -35,24 +35,25 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].split()[0] != "Z"
 
 
-def _env_holds(pid: str) -> list[tuple[int, int]]:
+def _env_holds(pid: str, state_path: str) -> list[tuple[int, int]]:
+    """FAKE_NVIDIA_HOLD=<gpu>:<mib>[:<state file>] -- with a state file, only that fake's GPUs are held."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return []
     for item in environ.split(b"\0"):
         if item.startswith(HOLD_VAR):
-            gpu, _, mib = item[len(HOLD_VAR):].decode().partition(":")
-            return [(int(gpu), int(mib))]
+            gpu, mib, *state = item[len(HOLD_VAR):].decode().split(":", 2)
+            return [(int(gpu), int(mib))] if not state or state[0] == state_path else []
     return []
 
 
-def live_holders(state: dict) -> list[tuple[int, int, int]]:
+def live_holders(state: dict, state_path: str = "") -> list[tuple[int, int, int]]:
     """(pid, gpu index, MiB) for every holder alive right now."""
     found = [(int(h["pid"]), int(h["gpu"]), int(h["mib"])) for h in state.get("holders", [])]
     for pid in os.listdir("/proc"):
         if pid.isdigit():
-            found += [(int(pid), gpu, mib) for gpu, mib in _env_holds(pid)]
+            found += [(int(pid), gpu, mib) for gpu, mib in _env_holds(pid, state_path)]
     return sorted({h for h in found if _alive(h[0])})
 
 
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> int:
         print("fake nvidia-smi: no state file (--state or FAKE_NVIDIA_SMI_STATE)", file=sys.stderr)
         return 9
     state = json.loads(Path(state_path).read_text())
-    holders = live_holders(state)
+    holders = live_holders(state, str(Path(state_path).resolve()))
     gpus = state["gpus"]
     if argv == [f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits"]:
         for i, gpu in enumerate(gpus):

@@ -14,9 +14,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-from tests.support import fake_nvidia_smi  # noqa: E402
+sys.path.insert(0, str(REPO / "tests"))  # `support`, as tests/conftest.py imports it
+from support import fake_nvidia_smi  # noqa: E402
 
 HOLDER = HERE / "gpu_holder.py"
 CGROUP_ROOTS = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
@@ -28,6 +27,10 @@ class FakeGpus:
     nvidia_smi: Path
     state: Path
     dev_dir: Path
+
+    def hold(self, gpu: int, mib: int) -> str:
+        """FAKE_NVIDIA_HOLD value: `mib` MiB on `gpu` of this fake only (other tests' holders never leak in)."""
+        return f"{gpu}:{mib}:{self.state.resolve()}"
 
     @property
     def dev_glob(self) -> str:
@@ -71,9 +74,9 @@ class Holders:
         """Start a holder; returns its host PID once it (and its child) hold. ctid: inside an emulated CT."""
         self.count += 1
         ready = self.tmp / f"holder{self.count}.ready"
-        argv = [sys.executable, str(HOLDER), "--hold", f"{gpu}:{mib}", "--ready", str(ready), "--dev", self.gpus.dev(f"nvidia{gpu}"),
-                "--dev", self.gpus.dev("nvidiactl")]
-        argv += ["--child", child] if child else []
+        argv = [sys.executable, str(HOLDER), "--hold", self.gpus.hold(gpu, mib), "--ready", str(ready),
+                "--dev", self.gpus.dev(f"nvidia{gpu}"), "--dev", self.gpus.dev("nvidiactl")]
+        argv += ["--child", self.gpus.hold(*map(int, child.split(":")))] if child else []
         argv += ["--ignore-term"] if ignore_term else []
         env = {k: v for k, v in os.environ.items() if k != "FAKE_NVIDIA_HOLD"}
         if ctid is not None:
@@ -139,3 +142,30 @@ def holders(tmp_path: Path, fake_gpus: FakeGpus):
             cg.rmdir()
         except OSError:
             pass
+
+
+TRAINER = HERE / "fake_trainer.py"
+
+
+def trainer_runbook(runbooks: Path, fake: FakeGpus, *, gpu: int, mib: int, child_mib: int | None = None,
+                    name: str = "ft") -> str:
+    """A runbook whose job is fake_trainer.py holding `mib` MiB of GPU `gpu` (and a child holding `child_mib`)."""
+    import json
+
+    runbooks.mkdir(parents=True, exist_ok=True)
+    command = ["{python}", str(TRAINER), "--dev", fake.dev(f"nvidia{gpu}"), "--dev", fake.dev("nvidiactl")]
+    command += ["--child", fake.hold(gpu, child_mib)] if child_mib else []
+    (runbooks / f"{name}.yaml").write_text(
+        f"description: fake trainer\ncommand: {json.dumps(command)}\n"
+        f"env:\n  PYTHONUNBUFFERED: \"1\"\n  FAKE_NVIDIA_HOLD: \"{fake.hold(gpu, mib)}\"\n"
+        "liveness:\n  wait_s: 0.3\n  pattern: DFLASH_METRICS\n  timeout_s: 20\n")
+    return name
+
+
+def cli(*args: str, env: dict | None = None):
+    """The CLI in-process (typer's CliRunner); stdout and stderr apart."""
+    from typer.testing import CliRunner
+
+    from dflash_ops.cli import app
+
+    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)

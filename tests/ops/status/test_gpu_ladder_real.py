@@ -3,6 +3,8 @@ process groups, the SIGTERM->grace->SIGKILL ladder, and PID mapping across a PID
 import os
 import subprocess
 
+import pytest
+
 from dflash_ops import gpus
 
 
@@ -90,17 +92,18 @@ def test_container_holders_map_to_ct_pids_and_are_scoped(fake_gpus, holders):
     assert [h.pid for h in after] == [on_host] and alive(on_host)
 
 
+@pytest.mark.ssh
 def test_holder_started_through_pct_maps_by_pid_namespace(tmp_path, fake_gpus):
     import shlex
     import sys
     import time
 
     from conftest import HOLDER, host_pid_of
-    from tests.support.container import EmulatedContainer
+    from support.container import EmulatedContainer
 
     with EmulatedContainer(412, tmp_path / "pve") as ct:
         ready = tmp_path / "ct-holder.ready"
-        argv = [sys.executable, str(HOLDER), "--hold", "7:900", "--ready", str(ready), "--dev", fake_gpus.dev("nvidia7")]
+        argv = [sys.executable, str(HOLDER), "--hold", fake_gpus.hold(7, 900), "--ready", str(ready), "--dev", fake_gpus.dev("nvidia7")]
         ct.pct_exec("bash", "-c", f"setsid {shlex.join(argv)} </dev/null >/dev/null 2>&1 &", check=True)
         deadline = time.monotonic() + 20
         while not ready.exists():
