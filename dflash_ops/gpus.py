@@ -290,7 +290,12 @@ def _spare_reason(h: Holder, snap: GpuSnapshot, scope: Scope) -> str | None:
     if proc and proc.nspid and proc.nspid[-1] == 1 and not h.is_compute_app:
         return "init of its PID namespace, holds no GPU memory"
     if not scope.covers(h):
-        where = f"container {h.ctid}" if h.ctid is not None else "the host, outside any container"
+        if h.ctid is not None:
+            where = f"container {h.ctid}"
+        elif proc and len(proc.nspid) > 1:
+            where = "another PID namespace (a container not in the inventory?)"
+        else:
+            where = "the host, outside any container"
         return f"belongs to {where}, not {scope.describe()} (use --all-containers)"
     return None
 

@@ -162,10 +162,10 @@ def trainer_runbook(runbooks: Path, fake: FakeGpus, *, gpu: int, mib: int, child
     return name
 
 
-def cli(*args: str, env: dict | None = None):
+def cli(*args: str, env: dict | None = None, input: str | None = None):
     """The CLI in-process (typer's CliRunner); stdout and stderr apart."""
     from typer.testing import CliRunner
 
     from dflash_ops.cli import app
 
-    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
+    return CliRunner().invoke(app, list(args), env=env, input=input, catch_exceptions=False)
