@@ -92,40 +92,39 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
     return spec
 
 
-def dry_run(s: Session, spec: RunSpec) -> DryRun:
-    return DryRun(spec=spec, command=s.transport.describe(s.argv(shellcmd.launch_script(spec))))
+def dry_run(s: Session, spec: RunSpec, *, wait_s: float | None = None) -> DryRun:
+    script = shellcmd.launch_script(spec, probe_after_s=spec.liveness.wait_s if wait_s is None else wait_s)
+    return DryRun(spec=spec, command=s.transport.describe(s.argv(script)))
 
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
            grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep) -> Launched:
-    """Start `spec` detached, then prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
-    unless `force`, which stops those runs first."""
+    """Start `spec` detached and prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
+    unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call."""
     stopped: tuple[str, ...] = ()
     if force:
         alive = [r for r in list_runs(s) if r.name == spec.name and r.state == "running"]
         for r in alive:
             stop(s, r, grace_s=grace_s)
         stopped = tuple(r.run_id for r in alive)
-    done = s.run(shellcmd.launch_script(spec), f"launching {spec.run_id}")
+    wait = spec.liveness.wait_s if wait_s is None else wait_s
+    t0 = time.monotonic()
+    done = s.run(shellcmd.launch_script(spec, probe_after_s=wait), f"launching {spec.run_id}", timeout_s=wait + 60)
     words = parse.tagged(done.out, "DFLASH_LAUNCHED")
     if not words or not words[0].isdigit():
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
-    pid = int(words[0])
-    t0 = time.monotonic()
-    status, line = prove_alive(s, spec, wait_s=spec.liveness.wait_s if wait_s is None else wait_s, sleep=sleep)
-    return Launched(spec=spec, target=s.target.label, pid=pid, command=done.command, status=status,
+    deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
+    status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep)
+    return Launched(spec=spec, target=s.target.label, pid=int(words[0]), command=done.command, status=status,
                     matched_line=line, verified_after_s=time.monotonic() - t0, stopped_first=stopped)
 
 
-def prove_alive(s: Session, spec: RunSpec, *, wait_s: float,
+def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: float,
                 sleep: Callable[[float], None] = time.sleep) -> tuple[RunStatus, str | None]:
-    """After `wait_s`, the run must still be alive and a log line must match the liveness pattern; polled until
-    `liveness.timeout_s` (from launch) if set. A run that already exited 0 counts as proven. Else RunFailed."""
+    """The run must still be alive and some log line must match the liveness pattern; re-probed every POLL_S
+    until `deadline` (monotonic). A run that already exited 0 counts as proven. Else RunFailed (exit 4)."""
     pattern = re.compile(spec.liveness.pattern)
-    deadline = time.monotonic() + max(wait_s, spec.liveness.timeout_s or 0.0)
-    sleep(wait_s)
     while True:
-        probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run", ok=(0,)).stdout)
         if probe.raw is None:
             raise RemoteFailed(f"run dir of {spec.run_id} is unreadable on {s.target.label}")
         status = parse.status(probe.raw, {"name": spec.name, "runbook": spec.runbook}, probe.now, spec.runs_dir)
@@ -140,10 +139,11 @@ def prove_alive(s: Session, spec: RunSpec, *, wait_s: float,
             return status, matched
         if time.monotonic() >= deadline:
             raise RunFailed(f"run {spec.run_id} is alive (pid {status.pid}) but no log line matched "
-                            f"/{spec.liveness.pattern}/ within {max(wait_s, spec.liveness.timeout_s or 0):g} s",
+                            f"/{spec.liveness.pattern}/ in time",
                             hint=f"it goes on; `dflash-ops tail {spec.run_id}` or `dflash-ops stop {spec.run_id}`",
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         sleep(POLL_S)
+        probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run").stdout)
 
 
 # -- stop -----------------------------------------------------------------------------------------------------
@@ -171,7 +171,8 @@ def tail_start(s: Session, run: RunStatus, lines: int) -> int:
 
 def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], None], keep_following: bool = True,
            poll_s: float = TAIL_POLL_S, sleep: Callable[[float], None] = time.sleep,
-           reconnect_budget_s: float = RECONNECT_BUDGET_S) -> RunStatus:
+           reconnect_budget_s: float = RECONNECT_BUDGET_S,
+           notify: Callable[[str], None] = lambda message: None) -> RunStatus:
     """Emit complete log lines from byte `start`; with `keep_following`, until the run ends.
 
     Survives dropped connections: reconnects with bounded backoff and resumes at the exact byte offset
@@ -183,7 +184,9 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
         try:
             done = s.run(shellcmd.tail_chunk_script(run.run_dir, asm.offset), f"reading {run.run_id}'s log",
                          timeout_s=30.0)
-        except HostUnreachable:
+        except HostUnreachable as exc:
+            if lost_since is None:
+                notify(f"{exc.message}; reconnecting (resuming at byte {asm.offset})")
             lost_since = lost_since or time.monotonic()
             if time.monotonic() - lost_since > reconnect_budget_s:
                 raise

@@ -112,12 +112,14 @@ def clear_cache_step(spec: RunSpec) -> str:
 PRE_BUILDERS = {"clear_inductor_cache": clear_cache_step}
 
 
-def launch_script(spec: RunSpec) -> str:
+def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
     """Create the run dir, refuse a live duplicate, run pre-steps, start the job detached, print its pid.
 
     `flock` on `<runs>/.launch.lock` serialises launches in one runs dir (fd 9 is closed for the job so the lock
     is released when this script ends). The `cd ... || exit 1;` then `nohup ... &` on its own line avoids the
     `a && b & ` trap (which would background the whole list and hold the channel open).
+    With `probe_after_s`, the same call then releases the lock, sleeps and prints `probe_script`'s output, so
+    launch-to-verified costs one round trip after the liveness wait.
     """
     rd = q(spec.run_dir)
     parts = [
@@ -139,6 +141,8 @@ def launch_script(spec: RunSpec) -> str:
         "printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid\n",
         "printf 'DFLASH_LAUNCHED %s\\n' \"$pid\"\n",
     ]
+    if probe_after_s is not None:
+        parts += ["exec 9>&-\n", f"sleep {max(0.0, float(probe_after_s)):.3f}\n", _probe_body(spec.run_dir, LOG_TAIL_BYTES)]
     return "".join(parts)
 
 
@@ -156,7 +160,11 @@ def list_script(runs_dir: str) -> str:
 
 def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
     """State of one run, then `DFLASH_LOG` and the last `tail_bytes` of its log."""
-    return (PRELUDE + f"D={q(run_dir)}\n"
+    return PRELUDE + _probe_body(run_dir, tail_bytes)
+
+
+def _probe_body(run_dir: str, tail_bytes: int) -> str:
+    return (f"D={q(run_dir)}\n"
             "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'dflash_state "$D"\n'

@@ -226,6 +226,8 @@ def _drain(chan, timeout_s: float | None) -> tuple[bytes, bytes, int]:
         err += chan.recv_stderr(65536)
     code = chan.recv_exit_status()
     chan.close()
+    if code == -1:  # paramiko's "closed without an exit status": the connection dropped mid-command
+        raise EOFError("channel closed without an exit status")
     return bytes(out), bytes(err), code
 
 

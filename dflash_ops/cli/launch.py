@@ -34,7 +34,7 @@ def launch(
         book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
         spec = ops.plan(session, book, name=name, extra_args=tuple(args or ()))
         if dry_run:
-            render.dry_run(spec, ops.dry_run(session, spec).command, json_out=json_out)
+            render.dry_run(spec, ops.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
             return
         try:
             launched = ops.launch(session, spec, force=force, wait_s=wait)

@@ -115,4 +115,5 @@ def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None
     if how == "not_running":
         _out(f"run {run_id} is not running ({status.state_text}); nothing to stop")
     else:
-        _out(f"stopped {run_id}: {how} ({status.state_text})")
+        signal = "SIGTERM" if how == "terminated" else "SIGKILL after the grace period"
+        _out(f"stopped {run_id} with {signal}; state: {status.state_text}")

@@ -47,7 +47,8 @@ def follow_run(session, status, *, start: int, keep_following: bool = True) -> N
         out.flush()
 
     try:
-        final = ops.follow(session, status, start=start, emit=emit, keep_following=keep_following)
+        final = ops.follow(session, status, start=start, emit=emit, keep_following=keep_following,
+                           notify=render.info)
     except KeyboardInterrupt:
         render.info(f"stopped tailing; run {status.run_id} goes on")
         raise typer.Exit(130) from None

@@ -261,9 +261,9 @@ class Sshd:
 
 
 def _wait_gone(pids: list[int], *, timeout_s: float) -> None:
-    """Wait until none of `pids` is alive; SIGKILL the stragglers at the deadline."""
+    """Wait until every one of `pids` has exited and been reaped; SIGKILL the still-living at the deadline."""
     deadline = time.monotonic() + timeout_s
-    while any(procfs.is_alive(p) for p in pids):
+    while any(procfs.state(p) is not None for p in pids):
         if time.monotonic() > deadline:
             for pid in pids:
                 if procfs.is_alive(pid):

@@ -4,7 +4,9 @@ These tests use paramiko directly (not the CLI), so a harness bug cannot hide be
 """
 from __future__ import annotations
 
+import hashlib
 import shlex
+import socket
 import threading
 import time
 from pathlib import Path
@@ -138,6 +140,17 @@ def test_hostile_strings_round_trip_byte_exact(sshd, container, value):
     assert via_argv.stdout == value.encode()
 
 
+def test_pct_exec_passes_stdin_through(sshd, container):
+    payload = b"line one\n\x00binary\xff\nlast"
+    with connect(sshd) as client:
+        stdin, stdout, _stderr = client.exec_command(pct_command(container, "sha256sum"), timeout=30)
+        stdin.write(payload)
+        stdin.channel.shutdown_write()
+        digest = stdout.read().split()[0].decode()
+        assert stdout.channel.recv_exit_status() == 0
+    assert digest == hashlib.sha256(payload).hexdigest()
+
+
 def test_shim_adds_no_parse_of_its_own(sshd, container):
     """Exactly one parse (the login shell's) before argv: an eval-based mock would expand `$HOME` and split `a b`."""
     with connect(sshd) as client:
@@ -148,8 +161,10 @@ def test_shim_adds_no_parse_of_its_own(sshd, container):
 def test_container_has_its_own_pid_uts_and_proc(sshd, container):
     with connect(sshd) as client:
         result = run(client, pct_command(container, "bash", "-c", "echo $$; hostname; cat /proc/1/cmdline | tr '\\0' ' '"))
+        host_name = run(client, "hostname").stdout.decode().strip()
     pid, hostname, init_cmdline = result.stdout.decode().splitlines()
     assert hostname == f"ct{container.ctid}"
+    assert host_name != hostname and host_name == socket.gethostname()  # the host's name is untouched
     assert "ct_init.py" in init_cmdline
     assert int(pid) < 100  # a fresh PID namespace, not the host's numbering
 

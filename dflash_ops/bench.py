@@ -1,0 +1,109 @@
+"""`python -m dflash_ops.bench`: print the CLI's performance figures (not a test).
+
+  help_cold_start_s     median wall time of N fresh `python -m dflash_ops --help` processes
+  launch_overhead_s     launch-to-verified minus the liveness wait (median of K launches)
+  tail_latency_s        line written (job's clock) -> line emitted by `follow` (median and max)
+
+Against the local transport by default; `--inventory FILE --host H [--ct N]` measures a remote target (the
+tail latency then also contains the clock offset between the two machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JOB = ("import sys, time\nprint('bench started', flush=True)\nend = time.time() + float(sys.argv[1])\n"
+       "while time.time() < end:\n    print('t=%.6f' % time.time(), flush=True)\n    time.sleep(0.25)\n")
+
+
+def help_cold_start(n: int) -> list[float]:
+    repo = str(Path(__file__).resolve().parent.parent)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "dflash_ops", "--help"], stdout=subprocess.DEVNULL, check=True,
+                       cwd=repo, env={"PYTHONPATH": repo, "PATH": "/usr/bin:/bin"})
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _session(args):
+    from dflash_ops import inventory, transport
+    from dflash_ops.ops import Session
+
+    inv = inventory.load_inventory(Path(args.inventory) if args.inventory else None)
+    target = inventory.resolve_target(inv, args.host, args.ct)
+    return Session(target=target, transport=transport.for_host(target.host))
+
+
+def _book(seconds: float, wait_s: float):
+    from dflash_ops.spec import Liveness, Runbook
+
+    return Runbook(name="bench", command=("{python}", "-c", JOB, str(seconds)),
+                   liveness=Liveness(wait_s=wait_s, pattern="bench started"))
+
+
+def launch_overheads(s, k: int, wait_s: float) -> list[float]:
+    from dflash_ops import ops
+
+    out = []
+    for i in range(k):
+        spec = ops.plan(s, _book(30, wait_s), name=f"bench-launch-{i}")
+        launched = ops.launch(s, spec)
+        out.append(launched.verified_after_s - wait_s)
+        ops.stop(s, launched.status, grace_s=2)
+    return out
+
+
+def tail_latencies(s, seconds: float) -> list[float]:
+    from dflash_ops import ops
+
+    spec = ops.plan(s, _book(seconds, 0.2), name="bench-tail")
+    launched = ops.launch(s, spec)
+    lat: list[float] = []
+
+    def emit(line: bytes) -> None:
+        if line.startswith(b"t="):
+            lat.append(time.time() - float(line[2:]))
+
+    ops.follow(s, launched.status, start=0, emit=emit)
+    return lat
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--inventory")
+    p.add_argument("--host")
+    p.add_argument("--ct")
+    p.add_argument("-n", type=int, default=10, help="--help runs")
+    p.add_argument("-k", type=int, default=3, help="launches")
+    p.add_argument("--wait", type=float, default=1.0, help="liveness wait of the bench launches")
+    p.add_argument("--tail-seconds", type=float, default=6.0)
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as state:
+        import os
+
+        if not args.host:
+            os.environ["XDG_STATE_HOME"] = state  # local runs land in a throwaway dir
+        h = help_cold_start(args.n)
+        print(f"help_cold_start_s   median {statistics.median(h):.3f}  min {min(h):.3f}  max {max(h):.3f}  (n={args.n})")
+        s = _session(args)
+        try:
+            lo = launch_overheads(s, args.k, args.wait)
+            print(f"launch_overhead_s   median {statistics.median(lo):.3f}  max {max(lo):.3f}  "
+                  f"(launch-to-verified minus wait {args.wait:g} s, k={args.k}, target {s.target.label})")
+            tl = tail_latencies(s, args.tail_seconds)
+            print(f"tail_latency_s      median {statistics.median(tl):.3f}  max {max(tl):.3f}  (lines={len(tl)})")
+        finally:
+            s.transport.close()
+
+
+if __name__ == "__main__":
+    main()

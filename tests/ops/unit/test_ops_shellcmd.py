@@ -1,0 +1,101 @@
+"""Golden tests of the pure shell builders: parse what we build back with shlex and compare to the intent."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+
+from dflash_ops import shellcmd
+from dflash_ops.spec import Container, Host, Liveness, RunSpec, Target
+
+HOSTILE = ("it's \"q\"", "$(id)", "`id`", "a; b && c | d", "new\nline", "back\\slash", " ", "", "\u4e2d\U0001f600",
+           "${HOME}", "'", '"', "--", "-c")
+
+
+def spec(argv=("python3", "-m", "trainer", *HOSTILE), env=(("HOSTILE", "x'; $(id)\n`id`"),), pre=()) -> RunSpec:
+    return RunSpec(run_id="r1-20260101T000000-abcd", name="r1", runbook="rb", argv=tuple(argv),
+                   workdir="/runs dir/it's/r1-20260101T000000-abcd", env=env, pre=pre, runs_dir="/runs dir/it's",
+                   host="pve1", ct="200", liveness=Liveness())
+
+
+PVE = Target(Host(name="pve1", transport="proxmox", address="10.1.2.6", pct="/usr/sbin/pct"), Container(ctid="200"))
+
+
+def _launch_command(script: str) -> str:
+    start = script.index("DFLASH_OPS_RUN_ID=r1-")
+    return script[start:script.index(" 9>&- &\n", start) + len(" 9>&- &")]
+
+
+def _wrapped(script: str) -> str:
+    words = shlex.split(_launch_command(script))
+    assert words[:5] == ["DFLASH_OPS_RUN_ID=r1-20260101T000000-abcd", "nohup", "setsid", "bash", "-c"]
+    assert words[6:] == [">>output.log", "2>&1", "</dev/null", "9>&-", "&"]
+    return words[5]
+
+
+def test_two_parses_give_back_the_pct_argv_and_the_script():
+    script = shellcmd.launch_script(spec())
+    sent = shellcmd.command_string(shellcmd.target_argv(PVE, script))
+    argv = shlex.split(sent)  # parse 1: the PVE host's login shell
+    assert argv[:9] == ["/usr/sbin/pct", "exec", "200", "--", "env", "-i", "HOME=/root", argv[7], "bash"]
+    assert argv[7].startswith("PATH=/usr/local/sbin:") and argv[9:] == ["-c", script]
+
+
+def test_the_job_argv_survives_every_layer_byte_exact():
+    s = spec()
+    wrapped = _wrapped(shellcmd.launch_script(s))      # parse 2: bash -c SCRIPT
+    run_line = wrapped[wrapped.index("cd -- "):wrapped.index("\nrc=$?")]
+    words = shlex.split(run_line)                      # parse 3: bash -c WRAPPED
+    assert words[:4] == ["cd", "--", s.workdir, "&&"] and tuple(words[4:]) == s.argv
+    exports = wrapped[wrapped.index("export "):wrapped.index("\ncd -- ")]
+    assert shlex.split(exports) == ["export", "HOSTILE=x'; $(id)\n`id`"]
+
+
+def test_the_plain_host_argv_is_bash_c():
+    assert shellcmd.target_argv(Target(Host(name="h", transport="ssh")), "echo") == ["bash", "-c", "echo"]
+
+
+def test_trap_ordering_nohup_line_is_alone():
+    """The `&` must background only the nohup command: never `a && nohup ... &` (research/ops.md 1.5)."""
+    script = shellcmd.launch_script(spec())
+    command = _launch_command(script)
+    start = script.index(command)
+    assert script[start - 1] == "\n" and script[start + len(command)] == "\n"
+    assert script[:start].rstrip().endswith("|| exit 1")  # the cd before it is its own list
+
+
+def test_run_json_prefix_is_json_once_closed():
+    import json
+
+    s = spec()
+    body = json.loads(shellcmd.run_json_prefix(s) + "1700000000}")
+    assert body["argv"] == list(s.argv) and body["env_keys"] == ["HOSTILE"] and body["started_at"] == 1700000000
+    assert "\n" not in shellcmd.run_json_prefix(s)
+
+
+def test_clear_cache_uses_the_runbooks_cache_dir_quoted():
+    s = spec(env=(("TORCHINDUCTOR_CACHE_DIR", "/c a/$(id)"),), pre=("clear_inductor_cache",))
+    script = shellcmd.launch_script(s)
+    assert "TORCHINDUCTOR_CACHE_DIR='/c a/$(id)'" in script
+    assert 'rm -rf -- "$cache"' in script
+    assert script.index("DFLASH_REFUSED cache") < script.index("rm -rf") < script.index("nohup")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: shellcmd.launch_script(spec(pre=("clear_inductor_cache",))),
+    lambda: shellcmd.wrapper_script(spec()),
+    lambda: shellcmd.list_script("/r'uns"),
+    lambda: shellcmd.probe_script("/r/x-20260101T000000-abcd"),
+    lambda: shellcmd.tail_start_script("/r/x", 5),
+    lambda: shellcmd.tail_chunk_script("/r/x", 10),
+    lambda: shellcmd.stop_script("/r/x", 2.5),
+])
+def test_every_script_is_valid_bash(build):
+    done = subprocess.run(["bash", "-n", "-c", build()], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_stop_script_grace_is_in_tenths():
+    assert "[ $i -lt 25 ]" in shellcmd.stop_script("/r/x", 2.5)
