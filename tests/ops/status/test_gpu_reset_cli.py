@@ -57,7 +57,8 @@ def test_asks_first_and_declining_kills_nothing(tmp_path, gpu_env, holders):
     assert res.exit_code == 1 and alive(pid)
     assert "will kill on local" in res.stdout and str(pid) in res.stdout and "process group" in res.stdout
     res = cli("gpu-reset", "--host", "local", "--grace", "0.2", input="y\n")
-    assert res.exit_code == 0, res.output and not alive(pid)
+    assert res.exit_code == 0, res.output
+    assert not alive(pid)
     assert "before -> after" in res.stdout
 
 
