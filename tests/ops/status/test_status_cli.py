@@ -127,3 +127,23 @@ def test_eight_containers_one_connection_with_a_hung_host_and_a_stopped_containe
     finally:
         silent.close()
         _stop(tb.inventory, tb.host, run["run_id"], ct_run.ctid)
+
+
+def test_watch_json_prints_one_document_per_refresh_until_ctrl_c(tmp_path, gpu_env):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "status", "--host", "local", "--watch", "--json",
+                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path)
+    try:
+        docs = [json.loads(proc.stdout.readline()) for _ in range(3)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    assert rc == 0 and all(d["hosts"][0]["host"] == "local" and d["hosts"][0]["gpu"]["available"] for d in docs)
