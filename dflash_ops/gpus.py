@@ -345,10 +345,12 @@ fi
 echo "@@CTNS"
 for ct in $ctids; do printf '%s %s\n' "$ct" "$("$pct" exec "$ct" -- readlink /proc/self/ns/pid 2>/dev/null)"; done
 echo "@@FDS"
-fds=$(find /proc/[0-9]*/fd -maxdepth 1 -lname "$glob" -printf '%h %l\n' 2>/dev/null | sed 's#^/proc/\([0-9]*\)/fd #\1 #')
+fds=$(find /proc/[0-9]*/fd -maxdepth 1 -lname "$glob" -printf '%h %l\n' 2>/dev/null \
+      | sed 's#^/proc/\([0-9]*\)/fd #\1 #')
 [ -n "$fds" ] && printf '%s\n' "$fds"
 echo "@@PROCS"
-pids=$({ printf '%s\n' "${apps:-}" | cut -d, -f1; printf '%s\n' "$fds" | cut -d' ' -f1; } | tr -d ' ' | grep -E '^[0-9]+$' | sort -un)
+pids=$({ printf '%s\n' "${apps:-}" | cut -d, -f1; printf '%s\n' "$fds" | cut -d' ' -f1; } \
+       | tr -d ' ' | grep -E '^[0-9]+$' | sort -un)
 for pid in $pids; do
   stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
   nspid=$(grep -m1 '^NSpid:' "/proc/$pid/status" 2>/dev/null | tr '\t' ' ')
@@ -391,7 +393,8 @@ left() { local n=0; for t in $targets; do IFS=: read -r pid start pg <<<"$t"
            if alive "$pid" "$start"; then n=$((n+1))
            elif [ "$pg" != 0 ] && [[ "$protect" != *" $pg "* ]] && kill -0 -- "-$pg" 2>/dev/null; then n=$((n+1)); fi
          done; echo "$n"; }
-wait_gone() { local end=$(( $(now_us) + $1 )); while [ "$(left)" != 0 ] && [ "$(now_us)" -lt "$end" ]; do sleep 0.05; done; }
+wait_gone() { local end=$(( $(now_us) + $1 ))
+             while [ "$(left)" != 0 ] && [ "$(now_us)" -lt "$end" ]; do sleep 0.05; done; }
 present=""
 for t in $targets; do IFS=: read -r pid start pg <<<"$t"
   if alive "$pid" "$start"; then present="$present $t"; else echo "R $pid absent"; fi
@@ -400,7 +403,9 @@ targets=$present
 signal TERM; wait_gone "$grace_us"
 for t in $targets; do IFS=: read -r pid start pg <<<"$t"; alive "$pid" "$start" || echo "R $pid term"; done
 if [ "$(left)" != 0 ]; then signal KILL; wait_gone 5000000; fi
-for t in $targets; do IFS=: read -r pid start pg <<<"$t"; alive "$pid" "$start" && echo "R $pid alive" || echo "R $pid gone"; done
+for t in $targets; do IFS=: read -r pid start pg <<<"$t"
+  if alive "$pid" "$start"; then echo "R $pid alive"; else echo "R $pid gone"; fi
+done
 echo "@@END"
 """
 

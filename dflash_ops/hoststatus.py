@@ -19,7 +19,7 @@ import shlex
 from dataclasses import dataclass, replace
 
 from dflash_ops import gpus, metrics_line, parse, shellcmd
-from dflash_ops.spec import PROXMOX, RUNNING, Host, RunStatus, Target
+from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
 
 SECTION = "%%DFLASH "
 PART_TIMEOUT_S = 15
@@ -70,14 +70,8 @@ def targets_of(host: Host, ct: str | None = None) -> list[Target]:
     if host.transport != PROXMOX:
         return [Target(host)]
     if ct is not None:
-        return [Target(host, host.container(ct) or _bare_container(ct))]
+        return [Target(host, host.container(ct) or Container(ctid=ct))]
     return [Target(host, c) for c in host.containers]
-
-
-def _bare_container(ct: str):
-    from dflash_ops.spec import Container
-
-    return Container(ctid=ct)
 
 
 def target_script(runs_dir: str) -> str:

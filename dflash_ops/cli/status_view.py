@@ -95,11 +95,13 @@ def runs_table(hs: HostStatus):
     for col in ("target", "name", "run id", "state", "pid", "uptime", "step", "loss", "tok/s", "acc", "gpus"):
         table.add_column(col, no_wrap=True)
     colors = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
+    if not hs.targets:
+        table.add_row(hs.host, "-", "(no containers listed for this host in the inventory)", *[""] * 8)
     for t in hs.targets:
         if t.error:
-            table.add_row(t.label, "[red]unreachable[/]", t.error, "", "", "", "", "", "", "", "")
+            table.add_row(t.label, "[red]unreachable[/]", t.error, *[""] * 8)
         elif not t.runs:
-            table.add_row(t.label, "-", "(no runs)", "", "", "", "", "", "", "", "")
+            table.add_row(t.label, "-", "(no runs)", *[""] * 8)
         for row in t.runs:
             r, m = row.status, row.metrics
             color = "red" if r.state == "exited" and r.exit_code else colors.get(r.state, "white")

@@ -112,6 +112,7 @@ def test_proxmox_reset_is_scoped_to_the_container_then_all_then_hard(testbed, ho
     out = json.loads(res.stdout)
     assert all(g["memory_used_mib"] == 0 for g in out["after"])
     assert len(out["resets"]) == 8 and all(r["ok"] for r in out["resets"])
+    assert tb.sshd.running     # the kill scripts ran over it: our own session and sshd were never signalled
     assert json.loads(gpu_env.state.read_text())["resets"] == [g["uuid"] for g in out["after"]]
 
 
