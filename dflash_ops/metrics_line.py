@@ -17,6 +17,7 @@ METRICS_PREFIX = "DFLASH_METRICS "
 DONE_PREFIX = "DFLASH_DONE "
 # A remote `tail -c N | grep -a -e PATTERN` keeps only candidate lines; the parser still checks each one.
 GREP_PATTERN = "DFLASH_\\(METRICS\\|DONE\\) {"
+NON_FINITE = {"nan", "inf", "-inf", "infinity", "-infinity"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Metrics:
 
 def _number(obj: dict, key: str) -> float | None:
     value = obj.get(key)
+    if isinstance(value, str) and value.lower() in NON_FINITE:
+        value = float(value)     # strict-JSON writers spell a non-finite loss as "nan" / "inf"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     if not math.isfinite(value) and key != "loss":

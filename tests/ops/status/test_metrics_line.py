@@ -28,6 +28,12 @@ def test_nan_loss_is_kept_other_non_finite_values_dropped():
     assert math.isnan(m.loss) and m.acc is None
 
 
+def test_non_finite_loss_spelled_as_a_string_as_the_trainer_writes_it():
+    m = parse_metrics_line('DFLASH_METRICS {"step": 8, "loss": "nan", "acc": null, "total_steps": 10}')
+    assert m.step == 8 and math.isnan(m.loss) and m.acc is None
+    assert parse_metrics_line('DFLASH_METRICS {"step": 8, "loss": "high"}') is None
+
+
 def test_prefix_after_carriage_return_progress_output():
     assert parse_metrics_line('\r 40%|####  DFLASH_METRICS {"step": 7, "loss": 2.0}').step == 7
 
