@@ -92,8 +92,12 @@ def runs_table(hs: HostStatus):
     from rich.table import Table
 
     table = Table(title=f"runs on {hs.host}", title_justify="left")
+    ids = [row.status.run_id for t in hs.targets for row in t.runs]
+    labels = [t.label for t in hs.targets]
+    # ids and targets are copied into other commands: never fold or ellipsize them
+    widths = {"run id": max(map(len, ids), default=None), "target": max(map(len, labels), default=None)}
     for col in ("target", "name", "run id", "state", "pid", "uptime", "step", "loss", "tok/s", "acc", "gpus"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=True, min_width=widths.get(col))
     colors = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
     if not hs.targets:
         table.add_row(hs.host, "-", "(no containers listed for this host in the inventory)", *[""] * 8)
