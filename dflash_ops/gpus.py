@@ -345,7 +345,7 @@ fi
 echo "@@CTNS"
 for ct in $ctids; do printf '%s %s\n' "$ct" "$("$pct" exec "$ct" -- readlink /proc/self/ns/pid 2>/dev/null)"; done
 echo "@@FDS"
-fds=$(find /proc/[0-9]*/fd -maxdepth 1 -lname "$glob" -printf '%h %l\n' 2>/dev/null \
+fds=$(find /proc/[0-9]*/fd -maxdepth 1 \( -lname "$glob" -o -lname "$glob2" \) -printf '%h %l\n' 2>/dev/null \
       | sed 's#^/proc/\([0-9]*\)/fd #\1 #')
 [ -n "$fds" ] && printf '%s\n' "$fds"
 echo "@@PROCS"
@@ -363,6 +363,12 @@ echo "@@END"
 """
 
 
+def _outside_view(dev_glob: str) -> str:
+    """How a container's bind-mounted /dev/nvidia0 may read from the host's /proc (relative to devtmpfs, whose
+    mount the host reader cannot reach): `/nvidia0`. [UNVERIFIED on PVE; compute apps remain the primary source.]"""
+    return dev_glob[len("/dev"):] if dev_glob.startswith("/dev/") else dev_glob
+
+
 def probe_script(*, nvidia_smi: str = "nvidia-smi", dev_glob: str = DEFAULT_DEV_GLOB,
                  pct: str = "pct", ctids: tuple[int, ...] = ()) -> str:
     """Bash for the GPU-owning machine: GPUs, compute apps, device-fd holders and their /proc facts (see module doc).
@@ -370,7 +376,7 @@ def probe_script(*, nvidia_smi: str = "nvidia-smi", dev_glob: str = DEFAULT_DEV_
     head = "\n".join([
         f"pct={shlex.quote(pct)}; ctids={shlex.quote(' '.join(str(int(c)) for c in ctids))}",
         "export LC_ALL=C",
-        f"smi={shlex.quote(nvidia_smi)}; glob={shlex.quote(dev_glob)}",
+        f"smi={shlex.quote(nvidia_smi)}; glob={shlex.quote(dev_glob)}; glob2={shlex.quote(_outside_view(dev_glob))}",
         f"gq={shlex.quote(GPU_QUERY)}; aq={shlex.quote(APPS_QUERY)}; fmt={shlex.quote(CSV_FORMAT)}",
         "apps=''",
     ])

@@ -96,5 +96,6 @@ def test_no_gpu_and_truncated_output():
 def test_scripts_quote_every_value():
     script = gpus.probe_script(nvidia_smi="/opt/x y/nvidia-smi", dev_glob="/tmp/a'b/nvidia*")
     assert "smi='/opt/x y/nvidia-smi'" in script and """glob='/tmp/a'"'"'b/nvidia*'""" in script
+    assert "glob2='/nvidia*'" in gpus.probe_script()     # a CT's bind-mounted node as the host may read it
     kill = gpus.kill_script((gpus.KillTarget(pid=10, starttime=99, pgid=None),), grace_s=1.5)
     assert "targets=10:99:0" in kill and "grace_us=1500000" in kill
