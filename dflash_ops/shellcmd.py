@@ -138,6 +138,9 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         f"{MARKER_VAR}={q(spec.run_id)} nohup setsid bash -c {q(wrapper_script(spec))}"
         " >>output.log 2>&1 </dev/null 9>&- &\n",
         "pid=$!\n",
+        # between fork and exec the child's environ lacks the marker: hold the lock until it shows (<= 2 s)
+        f"i=0; while [ $i -lt 200 ] && kill -0 \"$pid\" 2>/dev/null && ! dflash_marked \"$pid\" {q(spec.run_id)};"
+        " do sleep 0.01; i=$((i+1)); done\n",
         "printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid\n",
         "printf 'DFLASH_LAUNCHED %s\\n' \"$pid\"\n",
     ]

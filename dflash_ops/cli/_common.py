@@ -46,9 +46,9 @@ def runbooks_dir(ctx: typer.Context) -> Path:
 
 
 @contextmanager
-def rendered_errors(json_out: bool = False, session=None) -> Iterator[None]:
+def rendered_errors(json_out: bool = False) -> Iterator[None]:
     """The error boundary: an OpsError becomes `error: ...` / `hint: ...` on stderr (or a JSON object on stdout)
-    and its exit code. Other exceptions are bugs and keep their traceback. Closes `session`'s transport."""
+    and its exit code. Other exceptions are bugs and keep their traceback."""
     from dflash_ops.cli import render
 
     try:

@@ -88,6 +88,10 @@ class Env:
             assert time.monotonic() < deadline, f"{path} did not appear"
             time.sleep(0.05)
 
+    @staticmethod
+    def pid_alive(pid: int) -> bool:
+        return pid_alive(pid)
+
     def runs_json(self) -> list[dict]:
         done = self.sub("runs", "--json")
         assert done.returncode == 0, done.stderr

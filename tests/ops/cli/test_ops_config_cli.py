@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
-from tests.ops.conftest import REPO
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_malformed_runbook_yaml_names_file_and_line(ops_env):

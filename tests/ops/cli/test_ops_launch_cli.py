@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops.conftest import pid_alive
 
 
 def _wait_state(env, run_id: str, want: str, timeout: float = 20) -> dict:
@@ -76,11 +75,11 @@ def test_stop_kills_the_whole_group_child_included(ops_env, tmp_path):
     pid = json.loads(done.stdout)["pid"]
     ops_env.wait_for(child_file)
     child = int(child_file.read_text())
-    assert pid_alive(pid) and pid_alive(child) and os.getpgid(child) == pid
+    assert ops_env.pid_alive(pid) and ops_env.pid_alive(child) and os.getpgid(child) == pid
     stop = ops_env.sub("stop", "job", "--grace", "2")
     assert stop.returncode == 0, stop.stderr
     assert "stopped job-" in stop.stdout
-    assert not pid_alive(pid) and not pid_alive(child)
+    assert not ops_env.pid_alive(pid) and not ops_env.pid_alive(child)
     run = ops_env.runs_json()[-1]
     assert run["state"] == "killed"
     again = ops_env.sub("stop", "job")  # idempotent

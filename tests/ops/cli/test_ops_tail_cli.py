@@ -10,7 +10,6 @@ import time
 
 from dflash_ops import inventory, ops, transport
 from dflash_ops.errors import HostUnreachable
-from tests.ops.conftest import pid_alive
 
 
 def _launch(env, *job_args: str) -> dict:
@@ -87,5 +86,5 @@ def test_ctrl_c_stops_tailing_only(ops_env):
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 130
     assert f"stopped tailing; run {run['run_id']} goes on" in err
-    assert pid_alive(run["pid"])
+    assert ops_env.pid_alive(run["pid"])
     assert ops_env.runs_json()[-1]["state"] == "running"

@@ -1,0 +1,56 @@
+"""launch: bare-address targets, --follow, the inductor-cache pre step, and concurrent launches of one name."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+
+def test_bare_address_and_ct_need_no_inventory(ops_env):
+    done = ops_env.cli("launch", "job", "--host", "10.1.2.6", "--ct", "200", "--dry-run")
+    assert done.exit_code == 0, done.output
+    prefix = "ssh root@10.1.2.6:22: "
+    assert done.stdout.startswith(prefix)
+    argv = shlex.split(done.stdout[len(prefix):])
+    assert argv[:6] == ["/usr/sbin/pct", "exec", "200", "--", "env", "-i"] and argv[8:10] == ["bash", "-c"]
+    assert "RUNS=/root/dflash-runs\n" in argv[10]
+
+
+def test_launch_follow_streams_to_the_end(ops_env):
+    done = ops_env.sub("launch", "job", "--follow", "--", "--lines", "8", "--every", "0.1", "--rc", "2")
+    assert done.returncode == 4, done.stderr
+    log = (ops_env.run_dirs()[-1] / "output.log").read_text()
+    assert done.stdout.endswith(log) and "step 7" in log and "exited 2" in done.stderr
+
+
+def _cache_runbook(env, cache) -> None:
+    (env.runbooks / "cached.yaml").write_text(
+        (env.runbooks / "job.yaml").read_text().replace(
+            'PYTHONUNBUFFERED: "1"', f'PYTHONUNBUFFERED: "1"\n  TORCHINDUCTOR_CACHE_DIR: "{cache}"')
+        + "pre: [clear_inductor_cache]\n")
+
+
+def test_clear_inductor_cache_removes_the_cache_and_is_refused_while_a_run_lives(ops_env, tmp_path):
+    cache = tmp_path / "inductor cache"
+    (cache / "triton").mkdir(parents=True)
+    _cache_runbook(ops_env, cache)
+    ok = ops_env.sub("launch", "cached", "--", "--hold")
+    assert ok.returncode == 0, ok.stderr
+    assert not cache.exists()
+    (cache / "triton").mkdir(parents=True)
+    refused = ops_env.sub("launch", "cached", "--name", "other")
+    assert refused.returncode == 5 and "inductor cache" in refused.stderr
+    assert (cache / "triton").is_dir(), "cache cleared while a run was alive"
+    assert len(ops_env.run_dirs()) == 1
+
+
+def test_concurrent_launches_of_one_name_start_exactly_one(ops_env):
+    cmd = [sys.executable, "-m", "dflash_ops", "--runbooks", str(ops_env.runbooks), "launch", "job", "--json",
+           "--", "--hold"]
+    procs = [subprocess.Popen(cmd, env=ops_env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    codes = sorted(p.wait(timeout=60) for p in procs)
+    assert codes == [0, 5, 5], [p.stderr.read() for p in procs]
+    assert [r["state"] for r in ops_env.runs_json()] == ["running"]
