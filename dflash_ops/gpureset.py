@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ops import gpus
+from dflash_ops import gpus, gpuscripts
 from dflash_ops.errors import OpsError, RemoteFailed
 from dflash_ops.hoststatus import GpuSettings
 from dflash_ops.spec import Host
@@ -30,7 +30,7 @@ class GpuStillHeld(OpsError):
 @dataclass(frozen=True)
 class Round:
     plan: gpus.KillPlan
-    report: gpus.KillReport
+    report: gpuscripts.KillReport
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,12 @@ class HostGpus:
     ctids: tuple[int, ...] = ()
 
     def probe(self) -> gpus.GpuSnapshot:
-        script = gpus.probe_script(nvidia_smi=self.settings.nvidia_smi, dev_glob=self.settings.dev_glob,
+        script = gpuscripts.probe_script(nvidia_smi=self.settings.nvidia_smi, dev_glob=self.settings.dev_glob,
                                    pct=self.host.pct, ctids=self.ctids)
         return gpus.parse_probe(self._run(script, "GPU probe", 60).out)
 
-    def kill(self, targets: tuple[gpus.KillTarget, ...], grace_s: float) -> gpus.KillReport:
-        return gpus.parse_kill_report(self._run(gpus.kill_script(targets, grace_s=grace_s), "kill ladder",
+    def kill(self, targets: tuple[gpus.KillTarget, ...], grace_s: float) -> gpuscripts.KillReport:
+        return gpuscripts.parse_kill_report(self._run(gpuscripts.kill_script(targets, grace_s=grace_s), "kill ladder",
                                                 grace_s + 30).out)
 
     def reset(self, uuid: str) -> tuple[bool, str]:

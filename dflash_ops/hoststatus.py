@@ -1,7 +1,7 @@
 """`status` for one host: one script, one round trip, every container of the host covered.
 
 PURE builder and parser, plus `query_host` (the only effect: one `transport.run`). The host script runs, in
-parallel and each under `timeout`, the GPU probe (gpus.probe_script, on the host itself) and one runs listing per
+parallel and each under `timeout`, the GPU probe (gpuscripts.probe_script, on the host itself) and one runs listing per
 target (through `pct exec` for a container), then prints their outputs as sections:
 
     %%DFLASH gpu <rc>                    then the probe's output
@@ -18,7 +18,7 @@ import os
 import shlex
 from dataclasses import dataclass, replace
 
-from dflash_ops import gpus, metrics_line, parse, shellcmd
+from dflash_ops import gpus, gpuscripts, metrics_line, parse, shellcmd
 from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
 
 SECTION = "%%DFLASH "
@@ -92,7 +92,7 @@ def host_script(targets: list[Target], gpu: GpuSettings, *, part_timeout_s: int 
     q = shlex.quote
     lim = f"timeout -k 2 {int(part_timeout_s)}"
     lines = ['tmp=$(mktemp -d) || exit 1', "trap 'rm -rf -- \"$tmp\"' EXIT",
-             f"{{ {lim} bash -c {q(gpus.probe_script(nvidia_smi=gpu.nvidia_smi, dev_glob=gpu.dev_glob))}"
+             f"{{ {lim} bash -c {q(gpuscripts.probe_script(nvidia_smi=gpu.nvidia_smi, dev_glob=gpu.dev_glob))}"
              ' >"$tmp/gpu" 2>/dev/null; echo $? >"$tmp/gpu.rc"; } &']
     for i, t in enumerate(targets):
         argv = shellcmd.target_argv(t, target_script(t.runs_dir))

@@ -3,6 +3,7 @@ holders placed in an emulated container (PID namespace + cgroup `lxc/<ctid>`, as
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -85,8 +86,10 @@ class Holders:
             self.cgroups.append(cg)
             # PID 1 of the namespace is a shell that reaps; the holder is its child and leads its own session there,
             # as a run launched with `nohup setsid` under CT init.
-            argv = ["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec unshare --pid --fork sh -c 'setsid \"$@\" & wait' sh "
-                    + " ".join(argv)]
+            procs = shlex.quote(str(cg / "cgroup.procs"))
+            inner = "setsid \"$@\" & wait"
+            argv = ["sh", "-c", f"echo $$ > {procs} && exec unshare --pid --fork sh -c {shlex.quote(inner)} sh "
+                    + shlex.join(argv)]
         proc = subprocess.Popen(argv, env=env, start_new_session=new_session)
         self.procs.append(proc)
         threading.Thread(target=proc.wait, daemon=True).start()

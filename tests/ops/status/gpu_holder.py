@@ -28,7 +28,8 @@ def main() -> None:
     held = [open(path, "rb") for path in args.dev]  # noqa: SIM115 -- kept open on purpose: that is the holding
     if args.child:
         argv = [sys.executable, __file__, "--hold", args.child, "--ready", args.ready + ".child"]
-        subprocess.Popen(argv + [f"--dev={d}" for d in args.dev])   # same process group: the worker dies with its trainer's group
+        # same process group: the worker dies with its trainer's group
+        subprocess.Popen(argv + [f"--dev={d}" for d in args.dev])
         while not os.path.exists(args.ready + ".child"):
             time.sleep(0.01)
     with open(args.ready + ".tmp", "w") as f:

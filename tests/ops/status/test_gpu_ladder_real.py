@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from dflash_ops import gpus
+from dflash_ops import gpus, gpuscripts
 
 
 def run_bash(script: str) -> str:
@@ -15,7 +15,7 @@ def run_bash(script: str) -> str:
 
 
 def probe(fake) -> gpus.GpuSnapshot:
-    return gpus.parse_probe(run_bash(gpus.probe_script(nvidia_smi=str(fake.nvidia_smi), dev_glob=fake.dev_glob)))
+    return gpus.parse_probe(run_bash(gpuscripts.probe_script(nvidia_smi=str(fake.nvidia_smi), dev_glob=fake.dev_glob)))
 
 
 def alive(pid: int) -> bool:
@@ -27,7 +27,7 @@ def alive(pid: int) -> bool:
 
 
 def test_probe_without_nvidia_smi_says_so(tmp_path):
-    snap = gpus.parse_probe(run_bash(gpus.probe_script(nvidia_smi=str(tmp_path / "absent"),
+    snap = gpus.parse_probe(run_bash(gpuscripts.probe_script(nvidia_smi=str(tmp_path / "absent"),
                                                        dev_glob=f"{tmp_path}/nvidia*")))
     assert snap.no_gpu_reason.startswith("nvidia-smi not found") and snap.gpus == () and snap.apps == ()
 
@@ -48,7 +48,7 @@ def test_ladder_kills_group_including_the_child_then_gpus_read_zero(fake_gpus, h
     parent = holders.start(gpu=0, mib=2048, child="0:4096")
     plan = gpus.plan_kill(probe(fake_gpus), gpus.Scope())
     assert {t.pgid for t in plan.targets} == {parent}
-    report = gpus.parse_kill_report(run_bash(gpus.kill_script(plan.targets, grace_s=5)))
+    report = gpuscripts.parse_kill_report(run_bash(gpuscripts.kill_script(plan.targets, grace_s=5)))
     assert set(report.died_on_term) == {t.pid for t in plan.targets} and report.alive == ()
     after = probe(fake_gpus)
     assert gpus.is_idle(after) and gpus.find_holders(after) == ()
@@ -57,7 +57,7 @@ def test_ladder_kills_group_including_the_child_then_gpus_read_zero(fake_gpus, h
 def test_ladder_escalates_to_sigkill_after_grace(fake_gpus, holders):
     stubborn = holders.start(gpu=1, mib=1024, ignore_term=True)
     plan = gpus.plan_kill(probe(fake_gpus), gpus.Scope())
-    report = gpus.parse_kill_report(run_bash(gpus.kill_script(plan.targets, grace_s=0.3)))
+    report = gpuscripts.parse_kill_report(run_bash(gpuscripts.kill_script(plan.targets, grace_s=0.3)))
     assert report.died_on_term == () and report.gone == (stubborn,) and not alive(stubborn)
 
 
@@ -65,7 +65,7 @@ def test_holder_in_our_process_group_is_killed_alone(fake_gpus, holders):
     mine = holders.start(gpu=2, mib=512, new_session=False)    # shares pytest's group: never signal that group
     plan = gpus.plan_kill(probe(fake_gpus), gpus.Scope())
     assert [(t.pid, t.pgid) for t in plan.targets] == [(mine, None)]
-    gpus.parse_kill_report(run_bash(gpus.kill_script(plan.targets, grace_s=5)))
+    gpuscripts.parse_kill_report(run_bash(gpuscripts.kill_script(plan.targets, grace_s=5)))
     assert not alive(mine) and alive(os.getpid())
 
 
@@ -73,7 +73,7 @@ def test_kill_script_refuses_reused_pid(fake_gpus, holders):
     pid = holders.start(gpu=0, mib=100)
     (target,) = gpus.plan_kill(probe(fake_gpus), gpus.Scope()).targets
     wrong = gpus.KillTarget(pid=target.pid, starttime=target.starttime + 1, pgid=target.pgid)
-    report = gpus.parse_kill_report(run_bash(gpus.kill_script((wrong,), grace_s=0.2)))
+    report = gpuscripts.parse_kill_report(run_bash(gpuscripts.kill_script((wrong,), grace_s=0.2)))
     assert alive(pid) and report.absent == (pid,) and report.died_on_term == report.gone == ()
 
 
@@ -87,7 +87,7 @@ def test_container_holders_map_to_ct_pids_and_are_scoped(fake_gpus, holders):
     assert child.ctid == 931 and child.ct_pgid == found[in_ct].ct_pid == 2  # the run's pid file
     plan = gpus.plan_kill(snap, gpus.Scope(ctid=931))
     assert {t.pid for t in plan.targets} == {in_ct, child.pid}
-    gpus.parse_kill_report(run_bash(gpus.kill_script(plan.targets, grace_s=5)))
+    gpuscripts.parse_kill_report(run_bash(gpuscripts.kill_script(plan.targets, grace_s=5)))
     after = gpus.find_holders(probe(fake_gpus))
     assert [h.pid for h in after] == [on_host] and alive(on_host)
 
@@ -103,14 +103,15 @@ def test_holder_started_through_pct_maps_by_pid_namespace(tmp_path, fake_gpus):
 
     with EmulatedContainer(412, tmp_path / "pve") as ct:
         ready = tmp_path / "ct-holder.ready"
-        argv = [sys.executable, str(HOLDER), "--hold", fake_gpus.hold(7, 900), "--ready", str(ready), "--dev", fake_gpus.dev("nvidia7")]
+        argv = [sys.executable, str(HOLDER), "--hold", fake_gpus.hold(7, 900), "--ready", str(ready),
+                "--dev", fake_gpus.dev("nvidia7")]
         ct.pct_exec("bash", "-c", f"setsid {shlex.join(argv)} </dev/null >/dev/null 2>&1 &", check=True)
         deadline = time.monotonic() + 20
         while not ready.exists():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         pid = host_pid_of(ready)
-        script = gpus.probe_script(nvidia_smi=str(fake_gpus.nvidia_smi), dev_glob=fake_gpus.dev_glob,
+        script = gpuscripts.probe_script(nvidia_smi=str(fake_gpus.nvidia_smi), dev_glob=fake_gpus.dev_glob,
                                    pct=str(ct.pct), ctids=(412, 413))
         snap = gpus.parse_probe(run_bash(script))
         (holder,) = gpus.find_holders(snap)

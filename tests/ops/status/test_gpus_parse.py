@@ -1,5 +1,5 @@
 """Pure parsers and the kill plan, on text shaped like real nvidia-smi and /proc output."""
-from dflash_ops import gpus
+from dflash_ops import gpus, gpuscripts
 
 PROBE = """@@SELF 900 899 1
 @@SELFPG 900 899 1
@@ -94,8 +94,8 @@ def test_no_gpu_and_truncated_output():
 
 
 def test_scripts_quote_every_value():
-    script = gpus.probe_script(nvidia_smi="/opt/x y/nvidia-smi", dev_glob="/tmp/a'b/nvidia*")
+    script = gpuscripts.probe_script(nvidia_smi="/opt/x y/nvidia-smi", dev_glob="/tmp/a'b/nvidia*")
     assert "smi='/opt/x y/nvidia-smi'" in script and """glob='/tmp/a'"'"'b/nvidia*'""" in script
-    assert "glob2='/nvidia*'" in gpus.probe_script()     # a CT's bind-mounted node as the host may read it
-    kill = gpus.kill_script((gpus.KillTarget(pid=10, starttime=99, pgid=None),), grace_s=1.5)
+    assert "glob2='/nvidia*'" in gpuscripts.probe_script()     # a CT's bind-mounted node as the host may read it
+    kill = gpuscripts.kill_script((gpus.KillTarget(pid=10, starttime=99, pgid=None),), grace_s=1.5)
     assert "targets=10:99:0" in kill and "grace_us=1500000" in kill
