@@ -124,6 +124,11 @@ def test_eight_containers_one_connection_with_a_hung_host_and_a_stopped_containe
         assert trainer["ct_pid"] == ct_run.container_pid(trainer["pid"]) != trainer["pid"]
         assert ct_run.host_pid(run["pid"]) == trainer["pgid"]
         assert all(t["runs"] == [] for ct, t in by_ct.items() if ct not in (str(ct_run.ctid), str(ct_stopped.ctid)))
+        human = cli(*base, "status")
+        assert human.exit_code == 69 and "hung: UNREACHABLE (unreachable)" in human.stdout
+        assert run["run_id"] in human.stdout and "not running" in human.stdout and "GPUs on pve-test" in human.stdout
+        one = json.loads(cli(*base, "status", "--host", tb.host, "--ct", str(ct_run.ctid), "--json").stdout)
+        assert [(h["host"], [t["ct"] for t in h["targets"]]) for h in one["hosts"]] == [(tb.host, [str(ct_run.ctid)])]
     finally:
         silent.close()
         _stop(tb.inventory, tb.host, run["run_id"], ct_run.ctid)
