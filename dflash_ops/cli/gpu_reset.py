@@ -45,6 +45,8 @@ def gpu_reset(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, yes: Y
         finally:
             hg.transport.close()
         reset_view.result(hg.host.name, result, resets, json_out=json_out)
+        if result.held and json_out:
+            raise typer.Exit(gpureset.GpuStillHeld.exit_code)   # one JSON document: it says ok false, held [...]
         if result.held:
             raise gpureset.GpuStillHeld(
                 f"GPU(s) {', '.join(map(str, result.held))} on {hg.host.name} still held after {result.waited_s:.0f} s",

@@ -68,9 +68,13 @@ def test_gpu_held_by_our_own_session_is_spared_and_reported_held(tmp_path, gpu_e
     gpu_env.state.write_text(json.dumps(state))
     res = cli("gpu-reset", "--host", "local", "--yes", "--wait", "0.5", "--json")
     assert res.exit_code == 1 and alive(os.getpid())
-    lines = res.stdout.strip().splitlines()
-    result, error = json.loads(lines[0]), json.loads(lines[1])
-    assert result["held"] == [4] and result["rounds"] == [] and error["error"]["code"] == "gpu_still_held"
+    result = json.loads(res.stdout)
+    assert result["held"] == [4] and not result["ok"] and result["rounds"] == []
+    spared = next(h for h in result["after"][4]["holders"])
+    assert spared["pid"] == os.getpid()
+    human = cli("gpu-reset", "--host", "local", "--yes", "--wait", "0.2")
+    assert human.exit_code == 1 and "spared: pid" in human.stdout and "our own session" in human.stdout
+    assert "GPU(s) 4 on local still held" in human.stderr
 
 
 def test_json_without_yes_is_refused(gpu_env):
