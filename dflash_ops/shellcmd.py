@@ -25,8 +25,10 @@ RUN_ID_GLOB = "-" + "[0-9]" * 8 + "T" + "[0-9]" * 6 + "-" + "[0-9a-f]" * 4
 LOG_TAIL_BYTES = 65536
 CHUNK_BYTES = 1 << 20
 
-# Shared helpers. A run is alive when some process of its group (pgid = the recorded pid) is not a zombie and
-# carries DFLASH_OPS_RUN_ID=<run id> in /proc/<pid>/environ: a reused pid never matches (zombies have no environ).
+# Shared helpers. A run is alive when its recorded pid (the wrapper: group leader) is not a zombie and carries
+# DFLASH_OPS_RUN_ID=<run id> in /proc/<pid>/environ: a reused pid never matches (zombies have no environ).
+# `stop` targets the whole group: it acts while ANY member carries the marker, so stragglers that outlive the
+# wrapper (a leaked child) are still killed.
 PRELUDE = r"""set -u
 dflash_marked() { grep -qzxF -- "DFLASH_OPS_RUN_ID=$2" "/proc/$1/environ" 2>/dev/null; }
 dflash_group_alive() {
@@ -42,11 +44,11 @@ dflash_group_alive() {
   return 1
 }
 dflash_pid() { local p=; [ -r "$1/pid" ] && read -r p < "$1/pid"; case $p in ''|*[!0-9]*) echo -;; *) echo "$p";; esac; }
-dflash_alive_dir() { local p; p=$(dflash_pid "$1"); [ "$p" != - ] && dflash_group_alive "$p" "${1##*/}"; }
+dflash_alive_dir() { local p; p=$(dflash_pid "$1"); [ "$p" != - ] && dflash_marked "$p" "${1##*/}"; }
 dflash_state() {
   local d=$1 pid alive=0 ex=- st=0 ended=- size
   pid=$(dflash_pid "$d")
-  [ "$pid" != - ] && dflash_group_alive "$pid" "${d##*/}" && alive=1
+  [ "$pid" != - ] && dflash_marked "$pid" "${d##*/}" && alive=1
   if [ -r "$d/exit_code" ]; then
     read -r ex < "$d/exit_code" || ex=-; case $ex in ''|*[!0-9]*) ex=-;; esac
     ended=$(stat -c %Y -- "$d/exit_code" 2>/dev/null || echo -)
@@ -199,7 +201,8 @@ def tail_chunk_script(run_dir: str, offset: int, max_bytes: int = CHUNK_BYTES) -
 def stop_script(run_dir: str, grace_s: float) -> str:
     """SIGTERM the run's process group, wait up to `grace_s`, SIGKILL what is left.
 
-    Only a group that still carries the run's marker is signalled; `stopped` is written before the first signal.
+    Only a group that still carries the run's marker is signalled; `stopped` is written before the first signal
+    unless the run already has an exit code (then only its leftover group members are killed).
     """
     tenths = max(0, int(round(grace_s * 10)))
     return (PRELUDE + f"D={q(run_dir)}\n"
@@ -208,7 +211,8 @@ def stop_script(run_dir: str, grace_s: float) -> str:
             'if [ "$pid" = - ] || ! dflash_group_alive "$pid" "$ID"; then\n'
             '  echo "DFLASH_STOP not_running"; dflash_state "$D"; exit 0\n'
             'fi\n'
-            'date +%s > "$D/stopped.tmp" && mv -f -- "$D/stopped.tmp" "$D/stopped"\n'
+            '# a run that already exited keeps its state; only its leftover processes are signalled\n'
+            '[ -e "$D/exit_code" ] || { date +%s > "$D/stopped.tmp" && mv -f -- "$D/stopped.tmp" "$D/stopped"; }\n'
             'kill -TERM -- "-$pid" 2>/dev/null\n'
             f'i=0; while [ $i -lt {tenths} ] && dflash_group_alive "$pid" "$ID"; do sleep 0.1; i=$((i+1)); done\n'
             'how=terminated\n'

@@ -39,6 +39,14 @@ def open_session(ctx: typer.Context, host: str | None, ct: str | None):
     return Session(target=target, transport=transport.for_host(target.host))
 
 
+def resolve_host(ctx: typer.Context, host: str):
+    """--host alone (no container) -> Host, through the inventory."""
+    from dflash_ops import inventory
+
+    inv = inventory.load_inventory(settings(ctx).inventory or inventory.default_path())
+    return inventory.resolve_host(inv, host, with_ct=False)
+
+
 def runbooks_dir(ctx: typer.Context) -> Path:
     from dflash_ops import runbooks
 

@@ -116,4 +116,7 @@ def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None
         _out(f"run {run_id} is not running ({status.state_text}); nothing to stop")
     else:
         signal = "SIGTERM" if how == "terminated" else "SIGKILL after the grace period"
-        _out(f"stopped {run_id} with {signal}; state: {status.state_text}")
+        if status.state == "exited":
+            _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
+        else:
+            _out(f"stopped {run_id} with {signal}; state: {status.state_text}")

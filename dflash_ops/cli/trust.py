@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from dflash_ops.cli._common import open_session, rendered_errors
+from dflash_ops.cli._common import rendered_errors, resolve_host
 
 
 def trust_host(
@@ -23,13 +23,13 @@ def trust_host(
     from dflash_ops.errors import AuthFailed, UsageError
 
     with rendered_errors():
-        target = open_session(ctx, host, None).target
-        if target.host.transport == "local":
+        found = resolve_host(ctx, host)
+        if found.transport == "local":
             raise UsageError(f"host {host!r} is local: there is no SSH key to trust")
-        address, port, _, _ = transport.resolve_endpoint(target.host)
+        address, port, _, _ = transport.resolve_endpoint(found)
         entry = transport.host_key_entry(address, port)
-        path = transport.known_hosts_path(target.host)
-        key = transport.fetch_host_key(address, port, timeout_s=target.host.connect_timeout_s)
+        path = transport.known_hosts_path(found)
+        key = transport.fetch_host_key(address, port, timeout_s=found.connect_timeout_s)
         fingerprint = transport.key_fingerprint(key)
         state = transport.known_key_status(path, entry, key)
         if state == "same":

@@ -71,3 +71,16 @@ def test_help_imports_no_torch_fabric_paramiko_yaml():
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("clean") and "launch" in done.stdout
+
+
+def test_trust_host_takes_a_proxmox_host_without_ct_and_reports_unreachable(ops_env):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inv = ops_env.root / "inv.yaml"
+    inv.write_text(f"hosts:\n  pve1:\n    transport: proxmox\n    address: 127.0.0.1\n    port: {port}\n")
+    done = ops_env.cli("--inventory", str(inv), "trust-host", "pve1", "--yes")
+    assert done.exit_code == 69 and f"127.0.0.1:{port}" in done.stderr
+    assert ops_env.cli("trust-host", "local").exit_code == 2

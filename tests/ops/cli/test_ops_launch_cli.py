@@ -133,3 +133,18 @@ def test_dry_run_into_a_container_shows_pct_exec(ops_env):
     argv = shlex.split(done.stdout.strip())
     assert argv[:8] == ["/opt/fake/pct", "exec", "200", "--", "env", "-i", "HOME=/root", argv[7]]
     assert argv[8:10] == ["bash", "-c"] and "/root/dflash-runs/job-" in argv[10]
+
+
+def test_a_run_whose_child_outlives_it_is_exited_and_stop_cleans_the_leftover(ops_env, tmp_path):
+    child_file = tmp_path / "child.pid"
+    done = ops_env.sub("launch", "job", "--json", "--", "--child", str(child_file), "--lines", "5", "--rc", "0")
+    assert done.returncode == 0, done.stderr
+    run_id = json.loads(done.stdout)["run_id"]
+    tail = ops_env.sub("tail", run_id)  # ends when the job's main process ends, not when its leftovers do
+    assert tail.returncode == 0, tail.stderr
+    child = int(child_file.read_text())
+    assert ops_env.pid_alive(child) and _wait_state(ops_env, run_id, "exited 0")["state"] == "exited"
+    stop = ops_env.sub("stop", run_id, "--grace", "2")
+    assert stop.returncode == 0 and "leftover" in stop.stdout
+    assert not ops_env.pid_alive(child)
+    assert _wait_state(ops_env, run_id, "exited 0")["state_text"] == "exited 0"  # its state is kept
