@@ -3,6 +3,9 @@
   help_cold_start_s     median wall time of N fresh `python -m dflash_ops --help` processes
   launch_overhead_s     launch-to-verified minus the liveness wait (median of K launches)
   tail_latency_s        line written (job's clock) -> line emitted by `follow` (median and max)
+  status_wall_s         wall time of N fresh `python -m dflash_ops status --json` processes (`--status-only`
+                        skips the sections above; tests/ops/status/testbed_bench.py runs it against 8 emulated
+                        containers behind the loopback sshd, with and without a hung host)
 
 Against the local transport by default; `--inventory FILE --host H [--ct N]` measures a remote target (the
 tail latency then also contains the clock offset between the two machines).
@@ -76,6 +79,29 @@ def tail_latencies(s, seconds: float) -> list[float]:
     return lat
 
 
+def status_walls(n: int, inventory: str | None, host: str | None) -> tuple[list[float], int]:
+    """Wall seconds of `n` fresh `dflash-ops status --json` processes, and the last one's exit code."""
+    import os
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    argv = [sys.executable, "-m", "dflash_ops"] + (["--inventory", inventory] if inventory else []) + ["status",
+                                                                                                      "--json"]
+    argv += ["--host", host] if host else []
+    times, rc = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        rc = subprocess.run(argv, stdout=subprocess.DEVNULL, cwd=repo,
+                            env={**os.environ, "PYTHONPATH": repo}).returncode
+        times.append(time.perf_counter() - t0)
+    return times, rc
+
+
+def print_status(n: int, inventory: str | None, host: str | None, label: str = "") -> None:
+    st, rc = status_walls(n, inventory, host)
+    print(f"status_wall_s       median {statistics.median(st):.3f}  min {min(st):.3f}  max {max(st):.3f}  "
+          f"(n={n}, exit {rc}{', ' + label if label else ''})")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--inventory")
@@ -85,7 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-k", type=int, default=3, help="launches")
     p.add_argument("--wait", type=float, default=1.0, help="liveness wait of the bench launches")
     p.add_argument("--tail-seconds", type=float, default=6.0)
+    p.add_argument("--status-only", action="store_true", help="only the status section")
     args = p.parse_args(argv)
+    if args.status_only:
+        print_status(args.n, args.inventory, args.host)
+        return
 
     with tempfile.TemporaryDirectory() as state:
         import os
@@ -101,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"(launch-to-verified minus wait {args.wait:g} s, k={args.k}, target {s.target.label})")
             tl = tail_latencies(s, args.tail_seconds)
             print(f"tail_latency_s      median {statistics.median(tl):.3f}  max {max(tl):.3f}  (lines={len(tl)})")
+            print_status(args.n, args.inventory, args.host)
         finally:
             s.transport.close()
 

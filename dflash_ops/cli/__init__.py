@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli import launch, runs, stop, tail, trust
+from dflash_ops.cli import gpu_reset, launch, runs, status, stop, tail, trust
 from dflash_ops.cli._common import Settings
 
 app = typer.Typer(
@@ -40,6 +40,8 @@ app.command("tail")(tail.tail)
 app.command("stop")(stop.stop)
 app.command("runs")(runs.runs)
 app.command("trust-host")(trust.trust_host)
+app.command("status")(status.status)
+app.command("gpu-reset")(gpu_reset.gpu_reset)
 
 
 def main() -> None:

@@ -1,0 +1,221 @@
+"""`status` for one host: one script, one round trip, every container of the host covered.
+
+PURE builder and parser, plus `query_host` (the only effect: one `transport.run`). The host script runs, in
+parallel and each under `timeout`, the GPU probe (gpuscripts.probe_script, on the host itself) and one runs listing per
+target (through `pct exec` for a container), then prints their outputs as sections:
+
+    %%DFLASH gpu <rc>                    then the probe's output
+    %%DFLASH target <i> <rc>             then target i's listing: ops' list_script, then ours:
+        DFLASH_PIDNS pid:[inode]         the target's PID namespace (maps GPU holders when cgroups do not)
+        DFLASH_MLINES <run id>           then "M <log line>" for the last metrics/done lines of that run's log
+    %%DFLASH err <i>                     then the last bytes of target i's stderr
+
+One SSH connection per host is what bounds an unreachable host to one connect timeout, not one per container.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, replace
+
+from dflash_ops import gpus, gpuscripts, metrics_line, parse, shellcmd
+from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
+
+SECTION = "%%DFLASH "
+PART_TIMEOUT_S = 15
+LOG_WINDOW_BYTES = 65536
+NVIDIA_SMI_ENV = "DFLASH_OPS_NVIDIA_SMI"          # path of nvidia-smi on the GPU host (tests: a fake)
+DEV_GLOB_ENV = "DFLASH_OPS_NVIDIA_DEV_GLOB"       # device nodes whose open fds mark a holder (tests: a tmp dir)
+
+
+@dataclass(frozen=True)
+class GpuSettings:
+    nvidia_smi: str = "nvidia-smi"
+    dev_glob: str = gpus.DEFAULT_DEV_GLOB
+
+    @classmethod
+    def from_env(cls) -> "GpuSettings":
+        return cls(nvidia_smi=os.environ.get(NVIDIA_SMI_ENV) or "nvidia-smi",
+                   dev_glob=os.environ.get(DEV_GLOB_ENV) or gpus.DEFAULT_DEV_GLOB)
+
+
+@dataclass(frozen=True)
+class RunRow:
+    status: RunStatus
+    metrics: metrics_line.Metrics | None
+    gpu_indices: tuple[int, ...] = ()        # GPUs its process group holds right now
+
+
+@dataclass(frozen=True)
+class TargetStatus:
+    label: str
+    ct: str | None
+    runs: tuple[RunRow, ...] = ()
+    error: str | None = None                 # the container did not answer (stopped, unknown, timed out)
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    host: str
+    transport: str
+    snapshot: gpus.GpuSnapshot | None
+    holders: tuple[gpus.Holder, ...]
+    holder_runs: tuple[tuple[int, str], ...]  # (holder host pid, run id)
+    targets: tuple[TargetStatus, ...]
+    gpu_error: str | None = None
+
+
+def targets_of(host: Host, ct: str | None = None) -> list[Target]:
+    """The targets `status` covers on `host`: the host itself, or its containers (all listed ones, or `ct`)."""
+    if host.transport != PROXMOX:
+        return [Target(host)]
+    if ct is not None:
+        return [Target(host, host.container(ct) or Container(ctid=ct))]
+    return [Target(host, c) for c in host.containers]
+
+
+def target_script(runs_dir: str) -> str:
+    """Runs listing (ops' list_script) plus the PID namespace and each run's last metrics lines."""
+    q = shlex.quote
+    return (shellcmd.list_script(runs_dir) +
+            "printf 'DFLASH_PIDNS %s\\n' \"$(readlink /proc/self/ns/pid 2>/dev/null)\"\n"
+            f'for d in "$RUNS"/*{shellcmd.RUN_ID_GLOB}; do\n'
+            '  [ -d "$d" ] || continue\n'
+            "  printf 'DFLASH_MLINES %s\\n' \"${d##*/}\"\n"
+            f'  tail -c {LOG_WINDOW_BYTES} -- "$d/output.log" 2>/dev/null'
+            f" | grep -a -e {q(metrics_line.GREP_PATTERN)} | tail -n 2 | sed 's/^/M /'\n"
+            "done\n")
+
+
+def host_script(targets: list[Target], gpu: GpuSettings, *, part_timeout_s: int = PART_TIMEOUT_S) -> str:
+    """The one script sent to a host (see module docstring)."""
+    q = shlex.quote
+    lim = f"timeout -k 2 {int(part_timeout_s)}"
+    lines = ['tmp=$(mktemp -d) || exit 1', "trap 'rm -rf -- \"$tmp\"' EXIT",
+             f"{{ {lim} bash -c {q(gpuscripts.probe_script(nvidia_smi=gpu.nvidia_smi, dev_glob=gpu.dev_glob))}"
+             ' >"$tmp/gpu" 2>/dev/null; echo $? >"$tmp/gpu.rc"; } &']
+    for i, t in enumerate(targets):
+        argv = shellcmd.target_argv(t, target_script(t.runs_dir))
+        lines.append(f'{{ {lim} {shlex.join(argv)} >"$tmp/{i}" 2>"$tmp/{i}.err"; echo $? >"$tmp/{i}.rc"; }} &')
+    lines += ["wait",
+              f'echo "{SECTION}gpu $(cat "$tmp/gpu.rc")"; cat "$tmp/gpu"',
+              f'for i in {" ".join(str(i) for i in range(len(targets)))}; do',
+              f'  echo "{SECTION}target $i $(cat "$tmp/$i.rc")"; cat "$tmp/$i"',
+              f'  echo "{SECTION}err $i"; tail -c 1000 "$tmp/$i.err"',
+              "done"]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _sections(text: str) -> list[tuple[list[str], list[str]]]:
+    out: list[tuple[list[str], list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith(SECTION):
+            out.append((line[len(SECTION):].split(), []))
+        elif out:
+            out[-1][1].append(line)
+    return out
+
+
+def _rc_text(rc: int, part_timeout_s: int) -> str:
+    return f"timed out after {part_timeout_s} s" if rc in (124, 137) else f"exit code {rc}"
+
+
+def _target_runs(body: list[str], runs_dir: str) -> tuple[list[RunStatus], dict[str, metrics_line.Metrics], str]:
+    listing, mlines, pidns, current = [], {}, "", None
+    for line in body:
+        if line.startswith("DFLASH_PIDNS "):
+            pidns = line.split(" ", 1)[1].strip()
+        elif line.startswith("DFLASH_MLINES "):
+            current = line.split(" ", 1)[1].strip()
+            mlines[current] = []
+        elif line.startswith("M ") and current is not None:
+            mlines[current].append(line[2:])
+        elif current is None:
+            listing.append(line)
+    runs = parse.run_list("\n".join(listing), runs_dir)
+    metrics = {rid: m for rid, lines in mlines.items() if (m := metrics_line.latest(lines)) is not None}
+    return runs, metrics, pidns
+
+
+def parse_host(text: str, host: Host, targets: list[Target], *,
+               part_timeout_s: int = PART_TIMEOUT_S) -> HostStatus:
+    """Output of `host_script` -> HostStatus, with GPU holders joined to the runs whose process group they are in."""
+    snap, gpu_error = None, "no GPU section in the host's answer"
+    per_target: dict[int, tuple[list[RunStatus], dict, str]] = {}
+    errors: dict[int, str] = {}
+    rcs: dict[int, int] = {}
+    for head, body in _sections(text):
+        if head[0] == "gpu":
+            rc = int(head[1]) if len(head) > 1 and head[1].isdigit() else -1
+            try:
+                snap, gpu_error = gpus.parse_probe("\n".join(body)), None
+            except ValueError as exc:
+                gpu_error = f"GPU probe failed ({_rc_text(rc, part_timeout_s)}): {exc}"
+        elif head[0] == "target" and len(head) == 3:
+            i, rc = int(head[1]), int(head[2]) if head[2].isdigit() else -1
+            rcs[i] = rc
+            if rc == 0:
+                per_target[i] = _target_runs(body, targets[i].runs_dir)
+        elif head[0] == "err" and len(head) == 2:
+            i = int(head[1])
+            if rcs.get(i, 0) != 0:
+                last = (body[-1].strip() if body else "") or "(no message)"
+                errors[i] = f"{_rc_text(rcs[i], part_timeout_s)}: {last}"
+    if snap is not None:
+        ct_ns = tuple((int(t.container.ctid), per_target[i][2]) for i, t in enumerate(targets)
+                      if t.container is not None and i in per_target and per_target[i][2].startswith("pid:["))
+        snap = replace(snap, ct_pidns=snap.ct_pidns + ct_ns)
+    holders = gpus.find_holders(snap) if snap is not None else ()
+    statuses, holder_runs = _join(targets, per_target, errors, holders)
+    return HostStatus(host=host.name, transport=host.transport, snapshot=snap, holders=holders,
+                      holder_runs=holder_runs, targets=statuses, gpu_error=gpu_error)
+
+
+def _run_key(h: gpus.Holder) -> tuple[str | None, int | None]:
+    """(container, the holder's process-group id as the run's `pid` file has it)."""
+    if h.ctid is not None:
+        return str(h.ctid), h.ct_pgid
+    return None, h.pgid
+
+
+def _join(targets, per_target, errors, holders):
+    by_key = {_run_key(h): [] for h in holders}
+    for h in holders:
+        by_key[_run_key(h)].append(h)
+    statuses, holder_runs = [], []
+    for i, t in enumerate(targets):
+        ct = t.container.ctid if t.container is not None else None
+        if i not in per_target:
+            statuses.append(TargetStatus(label=t.label, ct=ct, error=errors.get(i, "no answer")))
+            continue
+        runs, metrics, _ = per_target[i]
+        rows = []
+        for r in runs:
+            held = by_key.get((ct, r.pid), []) if r.state == RUNNING and r.pid else []
+            holder_runs += [(h.pid, r.run_id) for h in held]
+            rows.append(RunRow(status=r, metrics=metrics.get(r.run_id),
+                               gpu_indices=tuple(sorted({g for h in held for g in h.gpu_indices}))))
+        statuses.append(TargetStatus(label=t.label, ct=ct, runs=tuple(rows)))
+    return tuple(statuses), tuple(holder_runs)
+
+
+# --------------------------------------------------------------------------- effect
+
+def query_host(host: Host, targets: list[Target], gpu: GpuSettings, *,
+               part_timeout_s: int = PART_TIMEOUT_S) -> HostStatus:
+    """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails."""
+    from dflash_ops.errors import RemoteFailed
+    from dflash_ops.transport import for_host
+
+    t = for_host(host)
+    try:
+        done = t.run(["bash", "-c", host_script(targets, gpu, part_timeout_s=part_timeout_s)],
+                     timeout_s=part_timeout_s + 10)
+    finally:
+        t.close()
+    if done.exit_code != 0:
+        raise RemoteFailed(f"status script on {host.name} failed with exit code {done.exit_code}",
+                           detail="\n".join(done.err.strip().splitlines()[-10:]) or None)
+    return parse_host(done.out, host, targets, part_timeout_s=part_timeout_s)

@@ -1,0 +1,154 @@
+"""`dflash-ops status` end to end: real runs (fake trainer printing the metrics contract), a fake nvidia-smi whose
+holders are those real processes, the local transport and the real sshd + emulated Proxmox containers."""
+import json
+import socket
+import threading
+
+import pytest
+import yaml
+
+from conftest import cli, trainer_runbook
+
+
+@pytest.fixture
+def gpu_env(fake_gpus, monkeypatch):
+    monkeypatch.setenv("DFLASH_OPS_NVIDIA_SMI", str(fake_gpus.nvidia_smi))
+    monkeypatch.setenv("DFLASH_OPS_NVIDIA_DEV_GLOB", fake_gpus.dev_glob)
+    return fake_gpus
+
+
+def _stop(inventory, host, run_id, ct=None):
+    args = ["--inventory", str(inventory), "stop", run_id, "--grace", "2", "--host", host]
+    res = cli(*args + (["--ct", str(ct)] if ct else []))
+    assert res.exit_code == 0, res.output
+
+
+def test_local_status_shows_run_metrics_and_gpu_holders(tmp_path, gpu_env):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "runs_dir": str(tmp_path / "runs")}}}))
+    book = trainer_runbook(tmp_path / "runbooks", gpu_env, gpu=2, mib=2048, child_mib=4096)
+    launched = cli("--inventory", str(inv), "--runbooks", str(tmp_path / "runbooks"), "launch", book, "--json")
+    assert launched.exit_code == 0, launched.output
+    run = json.loads(launched.stdout)
+    try:
+        res = cli("--inventory", str(inv), "status", "--json")
+        assert res.exit_code == 0, res.output
+        (host,) = json.loads(res.stdout)["hosts"]
+        (target,) = host["targets"]
+        (row,) = target["runs"]
+        assert (row["run_id"], row["state"], row["pid"], row["gpus"]) == (run["run_id"], "running", run["pid"], [2])
+        assert row["metrics"]["step"] >= 10 and row["metrics"]["tokens_per_s"] == 51234.5 and row["uptime_s"] >= 0
+        gpu2 = host["gpu"]["gpus"][2]
+        assert gpu2["memory_used_mib"] == 6144 and {h["run_id"] for h in gpu2["holders"]} == {run["run_id"]}
+        assert sorted(h["used_mib"] for h in gpu2["holders"]) == [2048, 4096]
+        human = cli("--inventory", str(inv), "status")
+        assert run["run_id"] in human.stdout and "GPUs on local" in human.stdout and "6144 / 143771 MiB" in human.stdout
+    finally:
+        _stop(inv, "local", run["run_id"])
+
+
+def test_no_gpu_is_said_plainly(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_OPS_NVIDIA_SMI", str(tmp_path / "no-such-nvidia-smi"))
+    res = cli("status", "--host", "local")
+    assert res.exit_code == 0 and "local: no GPU (nvidia-smi not found" in res.stdout
+    data = json.loads(cli("status", "--host", "local", "--json").stdout)
+    assert data["hosts"][0]["gpu"] == {"available": False, "gpus": [],
+                                       "reason": f"nvidia-smi not found ({tmp_path / 'no-such-nvidia-smi'})"}
+
+
+def test_unknown_host_is_a_usage_error():
+    res = cli("status", "--host", "no_such_host", "--json")
+    assert res.exit_code == 2 and json.loads(res.stdout)["error"]["code"] == "usage"
+
+
+class SilentServer:
+    """Accepts TCP connections and never says a word: a hung host (paramiko waits for the SSH banner)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.ssh
+def test_eight_containers_one_connection_with_a_hung_host_and_a_stopped_container(
+        testbed, host_tools, gpu_env, tmp_path):
+    tb = testbed(8)
+    host_tools("nvidia-smi", gpu_env.nvidia_smi.read_text())
+    silent = SilentServer()
+    doc = yaml.safe_load(tb.inventory.read_text())
+    doc["hosts"]["hung"] = {**doc["hosts"][tb.host], "port": silent.port, "connect_timeout_s": 1}
+    tb.inventory.write_text(yaml.safe_dump(doc))
+    runbooks = tmp_path / "runbooks"
+    book = trainer_runbook(runbooks, gpu_env, gpu=5, mib=3000, child_mib=1000)
+    ct_run, ct_stopped = tb.containers[3], tb.containers[6]
+    base = ["--inventory", str(tb.inventory), "--runbooks", str(runbooks)]
+    launched = cli(*base, "launch", book, "--host", tb.host, "--ct", str(ct_run.ctid), "--json")
+    assert launched.exit_code == 0, launched.output
+    run = json.loads(launched.stdout)
+    ct_stopped.stop()
+    try:
+        res = cli(*base, "status", "--json", "--timeout", "10")
+        data = json.loads(res.stdout)
+        hosts = {h["host"]: h for h in data["hosts"]}
+        assert res.exit_code == 69 and not hosts["hung"]["reachable"]
+        assert hosts["hung"]["error"]["code"] == "unreachable"
+        assert hosts["hung"]["elapsed_s"] < 10      # ended by its 1 s connect timeout, not by --timeout
+        pve = hosts[tb.host]
+        by_ct = {t["ct"]: t for t in pve["targets"]}
+        assert len(by_ct) == 8, list(by_ct)
+        assert "not running" in by_ct[str(ct_stopped.ctid)]["error"]
+        assert all(t["error"] is None for ct, t in by_ct.items() if ct != str(ct_stopped.ctid))
+        (row,) = by_ct[str(ct_run.ctid)]["runs"]
+        assert (row["run_id"], row["state"], row["gpus"]) == (run["run_id"], "running", [5])
+        assert row["metrics"]["step"] >= 10
+        holders = pve["gpu"]["gpus"][5]["holders"]
+        assert {(h["ct"], h["run_id"]) for h in holders} == {(str(ct_run.ctid), run["run_id"])}
+        trainer = next(h for h in holders if h["used_mib"] == 3000)
+        # host PID -> container PID, checked against the container's own view; the run's pid is its group leader
+        assert trainer["ct_pid"] == ct_run.container_pid(trainer["pid"]) != trainer["pid"]
+        assert ct_run.host_pid(run["pid"]) == trainer["pgid"]
+        assert all(t["runs"] == [] for ct, t in by_ct.items() if ct not in (str(ct_run.ctid), str(ct_stopped.ctid)))
+        human = cli(*base, "status")
+        assert human.exit_code == 69 and "hung: UNREACHABLE (unreachable)" in human.stdout
+        assert run["run_id"] in human.stdout and "not running" in human.stdout and "GPUs on pve-test" in human.stdout
+        one = json.loads(cli(*base, "status", "--host", tb.host, "--ct", str(ct_run.ctid), "--json").stdout)
+        assert [(h["host"], [t["ct"] for t in h["targets"]]) for h in one["hosts"]] == [(tb.host, [str(ct_run.ctid)])]
+    finally:
+        silent.close()
+        _stop(tb.inventory, tb.host, run["run_id"], ct_run.ctid)
+
+
+def test_watch_json_prints_one_document_per_refresh_until_ctrl_c(tmp_path, gpu_env):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "status", "--host", "local", "--watch", "--json",
+                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path)
+    try:
+        docs = [json.loads(proc.stdout.readline()) for _ in range(3)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    assert rc == 0 and all(d["hosts"][0]["host"] == "local" and d["hosts"][0]["gpu"]["available"] for d in docs)
