@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from typer.testing import CliRunner
 
 from support import container as ct_mod
@@ -85,6 +86,15 @@ def hostile_values(canary: Path) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Done:
+    """What one CLI invocation left: exit status and the raw bytes of stdout and stderr."""
+
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+
+@dataclass(frozen=True)
 class E2E:
     """One module's test bed and the ways to drive the CLI against it."""
 
@@ -102,6 +112,14 @@ class E2E:
     def inventory(self) -> Path:
         return self.tb.inventory
 
+    def inventory_with(self, label: str, **fields) -> Path:
+        """A copy of the inventory whose test host has `fields` changed (e.g. known_hosts=..., port=...)."""
+        doc = yaml.safe_load(self.inventory.read_text())
+        doc["hosts"][self.tb.host].update({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+        path = self.work / f"inventory-{label}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
     def ct(self, index: int) -> int:
         return self.tb.containers[index].ctid
 
@@ -118,22 +136,27 @@ class E2E:
         return [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory or self.inventory),
                 "--runbooks", str(self.runbooks), *args]
 
-    def cli(self, *args: str, inventory: Path | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
+    def proc(self, *args: str, inventory: Path | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
         """A real `python -m dflash_ops` process; stdout and stderr are bytes."""
         return subprocess.run(self.argv(*args, inventory=inventory), capture_output=True, env=self.env(),
                               cwd=self.work, timeout=timeout, stdin=subprocess.DEVNULL)
 
-    def invoke(self, *args: str, inventory: Path | None = None):
-        """In-process through typer's CliRunner (for the quick ones)."""
+    def cli(self, *args: str, inventory: Path | None = None, input: str | None = None) -> Done:
+        """In-process through typer's CliRunner (no interpreter start-up: most calls go this way)."""
         from dflash_ops.cli import app
 
-        return CliRunner().invoke(app, ["--inventory", str(inventory or self.inventory),
-                                        "--runbooks", str(self.runbooks), *args])
+        result = CliRunner().invoke(app, ["--inventory", str(inventory or self.inventory),
+                                          "--runbooks", str(self.runbooks), *args], input=input)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception  # a bug in the CLI, not an exit code: show its traceback
+        return Done(result.exit_code, result.stdout_bytes, result.stderr_bytes)
 
-    def launch(self, ctid: int, *job_args: str, name: str | None = None, runbook: str = "job") -> dict:
-        """Launch and return the `--json` document; fails the test unless exit 0."""
+    def launch(self, ctid: int, *job_args: str, name: str | None = None, runbook: str = "job",
+               real: bool = False, inventory: Path | None = None) -> dict:
+        """Launch (in a real process with `real`) and return the `--json` document; fails the test unless exit 0."""
         named = ["--name", name] if name else []
-        done = self.cli("launch", runbook, *self.target(ctid), *named, "--json", "--", *job_args)
+        done = (self.proc if real else self.cli)("launch", runbook, *self.target(ctid), *named, "--json", "--",
+                                                 *job_args, inventory=inventory)
         assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
         return json.loads(done.stdout)
 

@@ -31,7 +31,7 @@ def one_run(bed, ctid: int, run_id: str) -> dict:
 
 def test_launch_survives_the_connection_closing_then_tail_and_exit_code(bed):
     ctid, gate = bed.ct(0), bed.gate("life")
-    doc = bed.launch(ctid, "--gate", str(gate), "--lines", "25", "--rc", "3", name="life")
+    doc = bed.launch(ctid, "--gate", str(gate), "--lines", "25", "--rc", "3", name="life", real=True)
     assert (doc["state"], doc["matched_line"], doc["ct"]) == ("running", "job started", str(ctid))
     run_id, pid = doc["run_id"], doc["pid"]
     host_pid = bed.container(0).host_pid(pid)
@@ -43,7 +43,7 @@ def test_launch_survives_the_connection_closing_then_tail_and_exit_code(bed):
     assert (one_run(bed, ctid, run_id)["state"], one_run(bed, ctid, run_id)["pid"]) == ("running", pid)
 
     gate.touch()
-    tail = bed.cli("tail", run_id, *bed.target(ctid), "-n", "1000")
+    tail = bed.proc("tail", run_id, *bed.target(ctid), "-n", "1000")
     assert tail.returncode == 4, tail.stderr
     assert tail.stdout == b"job started\n" + lines(25)
     assert f"run {run_id} exited 3".encode() in tail.stderr
@@ -83,7 +83,7 @@ def test_duplicate_is_refused_and_stop_kills_the_whole_group_child_included(bed)
 def test_dry_run_prints_the_exact_command_and_starts_nothing(bed):
     ctid, sshd = bed.ct(1), bed.tb.sshd
     before = bed.run_dirs(ctid)
-    done = bed.cli("launch", "job", *bed.target(ctid), "--name", "dry", "--dry-run", "--", "--lines", "2")
+    done = bed.proc("launch", "job", *bed.target(ctid), "--name", "dry", "--dry-run", "--", "--lines", "2")
     assert done.returncode == 0, done.stderr
     prefix = f"ssh {sshd.user}@{sshd.host}:{sshd.port}: ".encode()
     assert done.stdout.startswith(prefix) and done.stdout.endswith(b"\n")

@@ -1,0 +1,117 @@
+"""Reaching the host: unknown and changed host keys are refused (77) and start nothing, `trust-host` records the key
+on first contact, a closed port is unreachable (69) at once, and a stopped or missing container is one clear error."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from support.sshd import free_port, keygen
+
+pytestmark = pytest.mark.ssh
+CONTAINERS = 2
+
+
+def fingerprint(pub: str) -> str:
+    """The SHA256 fingerprint as OpenSSH prints it, for comparison with what trust-host shows."""
+    out = subprocess.run(["ssh-keygen", "-lf", pub], capture_output=True, text=True, check=True).stdout
+    return out.split()[1]
+
+
+def error_line(stderr: bytes) -> str:
+    """The one `error: ...` line (launch first says what it is about to do)."""
+    [line] = [ln for ln in stderr.decode().splitlines() if ln.startswith("error: ")]
+    return line
+
+
+def test_unknown_host_key_is_refused_and_nothing_starts(bed):
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    inv = bed.inventory_with("unknown", known_hosts=sshd.empty_known_hosts())
+    before = bed.run_dirs(ctid)
+    for args in (["launch", "job", *bed.target(ctid), "--name", "nokey"], ["runs", *bed.target(ctid)]):
+        done = bed.cli(*args, inventory=inv)
+        assert done.returncode == 77, done.stderr
+        assert error_line(done.stderr).startswith(f"error: host key of {sshd.user}@{sshd.host}:{sshd.port} is unknown")
+        assert b"hint: verify and record it: dflash-ops trust-host pve-test" in done.stderr
+    assert bed.run_dirs(ctid) == before
+    assert sshd.empty_known_hosts().read_bytes() == b""
+
+
+def test_trust_host_on_first_contact_then_launch_works(bed):
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    known = bed.work / "first-contact" / "known_hosts"
+    inv = bed.inventory_with("first", known_hosts=known)
+    assert bed.cli("runs", *bed.target(ctid), inventory=inv).returncode == 77
+
+    declined = bed.cli("trust-host", bed.tb.host, inventory=inv, input="n\n")
+    assert declined.returncode == 2 and not known.exists()
+
+    trusted = bed.proc("trust-host", bed.tb.host, "--yes", inventory=inv)
+    assert trusted.returncode == 0, trusted.stderr
+    assert fingerprint(str(sshd.host_key.with_suffix(".pub"))).encode() in trusted.stderr
+    assert known.read_text() == sshd.host_key_line + "\n"
+
+    doc = bed.launch(ctid, "--lines", "1", name="trusted", inventory=inv)
+    assert doc["matched_line"] == "job started"
+    again = bed.cli("trust-host", bed.tb.host, "--yes", inventory=inv)
+    assert again.returncode == 0 and b"already trusted" in again.stderr
+    assert known.read_text() == sshd.host_key_line + "\n"
+
+
+def test_changed_host_key_is_refused_with_77_and_trust_host_will_not_overwrite_it(bed):
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    impostor = bed.work / "impostor_key"
+    keygen(impostor, "impostor")
+    key_type, key_b64 = impostor.with_suffix(".pub").read_text().split()[:2]
+    known = bed.work / "changed_known_hosts"
+    known.write_text(f"[{sshd.host}]:{sshd.port} {key_type} {key_b64}\n")
+    recorded = known.read_bytes()
+    inv = bed.inventory_with("changed", known_hosts=known)
+    before = bed.run_dirs(ctid)
+
+    done = bed.proc("launch", "job", *bed.target(ctid), "--name", "changed", inventory=inv)
+    assert done.returncode == 77, done.stderr
+    assert f"host key of {sshd.user}@{sshd.host}:{sshd.port} CHANGED".encode() in done.stderr
+    assert bed.run_dirs(ctid) == before
+
+    refused = bed.cli("trust-host", bed.tb.host, "--yes", inventory=inv)
+    assert refused.returncode == 77 and b"records a DIFFERENT key" in refused.stderr
+    assert known.read_bytes() == recorded
+
+
+def test_closed_port_is_unreachable_69_without_waiting_for_the_connect_timeout(bed):
+    ctid = bed.ct(0)
+    inv = bed.inventory_with("closed", port=free_port(), connect_timeout_s=60)
+    port = yaml.safe_load(inv.read_text())["hosts"][bed.tb.host]["port"]
+    for args in (["runs", *bed.target(ctid)], ["launch", "job", *bed.target(ctid), "--name", "closed"]):
+        t0 = time.monotonic()
+        done = bed.proc(*args, inventory=inv)
+        elapsed = time.monotonic() - t0
+        assert done.returncode == 69, done.stderr
+        assert error_line(done.stderr) == f"error: cannot connect to root@127.0.0.1:{port}: " \
+                                          f"Unable to connect to port {port} on 127.0.0.1"
+        assert elapsed < 30, f"a refused connection took {elapsed:.1f} s (the connect timeout is 60 s)"
+    assert bed.run_dirs(ctid, "closed") == []
+
+
+def test_stopped_and_missing_containers_are_one_clear_error(bed):
+    ct = bed.container(1)
+    ctid = ct.ctid
+    ct.stop()
+    for args, what in ((["runs", *bed.target(ctid)], "listing runs"),
+                       (["launch", "job", *bed.target(ctid), "--name", "down"], "launching down-")):
+        done = bed.cli(*args)
+        assert done.returncode == 1, done.stderr
+        err = done.stderr.decode()
+        assert error_line(done.stderr).startswith(f"error: {what}")
+        assert error_line(done.stderr).endswith(f"on pve-test/ct{ctid} failed with exit code 255")
+        assert f"  | container '{ctid}' not running!" in err.splitlines()
+        assert "Traceback" not in err
+    assert bed.run_dirs(ctid) == []
+
+    ct.destroy()
+    done = bed.cli("runs", *bed.target(ctid))
+    assert done.returncode == 1
+    assert f"  | Configuration file 'nodes/pve/lxc/{ctid}.conf' does not exist" in done.stderr.decode().splitlines()
