@@ -115,3 +115,20 @@ def test_stopped_and_missing_containers_are_one_clear_error(bed):
     done = bed.cli("runs", *bed.target(ctid))
     assert done.returncode == 1
     assert f"  | Configuration file 'nodes/pve/lxc/{ctid}.conf' does not exist" in done.stderr.decode().splitlines()
+
+
+def test_jump_host_carries_launch_and_runs_with_its_key_checked_too(bed):
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    inv = bed.inventory_with("jump", jump=f"{sshd.user}@{sshd.host}:{sshd.port}")
+    logins = sshd.log_path.read_text().count("Accepted publickey")
+    runs = bed.cli("runs", *bed.target(ctid), "--json", inventory=inv)
+    assert runs.returncode == 0, runs.stderr
+    # one login to the jump host, one through its direct-tcpip channel to the target
+    assert sshd.log_path.read_text().count("Accepted publickey") == logins + 2
+
+    doc = bed.launch(ctid, "--lines", "1", name="jumped", inventory=inv)
+    assert doc["matched_line"] == "job started"
+    unknown = bed.inventory_with("jump-unknown", jump=f"{sshd.user}@{sshd.host}:{sshd.port}",
+                                 known_hosts=sshd.empty_known_hosts())
+    refused = bed.cli("runs", *bed.target(ctid), inventory=unknown)
+    assert refused.returncode == 77 and b"is unknown" in refused.stderr
