@@ -59,9 +59,10 @@ def bed(request: pytest.FixtureRequest, _session_sshd: sshd_mod.Sshd, tmp_path_f
 
 
 @pytest.fixture(autouse=True)
-def _running_sshd(sshd: sshd_mod.Sshd) -> sshd_mod.Sshd:
-    """Every e2e test starts with the session sshd up (a test may have restarted it); its log joins failures."""
-    return sshd
+def _running_sshd(request: pytest.FixtureRequest) -> None:
+    """Every test on the bed starts with the session sshd up (a test may have restarted it); its log joins failures."""
+    if "bed" in request.fixturenames:
+        request.getfixturevalue("sshd")
 
 
 @pytest.hookimpl(hookwrapper=True)
