@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from e2e_bed import E2E, JOB, RUNBOOK, hostile_values
+from e2e_bed import CACHE_DIR_NAME, E2E, JOB, RUNBOOK, hostile_values
 from support import container as ct_mod
 from support import sshd as sshd_mod
 from support.testbed import build_testbed
@@ -32,7 +32,8 @@ def _write_runbooks(work, job, canary):
     hostile_env = json.dumps("".join(hostile_values(canary)), ensure_ascii=False)
     text = RUNBOOK.format(job=job, hostile=hostile_env)
     (runbooks / "job.yaml").write_text(text)
-    cache_env = f"pre: [clear_inductor_cache]\nenv:\n  TORCHINDUCTOR_CACHE_DIR: {json.dumps(str(work / 'inductor-cache'))}\n"
+    cache_dir = json.dumps(str(work / CACHE_DIR_NAME))
+    cache_env = f"pre: [clear_inductor_cache]\nenv:\n  TORCHINDUCTOR_CACHE_DIR: {cache_dir}\n"
     (runbooks / "cachejob.yaml").write_text(text.replace("env:\n", cache_env, 1))
     return runbooks
 

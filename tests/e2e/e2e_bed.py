@@ -31,6 +31,7 @@ from support import procfs
 from support.testbed import Testbed
 
 REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR_NAME = "inductor-cache"   # under the bed's work dir; `cachejob` sets TORCHINDUCTOR_CACHE_DIR to it
 JOB = r'''
 import os, subprocess, sys, time
 args = sys.argv[1:]
@@ -106,7 +107,7 @@ class E2E:
 
     @property
     def cache_dir(self) -> Path:
-        return self.work / "inductor-cache"
+        return self.work / CACHE_DIR_NAME
 
     @property
     def inventory(self) -> Path:
