@@ -2,12 +2,13 @@
 refusal, group stop, `runs` states, tail across sshd restarts, dry run, and the inductor-cache pre-step.
 
 Each test owns one container of the module's bed (ct0: life, ct1: group stop + dry run, ct2: states + tail
-reconnect, ct3: inductor cache), so no test sees another's runs.
+reconnect, ct3: inductor cache, then --follow and Ctrl-C), so no test sees another's runs.
 """
 from __future__ import annotations
 
 import json
 import shlex
+import signal
 import subprocess
 
 import pytest
@@ -167,3 +168,29 @@ def test_inductor_cache_is_cleared_in_the_container_and_refused_while_a_run_is_a
     assert bed.cli("stop", "cache1", *bed.target(ctid), "--grace", "5").returncode == 0
     bed.launch(ctid, "--lines", "1", name="cache2", runbook="cachejob")
     assert not cache.exists()
+
+
+def test_launch_follow_streams_to_the_end_and_ctrl_c_on_tail_leaves_the_run_alone(bed):
+    ctid, gate = bed.ct(3), bed.gate("follow")
+    launched = subprocess.run(bed.argv("launch", "job", *bed.target(ctid), "--name", "follow", "--follow", "--",
+                                       "--lines", "5"), capture_output=True, env=bed.env(), cwd=bed.work, timeout=90)
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout.endswith(b"\njob started\n" + lines(5))
+
+    doc = bed.launch(ctid, "--gate", str(gate), name="ctrlc")
+    proc = subprocess.Popen(bed.argv("tail", "ctrlc", *bed.target(ctid)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=bed.env(), cwd=bed.work,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        LineReader(proc).until(b"job started\n")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert f"stopped tailing; run {doc['run_id']} goes on".encode() in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert one_run(bed, ctid, doc["run_id"])["state"] == "running"
+    gate.touch()
+    wait_for((bed.tb.runs_dirs[ctid] / doc["run_id"] / "exit_code").exists, "the run to end after the gate opens")
+    assert one_run(bed, ctid, doc["run_id"])["state_text"] == "exited 0"
