@@ -94,13 +94,17 @@ class Target:
         return feats
 
     @torch.no_grad()
-    def greedy_next(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-        """Full (untruncated) target's greedy next token at every position: [R, S] long. Eval only."""
+    def features_and_greedy(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One full forward -> (features [R, S, T*D], greedy next token [R, S] long). Eval only: needs truncate=False."""
         if self.truncated:
-            raise RuntimeError("greedy_next needs the full target; load it with truncate=False")
+            raise RuntimeError("features_and_greedy needs the full target; load it with truncate=False")
+        self._taps.clear()
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=packed_causal_mask(doc_ids),
                          use_cache=False)
-        return out.logits.argmax(dim=-1)
+        feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        return feats, out.logits.argmax(dim=-1)
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
