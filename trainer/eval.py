@@ -32,9 +32,13 @@ def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block
     S = batch.input_ids.shape[1]
     prev = (batch.anchor_pos[:, :, None] + torch.arange(B, device=drafted.device) - 1).clamp(0, S - 1)  # a+k-1
     reference = greedy.gather(1, prev.flatten(1)).view_as(drafted)
+    return leading_matches(drafted, reference, valid), batch.anchor_valid
+
+
+def leading_matches(drafted: torch.Tensor, reference: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[..., B] -> [...]: number of leading k >= 1 with drafted == reference and valid (position 0 is the anchor)."""
     match = (drafted == reference) & valid
-    accepted = match[:, :, 1:].long().cumprod(dim=2).sum(dim=2)
-    return accepted, batch.anchor_valid
+    return match[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
     cfg = small_cfg(tiny_target_dir, "optim.max_steps=40", "log.every=5", "optim.lr=3e-3", "optim.warmup_ratio=0.05",
                     "data.rows_per_step=4", "data.num_anchors=16")
@@ -22,6 +23,7 @@ def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
     assert got[40] < 0.7 * got[5], got
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_target_dir):
     sets = ("optim.max_steps=8", "ckpt.every=4", "optim.accum_steps=2", "data.rows_per_step=2")
     full = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "full")
