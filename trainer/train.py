@@ -174,10 +174,9 @@ def train_loop(run: Run, stop_at: int | None = None) -> Cursor:
     step, micro = run.cursor.step, run.cursor.micro
     while step < end:
         run.state.lr_.fill_(_lr(run, step))
-        for _ in range(accum):
-            run.metrics.add(run.runner.micro(run.batches.batch(micro)))
-            micro += 1
-        run.runner.update()
+        for out in run.runner.step([run.batches.batch(m) for m in range(micro, micro + accum)]):
+            run.metrics.add(out)
+        micro += accum
         step += 1
         steps_in_interval += 1
         run.cursor = Cursor(step=step, micro=micro)
