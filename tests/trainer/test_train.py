@@ -71,3 +71,17 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tin
     with pytest.raises(NonFiniteLoss):
         finish(run)
     assert not (tmp_path / "r" / "export").exists()
+
+
+def test_checkpoints_are_atomic_and_pruned_to_keep(tmp_path, target):
+    from tests.trainer.conftest import make_state
+
+    state = make_state(target)
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, checkpoint.Cursor(step=step, micro=2 * step), state.drafter, state.optimizer, keep=2)
+    (tmp_path / "ckpt" / "step_9.tmp").mkdir()  # a save that crashed half-way
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_3", "step_4", "step_9.tmp"]
+    cursor = checkpoint.load_latest(tmp_path, state.drafter, state.optimizer, state.lr_)
+    assert cursor == checkpoint.Cursor(step=4, micro=8)
+    assert all(g["lr"] is state.lr_ for g in state.optimizer.param_groups)  # the schedule's tensor, still bound
