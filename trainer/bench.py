@@ -49,6 +49,7 @@ class BenchConfig:
     attn: str = "flex"
     interval: int = 5
     ce_chunk: int = 4096
+    profile: int = 0  # >0: after timing, profile this many steps and print the top kernels (PROF lines)
 
 
 def model_shape(name: str):
@@ -149,6 +150,8 @@ def run_mode(cfg: BenchConfig, mode: str) -> dict:
             print("MEM", mode, json.dumps(mem_lines[-1]), flush=True)
     torch.cuda.synchronize()
     times = [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(cfg.steps)]
+    if cfg.profile:
+        print_profile(lambda: one_step(batches[0]), cfg.profile, mode)
     med = statistics.median(times)
     return {
         "mode": mode,
@@ -168,6 +171,26 @@ def run_mode(cfg: BenchConfig, mode: str) -> dict:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(dev),
     }
+
+
+def print_profile(step, n: int, mode: str) -> None:
+    """Top device kernels over `n` steps, as PROF lines (total ms per step, share, calls per step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in rows) or 1.0
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:25]:
+        print(
+            f"PROF {mode} {e.self_device_time_total / n / 1e3:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
+            f"x{e.count // n:<4} {e.key[:110]}",
+            flush=True,
+        )
+    print(f"PROF {mode} total device time {total / n / 1e3:.1f} ms/step", flush=True)
 
 
 def parse(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
@@ -216,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         cmd = [sys.executable, "-m", "trainer.bench", *argv, "--child", mode]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-        sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith("MEM")))
+        keep = ("MEM", "PROF")
+        sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith(keep)))
         found = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
         if proc.returncode or not found:
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-8:]

@@ -187,37 +187,63 @@ class Drafter(nn.Module):
         return self.norm(x)
 
 
+def ce_chunk_eager(logits, labels, weights, inv_total):
+    """One chunk of weighted CE from bf16 logits [C, V]: (sum w*ce, argmax hits with w>0, dlogits bf16).
+
+    Eager form: in-place fp32 softmax to limit transients (several passes over [C, V]).
+    """
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    loss = ((lse - lf.gather(1, labels[:, None]).squeeze(1)) * weights).sum()
+    hits = ((lf.argmax(dim=-1) == labels) & (weights > 0)).sum()
+    p = lf.sub_(lse[:, None]).exp_()
+    p.scatter_add_(1, labels[:, None], -torch.ones_like(lse)[:, None])
+    return loss, hits, p.mul_((weights * inv_total)[:, None]).to(logits.dtype)
+
+
+def ce_chunk_fusable(logits, labels, weights, inv_total):
+    """Same contract as `ce_chunk_eager`, written for Inductor: two fused passes over the logits."""
+    lf = logits.float()
+    m = lf.amax(dim=-1, keepdim=True)
+    e = (lf - m).exp()
+    se = e.sum(dim=-1, keepdim=True)
+    lse = (m + se.log()).squeeze(-1)
+    loss = ((lse - lf.gather(1, labels[:, None]).squeeze(1)) * weights).sum()
+    hits = ((lf.argmax(dim=-1) == labels) & (weights > 0)).sum()
+    onehot = torch.arange(lf.shape[-1], device=lf.device) == labels[:, None]
+    grad = (e / se - onehot.float()) * (weights * inv_total)[:, None]
+    return loss, hits, grad.to(logits.dtype)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Weighted CE of `h @ w.T` against labels, chunked over rows so [T, V] logits never exist at once.
 
     The gradient w.r.t. h is computed in the forward, chunk by chunk (the frozen head needs no weight grad), and saved;
-    backward only scales it. Returns (sum(w*ce)/sum(w), weighted-count of argmax hits / count of w>0).
+    backward only scales it. Returns (sum(w*ce)/sum(w), argmax hits / count of w>0). No host sync.
     """
 
     @staticmethod
-    def forward(ctx, h, w, labels, weights, chunk: int):
+    def forward(ctx, h, w, labels, weights, chunk: int, chunk_fn):
         total = weights.sum().clamp_min(1e-6)
+        inv_total = 1.0 / total
         count = (weights > 0).sum().clamp_min(1)
         grad_h = torch.empty_like(h)
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         hits = torch.zeros((), device=h.device, dtype=torch.float32)
         for s in range(0, h.shape[0], chunk):  # static Python loop: fixed shapes, capturable
-            hs, lab, wc = h[s : s + chunk], labels[s : s + chunk], weights[s : s + chunk]
-            logits = (hs @ w.t()).float()  # [C, V] fp32: the only large transient
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += ((lse - logits.gather(1, lab[:, None]).squeeze(1)) * wc).sum()
-            hits += ((logits.argmax(dim=-1) == lab) & (wc > 0)).sum()
-            p = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-            p.scatter_add_(1, lab[:, None], -torch.ones_like(lse)[:, None])
-            p.mul_((wc / total)[:, None])
-            grad_h[s : s + chunk] = (p.to(w.dtype) @ w).to(h.dtype)
+            sl = slice(s, s + chunk)
+            logits = h[sl] @ w.t()  # [C, V] bf16: with its fp32 view, the only large transient
+            l_c, h_c, g_logits = chunk_fn(logits, labels[sl], weights[sl], inv_total)
+            loss += l_c
+            hits += h_c
+            grad_h[sl] = (g_logits @ w).to(h.dtype)
         ctx.save_for_backward(grad_h)
-        return loss / total, hits / count
+        return loss * inv_total, hits / count
 
     @staticmethod
     def backward(ctx, g_loss, g_acc):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * g_loss.to(grad_h.dtype), None, None, None, None
+        return grad_h * g_loss.to(grad_h.dtype), None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -274,6 +300,7 @@ class DraftStep:
         pos = torch.arange(w.block, device=dev)
         self.decay = torch.where(pos > 0, torch.exp(-(pos - 1).clamp_min(0) / w.gamma), torch.zeros(()))
         self.layer_fns = [torch.compile(l, dynamic=False) if compile else l for l in drafter.layers]
+        self.ce_fn = torch.compile(ce_chunk_fusable, dynamic=False) if compile else ce_chunk_eager
         self.params = [p for p in drafter.parameters() if p.requires_grad]
 
     def _micro(self, inp: dict[str, torch.Tensor], i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +335,9 @@ class DraftStep:
             hid = self.drafter.norm(x).view(b, w.anchors, bs, -1)[:, :, 1:]  # position 0 is the given anchor token
         h = hid.reshape(-1, hid.shape[-1]).to(torch.bfloat16)
         return LinearCrossEntropy.apply(
-            h, self.target.lm_head.weight, labels[:, :, 1:].reshape(-1), weight[:, :, 1:].reshape(-1).float(), w.ce_chunk
+            h, self.target.lm_head.weight, labels[:, :, 1:].reshape(-1), weight[:, :, 1:].reshape(-1).float(),
+            w.ce_chunk,
+            self.ce_fn,
         )
 
     def forward_backward(self, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -46,15 +46,19 @@ def max_diff(a, b) -> float:
 
 @pytest.mark.parametrize("attn", ["flex", "sdpa"])
 def test_graph_matches_eager(attn):
-    """Tolerance: the graph may differ from eager by no more than eager differs from itself (0 when deterministic)."""
+    """Tolerance: 0 where eager is deterministic (flex). The sdpa reference's masked backward is not deterministic
+    (eager differs from eager), so there the graph may sit up to twice the eager-vs-eager spread from eager: two
+    independent draws of the same nondeterministic step, compared to a third (triangle inequality)."""
     w = Workload(TINY, batch=2, seq=256, anchors=16, accum=2, ce_chunk=160)
     p_e1, l_e1 = run(w, graph=False, attn=attn)
     p_e2, l_e2 = run(w, graph=False, attn=attn)
     p_g, l_g = run(w, graph=True, attn=attn)
     noise = max_diff(p_e1, p_e2)
     print(f"attn={attn} eager-vs-eager {noise:.3g} graph-vs-eager {max_diff(p_e1, p_g):.3g}")
-    assert max_diff(p_e1, p_g) <= noise
-    assert float((l_e1 - l_g).abs().max()) <= float((l_e1 - l_e2).abs().max())
+    assert max_diff(p_e1, p_g) <= 2 * noise
+    assert float((l_e1 - l_g).abs().max()) <= 2 * float((l_e1 - l_e2).abs().max())
+    if attn == "flex":
+        assert noise == 0.0
     assert len(set(l_g.tolist())) == K  # replays saw K different batches
     assert max_diff(p_e1, [p.detach() for p in build(w, DEV, seed=0)[3].params]) > 0  # training moved the params
 
