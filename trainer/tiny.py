@@ -33,8 +33,12 @@ def build_tokenizer():
 
 
 def build_tiny_target(out_dir: str | Path, *, num_layers: int = 6, hidden: int = 64, seed: int = 0,
-                      tie_word_embeddings: bool = True) -> Path:
-    """Random-init Qwen3ForCausalLM (hidden 64, 4 heads / 2 KV heads) + tokenizer, saved to `out_dir`."""
+                      tie_word_embeddings: bool = True, train_steps: int = 150) -> Path:
+    """Qwen3ForCausalLM (hidden 64, 4 heads / 2 KV heads) + tokenizer, saved to `out_dir`.
+
+    The model is briefly trained on the bundled smoke conversations (`train_steps`, a few seconds on CPU), so its
+    greedy tokens follow the data: a drafter can then reach tau > 1 against it, as with a real target.
+    """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -49,6 +53,31 @@ def build_tiny_target(out_dir: str | Path, *, num_layers: int = 6, hidden: int =
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(cfg)
+        _pretrain(model, tokenizer, train_steps)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _pretrain(model, tokenizer, steps: int, batch: int = 32) -> None:
+    """Plain next-token training on the smoke conversations (padded batches, pad positions ignored)."""
+    import torch
+
+    from trainer.smoke_data import conversations
+
+    if steps <= 0:
+        return
+    texts = [tokenizer.apply_chat_template(c["conversations"], tokenize=False) for c in conversations()]
+    seqs = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(steps):
+        idx = torch.randint(len(seqs), (batch,))
+        ids = torch.nn.utils.rnn.pad_sequence([seqs[i] for i in idx], batch_first=True, padding_value=-100)
+        labels = ids.clone()
+        ids = ids.clamp_min(0)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.data.anchors import sample_anchors
+
 
 @dataclass(frozen=True)
 class StaticBatch:
@@ -53,3 +55,43 @@ class StaticBatch:
             anchor_pos=torch.zeros(rows, num_anchors, **long),
             anchor_valid=torch.zeros(rows, num_anchors, dtype=torch.bool, device=device),
         )
+
+
+def _generator(*parts: int) -> torch.Generator:
+    seed = 0
+    for p in parts:
+        seed = (seed * 1_000_003 + int(p) + 1) % (2**63 - 1)
+    return torch.Generator().manual_seed(seed)
+
+
+class EpochBatches:
+    """Deterministic micro-batches: batch(micro) depends only on (seed, epoch, index), so the cursor is one integer.
+
+    Every epoch shuffles the packed rows and re-samples the anchors; the last micro-batch of an epoch is filled up
+    with all-padding rows, so every batch has the same shapes.
+    """
+
+    def __init__(self, rows, rows_per_step: int, num_anchors: int, seed: int, pad_id: int) -> None:
+        self.rows = rows
+        self.R = rows_per_step
+        self.N = num_anchors
+        self.seed = seed
+        self.pad_id = pad_id
+        self.per_epoch = max(1, -(-rows.num_rows // rows_per_step))
+
+    def locate(self, micro: int) -> tuple[int, int]:
+        """Global micro-batch counter -> (epoch, index in epoch)."""
+        return divmod(micro, self.per_epoch)
+
+    def batch(self, micro: int) -> StaticBatch:
+        epoch, index = self.locate(micro)
+        perm = torch.randperm(self.rows.num_rows, generator=_generator(self.seed, epoch))
+        take = perm[index * self.R:(index + 1) * self.R]
+        pad = StaticBatch.empty(self.R - len(take), self.rows.input_ids.shape[1], self.N, self.pad_id)
+
+        def pick(name: str) -> torch.Tensor:
+            return torch.cat([getattr(self.rows, name)[take], getattr(pad, name)])
+        loss_mask, doc_ids = pick("loss_mask"), pick("doc_ids")
+        anchor_pos, anchor_valid = sample_anchors(loss_mask, doc_ids, self.N, _generator(self.seed, epoch, index))
+        return StaticBatch(input_ids=pick("input_ids"), position_ids=pick("position_ids"), doc_ids=doc_ids,
+                           loss_mask=loss_mask, anchor_pos=anchor_pos, anchor_valid=anchor_valid)

@@ -40,11 +40,11 @@ def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None) -> 
     if not 0 <= mask_id < vocab_rows:
         raise ConfigError(f"mask token id {mask_id} ({source}) is not a row of the target embedding (0..{vocab_rows - 1})",
                           hint="set model.mask_token_id to a reserved row inside the embedding")
-    special = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
-    for name, tok_id in special.items():
-        if tok_id is not None and mask_id == tok_id:
-            raise ConfigError(f"mask token id {mask_id} ({source}) is the {name} token",
-                              hint="set model.mask_token_id to a reserved token that is neither pad nor eos")
+    hits = [name for name, tok_id in (("pad", tokenizer.pad_token_id), ("eos", tokenizer.eos_token_id))
+            if tok_id is not None and mask_id == tok_id]
+    if hits:
+        raise ConfigError(f"mask token id {mask_id} ({source}) is the {'/'.join(hits)} token",
+                          hint="set model.mask_token_id to a reserved token that is neither pad nor eos")
     return mask_id
 
 
@@ -94,13 +94,17 @@ class Target:
         return feats
 
     @torch.no_grad()
-    def greedy_next(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-        """Full (untruncated) target's greedy next token at every position: [R, S] long. Eval only."""
+    def features_and_greedy(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One full forward -> (features [R, S, T*D], greedy next token [R, S] long). Eval only: needs truncate=False."""
         if self.truncated:
-            raise RuntimeError("greedy_next needs the full target; load it with truncate=False")
+            raise RuntimeError("features_and_greedy needs the full target; load it with truncate=False")
+        self._taps.clear()
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=packed_causal_mask(doc_ids),
                          use_cache=False)
-        return out.logits.argmax(dim=-1)
+        feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        return feats, out.logits.argmax(dim=-1)
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -130,7 +134,10 @@ def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int
     n_layers = len(layers)
     ids = tuple(layer_ids) if layer_ids is not None else tuple(build_target_layer_ids(n_layers, num_draft_layers))
     if not all(0 <= i < n_layers for i in ids) or list(ids) != sorted(set(ids)):
-        raise ConfigError(f"model.target_layer_ids {list(ids)} must be distinct, ascending and within 0..{n_layers - 1}")
+        source = "model.target_layer_ids" if layer_ids is not None else \
+            f"the default tap spacing for {n_layers} target layers and {num_draft_layers} draft layers"
+        raise ConfigError(f"{source} gives {list(ids)}; taps must be distinct, ascending and within 0..{n_layers - 1}",
+                          hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
     mask_id = resolve_mask_token_id(tokenizer, model.get_input_embeddings().weight.shape[0], mask_token_id)
     taps: dict = {}
     for i in ids:

@@ -125,3 +125,25 @@ def optimizer_step(state: TrainState) -> torch.Tensor:
 def zero_grads(state: TrainState) -> None:
     """Eager policy: zero in place, keeping .grad storage stable across steps."""
     state.optimizer.zero_grad(set_to_none=False)
+
+
+class EagerRunner:
+    """Drives the step eagerly. A graph/compile runner (GPU branch, `trainer.step.graph.make_runner`) offers the
+    same two methods, so the training loop does not know which one it drives.
+    """
+
+    def __init__(self, state: TrainState, batch_dev: StaticBatch, accum_steps: int) -> None:
+        self.state = state
+        self.batch_dev = batch_dev  # static device buffers, filled in place every micro-step
+        self.loss_scale = 1.0 / accum_steps
+
+    def micro(self, batch: StaticBatch) -> StepOut:
+        """Copy one CPU batch into the static buffers, forward + backward (grads accumulate)."""
+        self.batch_dev.copy_(batch, non_blocking=True)
+        return forward_backward(self.state, self.batch_dev, self.loss_scale)
+
+    def update(self) -> torch.Tensor:
+        """Clip + optimizer step, then zero grads in place. Returns the pre-clip grad norm (device)."""
+        norm = optimizer_step(self.state)
+        zero_grads(self.state)
+        return norm
