@@ -9,6 +9,11 @@ clip + AdamW. Modes:
   graph          target forward captured as one graph, the whole drafter step as a StepGraph (raw CUDA graphs)
   compile+graph  compiled kernels inside the same raw captures
 
+--pipeline 1 runs the same steps through the threaded pipeline (loader -> target producer -> event-synchronized
+ring -> drafter consumer; trainer.pipeline.threads), timed by the consumer's events. Under torchrun
+(`torchrun --nproc-per-node 2 -m trainer.bench ...`) every rank trains a replica on its own data and gradients are
+averaged by NCCL between the captured forward/backward and update graphs; figures are per GPU, printed by rank 0.
+
 Timing: CUDA events around every step, read once at the end (no host sync in the loop); steps are back to back, so
 host-side launch gaps count. Reported: median step time and its min-max spread over the timed steps.
 
@@ -50,6 +55,7 @@ class BenchConfig:
     interval: int = 5
     ce_chunk: int = 4096
     profile: int = 0  # >0: after timing, profile this many steps and print the top kernels (PROF lines)
+    pipeline: int = 0  # 1: run the steps through the loader/producer/consumer threads (trainer.pipeline)
 
 
 def model_shape(name: str):
@@ -76,57 +82,121 @@ def useful_flops(cfg: BenchConfig, visible_pairs: float) -> dict[str, float]:
     return {"target": target, "drafter": drafter, "lm_head": head, "total": target + drafter + head}
 
 
-def run_mode(cfg: BenchConfig, mode: str) -> dict:
-    """Child process body: build, warm up / capture, time `cfg.steps` steps, return the figures."""
+def mem_line(step: int) -> dict:
+    """Allocator counters (host-side bookkeeping: reading them is no device sync)."""
     import torch
 
+    return {
+        "step": step,
+        "alloc_gib": torch.cuda.memory_allocated() / 2**30,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+    }
+
+
+def run_mode(cfg: BenchConfig, mode: str) -> dict:
+    """Child process body: build, warm up / capture, time `cfg.steps` steps, return the figures.
+
+    Under torchrun (RANK/WORLD_SIZE set) every rank trains its own replica on its own data; gradients are averaged
+    by NCCL between the forward/backward and update graphs (trainer.distributed).
+    """
+    import torch
+
+    from trainer.distributed import init_from_env, make_grad_sync, shutdown
     from trainer.model.flex import dense_block_mask
     from trainer.pipeline.standin import Workload, build, make_batch
     from trainer.step.graph import EagerStep, StepGraph
 
+    info = init_from_env()
     dev = torch.device("cuda", torch.cuda.current_device())
     compiled, graphed = mode in ("compile", "compile+graph"), mode in ("graph", "compile+graph")
     w = Workload(model_shape(cfg.shape), cfg.batch, cfg.seq, cfg.anchors, cfg.block, cfg.accum, ce_chunk=cfg.ce_chunk)
     target, drafter, opt, st = build(w, dev, attn=cfg.attn, compile=compiled)
-    target_fwd = target.taps
     if compiled:
-        for i, layer in enumerate(target.layers):
-            target.layers[i] = torch.compile(layer, dynamic=False)
-    batches = [make_batch(w, dev, seed=k) for k in range(4)]
+        for layer in target.layers:
+            layer.compile(dynamic=False)
+    seeds = [1000 * info.rank + k for k in range(4)]
+    batches = [make_batch(w, dev, seed=k) for k in seeds]
     dense = dense_block_mask(batches[0]["anchor"], batches[0]["ctx_lo"], batches[0]["valid"], cfg.seq, cfg.block)
-    visible = float(dense.sum()) * cfg.accum * cfg.batch / dense.shape[0]
-    flops = useful_flops(cfg, visible)
+    flops = useful_flops(cfg, float(dense.sum()))
     del dense
 
-    sample = dict(batches[0], taps=target_fwd(batches[0]["input_ids"]))
+    sync = make_grad_sync(st.params, info.world)
+    sample = dict(batches[0], taps=target.taps(batches[0]["input_ids"]))
     if graphed:
-        stepper = StepGraph(st.forward_backward, st.optimizer_step, st.params, opt, sample, warmup_steps=cfg.warmup)
+        stepper = StepGraph(st.forward_backward, st.optimizer_step, st.params, opt, sample, warmup_steps=cfg.warmup,
+                            sync_grads=sync)
         stepper.capture()
-        ids_static = stepper.static_inputs["input_ids"]
-        taps_static = stepper.static_inputs["taps"]
+        # Target graph. Sequential runs write the taps straight into the step graph's static input; the pipeline
+        # gives the target graph its own buffers (the producer copies them into a ring slot).
+        ids_static = stepper.static_inputs["input_ids"] if not cfg.pipeline else sample["input_ids"].clone()
+        taps_static = stepper.static_inputs["taps"] if not cfg.pipeline else sample["taps"].clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                target_fwd(ids_static, out=taps_static)
+                target.taps(ids_static, out=taps_static)
         torch.cuda.current_stream().wait_stream(s)
         tgraph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(tgraph, stream=s):
-            target_fwd(ids_static, out=taps_static)
+            target.taps(ids_static, out=taps_static)
+
+        def target_fn(ids):
+            ids_static.copy_(ids, non_blocking=True)
+            tgraph.replay()
+            return taps_static
 
         def one_step(b):
             stepper.load_inputs({k: v for k, v in b.items() if k != "taps"} | {"taps": taps_static})
             tgraph.replay()  # writes the taps straight into the step graph's static input
             return stepper.replay()
     else:
-        stepper = EagerStep(st.forward_backward, st.optimizer_step, opt)
+        stepper = EagerStep(st.forward_backward, st.optimizer_step, opt, sync_grads=sync)
         for _ in range(cfg.warmup):
             stepper.step(sample)
+        target_fn = target.taps
 
         def one_step(b):
-            return stepper.step(dict(b, taps=target_fwd(b["input_ids"])))
+            return stepper.step(dict(b, taps=target.taps(b["input_ids"])))
 
-    del sample
+    if cfg.pipeline:
+        times, losses, mem_lines, elapsed = run_pipeline(cfg, mode, dev, batches, target_fn, stepper, sample, w)
+    else:
+        del sample
+        times, losses, mem_lines = run_sequential(cfg, mode, batches, one_step)
+        elapsed = sum(times)
+    if cfg.profile and not cfg.pipeline:
+        print_profile(lambda: one_step(batches[0]), cfg.profile, mode)
+    med = statistics.median(times)
+    result = {
+        "mode": mode + ("+pipeline" if cfg.pipeline else ""),
+        "attn": cfg.attn,
+        "world": info.world,
+        "step_s_median": med,
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "tokens_per_s_per_gpu": w.tokens_per_step / med,
+        "wall_tokens_per_s_per_gpu": w.tokens_per_step * cfg.steps / elapsed,
+        "mfu": flops["total"] / med / PEAK_FLOPS,
+        "tflops_per_s": flops["total"] / med / 1e12,
+        "flops": flops,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "mem": mem_lines,
+        "loss_first_last": [losses[0], losses[-1]],
+        "tokens_per_step": w.tokens_per_step,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(dev),
+    }
+    torch.cuda.synchronize()
+    del stepper
+    shutdown()
+    return result
+
+
+def run_sequential(cfg: BenchConfig, mode: str, batches, one_step):
+    import torch
+
     for k in range(2):
         one_step(batches[k % len(batches)])
     torch.cuda.synchronize()
@@ -138,39 +208,40 @@ def run_mode(cfg: BenchConfig, mode: str) -> dict:
         out = one_step(batches[k % len(batches)])
         events[k + 1].record()
         losses.append(out["loss"].detach().clone())
-        if (k + 1) % cfg.interval == 0:  # allocator counters are host-side: no device sync here
-            mem_lines.append(
-                {
-                    "step": k + 1,
-                    "alloc_gib": torch.cuda.memory_allocated() / 2**30,
-                    "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
-                    "reserved_gib": torch.cuda.memory_reserved() / 2**30,
-                }
-            )
+        if (k + 1) % cfg.interval == 0:
+            mem_lines.append(mem_line(k + 1))
             print("MEM", mode, json.dumps(mem_lines[-1]), flush=True)
     torch.cuda.synchronize()
     times = [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(cfg.steps)]
-    if cfg.profile:
-        print_profile(lambda: one_step(batches[0]), cfg.profile, mode)
-    med = statistics.median(times)
-    return {
-        "mode": mode,
-        "attn": cfg.attn,
-        "step_s_median": med,
-        "step_s_min": min(times),
-        "step_s_max": max(times),
-        "tokens_per_s_per_gpu": w.tokens_per_step / med,
-        "mfu": flops["total"] / med / PEAK_FLOPS,
-        "tflops_per_s": flops["total"] / med / 1e12,
-        "flops": flops,
-        "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "mem": mem_lines,
-        "loss_first_last": [float(losses[0]), float(losses[-1])],
-        "tokens_per_step": w.tokens_per_step,
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(dev),
-    }
+    return times, [float(x) for x in losses], mem_lines
+
+
+def run_pipeline(cfg: BenchConfig, mode: str, dev, batches, target_fn, stepper, sample, w):
+    """Loader -> target producer -> drafter consumer threads (trainer.pipeline.threads), target and drafter on `dev`."""
+    import torch
+
+    from trainer.pipeline.threads import Pipeline, Placement
+
+    cpu_batches = [{k: v.cpu() for k, v in b.items()} for b in batches]
+
+    def feed():
+        k = 0
+        while True:
+            yield cpu_batches[k % len(cpu_batches)]
+            k += 1
+
+    mem_lines: list[dict] = []
+
+    def on_interval(step: int) -> None:
+        mem_lines.append(mem_line(step))
+        print("MEM", mode + "+pipeline", json.dumps(mem_lines[-1]), flush=True)
+
+    pipe = Pipeline(Placement(dev, dev), feed, target_fn, stepper, sample, on_interval=on_interval,
+                    interval=cfg.interval)
+    pipe.run(3)  # warm the threads' streams and the pinned-memory pool
+    torch.cuda.reset_peak_memory_stats()
+    res = pipe.run(cfg.steps)
+    return res.step_s, res.losses, mem_lines, res.elapsed_s
 
 
 def print_profile(step, n: int, mode: str) -> None:
@@ -234,21 +305,24 @@ def main(argv: list[str] | None = None) -> int:
     if child is not None:
         print("BENCH_RESULT " + json.dumps(run_mode(cfg, child)), flush=True)
         return 0
-    print("config", json.dumps(asdict(cfg)), flush=True)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    say = print if main_rank else (lambda *a, **k: None)
+    say("config", json.dumps(asdict(cfg)), flush=True)
     results = []
     for mode in modes:
         cmd = [sys.executable, "-m", "trainer.bench", *argv, "--child", mode]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         keep = ("MEM", "PROF")
-        sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith(keep)))
+        if main_rank:
+            sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith(keep)))
         found = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
         if proc.returncode or not found:
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-8:]
             results.append({"mode": mode, "error": f"rc={proc.returncode}: " + " | ".join(tail)[-600:]})
         else:
             results.append(json.loads(found[-1][len("BENCH_RESULT ") :]))
-        print("RESULT " + json.dumps(results[-1]), flush=True)
-    print(table(results), flush=True)
+        say("RESULT " + json.dumps(results[-1]), flush=True)
+    say(table(results), flush=True)
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -201,3 +201,48 @@ def flex_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     block_mask = mask.block_mask if isinstance(mask, FlexBlockMask) else mask
     gqa = q.shape[1] != k.shape[1]
     return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+# --- Integration with trainer.model.attention (the trainer's BlockLayout) -------------------------------------------
+
+_static_masks: dict[tuple, FlexBlockMask] = {}
+
+
+def doc_start_of_anchor(doc_ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+    """[R, N]: first position of the contiguous run of equal doc ids that holds each anchor. Device-side, no sync.
+
+    Equals the trainer's rule "same document and before the anchor" when each document is one contiguous run in its
+    row, which packing guarantees (trainer.data.packing).
+    """
+    s = doc_ids.shape[1]
+    idx = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    run_start = torch.where(is_start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return run_start.gather(1, anchor_pos)
+
+
+def static_mask_for(shape: BlockLayoutShape, device: torch.device) -> FlexBlockMask:
+    """The process-wide static FlexBlockMask for (shape, device): built once, rewritten in place by every step.
+
+    One per device is enough because each micro-step's backward finishes before the next micro-step rebuilds it, and
+    exactly one thread drives a device. Built lazily: the first call must come from the main thread (warm-up).
+    """
+    key = (shape, torch.device(device))
+    if key not in _static_masks:
+        _static_masks[key] = FlexBlockMask(shape, device)
+    return _static_masks[key]
+
+
+def build_block_mask(layout) -> BlockMask:
+    """`trainer.model.attention.make_layout(..., backend="flex")` hook: the layout's BlockMask, written in place."""
+    r, n = layout.anchor_pos.shape
+    shape = BlockLayoutShape(r, layout.doc_ids.shape[1], n, layout.block_size)
+    mask = static_mask_for(shape, layout.anchor_pos.device)
+    mask.update_(layout.anchor_pos, doc_start_of_anchor(layout.doc_ids, layout.anchor_pos), layout.anchor_valid)
+    return mask.block_mask
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout) -> torch.Tensor:
+    """`trainer.model.attention.block_attention(..., backend="flex")` hook."""
+    return flex_block_attention(q, k, v, layout.mask)

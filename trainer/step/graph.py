@@ -72,6 +72,30 @@ def check_inputs(specs: Mapping[str, InputSpec], inputs: Tensors) -> None:
             raise ValueError(f"step input {name!r} is on {got.device}, expected a {spec.device.type} tensor")
 
 
+Snapshot = tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]
+
+
+def snapshot_training_state(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> Snapshot:
+    """Clones of the parameters and of every existing optimizer-state tensor (device memory: one more model copy)."""
+    state = {
+        id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for p, st in optimizer.state.items()
+    }
+    return [p.detach().clone() for p in params], state
+
+
+@torch.no_grad()
+def restore_training_state(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
+    """Copy a snapshot back IN PLACE (graphs keep their addresses); state created since is zeroed (fresh AdamW)."""
+    saved_params, saved_state = snap
+    for p, saved in zip(params, saved_params):
+        p.copy_(saved)
+    for p, st in optimizer.state.items():
+        before = saved_state.get(id(p), {})
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(before[k]) if k in before else v.zero_()
+
+
 class StepGraph:
     """One captured training step on one device. See the module docstring for the full contract.
 
@@ -132,25 +156,6 @@ class StepGraph:
         out.update(self._optimizer_step())
         return out
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-        params = [p.detach().clone() for p in self._params]
-        state = {
-            id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-            for p, st in self._optimizer.state.items()
-        }
-        return params, state
-
-    @torch.no_grad()
-    def _restore(self, snap: tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]) -> None:
-        params, state = snap
-        for p, saved in zip(self._params, params):
-            p.copy_(saved)
-        for p, st in self._optimizer.state.items():
-            before = state.get(id(p), {})
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    v.copy_(before[k]) if k in before else v.zero_()
-
     def capture(self, restore: bool = True) -> None:
         """Warm up on a private side stream, then capture. Main thread only, nothing else issuing CUDA work.
 
@@ -158,7 +163,7 @@ class StepGraph:
         """
         if self.captured:
             raise RuntimeError("StepGraph.capture() called twice; build a new StepGraph to re-capture")
-        snap = self._snapshot() if restore else None
+        snap = snapshot_training_state(self._params, self._optimizer) if restore else None
         with torch.cuda.device(self.device):
             # One explicit stream per device: torch.cuda.graph's default side stream is a class attribute created on
             # whatever device was current first (cudagraphs.md section 2, capture-device traps).
@@ -188,7 +193,7 @@ class StepGraph:
                 self._graphs = [g_fb, g_opt]
             torch.cuda.synchronize(self.device)
             if snap is not None:
-                self._restore(snap)
+                restore_training_state(self._params, self._optimizer, snap)
                 torch.cuda.synchronize(self.device)
         self._outputs = out
         self._grads = [p.grad for p in self._params]  # graph-owned; referenced so they outlive any zero_grad
@@ -259,3 +264,91 @@ class EagerStep:
                 group["lr"].fill_(lr)
             else:
                 group["lr"] = lr
+
+
+# --- Runners for the trainer loop (trainer/train.py: runner.micro(batch) x accum, then runner.update()) ------------
+
+
+def compile_drafter(state) -> None:
+    """torch.compile (default mode, no CUDA graphs) every drafter layer in place: `Module.compile` keeps the module
+    tree, so state_dict keys (checkpoints, export) do not change. Main thread only."""
+    for layer in state.drafter.layers:
+        layer.compile(dynamic=False)
+
+
+class GraphRunner:
+    """The trainer's step as two raw CUDA graphs: one micro-step (target features + drafter forward + backward, grads
+    accumulated in place) replayed `accum` times, then the update (clip + AdamW + in-place grad zeroing).
+
+    Grad policy here (differs from `StepGraph`): grads are kept as stable buffers that the captured backward
+    accumulates into (AccumulateGrad adds in place when .grad exists and grad mode is off), and the update graph
+    zeroes them in place -- required because one micro-step graph is replayed several times per optimizer step.
+    Warm-up (eager, on the capture stream) trains `warmup_steps` steps on the first batch; parameters and optimizer
+    state are then restored in place (see StepGraph), so the run starts exactly where an eager run would.
+
+    Aliasing: `micro()` returns the graph-owned StepOut, overwritten by the next `micro()`; the trainer's
+    DeviceMetrics.add consumes it right away (device adds). `update()` returns the graph-owned grad norm.
+    Thread affinity: construct (capture) in the main thread; afterwards one thread drives it.
+    grad_sync: optional eager callback between the last micro-step and the update (data-parallel all-reduce).
+    """
+
+    def __init__(self, state, batch_dev, accum_steps: int, *, warmup_steps: int = 3, grad_sync=None,
+                 capture_error_mode: str = "thread_local") -> None:
+        from trainer.step.step import forward_backward, optimizer_step, zero_grads
+
+        self.state, self.batch_dev, self.grad_sync = state, batch_dev, grad_sync
+        scale = 1.0 / accum_steps
+        params = [p for p in state.drafter.parameters() if p.requires_grad]
+        dev = params[0].device
+        snap = snapshot_training_state(params, state.optimizer)
+        with torch.cuda.device(dev):
+            self._stream = torch.cuda.Stream(device=dev)
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(self._stream):
+                for _ in range(warmup_steps):
+                    for _ in range(accum_steps):
+                        forward_backward(state, batch_dev, scale)
+                    if grad_sync is not None:
+                        grad_sync()
+                    optimizer_step(state)
+                    zero_grads(state)  # in place: .grad buffers exist from here on and keep their addresses
+            torch.cuda.current_stream(dev).wait_stream(self._stream)
+            torch.cuda.synchronize(dev)
+            self._micro_graph, self._update_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._micro_graph, stream=self._stream, capture_error_mode=capture_error_mode):
+                self._out = forward_backward(state, batch_dev, scale)
+            with torch.cuda.graph(self._update_graph, pool=self._micro_graph.pool(), stream=self._stream,
+                                  capture_error_mode=capture_error_mode):
+                self._norm = optimizer_step(state)
+                zero_grads(state)
+            torch.cuda.synchronize(dev)
+            restore_training_state(params, state.optimizer, snap)
+            zero_grads(state)
+            torch.cuda.synchronize(dev)
+        self._keep = (params, [p.grad for p in params], state.optimizer, batch_dev)  # liveness for the graphs
+
+    def micro(self, batch):
+        """Copy one batch into the static device buffers (async), replay the micro-step graph."""
+        self.batch_dev.copy_(batch, non_blocking=True)
+        self._micro_graph.replay()
+        return self._out
+
+    def update(self) -> torch.Tensor:
+        if self.grad_sync is not None:
+            self.grad_sync()
+        self._update_graph.replay()
+        return self._norm
+
+
+def make_runner(cfg, state, batch_dev, *, grad_sync=None):
+    """trainer/train.py hook for step.mode in {compile, graph, compile+graph}. Main thread, before any worker."""
+    from trainer.step.step import EagerRunner
+
+    mode = cfg.step.mode
+    if mode in ("compile", "compile+graph"):
+        compile_drafter(state)
+    if mode == "compile":
+        return EagerRunner(state, batch_dev, cfg.optim.accum_steps)
+    if mode in ("graph", "compile+graph"):
+        return GraphRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
+    raise ValueError(f"make_runner: unsupported step.mode {mode!r}")

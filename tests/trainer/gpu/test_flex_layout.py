@@ -62,3 +62,34 @@ def test_check_inputs_names_the_bad_field():
         check_inputs(specs, {"y": torch.empty(2, 3)})
     with pytest.raises(ValueError, match="cpu"):
         check_inputs(specs, {"x": torch.empty(2, 3)})
+
+
+def test_flex_layout_hook_matches_the_trainer_rule():
+    """build_block_mask(BlockLayout) reproduces trainer.model.attention.dense_block_mask on packed rows."""
+    from trainer.model import flex
+    from trainer.model.attention import dense_block_mask as trainer_dense, make_layout
+
+    g = torch.Generator().manual_seed(7)
+    r, s, n, bs = 2, 256, 16, 16
+    doc_ids = torch.zeros(r, s, dtype=torch.long)
+    doc_ids[0, 100:] = 1
+    doc_ids[0, 200:] = 2
+    doc_ids[1, 60:] = 1
+    doc_ids[1, 240:] = -1  # padding tail
+    position_ids = torch.zeros_like(doc_ids)
+    for row in range(r):
+        for d in doc_ids[row].unique():
+            sel = doc_ids[row] == d
+            position_ids[row, sel] = torch.arange(int(sel.sum()))
+    anchor = torch.stack([torch.randperm(230, generator=g)[:n].sort().values + 1 for _ in range(r)])
+    valid = torch.ones(r, n, dtype=torch.bool)
+    valid[1, -3:] = False
+    anchor[1, -3:] = 0  # padded anchors point at 0 (StaticBatch convention)
+    layout = make_layout(position_ids, doc_ids, anchor, valid, bs, backend="flex")
+    got = layout.mask
+    want = trainer_dense(layout)
+    assert torch.equal(got.to_dense(), create_block_mask(
+        lambda b, h, q, kv: want[b, 0, q, kv], r, None, n * bs, s + n * bs, device="cpu").to_dense())
+    b, q, kv = torch.meshgrid(torch.arange(r), torch.arange(n * bs), torch.arange(s + n * bs), indexing="ij")
+    assert torch.equal(got.mask_mod(b, None, q, kv), want[:, 0])
+    assert got is flex.static_mask_for(flex.BlockLayoutShape(r, s, n, bs), torch.device("cpu")).block_mask
