@@ -11,7 +11,8 @@ Protocol for slot k (K slots, one producer thread, one consumer thread):
             ... read slot k on `stream` ...
             release(k, stream)       records free[k] on `stream`, then gives k back to the producer
 Host queues carry only slot indices; ordering of the data is entirely on the device (events). The host can run up to
-K steps ahead of the GPU. `close()` wakes a blocked peer with `None` (end of stream).
+K steps ahead of the GPU. Both sides know how many steps a run has, so a normal run needs no end marker and the ring is
+reusable for the next run; `abort()` (on an error) wakes a blocked peer with `None` and leaves the ring unusable.
 Thread affinity: build in the main thread; then exactly one producer and one consumer thread use it.
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ class SlotRing:
         self.free[k].record(stream)
         self._free_q.put(k)
 
-    def close(self) -> None:
-        """End of stream for both sides (idempotent enough for one producer + one consumer)."""
+    def abort(self) -> None:
+        """Wake both sides with `None` (a thread failed). The ring must not be reused afterwards."""
         self._filled_q.put(_END)
         self._free_q.put(_END)

@@ -62,7 +62,7 @@ class Pipeline:
                 fn(*args)
             except BaseException as e:  # surfaced in run(); the other side is woken so nothing hangs
                 self._errors.append(e)
-                self.ring.close()
+                self.ring.abort()
         return run
 
     def _loader(self, out: queue.Queue, steps: int) -> None:
@@ -92,7 +92,6 @@ class Pipeline:
                 for name, src in batch.items():
                     slot[name].copy_(src, non_blocking=True)  # pinned host -> device, async
             self.ring.publish(k, s_b)
-        self.ring.close()
 
     def _consumer(self, steps: int, losses: torch.Tensor, ends: list[torch.cuda.Event]) -> None:
         dev = self.placement.drafter
@@ -112,7 +111,11 @@ class Pipeline:
                 self.on_interval(i + 1)
 
     def run(self, steps: int) -> PipelineResult:
+        """Run `steps` steps (threads started and joined here). Reusable after a successful run, not after a failure."""
         import time
+
+        if self._errors:
+            raise RuntimeError("this Pipeline already failed; build a new one") from self._errors[0]
 
         dev = self.placement.drafter
         losses = torch.zeros(steps, device=dev)

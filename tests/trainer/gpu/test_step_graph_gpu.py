@@ -44,21 +44,21 @@ def max_diff(a, b) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("attn", ["flex", "sdpa"])
+@pytest.mark.parametrize("attn", ["flex"])
 def test_graph_matches_eager(attn):
-    """Tolerance: 0 where eager is deterministic (flex). The sdpa reference's masked backward is not deterministic
-    (eager differs from eager), so there the graph may sit up to twice the eager-vs-eager spread from eager: two
-    independent draws of the same nondeterministic step, compared to a third (triangle inequality)."""
+    """Tolerance 0: bit-exact. Only flex here: the dense-mask sdpa reference at these dims uses the memory-efficient
+    kernel, whose backward is not deterministic -- eager differs from eager by 1e-4..5e-4 after 6 AdamW steps, and the
+    spread varies run to run (measured on the H200), so no fixed tolerance is meaningful. The same StepGraph path with
+    the trainer's sdpa backend is checked in test_runner_gpu.py (deterministic at those dims)."""
     w = Workload(TINY, batch=2, seq=256, anchors=16, accum=2, ce_chunk=160)
     p_e1, l_e1 = run(w, graph=False, attn=attn)
     p_e2, l_e2 = run(w, graph=False, attn=attn)
     p_g, l_g = run(w, graph=True, attn=attn)
     noise = max_diff(p_e1, p_e2)
     print(f"attn={attn} eager-vs-eager {noise:.3g} graph-vs-eager {max_diff(p_e1, p_g):.3g}")
-    assert max_diff(p_e1, p_g) <= 2 * noise
-    assert float((l_e1 - l_g).abs().max()) <= 2 * float((l_e1 - l_e2).abs().max())
-    if attn == "flex":
-        assert noise == 0.0
+    assert noise == 0.0  # eager is deterministic, so any graph difference would be a capture bug
+    assert max_diff(p_e1, p_g) == 0.0
+    assert torch.equal(l_e1, l_g)
     assert len(set(l_g.tolist())) == K  # replays saw K different batches
     assert max_diff(p_e1, [p.detach() for p in build(w, DEV, seed=0)[3].params]) > 0  # training moved the params
 
