@@ -33,7 +33,7 @@ def build_tokenizer():
 
 
 def build_tiny_target(out_dir: str | Path, *, num_layers: int = 6, hidden: int = 64, seed: int = 0,
-                      tie_word_embeddings: bool = True, train_steps: int = 150) -> Path:
+                      tie_word_embeddings: bool = True, train_steps: int = 100) -> Path:
     """Qwen3ForCausalLM (hidden 64, 4 heads / 2 KV heads) + tokenizer, saved to `out_dir`.
 
     The model is briefly trained on the bundled smoke conversations (`train_steps`, a few seconds on CPU), so its
@@ -59,7 +59,7 @@ def build_tiny_target(out_dir: str | Path, *, num_layers: int = 6, hidden: int =
     return out
 
 
-def _pretrain(model, tokenizer, steps: int, batch: int = 32) -> None:
+def _pretrain(model, tokenizer, steps: int, batch: int = 16) -> None:
     """Plain next-token training on the smoke conversations (padded batches, pad positions ignored)."""
     import torch
 
@@ -69,7 +69,7 @@ def _pretrain(model, tokenizer, steps: int, batch: int = 32) -> None:
         return
     texts = [tokenizer.apply_chat_template(c["conversations"], tokenize=False) for c in conversations()]
     seqs = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     model.train()
     for step in range(steps):
         idx = torch.randint(len(seqs), (batch,))

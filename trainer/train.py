@@ -106,11 +106,11 @@ def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device
         raise ConfigError(f"step.mode={cfg.step.mode} needs a CUDA device (this run is on {device})",
                           hint="use --set step.mode=eager on CPU")
     try:
-        from trainer.step import graph
+        from trainer.step.graph import make_runner as make_graph_runner  # GPU branch: compile / graph runners
     except ImportError as e:
         raise ConfigError(f"step.mode={cfg.step.mode} is not available in this build ({e})",
                           hint="use --set step.mode=eager") from None
-    return graph.make_runner(cfg, state, batch_dev)
+    return make_graph_runner(cfg, state, batch_dev)
 
 
 def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout) -> Run:
@@ -174,10 +174,9 @@ def train_loop(run: Run, stop_at: int | None = None) -> Cursor:
     step, micro = run.cursor.step, run.cursor.micro
     while step < end:
         run.state.lr_.fill_(_lr(run, step))
-        for _ in range(accum):
-            run.metrics.add(run.runner.micro(run.batches.batch(micro)))
-            micro += 1
-        run.runner.update()
+        for out in run.runner.step([run.batches.batch(m) for m in range(micro, micro + accum)]):
+            run.metrics.add(out)
+        micro += accum
         step += 1
         steps_in_interval += 1
         run.cursor = Cursor(step=step, micro=micro)
@@ -211,7 +210,7 @@ def finish(run: Run) -> dict:
     found = checkpoint.list_checkpoints(run.run_dir)
     if not found or found[-1][0] != run.cursor.step:
         checkpoint.save(run.run_dir, run.cursor, run.state.drafter, run.state.optimizer, run.cfg.ckpt.keep)
-    export_drafter(run.run_dir / "export", run.state.drafter, exported_config(run))
+    export_drafter(run.run_dir / "export", run.state.drafter, exported_config(run.cfg, run.state))
     result = {"step": run.cursor.step, "run_dir": str(run.run_dir), "export": str(run.run_dir / "export")}
     if run.cfg.eval_at_end and run.datasets.eval is not None:
         from trainer.eval import evaluate_run
@@ -221,11 +220,11 @@ def finish(run: Run) -> dict:
     return result
 
 
-def exported_config(run: Run) -> dict:
+def exported_config(cfg: TrainCfg, state: TrainState) -> dict:
     from trainer.export import export_config
 
-    t = run.state.target
-    return export_config(run.state.drafter.cfg, block_size=run.cfg.model.block_size, layer_ids=t.layer_ids,
+    t = state.target
+    return export_config(state.drafter.cfg, block_size=cfg.model.block_size, layer_ids=t.layer_ids,
                          num_target_layers=t.num_layers, mask_token_id=t.mask_token_id,
                          vocab_size=t.embed_tokens.weight.shape[0],
                          max_position_embeddings=getattr(t.hf_config, "max_position_embeddings", 32768),
@@ -259,6 +258,4 @@ def export_run(run_dir: Path) -> Path:
                          mask_token_id=m.mask_token_id, device="cpu", dtype="float32", truncate=True)
     state = build_state(cfg, target, torch.device("cpu"))
     state.drafter.load_state_dict(torch.load(found[-1][1] / "drafter.pt", map_location="cpu"))
-    shell = Run(cfg=cfg, run_dir=Path(run_dir), device=torch.device("cpu"), state=state, datasets=None, batches=None,
-                runner=None, total_steps=0, cursor=Cursor(step=found[-1][0], micro=0), sink=None, metrics=None)
-    return export_drafter(Path(run_dir) / "export", state.drafter, exported_config(shell))
+    return export_drafter(Path(run_dir) / "export", state.drafter, exported_config(cfg, state))

@@ -35,6 +35,37 @@ def test_assistant_tokens_are_exactly_the_loss_mask(target):
                                        add_special_tokens=False)["input_ids"]
 
 
+QWEN3_LIKE = (  # like Qwen3: only the LAST assistant turn carries the (empty) think block
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+)
+
+
+def test_multi_turn_with_a_history_rewriting_template(target):
+    import copy
+
+    tok = copy.deepcopy(target.tokenizer)
+    tok.chat_template = QWEN3_LIKE
+    turns = [{"role": "user", "content": "repeat twice : cat dog"}, {"role": "assistant", "content": "cat dog cat dog"},
+             {"role": "user", "content": "reverse : cat dog"}, {"role": "assistant", "content": "dog cat"}]
+    s = tokenize_conversation(tok, turns)
+    toks = tok.convert_ids_to_tokens(s.input_ids.tolist())
+    masked = [t for t, m in zip(toks, s.loss_mask.tolist()) if m]
+    assert masked == ["cat", "dog", "cat", "dog", "<|im_end|>", "dog", "cat", "<|im_end|>"]
+    think = [m for t, m in zip(toks, s.loss_mask.tolist()) if t == "<unk>"]  # <think> words are not in the vocab
+    assert think and not any(think)  # the think block is rendered, and unsupervised
+
+
+def test_user_turn_quoting_the_answer_is_not_supervised(target):
+    tok = target.tokenizer
+    s = tokenize_conversation(tok, [{"role": "user", "content": "repeat twice : cat"},
+                                    {"role": "assistant", "content": "cat"}])
+    toks = tok.convert_ids_to_tokens(s.input_ids.tolist())
+    assert [i for i, m in enumerate(s.loss_mask.tolist()) if m] == [len(toks) - 2, len(toks) - 1]
+    assert toks[-2:] == ["cat", "<|im_end|>"] and toks.count("cat") == 2
+
+
 def test_malformed_lines_are_reported_with_line_numbers(tmp_path, target):
     lines = [GOOD, "{not json", GOOD, json.dumps({"conversations": [{"role": "user", "content": "hi"}]}), "",
              json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}), json.dumps({"input_ids": [5, 6, 7],
@@ -106,3 +137,18 @@ def test_eval_split_is_disjoint_and_deterministic(target):
     b = build_datasets(cfg, target.tokenizer, VOCAB, seed=3)
     assert torch.equal(a.eval.input_ids, b.eval.input_ids)
     assert a.num_eval_samples == 40 and a.num_train_samples == 360
+
+
+def test_ranks_take_disjoint_rows_of_the_same_permutation(target):
+    cfg = DataCfg(seq_len=128, rows_per_step=2, num_anchors=8, eval_fraction=0.0)
+    rows = build_datasets(cfg, target.tokenizer, VOCAB, seed=0).train
+    single = EpochBatches(rows, 2, 8, seed=0, pad_id=0)
+    ranks = [EpochBatches(rows, 2, 8, seed=0, pad_id=0, rank=r, world_size=3) for r in range(3)]
+    assert ranks[0].per_epoch == -(-rows.num_rows // 6)
+    seen = []
+    for micro in range(ranks[0].per_epoch):
+        for b in ranks:
+            batch = b.batch(micro)
+            assert batch.signature() == single.batch(0).signature()
+            seen += [tuple(r.tolist()) for r, d in zip(batch.input_ids, batch.doc_ids) if (d >= 0).any()]
+    assert len(seen) == rows.num_rows == len(set(seen))  # every row exactly once per epoch, across ranks

@@ -7,8 +7,6 @@ never trained). Weight w_k = exp(-(k-1)/gamma) for k >= 1. Loss = sum(CE * w) / 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -98,7 +96,3 @@ def naive_lm_loss(h_MD, weight_VD, bias_V, labels_M, w_M) -> torch.Tensor:
         logits = logits + bias_V.float()
     ce = torch.nn.functional.cross_entropy(logits, labels_M, reduction="none")
     return (ce * w_M).sum() / w_M.sum().clamp_min(1e-12)
-
-
-def num_chunks(positions: int, chunk: int) -> int:
-    return math.ceil(positions / chunk)
