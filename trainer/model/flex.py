@@ -239,7 +239,10 @@ def build_block_mask(layout) -> BlockMask:
     r, n = layout.anchor_pos.shape
     shape = BlockLayoutShape(r, layout.doc_ids.shape[1], n, layout.block_size)
     mask = static_mask_for(shape, layout.anchor_pos.device)
-    mask.update_(layout.anchor_pos, doc_start_of_anchor(layout.doc_ids, layout.anchor_pos), layout.anchor_valid)
+    ctx_lo = getattr(layout, "ctx_lo", None)
+    if ctx_lo is None:  # older layouts: derive the document start from the doc ids
+        ctx_lo = doc_start_of_anchor(layout.doc_ids, layout.anchor_pos)
+    mask.update_(layout.anchor_pos, ctx_lo, layout.anchor_valid)
     return mask.block_mask
 
 

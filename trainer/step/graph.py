@@ -56,7 +56,8 @@ class InputSpec:
 
 
 def check_inputs(specs: Mapping[str, InputSpec], inputs: Tensors) -> None:
-    """Raise ValueError (naming the field and the fix) if `inputs` does not match `specs` exactly. Pure, no sync."""
+    """Raise ValueError (naming the field and the fix) if `inputs` do not match `specs` in names, shapes and dtypes.
+    Pure, no sync."""
     missing, extra = sorted(set(specs) - set(inputs)), sorted(set(inputs) - set(specs))
     if missing or extra:
         raise ValueError(f"step inputs mismatch: missing {missing}, unexpected {extra}")
@@ -67,9 +68,8 @@ def check_inputs(specs: Mapping[str, InputSpec], inputs: Tensors) -> None:
                 f"step input {name!r}: got {tuple(got.shape)} {got.dtype}, graph was captured for "
                 f"{spec.shape} {spec.dtype}; pad the batch to the captured shape or capture a new StepGraph"
             )
-        # Cross-device copies are allowed (they are explicit copies), but a CPU tensor would be a hidden sync.
-        if got.device.type != spec.device.type:
-            raise ValueError(f"step input {name!r} is on {got.device}, expected a {spec.device.type} tensor")
+        # Any device is accepted: the copy into the static buffer is explicit (async from pinned host memory or
+        # another GPU; a pageable host tensor makes that one copy synchronous, never the graph).
 
 
 Snapshot = tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]
@@ -266,7 +266,7 @@ class EagerStep:
                 group["lr"] = lr
 
 
-# --- Runners for the trainer loop (trainer/train.py: runner.micro(batch) x accum, then runner.update()) ------------
+# --- Runner for the trainer loop (trainer/train.py: `outs = runner.step(micro_batches)` once per optimizer step) ----
 
 
 def compile_drafter(state) -> None:
@@ -277,67 +277,50 @@ def compile_drafter(state) -> None:
 
 
 class GraphRunner:
-    """The trainer's step as two raw CUDA graphs: one micro-step (target features + drafter forward + backward, grads
-    accumulated in place) replayed `accum` times, then the update (clip + AdamW + in-place grad zeroing).
+    """The trainer's whole optimizer step -- `accum` micro-steps (target features, drafter forward + backward), clip
+    and AdamW -- as one `StepGraph`, over `accum` static copies of the device batch.
 
-    Grad policy here (differs from `StepGraph`): grads are kept as stable buffers that the captured backward
-    accumulates into (AccumulateGrad adds in place when .grad exists and grad mode is off), and the update graph
-    zeroes them in place -- required because one micro-step graph is replayed several times per optimizer step.
-    Warm-up (eager, on the capture stream) trains `warmup_steps` steps on the first batch; parameters and optimizer
-    state are then restored in place (see StepGraph), so the run starts exactly where an eager run would.
-
-    Aliasing: `micro()` returns the graph-owned StepOut, overwritten by the next `micro()`; the trainer's
-    DeviceMetrics.add consumes it right away (device adds). `update()` returns the graph-owned grad norm.
-    Thread affinity: construct (capture) in the main thread; afterwards one thread drives it.
-    grad_sync: optional eager callback between the last micro-step and the update (data-parallel all-reduce).
+    Same contract as `trainer.step.step.EagerRunner.step`: takes the step's CPU micro-batches, returns one StepOut per
+    micro-batch. Differences: the returned StepOuts alias graph-owned memory (valid until the next `step`; the
+    trainer's DeviceMetrics.add consumes them at once), and the grad policy is StepGraph's (set_to_none before
+    capture, grads rewritten by every replay; nothing else may zero them). Warm-up does not train (StepGraph restores
+    parameters and optimizer state), so a graph run follows an eager run step for step.
+    Thread affinity: construct (capture) in the main thread before any other thread runs CUDA work.
+    grad_sync: optional eager callback between the forward/backward and the update graphs (data-parallel all-reduce).
     """
 
-    def __init__(self, state, batch_dev, accum_steps: int, *, warmup_steps: int = 3, grad_sync=None,
-                 capture_error_mode: str = "thread_local") -> None:
-        from trainer.step.step import forward_backward, optimizer_step, zero_grads
+    def __init__(self, state, batch_dev, accum_steps: int, *, warmup_steps: int = 3, grad_sync=None) -> None:
+        from trainer.step.step import forward_backward, optimizer_step
 
-        self.state, self.batch_dev, self.grad_sync = state, batch_dev, grad_sync
+        self.state, self.accum = state, accum_steps
+        self._fields = list(batch_dev.tensors())
+        self._batch_type = type(batch_dev)
         scale = 1.0 / accum_steps
+
+        def fwd_bwd(inputs):
+            out = {}
+            for i in range(accum_steps):
+                mb = self._batch_type(**{f: inputs[f"{i}.{f}"] for f in self._fields})
+                o = forward_backward(state, mb, scale)
+                out.update({f"{i}.loss_": o.loss_, f"{i}.correct_by_pos_": o.correct_by_pos_,
+                            f"{i}.valid_by_pos_": o.valid_by_pos_})
+            return out
+
         params = [p for p in state.drafter.parameters() if p.requires_grad]
-        dev = params[0].device
-        snap = snapshot_training_state(params, state.optimizer)
-        with torch.cuda.device(dev):
-            self._stream = torch.cuda.Stream(device=dev)
-            self._stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(self._stream):
-                for _ in range(warmup_steps):
-                    for _ in range(accum_steps):
-                        forward_backward(state, batch_dev, scale)
-                    if grad_sync is not None:
-                        grad_sync()
-                    optimizer_step(state)
-                    zero_grads(state)  # in place: .grad buffers exist from here on and keep their addresses
-            torch.cuda.current_stream(dev).wait_stream(self._stream)
-            torch.cuda.synchronize(dev)
-            self._micro_graph, self._update_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._micro_graph, stream=self._stream, capture_error_mode=capture_error_mode):
-                self._out = forward_backward(state, batch_dev, scale)
-            with torch.cuda.graph(self._update_graph, pool=self._micro_graph.pool(), stream=self._stream,
-                                  capture_error_mode=capture_error_mode):
-                self._norm = optimizer_step(state)
-                zero_grads(state)
-            torch.cuda.synchronize(dev)
-            restore_training_state(params, state.optimizer, snap)
-            zero_grads(state)
-            torch.cuda.synchronize(dev)
-        self._keep = (params, [p.grad for p in params], state.optimizer, batch_dev)  # liveness for the graphs
+        sample = {f"{i}.{f}": t for i in range(accum_steps) for f, t in batch_dev.tensors().items()}
+        self.graph = StepGraph(fwd_bwd, lambda: {"grad_norm": optimizer_step(state)}, params, state.optimizer,
+                               sample, sync_grads=grad_sync, warmup_steps=warmup_steps)
+        self.graph.capture(restore=True)
 
-    def micro(self, batch):
-        """Copy one batch into the static device buffers (async), replay the micro-step graph."""
-        self.batch_dev.copy_(batch, non_blocking=True)
-        self._micro_graph.replay()
-        return self._out
+    def step(self, micro_batches):
+        from trainer.step.step import StepOut
 
-    def update(self) -> torch.Tensor:
-        if self.grad_sync is not None:
-            self.grad_sync()
-        self._update_graph.replay()
-        return self._norm
+        if len(micro_batches) != self.accum:
+            raise ValueError(f"expected {self.accum} micro-batches, got {len(micro_batches)}")
+        inputs = {f"{i}.{f}": t for i, mb in enumerate(micro_batches) for f, t in mb.tensors().items()}
+        out = self.graph.step(inputs)
+        return [StepOut(loss_=out[f"{i}.loss_"], correct_by_pos_=out[f"{i}.correct_by_pos_"],
+                        valid_by_pos_=out[f"{i}.valid_by_pos_"]) for i in range(self.accum)]
 
 
 def make_runner(cfg, state, batch_dev, *, grad_sync=None):
