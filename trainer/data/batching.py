@@ -97,7 +97,8 @@ class EpochBatches:
         pad = StaticBatch.empty(self.R - len(take), self.rows.input_ids.shape[1], self.N, self.pad_id)
 
         def pick(name: str) -> torch.Tensor:
-            return torch.cat([getattr(self.rows, name)[take], getattr(pad, name)])
+            part = getattr(pad, name)
+            return torch.cat([getattr(self.rows, name)[take].to(part.dtype), part])
 
         loss_mask, doc_ids = pick("loss_mask"), pick("doc_ids")
         anchor_gen = _generator(self.seed, epoch, index * self.world + self.rank)
