@@ -235,7 +235,8 @@ def static_mask_for(shape: BlockLayoutShape, device: torch.device) -> FlexBlockM
 
 
 def build_block_mask(layout) -> BlockMask:
-    """`trainer.model.attention.make_layout(..., backend="flex")` hook: the layout's BlockMask, written in place."""
+    """The flex backend's `mask_fn` (trainer.model.attention.make_layout / TrainState.mask_fn): rewrites the static
+    BlockMask for this layout's shape and device in place and returns it. Device-side only: capturable."""
     r, n = layout.anchor_pos.shape
     shape = BlockLayoutShape(r, layout.doc_ids.shape[1], n, layout.block_size)
     mask = static_mask_for(shape, layout.anchor_pos.device)
@@ -245,7 +246,3 @@ def build_block_mask(layout) -> BlockMask:
     mask.update_(layout.anchor_pos, ctx_lo, layout.anchor_valid)
     return mask.block_mask
 
-
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout) -> torch.Tensor:
-    """`trainer.model.attention.block_attention(..., backend="flex")` hook."""
-    return flex_block_attention(q, k, v, layout.mask)

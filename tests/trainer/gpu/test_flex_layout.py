@@ -66,7 +66,7 @@ def test_check_inputs_names_the_bad_field():
 
 
 def test_flex_layout_hook_matches_the_trainer_rule():
-    """build_block_mask(BlockLayout) reproduces trainer.model.attention.dense_block_mask on packed rows."""
+    """build_block_mask (the flex mask_fn) reproduces trainer.model.attention.dense_block_mask on packed rows."""
     from trainer.model import flex
     from trainer.model.attention import dense_block_mask as trainer_dense, make_layout
 
@@ -86,7 +86,7 @@ def test_flex_layout_hook_matches_the_trainer_rule():
     valid = torch.ones(r, n, dtype=torch.bool)
     valid[1, -3:] = False
     anchor[1, -3:] = 0  # padded anchors point at 0 (StaticBatch convention)
-    layout = make_layout(position_ids, doc_ids, anchor, valid, bs, backend="flex")
+    layout = make_layout(position_ids, doc_ids, anchor, valid, bs, backend="flex", mask_fn=flex.build_block_mask)
     got = layout.mask
     want = trainer_dense(layout)
     assert torch.equal(got.to_dense(), create_block_mask(
