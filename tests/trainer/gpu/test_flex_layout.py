@@ -94,3 +94,18 @@ def test_flex_layout_hook_matches_the_trainer_rule():
     b, q, kv = torch.meshgrid(torch.arange(r), torch.arange(n * bs), torch.arange(s + n * bs), indexing="ij")
     assert torch.equal(got.mask_mod(b, None, q, kv), want[:, 0])
     assert got is flex.static_mask_for(flex.BlockLayoutShape(r, s, n, bs), torch.device("cpu")).block_mask
+
+
+def test_doc_start_fallback_equals_the_trainer_ctx_lo():
+    from trainer.model.attention import make_layout
+    from trainer.model.flex import doc_start_of_anchor
+
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 10 + [-1] * 6])
+    position_ids = torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)]).view(1, -1)
+    position_ids = torch.cat([position_ids, torch.cat([torch.arange(10), torch.zeros(6, dtype=torch.long)])[None]])
+    anchor = torch.tensor([[1, 6, 11, 13], [2, 4, 9, 0]])
+    valid = torch.tensor([[True] * 4, [True, True, True, False]])
+    layout = make_layout(position_ids, doc_ids, anchor, valid, 4, backend="sdpa")
+    got = doc_start_of_anchor(doc_ids, anchor)
+    assert got.tolist() == [[0, 5, 5, 12], [0, 0, 0, 0]]
+    assert torch.equal(got[valid], layout.ctx_lo[valid])
