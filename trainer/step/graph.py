@@ -1,4 +1,4 @@
-"""Whole-training-step CUDA graph capture (the only module that captures graphs).
+"""Whole-training-step CUDA graph capture (StepGraph) and the trainer-loop runner built on it (GraphRunner).
 
 `StepGraph` captures one training step -- forward+backward over every micro-step, gradient clip and a capturable
 optimizer step -- with the raw CUDA graph API (`torch.cuda.graph`), and replays it. Design and the facts behind it:
