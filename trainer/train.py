@@ -95,8 +95,12 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
     o = cfg.optim
     optimizer, lr_ = build_optimizer(drafter, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                      device=device)
+    mask_fn = None
+    if cfg.step.attn == "flex":  # every mode: the static, in-place-updated BlockMask (GPU branch)
+        from trainer.model.flex import build_block_mask as mask_fn
     return TrainState(target=target, drafter=drafter, optimizer=optimizer, lr_=lr_, block_size=cfg.model.block_size,
-                      gamma=cfg.model.loss_gamma, loss_chunk=cfg.step.loss_chunk, clip=o.clip, attn=cfg.step.attn)
+                      gamma=cfg.model.loss_gamma, loss_chunk=cfg.step.loss_chunk, clip=o.clip, attn=cfg.step.attn,
+                      mask_fn=mask_fn)
 
 
 def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
