@@ -12,7 +12,7 @@ def test_recipes_load_and_roundtrip():
         assert from_dict(TrainCfg, json.loads(json.dumps(to_dict(cfg)))) == cfg
     gpu = load_config("gpu")
     assert (gpu.optim.lr, gpu.model.block_size, gpu.model.loss_gamma, gpu.data.num_anchors) == (6e-4, 16, 7.0, 512)
-    assert gpu.data.tokens_per_step == 49152
+    assert gpu.data.tokens_per_step * gpu.optim.accum_steps == 49152  # the seed's budget per optimizer step
 
 
 def test_set_overrides_with_types():
