@@ -1,0 +1,57 @@
+"""Shared fixtures: one tiny Qwen3 target built once per session, saved to disk, loaded through the real code."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    from trainer.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"), train_steps=60)
+
+
+@pytest.fixture(scope="session")
+def target(tiny_target_dir):
+    """Truncated training target with 2 taps (6 layers -> taps [1, 3])."""
+    from trainer.model.target import load_target
+
+    return load_target(tiny_target_dir, num_draft_layers=2)
+
+
+@pytest.fixture(scope="session")
+def full_target(tiny_target_dir):
+    from trainer.model.target import load_target
+
+    return load_target(tiny_target_dir, num_draft_layers=2, truncate=False)
+
+
+def small_cfg(target_dir, *sets: str):
+    """The smoke recipe shrunk for unit tests, pointed at the session target."""
+    from trainer.config import load_config
+
+    base = [f"model.target={target_dir}", "data.seq_len=96", "data.rows_per_step=2", "data.num_anchors=8",
+            "optim.max_steps=6", "log.every=1", "ckpt.every=0", "eval_at_end=false", "threads=0"]
+    return load_config("smoke", base + list(sets))
+
+
+def make_state(target, block_size: int = 4, seed: int = 0, layers: int = 2, chunk: int = 7):
+    import torch
+
+    from trainer.model.drafter import Drafter, DrafterConfig
+    from trainer.step.step import TrainState, build_optimizer
+
+    torch.manual_seed(seed)
+    dcfg = DrafterConfig.from_target(target.hf_config, num_layers=layers, num_taps=len(target.layer_ids))
+    drafter = Drafter(dcfg)
+    opt, lr_ = build_optimizer(drafter, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                               device=torch.device("cpu"))
+    return TrainState(target=target, drafter=drafter, optimizer=opt, lr_=lr_, block_size=block_size, gamma=7.0,
+                      loss_chunk=chunk, clip=1.0)

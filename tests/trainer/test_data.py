@@ -1,0 +1,108 @@
+import json
+
+import pytest
+import torch
+
+from trainer.config import DataCfg
+from trainer.data.anchors import anchor_candidates, sample_anchors
+from trainer.data.batching import EpochBatches
+from trainer.data.dataset import build_datasets
+from trainer.data.packing import assign_rows, pack
+from trainer.data.source import Sample, load_samples, tokenize_conversation
+from trainer.errors import DataError
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+VOCAB = 177  # rows of the tiny target embedding (asserted below)
+GOOD = json.dumps({"conversations": [{"role": "user", "content": "count from 1 to 3"},
+                                     {"role": "assistant", "content": "1 2 3 done"}]})
+
+
+def test_assistant_tokens_are_exactly_the_loss_mask(target):
+    tok = target.tokenizer
+    turns = [{"role": "system", "content": "you are a helpful assistant"},
+             {"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "2 plus 3 is 5"},
+             {"role": "user", "content": "reverse : cat dog"}, {"role": "assistant", "content": "dog cat"}]
+    s = tokenize_conversation(tok, turns)
+    toks = tok.convert_ids_to_tokens(s.input_ids.tolist())
+    masked = [t for t, m in zip(toks, s.loss_mask.tolist()) if m]
+    assert masked == ["2", "plus", "3", "is", "5", "<|im_end|>", "dog", "cat", "<|im_end|>"]
+    assert s.input_ids.tolist() == tok(tok.apply_chat_template(turns, tokenize=False),
+                                       add_special_tokens=False)["input_ids"]
+
+
+def test_malformed_lines_are_reported_with_line_numbers(tmp_path, target):
+    lines = [GOOD, "{not json", GOOD, json.dumps({"conversations": [{"role": "user", "content": "hi"}]}), "",
+             json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}), json.dumps({"input_ids": [5, 6, 7],
+                                                                                  "loss_mask": [0, 1, 1]})]
+    path = write_lines(tmp_path / "d.jsonl", lines)
+    samples, report = load_samples([path], target.tokenizer, VOCAB, max_bad_fraction=0.5)
+    assert len(samples) == 3 and report.lines == 6
+    assert [b.line_no for b in report.bad] == [2, 4, 6]
+    assert "invalid JSON" in report.bad[0].reason and "no assistant tokens" in report.bad[1].reason
+    with pytest.raises(DataError, match=r"d.jsonl:2 .*d.jsonl:4"):
+        load_samples([path], target.tokenizer, VOCAB, max_bad_fraction=0.4)
+
+
+def test_vocab_constant_matches_the_tiny_target(target):
+    assert target.embed_tokens.weight.shape[0] == VOCAB
+
+
+def test_pretokenized_lines_are_accepted(tmp_path, target):
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]})])
+    (s,), _ = load_samples([path], target.tokenizer, VOCAB, 0.0)
+    assert s.input_ids.tolist() == [5, 6, 7] and s.loss_mask.tolist() == [False, True, True]
+
+
+def sample(n, start=10):
+    return Sample(torch.arange(start, start + n), torch.ones(n, dtype=torch.bool))
+
+
+def test_packing_fixed_rows_doc_ids_positions_and_truncation():
+    samples = [sample(5), sample(7), sample(4), sample(12), sample(3)]
+    rows = pack(samples, seq_len=10, pad_id=0)
+    assert rows.input_ids.shape == (3, 10) and rows.truncated == 1
+    assert assign_rows([5, 7, 4, 12, 3], 10) == [[0, 2], [1, 4], [3]]
+    assert rows.doc_ids[0].tolist() == [0] * 5 + [1] * 4 + [-1]
+    assert rows.position_ids[0, :9].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert rows.input_ids[0, 5:9].tolist() == [10, 11, 12, 13] and rows.input_ids[0, 9] == 0
+    assert not rows.loss_mask[0, 9]
+    assert rows.doc_ids[2].tolist() == [0] * 10  # truncated to seq_len
+
+
+def test_anchors_valid_first_sorted_and_only_candidates():
+    lm = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    doc = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1, -1]])
+    cand = anchor_candidates(lm, doc)
+    assert cand[0].nonzero().flatten().tolist() == [1, 2, 3, 5, 6]  # 4 -> 5 crosses documents
+    pos, valid = sample_anchors(lm, doc, 8, torch.Generator().manual_seed(0))
+    assert valid[0].tolist() == [True] * 5 + [False] * 3
+    assert pos[0].tolist() == [1, 2, 3, 5, 6, 0, 0, 0]
+    pos, valid = sample_anchors(lm, doc, 3, torch.Generator().manual_seed(0))
+    assert valid.all() and pos[0].tolist() == sorted(pos[0].tolist()) and set(pos[0].tolist()) <= {1, 2, 3, 5, 6}
+
+
+def test_every_batch_has_identical_shapes_and_is_reproducible(target):
+    cfg = DataCfg(seq_len=128, rows_per_step=3, num_anchors=16, eval_fraction=0.1)
+    ds = build_datasets(cfg, target.tokenizer, VOCAB, seed=0)
+    batches = EpochBatches(ds.train, 3, 16, seed=0, pad_id=0)
+    sigs = {batches.batch(i).signature() for i in range(2 * batches.per_epoch + 1)}
+    assert len(sigs) == 1 and ds.train.num_rows % 3 != 0  # includes a padded last batch
+    last = batches.batch(batches.per_epoch - 1)
+    assert (last.doc_ids[-1] == -1).all() and not last.anchor_valid[-1].any()
+    a, b = batches.batch(5), batches.batch(5)
+    assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
+    e0, e1 = batches.batch(0), batches.batch(batches.per_epoch)
+    assert not torch.equal(e0.anchor_pos, e1.anchor_pos)  # re-sampled every epoch
+
+
+def test_eval_split_is_disjoint_and_deterministic(target):
+    cfg = DataCfg(seq_len=128, rows_per_step=2, num_anchors=8, eval_fraction=0.1)
+    a = build_datasets(cfg, target.tokenizer, VOCAB, seed=3)
+    b = build_datasets(cfg, target.tokenizer, VOCAB, seed=3)
+    assert torch.equal(a.eval.input_ids, b.eval.input_ids)
+    assert a.num_eval_samples == 40 and a.num_train_samples == 360

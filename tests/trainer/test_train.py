@@ -1,0 +1,71 @@
+import json
+
+import pytest
+import torch
+
+from tests.trainer.conftest import small_cfg
+from trainer import checkpoint
+from trainer.errors import NonFiniteLoss
+from trainer.train import finish, setup, train_loop
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
+    cfg = small_cfg(tiny_target_dir, "optim.max_steps=40", "log.every=5", "optim.lr=3e-3", "optim.warmup_ratio=0.05",
+                    "data.rows_per_step=4", "data.num_anchors=16")
+    run = setup(cfg, tmp_path / "run")
+    train_loop(run)
+    got = losses(tmp_path / "run")
+    assert got[40] < 0.7 * got[5], got
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_target_dir):
+    sets = ("optim.max_steps=8", "ckpt.every=4", "optim.accum_steps=2", "data.rows_per_step=2")
+    full = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "full")
+    train_loop(full)
+    first = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "split")
+    train_loop(first, stop_at=4)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "split")] == [4]
+    del first
+    torch.manual_seed(12345)  # resume must not depend on the process's RNG state
+    second = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "split", resume=True)
+    assert second.cursor.step == 4 and second.cursor.micro == 8
+    train_loop(second)
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert [b[s] for s in range(1, 9)] == [a[s] for s in range(1, 9)]  # bit-exact on CPU
+    pa = dict(full.state.drafter.named_parameters())
+    for name, p in second.state.drafter.named_parameters():
+        assert torch.equal(p, pa[name]), name
+
+
+def test_resume_refuses_a_changed_config(tmp_path, tiny_target_dir):
+    from trainer.errors import ConfigError
+
+    run = setup(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")
+    train_loop(run)
+    with pytest.raises(ConfigError, match=r"optim.lr \(0.003 -> 0.001\)"):
+        setup(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2", "optim.lr=1e-3"), tmp_path / "r",
+              resume=True)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        setup(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_target_dir):
+    run = setup(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
+    train_loop(run, stop_at=4)
+    saved = checkpoint.list_checkpoints(tmp_path / "r")
+    assert [s for s, _ in saved] == [2, 4]
+    good = torch.load(saved[-1][1] / "drafter.pt")
+    with torch.no_grad():
+        run.state.drafter.fc.weight.fill_(float("nan"))  # poison: the next loss is NaN
+    with pytest.raises(NonFiniteLoss, match=r"Last good checkpoint: .*step_4"):
+        train_loop(run)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "r")] == [2, 4]
+    after = torch.load(saved[-1][1] / "drafter.pt")
+    assert all(torch.equal(good[k], after[k]) for k in good)
+    with pytest.raises(NonFiniteLoss):
+        finish(run)
+    assert not (tmp_path / "r" / "export").exists()

@@ -1,0 +1,105 @@
+"""`python -m trainer` / `dflash-train`: train, eval, export, make-tiny-target. The one error boundary.
+
+  python -m trainer train --recipe NAME|PATH.yaml [--run-dir D] [--set a.b=v]... [--resume]
+  python -m trainer eval --run-dir D | --drafter EXPORT_DIR --target T --data F
+  python -m trainer export --run-dir D
+  python -m trainer make-tiny-target OUT_DIR
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from trainer.errors import TrainerError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a drafter")
+    t.add_argument("--recipe", required=True, help="bundled recipe name (smoke, gpu) or a PATH.yaml")
+    t.add_argument("--run-dir", default=None, help="run directory (default: runs/<recipe>-<utc time>)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config leaf, e.g. --set optim.lr=3e-4 (repeatable)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    e = sub.add_parser("eval", help="simulated acceptance length tau on held-out data")
+    e.add_argument("--run-dir", default=None)
+    e.add_argument("--drafter", default=None, help="export dir (with --target and --data)")
+    e.add_argument("--target", default=None)
+    e.add_argument("--data", default=None)
+    x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
+    x.add_argument("--run-dir", required=True)
+    m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer")
+    m.add_argument("out_dir")
+    return p
+
+
+def _quiet_libraries() -> None:
+    """Progress bars from transformers would interleave with our log lines."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def cmd_train(args) -> int:
+    from trainer.config import load_config
+    from trainer.train import train
+
+    cfg = load_config(args.recipe, args.overrides)
+    name = Path(args.recipe).stem
+    run_dir = Path(args.run_dir or f"runs/{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
+    train(cfg, run_dir, resume=args.resume)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from trainer.eval import evaluate_export, evaluate_run
+
+    if args.run_dir and not args.drafter:
+        evaluate_run(args.run_dir)
+        return 0
+    if args.drafter and args.target and args.data and not args.run_dir:
+        evaluate_export(args.drafter, args.target, args.data)
+        return 0
+    raise TrainerError("eval needs either --run-dir D, or all of --drafter EXPORT_DIR --target T --data F")
+
+
+def cmd_export(args) -> int:
+    from trainer.train import export_run
+
+    print(f"exported {export_run(Path(args.run_dir))}", flush=True)
+    return 0
+
+
+def cmd_tiny(args) -> int:
+    from trainer.tiny import build_tiny_target
+
+    print(f"tiny target written to {build_tiny_target(args.out_dir)}", flush=True)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "make-tiny-target": cmd_tiny}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _quiet_libraries()
+        return COMMANDS[args.command](args)
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Checkpoints: full training state under `<run_dir>/ckpt/step_N/`, written atomically (temp dir + os.replace).
+
+Contents: drafter.pt (state_dict), optimizer.pt, rng.pt (torch CPU/CUDA, python random), trainer.json (step, micro-batch
+cursor, epoch). The data order and anchors are pure functions of (seed, micro-batch cursor), so the cursor restores them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.errors import ConfigError
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Cursor:
+    step: int  # optimizer steps done
+    micro: int  # micro-batches consumed
+
+
+def ckpt_root(run_dir: Path) -> Path:
+    return run_dir / "ckpt"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first (temp dirs are ignored: a crash mid-save leaves the previous one intact)."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / "trainer.json").is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         keep: int) -> Path:
+    root = ckpt_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{cursor.step}"
+    tmp = root / f"step_{cursor.step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(drafter.state_dict(), tmp / "drafter.pt")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(_rng_state(), tmp / "rng.pt")
+    (tmp / "trainer.json").write_text(json.dumps({"step": cursor.step, "micro": cursor.micro}))
+    if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for _step, old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_latest(run_dir: Path, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                lr_: torch.Tensor) -> Cursor:
+    """Restore the newest complete checkpoint in place; raise ConfigError when there is none."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise ConfigError(f"--resume: no complete checkpoint under {ckpt_root(run_dir)}",
+                          hint="start without --resume, or point --run-dir at the run to continue")
+    _step, path = found[-1]
+    device = next(drafter.parameters()).device
+    drafter.load_state_dict(torch.load(path / "drafter.pt", map_location=device))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device))
+    for group in optimizer.param_groups:
+        group["lr"] = lr_  # keep the one device LR tensor the schedule fills (load_state_dict rebinds it)
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    meta = json.loads((path / "trainer.json").read_text())
+    return Cursor(step=meta["step"], micro=meta["micro"])

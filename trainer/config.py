@@ -1,0 +1,292 @@
+"""One typed configuration tree: recipe YAML < `--set a.b=v` overrides, validated once, written to the run dir.
+
+Pure: no torch import. Every `__post_init__` raises `ConfigError` with a message that names the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.errors import ConfigError
+
+STEP_MODES = ("eager", "compile", "graph", "compile+graph")
+ATTN_BACKENDS = ("sdpa", "flex")
+DTYPES = ("auto", "float32", "bfloat16")
+# Paper (DFlash App. A.1): gamma = 7 / 5 / 4 for block sizes 16 / 10 / 8.
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCfg:
+    target: str = ""  # local HF directory; "" = build a tiny Qwen3 target into <run_dir>/tiny_target
+    num_draft_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] | None = None  # None = DFlash spacing over [1, L-3]
+    mask_token_id: int | None = None  # None = tokenizer.mask_token_id, else the `<|MASK|>` token
+    gamma: float | None = None  # loss decay; None = paper value for the block size
+    dtype: str = "auto"  # target dtype: auto = bf16 on CUDA, fp32 on CPU
+
+    def __post_init__(self) -> None:
+        _check(self.num_draft_layers >= 1, "model.num_draft_layers must be >= 1")
+        _check(self.block_size >= 2, "model.block_size must be >= 2 (anchor + at least one MASK)")
+        _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}")
+        _check(self.gamma is None or self.gamma > 0, "model.gamma must be > 0 (or null for the paper value)")
+        if self.target_layer_ids is not None:
+            _check(len(self.target_layer_ids) >= 1, "model.target_layer_ids must list at least one layer (or be null)")
+            _check(all(i >= 0 for i in self.target_layer_ids), "model.target_layer_ids must be >= 0")
+
+    @property
+    def loss_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else PAPER_GAMMA.get(self.block_size, self.block_size * 7.0 / 16.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataCfg:
+    paths: tuple[str, ...] = ("bundled:smoke.jsonl",)  # JSONL files; "bundled:NAME" = trainer/assets/NAME
+    eval_paths: tuple[str, ...] = ()  # held-out files; empty = hold out eval_fraction of `paths`
+    eval_fraction: float = 0.05
+    seq_len: int = 3072  # tokens per packed row
+    rows_per_step: int = 16  # token budget per micro-step = rows_per_step * seq_len
+    num_anchors: int = 512  # anchors per row (padded with masked-out anchors)
+    max_bad_fraction: float = 0.01  # fail when more than this fraction of lines is malformed
+    max_eval_rows: int = 64
+
+    def __post_init__(self) -> None:
+        _check(len(self.paths) >= 1, "data.paths must list at least one JSONL file")
+        _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)")
+        _check(self.seq_len >= 8, "data.seq_len must be >= 8")
+        _check(self.rows_per_step >= 1, "data.rows_per_step must be >= 1")
+        _check(1 <= self.num_anchors < self.seq_len, "data.num_anchors must be in [1, seq_len)")
+        _check(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.rows_per_step * self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCfg:
+    mode: str = "eager"  # eager | compile | graph | compile+graph (non-eager modes need CUDA)
+    attn: str = "sdpa"  # drafter block attention backend
+    loss_chunk: int = 4096  # positions per LM-head/CE chunk (bounds the [chunk, vocab] logits)
+
+    def __post_init__(self) -> None:
+        _check(self.mode in STEP_MODES, f"step.mode must be one of {STEP_MODES}, got {self.mode!r}")
+        _check(self.attn in ATTN_BACKENDS, f"step.attn must be one of {ATTN_BACKENDS}, got {self.attn!r}")
+        _check(self.loss_chunk >= 1, "step.loss_chunk must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimCfg:
+    lr: float = 6e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.0
+    clip: float = 1.0  # global grad-norm clip; 0 = off
+    accum_steps: int = 1
+    epochs: int = 6
+    max_steps: int = 0  # > 0 caps the run (optimizer steps); 0 = epochs * steps_per_epoch
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr must be > 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas must be two floats in [0, 1)")
+        _check(0.0 <= self.warmup_ratio < 1.0, "optim.warmup_ratio must be in [0, 1)")
+        _check(self.schedule in ("cosine", "constant"), "optim.schedule must be 'cosine' or 'constant'")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]")
+        _check(self.clip >= 0, "optim.clip must be >= 0 (0 disables clipping)")
+        _check(self.accum_steps >= 1, "optim.accum_steps must be >= 1")
+        _check(self.epochs >= 1, "optim.epochs must be >= 1")
+        _check(self.max_steps >= 0, "optim.max_steps must be >= 0 (0 = run all epochs)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptCfg:
+    every: int = 500  # optimizer steps between checkpoints; 0 = only at the end
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "ckpt.every must be >= 0")
+        _check(self.keep >= 1, "ckpt.keep must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogCfg:
+    every: int = 10  # optimizer steps between metrics lines
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 1, "log.every must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainCfg:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    step: StepCfg = field(default_factory=StepCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    ckpt: CkptCfg = field(default_factory=CkptCfg)
+    log: LogCfg = field(default_factory=LogCfg)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    eval_at_end: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               "device must be auto, cpu, cuda or cuda:N")
+        _check(self.threads >= 0, "threads must be >= 0")
+
+
+# ---------------------------------------------------------------- building from dicts / YAML / --set
+
+def _resolved_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Type-check one leaf against its annotation; lists become tuples. Raises ConfigError naming the key."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        args = typing.get_args(hint)
+        item = args[0]
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, item, key) for v in value)
+        if len(value) != len(args):
+            raise ConfigError(f"{key} must have {len(args)} items, got {value!r}")
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {hint!r}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build a config dataclass from nested dicts, rejecting unknown keys with the list of valid ones."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = _resolved_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in valid:
+            raise ConfigError(f"unknown config key {path!r}; valid keys here: {', '.join(valid)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = from_dict(hint, value, prefix=f"{path}.")
+        else:
+            kwargs[key] = _coerce(value, hint, path)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """JSON-ready dict (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _set_path(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    node = tree
+    parts = dotted.split(".")
+    cls: type = TrainCfg
+    for part in parts[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hint = _resolved_hints(cls).get(part)
+        if part not in fields or not dataclasses.is_dataclass(hint):
+            sections = [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(_resolved_hints(cls)[f.name])]
+            raise ConfigError(f"unknown config section {part!r} in --set {dotted}; valid sections: {', '.join(sections)}")
+        node = node.setdefault(part, {})
+        cls = hint
+    leaf = parts[-1]
+    valid = [f.name for f in dataclasses.fields(cls)]
+    if leaf not in valid:
+        raise ConfigError(f"unknown config key {dotted!r}; valid keys here: {', '.join(valid)}")
+    if dataclasses.is_dataclass(_resolved_hints(cls)[leaf]):
+        raise ConfigError(f"--set {dotted}: {leaf!r} is a section; set one of its keys, e.g. {dotted}.<key>=...")
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {dotted}: cannot parse value {raw!r}: {e}") from None
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value (e.g. --set optim.lr=3e-4), got {item!r}")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), raw))
+    return out
+
+
+def recipe_text(recipe: str) -> tuple[str, str]:
+    """Return (source, yaml text) for a bundled recipe NAME or a PATH.yaml."""
+    if recipe.endswith((".yaml", ".yml")) or "/" in recipe:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {recipe}")
+        return str(path), path.read_text()
+    res = resources.files("trainer") / "recipes" / f"{recipe}.yaml"
+    if not res.is_file():
+        names = sorted(p.name[:-5] for p in (resources.files("trainer") / "recipes").iterdir() if p.name.endswith(".yaml"))
+        raise ConfigError(f"unknown recipe {recipe!r}; bundled recipes: {', '.join(names)} (or pass a PATH.yaml)")
+    return f"bundled:{recipe}", res.read_text()
+
+
+def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
+    """Recipe (bundled name or YAML path) + `a.b=v` overrides -> validated TrainCfg."""
+    source, text = recipe_text(recipe)
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {source} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"recipe {source} must be a mapping of sections")
+    for key, raw in parse_overrides(list(overrides)):
+        _set_path(tree, key, raw)
+    return from_dict(TrainCfg, tree)

@@ -1,0 +1,1 @@
+"""Data: JSONL -> tokenized samples -> packed fixed-length rows -> anchors -> StaticBatch."""

@@ -1,0 +1,31 @@
+"""Random anchor sampling (pure given a torch.Generator).
+
+An anchor p is a candidate iff token p+1 is supervised (loss_mask) and in the same document as p (so the block has at
+least one label). Per row, N anchors are drawn uniformly without replacement among the candidates; rows with fewer
+candidates are padded with valid=False anchors pointing at position 0. Output is sorted: valid anchors first, ascending.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[R, S] bool."""
+    cand = torch.zeros_like(loss_mask)
+    cand[:, :-1] = loss_mask[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0)
+    return cand
+
+
+def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, S] -> anchor_pos [R, N] long, anchor_valid [R, N] bool."""
+    R, S = loss_mask.shape
+    cand = anchor_candidates(loss_mask, doc_ids)
+    keys = torch.rand(R, S, generator=generator)
+    keys = torch.where(cand, keys, torch.full_like(keys, 2.0))  # non-candidates sort last
+    picked_keys, picked = keys.topk(num_anchors, dim=1, largest=False)
+    valid = picked_keys < 2.0
+    order = torch.where(valid, picked, picked + S).argsort(dim=1)  # valid first, each group ascending
+    pos = picked.gather(1, order)
+    valid = valid.gather(1, order)
+    return torch.where(valid, pos, torch.zeros_like(pos)), valid

@@ -1,0 +1,27 @@
+"""Domain errors of the trainer: each carries an exit code and a hint; `__main__` renders them in one place."""
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """A user-facing failure: bad config, bad data, bad target, a non-finite loss.
+
+    `exit_code` follows the convention 2 = usage/config, 3 = data, 4 = run failed (non-finite loss).
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class ConfigError(TrainerError):
+    exit_code = 2
+
+
+class DataError(TrainerError):
+    exit_code = 3
+
+
+class NonFiniteLoss(TrainerError):
+    exit_code = 4

@@ -1,0 +1,125 @@
+"""Simulated acceptance length tau on held-out rows.
+
+For every block (anchor a): drafted[k] = argmax of the LM head at block position k (k = 1..B-1); reference[k] = the
+FULL target's greedy next token after position a+k-1 (what a greedy verifier would emit there). Per block,
+tau = 1 + the number of leading k with drafted[k] == reference[k] (a position also stops the run when it leaves the
+document / row or is not supervised). tau is in [1, B]; the 1 is the verifier's bonus token.
+"""
+from __future__ import annotations
+
+import torch
+
+from trainer.data.batching import EpochBatches, StaticBatch
+from trainer.model.attention import make_layout
+from trainer.model.drafter import Drafter
+from trainer.model.loss import block_input_ids, block_labels
+from trainer.model.target import Target
+
+
+@torch.no_grad()
+def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block_size: int,
+                     attn: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+    """-> accepted [R, N] long (leading matches, 0..B-1) and block_valid [R, N] bool. `target` must be untruncated."""
+    B = block_size
+    feats, greedy = target.features_and_greedy(batch.input_ids, batch.position_ids, batch.doc_ids)
+    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, attn)
+    noise = target.embed_tokens(block_input_ids(batch.input_ids, batch.anchor_pos, B, target.mask_token_id))
+    hidden = drafter(feats, noise, layout)  # [R, N*B, D]
+    logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))
+    drafted = logits.argmax(-1).view(*batch.anchor_pos.shape, B)  # [R, N, B]
+    _labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
+                                  batch.anchor_valid, B)
+    S = batch.input_ids.shape[1]
+    prev = (batch.anchor_pos[:, :, None] + torch.arange(B, device=drafted.device) - 1).clamp(0, S - 1)  # a+k-1
+    reference = greedy.gather(1, prev.flatten(1)).view_as(drafted)
+    match = (drafted == reference) & valid
+    accepted = match[:, :, 1:].long().cumprod(dim=2).sum(dim=2)
+    return accepted, batch.anchor_valid
+
+
+@torch.no_grad()
+def evaluate(target: Target, drafter: Drafter, rows, *, block_size: int, num_anchors: int, rows_per_batch: int,
+             max_rows: int, seed: int, device: torch.device, attn: str = "sdpa") -> dict:
+    """Mean tau and per-position acceptance over up to `max_rows` held-out rows (anchors drawn with `seed`)."""
+    batches = EpochBatches(rows, rows_per_batch, num_anchors, seed, pad_id=0)
+    n_batches = min(batches.per_epoch, max(1, -(-max_rows // rows_per_batch)))
+    counts = torch.zeros(block_size, dtype=torch.long)
+    blocks = 0
+    tau_sum = 0
+    drafter.eval()
+    for i in range(n_batches):
+        batch = batches.batch(i).to(device)
+        accepted, valid = block_acceptance(target, drafter, batch, block_size, attn)
+        acc = accepted[valid].cpu()
+        blocks += acc.numel()
+        tau_sum += int((acc + 1).sum())
+        for k in range(1, block_size):
+            counts[k] += int((acc >= k).sum())
+    if blocks == 0:
+        return {"tau": None, "blocks": 0, "accept_by_pos": []}
+    return {"tau": round(tau_sum / blocks, 4), "blocks": blocks,
+            "accept_by_pos": [round(int(c) / blocks, 4) for c in counts[1:]]}
+
+
+def _emit(result: dict, stream) -> None:
+    import json
+
+    stream.write(f"DFLASH_EVAL {json.dumps(result)}\n")
+    stream.write(f"eval: tau {result['tau']} over {result['blocks']} blocks\n")
+    stream.flush()
+
+
+def evaluate_run(run_dir, rows=None, stream=None) -> dict:
+    """Eval a run directory: its config, its export/, the full target, its held-out split (or `rows`)."""
+    import sys
+    from pathlib import Path
+
+    from trainer.data.dataset import build_datasets
+    from trainer.errors import ConfigError
+    from trainer.export import load_exported
+    from trainer.model.target import load_target
+    from trainer.train import load_run_config, resolve_device
+
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    if not (run_dir / "export" / "config.json").is_file():
+        raise ConfigError(f"{run_dir} has no export/", hint=f"run `python -m trainer export --run-dir {run_dir}` first")
+    device = resolve_device(cfg)
+    drafter, ecfg = load_exported(run_dir / "export", device, backend=cfg.step.attn)
+    target = load_target(cfg.model.target, num_draft_layers=cfg.model.num_draft_layers,
+                         layer_ids=tuple(ecfg["dflash_config"]["target_layer_ids"]),
+                         mask_token_id=ecfg["dflash_config"]["mask_token_id"], device=device, dtype=cfg.model.dtype,
+                         truncate=False)
+    if rows is None:
+        rows = build_datasets(cfg.data, target.tokenizer, target.embed_tokens.weight.shape[0], cfg.seed).eval
+    if rows is None:
+        raise ConfigError("no held-out data: data.eval_fraction is 0 and data.eval_paths is empty")
+    result = evaluate(target, drafter, rows, block_size=cfg.model.block_size, num_anchors=cfg.data.num_anchors,
+                      rows_per_batch=cfg.data.rows_per_step, max_rows=cfg.data.max_eval_rows, seed=cfg.seed + 1,
+                      device=device, attn=cfg.step.attn)
+    _emit(result, stream or sys.stdout)
+    return result
+
+
+def evaluate_export(drafter_dir, target_dir, data_path, *, seq_len: int = 2048, num_anchors: int = 64,
+                    rows_per_batch: int = 4, max_rows: int = 64, stream=None) -> dict:
+    """Eval an export dir against a target dir on a JSONL file (all of it held out)."""
+    import sys
+
+    from trainer.config import DataCfg
+    from trainer.data.dataset import build_datasets
+    from trainer.export import load_exported
+    from trainer.model.target import load_target
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    drafter, ecfg = load_exported(drafter_dir, device)
+    dc = ecfg["dflash_config"]
+    target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"], layer_ids=tuple(dc["target_layer_ids"]),
+                         mask_token_id=dc["mask_token_id"], device=device, truncate=False)
+    data = DataCfg(paths=(str(data_path),), eval_paths=(str(data_path),), seq_len=seq_len,
+                   num_anchors=min(num_anchors, seq_len - 1), max_bad_fraction=1.0)
+    rows = build_datasets(data, target.tokenizer, target.embed_tokens.weight.shape[0], seed=0).eval
+    result = evaluate(target, drafter, rows, block_size=ecfg["block_size"], num_anchors=data.num_anchors,
+                      rows_per_batch=rows_per_batch, max_rows=max_rows, seed=1, device=device)
+    _emit(result, stream or sys.stdout)
+    return result

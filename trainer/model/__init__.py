@@ -1,0 +1,1 @@
+"""Models: the frozen target (HF), the drafter (pure torch), block attention and the chunked loss."""

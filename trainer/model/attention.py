@@ -1,0 +1,84 @@
+"""Block attention for the drafter: the visibility rule, built from static layout tensors (pure).
+
+Shape legend: R rows, S context tokens per row, N anchors per row, B block size, Q = N*B block queries,
+K = S + Q keys ([context features | block tokens]), H query heads, Hkv key/value heads, Dh head dim.
+
+Visibility (query = row r, anchor n, block position k):
+  context key j (< S): anchor n valid AND doc_ids[r, j] == doc of anchor n AND j < anchor_pos[r, n] (STRICTLY before:
+      at inference the anchor is the bonus token, whose target feature does not exist yet).
+  block key (m, k'):   m == n (bidirectional inside the block; nothing of other blocks).
+Padded anchors (valid = False) see only their own block, so no row is fully masked (no NaN); the loss masks them out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Everything the drafter needs about one micro-batch's block structure. Device tensors, static shapes."""
+
+    anchor_pos: torch.Tensor  # [R, N] long: row index of each anchor
+    anchor_valid: torch.Tensor  # [R, N] bool
+    anchor_doc: torch.Tensor  # [R, N] long: document id of the anchor
+    doc_ids: torch.Tensor  # [R, S] long: -1 = padding
+    ctx_rope_pos: torch.Tensor  # [R, S] long: per-document positions of the context keys
+    q_rope_pos: torch.Tensor  # [R, Q] long: position_ids[anchor] + k
+    block_size: int
+    mask: Any = None  # backend-specific: [R, 1, Q, K] bool for "sdpa"; a BlockMask for "flex" (GPU branch)
+
+    @property
+    def num_queries(self) -> int:
+        return self.anchor_pos.shape[1] * self.block_size
+
+
+def make_layout(position_ids: torch.Tensor, doc_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                anchor_valid: torch.Tensor, block_size: int, backend: str = "sdpa") -> BlockLayout:
+    """Build the layout on the tensors' device with gathers only (no host sync, capturable)."""
+    offsets = torch.arange(block_size, device=anchor_pos.device)
+    anchor_doc = doc_ids.gather(1, anchor_pos)  # [R, N]
+    q_rope_pos = (position_ids.gather(1, anchor_pos)[:, :, None] + offsets).flatten(1)  # [R, N*B]
+    layout = BlockLayout(anchor_pos=anchor_pos, anchor_valid=anchor_valid, anchor_doc=anchor_doc, doc_ids=doc_ids,
+                         ctx_rope_pos=position_ids, q_rope_pos=q_rope_pos, block_size=block_size)
+    if backend == "sdpa":
+        return _with_mask(layout, dense_block_mask(layout))
+    if backend == "flex":
+        from trainer.model import flex  # written on the GPU branch; keeps this module free of flex internals
+
+        return _with_mask(layout, flex.build_block_mask(layout))
+    raise ValueError(f"unknown attention backend {backend!r}; use 'sdpa' or 'flex'")
+
+
+def _with_mask(layout: BlockLayout, mask: Any) -> BlockLayout:
+    return BlockLayout(**{**layout.__dict__, "mask": mask})
+
+
+def dense_block_mask(layout: BlockLayout) -> torch.Tensor:
+    """[R, 1, Q, S+Q] bool, True = may attend. The reference definition of the visibility rule."""
+    R, N = layout.anchor_pos.shape
+    S = layout.doc_ids.shape[1]
+    B = layout.block_size
+    key_idx = torch.arange(S, device=layout.doc_ids.device)
+    ctx = (layout.doc_ids[:, None, :] == layout.anchor_doc[:, :, None]) \
+        & (key_idx[None, None, :] < layout.anchor_pos[:, :, None]) \
+        & layout.anchor_valid[:, :, None]  # [R, N, S]
+    ctx = ctx[:, :, None, :].expand(R, N, B, S).reshape(R, N * B, S)
+    block_of = torch.arange(N * B, device=ctx.device) // B
+    blk = (block_of[:, None] == block_of[None, :]).expand(R, N * B, N * B)  # [R, Q, Q]
+    return torch.cat([ctx, blk], dim=2)[:, None]
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
+                    backend: str = "sdpa") -> torch.Tensor:
+    """q [R, H, Q, Dh], k/v [R, Hkv, S+Q, Dh] -> [R, H, Q, Dh]. Non-causal; visibility from `layout.mask`."""
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=q.shape[1] != k.shape[1])
+    if backend == "flex":
+        from trainer.model import flex
+
+        return flex.block_attention(q, k, v, layout)
+    raise ValueError(f"unknown attention backend {backend!r}; use 'sdpa' or 'flex'")

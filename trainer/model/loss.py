@@ -1,0 +1,98 @@
+"""DFlash labels, decay weights and a chunked LM-head cross-entropy (pure, static shapes, no host sync).
+
+Shape legend: R rows, S tokens, N anchors, B block size, M = R*N*B block positions, D hidden, V vocab, C chunk.
+
+Labels are SAME-POSITION: block position k of anchor a predicts token[a + k] (k = 0 is the given anchor token and is
+never trained). Weight w_k = exp(-(k-1)/gamma) for k >= 1. Loss = sum(CE * w) / sum(w) over valid positions.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """[B] float: 0 at k=0, exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+
+
+def block_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor, loss_mask: torch.Tensor, anchor_pos: torch.Tensor,
+                 anchor_valid: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> labels [R, N, B] long, valid [R, N, B] bool.
+
+    valid = anchor valid & k >= 1 & anchor+k < S & same document as the anchor & loss_mask[anchor+k].
+    """
+    S = input_ids.shape[1]
+    k = torch.arange(block_size, device=input_ids.device)
+    pos = anchor_pos[:, :, None] + k  # [R, N, B]
+    in_row = pos < S
+    idx = pos.clamp(max=S - 1).flatten(1)  # [R, N*B]
+    labels = input_ids.gather(1, idx).view_as(pos)
+    same_doc = doc_ids.gather(1, idx).view_as(pos) == doc_ids.gather(1, anchor_pos)[:, :, None]
+    supervised = loss_mask.gather(1, idx).view_as(pos).bool()
+    valid = anchor_valid[:, :, None] & (k >= 1) & in_row & same_doc & supervised
+    return labels, valid
+
+
+def block_input_ids(input_ids: torch.Tensor, anchor_pos: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """The noise block [anchor token, MASK x (B-1)] per anchor -> [R, N*B] long."""
+    anchor_tok = input_ids.gather(1, anchor_pos)  # [R, N]
+    block = torch.full((*anchor_pos.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block[:, :, 0] = anchor_tok
+    return block.flatten(1)
+
+
+class _ChunkedLMHeadCE(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T + b, y_i) / sum(w), never holding more than [C, V] logits.
+
+    The LM head is frozen, so only dL/dh is needed; it is computed in forward, chunk by chunk, and saved ([M, D]).
+    """
+
+    @staticmethod
+    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int):
+        M = h_MD.shape[0]
+        wsum = w_M.sum().clamp_min(1e-12)  # device scalar; all-padding micro-batch -> loss 0, grad 0
+        scale_M = w_M / wsum
+        loss = h_MD.new_zeros((), dtype=torch.float32)
+        correct_M = torch.empty(M, dtype=torch.bool, device=h_MD.device)
+        grad_MD = torch.empty_like(h_MD) if ctx.needs_input_grad[0] else None
+        for start in range(0, M, chunk):  # static trip count: M and chunk are Python ints
+            end = min(start + chunk, M)
+            h, y, s = h_MD[start:end], labels_M[start:end], scale_M[start:end]
+            logits = (h @ weight_VD.t()).float()
+            if bias_V is not None:
+                logits = logits + bias_V.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, y[:, None])[:, 0]
+            loss = loss + ((lse - picked) * s).sum()
+            correct_M[start:end] = logits.argmax(dim=-1) == y
+            if grad_MD is not None:
+                g = torch.softmax(logits, dim=-1)
+                g.scatter_add_(1, y[:, None], torch.full_like(picked[:, None], -1.0))
+                g.mul_(s[:, None])
+                grad_MD[start:end] = (g.to(weight_VD.dtype) @ weight_VD).to(h_MD.dtype)
+        ctx.save_for_backward(grad_MD)
+        ctx.mark_non_differentiable(correct_M)
+        return loss, correct_M
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad_MD,) = ctx.saved_tensors
+        if grad_MD is None:
+            return None, None, None, None, None, None
+        return grad_MD * grad_loss.to(grad_MD.dtype), None, None, None, None, None
+
+
+def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, labels_M: torch.Tensor,
+                    w_M: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weighted mean CE: scalar fp32, correct [M] bool = argmax == label). Weights must be 0 where invalid."""
+    return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), int(chunk))
+
+
+def naive_lm_loss(h_MD, weight_VD, bias_V, labels_M, w_M) -> torch.Tensor:
+    """Reference: full [M, V] logits. For tests only."""
+    logits = (h_MD @ weight_VD.t()).float()
+    if bias_V is not None:
+        logits = logits + bias_V.float()
+    ce = torch.nn.functional.cross_entropy(logits, labels_M, reduction="none")
+    return (ce * w_M).sum() / w_M.sum().clamp_min(1e-12)

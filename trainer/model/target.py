@@ -1,0 +1,157 @@
+"""The frozen target: a local HF causal LM, tapped with forward hooks, truncated after the last tap for training.
+
+Shape legend: R rows, S tokens per packed row, T taps, D hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+
+MASK_TOKEN = "<|MASK|>"
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash spacing (z-lab `build_target_layer_ids`): one layer -> [L // 2]; else round(linspace(1, L-3, n))."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None) -> int:
+    """The mask id must be a real row of the target embedding and not pad/eos (else tau ~ 1 silently)."""
+    if requested is not None:
+        mask_id = requested
+        source = "model.mask_token_id"
+    elif getattr(tokenizer, "mask_token_id", None) is not None:
+        mask_id, source = tokenizer.mask_token_id, "tokenizer.mask_token_id"
+    else:
+        mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        source = f"tokenizer token {MASK_TOKEN}"
+        if mask_id is None or mask_id == getattr(tokenizer, "unk_token_id", object()):
+            raise ConfigError(f"the target tokenizer has no mask token and no {MASK_TOKEN}",
+                              hint="set model.mask_token_id to a reserved, unused row of the target embedding")
+    if not 0 <= mask_id < vocab_rows:
+        raise ConfigError(f"mask token id {mask_id} ({source}) is not a row of the target embedding (0..{vocab_rows - 1})",
+                          hint="set model.mask_token_id to a reserved row inside the embedding")
+    hits = [name for name, tok_id in (("pad", tokenizer.pad_token_id), ("eos", tokenizer.eos_token_id))
+            if tok_id is not None and mask_id == tok_id]
+    if hits:
+        raise ConfigError(f"mask token id {mask_id} ({source}) is the {'/'.join(hits)} token",
+                          hint="set model.mask_token_id to a reserved token that is neither pad nor eos")
+    return mask_id
+
+
+def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[R, 1, S, S] bool: causal AND same document (block-diagonal causal). Padding (-1) attends causally to padding."""
+    S = doc_ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
+@dataclass
+class Target:
+    """A loaded, frozen HF target. `features` runs only up to the last tapped layer when `truncated`."""
+
+    model: nn.Module  # AutoModelForCausalLM
+    tokenizer: object
+    layer_ids: tuple[int, ...]
+    num_layers: int  # of the full target (for the export config)
+    mask_token_id: int
+    truncated: bool
+    _taps: dict  # layer index -> last output (filled by hooks during `features`)
+
+    @property
+    def hf_config(self):
+        return self.model.config
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+        """Packed rows -> tapped layer outputs concatenated: [R, S, T*D]. Documents never see each other."""
+        self._taps.clear()
+        self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=packed_causal_mask(doc_ids),
+                         use_cache=False)
+        feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        return feats
+
+    @torch.no_grad()
+    def features_and_greedy(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One full forward -> (features [R, S, T*D], greedy next token [R, S] long). Eval only: needs truncate=False."""
+        if self.truncated:
+            raise RuntimeError("features_and_greedy needs the full target; load it with truncate=False")
+        self._taps.clear()
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=packed_causal_mask(doc_ids),
+                         use_cache=False)
+        feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        return feats, out.logits.argmax(dim=-1)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int, ...] | None = None,
+                mask_token_id: int | None = None, device: str | torch.device = "cpu", dtype: str = "auto",
+                truncate: bool = True) -> Target:
+    """Load tokenizer + model from a local directory (no downloads), freeze it, hook the tapped layers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"target directory {path} has no config.json",
+                          hint="set model.target to a local Hugging Face model directory (or '' for the tiny target)")
+    device = torch.device(device)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=pick_dtype(dtype, device),
+                                                 attn_implementation="sdpa").to(device)
+    model.requires_grad_(False).eval()
+    layers = model.model.layers
+    n_layers = len(layers)
+    ids = tuple(layer_ids) if layer_ids is not None else tuple(build_target_layer_ids(n_layers, num_draft_layers))
+    if not all(0 <= i < n_layers for i in ids) or list(ids) != sorted(set(ids)):
+        source = "model.target_layer_ids" if layer_ids is not None else \
+            f"the default tap spacing for {n_layers} target layers and {num_draft_layers} draft layers"
+        raise ConfigError(f"{source} gives {list(ids)}; taps must be distinct, ascending and within 0..{n_layers - 1}",
+                          hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
+    mask_id = resolve_mask_token_id(tokenizer, model.get_input_embeddings().weight.shape[0], mask_token_id)
+    taps: dict = {}
+    for i in ids:
+        layers[i].register_forward_hook(_tap_hook(taps, i))
+    if truncate:
+        # Layers after the last tap never influence the features: do not run them (final norm + lm_head stay).
+        model.model.layers = nn.ModuleList(list(layers)[: ids[-1] + 1])
+    return Target(model=model, tokenizer=tokenizer, layer_ids=ids, num_layers=n_layers, mask_token_id=mask_id,
+                  truncated=truncate, _taps=taps)
+
+
+def _tap_hook(store: dict, index: int):
+    def hook(_module, _inputs, output):
+        # Decoder layers return a tensor in transformers 5 and a tuple in 4.x.
+        store[index] = output[0] if isinstance(output, tuple) else output
+
+    return hook

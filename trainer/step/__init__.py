@@ -1,0 +1,1 @@
+"""The training step (eager here; compile/graph modes on the GPU branch)."""

@@ -1,0 +1,149 @@
+"""The training step contract: capture-friendly forward/backward and optimizer step.
+
+Contract for both functions (what makes them CUDA-graph capturable later, see research/cudagraphs.md section 3):
+- inputs are a StaticBatch already on the device (static buffers) and the state; shapes never change within a run;
+- no `.item()`, no `.tolist()`, no print, no Python branching on tensor values, no host-to-device copies;
+- outputs are device tensors (StepOut); under graph replay they alias graph-owned storage, so callers clone
+  (or accumulate into their own buffers) before the next replay.
+
+Eager loop (trainer/train.py): lr_.fill_(schedule(step)) -> accum x [batch_dev.copy_(batch); forward_backward] ->
+optimizer_step -> zero_grads. Eager zeroes grads in place (`zero_grad(set_to_none=False)`) so `.grad` buffers keep
+their addresses; the graph mode (GPU branch) is free to use set_to_none=True before capture instead (see cudagraphs.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainer.data.batching import StaticBatch
+from trainer.model.attention import make_layout
+from trainer.model.drafter import Drafter
+from trainer.model.loss import block_input_ids, block_labels, chunked_lm_loss, decay_weights
+from trainer.model.target import Target
+
+
+@dataclass
+class TrainState:
+    """Everything the step touches. Mutable objects, fixed identity for the whole run (graphs hold raw addresses)."""
+
+    target: Target  # frozen
+    drafter: Drafter
+    optimizer: torch.optim.Optimizer
+    lr_: torch.Tensor  # 0-d fp32 device tensor; the schedule fills it in place
+    block_size: int
+    gamma: float
+    loss_chunk: int
+    clip: float
+    attn: str = "sdpa"
+
+
+@dataclass(frozen=True)
+class StepOut:
+    """Device tensors of one micro-step. No host sync has happened."""
+
+    loss_: torch.Tensor  # 0-d fp32: weighted mean CE of this micro-batch
+    correct_by_pos_: torch.Tensor  # [B] fp32: valid positions where argmax == label, per block position
+    valid_by_pos_: torch.Tensor  # [B] fp32: valid (supervised) positions per block position
+
+
+def build_optimizer(drafter: Drafter, *, lr: float, betas, eps: float, weight_decay: float,
+                    device: torch.device) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """AdamW with the LR held as a device tensor (a float LR would be baked into a captured graph)."""
+    lr_ = torch.tensor(lr, dtype=torch.float32, device=device)
+    # torch refuses a tensor LR with foreach=True unless capturable; CPU gains nothing from foreach anyway.
+    on_cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr_, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                            foreach=on_cuda, capturable=on_cuda)
+    return opt, lr_
+
+
+def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_ratio: float, schedule: str,
+          min_lr_ratio: float = 0.0) -> float:
+    """Linear warmup over ceil(warmup_ratio * total) steps, then cosine (or constant) down to min_lr_ratio * base_lr.
+
+    `step` is the 0-based index of the optimizer step about to run.
+    """
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    if schedule == "constant":
+        return base_lr
+    decay_steps = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def compute_loss(state: TrainState, batch: StaticBatch) -> StepOut:
+    """Forward only: target features -> drafter -> chunked LM-head CE. Returns un-detached loss in `loss_`."""
+    B = state.block_size
+    feats = state.target.features(batch.input_ids, batch.position_ids, batch.doc_ids)  # [R, S, T*D], no grad
+    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, state.attn)
+    noise_ids = block_input_ids(batch.input_ids, batch.anchor_pos, B, state.target.mask_token_id)  # [R, N*B]
+    with torch.no_grad():
+        noise_emb = state.target.embed_tokens(noise_ids)  # frozen target embedding
+    with _autocast(feats.device):
+        hidden = state.drafter(feats, noise_emb, layout)  # [R, N*B, D]
+    labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
+                                 batch.anchor_valid, B)  # [R, N, B]
+    w = decay_weights(B, state.gamma, device=labels.device) * valid  # [R, N, B]
+    head = state.target.lm_head
+    h = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
+    loss, correct = chunked_lm_loss(h, head.weight, getattr(head, "bias", None), labels.reshape(-1), w.reshape(-1),
+                                    state.loss_chunk)
+    validf = valid.float()
+    correct_by_pos = (correct.view_as(valid).float() * validf).sum(dim=(0, 1))
+    return StepOut(loss_=loss, correct_by_pos_=correct_by_pos, valid_by_pos_=validf.sum(dim=(0, 1)))
+
+
+def forward_backward(state: TrainState, batch: StaticBatch, loss_scale: float = 1.0) -> StepOut:
+    """One micro-step: forward + backward of loss * loss_scale. Grads ACCUMULATE into .grad (no zeroing here)."""
+    out = compute_loss(state, batch)
+    (out.loss_ * loss_scale).backward()
+    return StepOut(loss_=out.loss_.detach(), correct_by_pos_=out.correct_by_pos_, valid_by_pos_=out.valid_by_pos_)
+
+
+def optimizer_step(state: TrainState) -> torch.Tensor:
+    """Clip (global norm, foreach, no error_if_nonfinite: that would sync) + AdamW step. Returns the grad norm (device)."""
+    params = [p for p in state.drafter.parameters() if p.grad is not None]
+    if state.clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, state.clip, foreach=True)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    state.optimizer.step()
+    return norm
+
+
+def zero_grads(state: TrainState) -> None:
+    """Eager policy: zero in place, keeping .grad storage stable across steps."""
+    state.optimizer.zero_grad(set_to_none=False)
+
+
+class EagerRunner:
+    """Drives the step eagerly. A graph/compile runner (GPU branch, `trainer.step.graph.make_runner`) offers the
+    same two methods, so the training loop does not know which one it drives.
+    """
+
+    def __init__(self, state: TrainState, batch_dev: StaticBatch, accum_steps: int) -> None:
+        self.state = state
+        self.batch_dev = batch_dev  # static device buffers, filled in place every micro-step
+        self.loss_scale = 1.0 / accum_steps
+
+    def micro(self, batch: StaticBatch) -> StepOut:
+        """Copy one CPU batch into the static buffers, forward + backward (grads accumulate)."""
+        self.batch_dev.copy_(batch, non_blocking=True)
+        return forward_backward(self.state, self.batch_dev, self.loss_scale)
+
+    def update(self) -> torch.Tensor:
+        """Clip + optimizer step, then zero grads in place. Returns the pre-clip grad norm (device)."""
+        norm = optimizer_step(self.state)
+        zero_grads(self.state)
+        return norm
