@@ -1,0 +1,89 @@
+"""Evaluate a trained drafter against its target on held-out prompts.
+
+- simulated tau: the trainer's own `evaluate_run` (teacher-forced blocks on the held-out regenerated answers);
+- real speculative decoding at batch size 1: mean tau, acceptance per block position, whether every output equals
+  target-only greedy decoding token for token, and the wall-clock speedup over target-only decoding (same prompts,
+  same max_new_tokens, timed back to back after untimed warm-up decodes).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.quality.config import EvalCfg
+from trainer.quality.regenerate import chat_prompt_ids
+from trainer.speculative import DFlashProposer, acceptance_stats, generate_speculative, generate_target_only
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    prompts: int
+    tokens: int
+    target_s: float
+    speculative_s: float
+    identical: int  # prompts whose speculative output == target-only output
+
+    @property
+    def speedup(self) -> float | None:
+        return round(self.target_s / self.speculative_s, 3) if self.speculative_s > 0 else None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
+
+
+def load_pair(export_dir: Path, target_dir: Path, device: torch.device):
+    """The exported drafter (in the target's dtype) and the full target with the drafter's taps and mask id."""
+    from trainer.export import load_exported
+    from trainer.model.target import load_target
+
+    drafter, ecfg = load_exported(export_dir, device)
+    dc = ecfg["dflash_config"]
+    target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"],
+                         layer_ids=tuple(dc["target_layer_ids"]), mask_token_id=dc["mask_token_id"], device=device,
+                         truncate=False)
+    drafter = drafter.to(target.embed_tokens.weight.dtype)
+    return target, drafter, int(ecfg["block_size"])
+
+
+def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print) -> dict:
+    """Batch-1 greedy decoding of each prompt, target-only then speculative -> stats dict."""
+    device = target.device
+    tok = target.tokenizer
+    proposer = DFlashProposer(target, drafter, block_size)
+    encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
+    for ids in encoded[:1] * cfg.warmup:
+        generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
+        generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
+    results, t_target, t_spec, tokens, identical = [], 0.0, 0.0, 0, 0
+    deadline = time.perf_counter() + cfg.budget_s
+    for ids in encoded:
+        if time.perf_counter() > deadline:
+            break
+        _sync(device)
+        t0 = time.perf_counter()
+        want = generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
+        _sync(device)
+        t1 = time.perf_counter()
+        got = generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
+        _sync(device)
+        t2 = time.perf_counter()
+        t_target, t_spec = t_target + t1 - t0, t_spec + t2 - t1
+        tokens += len(want)
+        identical += got.tokens == want
+        results.append(got)
+    timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
+                          speculative_s=round(t_spec, 4), identical=identical)
+    stats = acceptance_stats(results, block_size)
+    out = {**stats, "prompts": timing.prompts, "tokens": timing.tokens, "identical": timing.identical,
+           "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
+           "target_tok_s": round(tokens / t_target, 1) if t_target else None,
+           "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
+           "block_size": block_size, "device": str(device)}
+    log(f"decode: tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
+        f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s)")
+    return out
