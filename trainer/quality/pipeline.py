@@ -96,6 +96,17 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
             "stopped_by": "steps" if run.cursor.step >= run.total_steps else "budget"}
 
 
+def heldout_rows(cfg, target_dir: Path):
+    """The held-out answers packed like the trainer packs them (without re-reading the training set)."""
+    from transformers import AutoTokenizer
+
+    from trainer.data.dataset import build_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    data = dataclasses.replace(cfg.data, paths=cfg.data.eval_paths)
+    return build_datasets(data, tokenizer, len(tokenizer), cfg.seed).eval
+
+
 def check_out_dir(out: Path) -> None:
     """Never overwrite a previous pipeline's results."""
     if out.exists() and any(out.iterdir()):
@@ -138,7 +149,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
     drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", q.drafter_budget_s))
 
     def evaluate() -> dict:
-        simulated = evaluate_run(out / "drafter")
+        simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, out / "target"))
         target, drafter, block_size = load_pair(out / "drafter" / "export", out / "target", device)
         return {"simulated": simulated,
                 "decode": decode_benchmark(target, drafter, block_size, prompt_sets(q)[1], q.eval, log)}
