@@ -1,7 +1,7 @@
 """Checkpoints: full training state under `<run_dir>/ckpt/step_N/`, written atomically (temp dir + os.replace).
 
 Contents: drafter.pt (state_dict), optimizer.pt, rng.pt (torch CPU/CUDA, python random), trainer.json (step, micro-batch
-cursor, epoch). The data order and anchors are pure functions of (seed, micro-batch cursor), so the cursor restores them.
+cursor). The data order and anchors are pure functions of (seed, micro-batch cursor), so the cursor restores them.
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ document / row or is not supervised). tau is in [1, B]; the 1 is the verifier's 
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import torch
 
 from trainer.data.batching import EpochBatches, StaticBatch
@@ -32,9 +36,13 @@ def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block
     S = batch.input_ids.shape[1]
     prev = (batch.anchor_pos[:, :, None] + torch.arange(B, device=drafted.device) - 1).clamp(0, S - 1)  # a+k-1
     reference = greedy.gather(1, prev.flatten(1)).view_as(drafted)
+    return leading_matches(drafted, reference, valid), batch.anchor_valid
+
+
+def leading_matches(drafted: torch.Tensor, reference: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[..., B] -> [...]: number of leading k >= 1 with drafted == reference and valid (position 0 is the anchor)."""
     match = (drafted == reference) & valid
-    accepted = match[:, :, 1:].long().cumprod(dim=2).sum(dim=2)
-    return accepted, batch.anchor_valid
+    return match[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
 
 
 @torch.no_grad()
@@ -62,8 +70,6 @@ def evaluate(target: Target, drafter: Drafter, rows, *, block_size: int, num_anc
 
 
 def _emit(result: dict, stream) -> None:
-    import json
-
     stream.write(f"DFLASH_EVAL {json.dumps(result)}\n")
     stream.write(f"eval: tau {result['tau']} over {result['blocks']} blocks\n")
     stream.flush()
@@ -71,9 +77,6 @@ def _emit(result: dict, stream) -> None:
 
 def evaluate_run(run_dir, rows=None, stream=None) -> dict:
     """Eval a run directory: its config, its export/, the full target, its held-out split (or `rows`)."""
-    import sys
-    from pathlib import Path
-
     from trainer.data.dataset import build_datasets
     from trainer.errors import ConfigError
     from trainer.export import load_exported
@@ -104,10 +107,8 @@ def evaluate_run(run_dir, rows=None, stream=None) -> dict:
 def evaluate_export(drafter_dir, target_dir, data_path, *, seq_len: int = 2048, num_anchors: int = 64,
                     rows_per_batch: int = 4, max_rows: int = 64, stream=None) -> dict:
     """Eval an export dir against a target dir on a JSONL file (all of it held out)."""
-    import sys
-
-    from trainer.config import DataCfg
-    from trainer.data.dataset import build_datasets
+    from trainer.data.packing import pack
+    from trainer.data.source import load_samples
     from trainer.export import load_exported
     from trainer.model.target import load_target
 
@@ -116,10 +117,10 @@ def evaluate_export(drafter_dir, target_dir, data_path, *, seq_len: int = 2048, 
     dc = ecfg["dflash_config"]
     target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"], layer_ids=tuple(dc["target_layer_ids"]),
                          mask_token_id=dc["mask_token_id"], device=device, truncate=False)
-    data = DataCfg(paths=(str(data_path),), eval_paths=(str(data_path),), seq_len=seq_len,
-                   num_anchors=min(num_anchors, seq_len - 1), max_bad_fraction=1.0)
-    rows = build_datasets(data, target.tokenizer, target.embed_tokens.weight.shape[0], seed=0).eval
-    result = evaluate(target, drafter, rows, block_size=ecfg["block_size"], num_anchors=data.num_anchors,
+    samples, _report = load_samples([str(data_path)], target.tokenizer, target.embed_tokens.weight.shape[0], 1.0)
+    pad_id = target.tokenizer.pad_token_id or 0
+    rows = pack(samples, seq_len, pad_id)
+    result = evaluate(target, drafter, rows, block_size=ecfg["block_size"], num_anchors=min(num_anchors, seq_len - 1),
                       rows_per_batch=rows_per_batch, max_rows=max_rows, seed=1, device=device)
     _emit(result, stream or sys.stdout)
     return result

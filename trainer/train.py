@@ -106,11 +106,11 @@ def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device
         raise ConfigError(f"step.mode={cfg.step.mode} needs a CUDA device (this run is on {device})",
                           hint="use --set step.mode=eager on CPU")
     try:
-        from trainer.step import graph
+        from trainer.step.graph import make_runner as make_graph_runner  # GPU branch: compile / graph runners
     except ImportError as e:
         raise ConfigError(f"step.mode={cfg.step.mode} is not available in this build ({e})",
                           hint="use --set step.mode=eager") from None
-    return graph.make_runner(cfg, state, batch_dev)
+    return make_graph_runner(cfg, state, batch_dev)
 
 
 def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout) -> Run:
@@ -174,10 +174,9 @@ def train_loop(run: Run, stop_at: int | None = None) -> Cursor:
     step, micro = run.cursor.step, run.cursor.micro
     while step < end:
         run.state.lr_.fill_(_lr(run, step))
-        for _ in range(accum):
-            run.metrics.add(run.runner.micro(run.batches.batch(micro)))
-            micro += 1
-        run.runner.update()
+        for out in run.runner.step([run.batches.batch(m) for m in range(micro, micro + accum)]):
+            run.metrics.add(out)
+        micro += accum
         step += 1
         steps_in_interval += 1
         run.cursor = Cursor(step=step, micro=micro)

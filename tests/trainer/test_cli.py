@@ -3,7 +3,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+import pytest
 
 from tests.trainer.conftest import REPO_ROOT
 
@@ -14,6 +15,7 @@ def run_cli(*args, cwd=None):
                           cwd=cwd or REPO_ROOT, timeout=280)
 
 
+@pytest.mark.slow
 def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
     run_dir = tmp_path / "run"
     p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run_dir), "--set", f"model.target={tiny_target_dir}",

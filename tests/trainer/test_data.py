@@ -35,6 +35,37 @@ def test_assistant_tokens_are_exactly_the_loss_mask(target):
                                        add_special_tokens=False)["input_ids"]
 
 
+QWEN3_LIKE = (  # like Qwen3: only the LAST assistant turn carries the (empty) think block
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+)
+
+
+def test_multi_turn_with_a_history_rewriting_template(target):
+    import copy
+
+    tok = copy.deepcopy(target.tokenizer)
+    tok.chat_template = QWEN3_LIKE
+    turns = [{"role": "user", "content": "repeat twice : cat dog"}, {"role": "assistant", "content": "cat dog cat dog"},
+             {"role": "user", "content": "reverse : cat dog"}, {"role": "assistant", "content": "dog cat"}]
+    s = tokenize_conversation(tok, turns)
+    toks = tok.convert_ids_to_tokens(s.input_ids.tolist())
+    masked = [t for t, m in zip(toks, s.loss_mask.tolist()) if m]
+    assert masked == ["cat", "dog", "cat", "dog", "<|im_end|>", "dog", "cat", "<|im_end|>"]
+    think = [m for t, m in zip(toks, s.loss_mask.tolist()) if t == "<unk>"]  # <think> words are not in the vocab
+    assert think and not any(think)  # the think block is rendered, and unsupervised
+
+
+def test_user_turn_quoting_the_answer_is_not_supervised(target):
+    tok = target.tokenizer
+    s = tokenize_conversation(tok, [{"role": "user", "content": "repeat twice : cat"},
+                                    {"role": "assistant", "content": "cat"}])
+    toks = tok.convert_ids_to_tokens(s.input_ids.tolist())
+    assert [i for i, m in enumerate(s.loss_mask.tolist()) if m] == [len(toks) - 2, len(toks) - 1]
+    assert toks[-2:] == ["cat", "<|im_end|>"] and toks.count("cat") == 2
+
+
 def test_malformed_lines_are_reported_with_line_numbers(tmp_path, target):
     lines = [GOOD, "{not json", GOOD, json.dumps({"conversations": [{"role": "user", "content": "hi"}]}), "",
              json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}), json.dumps({"input_ids": [5, 6, 7],

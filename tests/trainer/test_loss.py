@@ -75,3 +75,18 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(4, **kw) == 1.0
     assert abs(lr_at(52, **kw) - 0.5) < 1e-9
     assert lr_at(99, **kw) < 0.001
+
+
+def test_bf16_target_under_autocast_runs_the_gpu_dtype_path(tiny_target_dir, target, monkeypatch):
+    """The CUDA path (bf16 target, bf16 autocast drafter, fp32 params) exercised on CPU; close to the fp32 loss."""
+    import trainer.step.step as step_mod
+    from trainer.model.target import load_target
+
+    ref = compute_loss(make_state(target), two_doc_batch()).loss_
+    bf16 = load_target(tiny_target_dir, num_draft_layers=2, dtype="bfloat16")
+    monkeypatch.setattr(step_mod, "_autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+    state = make_state(bf16)
+    out = forward_backward(state, two_doc_batch())
+    assert out.loss_.dtype == torch.float32 and torch.isfinite(out.loss_)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in state.drafter.parameters())
+    assert abs(out.loss_.item() - ref.item()) < 0.05 * ref.item()

@@ -13,6 +13,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
     cfg = small_cfg(tiny_target_dir, "optim.max_steps=40", "log.every=5", "optim.lr=3e-3", "optim.warmup_ratio=0.05",
                     "data.rows_per_step=4", "data.num_anchors=16")
@@ -22,6 +23,7 @@ def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
     assert got[40] < 0.7 * got[5], got
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_target_dir):
     sets = ("optim.max_steps=8", "ckpt.every=4", "optim.accum_steps=2", "data.rows_per_step=2")
     full = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "full")
@@ -69,3 +71,17 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tin
     with pytest.raises(NonFiniteLoss):
         finish(run)
     assert not (tmp_path / "r" / "export").exists()
+
+
+def test_checkpoints_are_atomic_and_pruned_to_keep(tmp_path, target):
+    from tests.trainer.conftest import make_state
+
+    state = make_state(target)
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, checkpoint.Cursor(step=step, micro=2 * step), state.drafter, state.optimizer, keep=2)
+    (tmp_path / "ckpt" / "step_9.tmp").mkdir()  # a save that crashed half-way
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_3", "step_4", "step_9.tmp"]
+    cursor = checkpoint.load_latest(tmp_path, state.drafter, state.optimizer, state.lr_)
+    assert cursor == checkpoint.Cursor(step=4, micro=8)
+    assert all(g["lr"] is state.lr_ for g in state.optimizer.param_groups)  # the schedule's tensor, still bound

@@ -217,3 +217,15 @@ def test_taps_are_layer_outputs_and_decoder_is_truncated(target, full_target):
     ref = full_target.model(input_ids=ids, output_hidden_states=True).hidden_states
     feats = target.features(ids, pos, torch.zeros(1, 12, dtype=torch.long))
     torch.testing.assert_close(feats, torch.cat([ref[2], ref[4]], dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_ctx_lo_form_of_the_rule_equals_the_doc_id_form():
+    """The flex backend uses [ctx_lo, anchor); it must select exactly the same context keys as the doc-id rule."""
+    batch = two_doc_batch()
+    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B)
+    assert layout.ctx_lo[0, :4].tolist() == [0, 0, 16, 16]
+    S = batch.input_ids.shape[1]
+    j = torch.arange(S)
+    by_range = (j >= layout.ctx_lo[0, :, None]) & (j < batch.anchor_pos[0, :, None]) & batch.anchor_valid[0, :, None]
+    dense = dense_block_mask(layout)[0, 0, ::B, :S]  # one query row per block
+    assert torch.equal(by_range, dense)

@@ -2,7 +2,7 @@
 
 Accepted line formats:
   {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}   (chat; tokenized with the
-      target tokenizer's chat template; loss mask = the tokens of every assistant turn, including its end marker)
+      target tokenizer's chat template; loss mask = the tokens of every assistant turn's content + its end marker)
   {"input_ids": [...], "loss_mask": [...]}                                              (pre-tokenized)
 """
 from __future__ import annotations
@@ -58,44 +58,50 @@ def resolve_path(path: str) -> Path:
     return Path(path)
 
 
-def _tokenize(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def _render(tokenizer, turns: list[dict]) -> str:
+    return tokenizer.apply_chat_template(turns, tokenize=False)
 
 
-def _render(tokenizer, turns: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+def turn_end_marker(tokenizer) -> str:
+    """The text a chat template puts after an assistant message (e.g. "<|im_end|>"), found with a probe render."""
+    probe = "dflash-probe-answer"
+    text = _render(tokenizer, [{"role": "user", "content": "dflash-probe-question"},
+                               {"role": "assistant", "content": probe}])
+    return text[text.rindex(probe) + len(probe):].strip()
 
 
-def tokenize_conversation(tokenizer, turns: list[dict]) -> Sample:
-    """Chat template over the whole conversation; assistant spans found by rendering prefixes.
+def tokenize_conversation(tokenizer, turns: list[dict], end_marker: str | None = None) -> Sample:
+    """Render the whole conversation once with the chat template; supervise every assistant turn.
 
-    For assistant turn i: start = len(tokens(prefix up to i, with generation prompt)), end = len(tokens(prefix
-    through i)). Each prefix must tokenize to a prefix of the full conversation, else the line is rejected (a template
-    that rewrites earlier turns would otherwise silently mislabel tokens).
+    Assistant spans are found in the rendered TEXT (each content, in order, plus the template's end-of-turn marker
+    right after it) and mapped to tokens with the fast tokenizer's offsets. Unlike rendering prefixes, this survives
+    templates that render a turn differently once later turns exist (Qwen3 drops the empty think block of all but
+    the last assistant turn). Template-inserted text before the content (a think block) is not supervised.
     """
-    ids = _tokenize(tokenizer, _render(tokenizer, turns, False))
-    mask = [False] * len(ids)
-    for i, turn in enumerate(turns):
+    marker = turn_end_marker(tokenizer) if end_marker is None else end_marker
+    text = _render(tokenizer, turns)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans, cursor = [], 0
+    for turn in turns:  # walk every turn in order, so a user turn quoting the answer is never mistaken for it
+        content = turn["content"].strip()
+        if not content:
+            continue
+        at = text.find(content, cursor)
+        if at < 0:
+            raise _Bad(f"{turn['role']} content not found in the chat-template rendering")
+        cursor = at + len(content)
         if turn["role"] != "assistant":
             continue
-        before = _prompt_only(tokenizer, turns, i)
-        through = _tokenize(tokenizer, _render(tokenizer, turns[: i + 1], False))
-        if ids[: len(through)] != through or through[: len(before)] != before:
-            raise _Bad("chat template is not prefix-stable at an assistant turn")
-        for j in range(len(before), len(through)):
-            mask[j] = True
+        gap = len(text) - cursor - len(text[cursor:].lstrip(" \n"))
+        end = cursor + gap + len(marker) if marker and text.startswith(marker, cursor + gap) else cursor
+        spans.append((at, end))
+    mask = [any(a < s_end and b > s_start for s_start, s_end in spans) for a, b in enc["offset_mapping"]]
     if not any(mask):
         raise _Bad("no assistant tokens")
-    return Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
+    return Sample(torch.tensor(enc["input_ids"], dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
 
 
-def _prompt_only(tokenizer, turns: list[dict], i: int) -> list[int]:
-    if i == 0:
-        raise _Bad("conversation starts with an assistant turn")
-    return _tokenize(tokenizer, _render(tokenizer, turns[:i], True))
-
-
-def parse_line(line: str, tokenizer, vocab_size: int) -> Sample:
+def parse_line(line: str, tokenizer, vocab_size: int, end_marker: str = "") -> Sample:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -109,7 +115,8 @@ def parse_line(line: str, tokenizer, vocab_size: int) -> Sample:
         for t in turns:
             if not isinstance(t, dict) or t.get("role") not in ROLES or not isinstance(t.get("content"), str):
                 raise _Bad(f"each turn needs role in {ROLES} and string content")
-        return tokenize_conversation(tokenizer, [{"role": t["role"], "content": t["content"]} for t in turns])
+        return tokenize_conversation(tokenizer, [{"role": t["role"], "content": t["content"]} for t in turns],
+                                     end_marker)
     if "input_ids" in obj and "loss_mask" in obj:
         ids, mask = obj["input_ids"], obj["loss_mask"]
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask) or not ids:
@@ -125,6 +132,7 @@ def parse_line(line: str, tokenizer, vocab_size: int) -> Sample:
 def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
                  max_bad_fraction: float) -> tuple[list[Sample], LoadReport]:
     """Read every file; raise DataError when a file is missing or the bad fraction exceeds max_bad_fraction."""
+    marker = turn_end_marker(tokenizer)
     samples: list[Sample] = []
     bad: list[BadLine] = []
     lines = 0
@@ -138,7 +146,7 @@ def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
                     continue
                 lines += 1
                 try:
-                    samples.append(parse_line(line, tokenizer, vocab_size))
+                    samples.append(parse_line(line, tokenizer, vocab_size, marker))
                 except _Bad as e:
                     bad.append(BadLine(str(raw), line_no, str(e)))
     report = LoadReport(lines=lines, bad=tuple(bad))

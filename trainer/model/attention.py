@@ -7,6 +7,8 @@ Visibility (query = row r, anchor n, block position k):
   context key j (< S): anchor n valid AND doc_ids[r, j] == doc of anchor n AND j < anchor_pos[r, n] (STRICTLY before:
       at inference the anchor is the bonus token, whose target feature does not exist yet).
   block key (m, k'):   m == n (bidirectional inside the block; nothing of other blocks).
+  Equivalently (packed rows: documents are contiguous, positions restart at 0): ctx_lo[r, n] <= j < anchor_pos[r, n],
+  with ctx_lo = anchor_pos - position_ids[anchor_pos]; tile-based backends (flex) use this form.
 Padded anchors (valid = False) see only their own block, so no row is fully masked (no NaN); the loss masks them out.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ class BlockLayout:
     anchor_pos: torch.Tensor  # [R, N] long: row index of each anchor
     anchor_valid: torch.Tensor  # [R, N] bool
     anchor_doc: torch.Tensor  # [R, N] long: document id of the anchor
+    ctx_lo: torch.Tensor  # [R, N] long: row index where the anchor's document starts; visible context = [ctx_lo, anchor)
     doc_ids: torch.Tensor  # [R, S] long: -1 = padding
     ctx_rope_pos: torch.Tensor  # [R, S] long: per-document positions of the context keys
     q_rope_pos: torch.Tensor  # [R, Q] long: position_ids[anchor] + k
@@ -41,8 +44,12 @@ def make_layout(position_ids: torch.Tensor, doc_ids: torch.Tensor, anchor_pos: t
     """Build the layout on the tensors' device with gathers only (no host sync, capturable)."""
     offsets = torch.arange(block_size, device=anchor_pos.device)
     anchor_doc = doc_ids.gather(1, anchor_pos)  # [R, N]
-    q_rope_pos = (position_ids.gather(1, anchor_pos)[:, :, None] + offsets).flatten(1)  # [R, N*B]
-    layout = BlockLayout(anchor_pos=anchor_pos, anchor_valid=anchor_valid, anchor_doc=anchor_doc, doc_ids=doc_ids,
+    anchor_rope = position_ids.gather(1, anchor_pos)  # [R, N]
+    # Packing restarts positions at 0 for every document, so its first token sits at anchor_pos - position.
+    ctx_lo = anchor_pos - anchor_rope
+    q_rope_pos = (anchor_rope[:, :, None] + offsets).flatten(1)  # [R, N*B]
+    layout = BlockLayout(anchor_pos=anchor_pos, anchor_valid=anchor_valid, anchor_doc=anchor_doc, ctx_lo=ctx_lo,
+                         doc_ids=doc_ids,
                          ctx_rope_pos=position_ids, q_rope_pos=q_rope_pos, block_size=block_size)
     if backend == "sdpa":
         return _with_mask(layout, dense_block_mask(layout))

@@ -153,8 +153,12 @@ class Drafter(nn.Module):
 
     def forward(self, feats_RSTD: torch.Tensor, block_RQD: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         dtype = self.fc.weight.dtype
-        ctx_RSD = self.hidden_norm(self.fc(feats_RSTD.to(dtype)))
-        x_RQD = block_RQD.to(dtype)
+        if not torch.is_autocast_enabled(feats_RSTD.device.type):
+            # Without autocast (CPU, or a bf16 target under an fp32 drafter) match the weights. Under autocast the
+            # bf16 features go straight into fc: an fp32 copy of [R, S, T*D] would cost GBs at the GPU recipe.
+            feats_RSTD = feats_RSTD.to(dtype)
+        ctx_RSD = self.hidden_norm(self.fc(feats_RSTD))
+        x_RQD = block_RQD.to(dtype)  # the residual stream stays in the parameter dtype
         Dh, theta = self.cfg.head_dim, self.cfg.rope_theta
         # Context keys use their own (per-document) positions; block tokens use anchor_pos + k.
         rope_q = rope_cos_sin(layout.q_rope_pos, Dh, theta, dtype)

@@ -6,14 +6,15 @@ Contract for both functions (what makes them CUDA-graph capturable later, see re
 - outputs are device tensors (StepOut); under graph replay they alias graph-owned storage, so callers clone
   (or accumulate into their own buffers) before the next replay.
 
-Eager loop (trainer/train.py): lr_.fill_(schedule(step)) -> accum x [batch_dev.copy_(batch); forward_backward] ->
-optimizer_step -> zero_grads. Eager zeroes grads in place (`zero_grad(set_to_none=False)`) so `.grad` buffers keep
+Eager loop (trainer/train.py, via EagerRunner.step): lr_.fill_(schedule(step)) -> accum x [batch_dev.copy_(batch);
+forward_backward] -> optimizer_step -> zero_grads. Eager zeroes grads in place (`zero_grad(set_to_none=False)`) so `.grad` buffers keep
 their addresses; the graph mode (GPU branch) is free to use set_to_none=True before capture instead (see cudagraphs.md).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,22 +129,24 @@ def zero_grads(state: TrainState) -> None:
 
 
 class EagerRunner:
-    """Drives the step eagerly. A graph/compile runner (GPU branch, `trainer.step.graph.make_runner`) offers the
-    same two methods, so the training loop does not know which one it drives.
+    """Drives one optimizer step eagerly. A compile/graph runner (GPU branch: `trainer.step.graph.make_runner(cfg,
+    state, batch_dev)`) offers the same `step`, so the training loop does not know which one it drives.
     """
 
     def __init__(self, state: TrainState, batch_dev: StaticBatch, accum_steps: int) -> None:
         self.state = state
         self.batch_dev = batch_dev  # static device buffers, filled in place every micro-step
-        self.loss_scale = 1.0 / accum_steps
+        self.accum_steps = accum_steps
 
-    def micro(self, batch: StaticBatch) -> StepOut:
-        """Copy one CPU batch into the static buffers, forward + backward (grads accumulate)."""
-        self.batch_dev.copy_(batch, non_blocking=True)
-        return forward_backward(self.state, self.batch_dev, self.loss_scale)
-
-    def update(self) -> torch.Tensor:
-        """Clip + optimizer step, then zero grads in place. Returns the pre-clip grad norm (device)."""
-        norm = optimizer_step(self.state)
+    def step(self, micro_batches: Sequence[StaticBatch]) -> list[StepOut]:
+        """accum_steps x (copy CPU batch into the static buffers; forward + backward, grads accumulate), then clip +
+        AdamW + in-place zero_grad. Returns one StepOut per micro-batch (device tensors, no sync)."""
+        if len(micro_batches) != self.accum_steps:
+            raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
+        outs = []
+        for batch in micro_batches:
+            self.batch_dev.copy_(batch, non_blocking=True)
+            outs.append(forward_backward(self.state, self.batch_dev, 1.0 / self.accum_steps))
+        optimizer_step(self.state)
         zero_grads(self.state)
-        return norm
+        return outs

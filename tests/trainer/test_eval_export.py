@@ -1,0 +1,74 @@
+import torch
+
+from tests.trainer.conftest import make_state
+from tests.trainer.test_traps import drafter_hidden, two_doc_batch
+from trainer.eval import block_acceptance, leading_matches
+from trainer.export import export_config, export_drafter, load_exported
+from trainer.model.target import packed_causal_mask
+from trainer.step.step import EagerRunner
+
+
+def test_leading_matches_counts_only_the_unbroken_prefix():
+    ref = torch.tensor([[9, 1, 2, 3, 4]])
+    valid = torch.tensor([[False, True, True, True, True]])
+    assert leading_matches(torch.tensor([[0, 1, 2, 3, 4]]), ref, valid).tolist() == [4]
+    assert leading_matches(torch.tensor([[0, 1, 7, 3, 4]]), ref, valid).tolist() == [1]  # later matches do not count
+    assert leading_matches(torch.tensor([[0, 5, 2, 3, 4]]), ref, valid).tolist() == [0]
+    stop = torch.tensor([[False, True, True, False, True]])
+    assert leading_matches(torch.tensor([[0, 1, 2, 3, 4]]), ref, stop).tolist() == [2]  # left the document
+
+
+class OracleDrafter(torch.nn.Module):
+    """Returns the target's own last hidden state at anchor+k-1: its LM-head argmax IS the target's greedy token."""
+
+    def __init__(self, target, batch):
+        super().__init__()
+        self.last = target.model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                       attention_mask=packed_causal_mask(batch.doc_ids)).last_hidden_state
+
+    def forward(self, feats, noise, layout):
+        B, S = layout.block_size, self.last.shape[1]
+        prev = (layout.anchor_pos[:, :, None] + torch.arange(B) - 1).clamp(0, S - 1).flatten(1)
+        return self.last.gather(1, prev[:, :, None].expand(-1, -1, self.last.shape[2]))
+
+
+def test_perfect_drafter_gets_full_acceptance_and_tau_counts_the_bonus(full_target):
+    batch = two_doc_batch()
+    with torch.no_grad():
+        accepted, valid = block_acceptance(full_target, OracleDrafter(full_target, batch), batch, 4)
+    assert valid.tolist() == [[True] * 4 + [False]]
+    assert accepted[0, :4].tolist() == [3, 3, 3, 3]  # every block: all B-1 drafted tokens accepted -> tau = B
+    with torch.no_grad():
+        none, _ = block_acceptance(full_target, make_state(full_target, block_size=4).drafter, batch, 4)
+    assert none[0, :4].tolist() != [3, 3, 3, 3]
+
+
+def test_export_round_trip_matches_the_drafter(tmp_path, target):
+    state = make_state(target, block_size=4)
+    cfg = export_config(state.drafter.cfg, block_size=4, layer_ids=target.layer_ids, num_target_layers=6,
+                        mask_token_id=target.mask_token_id, vocab_size=177, max_position_embeddings=4096,
+                        dtype="float32")
+    export_drafter(tmp_path / "export", state.drafter, cfg, dtype=torch.float32)
+    loaded, saved_cfg = load_exported(tmp_path / "export")
+    assert saved_cfg == cfg and not (tmp_path / "export.tmp").exists()
+    batch = two_doc_batch()
+    a = drafter_hidden(state, batch)
+    state.drafter = loaded
+    assert torch.equal(drafter_hidden(state, batch), a)
+
+
+def test_static_buffers_and_grads_keep_their_storage(target):
+    """Capture-friendliness: the step reads fixed input buffers and accumulates into fixed .grad buffers."""
+    state = make_state(target, block_size=4)
+    batch_dev = two_doc_batch()
+    runner = EagerRunner(state, batch_dev, accum_steps=2)
+    ptrs = [t.data_ptr() for t in batch_dev.tensors().values()]
+    grad_ptrs = None
+    for seed in range(3):
+        outs = runner.step([two_doc_batch(seed=seed), two_doc_batch(seed=seed)])
+        assert len(outs) == 2 and torch.equal(outs[0].loss_, outs[1].loss_)
+        now = [p.grad.data_ptr() for p in state.drafter.parameters()]
+        grad_ptrs = grad_ptrs or now
+        assert now == grad_ptrs
+    assert [t.data_ptr() for t in batch_dev.tensors().values()] == ptrs
+    assert torch.equal(batch_dev.input_ids, two_doc_batch(seed=2).input_ids)
