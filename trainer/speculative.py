@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.eval import leading_matches
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
 from trainer.model.target import Target
 
@@ -178,7 +179,9 @@ class DFlashProposer(nn.Module):
     def propose(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         block = torch.full((1, self.block_size), self.target.mask_token_id, dtype=torch.long, device=committed.device)
         block[0, 0] = committed[0, -1]
-        hidden = draft_block_hidden(self.drafter, self.cache, new_feats, self.target.embed_tokens(block))
+        # Same numerics as training: the trainer's CUDA step runs the fp32 drafter under bf16 autocast.
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=block.device.type == "cuda"):
+            hidden = draft_block_hidden(self.drafter, self.cache, new_feats, self.target.embed_tokens(block))
         head = self.target.lm_head
         return head(hidden[0, 1:].to(head.weight.dtype)).argmax(-1)
 
@@ -232,7 +235,8 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
         block = torch.cat([committed[:, -1:], draft[None]], dim=1)  # [1, B]
         logits, feats = target_forward(target, block, cache, start)
         post = logits[0].argmax(-1)  # [B]: the target's greedy token after each block position
-        a = int((block[0, 1:] == post[:-1]).long().cumprod(0).sum())  # SYNC: once per round
+        reference = torch.cat([block[0, :1], post[:-1]])  # what the target emits at each block position
+        a = int(leading_matches(block[0], reference, torch.ones_like(reference, dtype=torch.bool)))  # SYNC: per round
         accepted.append(a)
         committed = torch.cat([committed, block[:, 1:a + 1], post[None, a:a + 1]], dim=1)
         start += a + 1

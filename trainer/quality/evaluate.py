@@ -37,7 +37,8 @@ def _sync(device: torch.device) -> None:
 
 
 def load_pair(export_dir: Path, target_dir: Path, device: torch.device):
-    """The exported drafter (in the target's dtype) and the full target with the drafter's taps and mask id."""
+    """The exported drafter (fp32; run under autocast on CUDA, as in training) and the full target with the
+    drafter's taps and mask id."""
     from trainer.export import load_exported
     from trainer.model.target import load_target
 
@@ -46,7 +47,6 @@ def load_pair(export_dir: Path, target_dir: Path, device: torch.device):
     target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"],
                          layer_ids=tuple(dc["target_layer_ids"]), mask_token_id=dc["mask_token_id"], device=device,
                          truncate=False)
-    drafter = drafter.to(target.embed_tokens.weight.dtype)
     return target, drafter, int(ecfg["block_size"])
 
 
