@@ -31,6 +31,27 @@ class DecodeTiming:
         return round(self.target_s / self.speculative_s, 3) if self.speculative_s > 0 else None
 
 
+def repeated_ngram_fraction(tokens: list[int], n: int = 4) -> float:
+    """Fraction of the n-grams of `tokens` that already occurred earlier in it: 0 for fresh text, near 1 for a loop.
+    A looping target is trivially easy to draft, so tau must be read next to this number."""
+    seen: set[tuple[int, ...]] = set()
+    repeats = total = 0
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i:i + n])
+        repeats += gram in seen
+        total += 1
+        seen.add(gram)
+    return repeats / total if total else 0.0
+
+
+def heldout_prompts(eval_jsonl: Path) -> list[str]:
+    """The user turns of the regenerated held-out file, in file order."""
+    import json
+
+    with Path(eval_jsonl).open(encoding="utf-8") as f:
+        return [json.loads(line)["conversations"][0]["content"] for line in f if line.strip()]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
@@ -59,7 +80,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     for ids in encoded[:1] * cfg.warmup:
         generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
         generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
-    results, t_target, t_spec, tokens, identical = [], 0.0, 0.0, 0, 0
+    results, repeats, t_target, t_spec, tokens, identical = [], [], 0.0, 0.0, 0, 0
     deadline = time.perf_counter() + cfg.budget_s
     for ids in encoded:
         if time.perf_counter() > deadline:
@@ -76,6 +97,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         tokens += len(want)
         identical += got.tokens == want
         results.append(got)
+        repeats.append(repeated_ngram_fraction(want))
     timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
                           speculative_s=round(t_spec, 4), identical=identical)
     stats = acceptance_stats(results, block_size)
@@ -83,7 +105,8 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
-           "block_size": block_size, "device": str(device)}
+           "block_size": block_size, "device": str(device),
+           "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
     log(f"decode: tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
         f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s)")
     return out

@@ -118,9 +118,9 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
 
     from trainer.eval import evaluate_run
     from trainer.quality.config import load_recipe
-    from trainer.quality.evaluate import decode_benchmark, load_pair
+    from trainer.quality.evaluate import decode_benchmark, heldout_prompts, load_pair
     from trainer.quality.pretrain import make_target
-    from trainer.quality.regenerate import prompt_sets, regenerate
+    from trainer.quality.regenerate import regenerate
 
     recipe = apply_overrides(load_recipe(recipe_name), overrides)
     q = recipe.quality
@@ -152,14 +152,17 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
         simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, out / "target"))
         target, drafter, block_size = load_pair(out / "drafter" / "export", out / "target", device)
         return {"simulated": simulated,
-                "decode": decode_benchmark(target, drafter, block_size, prompt_sets(q)[1], q.eval, log)}
+                "decode": decode_benchmark(target, drafter, block_size, heldout_prompts(regen.eval_path), q.eval,
+                                           log)}
     ev = stage("eval", evaluate)
     timings["total"] = round(time.perf_counter() - t_all, 1)
     result = {"recipe": recipe_name, "device": str(device), "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "target": dataclasses.asdict(pre), "regen": dataclasses.asdict(regen), "drafter": drafted,
               "tau": ev["decode"]["tau"], "accept_by_pos": ev["decode"]["accept_by_pos"],
-              "speedup": ev["decode"]["speedup"], "simulated_tau": ev["simulated"]["tau"], "eval": ev,
+              "speedup": ev["decode"]["speedup"], "simulated_tau": ev["simulated"]["tau"],
+              "identical": f'{ev["decode"]["identical"]}/{ev["decode"]["prompts"]}',
+              "repeated_4gram_frac": ev["decode"]["repeated_4gram_frac"], "eval": ev,
               "timings_s": timings}
     (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
     log(f"stage timings (s): {json.dumps(timings)}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
 from trainer.quality.corpus import Unit, all_units, corpus_root, list_sources, split_heldout
 
@@ -73,11 +74,11 @@ def greedy_batch(model, prompts: list[list[int]], max_new: int, eos_id: int, pad
 
 def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: Path, deadline: float,
                     log=print) -> tuple[int, int, int]:
-    """Answer `prompts` (shortest first, for less padding) into `path` -> (samples, ended with EOS, new tokens).
-    Stops starting batches once time.perf_counter() passes `deadline`."""
+    """Answer `prompts` (shortest first, for less padding) into `path` -> (samples written, of them ended with EOS,
+    new tokens generated, prompts answered). Blank answers are dropped. Stops starting batches once perf_counter() passes `deadline`."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = sorted(((chat_prompt_ids(tokenizer, p), p) for p in prompts), key=lambda x: len(x[0]))
-    n = with_eos = tokens = 0
+    n = with_eos = tokens = blank = 0
     with Path(path).open("w", encoding="utf-8") as f:
         for i in range(0, len(encoded), cfg.batch_size):
             if time.perf_counter() > deadline:
@@ -87,10 +88,14 @@ def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: P
                                                                  eos, pad)):
                 ended = bool(answer) and answer[-1] == eos
                 text = tokenizer.decode(answer[:-1] if ended else answer, skip_special_tokens=False)
+                tokens += len(answer)
+                if not text.strip():
+                    blank += 1  # nothing to supervise (the trainer's loader rejects it): not written
+                    continue
                 f.write(conversation_line(prompt, text))
-                n, with_eos, tokens = n + 1, with_eos + ended, tokens + len(answer)
-            log(f"regen {Path(path).name}: {n}/{len(encoded)} answers")
-    return n, with_eos, tokens
+                n, with_eos = n + 1, with_eos + ended
+            log(f"regen {Path(path).name}: {n + blank}/{len(encoded)} answered, {blank} blank (dropped)")
+    return n, with_eos, tokens, n + blank
 
 
 def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.device, log=print) -> RegenResult:
@@ -104,15 +109,18 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = t0 + q.regen.budget_s
-    n_eval, eos_eval, tok_eval = regenerate_file(target.model, target.tokenizer, eval_prompts, q.regen,
+    n_eval, eos_eval, tok_eval, _ = regenerate_file(target.model, target.tokenizer, eval_prompts, q.regen,
                                                  out_dir / "eval.jsonl", float("inf"), log)
-    n_train, eos_train, tok_train = regenerate_file(target.model, target.tokenizer, train_prompts, q.regen,
+    n_train, eos_train, tok_train, answered = regenerate_file(target.model, target.tokenizer, train_prompts, q.regen,
                                                     out_dir / "train.jsonl", deadline, log)
     result = RegenResult(train_path=str(out_dir / "train.jsonl"), eval_path=str(out_dir / "eval.jsonl"),
                          train_samples=n_train, eval_samples=n_eval,
                          ended_with_eos=round((eos_eval + eos_train) / max(1, n_eval + n_train), 4),
                          generated_tokens=tok_eval + tok_train, seconds=round(time.perf_counter() - t0, 1),
-                         stopped_by="budget" if n_train < len(train_prompts) else "done")
+                         stopped_by="budget" if answered < len(train_prompts) else "done")
+    if not n_train or not n_eval:
+        raise DataError(f"regeneration left {n_train} training and {n_eval} held-out answers (blank answers are "
+                        f"dropped)", hint="train the target longer (pretrain.steps) or raise regen.budget_s")
     log(f"regen done: {n_train} train / {n_eval} eval answers, {result.generated_tokens:,} tokens, "
         f"{result.ended_with_eos:.0%} ended with EOS, {result.seconds}s ({result.stopped_by})")
     return result

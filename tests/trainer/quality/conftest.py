@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")  # module: also covers module-scoped fixtures
 def one_thread():
     import torch
 

@@ -16,11 +16,11 @@ from trainer.speculative import generate_target_only
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """quality_cpu, shrunk further: pretrain 30 steps, 12 + 4 prompts of 16 tokens."""
+    """quality_cpu (pretraining as in the recipe), regeneration shrunk to 12 + 4 prompts of 16 tokens."""
     from trainer.quality.pretrain import make_target
 
     q = load_recipe("quality_cpu").quality
-    q = dataclasses.replace(q, pretrain=dataclasses.replace(q.pretrain, steps=30, budget_s=1e6),
+    q = dataclasses.replace(q, pretrain=dataclasses.replace(q.pretrain, budget_s=1e6),
                             regen=dataclasses.replace(q.regen, train_prompts=12, eval_prompts=4, max_new_tokens=16,
                                                       batch_size=5, budget_s=1e6))  # budgets off: no timing
     out = tmp_path_factory.mktemp("quality")
@@ -35,7 +35,7 @@ def test_pretrained_target_loads_through_the_trainer(made):
     assert target.hf_config.num_hidden_layers == q.target.num_layers
     assert target.tokenizer.eos_token == "<|im_end|>"
     assert target.mask_token_id == target.tokenizer.convert_tokens_to_ids("<|MASK|>")
-    assert pre.steps == 30 and pre.params == sum(p.numel() for p in target.model.parameters())
+    assert pre.steps == q.pretrain.steps and pre.params == sum(p.numel() for p in target.model.parameters())
     corpus = json.loads((out / "target" / "corpus.json").read_text())
     assert corpus["files_heldout"] == len(corpus["heldout_files"]) >= 1
 
@@ -75,3 +75,12 @@ def test_held_in_and_held_out_prompts_come_from_their_own_files(made):
     assert set(train) <= {u.prompt for u in all_units(heldin_files, q.corpus)}
     assert set(held_out) <= {u.prompt for u in all_units(heldout_files, q.corpus)}
     assert prompt_sets(q) == (train, held_out)  # deterministic
+
+
+def test_repeated_ngram_fraction():
+    from trainer.quality.evaluate import repeated_ngram_fraction
+
+    assert repeated_ngram_fraction([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repeated_ngram_fraction([7] * 10) == 6 / 7
+    assert repeated_ngram_fraction([1, 2, 3, 4, 1, 2, 3, 4]) == 1 / 5
+    assert repeated_ngram_fraction([1, 2]) == 0.0
