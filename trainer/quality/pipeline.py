@@ -78,12 +78,20 @@ def drafter_train_cfg(drafter_tree: dict, target_dir: Path, regen, device, seed:
 
 
 def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
-    """The real Trainer (setup -> loop -> finish/export), stopped early when budget_s has passed."""
+    """The real Trainer (setup -> loop -> finish/export), stopped early when budget_s has passed. A graph mode that
+    the trainer refuses with a ConfigError (not a crash) falls back to eager, with a note."""
     from trainer.train import finish, setup, train_loop
 
     t0 = time.perf_counter()
     random.seed(cfg.seed)
-    run = setup(cfg, run_dir)
+    try:
+        run = setup(cfg, run_dir)
+    except ConfigError as e:
+        if cfg.step.mode == "eager":
+            raise
+        log(f"drafter: step.mode={cfg.step.mode} refused ({e}); training eagerly")
+        cfg = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, mode="eager"))
+        run = setup(cfg, run_dir)
     chunk = cfg.log.every
     while run.cursor.step < run.total_steps and time.perf_counter() - t0 < budget_s:
         train_loop(run, stop_at=min(run.cursor.step + chunk, run.total_steps))
