@@ -101,7 +101,7 @@ class OptimCfg:
     clip: float = 1.0  # global grad-norm clip; 0 = off
     accum_steps: int = 1
     epochs: int = 6
-    max_steps: int = 0  # > 0 caps the run (optimizer steps); 0 = epochs * steps_per_epoch
+    max_steps: int = 0  # > 0 = run length in optimizer steps (overrides epochs); 0 = epochs * steps_per_epoch
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr must be > 0")

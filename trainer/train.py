@@ -99,12 +99,22 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
                       gamma=cfg.model.loss_gamma, loss_chunk=cfg.step.loss_chunk, clip=o.clip, attn=cfg.step.attn)
 
 
-def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device):
-    if cfg.step.mode == "eager":
-        return EagerRunner(state, batch_dev, cfg.optim.accum_steps)
-    if device.type != "cuda":
+def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
+    """Non-eager step modes and the flex backend are CUDA-only: say so before anything is built."""
+    if device.type == "cuda":
+        return
+    if cfg.step.mode != "eager":
         raise ConfigError(f"step.mode={cfg.step.mode} needs a CUDA device (this run is on {device})",
                           hint="use --set step.mode=eager on CPU")
+    if cfg.step.attn != "sdpa":
+        raise ConfigError(f"step.attn={cfg.step.attn} needs a CUDA device (this run is on {device})",
+                          hint="use --set step.attn=sdpa on CPU")
+
+
+def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device):
+    check_device_support(cfg, device)
+    if cfg.step.mode == "eager":
+        return EagerRunner(state, batch_dev, cfg.optim.accum_steps)
     try:
         from trainer.step.graph import make_runner as make_graph_runner  # GPU branch: compile / graph runners
     except ImportError as e:
@@ -117,9 +127,7 @@ def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout)
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg)
-    if cfg.step.mode != "eager" and device.type != "cuda":
-        raise ConfigError(f"step.mode={cfg.step.mode} needs a CUDA device (this run is on {device})",
-                          hint="use --set step.mode=eager on CPU")
+    check_device_support(cfg, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cfg = resolve_target(cfg, run_dir)

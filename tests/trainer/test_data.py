@@ -137,3 +137,18 @@ def test_eval_split_is_disjoint_and_deterministic(target):
     b = build_datasets(cfg, target.tokenizer, VOCAB, seed=3)
     assert torch.equal(a.eval.input_ids, b.eval.input_ids)
     assert a.num_eval_samples == 40 and a.num_train_samples == 360
+
+
+def test_ranks_take_disjoint_rows_of_the_same_permutation(target):
+    cfg = DataCfg(seq_len=128, rows_per_step=2, num_anchors=8, eval_fraction=0.0)
+    rows = build_datasets(cfg, target.tokenizer, VOCAB, seed=0).train
+    single = EpochBatches(rows, 2, 8, seed=0, pad_id=0)
+    ranks = [EpochBatches(rows, 2, 8, seed=0, pad_id=0, rank=r, world_size=3) for r in range(3)]
+    assert ranks[0].per_epoch == -(-rows.num_rows // 6)
+    seen = []
+    for micro in range(ranks[0].per_epoch):
+        for b in ranks:
+            batch = b.batch(micro)
+            assert batch.signature() == single.batch(0).signature()
+            seen += [tuple(r.tolist()) for r, d in zip(batch.input_ids, batch.doc_ids) if (d >= 0).any()]
+    assert len(seen) == rows.num_rows == len(set(seen))  # every row exactly once per epoch, across ranks

@@ -90,3 +90,16 @@ def test_bf16_target_under_autocast_runs_the_gpu_dtype_path(tiny_target_dir, tar
     assert out.loss_.dtype == torch.float32 and torch.isfinite(out.loss_)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in state.drafter.parameters())
     assert abs(out.loss_.item() - ref.item()) < 0.05 * ref.item()
+
+
+def test_state_mask_fn_supplies_the_backend_mask(target):
+    """The seam the flex runner uses: state.mask_fn(layout) -> the mask block_attention receives."""
+    from trainer.model.attention import dense_block_mask
+
+    state = make_state(target)
+    ref = compute_loss(state, two_doc_batch()).loss_
+    seen = []
+    state.mask_fn = lambda layout: seen.append(layout.ctx_lo) or dense_block_mask(layout)
+    assert torch.equal(compute_loss(state, two_doc_batch()).loss_, ref) and len(seen) == 1
+    state.mask_fn = lambda layout: torch.ones_like(dense_block_mask(layout))  # leaks everything: must change loss
+    assert not torch.equal(compute_loss(state, two_doc_batch()).loss_, ref)

@@ -65,19 +65,25 @@ def _generator(*parts: int) -> torch.Generator:
 
 
 class EpochBatches:
-    """Deterministic micro-batches: batch(micro) depends only on (seed, epoch, index), so the cursor is one integer.
+    """Deterministic micro-batches: batch(micro) depends only on (seed, epoch, index, rank), so the cursor is one integer.
 
-    Every epoch shuffles the packed rows and re-samples the anchors; the last micro-batch of an epoch is filled up
-    with all-padding rows, so every batch has the same shapes.
+    Every epoch shuffles the packed rows (the same permutation on every rank) and re-samples the anchors; rank r of
+    `world_size` takes the r-th slice of each group of world_size * R rows. The last micro-batch of an epoch is filled
+    up with all-padding rows, so every batch on every rank has the same shapes.
     """
 
-    def __init__(self, rows, rows_per_step: int, num_anchors: int, seed: int, pad_id: int) -> None:
+    def __init__(self, rows, rows_per_step: int, num_anchors: int, seed: int, pad_id: int, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.rows = rows
         self.R = rows_per_step
         self.N = num_anchors
         self.seed = seed
         self.pad_id = pad_id
-        self.per_epoch = max(1, -(-rows.num_rows // rows_per_step))
+        self.rank = rank
+        self.world = world_size
+        self.per_epoch = max(1, -(-rows.num_rows // (rows_per_step * world_size)))
 
     def locate(self, micro: int) -> tuple[int, int]:
         """Global micro-batch counter -> (epoch, index in epoch)."""
@@ -86,12 +92,16 @@ class EpochBatches:
     def batch(self, micro: int) -> StaticBatch:
         epoch, index = self.locate(micro)
         perm = torch.randperm(self.rows.num_rows, generator=_generator(self.seed, epoch))
-        take = perm[index * self.R:(index + 1) * self.R]
+        first = (index * self.world + self.rank) * self.R
+        take = perm[first:first + self.R]
         pad = StaticBatch.empty(self.R - len(take), self.rows.input_ids.shape[1], self.N, self.pad_id)
 
         def pick(name: str) -> torch.Tensor:
-            return torch.cat([getattr(self.rows, name)[take], getattr(pad, name)])
+            part = getattr(pad, name)
+            return torch.cat([getattr(self.rows, name)[take].to(part.dtype), part])
+
         loss_mask, doc_ids = pick("loss_mask"), pick("doc_ids")
-        anchor_pos, anchor_valid = sample_anchors(loss_mask, doc_ids, self.N, _generator(self.seed, epoch, index))
+        anchor_gen = _generator(self.seed, epoch, index * self.world + self.rank)
+        anchor_pos, anchor_valid = sample_anchors(loss_mask, doc_ids, self.N, anchor_gen)
         return StaticBatch(input_ids=pick("input_ids"), position_ids=pick("position_ids"), doc_ids=doc_ids,
                            loss_mask=loss_mask, anchor_pos=anchor_pos, anchor_valid=anchor_valid)

@@ -8,6 +8,7 @@ import torch
 from trainer.config import DataCfg
 from trainer.data.packing import PackedRows, pack
 from trainer.data.source import LoadReport, load_samples
+from trainer.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ def build_datasets(cfg: DataCfg, tokenizer, vocab_size: int, seed: int) -> Datas
     else:
         n_eval = int(len(samples) * cfg.eval_fraction)
         held, samples = samples[:n_eval], samples[n_eval:]
+    if not samples:
+        raise DataError("no training samples left after the eval split",
+                        hint="add data to data.paths or lower data.eval_fraction")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train = pack(samples, cfg.seq_len, pad_id)
     ev = pack(held, cfg.seq_len, pad_id) if held else None

@@ -17,9 +17,11 @@ _CLOSE_BELOW = 2  # a row with fewer free tokens than this can hold no useful do
 
 @dataclass(frozen=True)
 class PackedRows:
-    input_ids: torch.Tensor  # [Rtot, S] long
-    position_ids: torch.Tensor  # [Rtot, S] long
-    doc_ids: torch.Tensor  # [Rtot, S] long, -1 = padding
+    """All packed rows of a split. int32 storage (half of int64 for a large corpus); batches are cast to int64."""
+
+    input_ids: torch.Tensor  # [Rtot, S] int32
+    position_ids: torch.Tensor  # [Rtot, S] int32
+    doc_ids: torch.Tensor  # [Rtot, S] int32, -1 = padding
     loss_mask: torch.Tensor  # [Rtot, S] bool
     truncated: int  # samples cut to seq_len
 
@@ -54,9 +56,10 @@ def pack(samples: list[Sample], seq_len: int, pad_id: int) -> PackedRows:
     lengths = [len(s.input_ids) for s in samples]
     rows = assign_rows(lengths, seq_len)
     R = len(rows)
-    input_ids = torch.full((R, seq_len), pad_id, dtype=torch.long)
-    position_ids = torch.arange(seq_len).repeat(R, 1)  # padding keeps row positions (never attended across docs)
-    doc_ids = torch.full((R, seq_len), -1, dtype=torch.long)
+    input_ids = torch.full((R, seq_len), pad_id, dtype=torch.int32)
+    # Padding keeps row positions (never attended across documents).
+    position_ids = torch.arange(seq_len, dtype=torch.int32).repeat(R, 1)
+    doc_ids = torch.full((R, seq_len), -1, dtype=torch.int32)
     loss_mask = torch.zeros((R, seq_len), dtype=torch.bool)
     for r, members in enumerate(rows):
         at = 0

@@ -13,6 +13,7 @@ Padded anchors (valid = False) see only their own block, so no row is fully mask
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,13 @@ class BlockLayout:
 
 
 def make_layout(position_ids: torch.Tensor, doc_ids: torch.Tensor, anchor_pos: torch.Tensor,
-                anchor_valid: torch.Tensor, block_size: int, backend: str = "sdpa") -> BlockLayout:
-    """Build the layout on the tensors' device with gathers only (no host sync, capturable)."""
+                anchor_valid: torch.Tensor, block_size: int, backend: str = "sdpa",
+                mask_fn: Callable[[BlockLayout], Any] | None = None) -> BlockLayout:
+    """Build the layout on the tensors' device with gathers only (no host sync, capturable).
+
+    The backend's mask: `mask_fn(layout)` when given (e.g. the flex backend's static, in-place-updated BlockMask,
+    owned by the GPU runner), else the dense bool mask for "sdpa".
+    """
     offsets = torch.arange(block_size, device=anchor_pos.device)
     anchor_doc = doc_ids.gather(1, anchor_pos)  # [R, N]
     anchor_rope = position_ids.gather(1, anchor_pos)  # [R, N]
@@ -49,15 +55,12 @@ def make_layout(position_ids: torch.Tensor, doc_ids: torch.Tensor, anchor_pos: t
     ctx_lo = anchor_pos - anchor_rope
     q_rope_pos = (anchor_rope[:, :, None] + offsets).flatten(1)  # [R, N*B]
     layout = BlockLayout(anchor_pos=anchor_pos, anchor_valid=anchor_valid, anchor_doc=anchor_doc, ctx_lo=ctx_lo,
-                         doc_ids=doc_ids,
-                         ctx_rope_pos=position_ids, q_rope_pos=q_rope_pos, block_size=block_size)
+                         doc_ids=doc_ids, ctx_rope_pos=position_ids, q_rope_pos=q_rope_pos, block_size=block_size)
+    if mask_fn is not None:
+        return _with_mask(layout, mask_fn(layout))
     if backend == "sdpa":
         return _with_mask(layout, dense_block_mask(layout))
-    if backend == "flex":
-        from trainer.model import flex  # written on the GPU branch; keeps this module free of flex internals
-
-        return _with_mask(layout, flex.build_block_mask(layout))
-    raise ValueError(f"unknown attention backend {backend!r}; use 'sdpa' or 'flex'")
+    raise ValueError(f"attention backend {backend!r} needs a mask_fn (flex: a FlexBlockMask updated in place)")
 
 
 def _with_mask(layout: BlockLayout, mask: Any) -> BlockLayout:
@@ -85,7 +88,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=q.shape[1] != k.shape[1])
     if backend == "flex":
-        from trainer.model import flex
+        from trainer.model.flex import flex_block_attention  # GPU branch
 
-        return flex.block_attention(q, k, v, layout)
+        return flex_block_attention(q, k, v, layout.mask)
     raise ValueError(f"unknown attention backend {backend!r}; use 'sdpa' or 'flex'")

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from trainer.data.batching import StaticBatch
-from trainer.model.attention import make_layout
+from trainer.model.attention import BlockLayout, make_layout
 from trainer.model.drafter import Drafter
 from trainer.model.loss import block_input_ids, block_labels, chunked_lm_loss, decay_weights
 from trainer.model.target import Target
@@ -39,6 +40,9 @@ class TrainState:
     loss_chunk: int
     clip: float
     attn: str = "sdpa"
+    # Backend mask builder (see model/attention.make_layout); None = dense sdpa mask. The flex runner sets it to
+    # update its static FlexBlockMask in place and return it.
+    mask_fn: Callable[[BlockLayout], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,8 @@ def compute_loss(state: TrainState, batch: StaticBatch) -> StepOut:
     """Forward only: target features -> drafter -> chunked LM-head CE. Returns un-detached loss in `loss_`."""
     B = state.block_size
     feats = state.target.features(batch.input_ids, batch.position_ids, batch.doc_ids)  # [R, S, T*D], no grad
-    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, state.attn)
+    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, state.attn,
+                         state.mask_fn)
     noise_ids = block_input_ids(batch.input_ids, batch.anchor_pos, B, state.target.mask_token_id)  # [R, N*B]
     with torch.no_grad():
         noise_emb = state.target.embed_tokens(noise_ids)  # frozen target embedding
