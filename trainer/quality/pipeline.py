@@ -78,7 +78,8 @@ def drafter_train_cfg(drafter_tree: dict, target_dir: Path, regen, device, seed:
 
 
 def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
-    """The real Trainer (setup -> loop -> finish/export), stopped early when budget_s has passed. A graph mode that
+    """The real Trainer (setup -> loop -> finish/export) inside budget_s: once the step time is known, the run's
+    total_steps (which the LR schedule reads) shrinks to what fits, so a cut run still anneals. A graph mode that
     the trainer refuses with a ConfigError (not a crash) falls back to eager, with a note."""
     from trainer.train import finish, setup, train_loop
 
@@ -92,16 +93,27 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
         log(f"drafter: step.mode={cfg.step.mode} refused ({e}); training eagerly")
         cfg = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, mode="eager"))
         run = setup(cfg, run_dir)
-    chunk = cfg.log.every
+    planned, chunk = run.total_steps, cfg.log.every
+    first_chunk_end = None
     while run.cursor.step < run.total_steps and time.perf_counter() - t0 < budget_s:
         train_loop(run, stop_at=min(run.cursor.step + chunk, run.total_steps))
+        now = time.perf_counter()
+        if first_chunk_end is None:  # the first chunk pays for warm-up / graph capture: measure from its end
+            first_chunk_end = (now, run.cursor.step)
+            continue
+        per_step = (now - first_chunk_end[0]) / max(1, run.cursor.step - first_chunk_end[1])
+        fits = run.cursor.step + int((budget_s - (now - t0)) / per_step)
+        if fits < run.total_steps:
+            # Shrink the schedule so the cosine still anneals inside the budget (the trainer reads total_steps).
+            run.total_steps = max(run.cursor.step + 1, fits)
     finish(run)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1]) if lines else {}
     return {"steps": run.cursor.step, "total_steps": run.total_steps, "mode": cfg.step.mode,
             "loss": last.get("loss"), "acc": last.get("acc"), "tokens_per_s": last.get("tokens_per_s"),
             "seconds": round(time.perf_counter() - t0, 1),
-            "stopped_by": "steps" if run.cursor.step >= run.total_steps else "budget"}
+            "planned_steps": planned,
+            "stopped_by": "steps" if run.cursor.step >= planned else "budget"}
 
 
 def heldout_rows(cfg, target_dir: Path):
