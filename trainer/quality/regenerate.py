@@ -17,7 +17,7 @@ import torch
 
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
-from trainer.quality.corpus import Unit, all_units, corpus_root, list_sources, split_heldout
+from trainer.quality.corpus import all_units, corpus_root, list_sources, split_heldout
 
 
 @dataclass(frozen=True)
@@ -33,16 +33,19 @@ class RegenResult:
 
 
 def prompt_sets(q: QualityCfg) -> tuple[list[str], list[str]]:
-    """-> (held-in prompts, held-out prompts): distinct prompts, seeded shuffle, capped by the recipe."""
+    """-> (held-in prompts, held-out prompts): distinct texts from held-in / held-out files, the held-out ones never
+    equal to a held-in one; seeded shuffle, capped by the recipe."""
     files = list_sources(corpus_root(q.corpus), q.corpus.max_file_bytes, q.corpus.max_files)
     heldin, heldout = split_heldout(files, q.corpus.heldout_every)
 
-    def pick(units: list[Unit], n: int, salt: int) -> list[str]:
-        prompts = sorted({u.prompt for u in units})
-        random.Random(q.seed * 1000 + salt).shuffle(prompts)
-        return prompts[:n]
-    return pick(all_units(heldin, q.corpus), q.regen.train_prompts, 1), \
-        pick(all_units(heldout, q.corpus), q.regen.eval_prompts, 2)
+    def pick(prompts: set[str], n: int, salt: int) -> list[str]:
+        ordered = sorted(prompts)
+        random.Random(q.seed * 1000 + salt).shuffle(ordered)
+        return ordered[:n]
+    seen = {u.prompt for u in all_units(heldin, q.corpus)}
+    # A held-out prompt whose text also occurs in a held-in file (`def __repr__(self):`) is not held out: drop it.
+    unseen = {u.prompt for u in all_units(heldout, q.corpus)} - seen
+    return pick(seen, q.regen.train_prompts, 1), pick(unseen, q.regen.eval_prompts, 2)
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

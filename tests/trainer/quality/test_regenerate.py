@@ -74,6 +74,7 @@ def test_held_in_and_held_out_prompts_come_from_their_own_files(made):
                                                             q.corpus.max_files), q.corpus.heldout_every)
     assert set(train) <= {u.prompt for u in all_units(heldin_files, q.corpus)}
     assert set(held_out) <= {u.prompt for u in all_units(heldout_files, q.corpus)}
+    assert set(held_out).isdisjoint({u.prompt for u in all_units(heldin_files, q.corpus)})  # truly unseen text
     assert prompt_sets(q) == (train, held_out)  # deterministic
 
 
