@@ -133,7 +133,8 @@ def make_target(out_dir: Path, q: QualityCfg, device: torch.device, log=print) -
     torch.manual_seed(q.seed)
     model = build_model(q.target, tokenizer).to(device)
     params = sum(p.numel() for p in model.parameters())
-    log(f"pretrain model: Qwen3 {params / 1e6:.1f}M params ({q.target.num_layers} layers, hidden {q.target.hidden_size})")
+    log(f"pretrain model: Qwen3 {params / 1e6:.1f}M params "
+        f"({q.target.num_layers} layers, hidden {q.target.hidden_size})")
     steps, last, stopped_by = train_lm(model, stream, q.pretrain, device, q.seed, log)
     held = heldout_loss(model, eval_stream, q.pretrain, device)
     out_dir = Path(out_dir)

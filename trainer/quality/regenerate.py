@@ -61,8 +61,8 @@ def conversation_line(prompt: str, answer: str) -> str:
 
 @torch.no_grad()
 def greedy_batch(model, prompts: list[list[int]], max_new: int, eos_id: int, pad_id: int) -> list[list[int]]:
-    """Left-padded batched greedy decoding (HF generate, KV cache) -> new tokens per prompt, cut before EOS
-    (an answer that never reached EOS keeps all max_new tokens)."""
+    """Left-padded batched greedy decoding (HF generate, KV cache) -> new tokens per prompt, through the first EOS
+    (kept); an answer that never reached EOS keeps all max_new tokens."""
     L = max(len(p) for p in prompts)
     dev = model.get_input_embeddings().weight.device
     ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=dev)
@@ -76,9 +76,10 @@ def greedy_batch(model, prompts: list[list[int]], max_new: int, eos_id: int, pad
 
 
 def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: Path, deadline: float,
-                    log=print) -> tuple[int, int, int]:
+                    log=print) -> tuple[int, int, int, int]:
     """Answer `prompts` (shortest first, for less padding) into `path` -> (samples written, of them ended with EOS,
-    new tokens generated, prompts answered). Blank answers are dropped. Stops starting batches once perf_counter() passes `deadline`."""
+    new tokens generated, prompts answered). Blank answers are dropped. No batch starts after `deadline`
+    (a time.perf_counter() value)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = sorted(((chat_prompt_ids(tokenizer, p), p) for p in prompts), key=lambda x: len(x[0]))
     n = with_eos = tokens = blank = 0
@@ -112,10 +113,11 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = t0 + q.regen.budget_s
-    n_eval, eos_eval, tok_eval, _ = regenerate_file(target.model, target.tokenizer, eval_prompts, q.regen,
-                                                 out_dir / "eval.jsonl", float("inf"), log)
-    n_train, eos_train, tok_train, answered = regenerate_file(target.model, target.tokenizer, train_prompts, q.regen,
-                                                    out_dir / "train.jsonl", deadline, log)
+    model, tok = target.model, target.tokenizer
+    n_eval, eos_eval, tok_eval, _ = regenerate_file(model, tok, eval_prompts, q.regen, out_dir / "eval.jsonl",
+                                                    float("inf"), log)
+    n_train, eos_train, tok_train, answered = regenerate_file(model, tok, train_prompts, q.regen,
+                                                              out_dir / "train.jsonl", deadline, log)
     result = RegenResult(train_path=str(out_dir / "train.jsonl"), eval_path=str(out_dir / "eval.jsonl"),
                          train_samples=n_train, eval_samples=n_eval,
                          ended_with_eos=round((eos_eval + eos_train) / max(1, n_eval + n_train), 4),
