@@ -110,3 +110,35 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     log(f"decode: tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
         f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s)")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-run the batch-1 decoding benchmark on any export + target + held-out chat JSONL (no retraining):
+    python -m trainer.quality.evaluate --drafter DIR/drafter/export --target DIR/target --data DIR/data/eval.jsonl"""
+    import argparse
+    import json
+    import os
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m trainer.quality.evaluate", description=main.__doc__.splitlines()[0])
+    p.add_argument("--drafter", required=True, help="drafter export directory (config.json + model.safetensors)")
+    p.add_argument("--target", required=True, help="target HF model directory")
+    p.add_argument("--data", required=True, help="chat JSONL whose user turns are the prompts")
+    p.add_argument("--prompts", type=int, default=EvalCfg.prompts)
+    p.add_argument("--max-new", type=int, default=EvalCfg.max_new_tokens)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for path in (Path(args.drafter) / "config.json", Path(args.target) / "config.json", Path(args.data)):
+        if not path.is_file():
+            print(f"error: {path} not found", file=sys.stderr)
+            return 2
+    target, drafter, block_size = load_pair(Path(args.drafter), Path(args.target), torch.device(args.device))
+    cfg = EvalCfg(prompts=args.prompts, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"))
+    result = decode_benchmark(target, drafter, block_size, heldout_prompts(Path(args.data)), cfg)
+    print("DFLASH_DECODE " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,6 +42,16 @@ def test_quality_cpu_pipeline_end_to_end(tmp_path):
     assert all(a >= b for a, b in zip(result["accept_by_pos"], result["accept_by_pos"][1:]))
     assert 1.0 <= result["simulated_tau"] <= B
     assert result["speedup"] > 0 and decode["target_s"] > 0
+    # The decoding benchmark re-runs alone on the pipeline's artifacts.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    again = subprocess.run([sys.executable, "-m", "trainer.quality.evaluate", "--drafter", str(out / "drafter/export"),
+                            "--target", str(out / "target"), "--data", str(out / "data/eval.jsonl"), "--prompts", "2",
+                            "--max-new", "9", "--device", "cpu"], cwd=REPO_ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    line = [x for x in again.stdout.splitlines() if x.startswith("DFLASH_DECODE ")][-1]
+    rerun = json.loads(line.split(" ", 1)[1])
+    assert rerun["prompts"] == rerun["identical"] == 2 and rerun["tokens"] <= 18
 
 
 def test_refuses_a_non_empty_out_dir_and_keeps_it(tmp_path):
