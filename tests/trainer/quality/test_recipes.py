@@ -1,0 +1,44 @@
+"""The quality recipes and runbook are consistent before any GPU time is spent on them (pure: YAML only)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import TrainCfg, from_dict
+from trainer.errors import ConfigError
+from trainer.quality.config import load_recipe
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("name", ["quality_gpu", "quality_cpu"])
+def test_recipe_validates_and_fits_its_target(name):
+    recipe = load_recipe(name)
+    q, drafter = recipe.quality, from_dict(TrainCfg, recipe.drafter)
+    taps = drafter.model.target_layer_ids
+    assert taps is None or max(taps) < q.target.num_layers
+    assert drafter.data.num_anchors < drafter.data.seq_len
+    assert q.regen.max_new_tokens + 64 < drafter.data.seq_len  # an answer + its prompt fit one packed row
+
+
+def test_gpu_recipe_budgets_fit_ten_minutes():
+    q = load_recipe("quality_gpu").quality
+    stage_budgets = q.pretrain.budget_s + q.regen.budget_s + q.drafter_budget_s + q.eval.budget_s
+    assert stage_budgets <= 600 - 60  # leave a minute for imports, corpus, tokenizer, loading and saving
+
+
+def test_runbook_launches_the_pipeline_with_a_bundled_recipe():
+    book = yaml.safe_load((REPO_ROOT / "runbooks" / "quality.yaml").read_text())
+    cmd = book["command"]
+    assert cmd[:3] == ["{python}", "-m", "trainer.quality.pipeline"]
+    load_recipe(cmd[cmd.index("--recipe") + 1])
+    assert cmd[cmd.index("--out") + 1].startswith("{run_dir}/")  # a fresh subdirectory: never the run dir itself
+
+
+def test_unknown_recipe_key_names_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pretrain:\n  stepz: 3\ndrafter: {}\n")
+    with pytest.raises(ConfigError, match="pretrain.stepz"):
+        load_recipe(str(bad))

@@ -1,0 +1,87 @@
+"""A target pretrained here (tiny), its regenerated answers, and the trainer's data loader reading them unchanged."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from trainer.data.source import load_samples
+from trainer.model.target import load_target
+from trainer.quality.config import load_recipe
+from trainer.quality.regenerate import chat_prompt_ids, greedy_batch, prompt_sets, regenerate
+from trainer.speculative import generate_target_only
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """quality_cpu (pretraining as in the recipe), regeneration shrunk to 12 + 4 prompts of 16 tokens."""
+    from trainer.quality.pretrain import make_target
+
+    q = load_recipe("quality_cpu").quality
+    q = dataclasses.replace(q, pretrain=dataclasses.replace(q.pretrain, budget_s=1e6),
+                            regen=dataclasses.replace(q.regen, train_prompts=12, eval_prompts=4, max_new_tokens=16,
+                                                      batch_size=5, budget_s=1e6))  # budgets off: no timing
+    out = tmp_path_factory.mktemp("quality")
+    pre = make_target(out / "target", q, torch.device("cpu"), log=lambda _m: None)
+    regen = regenerate(out / "target", out / "data", q, torch.device("cpu"), log=lambda _m: None)
+    return q, pre, regen, out
+
+
+def test_pretrained_target_loads_through_the_trainer(made):
+    q, pre, _regen, out = made
+    target = load_target(out / "target", num_draft_layers=2, truncate=False)
+    assert target.hf_config.num_hidden_layers == q.target.num_layers
+    assert target.tokenizer.eos_token == "<|im_end|>"
+    assert target.mask_token_id == target.tokenizer.convert_tokens_to_ids("<|MASK|>")
+    assert pre.steps == q.pretrain.steps and pre.params == sum(p.numel() for p in target.model.parameters())
+    corpus = json.loads((out / "target" / "corpus.json").read_text())
+    assert corpus["files_heldout"] == len(corpus["heldout_files"]) >= 1
+
+
+def test_regenerated_files_are_accepted_by_the_trainer_loader(made):
+    _q, _pre, regen, out = made
+    tok = load_target(out / "target", num_draft_layers=1, truncate=False).tokenizer
+    for path, n in ((regen.train_path, 12), (regen.eval_path, 4)):
+        samples, report = load_samples([path], tok, len(tok), max_bad_fraction=0.0)
+        assert len(samples) == n and not report.bad
+        assert all(s.loss_mask.any() for s in samples)
+
+
+def test_answers_are_the_targets_greedy_continuations(made):
+    """Batched left-padded generation == batch-1 KV-cache greedy decoding, prompt by prompt."""
+    q, _pre, regen, out = made
+    target = load_target(out / "target", num_draft_layers=1, truncate=False)
+    tok = target.tokenizer
+    _train, held_out = prompt_sets(q)
+    prompts = [chat_prompt_ids(tok, p) for p in held_out]
+    batched = greedy_batch(target.model, prompts, 16, tok.eos_token_id, tok.pad_token_id)
+    for ids, answer in zip(prompts, batched):
+        assert answer == generate_target_only(target, ids, 16, tok.eos_token_id)
+    lines = [json.loads(line) for line in open(regen.eval_path)]
+    assert {line["conversations"][0]["content"] for line in lines} == set(held_out)
+    assert all([t["role"] for t in line["conversations"]] == ["user", "assistant"] for line in lines)
+
+
+def test_held_in_and_held_out_prompts_come_from_their_own_files(made):
+    from trainer.quality.corpus import all_units, corpus_root, list_sources, split_heldout
+
+    q = made[0]
+    train, held_out = prompt_sets(q)
+    assert len(train) == 12 and len(held_out) == 4 == len(set(held_out))
+    heldin_files, heldout_files = split_heldout(list_sources(corpus_root(q.corpus), q.corpus.max_file_bytes,
+                                                            q.corpus.max_files), q.corpus.heldout_every)
+    assert set(train) <= {u.prompt for u in all_units(heldin_files, q.corpus)}
+    assert set(held_out) <= {u.prompt for u in all_units(heldout_files, q.corpus)}
+    assert set(held_out).isdisjoint({u.prompt for u in all_units(heldin_files, q.corpus)})  # truly unseen text
+    assert prompt_sets(q) == (train, held_out)  # deterministic
+
+
+def test_repeated_ngram_fraction():
+    from trainer.quality.evaluate import repeated_ngram_fraction
+
+    assert repeated_ngram_fraction([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repeated_ngram_fraction([7] * 10) == 6 / 7
+    assert repeated_ngram_fraction([1, 2, 3, 4, 1, 2, 3, 4]) == 1 / 5
+    assert repeated_ngram_fraction([1, 2]) == 0.0

@@ -1,0 +1,124 @@
+"""The quality pipeline's configuration: one recipe YAML (`trainer/recipes/quality_*.yaml`) with five sections.
+
+`corpus`, `target`, `pretrain`, `regen`, `eval` are typed here; `drafter` is a trainer recipe tree (the same keys as
+`trainer/recipes/*.yaml`) validated by `trainer.config`. Pure: no torch import.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from trainer.config import TrainCfg, _check, from_dict, recipe_text
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusCfg:
+    root: str = ""  # directory of .py sources; "" = this Python's stdlib (sysconfig "stdlib")
+    max_files: int = 0  # 0 = every eligible file
+    max_file_bytes: int = 200_000  # larger files (generated tables) are skipped
+    heldout_every: int = 10  # files with crc32(path) % N == 0 are held out of pretraining AND drafter training
+    vocab_size: int = 8192
+    max_prompt_lines: int = 6  # the user turn: a function's signature and docstring, at most this many lines
+    max_body_lines: int = 60  # functions with longer bodies are not used as prompts
+
+    def __post_init__(self) -> None:
+        _check(self.max_files >= 0, "corpus.max_files must be >= 0 (0 = all)")
+        _check(self.heldout_every >= 2, "corpus.heldout_every must be >= 2")
+        _check(self.vocab_size >= 300, "corpus.vocab_size must be >= 300 (256 bytes + special tokens + merges)")
+        _check(self.max_prompt_lines >= 1 and self.max_body_lines >= 1, "corpus.max_*_lines must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetCfg:
+    hidden_size: int = 512
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.hidden_size % self.num_heads == 0, "target.hidden_size must be divisible by target.num_heads")
+        _check(self.num_heads % self.num_kv_heads == 0, "target.num_heads must be divisible by target.num_kv_heads")
+        _check(self.num_layers >= 4, "target.num_layers must be >= 4 (the drafter taps layers 1..L-3)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PretrainCfg:
+    steps: int = 2000
+    rows: int = 64  # sequences per step
+    seq_len: int = 512
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    budget_s: float = 200.0  # wall-clock cap; the LR schedule follows max(step/steps, elapsed/budget)
+    compile: bool = False
+    log_every: int = 50
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1 and self.rows >= 1 and self.seq_len >= 8, "pretrain.steps/rows/seq_len too small")
+        _check(self.lr > 0 and self.budget_s > 0, "pretrain.lr and pretrain.budget_s must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenCfg:
+    train_prompts: int = 4000  # held-in prompts (from pretraining files) answered by the target -> drafter data
+    eval_prompts: int = 200  # held-out prompts (from held-out files)
+    max_new_tokens: int = 256
+    batch_size: int = 256
+    budget_s: float = 120.0  # stop starting new batches after this long (fewer samples, reported)
+
+    def __post_init__(self) -> None:
+        _check(self.train_prompts >= 1 and self.eval_prompts >= 1, "regen.*_prompts must be >= 1")
+        _check(self.max_new_tokens >= 1 and self.batch_size >= 1, "regen.max_new_tokens/batch_size must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalCfg:
+    prompts: int = 32  # held-out prompts decoded at batch 1, target-only and speculative
+    max_new_tokens: int = 256
+    warmup: int = 2  # untimed decodes first (allocator, kernels)
+    budget_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check(self.prompts >= 1 and self.max_new_tokens >= 1, "eval.prompts and eval.max_new_tokens must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QualityCfg:
+    corpus: CorpusCfg = field(default_factory=CorpusCfg)
+    target: TargetCfg = field(default_factory=TargetCfg)
+    pretrain: PretrainCfg = field(default_factory=PretrainCfg)
+    regen: RegenCfg = field(default_factory=RegenCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    drafter_budget_s: float = 200.0  # wall-clock cap on drafter training (stops early, reported)
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0  # CPU intra-op threads; 0 = torch default
+
+
+@dataclass(frozen=True)
+class Recipe:
+    quality: QualityCfg
+    drafter: dict[str, Any]  # trainer recipe tree; model.target / data paths are filled in by the pipeline
+
+
+def load_recipe(recipe: str) -> Recipe:
+    """Bundled NAME (trainer/recipes/NAME.yaml) or PATH.yaml -> validated Recipe (the drafter tree is checked too)."""
+    source, text = recipe_text(recipe)
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {source} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict) or not isinstance(tree.get("drafter", {}), dict):
+        raise ConfigError(f"recipe {source} must be a mapping with a 'drafter' mapping")
+    drafter = tree.pop("drafter", {})
+    quality = from_dict(QualityCfg, tree)
+    from_dict(TrainCfg, drafter, prefix="drafter.")  # fail early, before minutes of pretraining
+    return Recipe(quality=quality, drafter=drafter)

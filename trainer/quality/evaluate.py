@@ -1,0 +1,144 @@
+"""Evaluate a trained drafter against its target on held-out prompts.
+
+- simulated tau: the trainer's own `evaluate_run` (teacher-forced blocks on the held-out regenerated answers);
+- real speculative decoding at batch size 1: mean tau, acceptance per block position, whether every output equals
+  target-only greedy decoding token for token, and the wall-clock speedup over target-only decoding (same prompts,
+  same max_new_tokens, timed back to back after untimed warm-up decodes).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.quality.config import EvalCfg
+from trainer.quality.regenerate import chat_prompt_ids
+from trainer.speculative import DFlashProposer, acceptance_stats, generate_speculative, generate_target_only
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    prompts: int
+    tokens: int
+    target_s: float
+    speculative_s: float
+    identical: int  # prompts whose speculative output == target-only output
+
+    @property
+    def speedup(self) -> float | None:
+        return round(self.target_s / self.speculative_s, 3) if self.speculative_s > 0 else None
+
+
+def repeated_ngram_fraction(tokens: list[int], n: int = 4) -> float:
+    """Fraction of the n-grams of `tokens` that already occurred earlier in it: 0 for fresh text, near 1 for a loop.
+    A looping target is trivially easy to draft, so tau must be read next to this number."""
+    seen: set[tuple[int, ...]] = set()
+    repeats = total = 0
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i:i + n])
+        repeats += gram in seen
+        total += 1
+        seen.add(gram)
+    return repeats / total if total else 0.0
+
+
+def heldout_prompts(eval_jsonl: Path) -> list[str]:
+    """The user turns of the regenerated held-out file, in file order."""
+    import json
+
+    with Path(eval_jsonl).open(encoding="utf-8") as f:
+        return [json.loads(line)["conversations"][0]["content"] for line in f if line.strip()]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
+
+
+def load_pair(export_dir: Path, target_dir: Path, device: torch.device):
+    """The exported drafter (fp32; run under autocast on CUDA, as in training) and the full target with the
+    drafter's taps and mask id."""
+    from trainer.export import load_exported
+    from trainer.model.target import load_target
+
+    drafter, ecfg = load_exported(export_dir, device)
+    dc = ecfg["dflash_config"]
+    target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"],
+                         layer_ids=tuple(dc["target_layer_ids"]), mask_token_id=dc["mask_token_id"], device=device,
+                         truncate=False)
+    return target, drafter, int(ecfg["block_size"])
+
+
+def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print) -> dict:
+    """Batch-1 greedy decoding of each prompt, target-only then speculative -> stats dict."""
+    device = target.device
+    tok = target.tokenizer
+    proposer = DFlashProposer(target, drafter, block_size)
+    encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
+    for ids in encoded[:1] * cfg.warmup:
+        generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
+        generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
+    results, repeats, t_target, t_spec, tokens, identical = [], [], 0.0, 0.0, 0, 0
+    deadline = time.perf_counter() + cfg.budget_s
+    for ids in encoded:
+        if time.perf_counter() > deadline:
+            break
+        _sync(device)
+        t0 = time.perf_counter()
+        want = generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
+        _sync(device)
+        t1 = time.perf_counter()
+        got = generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
+        _sync(device)
+        t2 = time.perf_counter()
+        t_target, t_spec = t_target + t1 - t0, t_spec + t2 - t1
+        tokens += len(want)
+        identical += got.tokens == want
+        results.append(got)
+        repeats.append(repeated_ngram_fraction(want))
+    timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
+                          speculative_s=round(t_spec, 4), identical=identical)
+    stats = acceptance_stats(results, block_size)
+    out = {**stats, "prompts": timing.prompts, "tokens": timing.tokens, "identical": timing.identical,
+           "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
+           "target_tok_s": round(tokens / t_target, 1) if t_target else None,
+           "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
+           "block_size": block_size, "device": str(device),
+           "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
+    log(f"decode: tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
+        f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-run the batch-1 decoding benchmark on any export + target + held-out chat JSONL (no retraining):
+    python -m trainer.quality.evaluate --drafter DIR/drafter/export --target DIR/target --data DIR/data/eval.jsonl"""
+    import argparse
+    import json
+    import os
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m trainer.quality.evaluate", description=main.__doc__.splitlines()[0])
+    p.add_argument("--drafter", required=True, help="drafter export directory (config.json + model.safetensors)")
+    p.add_argument("--target", required=True, help="target HF model directory")
+    p.add_argument("--data", required=True, help="chat JSONL whose user turns are the prompts")
+    p.add_argument("--prompts", type=int, default=EvalCfg.prompts)
+    p.add_argument("--max-new", type=int, default=EvalCfg.max_new_tokens)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for path in (Path(args.drafter) / "config.json", Path(args.target) / "config.json", Path(args.data)):
+        if not path.is_file():
+            print(f"error: {path} not found", file=sys.stderr)
+            return 2
+    target, drafter, block_size = load_pair(Path(args.drafter), Path(args.target), torch.device(args.device))
+    cfg = EvalCfg(prompts=args.prompts, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"))
+    result = decode_benchmark(target, drafter, block_size, heldout_prompts(Path(args.data)), cfg)
+    print("DFLASH_DECODE " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,221 @@
+"""One command, end to end: pretrain a target -> regenerate answers -> train a drafter -> evaluate it.
+
+  python -m trainer.quality.pipeline --recipe quality_gpu|quality_cpu|PATH.yaml --out DIR [--set a.b=v]...
+
+Writes into DIR: target/ (HF model + tokenizer + corpus.json), data/{train,eval}.jsonl, drafter/ (a trainer run
+directory: config.json, metrics.jsonl, ckpt/, export/), quality.json; prints per-stage timings, the trainer's
+DFLASH_METRICS / DFLASH_EVAL lines, and finally one line `DFLASH_QUALITY {json}`.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib.util
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from trainer.errors import ConfigError, TrainerError
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def apply_overrides(recipe, items: list[str]):
+    """`--set a.b=v` on the quality tree (`drafter.x.y=v` reaches the trainer tree) -> a new validated Recipe."""
+    from trainer.config import from_dict, parse_overrides
+    from trainer.quality.config import QualityCfg, Recipe
+
+    tree = {**dataclasses.asdict(recipe.quality), "drafter": copy.deepcopy(recipe.drafter)}
+    for key, raw in parse_overrides(items):
+        node, parts = tree, key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part, {}), dict):
+                raise ConfigError(f"--set {key}: {part!r} is not a section")
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    drafter = tree.pop("drafter")
+    from trainer.config import TrainCfg
+
+    from_dict(TrainCfg, drafter, prefix="drafter.")
+    return Recipe(quality=from_dict(QualityCfg, tree), drafter=drafter)
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but CUDA is not available", hint="use --set device=cpu (or auto)")
+    return torch.device(name)
+
+
+def graph_mode_available(device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("trainer.step.graph") is not None
+
+
+def drafter_train_cfg(drafter_tree: dict, target_dir: Path, regen, device, seed: int):
+    """The trainer recipe tree + this pipeline's target and data -> TrainCfg. Graph modes fall back to eager where
+    they cannot run (no CUDA, or a build without trainer.step.graph), with a printed note."""
+    from trainer.config import TrainCfg, from_dict
+
+    tree = copy.deepcopy(drafter_tree)
+    tree.setdefault("model", {})["target"] = str(target_dir)
+    tree.setdefault("data", {}).update(paths=[regen.train_path], eval_paths=[regen.eval_path])
+    tree.update(eval_at_end=False, device=str(device), seed=tree.get("seed", seed))
+    mode = tree.get("step", {}).get("mode", "eager")
+    if mode != "eager" and not graph_mode_available(device):
+        log(f"drafter: step.mode={mode} is not available here ({device}); training eagerly")
+        tree.setdefault("step", {})["mode"] = "eager"
+    return from_dict(TrainCfg, tree)
+
+
+def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
+    """The real Trainer (setup -> loop -> finish/export) inside budget_s: once the step time is known, the run's
+    total_steps (which the LR schedule reads) shrinks to what fits, so a cut run still anneals. A graph mode that
+    the trainer refuses with a ConfigError (not a crash) falls back to eager, with a note."""
+    from trainer.train import finish, setup, train_loop
+
+    t0 = time.perf_counter()
+    random.seed(cfg.seed)
+    try:
+        run = setup(cfg, run_dir)
+    except ConfigError as e:
+        if cfg.step.mode == "eager":
+            raise
+        log(f"drafter: step.mode={cfg.step.mode} refused ({e}); training eagerly")
+        cfg = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, mode="eager"))
+        run = setup(cfg, run_dir)
+    planned, chunk = run.total_steps, cfg.log.every
+    first_chunk_end = None
+    while run.cursor.step < run.total_steps and time.perf_counter() - t0 < budget_s:
+        train_loop(run, stop_at=min(run.cursor.step + chunk, run.total_steps))
+        now = time.perf_counter()
+        if first_chunk_end is None:  # the first chunk pays for warm-up / graph capture: measure from its end
+            first_chunk_end = (now, run.cursor.step)
+            continue
+        per_step = (now - first_chunk_end[0]) / max(1, run.cursor.step - first_chunk_end[1])
+        fits = run.cursor.step + int((budget_s - (now - t0)) / per_step)
+        if fits < run.total_steps:
+            # Shrink the schedule so the cosine still anneals inside the budget (the trainer reads total_steps).
+            run.total_steps = max(run.cursor.step + 1, fits)
+    finish(run)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    return {"steps": run.cursor.step, "total_steps": run.total_steps, "mode": cfg.step.mode,
+            "loss": last.get("loss"), "acc": last.get("acc"), "tokens_per_s": last.get("tokens_per_s"),
+            "seconds": round(time.perf_counter() - t0, 1),
+            "planned_steps": planned,
+            "stopped_by": "steps" if run.cursor.step >= planned else "budget"}
+
+
+def heldout_rows(cfg, target_dir: Path):
+    """The held-out answers packed like the trainer packs them (without re-reading the training set)."""
+    from transformers import AutoTokenizer
+
+    from trainer.data.dataset import build_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    data = dataclasses.replace(cfg.data, paths=cfg.data.eval_paths)
+    return build_datasets(data, tokenizer, len(tokenizer), cfg.seed).eval
+
+
+def check_out_dir(out: Path) -> None:
+    """Never overwrite a previous pipeline's results."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"output directory {out} is not empty", hint="pass a new --out directory")
+
+
+def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
+    import torch
+
+    from trainer.eval import evaluate_run
+    from trainer.quality.config import load_recipe
+    from trainer.quality.evaluate import decode_benchmark, heldout_prompts, load_pair
+    from trainer.quality.pretrain import make_target
+    from trainer.quality.regenerate import regenerate
+
+    recipe = apply_overrides(load_recipe(recipe_name), overrides)
+    q = recipe.quality
+    check_out_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(q.device)
+    if q.threads:
+        torch.set_num_threads(q.threads)
+    (out / "recipe.json").write_text(json.dumps({"recipe": recipe_name, "overrides": overrides,
+                                                 "quality": dataclasses.asdict(q), "drafter": recipe.drafter},
+                                                indent=1) + "\n")
+    timings: dict[str, float] = {}
+    t_all = time.perf_counter()
+
+    def stage(name: str, fn):
+        t0 = time.perf_counter()
+        log(f"== stage {name}")
+        result = fn()
+        timings[name] = round(time.perf_counter() - t0, 1)
+        log(f"== stage {name}: {timings[name]}s")
+        return result
+
+    pre = stage("pretrain", lambda: make_target(out / "target", q, device, log))
+    regen = stage("regenerate", lambda: regenerate(out / "target", out / "data", q, device, log))
+    cfg = drafter_train_cfg(recipe.drafter, out / "target", regen, device, q.seed)
+    drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", q.drafter_budget_s))
+
+    def evaluate() -> dict:
+        simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, out / "target"))
+        target, drafter, block_size = load_pair(out / "drafter" / "export", out / "target", device)
+        return {"simulated": simulated,
+                "decode": decode_benchmark(target, drafter, block_size, heldout_prompts(regen.eval_path), q.eval,
+                                           log)}
+    ev = stage("eval", evaluate)
+    timings["total"] = round(time.perf_counter() - t_all, 1)
+    result = {"recipe": recipe_name, "device": str(device), "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "target": dataclasses.asdict(pre), "regen": dataclasses.asdict(regen), "drafter": drafted,
+              "tau": ev["decode"]["tau"], "accept_by_pos": ev["decode"]["accept_by_pos"],
+              "speedup": ev["decode"]["speedup"], "simulated_tau": ev["simulated"]["tau"],
+              "identical": f'{ev["decode"]["identical"]}/{ev["decode"]["prompts"]}',
+              "repeated_4gram_frac": ev["decode"]["repeated_4gram_frac"], "eval": ev,
+              "timings_s": timings}
+    (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
+    log(f"stage timings (s): {json.dumps(timings)}")
+    log("DFLASH_QUALITY " + json.dumps(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.quality.pipeline", description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", required=True, help="quality_gpu, quality_cpu, or a PATH.yaml")
+    p.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe leaf, e.g. --set pretrain.steps=500 or --set drafter.optim.lr=1e-3")
+    args = p.parse_args(argv)
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        run_pipeline(args.recipe, Path(args.out), args.overrides)
+        return 0
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

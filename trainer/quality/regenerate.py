@@ -1,0 +1,131 @@
+"""Regenerate the drafter's training data with the target itself (DFlash recipe: the target's own greedy answers).
+
+Prompts are function signatures + docstrings from the corpus: held-in prompts (from the files the target was
+pretrained on) become the drafter's training set, held-out prompts (from held-out files) its evaluation set. Each
+answer is the target's greedy continuation (batched, KV cache, stopped at <|im_end|> or max_new_tokens), written as
+one JSONL chat line: {"conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.errors import DataError
+from trainer.quality.config import QualityCfg, RegenCfg
+from trainer.quality.corpus import all_units, corpus_root, list_sources, split_heldout
+
+
+@dataclass(frozen=True)
+class RegenResult:
+    train_path: str
+    eval_path: str
+    train_samples: int
+    eval_samples: int
+    ended_with_eos: float  # fraction of answers that ended with <|im_end|> (the rest hit max_new_tokens)
+    generated_tokens: int
+    seconds: float
+    stopped_by: str  # "done" or "budget"
+
+
+def prompt_sets(q: QualityCfg) -> tuple[list[str], list[str]]:
+    """-> (held-in prompts, held-out prompts): distinct texts from held-in / held-out files, the held-out ones never
+    equal to a held-in one; seeded shuffle, capped by the recipe."""
+    files = list_sources(corpus_root(q.corpus), q.corpus.max_file_bytes, q.corpus.max_files)
+    heldin, heldout = split_heldout(files, q.corpus.heldout_every)
+
+    def pick(prompts: set[str], n: int, salt: int) -> list[str]:
+        ordered = sorted(prompts)
+        random.Random(q.seed * 1000 + salt).shuffle(ordered)
+        return ordered[:n]
+    seen = {u.prompt for u in all_units(heldin, q.corpus)}
+    # A held-out prompt whose text also occurs in a held-in file (`def __repr__(self):`) is not held out: drop it.
+    unseen = {u.prompt for u in all_units(heldout, q.corpus)} - seen
+    return pick(seen, q.regen.train_prompts, 1), pick(unseen, q.regen.eval_prompts, 2)
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def conversation_line(prompt: str, answer: str) -> str:
+    return json.dumps({"conversations": [{"role": "user", "content": prompt},
+                                         {"role": "assistant", "content": answer}]}) + "\n"
+
+
+@torch.no_grad()
+def greedy_batch(model, prompts: list[list[int]], max_new: int, eos_id: int, pad_id: int) -> list[list[int]]:
+    """Left-padded batched greedy decoding (HF generate, KV cache) -> new tokens per prompt, through the first EOS
+    (kept); an answer that never reached EOS keeps all max_new tokens."""
+    L = max(len(p) for p in prompts)
+    dev = model.get_input_embeddings().weight.device
+    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=eos_id, pad_token_id=pad_id)
+    answers = []
+    for row in out[:, L:].tolist():  # SYNC: once per batch
+        answers.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
+    return answers
+
+
+def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: Path, deadline: float,
+                    log=print) -> tuple[int, int, int, int]:
+    """Answer `prompts` (shortest first, for less padding) into `path` -> (samples written, of them ended with EOS,
+    new tokens generated, prompts answered). Blank answers are dropped. No batch starts after `deadline`
+    (a time.perf_counter() value)."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    encoded = sorted(((chat_prompt_ids(tokenizer, p), p) for p in prompts), key=lambda x: len(x[0]))
+    n = with_eos = tokens = blank = 0
+    with Path(path).open("w", encoding="utf-8") as f:
+        for i in range(0, len(encoded), cfg.batch_size):
+            if time.perf_counter() > deadline:
+                break
+            chunk = encoded[i:i + cfg.batch_size]
+            for (_, prompt), answer in zip(chunk, greedy_batch(model, [c[0] for c in chunk], cfg.max_new_tokens,
+                                                                 eos, pad)):
+                ended = bool(answer) and answer[-1] == eos
+                text = tokenizer.decode(answer[:-1] if ended else answer, skip_special_tokens=False)
+                tokens += len(answer)
+                if not text.strip():
+                    blank += 1  # nothing to supervise (the trainer's loader rejects it): not written
+                    continue
+                f.write(conversation_line(prompt, text))
+                n, with_eos = n + 1, with_eos + ended
+            log(f"regen {Path(path).name}: {n + blank}/{len(encoded)} answered, {blank} blank (dropped)")
+    return n, with_eos, tokens, n + blank
+
+
+def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.device, log=print) -> RegenResult:
+    """Write out_dir/train.jsonl (held-in prompts) and out_dir/eval.jsonl (held-out prompts); eval is answered
+    first so a time-budget cut only shortens the training set."""
+    from trainer.model.target import load_target
+
+    t0 = time.perf_counter()
+    target = load_target(target_dir, num_draft_layers=1, device=device, truncate=False)
+    train_prompts, eval_prompts = prompt_sets(q)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = t0 + q.regen.budget_s
+    model, tok = target.model, target.tokenizer
+    n_eval, eos_eval, tok_eval, _ = regenerate_file(model, tok, eval_prompts, q.regen, out_dir / "eval.jsonl",
+                                                    float("inf"), log)
+    n_train, eos_train, tok_train, answered = regenerate_file(model, tok, train_prompts, q.regen,
+                                                              out_dir / "train.jsonl", deadline, log)
+    result = RegenResult(train_path=str(out_dir / "train.jsonl"), eval_path=str(out_dir / "eval.jsonl"),
+                         train_samples=n_train, eval_samples=n_eval,
+                         ended_with_eos=round((eos_eval + eos_train) / max(1, n_eval + n_train), 4),
+                         generated_tokens=tok_eval + tok_train, seconds=round(time.perf_counter() - t0, 1),
+                         stopped_by="budget" if answered < len(train_prompts) else "done")
+    if not n_train or not n_eval:
+        raise DataError(f"regeneration left {n_train} training and {n_eval} held-out answers (blank answers are "
+                        f"dropped)", hint="train the target longer (pretrain.steps) or raise regen.budget_s")
+    log(f"regen done: {n_train} train / {n_eval} eval answers, {result.generated_tokens:,} tokens, "
+        f"{result.ended_with_eos:.0%} ended with EOS, {result.seconds}s ({result.stopped_by})")
+    return result

@@ -1,0 +1,256 @@
+"""Greedy decoding at batch size 1: the target alone, and DFlash speculative decoding (z-lab `dflash_generate`).
+
+Speculative round (invariant: the target KV cache and the drafter's context cache both hold exactly `start` tokens;
+token `start` (the anchor / previous bonus token) is committed but not yet in either cache):
+  1. draft: ONE drafter forward over [anchor, MASK x (B-1)] at positions start..start+B-1, attending to every cached
+     context feature (positions < start) and to its whole block -> B-1 greedy draft tokens;
+  2. verify: ONE target forward over [anchor, d_1..d_{B-1}] with the KV cache -> greedy posterior p_0..p_{B-1};
+  3. accept a = leading k with d_{k+1} == p_k; commit d_1..d_a plus the bonus p_a (a + 1 new tokens);
+  4. crop the target cache back to start + a + 1; the target's tapped features of the a + 1 accepted block tokens
+     become the next round's new context (appended to the drafter cache); start += a + 1.
+Greedy output is therefore the target's own greedy output, token for token (up to floating-point ties).
+
+Shape legend: L tokens, B block size, T taps, D hidden, Hkv key/value heads, Dh head dim, V vocab.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.eval import leading_matches
+from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
+from trainer.model.target import Target
+
+
+# ---------------------------------------------------------------- target forward with a KV cache
+
+def new_cache(target: Target):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=target.hf_config)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` tokens. A negative count is the one `crop` form that transformers 4.x, 5.17 and 5.24
+    all read as "remove this many" (5.24 rejects a positive absolute length; 5.17 only warns)."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {length}")
+    if extra:
+        cache.crop(-extra)
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name warns); 5.17 knows only the old one."""
+    return _cache_kwarg_of(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(model_cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def target_forward(target: Target, ids_1L: torch.Tensor, cache, start: int,
+                   want_features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [1, L] at positions start..start+L-1, appended to `cache` -> (logits [1, L, V], tapped features
+    [1, L, T*D] or None). `target` must be untruncated (the LM head needs every layer)."""
+    if target.truncated:
+        raise RuntimeError("speculative decoding needs the full target; load it with truncate=False")
+    pos = torch.arange(start, start + ids_1L.shape[1], device=ids_1L.device)[None]
+    target._taps.clear()  # filled by the layer hooks installed by load_target
+    out = target.model(input_ids=ids_1L, position_ids=pos, use_cache=True, **{_cache_kwarg(target.model): cache})
+    feats = torch.cat([target._taps[i] for i in target.layer_ids], dim=-1) if want_features else None
+    target._taps.clear()
+    return out.logits, feats
+
+
+# ---------------------------------------------------------------- target-only greedy decoding
+
+def _stop_index(tokens: list[int], eos_id: int | None, max_new: int) -> int | None:
+    """Length to keep when generation must stop: through the first EOS, or max_new; None to go on."""
+    if eos_id is not None and eos_id in tokens:
+        return min(tokens.index(eos_id) + 1, max_new)
+    return max_new if len(tokens) >= max_new else None
+
+
+@torch.no_grad()
+def generate_target_only(target: Target, prompt_ids: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
+    """Greedy decoding with the KV cache: up to `max_new` new tokens, stopping after the first `eos_id` (kept)."""
+    if max_new <= 0:
+        return []
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
+    cache = new_cache(target)
+    logits, _ = target_forward(target, ids, cache, 0, want_features=False)
+    out: list[int] = []
+    while True:
+        nxt = int(logits[0, -1].argmax())  # SYNC: one per token, inherent to greedy decoding
+        out.append(nxt)
+        if _stop_index(out, eos_id, max_new) is not None:
+            return out
+        logits, _ = target_forward(target, torch.tensor([[nxt]], device=ids.device), cache,
+                                   len(prompt_ids) + len(out) - 1, want_features=False)
+
+
+# ---------------------------------------------------------------- proposers (one draft per block)
+
+class BlockProposer(Protocol):
+    """What a speculative round asks of a drafter. `begin` resets per-sequence state; `propose` gets the new context
+    features (target taps of the tokens that just entered the target cache, [1, n, T*D]) and all committed tokens
+    [1, start + 1] (the last one is the anchor) and returns B-1 draft tokens [B-1] long."""
+
+    block_size: int
+
+    def begin(self) -> None: ...
+
+    def propose(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor: ...
+
+
+class DraftContextCache:
+    """Per drafter layer: K (k_norm + RoPE applied) and V of the context features only, [1, Hkv, C, Dh]."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+@torch.no_grad()
+def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: torch.Tensor,
+                       block_emb: torch.Tensor) -> torch.Tensor:
+    """One drafter forward for one block with cached context. new_feats [1, n, T*D] sit at positions
+    cache.length..cache.length+n-1; the block [1, B, D] right after them. Appends the n context K/V to `cache`
+    (block K/V are never cached) -> final-normed hidden [1, B, D].
+
+    Same arithmetic as `Drafter.forward` for a single anchor whose visible context is everything cached.
+    """
+    cfg, dtype = drafter.cfg, drafter.fc.weight.dtype
+    H, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    ctx = drafter.hidden_norm(drafter.fc(new_feats.to(dtype)))  # [1, n, D]
+    n, B = ctx.shape[1], block_emb.shape[1]
+    start = cache.length + n
+    dev = ctx.device
+    rope_c = rope_cos_sin(torch.arange(cache.length, start, device=dev)[None], Dh, cfg.rope_theta, dtype)
+    rope_q = rope_cos_sin(torch.arange(start, start + B, device=dev)[None], Dh, cfg.rope_theta, dtype)
+    x = block_emb.to(dtype)
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        k_c = apply_rope(attn.k_norm(attn.k_proj(ctx).view(1, n, Hkv, Dh)).transpose(1, 2), *rope_c)
+        v_c = attn.v_proj(ctx).view(1, n, Hkv, Dh).transpose(1, 2)
+        k_ctx, v_ctx = cache.append(i, k_c, v_c)
+        h = layer.input_layernorm(x)
+        q = apply_rope(attn.q_norm(attn.q_proj(h).view(1, B, H, Dh)).transpose(1, 2), *rope_q)
+        k_b = apply_rope(attn.k_norm(attn.k_proj(h).view(1, B, Hkv, Dh)).transpose(1, 2), *rope_q)
+        v_b = attn.v_proj(h).view(1, B, Hkv, Dh).transpose(1, 2)
+        # No mask: the block sees all cached context (strictly before the anchor) and itself, bidirectionally.
+        out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k_b], 2), torch.cat([v_ctx, v_b], 2),
+                                             enable_gqa=H != Hkv)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    cache.length = start
+    return drafter.norm(x)
+
+
+class DFlashProposer(nn.Module):
+    """The trained drafter + the target's frozen embedding and LM head, with its own context K/V cache."""
+
+    def __init__(self, target: Target, drafter: Drafter, block_size: int) -> None:
+        super().__init__()
+        self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.cache = DraftContextCache(len(drafter.layers))
+
+    def begin(self) -> None:
+        self.cache = DraftContextCache(len(self.drafter.layers))
+
+    @torch.no_grad()
+    def propose(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        block = torch.full((1, self.block_size), self.target.mask_token_id, dtype=torch.long, device=committed.device)
+        block[0, 0] = committed[0, -1]
+        # Same numerics as training: the trainer's CUDA step runs the fp32 drafter under bf16 autocast.
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=block.device.type == "cuda"):
+            hidden = draft_block_hidden(self.drafter, self.cache, new_feats, self.target.embed_tokens(block))
+        head = self.target.lm_head
+        return head(hidden[0, 1:].to(head.weight.dtype)).argmax(-1)
+
+
+class OracleProposer(nn.Module):
+    """A perfect drafter: proposes the target's own greedy continuation (no cache; recomputed from all tokens).
+    Its acceptance length must be exactly B; used to test the verifier's bookkeeping."""
+
+    def __init__(self, target: Target, block_size: int) -> None:
+        super().__init__()
+        self.target, self.block_size = target, block_size
+
+    def begin(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        toks = generate_target_only(self.target, committed[0].tolist(), self.block_size - 1)
+        return torch.tensor(toks, dtype=torch.long, device=committed.device)
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+@dataclass(frozen=True)
+class SpecResult:
+    tokens: list[int]  # new tokens (same stopping rule as generate_target_only)
+    accepted: list[int] = field(default_factory=list)  # per round: accepted draft tokens a in 0..B-1 (tau = a + 1)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+
+@torch.no_grad()
+def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: list[int], max_new: int,
+                         eos_id: int | None = None) -> SpecResult:
+    """Greedy DFlash speculative decoding at batch 1 (see the module docstring for the round)."""
+    if max_new <= 0:
+        return SpecResult(tokens=[])
+    B = proposer.block_size
+    dev = target.device
+    cache = new_cache(target)
+    committed = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    logits, new_feats = target_forward(target, committed, cache, 0)
+    committed = torch.cat([committed, logits[:, -1:].argmax(-1)], dim=1)
+    start, P = len(prompt_ids), len(prompt_ids)
+    proposer.begin()
+    accepted: list[int] = []
+    while _stop_index(committed[0, P:].tolist(), eos_id, max_new) is None:
+        draft = proposer.propose(new_feats, committed)  # [B-1]
+        block = torch.cat([committed[:, -1:], draft[None]], dim=1)  # [1, B]
+        logits, feats = target_forward(target, block, cache, start)
+        post = logits[0].argmax(-1)  # [B]: the target's greedy token after each block position
+        reference = torch.cat([block[0, :1], post[:-1]])  # what the target emits at each block position
+        a = int(leading_matches(block[0], reference, torch.ones_like(reference, dtype=torch.bool)))  # SYNC: per round
+        accepted.append(a)
+        committed = torch.cat([committed, block[:, 1:a + 1], post[None, a:a + 1]], dim=1)
+        start += a + 1
+        crop_cache(cache, start)
+        new_feats = feats[:, :a + 1]
+    new = committed[0, P:].tolist()
+    return SpecResult(tokens=new[:_stop_index(new, eos_id, max_new)], accepted=accepted)
+
+
+def acceptance_stats(results: list[SpecResult], block_size: int) -> dict:
+    """Mean tau (accepted + bonus, in [1, B]) over all rounds, and per block position k = 1..B-1 the fraction of
+    rounds whose draft token k was accepted."""
+    acc = [a for r in results for a in r.accepted]
+    if not acc:
+        return {"tau": None, "rounds": 0, "accept_by_pos": []}
+    return {"tau": round(sum(a + 1 for a in acc) / len(acc), 4), "rounds": len(acc),
+            "accept_by_pos": [round(sum(a >= k for a in acc) / len(acc), 4) for k in range(1, block_size)]}
