@@ -83,9 +83,12 @@ def tokenize_conversation(tokenizer, turns: list[dict], end_marker: str | None =
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     spans, cursor = [], 0
     for turn in turns:  # walk every turn in order, so a user turn quoting the answer is never mistaken for it
-        content = turn["content"].strip()
-        if not content:
+        raw = turn["content"]
+        if not raw.strip():
             continue
+        # Supervise the content as rendered, leading indentation included (code answers start with it); fall back
+        # to the stripped text for templates that strip the content they render.
+        content = raw if text.find(raw, cursor) >= 0 else raw.strip()
         at = text.find(content, cursor)
         if at < 0:
             raise _Bad(f"{turn['role']} content not found in the chat-template rendering")

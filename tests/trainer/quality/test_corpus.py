@@ -94,5 +94,6 @@ def test_tokenizer_round_trips_and_keeps_chat_prefixes(stdlib_slice):
         assert tok.apply_chat_template(turns, tokenize=False) == chat_text(unit)
         sample = tokenize_conversation(tok, turns)  # raises when the template is not prefix-stable
         answer = tok.decode(sample.input_ids[sample.loss_mask].tolist())
-        # The trainer supervises the answer from its first non-blank character through the end-of-turn marker.
-        assert answer.strip() == unit.body.strip() + "<|im_end|>"
+        # The trainer supervises the answer exactly as rendered (its leading indentation too) through the
+        # end-of-turn marker.
+        assert answer == unit.body + "<|im_end|>"
