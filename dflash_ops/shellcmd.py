@@ -177,12 +177,22 @@ def _probe_body(run_dir: str, tail_bytes: int) -> str:
             f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')
 
 
-def tail_start_script(run_dir: str, lines: int) -> str:
-    """Byte offset where the last `lines` lines of the log begin (a trailing partial line counts as one)."""
+def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False) -> str:
+    """Byte offset where the last `lines` lines of the log begin (a trailing partial line counts as one).
+
+    With `lines == 0` that is the end of the log, or with `whole_partial` the start of a trailing partial line,
+    so a follower never starts in the middle of the line being written.
+    """
+    n = int(lines)
+    count = f'n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n {n} | wc -c)\n'
+    if n == 0 and whole_partial:
+        # the last byte is a newline (or the log is empty): start at the end; else at the partial line's start
+        count = ('nl=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -c 1 | wc -l)\n'
+                 'n=0; [ "$nl" = 1 ] || n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n 1 | wc -c)\n')
     return (f"D={q(run_dir)}\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'size=$(stat -c %s -- "$D/output.log" 2>/dev/null || echo 0)\n'
-            f'n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n {int(lines)} | wc -c)\n'
+            + count +
             "printf 'DFLASH_START %s\\n' \"$((size - n))\"\n")
 
 
