@@ -110,3 +110,17 @@ def test_home_relative_paths_expand_on_the_remote_side_in_quoted_pieces():
                          capture_output=True, text=True, env={"HOME": "/h o"}, check=True).stdout
     assert out == "/h o/it's $(id)"
     assert 'RUNS="$HOME"/dflash-runs\n' in shellcmd.list_script("~/dflash-runs")
+
+
+def test_a_home_relative_run_dir_reaches_the_job_as_the_wrappers_first_argument():
+    rid = "r1-20260101T000000-abcd"
+    s = RunSpec(run_id=rid, name="r1", runbook="rb", argv=("python3", f"--out=~/runs/{rid}/x y", "~/runs"),
+                workdir="~/code", env=(("CKPT", f"~/runs/{rid}"),), pre=(), runs_dir="~/runs", host="h", ct=None,
+                liveness=Liveness())
+    wrapped = _wrapped(shellcmd.launch_script(s))
+    assert "export CKPT=\"$1\"\n" in wrapped and "cd -- \"$HOME\"/code && python3 " in wrapped
+    words = wrapped[wrapped.index("python3 "):wrapped.index("\nrc=$?")]
+    got = subprocess.run(["bash", "-c", f"printf '%s\\0' {words}", "dflash-run", "/abs/run dir"],
+                         capture_output=True, check=True).stdout.split(b"\0")[:-1]
+    assert got == [b"python3", b"--out=/abs/run dir/x y", b"~/runs"]   # only the run dir itself is replaced
+    assert 'printf \'%s\\n\' "$rc" > "$1"/exit_code.tmp' in wrapped
