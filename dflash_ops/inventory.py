@@ -98,8 +98,8 @@ def _jump(f: Fields) -> str | None:
 
 def _abs_dir(f: Fields, key: str) -> str | None:
     value = f.str(key)
-    if value is not None and (not value.startswith("/") or "\n" in value):
-        raise f.require(key).fail(f"{f.what}: {key} must be an absolute path")
+    if value is not None and (not value.startswith(("/", "~/")) and value != "~" or "\n" in value):
+        raise f.require(key).fail(f"{f.what}: {key} must be an absolute path or start with ~/ (the login's home)")
     return value.rstrip("/") or "/" if value else value
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from dflash_ops import names, parse, shellcmd
 from dflash_ops.errors import HostUnreachable, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
 from dflash_ops.runbooks import run_spec
-from dflash_ops.spec import EXITED, Completed, Launched, Runbook, RunSpec, RunStatus, Target
+from dflash_ops.spec import EXITED, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.transport import Transport
 
 LAST_LINES = 20
@@ -165,8 +165,11 @@ def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
 
 
 # -- tail -----------------------------------------------------------------------------------------------------
-def tail_start(s: Session, run: RunStatus, lines: int) -> int:
-    done = s.run(shellcmd.tail_start_script(run.run_dir, lines), f"reading {run.run_id}'s log")
+def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True) -> int:
+    """Byte offset of the last `lines` lines. `lines == 0` while following a running run starts at the line being
+    written (if any), so it comes out whole; otherwise 0 lines start at the end of the log."""
+    whole = follow and run.state == RUNNING
+    done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole), f"reading {run.run_id}'s log")
     words = parse.tagged(done.out, "DFLASH_START")
     return int(words[0]) if words and words[0].lstrip("-").isdigit() else 0
 
@@ -175,7 +178,9 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
            poll_s: float = TAIL_POLL_S, sleep: Callable[[float], None] = time.sleep,
            reconnect_budget_s: float = RECONNECT_BUDGET_S,
            notify: Callable[[str], None] = lambda message: None) -> RunStatus:
-    """Emit complete log lines from byte `start`; with `keep_following`, until the run ends.
+    """Emit complete log lines from byte `start`; with `keep_following`, until the run ends. When following ends
+    (or without `keep_following`), bytes after the last newline are emitted as they are: the emitted bytes are
+    exactly the log from `start`.
 
     Survives dropped connections: reconnects with bounded backoff and resumes at the exact byte offset
     (LineAssembler), so no line is lost or repeated. Returns the final state read with the last bytes.

@@ -131,7 +131,7 @@ class LineAssembler:
 
     `offset` is the next byte to request. A chunk whose start is not `offset` is trimmed or rejected, so a resumed
     read after a reconnect can neither repeat nor skip a byte. Only complete lines are released; `flush()` releases
-    a final unterminated line when the run is over.
+    a final unterminated line, as it is, when the run is over.
     """
 
     offset: int = 0
@@ -148,7 +148,8 @@ class LineAssembler:
         return [line + b"\n" for line in lines]
 
     def flush(self) -> list[bytes]:
+        """The unterminated rest, byte for byte (no newline added: the output stays an exact copy of the log)."""
         if not self.pending:
             return []
-        line, self.pending = bytes(self.pending) + b"\n", bytearray()
-        return [line]
+        rest, self.pending = bytes(self.pending), bytearray()
+        return [rest]

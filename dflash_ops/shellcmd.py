@@ -60,6 +60,25 @@ dflash_state() {
 """
 
 
+def path_word(path: str) -> str:
+    """`path` as ONE shell word. `~` or `~/rest` becomes `"$HOME"/'rest'` (only the fixed `"$HOME"` is unquoted), so
+    the remote shell puts it under the login user's home; any other path is quoted whole (`~bob` stays literal)."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + (q(path[2:]) if path[2:] else "")
+    return q(path)
+
+
+def spec_word(value: str, run_dir: str) -> str:
+    """A runbook value (argv element, env value, workdir) as ONE word of the wrapper script. With a home-relative
+    run dir, each occurrence of it becomes `"$1"` (the wrapper's first argument: the absolute run dir, so the job
+    gets an absolute `{run_dir}`), every other piece is quoted."""
+    if not run_dir.startswith("~") or run_dir not in value:
+        return q(value)
+    return '"$1"'.join(q(piece) if piece else "" for piece in value.split(run_dir))
+
+
 def target_argv(target: Target, script: str) -> list[str]:
     """The argv that runs `script` on the target: through `pct exec` with a clean env for a container."""
     if target.container is None:
@@ -81,14 +100,16 @@ def run_json_prefix(spec: RunSpec) -> str:
 
 
 def wrapper_script(spec: RunSpec) -> str:
-    """What the detached `bash -c` runs: env, the argv, then the exit code via tmp+rename.
+    """What the detached `bash -c WRAPPED dflash-run RUN_DIR` runs: env, the argv, then the exit code via tmp+rename.
 
+    `$1` is the absolute run dir (a positional parameter: no runbook `export` can change it).
     `trap : TERM INT` makes the wrapper outlive a group SIGTERM long enough to record the job's status.
     """
-    rd = q(spec.run_dir)
+    rd, word = '"$1"', lambda v: spec_word(v, spec.run_dir)
+    workdir = word(spec.workdir) if spec.run_dir in spec.workdir else path_word(spec.workdir)
     lines = ["trap : TERM INT"]
-    lines += [f"export {k}={q(v)}" for k, v in spec.env]
-    lines += [f"cd -- {q(spec.workdir)} && {shlex.join(spec.argv)}", "rc=$?",
+    lines += [f"export {k}={word(v)}" for k, v in spec.env]
+    lines += [f"cd -- {workdir} && {' '.join(map(word, spec.argv))}", "rc=$?",
               f"printf '%s\\n' \"$rc\" > {rd}/exit_code.tmp && mv -f -- {rd}/exit_code.tmp {rd}/exit_code",
               'exit "$rc"']
     return "\n".join(lines) + "\n"
@@ -123,10 +144,10 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
     With `probe_after_s`, the same call then releases the lock, sleeps and prints `probe_script`'s output, so
     launch-to-verified costs one round trip after the liveness wait.
     """
-    rd = q(spec.run_dir)
+    rd = path_word(spec.run_dir)
     parts = [
         PRELUDE,
-        f"RUNS={q(spec.runs_dir)}\n",
+        f"RUNS={path_word(spec.runs_dir)}\n",
         'mkdir -p -- "$RUNS" || { printf \'DFLASH_ERROR cannot create %s\\n\' "$RUNS"; exit 1; }\n',
         'if command -v flock >/dev/null 2>&1; then\n'
         '  exec 9>>"$RUNS/.launch.lock" && flock -w 15 9 || { echo "DFLASH_REFUSED lock -"; exit 5; }\n'
@@ -137,7 +158,7 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         f"printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
         f" && mv -f -- {rd}/run.json.tmp {rd}/run.json || exit 1\n",
         f"cd -- {rd} || exit 1\n",
-        f"{MARKER_VAR}={q(spec.run_id)} nohup setsid bash -c {q(wrapper_script(spec))}"
+        f"{MARKER_VAR}={q(spec.run_id)} nohup setsid bash -c {q(wrapper_script(spec))} dflash-run \"$PWD\""
         " >>output.log 2>&1 </dev/null 9>&- &\n",
         "pid=$!\n",
         # between fork and exec the child's environ lacks the marker: hold the lock until it shows (<= 2 s)
@@ -153,7 +174,7 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
 
 def list_script(runs_dir: str) -> str:
     """Every run dir under `runs_dir`: a DFLASH_RUN state line followed by a DFLASH_JSON line (run.json)."""
-    return (PRELUDE + f"RUNS={q(runs_dir)}\n"
+    return (PRELUDE + f"RUNS={path_word(runs_dir)}\n"
             "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
             '[ -d "$RUNS" ] || exit 0\n'
             f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
@@ -169,7 +190,7 @@ def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
 
 
 def _probe_body(run_dir: str, tail_bytes: int) -> str:
-    return (f"D={q(run_dir)}\n"
+    return (f"D={path_word(run_dir)}\n"
             "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'dflash_state "$D"\n'
@@ -177,12 +198,22 @@ def _probe_body(run_dir: str, tail_bytes: int) -> str:
             f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')
 
 
-def tail_start_script(run_dir: str, lines: int) -> str:
-    """Byte offset where the last `lines` lines of the log begin (a trailing partial line counts as one)."""
-    return (f"D={q(run_dir)}\n"
+def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False) -> str:
+    """Byte offset where the last `lines` lines of the log begin (a trailing partial line counts as one).
+
+    With `lines == 0` that is the end of the log, or with `whole_partial` the start of a trailing partial line,
+    so a follower never starts in the middle of the line being written.
+    """
+    n = int(lines)
+    count = f'n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n {n} | wc -c)\n'
+    if n == 0 and whole_partial:
+        # the last byte is a newline (or the log is empty): start at the end; else at the partial line's start
+        count = ('nl=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -c 1 | wc -l)\n'
+                 'n=0; [ "$nl" = 1 ] || n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n 1 | wc -c)\n')
+    return (f"D={path_word(run_dir)}\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'size=$(stat -c %s -- "$D/output.log" 2>/dev/null || echo 0)\n'
-            f'n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n {int(lines)} | wc -c)\n'
+            + count +
             "printf 'DFLASH_START %s\\n' \"$((size - n))\"\n")
 
 
@@ -192,7 +223,7 @@ def tail_chunk_script(run_dir: str, offset: int, max_bytes: int = CHUNK_BYTES) -
     Order matters: the state is read before the bytes, so once it says "not alive" the bytes read after it are
     everything the job ever wrote (up to max_bytes).
     """
-    return (PRELUDE + f"D={q(run_dir)}\n"
+    return (PRELUDE + f"D={path_word(run_dir)}\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'dflash_state "$D"\n'
             f'tail -c +{int(offset) + 1} -- "$D/output.log" 2>/dev/null | head -c {int(max_bytes)}\n')
@@ -205,7 +236,7 @@ def stop_script(run_dir: str, grace_s: float) -> str:
     unless the run already has an exit code (then only its leftover group members are killed).
     """
     tenths = max(0, int(round(grace_s * 10)))
-    return (PRELUDE + f"D={q(run_dir)}\n"
+    return (PRELUDE + f"D={path_word(run_dir)}\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'ID=${D##*/}; pid=$(dflash_pid "$D")\n'
             'if [ "$pid" = - ] || ! dflash_group_alive "$pid" "$ID"; then\n'

@@ -11,6 +11,8 @@ LOCAL, SSH, PROXMOX = "local", "ssh", "proxmox"
 TRANSPORTS = (LOCAL, SSH, PROXMOX)
 DEFAULT_PCT = "/usr/sbin/pct"
 DEFAULT_CT_RUNS_DIR = "/root/dflash-runs"
+# plain SSH/Proxmox hosts: under the LOGIN user's home, expanded by the remote shell (shellcmd.path_word)
+DEFAULT_HOST_RUNS_DIR = "~/dflash-runs"
 # `pct exec` keeps the PVE host's environment by default (leaks host secrets): we start from `env -i` + these.
 CT_BASE_ENV = (("HOME", "/root"), ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"))
 
@@ -69,14 +71,14 @@ class Target:
 
     @property
     def runs_dir(self) -> str:
+        """Absolute, or `~`-relative (the remote login's home; scripts expand it, see shellcmd.path_word)."""
         if self.container is not None:
             return self.container.runs_dir
         if self.host.runs_dir:
             return self.host.runs_dir
         if self.host.transport == LOCAL:
             return local_runs_dir()
-        user = self.host.user or "root"
-        return "/root/dflash-runs" if user == "root" else f"/home/{user}/dflash-runs"
+        return DEFAULT_HOST_RUNS_DIR
 
     @property
     def python(self) -> str:

@@ -86,23 +86,28 @@ class SshTransport:
         import paramiko  # lazy: only when a connection is really made
 
         address, port, user, key = self._endpoint
-        sock = self._jump_channel(paramiko, address, port) if self.host.jump else None
+        sock = self.tunnel() if self.host.jump else None
         client = _client(paramiko, self.host)
         _connect_client(paramiko, client, self.host, address, port, user, key, sock)
         client.get_transport().set_keepalive(self.host.keepalive_s)
         self._client = client
         return client
 
-    def _jump_channel(self, paramiko, address: str, port: int):
+    def tunnel(self):
+        """A `direct-tcpip` channel from the jump host to the host's endpoint (a socket for paramiko.Transport).
+        The jump connection (its host key checked like any other) lives until `close()`."""
+        import paramiko
+
         from dflash_ops.names import ADDRESS_RE
 
+        address, port = self._endpoint[:2]
         m = ADDRESS_RE.fullmatch(self.host.jump or "")
         if m is None:
             raise UsageError(f"invalid jump host {self.host.jump!r}")
         j_addr, j_port = m.group("host").strip("[]"), int(m.group("port") or 22)
         jump = _client(paramiko, self.host)
         _connect_client(paramiko, jump, self.host, j_addr, j_port, m.group("user") or self._endpoint[2],
-                        self._endpoint[3], None)
+                        self._endpoint[3], None, is_jump=True)
         jump.get_transport().set_keepalive(self.host.keepalive_s)
         self._jump = jump
         try:
@@ -173,28 +178,41 @@ def _client(paramiko, host: Host):
     return client
 
 
-def _connect_client(paramiko, client, host: Host, address: str, port: int, user: str, key: str | None, sock) -> None:
-    where = f"{user}@{address}:{port}"
+def _connect_client(paramiko, client, host: Host, address: str, port: int, user: str, key: str | None, sock, *,
+                    is_jump: bool = False) -> None:
+    """Connect `client` (host key checked); `is_jump`: `address` is `host`'s jump host (errors say so)."""
+    where = f"{'jump host ' if is_jump else ''}{user}@{address}:{port}"
+    kh, entry = known_hosts_path(host), host_key_entry(address, port)
     try:
         client.connect(address, port=port, username=user, key_filename=key, timeout=host.connect_timeout_s,
                        banner_timeout=host.connect_timeout_s, auth_timeout=host.connect_timeout_s, sock=sock,
                        look_for_keys=key is None, allow_agent=True)
     except paramiko.BadHostKeyException:
-        raise AuthFailed(f"host key of {where} CHANGED (does not match {known_hosts_path(host)})",
-                         hint=f"if the change is expected: ssh-keygen -R '{host_key_entry(address, port)}' -f "
-                              f"{known_hosts_path(host)} && dflash-ops trust-host {host.name}") from None
+        record = _jump_trust_hint(host) if is_jump else f"dflash-ops trust-host {host.name}"
+        raise AuthFailed(f"host key of {where} CHANGED (does not match {kh})",
+                         hint=f"if the change is expected: ssh-keygen -R '{entry}' -f {kh}, then {record}") from None
     except paramiko.AuthenticationException as exc:
         raise AuthFailed(f"authentication to {where} failed: {exc}",
                          hint="check user and identity_file in the inventory") from None
     except paramiko.SSHException as exc:
         if "known_hosts" in str(exc):
-            raise AuthFailed(f"host key of {where} is unknown (not in {known_hosts_path(host)})",
-                             hint=f"verify and record it: dflash-ops trust-host {host.name}") from None
+            raise AuthFailed(f"host key of {where} is unknown (not in {kh})",
+                             hint=_jump_trust_hint(host) if is_jump else
+                             f"verify and record it: dflash-ops trust-host {host.name}") from None
         raise HostUnreachable(f"SSH to {where} failed: {exc}") from None
     except (socket.timeout, TimeoutError):
         raise HostUnreachable(f"connect to {where} timed out after {host.connect_timeout_s:g} s") from None
     except OSError as exc:
         raise HostUnreachable(f"cannot connect to {where}: {exc.strerror or exc}") from None
+
+
+def _jump_trust_hint(host: Host) -> str:
+    """How to trust `host`'s jump host: `trust-host` reaches `host` THROUGH it, so it must be trusted first."""
+    kh = known_hosts_path(host)
+    how = (f"dflash-ops trust-host {host.jump}" if kh == Path(os.path.expanduser("~/.ssh/known_hosts")) else
+           f"give it an inventory entry with known_hosts: {kh}, then dflash-ops trust-host <that entry>")
+    return (f"record the jump host's key in {kh} first ({how}; compare its fingerprint), "
+            f"then dflash-ops trust-host {host.name}")
 
 
 def _drain(chan, timeout_s: float | None) -> tuple[bytes, bytes, int]:
@@ -237,14 +255,16 @@ def for_host(host: Host) -> Transport:
     return LocalTransport(host.name) if host.transport == LOCAL else SshTransport(host)
 
 
-def fetch_host_key(address: str, port: int, timeout_s: float = 10.0):
-    """Handshake only (no auth): the server's host key, for `trust-host`."""
+def fetch_host_key(address: str, port: int, timeout_s: float = 10.0, sock=None):
+    """Handshake only (no auth): the server's host key, for `trust-host`. `sock`: an open channel to it (through
+    a jump host, see SshTransport.tunnel), else a direct TCP connection."""
     import paramiko
 
-    try:
-        sock = socket.create_connection((address, port), timeout=timeout_s)
-    except OSError as exc:
-        raise HostUnreachable(f"cannot connect to {address}:{port}: {exc.strerror or exc}") from None
+    if sock is None:
+        try:
+            sock = socket.create_connection((address, port), timeout=timeout_s)
+        except OSError as exc:
+            raise HostUnreachable(f"cannot connect to {address}:{port}: {exc.strerror or exc}") from None
     t = paramiko.Transport(sock)
     try:
         t.start_client(timeout=timeout_s)

@@ -29,7 +29,7 @@ def tail(
         session = open_session(ctx, host, ct)
         try:
             status = ops.find_run(session, run)
-            start = ops.tail_start(session, status, lines)
+            start = ops.tail_start(session, status, lines, follow=follow)
             follow_run(session, status, start=start, keep_following=follow)
         finally:
             session.transport.close()

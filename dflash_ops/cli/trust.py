@@ -17,6 +17,7 @@ def trust_host(
     """Fetch HOST's SSH key, show its SHA256 fingerprint, and append it to known_hosts after confirmation.
 
     Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first.
+    A host with a `jump:` host is reached through it (the jump host's key must already be trusted).
     """
     from dflash_ops import transport
     from dflash_ops.cli import render
@@ -29,17 +30,30 @@ def trust_host(
         address, port, _, _ = transport.resolve_endpoint(found)
         entry = transport.host_key_entry(address, port)
         path = transport.known_hosts_path(found)
-        key = transport.fetch_host_key(address, port, timeout_s=found.connect_timeout_s)
+        key = _fetch_key(transport, found, address, port)
         fingerprint = transport.key_fingerprint(key)
         state = transport.known_key_status(path, entry, key)
+        via = f" (via {found.jump})" if found.jump else ""
         if state == "same":
-            render.info(f"{entry} is already trusted ({key.get_name()} {fingerprint})")
+            render.info(f"{entry} is already trusted ({key.get_name()} {fingerprint}){via}")
             return
         if state == "changed":
             raise AuthFailed(f"{entry} presents {key.get_name()} {fingerprint}, but {path} records a DIFFERENT key",
                              hint=f"if you know why it changed: ssh-keygen -R '{entry}' -f {path}, then retry")
-        render.info(f"{entry} presents {key.get_name()} key {fingerprint}")
+        render.info(f"{entry} presents {key.get_name()} key {fingerprint}{via}")
         if not yes and not typer.confirm(f"trust it and add it to {path}?", default=False, err=True):
             raise UsageError("not trusted; nothing written")
         transport.append_known_host(path, entry, key)
         render.info(f"added {entry} to {path}")
+
+
+def _fetch_key(transport, host, address: str, port: int):
+    """The host's key, fetched the way every other command reaches it: through its `jump:` host when it has one
+    (that connection checks the jump host's key, so the jump host must be trusted first)."""
+    if not host.jump:
+        return transport.fetch_host_key(address, port, timeout_s=host.connect_timeout_s)
+    via = transport.SshTransport(host)
+    try:
+        return transport.fetch_host_key(address, port, timeout_s=host.connect_timeout_s, sock=via.tunnel())
+    finally:
+        via.close()

@@ -132,3 +132,36 @@ def test_jump_host_carries_launch_and_runs_with_its_key_checked_too(bed):
                                  known_hosts=sshd.empty_known_hosts())
     refused = bed.cli("runs", *bed.target(ctid), inventory=unknown)
     assert refused.returncode == 77 and b"is unknown" in refused.stderr
+
+
+def test_trust_host_goes_through_the_jump_host_whose_key_must_be_trusted_first(bed):
+    """The target is `localhost` (its own known_hosts entry) reached through the jump host 127.0.0.1: trust-host
+    logs in to the jump host (one `Accepted publickey`; a direct handshake logs in nowhere) and records the
+    target's key only; with the jump host's key unknown it says so, names the fix, and writes nothing."""
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    jump = f"{sshd.user}@{sshd.host}:{sshd.port}"
+    target_entry = f"[localhost]:{sshd.port}"
+    known = bed.work / "jump-trust" / "known_hosts"
+    known.parent.mkdir()
+    known.write_text(sshd.host_key_line + "\n")                  # the jump host (127.0.0.1) only
+    inv = bed.inventory_with("jump-trust", address="localhost", jump=jump, known_hosts=known)
+    assert bed.cli("runs", *bed.target(ctid), inventory=inv).returncode == 77   # localhost itself is unknown
+
+    logins = sshd.log_path.read_text().count("Accepted publickey")
+    trusted = bed.proc("trust-host", bed.tb.host, "--yes", inventory=inv)
+    assert trusted.returncode == 0, trusted.stderr
+    assert sshd.log_path.read_text().count("Accepted publickey") == logins + 1
+    assert f"{target_entry} presents".encode() in trusted.stderr and f"via {jump}".encode() in trusted.stderr
+    assert known.read_text() == sshd.host_key_line + "\n" + sshd.host_key_line.replace(
+        f"[{sshd.host}]:{sshd.port}", target_entry, 1) + "\n"
+    assert bed.launch(ctid, "--lines", "1", name="jumptrust", inventory=inv)["matched_line"] == "job started"
+
+    untrusted = bed.work / "jump-untrusted" / "known_hosts"
+    untrusted.parent.mkdir()
+    untrusted.write_text("")
+    inv2 = bed.inventory_with("jump-untrusted", address="localhost", jump=jump, known_hosts=untrusted)
+    refused = bed.cli("trust-host", bed.tb.host, "--yes", inventory=inv2)
+    assert refused.returncode == 77, refused.stderr
+    assert error_line(refused.stderr).startswith(f"error: host key of jump host {jump} is unknown")
+    assert f"hint: record the jump host's key in {untrusted} first".encode() in refused.stderr
+    assert untrusted.read_text() == ""

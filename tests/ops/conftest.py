@@ -16,7 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # The job the test runbooks launch. Flags: --out FILE (argv + env as JSON), --lines N, --every S, --child FILE
-# (spawn `sleep` in the same process group, write its pid), --rc N, --hold (sleep until killed).
+# (spawn `sleep` in the same process group, write its pid), --rc N, --hold (sleep until killed), then
+# --partial TEXT (write TEXT with no newline), --gate FILE (wait until FILE exists), --then TEXT (write TEXT raw).
 JOB = r'''
 import json, os, subprocess, sys, time
 args = sys.argv[1:]
@@ -40,6 +41,13 @@ for i in range(int(opt("--lines", "0"))):
     time.sleep(float(opt("--every", "0.05")))
 if "--hold" in args:
     time.sleep(300)
+if opt("--partial"):
+    sys.stdout.write(opt("--partial")); sys.stdout.flush()
+gate, deadline = opt("--gate"), time.monotonic() + 120
+while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+    time.sleep(0.02)
+if opt("--then"):
+    sys.stdout.write(opt("--then")); sys.stdout.flush()
 sys.exit(int(opt("--rc", "0")))
 '''
 

@@ -110,3 +110,51 @@ def test_follow_gives_up_after_its_reconnect_budget(ops_env):
         ops.follow(ops.Session(target, dead), status, start=0, emit=lambda line: None, sleep=lambda s: None,
                    reconnect_budget_s=0.3, notify=notes.append)
     assert dead.reconnects >= 1 and len(notes) == 1 and "resuming at byte 0" in notes[0]
+
+
+def _ended(env, run_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while next(r for r in env.runs_json() if r["run_id"] == run_id)["state"] == "running":
+        assert time.monotonic() < deadline, f"{run_id} did not end"
+        time.sleep(0.1)
+
+
+def test_tail_is_byte_exact_when_the_log_ends_without_a_newline(ops_env):
+    run = _launch(ops_env, "--lines", "3", "--every", "0.01", "--partial", "no newline at the end")
+    _ended(ops_env, run["run_id"])
+    log = (ops_env.run_dirs()[-1] / "output.log").read_text()
+    assert log.endswith("step 2 xx\nno newline at the end")
+    for mode in ("--follow", "--no-follow"):
+        done = ops_env.sub("tail", run["run_id"], "-n", "1000", mode)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == log, mode
+        last = ops_env.sub("tail", run["run_id"], "-n", "1", mode)
+        assert last.stdout == "no newline at the end", mode
+        # the partial last line is a line: -n 0 shows nothing of an ended run
+        none = ops_env.sub("tail", run["run_id"], "-n", "0", mode)
+        assert none.returncode == 0 and none.stdout == "", mode
+
+
+def _session_and_status(run_id: str):
+    target = inventory.resolve_target(inventory.Inventory(), None, None)
+    s = ops.Session(target, transport.LocalTransport())
+    return s, next(r for r in ops.list_runs(s) if r.run_id == run_id)
+
+
+def test_tail_n0_of_a_running_run_does_not_cut_the_line_being_written(ops_env, tmp_path):
+    gate = tmp_path / "gate"
+    run = _launch(ops_env, "--lines", "2", "--every", "0.01", "--partial", "half", "--gate", str(gate),
+                  "--then", " and done\nlast\n")
+    log_path = ops_env.run_dirs()[-1] / "output.log"
+    deadline = time.monotonic() + 20
+    while not log_path.read_bytes().endswith(b"half"):
+        assert time.monotonic() < deadline, log_path.read_bytes()
+        time.sleep(0.02)
+    s, status = _session_and_status(run["run_id"])
+    start = ops.tail_start(s, status, 0)
+    assert ops_env.sub("tail", run["run_id"], "-n", "0", "--no-follow").stdout == ""
+    gate.write_text("go")
+    got: list[bytes] = []
+    final = ops.follow(s, status, start=start, emit=got.append, poll_s=0.02)
+    assert got == [b"half and done\n", b"last\n"]
+    assert final.state == "exited" and final.exit_code == 0

@@ -31,7 +31,7 @@ def _launch_command(script: str) -> str:
 def _wrapped(script: str) -> str:
     words = shlex.split(_launch_command(script))
     assert words[:5] == ["DFLASH_OPS_RUN_ID=r1-20260101T000000-abcd", "nohup", "setsid", "bash", "-c"]
-    assert words[6:] == [">>output.log", "2>&1", "</dev/null", "9>&-", "&"]
+    assert words[6:] == ["dflash-run", "$PWD", ">>output.log", "2>&1", "</dev/null", "9>&-", "&"]  # $1: the run dir
     return words[5]
 
 
@@ -99,3 +99,28 @@ def test_every_script_is_valid_bash(build):
 
 def test_stop_script_grace_is_in_tenths():
     assert "[ $i -lt 25 ]" in shellcmd.stop_script("/r/x", 2.5)
+
+
+def test_home_relative_paths_expand_on_the_remote_side_in_quoted_pieces():
+    assert shellcmd.path_word("~/dflash-runs") == '"$HOME"/dflash-runs'
+    assert shellcmd.path_word("~") == '"$HOME"'
+    assert shellcmd.path_word("~/it's $(id)") == '"$HOME"/\'it\'"\'"\'s $(id)\''
+    assert shellcmd.path_word("/root/x") == "/root/x" and shellcmd.path_word("~bob/x") == "'~bob/x'"
+    out = subprocess.run(["bash", "-c", f"printf %s {shellcmd.path_word('~/it' + chr(39) + 's $(id)')}"],
+                         capture_output=True, text=True, env={"HOME": "/h o"}, check=True).stdout
+    assert out == "/h o/it's $(id)"
+    assert 'RUNS="$HOME"/dflash-runs\n' in shellcmd.list_script("~/dflash-runs")
+
+
+def test_a_home_relative_run_dir_reaches_the_job_as_the_wrappers_first_argument():
+    rid = "r1-20260101T000000-abcd"
+    s = RunSpec(run_id=rid, name="r1", runbook="rb", argv=("python3", f"--out=~/runs/{rid}/x y", "~/runs"),
+                workdir="~/code", env=(("CKPT", f"~/runs/{rid}"),), pre=(), runs_dir="~/runs", host="h", ct=None,
+                liveness=Liveness())
+    wrapped = _wrapped(shellcmd.launch_script(s))
+    assert "export CKPT=\"$1\"\n" in wrapped and "cd -- \"$HOME\"/code && python3 " in wrapped
+    words = wrapped[wrapped.index("python3 "):wrapped.index("\nrc=$?")]
+    got = subprocess.run(["bash", "-c", f"printf '%s\\0' {words}", "dflash-run", "/abs/run dir"],
+                         capture_output=True, check=True).stdout.split(b"\0")[:-1]
+    assert got == [b"python3", b"--out=/abs/run dir/x y", b"~/runs"]   # only the run dir itself is replaced
+    assert 'printf \'%s\\n\' "$rc" > "$1"/exit_code.tmp' in wrapped
