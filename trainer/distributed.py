@@ -92,6 +92,30 @@ def all_reduce_sum_(tensors: list[torch.Tensor]) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
+def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and raw bytes: equal digests = bit-identical states. SYNC (D2H)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def replica_digests(module: torch.nn.Module) -> list[str]:
+    """Collective: every rank's `state_digest` of `module`, in rank order (one process: a list of one)."""
+    import torch.distributed as dist
+
+    mine = state_digest(module.state_dict())
+    if not dist.is_initialized():
+        return [mine]
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    return found
+
+
 def barrier() -> None:
     """Wait for every rank (rank 0 wrote something the others read next). No-op in one process."""
     import torch.distributed as dist

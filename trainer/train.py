@@ -28,7 +28,7 @@ from trainer.checkpoint import Cursor
 from trainer.config import TrainCfg, from_dict, to_dict
 from trainer.data.batching import EpochBatches, StaticBatch
 from trainer.data.dataset import Datasets, build_datasets
-from trainer.errors import ConfigError, NonFiniteLoss
+from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift, TrainerError
 from trainer.metrics import DeviceMetrics, MetricsSink, QuietSink, peak_mem_gib
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.model.target import Target, load_target
@@ -258,7 +258,6 @@ def train_loop(run: Run, stop_at: int | None = None) -> Cursor:
 
 
 def _pipelined(run: Run, end: int, clock: _Clock) -> None:
-    from trainer.errors import TrainerError
     from trainer.pipeline.train_pipe import step_inputs
 
     start, accum = run.cursor, run.cfg.optim.accum_steps
@@ -319,18 +318,31 @@ def _log(run: Run, step: int, micro: int, dt: float, steps: int, elapsed: float)
 
 
 def finish(run: Run) -> dict:
-    """Final checkpoint, export and (optionally) eval; prints DFLASH_EVAL and DFLASH_DONE. Rank 0 only, after the
-    collective non-finite check; the other ranks return at once."""
+    """Final checkpoint, export and (optionally) eval; prints DFLASH_EVAL and DFLASH_DONE.
+
+    Data parallel: every rank runs the collective non-finite check and compares replica digests; rank 0 writes the
+    checkpoint and export; then all ranks leave the process group together (a rank exiting alone aborts the others'
+    gloo/NCCL teardown) and rank 0 alone evaluates and prints DFLASH_DONE. The other ranks return at once.
+    """
     from trainer.export import export_drafter
 
     _check_finite(run, run.cursor.step)
+    digests = ddp.replica_digests(run.state.drafter)
+    if len(set(digests)) != 1:  # the replicas must never drift apart; a checkpoint of one would not be the model
+        raise ReplicaDrift(f"data-parallel drafter replicas differ at step {run.cursor.step} "
+                           f"(sha256 per rank: {[d[:12] for d in digests]})",
+                           hint="a bug: gradients were not averaged identically; report it with the run directory")
+    if run.env.is_main:
+        found = checkpoint.list_checkpoints(run.run_dir)
+        if not found or found[-1][0] != run.cursor.step:
+            checkpoint.save(run.run_dir, run.cursor, run.state.drafter, run.state.optimizer, run.cfg.ckpt.keep)
+        export_drafter(run.run_dir / "export", run.state.drafter, exported_config(run.cfg, run.state))
+    ddp.barrier()
+    ddp.shutdown()
     if not run.env.is_main:
         return {"step": run.cursor.step, "rank": run.env.rank}
-    found = checkpoint.list_checkpoints(run.run_dir)
-    if not found or found[-1][0] != run.cursor.step:
-        checkpoint.save(run.run_dir, run.cursor, run.state.drafter, run.state.optimizer, run.cfg.ckpt.keep)
-    export_drafter(run.run_dir / "export", run.state.drafter, exported_config(run.cfg, run.state))
-    result = {"step": run.cursor.step, "run_dir": str(run.run_dir), "export": str(run.run_dir / "export")}
+    result = {"step": run.cursor.step, "run_dir": str(run.run_dir), "export": str(run.run_dir / "export"),
+              "world": run.env.world, "replica_sha256": digests}
     if run.cfg.eval_at_end and run.datasets.eval is not None:
         from trainer.eval import evaluate_run
 
