@@ -41,6 +41,26 @@ def init_from_env() -> DistInfo:
     return info
 
 
+def die_with_launcher() -> None:
+    """Linux: SIGTERM this rank when its parent (torchrun) dies.
+
+    torchrun starts every rank in a session of its own, so `dflash-ops stop` (which signals the job's process group)
+    reaches the ranks only through torchrun: SIGTERM is forwarded, but a SIGKILL of torchrun would orphan them, still
+    holding their GPUs. PR_SET_PDEATHSIG makes the kernel send SIGTERM instead. Best effort elsewhere.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before the call above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def init_group(backend: str, device: torch.device) -> None:
     """Join the torchrun job (env:// rendezvous) with `backend`; the trainer's entry (trainer/train.py) calls this once.
 

@@ -368,6 +368,7 @@ def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None) -> d
     env = place.dist_env(os.environ if environ is None else environ)
     placement = resolve_placement(cfg, env)
     if placement.backend is not None:
+        ddp.die_with_launcher()
         ddp.init_group(placement.backend, torch.device(placement.drafter))
     try:
         run = setup(cfg, run_dir, resume, env=env, placement=placement)

@@ -112,3 +112,55 @@ def test_pipeline_on_cpu_is_one_clear_line_and_exit_2(tiny_target_dir, tmp_path)
                                         "use --set pipeline.enabled=false")
     auto = run(trainer_cmd(tiny_target_dir, tmp_path / "a", 1, "pipeline.enabled=true", "device=auto"))
     assert auto.returncode == 2 and "pipeline.enabled needs a CUDA device (this run is on cpu)" in auto.stderr
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # fields after "(comm)": state, ppid, ...
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ranks_die_with_a_killed_launcher(tiny_target_dir, tmp_path):
+    """torchrun puts each rank in its own session: a SIGKILL of the launcher's group (what `dflash-ops stop`
+    escalates to) must not leave ranks behind (they get SIGTERM through PR_SET_PDEATHSIG)."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = tmp_path / "out.log"
+    cmd = trainer_cmd(tiny_target_dir, tmp_path / "r", 2, "optim.max_steps=100000", "ckpt.every=0")
+    with log.open("w") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                    start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while "DFLASH_METRICS" not in log.read_text() and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.5)
+        ranks = children_of(launcher.pid)
+        assert len(ranks) == 2, log.read_text()[-2000:]
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(alive(p) for p in ranks)
+    finally:
+        for p in ranks:  # only the ranks this test started, by pid
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
