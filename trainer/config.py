@@ -163,7 +163,7 @@ class PipelineCfg:
     """Threaded pipeline: loader thread -> target producer thread -> event ring -> drafter consumer thread (CUDA)."""
 
     enabled: bool = False
-    # Where this rank's target runs: "same" = the drafter's device (`device`); cuda:N; cuda:local+K = cuda:(LOCAL_RANK+K)
+    # Where this rank's target runs: same = the drafter's device (`device`); cuda:N; cuda:local+K = cuda:(LOCAL_RANK+K)
     target_device: str = "same"
     slots: int = 3  # ring slots (optimizer steps in flight between producer and consumer)
     prefetch: int = 4  # CPU batches the loader thread builds ahead
@@ -193,14 +193,18 @@ class TrainCfg:
     eval_at_end: bool = True
 
     def __post_init__(self) -> None:
-        _check(device_spec_ok(self.device), f"device must be auto, cpu, cuda, cuda:N or cuda:local+K, got {self.device!r}")
+        _check(device_spec_ok(self.device),
+               f"device must be auto, cpu, cuda, cuda:N or cuda:local+K, got {self.device!r}")
         _check(self.threads >= 0, "threads must be >= 0")
         if self.device == "cpu":
-            _check(not self.pipeline.enabled, "pipeline.enabled needs CUDA (device=cpu); use --set pipeline.enabled=false")
-            _check(self.dist.backend != "nccl", "dist.backend=nccl needs CUDA (device=cpu); use --set dist.backend=gloo")
+            _check(not self.pipeline.enabled,
+                   "pipeline.enabled needs CUDA (device=cpu); use --set pipeline.enabled=false")
+            _check(self.dist.backend != "nccl",
+                   "dist.backend=nccl needs CUDA (device=cpu); use --set dist.backend=gloo")
         _check(self.pipeline.target_device == "same" or self.pipeline.enabled,
-               f"pipeline.target_device={self.pipeline.target_device} places the target apart from the drafter, which "
-               "only the threaded pipeline supports; add --set pipeline.enabled=true or use pipeline.target_device=same")
+               f"pipeline.target_device={self.pipeline.target_device} places the target apart from the drafter, "
+               "which only the threaded pipeline supports; add --set pipeline.enabled=true or use "
+               "pipeline.target_device=same")
 
 
 # ---------------------------------------------------------------- building from dicts / YAML / --set

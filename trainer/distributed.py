@@ -113,7 +113,8 @@ def all_reduce_sum_(tensors: list[torch.Tensor]) -> None:
 
 
 def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over every tensor's name, dtype, shape and raw bytes: equal digests = bit-identical states. SYNC (D2H)."""
+    """SHA-256 over every tensor's name, dtype, shape and raw bytes: equal digests = bit-identical states.
+    SYNC (copies to the host)."""
     import hashlib
 
     h = hashlib.sha256()

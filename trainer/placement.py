@@ -48,7 +48,8 @@ def dist_env(environ: Mapping[str, str]) -> DistEnv:
                           hint="launch with `python -m torch.distributed.run --nproc-per-node N -m trainer train ...`, "
                                "or unset them for one process") from None
     if not (env.world >= 1 and 0 <= env.rank < env.world and env.local_rank >= 0):
-        raise ConfigError(f"bad torchrun environment: RANK={env.rank} WORLD_SIZE={env.world} LOCAL_RANK={env.local_rank}",
+        raise ConfigError(f"bad torchrun environment: RANK={env.rank} WORLD_SIZE={env.world} "
+                          f"LOCAL_RANK={env.local_rank}",
                           hint="launch through torch.distributed.run; do not set these variables by hand")
     return env
 
@@ -58,7 +59,8 @@ def resolve_device(spec: str, local_rank: int, cuda_available: bool, device_coun
     if spec == "cpu" or (spec == "auto" and not cuda_available):
         return "cpu"
     if not cuda_available:
-        raise ConfigError(f"device {spec} needs CUDA, which is not available here", hint="use --set device=cpu (or auto)")
+        raise ConfigError(f"device {spec} needs CUDA, which is not available here",
+                          hint="use --set device=cpu (or auto)")
     if spec in ("auto", "cuda", "cuda:local"):
         index = local_rank
     elif spec.startswith("cuda:local+"):

@@ -191,7 +191,7 @@ def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout,
     else:
         batch_dev = batches.batch(0).to(device)  # static device buffers; contents replaced every micro-step
         runner = make_runner(cfg, state, batch_dev, device, grad_sync)
-    sink = MetricsSink(run_dir / "metrics.jsonl", stream) if env.is_main else QuietSink(run_dir / "metrics.jsonl", stream)
+    sink = (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream)
     return Run(cfg=cfg, run_dir=run_dir, device=device, state=state, datasets=datasets, batches=batches,
                runner=runner, total_steps=total, cursor=cursor, sink=sink,
                metrics=DeviceMetrics(cfg.model.block_size, device), env=env, pipe=pipe)

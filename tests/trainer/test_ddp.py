@@ -102,7 +102,8 @@ def test_two_rank_resume_is_exact(runs, tiny_target_dir):
     resumed = lines(again.stdout, "DFLASH_METRICS ")
     assert [r["step"] for r in resumed] == [3, 4]
     assert science(resumed) == science(lines(two.stdout, "DFLASH_METRICS ")[2:])
-    assert lines(again.stdout, "DFLASH_DONE ")[0]["replica_sha256"] == lines(two.stdout, "DFLASH_DONE ")[0]["replica_sha256"]
+    done = [lines(p.stdout, "DFLASH_DONE ")[0] for p in (again, two)]
+    assert done[0]["replica_sha256"] == done[1]["replica_sha256"]
 
 
 def test_pipeline_on_cpu_is_one_clear_line_and_exit_2(tiny_target_dir, tmp_path):

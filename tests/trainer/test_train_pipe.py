@@ -16,7 +16,8 @@ def batches(target, n=2, rows=2, seq=48, anchors=6):
     for _ in range(n):
         b = StaticBatch.empty(rows, seq, anchors)
         ids = torch.randint(5, target.embed_tokens.weight.shape[0] - 5, (rows, seq), generator=g)
-        out.append(StaticBatch(input_ids=ids, position_ids=b.position_ids, doc_ids=torch.zeros(rows, seq, dtype=torch.long),
+        out.append(StaticBatch(input_ids=ids, position_ids=b.position_ids,
+                               doc_ids=torch.zeros(rows, seq, dtype=torch.long),
                                loss_mask=torch.ones(rows, seq, dtype=torch.bool),
                                anchor_pos=torch.sort(torch.randperm(seq - 8, generator=g)[:anchors])[0].repeat(rows, 1),
                                anchor_valid=torch.ones(rows, anchors, dtype=torch.bool)))
@@ -24,15 +25,11 @@ def batches(target, n=2, rows=2, seq=48, anchors=6):
 
 
 def test_slot_layout_round_trips():
-    mbs = batches_for_layout()
+    mbs = [StaticBatch.empty(2, 16, 3, pad_id=i) for i in range(2)]
     slot = step_inputs(mbs)
     assert set(target_keys(2)) <= set(slot) and len(slot) == 2 * 6
     for i, mb in enumerate(mbs):
         assert all(torch.equal(a, b) for a, b in zip(micro_batch(slot, i).tensors().values(), mb.tensors().values()))
-
-
-def batches_for_layout():
-    return [StaticBatch.empty(2, 16, 3, pad_id=i) for i in range(2)]
 
 
 def test_precomputed_features_train_like_the_sequential_runner(target):

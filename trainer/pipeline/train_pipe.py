@@ -151,7 +151,8 @@ def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, mode: str
     Warm-up never trains: the drafter's parameters and optimizer state are put back afterwards (StepGraph's restore
     policy for the graph modes, the same snapshot/restore around the eager warm-up step).
     """
-    from trainer.step.graph import EagerStep, StepGraph, compile_drafter, restore_training_state, snapshot_training_state
+    from trainer.step.graph import (EagerStep, StepGraph, compile_drafter, restore_training_state,
+                                    snapshot_training_state)
 
     accum = len(sample_batches)
     cpu = step_inputs(sample_batches)
