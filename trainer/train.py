@@ -181,9 +181,14 @@ def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout,
     state = build_state(cfg, target, device)
     per_epoch_steps = max(1, batches.per_epoch // cfg.optim.accum_steps)
     total = cfg.optim.max_steps or cfg.optim.epochs * per_epoch_steps
-    cursor = Cursor(step=0, micro=0)
+    cursor = Cursor(step=0, micro=0, world=env.world)
     if resume:
         cursor = checkpoint.load_latest(run_dir, state.drafter, state.optimizer, state.lr_)
+        if cursor.world != env.world:
+            raise ConfigError(f"--resume with {env.world} data-parallel rank(s); the run was checkpointed with "
+                              f"{cursor.world} (its data cursor counts per-rank micro-batches)",
+                              hint=f"relaunch with --nproc-per-node {cursor.world}" if cursor.world > 1 else
+                              "resume as one process (without torchrun)")
     grad_sync = ddp.make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], env.world)
     runner, pipe = None, None
     if cfg.pipeline.enabled:
@@ -287,7 +292,7 @@ def _after_step(run: Run, outs, end: int, clock: _Clock) -> None:
     for out in outs:
         run.metrics.add(out)
     step, micro = run.cursor.step + 1, run.cursor.micro + cfg.optim.accum_steps
-    run.cursor = Cursor(step=step, micro=micro)
+    run.cursor = Cursor(step=step, micro=micro, world=run.env.world)
     clock.steps += 1
     run.sink.progress_bar(step, run.total_steps)
     if step % cfg.log.every == 0 or step == end:

@@ -165,3 +165,14 @@ def test_ranks_die_with_a_killed_launcher(tiny_target_dir, tmp_path):
                 os.kill(p, signal.SIGKILL)
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_resume_under_another_world_size_is_refused(runs, tiny_target_dir):
+    root, _one, _two = runs
+    other = root / "other"
+    shutil.copytree(root / "two", other)
+    p = run(trainer_cmd(tiny_target_dir, other, 1, "optim.accum_steps=1", resume=True))
+    assert p.returncode == 2
+    assert p.stderr.splitlines()[:2] == [
+        "error: --resume with 1 data-parallel rank(s); the run was checkpointed with 2 (its data cursor counts "
+        "per-rank micro-batches)", "hint: relaunch with --nproc-per-node 2"]
