@@ -4,6 +4,9 @@
   python -m trainer eval --run-dir D | --drafter EXPORT_DIR --target T --data F
   python -m trainer export --run-dir D
   python -m trainer make-tiny-target OUT_DIR
+
+Data parallel: `python -m torch.distributed.run --standalone --nproc-per-node N -m trainer train ...` (one drafter
+replica per rank; see trainer/train.py).
 """
 from __future__ import annotations
 
