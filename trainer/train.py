@@ -345,7 +345,7 @@ def finish(run: Run) -> dict:
     ddp.barrier()
     ddp.shutdown()
     if not run.env.is_main:
-        return {"step": run.cursor.step, "rank": run.env.rank}
+        return {"step": run.cursor.step, "rank": run.env.rank, "world": run.env.world}
     result = {"step": run.cursor.step, "run_dir": str(run.run_dir), "export": str(run.run_dir / "export"),
               "world": run.env.world, "replica_sha256": digests}
     if run.cfg.eval_at_end and run.datasets.eval is not None:
