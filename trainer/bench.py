@@ -236,8 +236,8 @@ def run_pipeline(cfg: BenchConfig, mode: str, dev, batches, target_fn, stepper, 
         mem_lines.append(mem_line(step))
         print("MEM", mode + "+pipeline", json.dumps(mem_lines[-1]), flush=True)
 
-    pipe = Pipeline(Placement(dev, dev), feed, target_fn, stepper, sample, on_interval=on_interval,
-                    interval=cfg.interval)
+    pipe = Pipeline(Placement(dev, dev), feed, lambda b: {"taps": target_fn(b["input_ids"])}, stepper, sample,
+                    on_interval=on_interval, interval=cfg.interval)
     pipe.run(3)  # warm the threads' streams and the pinned-memory pool
     torch.cuda.reset_peak_memory_stats()
     res = pipe.run(cfg.steps)

@@ -23,7 +23,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 @dataclass(frozen=True)
 class Cursor:
     step: int  # optimizer steps done
-    micro: int  # micro-batches consumed
+    micro: int  # micro-batches consumed (per rank)
+    world: int = 1  # data-parallel ranks that consumed them (the cursor means nothing under another world size)
 
 
 def ckpt_root(run_dir: Path) -> Path:
@@ -68,7 +69,7 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     torch.save(drafter.state_dict(), tmp / "drafter.pt")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "trainer.json").write_text(json.dumps({"step": cursor.step, "micro": cursor.micro}))
+    (tmp / "trainer.json").write_text(json.dumps({"step": cursor.step, "micro": cursor.micro, "world": cursor.world}))
     if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -92,4 +93,4 @@ def load_latest(run_dir: Path, drafter: torch.nn.Module, optimizer: torch.optim.
         group["lr"] = lr_  # keep the one device LR tensor the schedule fills (load_state_dict rebinds it)
     _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     meta = json.loads((path / "trainer.json").read_text())
-    return Cursor(step=meta["step"], micro=meta["micro"])
+    return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))

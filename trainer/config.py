@@ -20,6 +20,7 @@ from trainer.errors import ConfigError
 STEP_MODES = ("eager", "compile", "graph", "compile+graph")
 ATTN_BACKENDS = ("sdpa", "flex")
 DTYPES = ("auto", "float32", "bfloat16")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 # Paper (DFlash App. A.1): gamma = 7 / 5 / 4 for block sizes 16 / 10 / 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -133,6 +134,48 @@ class LogCfg:
         _check(self.every >= 1, "log.every must be >= 1")
 
 
+def device_spec_ok(spec: str) -> bool:
+    """A device spec: auto | cpu | cuda | cuda:N | cuda:local | cuda:local+K (K >= 0; see trainer/placement.py)."""
+    if spec in ("auto", "cpu", "cuda"):
+        return True
+    if not spec.startswith("cuda:"):
+        return False
+    rest = spec[len("cuda:"):]
+    if rest.isdigit():
+        return True
+    if rest == "local":
+        return True
+    return rest.startswith("local+") and rest[len("local+"):].isdigit()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistCfg:
+    """Data parallel under torchrun: one drafter replica per process, gradients averaged outside the graphs."""
+
+    backend: str = "auto"  # auto = nccl when the drafter is on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        _check(self.backend in DIST_BACKENDS, f"dist.backend must be one of {DIST_BACKENDS}, got {self.backend!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineCfg:
+    """Threaded pipeline: loader thread -> target producer thread -> event ring -> drafter consumer thread (CUDA)."""
+
+    enabled: bool = False
+    # Where this rank's target runs: same = the drafter's device (`device`); cuda:N; cuda:local+K = cuda:(LOCAL_RANK+K)
+    target_device: str = "same"
+    slots: int = 3  # ring slots (optimizer steps in flight between producer and consumer)
+    prefetch: int = 4  # CPU batches the loader thread builds ahead
+
+    def __post_init__(self) -> None:
+        _check(self.target_device == "same" or (device_spec_ok(self.target_device)
+                                                 and self.target_device.startswith("cuda")),
+               f"pipeline.target_device must be same, cuda, cuda:N or cuda:local+K, got {self.target_device!r}")
+        _check(self.slots >= 2, "pipeline.slots must be >= 2 (one slot written while another is read)")
+        _check(self.prefetch >= 1, "pipeline.prefetch must be >= 1")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
@@ -141,15 +184,27 @@ class TrainCfg:
     optim: OptimCfg = field(default_factory=OptimCfg)
     ckpt: CkptCfg = field(default_factory=CkptCfg)
     log: LogCfg = field(default_factory=LogCfg)
+    dist: DistCfg = field(default_factory=DistCfg)
+    pipeline: PipelineCfg = field(default_factory=PipelineCfg)
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # The drafter's device: auto | cpu | cuda | cuda:N | cuda:local+K. Under torchrun auto/cuda = cuda:LOCAL_RANK.
+    device: str = "auto"
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     eval_at_end: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-               "device must be auto, cpu, cuda or cuda:N")
+        _check(device_spec_ok(self.device),
+               f"device must be auto, cpu, cuda, cuda:N or cuda:local+K, got {self.device!r}")
         _check(self.threads >= 0, "threads must be >= 0")
+        if self.device == "cpu":
+            _check(not self.pipeline.enabled,
+                   "pipeline.enabled needs CUDA (device=cpu); use --set pipeline.enabled=false")
+            _check(self.dist.backend != "nccl",
+                   "dist.backend=nccl needs CUDA (device=cpu); use --set dist.backend=gloo")
+        _check(self.pipeline.target_device == "same" or self.pipeline.enabled,
+               f"pipeline.target_device={self.pipeline.target_device} places the target apart from the drafter, "
+               "which only the threaded pipeline supports; add --set pipeline.enabled=true or use "
+               "pipeline.target_device=same")
 
 
 # ---------------------------------------------------------------- building from dicts / YAML / --set

@@ -25,3 +25,9 @@ class DataError(TrainerError):
 
 class NonFiniteLoss(TrainerError):
     exit_code = 4
+
+
+class ReplicaDrift(TrainerError):
+    """Data-parallel replicas ended with different parameters (a bug, not a user error)."""
+
+    exit_code = 4

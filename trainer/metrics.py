@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -36,13 +37,22 @@ class DeviceMetrics:
         self.nonfinite_ |= ~torch.isfinite(out.loss_)
         self.micro_steps += 1
 
-    def nonfinite(self) -> bool:
-        """SYNC: one bool from the device."""
-        return bool(self.nonfinite_.item())
+    def nonfinite(self, reduce_sum_: Callable[[list[torch.Tensor]], None] | None = None) -> bool:
+        """SYNC: one bool from the device. reduce_sum_ (data parallel): True if any rank saw a non-finite loss."""
+        flag = self.nonfinite_.to(torch.int32)
+        if reduce_sum_ is not None:
+            reduce_sum_([flag])
+        return bool(flag.item())
 
-    def flush(self) -> dict:
-        """SYNC: mean loss, accuracy overall and per block position (k >= 1), then reset the sums."""
-        loss = self.loss_sum_.item() / max(1, self.micro_steps)
+    def flush(self, reduce_sum_: Callable[[list[torch.Tensor]], None] | None = None) -> dict:
+        """SYNC: mean loss, accuracy overall and per block position (k >= 1), then reset the sums.
+
+        reduce_sum_ (data parallel): sums the device sums and the micro-step count over ranks first, so every rank
+        returns the global figures."""
+        count = torch.tensor([float(self.micro_steps)], device=self.loss_sum_.device)
+        if reduce_sum_ is not None:
+            reduce_sum_([self.loss_sum_, self.correct_, self.valid_, count])
+        loss = self.loss_sum_.item() / max(1.0, count.item())
         correct, valid = self.correct_.tolist(), self.valid_.tolist()
         self.loss_sum_.zero_()
         self.correct_.zero_()
@@ -94,6 +104,19 @@ class MetricsSink:
     def done(self, record: dict) -> None:
         self.stream.write(f"{DONE_PREFIX}{json.dumps(record)}\n")
         self.stream.flush()
+
+
+class QuietSink(MetricsSink):
+    """The sink of a data-parallel rank other than 0: writes and prints nothing (rank 0 reports global figures)."""
+
+    def emit(self, record: dict) -> None:
+        pass
+
+    def progress_bar(self, step: int, total: int) -> None:
+        pass
+
+    def done(self, record: dict) -> None:
+        pass
 
 
 def _fmt(value, spec: str = ".4f") -> str:

@@ -1,11 +1,18 @@
 """The training program: resolve config -> build target, data, drafter, optimizer -> loop -> checkpoint/export/eval.
 
 Host syncs happen only at log / checkpoint cadence (trainer/metrics.py); the loop itself only enqueues work.
+
+Data parallel (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK): every rank trains one drafter replica on its shard
+(`EpochBatches(rank, world)`), gradients are averaged between the backward and the update (outside any captured
+graph), so the replicas stay identical. Metrics are reduced across ranks at log cadence. Only rank 0 writes
+config.json, metrics, checkpoints and the export, and prints; the other ranks are quiet. The same code runs as one
+process without torchrun.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -15,24 +22,27 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint
+from trainer import distributed as ddp
+from trainer import placement as place
 from trainer.checkpoint import Cursor
 from trainer.config import TrainCfg, from_dict, to_dict
 from trainer.data.batching import EpochBatches, StaticBatch
 from trainer.data.dataset import Datasets, build_datasets
-from trainer.errors import ConfigError, NonFiniteLoss
-from trainer.metrics import DeviceMetrics, MetricsSink, peak_mem_gib
+from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift, TrainerError
+from trainer.metrics import DeviceMetrics, MetricsSink, QuietSink, peak_mem_gib
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.model.target import Target, load_target
 from trainer.step.step import EagerRunner, TrainState, build_optimizer, lr_at
 
 
 def resolve_device(cfg: TrainCfg) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={cfg.device} but CUDA is not available", hint="use --set device=cpu (or auto)")
-    return device
+    """The drafter's device for a one-process use (eval); local rank 0."""
+    return torch.device(place.resolve_device(cfg.device, 0, torch.cuda.is_available(), torch.cuda.device_count()))
+
+
+def resolve_placement(cfg: TrainCfg, env: place.DistEnv) -> place.Placement:
+    return place.resolve_placement(cfg.device, cfg.pipeline.target_device, cfg.dist.backend, env,
+                                   torch.cuda.is_available(), torch.cuda.device_count())
 
 
 def resolve_target(cfg: TrainCfg, run_dir: Path) -> TrainCfg:
@@ -76,15 +86,17 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 class Run:
     cfg: TrainCfg
     run_dir: Path
-    device: torch.device
+    device: torch.device  # the drafter's
     state: TrainState
     datasets: Datasets
     batches: EpochBatches
-    runner: EagerRunner
+    runner: EagerRunner | None  # None when the pipeline drives the steps
     total_steps: int
     cursor: Cursor
     sink: MetricsSink
     metrics: DeviceMetrics
+    env: place.DistEnv = place.DistEnv(0, 1, 0)
+    pipe: object | None = None  # trainer.pipeline.train_pipe.PipelinedSteps when pipeline.enabled
 
 
 def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainState:
@@ -113,53 +125,92 @@ def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
     if cfg.step.attn != "sdpa":
         raise ConfigError(f"step.attn={cfg.step.attn} needs a CUDA device (this run is on {device})",
                           hint="use --set step.attn=sdpa on CPU")
+    if cfg.pipeline.enabled:
+        raise ConfigError(f"pipeline.enabled needs a CUDA device (this run is on {device})",
+                          hint="use --set pipeline.enabled=false on CPU")
 
 
-def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device):
+def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device, grad_sync=None):
+    """Main thread. grad_sync: the data-parallel gradient average (None in one process)."""
     check_device_support(cfg, device)
     if cfg.step.mode == "eager":
-        return EagerRunner(state, batch_dev, cfg.optim.accum_steps)
+        return EagerRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
     try:
         from trainer.step.graph import make_runner as make_graph_runner  # GPU branch: compile / graph runners
     except ImportError as e:
         raise ConfigError(f"step.mode={cfg.step.mode} is not available in this build ({e})",
                           hint="use --set step.mode=eager") from None
-    return make_graph_runner(cfg, state, batch_dev)
+    return make_graph_runner(cfg, state, batch_dev, grad_sync=grad_sync)
 
 
-def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout) -> Run:
+def make_pipeline(cfg: TrainCfg, state: TrainState, batches: EpochBatches, target_device: torch.device,
+                  device: torch.device, grad_sync):
+    """Main thread, before any worker thread: capture / warm up both sides (trainer/pipeline/train_pipe.py)."""
+    from trainer.pipeline import train_pipe
+
+    return train_pipe.build(state, [batches.batch(m) for m in range(cfg.optim.accum_steps)], mode=cfg.step.mode,
+                            target_device=target_device, drafter_device=device, grad_sync=grad_sync,
+                            slots=cfg.pipeline.slots, prefetch=cfg.pipeline.prefetch)
+
+
+def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout, *,
+          env: place.DistEnv = place.DistEnv(0, 1, 0), placement: place.Placement | None = None) -> Run:
+    """Build everything, capture in the main thread. Under torchrun the process group must already exist (train())."""
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg)
+    placement = placement or resolve_placement(cfg, env)
+    device, target_device = torch.device(placement.drafter), torch.device(placement.target)
     check_device_support(cfg, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    cfg = resolve_target(cfg, run_dir)
-    write_or_check_config(cfg, run_dir, resume)
+    if env.is_main:  # rank 0 builds the tiny target and writes (or checks) config.json; the others then read
+        cfg = resolve_target(cfg, run_dir)
+        write_or_check_config(cfg, run_dir, resume)
+    ddp.barrier()
+    if not env.is_main:
+        cfg = resolve_target(cfg, run_dir)
     m = cfg.model
     target = load_target(m.target, num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
-                         mask_token_id=m.mask_token_id, device=device, dtype=m.dtype, truncate=True)
+                         mask_token_id=m.mask_token_id, device=target_device, dtype=m.dtype, truncate=True)
     vocab = target.embed_tokens.weight.shape[0]
     datasets = build_datasets(cfg.data, target.tokenizer, vocab, cfg.seed)
+    _warn_data(datasets, cfg, env)
+    pad_id = target.tokenizer.pad_token_id or 0
+    batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed, pad_id,
+                           rank=env.rank, world_size=env.world)
+    state = build_state(cfg, target, device)
+    per_epoch_steps = max(1, batches.per_epoch // cfg.optim.accum_steps)
+    total = cfg.optim.max_steps or cfg.optim.epochs * per_epoch_steps
+    cursor = Cursor(step=0, micro=0, world=env.world)
+    if resume:
+        cursor = checkpoint.load_latest(run_dir, state.drafter, state.optimizer, state.lr_)
+        if cursor.world != env.world:
+            raise ConfigError(f"--resume with {env.world} data-parallel rank(s); the run was checkpointed with "
+                              f"{cursor.world} (its data cursor counts per-rank micro-batches)",
+                              hint=f"relaunch with --nproc-per-node {cursor.world}" if cursor.world > 1 else
+                              "resume as one process (without torchrun)")
+    grad_sync = ddp.make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], env.world)
+    runner, pipe = None, None
+    if cfg.pipeline.enabled:
+        pipe = make_pipeline(cfg, state, batches, target_device, device, grad_sync)
+    else:
+        batch_dev = batches.batch(0).to(device)  # static device buffers; contents replaced every micro-step
+        runner = make_runner(cfg, state, batch_dev, device, grad_sync)
+    sink = (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream)
+    return Run(cfg=cfg, run_dir=run_dir, device=device, state=state, datasets=datasets, batches=batches,
+               runner=runner, total_steps=total, cursor=cursor, sink=sink,
+               metrics=DeviceMetrics(cfg.model.block_size, device), env=env, pipe=pipe)
+
+
+def _warn_data(datasets: Datasets, cfg: TrainCfg, env: place.DistEnv) -> None:
+    if not env.is_main:
+        return
     for report in datasets.reports:
         if report.bad:
             print(f"warning: {report.summary()}", file=sys.stderr, flush=True)
     if datasets.train.truncated:
         print(f"warning: {datasets.train.truncated} samples longer than data.seq_len={cfg.data.seq_len} were truncated",
               file=sys.stderr, flush=True)
-    pad_id = target.tokenizer.pad_token_id or 0
-    batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed, pad_id)
-    state = build_state(cfg, target, device)
-    per_epoch_steps = max(1, batches.per_epoch // cfg.optim.accum_steps)
-    total = cfg.optim.max_steps or cfg.optim.epochs * per_epoch_steps
-    cursor = Cursor(step=0, micro=0)
-    if resume:
-        cursor = checkpoint.load_latest(run_dir, state.drafter, state.optimizer, state.lr_)
-    batch_dev = batches.batch(0).to(device)  # static device buffers; contents replaced every micro-step
-    runner = make_runner(cfg, state, batch_dev, device)
-    return Run(cfg=cfg, run_dir=run_dir, device=device, state=state, datasets=datasets, batches=batches,
-               runner=runner, total_steps=total, cursor=cursor, sink=MetricsSink(run_dir / "metrics.jsonl", stream),
-               metrics=DeviceMetrics(cfg.model.block_size, device))
 
 
 def _lr(run: Run, step: int) -> float:
@@ -169,61 +220,134 @@ def _lr(run: Run, step: int) -> float:
 
 
 def _check_finite(run: Run, step: int) -> None:
-    """SYNC. Raise NonFiniteLoss (exit 4) naming the last good checkpoint; nothing is saved over it."""
-    if run.metrics.nonfinite():
+    """SYNC (collective: every rank calls it at the same steps). Raise NonFiniteLoss (exit 4) naming the last good
+    checkpoint on every rank if any rank saw a non-finite loss; nothing is saved over it."""
+    if run.metrics.nonfinite(ddp.all_reduce_sum_):
         found = checkpoint.list_checkpoints(run.run_dir)
         last = str(found[-1][1]) if found else "none"
         raise NonFiniteLoss(f"non-finite loss (NaN/inf) by step {step}; stopping. Last good checkpoint: {last}",
                             hint="lower optim.lr or check the data; resume from the last good checkpoint with --resume")
 
 
+@dataclass
+class _Clock:
+    """Wall time of the current log interval (host clock; no device sync of its own)."""
+
+    start: float
+    interval_start: float
+    steps: int = 0
+
+    @staticmethod
+    def now() -> "_Clock":
+        t = time.perf_counter()
+        return _Clock(start=t, interval_start=t)
+
+
 def train_loop(run: Run, stop_at: int | None = None) -> Cursor:
-    """Run optimizer steps from run.cursor up to stop_at (default: total). Updates run.cursor; returns it."""
-    cfg, accum = run.cfg, run.cfg.optim.accum_steps
+    """Run optimizer steps from run.cursor up to stop_at (default: total). Updates run.cursor; returns it.
+
+    Sequential (one thread) or, with pipeline.enabled, through the loader/producer/consumer threads; the per-step
+    bookkeeping (`_after_step`) is the same and runs in whichever thread finished the step.
+    """
+    accum = run.cfg.optim.accum_steps
     end = min(stop_at or run.total_steps, run.total_steps)
-    t_interval, steps_in_interval = time.perf_counter(), 0
-    t_start = time.perf_counter()
-    step, micro = run.cursor.step, run.cursor.micro
-    while step < end:
+    clock = _Clock.now()
+    if run.pipe is not None:
+        _pipelined(run, end, clock)
+        return run.cursor
+    while run.cursor.step < end:
+        step, micro = run.cursor.step, run.cursor.micro
         run.state.lr_.fill_(_lr(run, step))
-        for out in run.runner.step([run.batches.batch(m) for m in range(micro, micro + accum)]):
-            run.metrics.add(out)
-        micro += accum
-        step += 1
-        steps_in_interval += 1
-        run.cursor = Cursor(step=step, micro=micro)
-        run.sink.progress_bar(step, run.total_steps)
-        if step % cfg.log.every == 0 or step == end:
-            _check_finite(run, step)
-            now = time.perf_counter()
-            _log(run, step, micro, now - t_interval, steps_in_interval, now - t_start)
-            t_interval, steps_in_interval = now, 0
-        if cfg.ckpt.every and step % cfg.ckpt.every == 0:
-            _check_finite(run, step)
-            checkpoint.save(run.run_dir, run.cursor, run.state.drafter, run.state.optimizer, cfg.ckpt.keep)
+        _after_step(run, run.runner.step([run.batches.batch(m) for m in range(micro, micro + accum)]), end, clock)
     return run.cursor
 
 
+def _pipelined(run: Run, end: int, clock: _Clock) -> None:
+    from trainer.pipeline.train_pipe import step_inputs
+
+    start, accum = run.cursor, run.cfg.optim.accum_steps
+    steps = end - start.step
+    if steps <= 0:
+        return
+
+    def feed():  # loader thread: CPU batches only
+        for k in range(steps):
+            first = start.micro + k * accum
+            yield step_inputs([run.batches.batch(m) for m in range(first, first + accum)])
+
+    def before() -> None:  # consumer thread, on its stream, before the step's replay
+        run.state.lr_.fill_(_lr(run, run.cursor.step))
+
+    try:
+        run.pipe.run(steps, feed, before, lambda outs: _after_step(run, outs, end, clock))
+    except RuntimeError as e:
+        if isinstance(e.__cause__, TrainerError):  # e.g. NonFiniteLoss raised by _after_step in the consumer
+            raise e.__cause__ from None
+        raise
+
+
+def _after_step(run: Run, outs, end: int, clock: _Clock) -> None:
+    """Bookkeeping after one optimizer step: metrics (device), cursor, and at cadence log / checkpoint (SYNC)."""
+    cfg = run.cfg
+    for out in outs:
+        run.metrics.add(out)
+    step, micro = run.cursor.step + 1, run.cursor.micro + cfg.optim.accum_steps
+    run.cursor = Cursor(step=step, micro=micro, world=run.env.world)
+    clock.steps += 1
+    run.sink.progress_bar(step, run.total_steps)
+    if step % cfg.log.every == 0 or step == end:
+        _check_finite(run, step)
+        now = time.perf_counter()
+        _log(run, step, micro, now - clock.interval_start, clock.steps, now - clock.start)
+        clock.interval_start, clock.steps = now, 0
+    if cfg.ckpt.every and step % cfg.ckpt.every == 0:
+        _check_finite(run, step)
+        _save(run)
+
+
+def _save(run: Run) -> None:
+    """Rank 0 only: the replicas are identical, one copy is the checkpoint."""
+    if run.env.is_main:
+        checkpoint.save(run.run_dir, run.cursor, run.state.drafter, run.state.optimizer, run.cfg.ckpt.keep)
+
+
 def _log(run: Run, step: int, micro: int, dt: float, steps: int, elapsed: float) -> None:
+    """Collective at log cadence: metrics are summed over ranks; tokens/s counts every rank's tokens."""
     record = {"step": step, "total_steps": run.total_steps, "epoch": run.batches.locate(max(0, micro - 1))[0]}
-    record.update(run.metrics.flush())
-    tokens = steps * run.cfg.optim.accum_steps * run.cfg.data.tokens_per_step
+    record.update(run.metrics.flush(ddp.all_reduce_sum_))
+    tokens = steps * run.cfg.optim.accum_steps * run.cfg.data.tokens_per_step * run.env.world
     record.update({"tokens_per_s": round(tokens / dt, 1) if dt > 0 else None, "lr": _lr(run, step - 1),
                    "peak_mem_gib": peak_mem_gib(run.device), "step_time_s": round(dt / max(1, steps), 4),
-                   "elapsed_s": round(elapsed, 2)})
+                   "elapsed_s": round(elapsed, 2), "world": run.env.world})
     run.sink.emit(record)
 
 
 def finish(run: Run) -> dict:
-    """Final checkpoint, export and (optionally) eval; prints DFLASH_EVAL and DFLASH_DONE."""
+    """Final checkpoint, export and (optionally) eval; prints DFLASH_EVAL and DFLASH_DONE.
+
+    Data parallel: every rank runs the collective non-finite check and compares replica digests; rank 0 writes the
+    checkpoint and export; then all ranks leave the process group together (a rank exiting alone aborts the others'
+    gloo/NCCL teardown) and rank 0 alone evaluates and prints DFLASH_DONE. The other ranks return at once.
+    """
     from trainer.export import export_drafter
 
     _check_finite(run, run.cursor.step)
-    found = checkpoint.list_checkpoints(run.run_dir)
-    if not found or found[-1][0] != run.cursor.step:
-        checkpoint.save(run.run_dir, run.cursor, run.state.drafter, run.state.optimizer, run.cfg.ckpt.keep)
-    export_drafter(run.run_dir / "export", run.state.drafter, exported_config(run.cfg, run.state))
-    result = {"step": run.cursor.step, "run_dir": str(run.run_dir), "export": str(run.run_dir / "export")}
+    digests = ddp.replica_digests(run.state.drafter)
+    if len(set(digests)) != 1:  # the replicas must never drift apart; a checkpoint of one would not be the model
+        raise ReplicaDrift(f"data-parallel drafter replicas differ at step {run.cursor.step} "
+                           f"(sha256 per rank: {[d[:12] for d in digests]})",
+                           hint="a bug: gradients were not averaged identically; report it with the run directory")
+    if run.env.is_main:
+        found = checkpoint.list_checkpoints(run.run_dir)
+        if not found or found[-1][0] != run.cursor.step:
+            checkpoint.save(run.run_dir, run.cursor, run.state.drafter, run.state.optimizer, run.cfg.ckpt.keep)
+        export_drafter(run.run_dir / "export", run.state.drafter, exported_config(run.cfg, run.state))
+    ddp.barrier()
+    ddp.shutdown()
+    if not run.env.is_main:
+        return {"step": run.cursor.step, "rank": run.env.rank, "world": run.env.world}
+    result = {"step": run.cursor.step, "run_dir": str(run.run_dir), "export": str(run.run_dir / "export"),
+              "world": run.env.world, "replica_sha256": digests}
     if run.cfg.eval_at_end and run.datasets.eval is not None:
         from trainer.eval import evaluate_run
 
@@ -243,11 +367,20 @@ def exported_config(cfg: TrainCfg, state: TrainState) -> dict:
                          dtype="bfloat16")
 
 
-def train(cfg: TrainCfg, run_dir: Path, resume: bool = False) -> dict:
+def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None) -> dict:
+    """The whole run, as one process or as one rank of a torchrun job (process group joined and left here)."""
     random.seed(cfg.seed)
-    run = setup(cfg, run_dir, resume)
-    train_loop(run)
-    return finish(run)
+    env = place.dist_env(os.environ if environ is None else environ)
+    placement = resolve_placement(cfg, env)
+    if placement.backend is not None:
+        ddp.die_with_launcher()
+        ddp.init_group(placement.backend, torch.device(placement.drafter))
+    try:
+        run = setup(cfg, run_dir, resume, env=env, placement=placement)
+        train_loop(run)
+        return finish(run)
+    finally:
+        ddp.shutdown()
 
 
 def load_run_config(run_dir: Path) -> TrainCfg:

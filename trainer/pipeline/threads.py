@@ -42,16 +42,19 @@ class PipelineResult:
 class Pipeline:
     """Runs `steps` training steps through the three threads. See the module docstring.
 
-    batches: yields CPU dicts with `input_ids` and the other step inputs (everything but `taps`).
-    target_fn(input_ids on placement.target) -> taps tensor on placement.target (may be a graph's static output).
-    step: object with `.step(inputs) -> outputs` (StepGraph or EagerStep) for placement.drafter.
-    example: one full step-input dict (with `taps`) giving the ring slots' shapes and dtypes.
+    batches: yields CPU dicts of step inputs (every slot field the target does not produce).
+    target_fn({name: tensor on placement.target for name in target_keys}) -> {slot field: tensor on placement.target}
+        (may be a graph's static outputs: they are copied into the slot on the producer's stream before its next call).
+    step: object with `.step(inputs) -> outputs` (StepGraph or EagerStep) for placement.drafter; outputs has "loss".
+    example: one full step-input dict (batch fields + target outputs) giving the ring slots' shapes and dtypes.
     """
 
     def __init__(self, placement: Placement, batches: Callable[[], Iterator[Tensors]],
-                 target_fn: Callable[[torch.Tensor], torch.Tensor], step, example: Tensors, *, slots: int = 3,
-                 prefetch: int = 4, on_interval: Callable[[int], None] | None = None, interval: int = 10) -> None:
+                 target_fn: Callable[[Tensors], Tensors], step, example: Tensors, *,
+                 target_keys: tuple[str, ...] = ("input_ids",), slots: int = 3, prefetch: int = 4,
+                 on_interval: Callable[[int], None] | None = None, interval: int = 10) -> None:
         self.placement, self.batches, self.target_fn, self.step = placement, batches, target_fn, step
+        self.target_keys = target_keys
         self.ring = SlotRing(slots, example, placement.drafter)
         self.prefetch, self.on_interval, self.interval = prefetch, on_interval, interval
         self._errors: list[BaseException] = []
@@ -82,12 +85,13 @@ class Pipeline:
                 return
             slot = self.ring.slots[k]
             with torch.cuda.stream(s_a):
-                taps = self.target_fn(batch["input_ids"].to(a, non_blocking=True))
-                if a == b:
-                    slot["taps"].copy_(taps, non_blocking=True)
-                else:
-                    with torch.cuda.stream(s_b):  # both current streams set: Copy.cu orders the peer copy on both
-                        slot["taps"].copy_(taps, non_blocking=True)
+                made = self.target_fn({n: batch[n].to(a, non_blocking=True) for n in self.target_keys})
+                for name, t in made.items():
+                    if a == b:
+                        slot[name].copy_(t, non_blocking=True)
+                    else:
+                        with torch.cuda.stream(s_b):  # both current streams set: Copy.cu orders the peer copy on both
+                            slot[name].copy_(t, non_blocking=True)
             with torch.cuda.device(b), torch.cuda.stream(s_b):
                 for name, src in batch.items():
                     slot[name].copy_(src, non_blocking=True)  # pinned host -> device, async

@@ -331,7 +331,7 @@ def make_runner(cfg, state, batch_dev, *, grad_sync=None):
     if mode in ("compile", "compile+graph"):
         compile_drafter(state)
     if mode == "compile":
-        return EagerRunner(state, batch_dev, cfg.optim.accum_steps)
+        return EagerRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
     if mode in ("graph", "compile+graph"):
         return GraphRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
     raise ValueError(f"make_runner: unsupported step.mode {mode!r}")

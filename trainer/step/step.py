@@ -43,6 +43,18 @@ class TrainState:
     # Backend mask builder (see model/attention.make_layout); None = dense sdpa mask. The flex runner sets it to
     # update its static FlexBlockMask in place and return it.
     mask_fn: Callable[[BlockLayout], Any] | None = None
+    # Frozen copies of the target's embedding and LM head on the drafter's device, when the target runs on another
+    # GPU (pipeline placement); None = use the target's own.
+    embed: torch.nn.Module | None = None
+    head: torch.nn.Module | None = None
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.embed if self.embed is not None else self.target.embed_tokens
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.head if self.head is not None else self.target.lm_head
 
 
 @dataclass(frozen=True)
@@ -87,21 +99,25 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def compute_loss(state: TrainState, batch: StaticBatch) -> StepOut:
-    """Forward only: target features -> drafter -> chunked LM-head CE. Returns un-detached loss in `loss_`."""
+def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | None = None) -> StepOut:
+    """Forward only: target features -> drafter -> chunked LM-head CE. Returns un-detached loss in `loss_`.
+
+    feats: the target's features for `batch` when a producer already computed them (pipeline); None = run the target.
+    """
     B = state.block_size
-    feats = state.target.features(batch.input_ids, batch.position_ids, batch.doc_ids)  # [R, S, T*D], no grad
+    if feats is None:
+        feats = state.target.features(batch.input_ids, batch.position_ids, batch.doc_ids)  # [R, S, T*D], no grad
     layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, state.attn,
                          state.mask_fn)
     noise_ids = block_input_ids(batch.input_ids, batch.anchor_pos, B, state.target.mask_token_id)  # [R, N*B]
     with torch.no_grad():
-        noise_emb = state.target.embed_tokens(noise_ids)  # frozen target embedding
+        noise_emb = state.embed_tokens(noise_ids)  # frozen target embedding
     with _autocast(feats.device):
         hidden = state.drafter(feats, noise_emb, layout)  # [R, N*B, D]
     labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
                                  batch.anchor_valid, B)  # [R, N, B]
     w = decay_weights(B, state.gamma, device=labels.device) * valid  # [R, N, B]
-    head = state.target.lm_head
+    head = state.lm_head
     h = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
     loss, correct = chunked_lm_loss(h, head.weight, getattr(head, "bias", None), labels.reshape(-1), w.reshape(-1),
                                     state.loss_chunk)
@@ -110,9 +126,10 @@ def compute_loss(state: TrainState, batch: StaticBatch) -> StepOut:
     return StepOut(loss_=loss, correct_by_pos_=correct_by_pos, valid_by_pos_=validf.sum(dim=(0, 1)))
 
 
-def forward_backward(state: TrainState, batch: StaticBatch, loss_scale: float = 1.0) -> StepOut:
+def forward_backward(state: TrainState, batch: StaticBatch, loss_scale: float = 1.0,
+                     feats: torch.Tensor | None = None) -> StepOut:
     """One micro-step: forward + backward of loss * loss_scale. Grads ACCUMULATE into .grad (no zeroing here)."""
-    out = compute_loss(state, batch)
+    out = compute_loss(state, batch, feats)
     (out.loss_ * loss_scale).backward()
     return StepOut(loss_=out.loss_.detach(), correct_by_pos_=out.correct_by_pos_, valid_by_pos_=out.valid_by_pos_)
 
@@ -138,10 +155,12 @@ class EagerRunner:
     state, batch_dev)`) offers the same `step`, so the training loop does not know which one it drives.
     """
 
-    def __init__(self, state: TrainState, batch_dev: StaticBatch, accum_steps: int) -> None:
+    def __init__(self, state: TrainState, batch_dev: StaticBatch, accum_steps: int,
+                 grad_sync: Callable[[], None] | None = None) -> None:
         self.state = state
         self.batch_dev = batch_dev  # static device buffers, filled in place every micro-step
         self.accum_steps = accum_steps
+        self.grad_sync = grad_sync  # data parallel: average grads across ranks before clip + AdamW
 
     def step(self, micro_batches: Sequence[StaticBatch]) -> list[StepOut]:
         """accum_steps x (copy CPU batch into the static buffers; forward + backward, grads accumulate), then clip +
@@ -152,6 +171,8 @@ class EagerRunner:
         for batch in micro_batches:
             self.batch_dev.copy_(batch, non_blocking=True)
             outs.append(forward_backward(self.state, self.batch_dev, 1.0 / self.accum_steps))
+        if self.grad_sync is not None:
+            self.grad_sync()
         optimizer_step(self.state)
         zero_grads(self.state)
         return outs

@@ -67,12 +67,18 @@ def test_bundled_runbooks_are_valid():
     books = {name: runbooks.load_runbook(runbooks.BUNDLED, name) for name in names}  # every one loads
     assert all(any("{run_dir}" in a for a in book.command) for book in books.values())
     modes = {}
-    for name in ("smoke", "eager", "fixedshape", "cudagraph", "graphwarm"):
+    for name in ("smoke", "eager", "fixedshape", "cudagraph", "graphwarm", "graphwarm-ddp"):
         book = books[name]
-        assert book.command[:3] == ("{python}", "-m", "trainer") and "{run_dir}" in book.command
+        cmd = book.command
+        launcher = cmd[:3] == ("{python}", "-m", "torch.distributed.run")  # torchrun runs `-m trainer` per rank
+        first = cmd.index("trainer") - 1 if launcher else 1
+        assert cmd[0] == "{python}" and cmd[first:first + 2] == ("-m", "trainer") and "{run_dir}" in cmd
         modes[name] = next((a for a in book.command if a.startswith("step.mode=")), None)
     assert modes == {"smoke": None, "eager": "step.mode=eager", "fixedshape": "step.mode=eager",
-                     "cudagraph": "step.mode=compile+graph", "graphwarm": "step.mode=graph"}
+                     "cudagraph": "step.mode=compile+graph", "graphwarm": "step.mode=graph",
+                     "graphwarm-ddp": "step.mode=graph"}
+    ddp = runbooks.load_runbook(runbooks.BUNDLED, "graphwarm-ddp").command
+    assert ddp[:6] == ("{python}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "gpu")
     assert runbooks.load_runbook(runbooks.BUNDLED, "graphwarm").pre == ("clear_inductor_cache",)
     assert runbooks.load_runbook(runbooks.BUNDLED, "smoke").liveness.pattern == "DFLASH_METRICS|step "
 

@@ -37,8 +37,8 @@ def test_pipeline_matches_sequential_bit_exact():
     target, st, sg, sample = captured()
     seen = []
     feed = iter(cpu_batches())
-    pipe = Pipeline(Placement(DEV, DEV), lambda: feed, target.taps, sg, sample, slots=2,
-                    on_interval=seen.append, interval=4)
+    pipe = Pipeline(Placement(DEV, DEV), lambda: feed, lambda b: {"taps": target.taps(b["input_ids"])}, sg, sample,
+                    slots=2, on_interval=seen.append, interval=4)
     res = pipe.run(STEPS // 2)  # two runs through one ring: it must be reusable
     res2 = pipe.run(STEPS - STEPS // 2)
     assert seen == [4, 4]
@@ -54,6 +54,7 @@ def test_pipeline_surfaces_a_thread_error():
     def bad_target(ids):
         raise ValueError("boom in the producer")
 
-    pipe = Pipeline(Placement(DEV, DEV), lambda: iter(cpu_batches()), bad_target, sg, sample)
+    pipe = Pipeline(Placement(DEV, DEV), lambda: iter(cpu_batches()), lambda b: {"taps": bad_target(b["input_ids"])},
+                    sg, sample)
     with pytest.raises(RuntimeError, match="boom in the producer"):
         pipe.run(3)

@@ -1,0 +1,184 @@
+"""The trainer's optimizer steps through the threaded pipeline (`pipeline.enabled`, CUDA only).
+
+One ring slot = one optimizer step: `accum` micro-batches, fields `"{i}.{name}"` (StaticBatch fields) plus
+`"{i}.feats"` ([R, S, T*D], the target's tapped features for micro-batch i, on the drafter's device).
+
+    loader thread    EpochBatches -> CPU step dicts (pinned), `prefetch` ahead
+    producer thread  target features on the target device (eager, or one replayed CUDA graph per step)
+    consumer thread  drafter step on the drafter device (`StepGraph` replay, or `EagerStep`), then the trainer's
+                     per-step bookkeeping (LR, metrics, log, checkpoint) on the consumer's stream
+
+Thread affinity: `build()` runs in the main thread and does every capture, compilation and first flex call there --
+target device first, then the drafter device -- before `PipelinedSteps.run()` starts any thread. The threads replay.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainer.data.batching import StaticBatch
+from trainer.step.step import StepOut, TrainState, forward_backward, optimizer_step
+
+TARGET_FIELDS = ("input_ids", "position_ids", "doc_ids")
+Tensors = dict[str, torch.Tensor]
+
+
+def step_inputs(micro_batches: Sequence[StaticBatch]) -> Tensors:
+    """Pure: one optimizer step's micro-batches -> the flat slot dict ("{i}.{field}")."""
+    return {f"{i}.{k}": v for i, mb in enumerate(micro_batches) for k, v in mb.tensors().items()}
+
+
+def target_keys(accum: int) -> tuple[str, ...]:
+    return tuple(f"{i}.{f}" for i in range(accum) for f in TARGET_FIELDS)
+
+
+def micro_batch(inputs: Tensors, i: int) -> StaticBatch:
+    return StaticBatch(**{f.name: inputs[f"{i}.{f.name}"] for f in dataclasses.fields(StaticBatch)})
+
+
+def drafter_fns(state: TrainState, accum: int):
+    """(forward_backward(inputs) -> outputs, optimizer_step() -> outputs) over one slot, as StepGraph/EagerStep take."""
+    scale = 1.0 / accum
+
+    def fwd_bwd(inputs: Tensors) -> Tensors:
+        out = {}
+        for i in range(accum):
+            o = forward_backward(state, micro_batch(inputs, i), scale, feats=inputs[f"{i}.feats"])
+            out.update({f"{i}.loss_": o.loss_, f"{i}.correct_by_pos_": o.correct_by_pos_,
+                        f"{i}.valid_by_pos_": o.valid_by_pos_})
+        return out
+
+    return fwd_bwd, lambda: {"grad_norm": optimizer_step(state)}
+
+
+class TargetFeatures:
+    """The producer's callable: {"{i}.input_ids"/"position_ids"/"doc_ids"} -> {"{i}.feats"} on the target device.
+
+    capture=True: the `accum` target forwards are captured (main thread) as one CUDA graph over static inputs; each
+    call copies its inputs in and replays on the calling thread's current stream. Outputs then alias the graph's
+    static buffers (the producer copies them into the ring slot before its next call, on the same stream).
+    """
+
+    def __init__(self, target, sample: Tensors, accum: int, *, capture: bool, warmup: int = 2) -> None:
+        self.target, self.accum = target, accum
+        self.static = {k: v.detach().clone() for k, v in sample.items()}
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Tensors = {}
+        dev = self.target.device
+        with torch.cuda.device(dev):
+            s = torch.cuda.Stream(device=dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                for _ in range(warmup):  # cuBLAS handles, lazy inits: on the main thread
+                    self._features(self.static)
+            torch.cuda.current_stream(dev).wait_stream(s)
+            torch.cuda.synchronize(dev)
+            if capture:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=s):
+                    self.outputs = self._features(self.static)
+                torch.cuda.synchronize(dev)
+                self.graph = g
+
+    def _features(self, inputs: Tensors) -> Tensors:
+        return {f"{i}.feats": self.target.features(inputs[f"{i}.input_ids"], inputs[f"{i}.position_ids"],
+                                                   inputs[f"{i}.doc_ids"]) for i in range(self.accum)}
+
+    def __call__(self, inputs: Tensors) -> Tensors:
+        if self.graph is None:
+            return self._features(inputs)
+        for k, v in inputs.items():
+            self.static[k].copy_(v, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+def drafter_side_head(state: TrainState, device: torch.device) -> None:
+    """Target on another GPU: give the drafter step frozen copies of the target's embedding and LM head (the only
+    target modules it touches) on its own device."""
+    state.embed = copy.deepcopy(state.target.embed_tokens).to(device).requires_grad_(False)
+    state.head = copy.deepcopy(state.target.lm_head).to(device).requires_grad_(False)
+
+
+class ConsumerStep:
+    """What the consumer thread calls once per optimizer step, inside its stream: `before()` (the LR fill), the
+    drafter step, then `after(outs)` (metrics, log, checkpoint; they may sync at their cadence). Returns {"loss"}."""
+
+    def __init__(self, stepper, accum: int, before: Callable[[], None], after: Callable[[list[StepOut]], None]):
+        self.stepper, self.accum, self.before, self.after = stepper, accum, before, after
+
+    def step(self, slot: Tensors) -> Tensors:
+        self.before()
+        out = self.stepper.step(slot)
+        outs = [StepOut(loss_=out[f"{i}.loss_"], correct_by_pos_=out[f"{i}.correct_by_pos_"],
+                        valid_by_pos_=out[f"{i}.valid_by_pos_"]) for i in range(self.accum)]
+        self.after(outs)
+        return {"loss": outs[0].loss_}
+
+
+@dataclass
+class PipelinedSteps:
+    """Everything captured in the main thread; `run()` drives `steps` optimizer steps through the threads."""
+
+    target_fn: TargetFeatures
+    stepper: object  # StepGraph (graph modes) or EagerStep
+    example: Tensors
+    accum: int
+    target_device: torch.device
+    drafter_device: torch.device
+    slots: int
+    prefetch: int
+
+    def run(self, steps: int, feed: Callable[[], Iterator[Tensors]], before: Callable[[], None],
+            after: Callable[[list[StepOut]], None]) -> None:
+        """Raises the first thread error as RuntimeError (its cause is the original exception)."""
+        from trainer.pipeline.threads import Pipeline, Placement
+
+        consumer = ConsumerStep(self.stepper, self.accum, before, after)
+        pipe = Pipeline(Placement(self.target_device, self.drafter_device), feed, self.target_fn, consumer,
+                        self.example, target_keys=target_keys(self.accum), slots=self.slots, prefetch=self.prefetch)
+        pipe.run(steps)
+
+
+def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, mode: str, target_device: torch.device,
+          drafter_device: torch.device, grad_sync, slots: int, prefetch: int) -> PipelinedSteps:
+    """Main thread, before any worker: warm up / capture the target side (target device), then the drafter side.
+
+    Warm-up never trains: the drafter's parameters and optimizer state are put back afterwards (StepGraph's restore
+    policy for the graph modes, the same snapshot/restore around the eager warm-up step).
+    """
+    from trainer.step.graph import (EagerStep, StepGraph, compile_drafter, restore_training_state,
+                                    snapshot_training_state)
+
+    accum = len(sample_batches)
+    cpu = step_inputs(sample_batches)
+    target_fn = TargetFeatures(state.target, {k: cpu[k].to(target_device) for k in target_keys(accum)}, accum,
+                               capture=mode in ("graph", "compile+graph"))
+    with torch.no_grad():
+        feats = {k: v.to(drafter_device) for k, v in target_fn({k: cpu[k].to(target_device)
+                                                                for k in target_keys(accum)}).items()}
+    torch.cuda.synchronize(target_device)
+    example = {k: v.to(drafter_device) for k, v in cpu.items()} | feats
+    if target_device != drafter_device:
+        drafter_side_head(state, drafter_device)
+    if mode in ("compile", "compile+graph"):
+        compile_drafter(state)
+    fwd_bwd, opt_step = drafter_fns(state, accum)
+    params = [p for p in state.drafter.parameters() if p.requires_grad]
+    if mode in ("graph", "compile+graph"):
+        stepper = StepGraph(fwd_bwd, opt_step, params, state.optimizer, example, sync_grads=grad_sync)
+        stepper.capture(restore=True)
+    else:
+        stepper = EagerStep(fwd_bwd, opt_step, state.optimizer, sync_grads=grad_sync)
+        snap = snapshot_training_state(params, state.optimizer)
+        with torch.cuda.device(drafter_device):
+            stepper.step(example)  # compile / first flex call / autotuning happen here, not in a worker
+            torch.cuda.synchronize(drafter_device)
+            restore_training_state(params, state.optimizer, snap)
+            torch.cuda.synchronize(drafter_device)
+    return PipelinedSteps(target_fn=target_fn, stepper=stepper, example=example, accum=accum,
+                          target_device=target_device, drafter_device=drafter_device, slots=slots, prefetch=prefetch)

@@ -1,0 +1,87 @@
+"""Where one rank's target and drafter run, and how its process joins the data-parallel job. Pure: no torch import.
+
+A torchrun job sets RANK / WORLD_SIZE / LOCAL_RANK in every process; without them the run is one process (world 1).
+Device specs (config `device` for the drafter, `pipeline.target_device` for the target):
+  auto          cuda:LOCAL_RANK when CUDA is available, else cpu
+  cuda          cuda:LOCAL_RANK
+  cuda:N        that GPU on every rank (one process: any GPU; several: give each rank its own via cuda:local+K)
+  cuda:local+K  cuda:(LOCAL_RANK + K), e.g. targets on GPUs 0-5 (`cuda:local`) and drafters on 2-7 (`cuda:local+2`)
+  same          (target only) the drafter's device
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Device strings for this rank, and the torch.distributed backend (None = one process, no process group)."""
+
+    drafter: str
+    target: str
+    backend: str | None
+
+
+def dist_env(environ: Mapping[str, str]) -> DistEnv:
+    """Read torchrun's variables; a partial or malformed set is a usage error (one line naming the fix)."""
+    keys = ("RANK", "WORLD_SIZE")
+    if not any(k in environ for k in keys):
+        return DistEnv(0, 1, 0)
+    try:
+        env = DistEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")))
+    except (KeyError, ValueError):
+        raise ConfigError("RANK / WORLD_SIZE / LOCAL_RANK must all be integers when set",
+                          hint="launch with `python -m torch.distributed.run --nproc-per-node N -m trainer train ...`, "
+                               "or unset them for one process") from None
+    if not (env.world >= 1 and 0 <= env.rank < env.world and env.local_rank >= 0):
+        raise ConfigError(f"bad torchrun environment: RANK={env.rank} WORLD_SIZE={env.world} "
+                          f"LOCAL_RANK={env.local_rank}",
+                          hint="launch through torch.distributed.run; do not set these variables by hand")
+    return env
+
+
+def resolve_device(spec: str, local_rank: int, cuda_available: bool, device_count: int) -> str:
+    """One device spec (see the module docstring) -> a concrete 'cpu' or 'cuda:N' for this rank."""
+    if spec == "cpu" or (spec == "auto" and not cuda_available):
+        return "cpu"
+    if not cuda_available:
+        raise ConfigError(f"device {spec} needs CUDA, which is not available here",
+                          hint="use --set device=cpu (or auto)")
+    if spec in ("auto", "cuda", "cuda:local"):
+        index = local_rank
+    elif spec.startswith("cuda:local+"):
+        index = local_rank + int(spec[len("cuda:local+"):])
+    else:
+        index = int(spec[len("cuda:"):])
+    if index >= device_count:
+        raise ConfigError(f"device {spec} resolves to cuda:{index} on local rank {local_rank}, but this host has "
+                          f"{device_count} GPU(s)", hint="lower --nproc-per-node or change the placement offsets")
+    return f"cuda:{index}"
+
+
+def resolve_placement(device: str, target_device: str, backend: str, env: DistEnv, cuda_available: bool,
+                      device_count: int) -> Placement:
+    """Config + torchrun env + what the host has -> this rank's Placement."""
+    drafter = resolve_device(device, env.local_rank, cuda_available, device_count)
+    target = drafter if target_device == "same" else resolve_device(target_device, env.local_rank, cuda_available,
+                                                                     device_count)
+    if env.world == 1:
+        return Placement(drafter=drafter, target=target, backend=None)
+    chosen = backend if backend != "auto" else ("nccl" if drafter.startswith("cuda") else "gloo")
+    if chosen == "nccl" and drafter == "cpu":
+        raise ConfigError("dist.backend=nccl needs the drafter on CUDA", hint="use --set dist.backend=gloo on CPU")
+    return Placement(drafter=drafter, target=target, backend=chosen)
