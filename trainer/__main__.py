@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.errors import TrainerError
+from trainer.errors import TrainerError, run_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,17 +105,12 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "make-ti
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
+
+    def command() -> int:
         _quiet_libraries()
         return COMMANDS[args.command](args)
-    except TrainerError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr, flush=True)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130
+
+    return run_cli(command)
 
 
 if __name__ == "__main__":

@@ -9,30 +9,20 @@ stream waits for it), so it needs no host sync.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world: int
-    local_rank: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from trainer.placement import DistEnv, dist_env
 
 
-def init_from_env() -> DistInfo:
+def init_from_env() -> DistEnv:
     """Join the torchrun job if its env is present (RANK/WORLD_SIZE/LOCAL_RANK), else a single-process 'world'.
 
     Sets the CUDA device to LOCAL_RANK before NCCL initializes (one GPU per process).
     """
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return DistInfo(0, 1, 0)
-    info = DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+    info = dist_env(os.environ)
+    if "RANK" not in os.environ:
+        return info
     torch.cuda.set_device(info.local_rank)
     import torch.distributed as dist
 

@@ -1,6 +1,9 @@
 """Domain errors of the trainer: each carries an exit code and a hint; `__main__` renders them in one place."""
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class TrainerError(Exception):
     """A user-facing failure: bad config, bad data, bad target, a non-finite loss.
@@ -31,3 +34,18 @@ class ReplicaDrift(TrainerError):
     """Data-parallel replicas ended with different parameters (a bug, not a user error)."""
 
     exit_code = 4
+
+
+def run_cli(command: Callable[[], int]) -> int:
+    """The one error boundary of the trainer's entry points: a TrainerError becomes `error:` + `hint:` lines on stderr
+    and its exit code; Ctrl-C exits 130. Anything else is a bug and keeps its traceback."""
+    try:
+        return command()
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130

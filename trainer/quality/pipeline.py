@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from trainer.errors import ConfigError, TrainerError
+from trainer.errors import ConfigError, run_cli
 
 
 def log(message: str) -> None:
@@ -201,20 +201,15 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
+
+    def command() -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         run_pipeline(args.recipe, Path(args.out), args.overrides)
         return 0
-    except TrainerError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr, flush=True)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130
+
+    return run_cli(command)
 
 
 if __name__ == "__main__":
