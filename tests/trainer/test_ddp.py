@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from support.procfs import is_alive as alive
+
 REPO = Path(__file__).resolve().parents[2]
 BASE = ("data.seq_len=96", "data.rows_per_step=2", "data.num_anchors=8", "optim.max_steps=4", "log.every=1",
         "ckpt.every=2", "eval_at_end=false", "threads=1")
@@ -126,12 +128,6 @@ def children_of(pid: int) -> list[int]:
             found.append(int(stat.parent.name))
     return found
 
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_ranks_die_with_a_killed_launcher(tiny_target_dir, tmp_path):

@@ -5,6 +5,8 @@ import subprocess
 
 import pytest
 
+from support.procfs import is_alive as alive
+
 from dflash_ops import gpus, gpuscripts
 
 
@@ -17,13 +19,6 @@ def run_bash(script: str) -> str:
 def probe(fake) -> gpus.GpuSnapshot:
     return gpus.parse_probe(run_bash(gpuscripts.probe_script(nvidia_smi=str(fake.nvidia_smi), dev_glob=fake.dev_glob)))
 
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_probe_without_nvidia_smi_says_so(tmp_path):

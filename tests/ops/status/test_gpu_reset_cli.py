@@ -6,6 +6,8 @@ import os
 import pytest
 import yaml
 
+from support.procfs import is_alive as alive
+
 from conftest import cli, trainer_runbook
 
 
@@ -15,13 +17,6 @@ def gpu_env(fake_gpus, monkeypatch):
     monkeypatch.setenv("DFLASH_OPS_NVIDIA_DEV_GLOB", fake_gpus.dev_glob)
     return fake_gpus
 
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def local_inventory(tmp_path):
