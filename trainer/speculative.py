@@ -226,24 +226,29 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
     cache = new_cache(target)
     committed = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     logits, new_feats = target_forward(target, committed, cache, 0)
-    committed = torch.cat([committed, logits[:, -1:].argmax(-1)], dim=1)
-    start, P = len(prompt_ids), len(prompt_ids)
+    first = logits[:, -1:].argmax(-1)
+    committed = torch.cat([committed, first], dim=1)
+    new_host = first[0].tolist()  # SYNC: the committed new tokens, mirrored on the host for the stop rule
+    start = len(prompt_ids)
     proposer.begin()
     accepted: list[int] = []
-    while _stop_index(committed[0, P:].tolist(), eos_id, max_new) is None:
+    while _stop_index(new_host, eos_id, max_new) is None:
         draft = proposer.propose(new_feats, committed)  # [B-1]
         block = torch.cat([committed[:, -1:], draft[None]], dim=1)  # [1, B]
         logits, feats = target_forward(target, block, cache, start)
         post = logits[0].argmax(-1)  # [B]: the target's greedy token after each block position
         reference = torch.cat([block[0, :1], post[:-1]])  # what the target emits at each block position
-        a = int(leading_matches(block[0], reference, torch.ones_like(reference, dtype=torch.bool)))  # SYNC: per round
+        a_dev = leading_matches(block[0], reference, torch.ones_like(reference, dtype=torch.bool))
+        # SYNC: one per round -- the accepted count and the tokens it commits, in one transfer.
+        host = torch.cat([a_dev.view(1), block[0], post]).tolist()
+        a, block_h, post_h = host[0], host[1:B + 1], host[B + 1:]
         accepted.append(a)
         committed = torch.cat([committed, block[:, 1:a + 1], post[None, a:a + 1]], dim=1)
+        new_host += block_h[1:a + 1] + [post_h[a]]
         start += a + 1
         crop_cache(cache, start)
         new_feats = feats[:, :a + 1]
-    new = committed[0, P:].tolist()
-    return SpecResult(tokens=new[:_stop_index(new, eos_id, max_new)], accepted=accepted)
+    return SpecResult(tokens=new_host[:_stop_index(new_host, eos_id, max_new)], accepted=accepted)
 
 
 def acceptance_stats(results: list[SpecResult], block_size: int) -> dict:

@@ -73,10 +73,18 @@ class RegenCfg:
     max_new_tokens: int = 256
     batch_size: int = 256
     budget_s: float = 120.0  # stop starting new batches after this long (fewer samples, reported)
+    # Extra drafter data: greedy continuations of random windows of held-in source text (the chat prompts alone
+    # give only ~5k answers). 0 = none.
+    continuations: int = 0
+    continuation_prompt_tokens: int = 96
+    continuation_new_tokens: int = 128
+    continuation_batch_size: int = 1024
 
     def __post_init__(self) -> None:
         _check(self.train_prompts >= 1 and self.eval_prompts >= 1, "regen.*_prompts must be >= 1")
         _check(self.max_new_tokens >= 1 and self.batch_size >= 1, "regen.max_new_tokens/batch_size must be >= 1")
+        _check(self.continuations >= 0 and self.continuation_prompt_tokens >= 1 and self.continuation_new_tokens >= 1
+               and self.continuation_batch_size >= 1, "regen.continuation_* must be >= 1 (continuations >= 0)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +93,12 @@ class EvalCfg:
     max_new_tokens: int = 256
     warmup: int = 2  # untimed decodes first (allocator, kernels)
     budget_s: float = 120.0
+    # The target's dtype while decoding. float32: a 16-token verify and a 1-token decode step then round alike, so
+    # speculative output is the target's own greedy output (bf16 flipped near-ties: 22/24 prompts identical on H200).
+    target_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        _check(self.target_dtype in ("float32", "bfloat16", "auto"), "eval.target_dtype must be float32|bfloat16|auto")
         _check(self.prompts >= 1 and self.max_new_tokens >= 1, "eval.prompts and eval.max_new_tokens must be >= 1")
 
 

@@ -57,9 +57,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
 
 
-def load_pair(export_dir: Path, target_dir: Path, device: torch.device):
-    """The exported drafter (fp32; run under autocast on CUDA, as in training) and the full target with the
-    drafter's taps and mask id."""
+def load_pair(export_dir: Path, target_dir: Path, device: torch.device, target_dtype: str = "auto"):
+    """The exported drafter (fp32; run under autocast on CUDA, as in training) and the full target (in
+    `target_dtype`) with the drafter's taps and mask id."""
     from trainer.export import load_exported
     from trainer.model.target import load_target
 
@@ -67,7 +67,7 @@ def load_pair(export_dir: Path, target_dir: Path, device: torch.device):
     dc = ecfg["dflash_config"]
     target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"],
                          layer_ids=tuple(dc["target_layer_ids"]), mask_token_id=dc["mask_token_id"], device=device,
-                         truncate=False)
+                         dtype=target_dtype, truncate=False)
     return target, drafter, int(ecfg["block_size"])
 
 
@@ -127,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=EvalCfg.prompts)
     p.add_argument("--max-new", type=int, default=EvalCfg.max_new_tokens)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--target-dtype", default=EvalCfg.target_dtype, choices=("float32", "bfloat16", "auto"))
     args = p.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for path in (Path(args.drafter) / "config.json", Path(args.target) / "config.json", Path(args.data)):
         if not path.is_file():
             print(f"error: {path} not found", file=sys.stderr)
             return 2
-    target, drafter, block_size = load_pair(Path(args.drafter), Path(args.target), torch.device(args.device))
+    target, drafter, block_size = load_pair(Path(args.drafter), Path(args.target), torch.device(args.device),
+                                            args.target_dtype)
     cfg = EvalCfg(prompts=args.prompts, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"))
     result = decode_benchmark(target, drafter, block_size, heldout_prompts(Path(args.data)), cfg)
     print("DFLASH_DECODE " + json.dumps(result), flush=True)

@@ -170,7 +170,8 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
 
     def evaluate() -> dict:
         simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, out / "target"))
-        target, drafter, block_size = load_pair(out / "drafter" / "export", out / "target", device)
+        target, drafter, block_size = load_pair(out / "drafter" / "export", out / "target", device,
+                                                 q.eval.target_dtype)
         return {"simulated": simulated,
                 "decode": decode_benchmark(target, drafter, block_size, heldout_prompts(regen.eval_path), q.eval,
                                            log)}

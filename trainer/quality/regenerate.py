@@ -2,8 +2,12 @@
 
 Prompts are function signatures + docstrings from the corpus: held-in prompts (from the files the target was
 pretrained on) become the drafter's training set, held-out prompts (from held-out files) its evaluation set. Each
-answer is the target's greedy continuation (batched, KV cache, stopped at <|im_end|> or max_new_tokens), written as
-one JSONL chat line: {"conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}.
+answer is the target's greedy continuation (batched, KV cache, stopped at <|im_end|> or max_new_tokens).
+
+train.jsonl holds token ids, {"input_ids": prompt + answer, "loss_mask": 0 on the prompt, 1 on the answer}: the
+labels are exactly the tokens the target chose (decoding to text and re-tokenizing can merge them differently).
+Optionally (`regen.continuations`) it also holds greedy continuations of random windows of held-in source text.
+eval.jsonl holds chat lines {"conversations": [user, assistant]}: its prompts are decoded again at evaluation.
 """
 from __future__ import annotations
 
@@ -17,15 +21,16 @@ import torch
 
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
-from trainer.quality.corpus import all_units, corpus_root, list_sources, split_heldout
+from trainer.quality.corpus import ENDOFTEXT, all_units, corpus_root, list_sources, split_heldout
 
 
 @dataclass(frozen=True)
 class RegenResult:
     train_path: str
     eval_path: str
-    train_samples: int
+    train_samples: int  # chat answers + continuations
     eval_samples: int
+    continuations: int  # of train_samples: continuations of source windows
     ended_with_eos: float  # fraction of answers that ended with <|im_end|> (the rest hit max_new_tokens)
     generated_tokens: int
     seconds: float
@@ -54,6 +59,11 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
+def token_line(prompt_ids: list[int], answer_ids: list[int]) -> str:
+    return json.dumps({"input_ids": prompt_ids + answer_ids,
+                       "loss_mask": [0] * len(prompt_ids) + [1] * len(answer_ids)}) + "\n"
+
+
 def conversation_line(prompt: str, answer: str) -> str:
     return json.dumps({"conversations": [{"role": "user", "content": prompt},
                                          {"role": "assistant", "content": answer}]}) + "\n"
@@ -76,10 +86,10 @@ def greedy_batch(model, prompts: list[list[int]], max_new: int, eos_id: int, pad
 
 
 def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: Path, deadline: float,
-                    log=print) -> tuple[int, int, int, int]:
-    """Answer `prompts` (shortest first, for less padding) into `path` -> (samples written, of them ended with EOS,
-    new tokens generated, prompts answered). Blank answers are dropped. No batch starts after `deadline`
-    (a time.perf_counter() value)."""
+                    log=print, as_tokens: bool = False) -> tuple[int, int, int, int]:
+    """Answer `prompts` (shortest first, for less padding) into `path` (chat lines, or token lines when
+    `as_tokens`) -> (samples written, of them ended with EOS, new tokens generated, prompts answered). Blank answers
+    are dropped. No batch starts after `deadline` (a time.perf_counter() value)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = sorted(((chat_prompt_ids(tokenizer, p), p) for p in prompts), key=lambda x: len(x[0]))
     n = with_eos = tokens = blank = 0
@@ -88,18 +98,51 @@ def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: P
             if time.perf_counter() > deadline:
                 break
             chunk = encoded[i:i + cfg.batch_size]
-            for (_, prompt), answer in zip(chunk, greedy_batch(model, [c[0] for c in chunk], cfg.max_new_tokens,
-                                                                 eos, pad)):
+            for (ids, prompt), answer in zip(chunk, greedy_batch(model, [c[0] for c in chunk], cfg.max_new_tokens,
+                                                                  eos, pad)):
                 ended = bool(answer) and answer[-1] == eos
                 text = tokenizer.decode(answer[:-1] if ended else answer, skip_special_tokens=False)
                 tokens += len(answer)
                 if not text.strip():
                     blank += 1  # nothing to supervise (the trainer's loader rejects it): not written
                     continue
-                f.write(conversation_line(prompt, text))
+                f.write(token_line(ids, answer) if as_tokens else conversation_line(prompt, text))
                 n, with_eos = n + 1, with_eos + ended
             log(f"regen {Path(path).name}: {n + blank}/{len(encoded)} answered, {blank} blank (dropped)")
     return n, with_eos, tokens, n + blank
+
+
+def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary_id: int, seed: int) -> list[list[int]]:
+    """`count` windows of `length` tokens at seeded random offsets of `stream` [N], none crossing a document
+    boundary (`boundary_id`); fewer when the stream has too few such windows."""
+    if stream.numel() <= length:
+        return []
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - length, (count * 2,), generator=gen)
+    wins = stream[starts[:, None] + torch.arange(length)]  # [2*count, length]
+    keep = ~(wins == boundary_id).any(dim=1)
+    return wins[keep][:count].tolist()
+
+
+def write_continuations(model, tokenizer, windows: list[list[int]], cfg: RegenCfg, f, deadline: float,
+                        log=print) -> tuple[int, int, int]:
+    """Greedy continuations of equal-length windows (no padding needed), appended to `f` as token lines
+    (loss on the continuation only; through the first <|endoftext|>, kept) -> (samples written, tokens generated,
+    windows answered)."""
+    eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    n = tokens = answered = 0
+    for i in range(0, len(windows), cfg.continuation_batch_size):
+        if time.perf_counter() > deadline:
+            break
+        chunk = windows[i:i + cfg.continuation_batch_size]
+        for ids, answer in zip(chunk, greedy_batch(model, chunk, cfg.continuation_new_tokens, eot, eot)):
+            tokens += len(answer)
+            if answer and answer != [eot]:
+                f.write(token_line(ids, answer))
+                n += 1
+        answered += len(chunk)
+        log(f"regen continuations: {answered}/{len(windows)} answered")
+    return n, tokens, answered
 
 
 def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.device, log=print) -> RegenResult:
@@ -117,15 +160,28 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
     n_eval, eos_eval, tok_eval, _ = regenerate_file(model, tok, eval_prompts, q.regen, out_dir / "eval.jsonl",
                                                     float("inf"), log)
     n_train, eos_train, tok_train, answered = regenerate_file(model, tok, train_prompts, q.regen,
-                                                              out_dir / "train.jsonl", deadline, log)
+                                                              out_dir / "train.jsonl", deadline, log, as_tokens=True)
+    n_cont = tok_cont = cont_answered = 0
+    windows: list = []
+    if q.regen.continuations and time.perf_counter() < deadline:
+        from trainer.quality.pretrain import token_stream
+
+        files = list_sources(corpus_root(q.corpus), q.corpus.max_file_bytes, q.corpus.max_files)
+        heldin, _ = split_heldout(files, q.corpus.heldout_every)
+        windows = continuation_windows(token_stream(tok, [f.text for f in heldin]), q.regen.continuations,
+                                       q.regen.continuation_prompt_tokens, tok.convert_tokens_to_ids(ENDOFTEXT),
+                                       q.seed)
+        with (out_dir / "train.jsonl").open("a", encoding="utf-8") as f:
+            n_cont, tok_cont, cont_answered = write_continuations(model, tok, windows, q.regen, f, deadline, log)
     result = RegenResult(train_path=str(out_dir / "train.jsonl"), eval_path=str(out_dir / "eval.jsonl"),
-                         train_samples=n_train, eval_samples=n_eval,
+                         train_samples=n_train + n_cont, eval_samples=n_eval, continuations=n_cont,
                          ended_with_eos=round((eos_eval + eos_train) / max(1, n_eval + n_train), 4),
-                         generated_tokens=tok_eval + tok_train, seconds=round(time.perf_counter() - t0, 1),
-                         stopped_by="budget" if answered < len(train_prompts) else "done")
+                         generated_tokens=tok_eval + tok_train + tok_cont, seconds=round(time.perf_counter() - t0, 1),
+                         stopped_by="budget" if answered < len(train_prompts) or cont_answered < len(windows)
+                         or (q.regen.continuations and not windows) else "done")
     if not n_train or not n_eval:
         raise DataError(f"regeneration left {n_train} training and {n_eval} held-out answers (blank answers are "
                         f"dropped)", hint="train the target longer (pretrain.steps) or raise regen.budget_s")
-    log(f"regen done: {n_train} train / {n_eval} eval answers, {result.generated_tokens:,} tokens, "
-        f"{result.ended_with_eos:.0%} ended with EOS, {result.seconds}s ({result.stopped_by})")
+    log(f"regen done: {n_train} train answers + {n_cont} continuations / {n_eval} eval answers, "
+        f"{result.generated_tokens:,} tokens, {result.ended_with_eos:.0%} of the answers ended with EOS, {result.seconds}s ({result.stopped_by})")
     return result

@@ -16,13 +16,15 @@ from trainer.speculative import generate_target_only
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """quality_cpu (pretraining as in the recipe), regeneration shrunk to 12 + 4 prompts of 16 tokens."""
+    """quality_cpu (pretraining as in the recipe), regeneration shrunk to 12 + 4 prompts of 16 tokens and 6
+    continuations."""
     from trainer.quality.pretrain import make_target
 
     q = load_recipe("quality_cpu").quality
     q = dataclasses.replace(q, pretrain=dataclasses.replace(q.pretrain, budget_s=1e6),
                             regen=dataclasses.replace(q.regen, train_prompts=12, eval_prompts=4, max_new_tokens=16,
-                                                      batch_size=5, budget_s=1e6))  # budgets off: no timing
+                                                      batch_size=5, continuations=6, continuation_batch_size=4,
+                                                      budget_s=1e6))  # budgets off: no timing
     out = tmp_path_factory.mktemp("quality")
     pre = make_target(out / "target", q, torch.device("cpu"), log=lambda _m: None)
     regen = regenerate(out / "target", out / "data", q, torch.device("cpu"), log=lambda _m: None)
@@ -43,7 +45,8 @@ def test_pretrained_target_loads_through_the_trainer(made):
 def test_regenerated_files_are_accepted_by_the_trainer_loader(made):
     _q, _pre, regen, out = made
     tok = load_target(out / "target", num_draft_layers=1, truncate=False).tokenizer
-    for path, n in ((regen.train_path, 12), (regen.eval_path, 4)):
+    assert 1 <= regen.continuations <= 6 and regen.train_samples == 12 + regen.continuations
+    for path, n in ((regen.train_path, regen.train_samples), (regen.eval_path, 4)):
         samples, report = load_samples([path], tok, len(tok), max_bad_fraction=0.0)
         assert len(samples) == n and not report.bad
         assert all(s.loss_mask.any() for s in samples)
@@ -85,3 +88,43 @@ def test_repeated_ngram_fraction():
     assert repeated_ngram_fraction([7] * 10) == 6 / 7
     assert repeated_ngram_fraction([1, 2, 3, 4, 1, 2, 3, 4]) == 1 / 5
     assert repeated_ngram_fraction([1, 2]) == 0.0
+
+
+def test_training_lines_are_the_targets_exact_tokens(made):
+    """train.jsonl holds token ids: prompt (unsupervised) + the target's greedy answer ids (supervised), exactly."""
+    _q, _pre, _regen, out = made
+    target = load_target(out / "target", num_draft_layers=1, truncate=False)
+    tok = target.tokenizer
+    for line in list(open(out / "data" / "train.jsonl"))[:4]:  # the chat answers come first
+        obj = json.loads(line)
+        n_prompt = obj["loss_mask"].index(1)
+        assert obj["loss_mask"] == [0] * n_prompt + [1] * (len(obj["input_ids"]) - n_prompt)
+        prompt, answer = obj["input_ids"][:n_prompt], obj["input_ids"][n_prompt:]
+        assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
+        assert answer == generate_target_only(target, prompt, 16, tok.eos_token_id)
+
+
+def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path):
+    from trainer.quality.pretrain import token_stream
+    from trainer.quality.regenerate import continuation_windows, write_continuations
+
+    q, _pre, _regen, out = made
+    target = load_target(out / "target", num_draft_layers=1, truncate=False)
+    tok = target.tokenizer
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    stream = token_stream(tok, ["def f(x):\n    return x + 1\n" * 8, "import os\nprint(os.getcwd())\n" * 8])
+    windows = continuation_windows(stream, 6, 12, eot, seed=3)
+    assert len(windows) == 6 and all(len(w) == 12 and eot not in w for w in windows)
+    assert windows == continuation_windows(stream, 6, 12, eot, seed=3)  # seeded
+    cfg = dataclasses.replace(q.regen, continuation_new_tokens=8, continuation_batch_size=4)
+    path = tmp_path / "cont.jsonl"
+    with path.open("w") as f:
+        n, tokens, answered = write_continuations(target.model, tok, windows, cfg, f, float("inf"), lambda _m: None)
+    lines = [json.loads(line) for line in open(path)]
+    assert answered == 6 and n == len(lines) >= 1 and tokens >= n
+    for obj in lines:
+        prompt, answer = obj["input_ids"][:12], obj["input_ids"][12:]
+        assert prompt in windows and obj["loss_mask"] == [0] * 12 + [1] * len(answer)
+        assert answer == generate_target_only(target, prompt, 8, eot)
+    samples, report = load_samples([str(path)], tok, len(tok), max_bad_fraction=0.0)
+    assert len(samples) == n and not report.bad
