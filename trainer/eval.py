@@ -88,7 +88,9 @@ def evaluate_run(run_dir, rows=None, stream=None) -> dict:
     if not (run_dir / "export" / "config.json").is_file():
         raise ConfigError(f"{run_dir} has no export/", hint=f"run `python -m trainer export --run-dir {run_dir}` first")
     device = resolve_device(cfg)
-    drafter, ecfg = load_exported(run_dir / "export", device, backend=cfg.step.attn)
+    # Evaluation runs the dense sdpa block mask whatever the run trained with: same attention semantics, no static
+    # mask buffers to set up, and it is off the hot path (flex needs a mask_fn that only the training step owns).
+    drafter, ecfg = load_exported(run_dir / "export", device, backend="sdpa")
     target = load_target(cfg.model.target, num_draft_layers=cfg.model.num_draft_layers,
                          layer_ids=tuple(ecfg["dflash_config"]["target_layer_ids"]),
                          mask_token_id=ecfg["dflash_config"]["mask_token_id"], device=device, dtype=cfg.model.dtype,
@@ -99,7 +101,7 @@ def evaluate_run(run_dir, rows=None, stream=None) -> dict:
         raise ConfigError("no held-out data: data.eval_fraction is 0 and data.eval_paths is empty")
     result = evaluate(target, drafter, rows, block_size=cfg.model.block_size, num_anchors=cfg.data.num_anchors,
                       rows_per_batch=cfg.data.rows_per_step, max_rows=cfg.data.max_eval_rows, seed=cfg.seed + 1,
-                      device=device, attn=cfg.step.attn)
+                      device=device, attn="sdpa")
     _emit(result, stream or sys.stdout)
     return result
 

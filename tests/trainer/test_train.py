@@ -85,3 +85,20 @@ def test_checkpoints_are_atomic_and_pruned_to_keep(tmp_path, target):
     cursor = checkpoint.load_latest(tmp_path, state.drafter, state.optimizer, state.lr_)
     assert cursor == checkpoint.Cursor(step=4, micro=8)
     assert all(g["lr"] is state.lr_ for g in state.optimizer.param_groups)  # the schedule's tensor, still bound
+
+
+def test_evaluation_of_a_flex_run_uses_the_dense_reference_mask(tmp_path, tiny_target_dir):
+    """A run trained with step.attn=flex (CUDA only) is evaluated with the sdpa block mask: the flex backend needs
+    the training step's static mask buffers, which evaluation does not have (this crashed the first H200 quality
+    run after training). Here: a CPU run whose recorded config says flex, as a GPU run's would."""
+    from trainer.eval import evaluate_run
+
+    cfg = small_cfg(tiny_target_dir, "optim.max_steps=2", "data.rows_per_step=2", "eval_at_end=false")
+    run = setup(cfg, tmp_path / "run")
+    train_loop(run)
+    finish(run)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    config["step"]["attn"] = "flex"
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    result = evaluate_run(tmp_path / "run", rows=run.datasets.eval)
+    assert result["blocks"] > 0 and 1.0 <= result["tau"] <= cfg.model.block_size
