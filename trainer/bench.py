@@ -75,6 +75,8 @@ class BenchConfig:
             check_shape(self.shape)
         if min(self.draft_layers, self.batch, self.seq, self.anchors, self.accum, self.steps, self.interval, self.ce_chunk) < 1:
             raise SystemExit("--draft-layers, --batch, --seq, --anchors, --accum, --steps, --interval and --ce-chunk must be >= 1")
+        if self.pipeline and self.steps < 2:
+            raise SystemExit("--pipeline 1 needs --steps >= 2 (its step times are gaps between step ends)")
         if self.block < 2 or self.anchors >= self.seq:
             raise SystemExit("--block must be >= 2 and --anchors < --seq")
 

@@ -81,3 +81,17 @@ def test_doc_causal_mask_refuses_a_wrong_shape():
     mask = DocCausalMask(2, 256, "cpu")
     with pytest.raises(ValueError, match="expected"):
         mask.update_(torch.zeros(2, 128, dtype=torch.long))
+
+
+def test_compiled_target_layers_take_the_block_mask_and_follow_new_layouts(tiny_target_dir, targets):
+    """What step.mode=compile does to the target (trainer.step.graph.compile_step): every kept decoder layer
+    torch.compile'd, tap hooks traced along, the BlockMask an input (no recompile for a new layout)."""
+    ref, _ = targets
+    fast = load_target(tiny_target_dir, num_draft_layers=2, dtype="float32", attn="flex")
+    for layer in fast.model.model.layers:
+        layer.compile(dynamic=False)
+    vocab = ref.embed_tokens.weight.shape[0]
+    for rows in ([[100, 28, 128], [256]], [[256], [10, 246]]):
+        doc, pos = packed_doc_ids(rows, 256)
+        ids = torch.randint(0, vocab, doc.shape)
+        torch.testing.assert_close(fast.features(ids, pos, doc), ref.features(ids, pos, doc), atol=2e-5, rtol=1e-4)

@@ -42,6 +42,7 @@ def bench_target(cfg, device: torch.device):
 
     with torch.device(device):
         model = Qwen3ForCausalLM._from_config(qwen3_config(cfg.shape, cfg.seq), dtype=pick_dtype("auto", device))
+    model = model.to(device)  # a no-op where the device context was honoured
     # The tokenizer only supplies the mask token id (a row of the embedding that is neither pad nor eos).
     return prepare_target(model, build_tokenizer(), num_draft_layers=cfg.draft_layers, attn=attn)
 

@@ -94,9 +94,18 @@ def doc_causal_attention(module, query, key, value, attention_mask, scaling=None
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
-    """Make ATTN_NAME known to HF (idempotent); returns the name for `set_attn_implementation`."""
+def use_doc_causal_attention(model) -> None:
+    """Register ATTN_NAME with HF (idempotent) and switch `model` to it (the layers read config._attn_implementation
+    at every forward). Some transformers versions vet names in set_attn_implementation against their own list or
+    only warn: then the config attribute is set directly; anything else is an error."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, doc_causal_attention)
-    return ATTN_NAME
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except (ValueError, ImportError):
+        pass
+    if model.config._attn_implementation != ATTN_NAME:
+        model.config._attn_implementation = ATTN_NAME
+    if model.config._attn_implementation != ATTN_NAME:
+        raise RuntimeError(f"could not switch the target to the {ATTN_NAME} attention implementation")

@@ -167,9 +167,9 @@ def prepare_target(model: nn.Module, tokenizer, *, num_draft_layers: int, layer_
                           hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
     mask_id = resolve_mask_token_id(tokenizer, model.get_input_embeddings().weight.shape[0], mask_token_id)
     if attn == "flex":
-        from trainer.model.doc_attention import register
+        from trainer.model.doc_attention import use_doc_causal_attention
 
-        model.set_attn_implementation(register())  # flex for BlockMasks, HF's sdpa for anything else
+        use_doc_causal_attention(model)  # flex for BlockMasks, HF's sdpa for anything else
     taps: dict = {}
     for i in ids:
         layers[i].register_forward_hook(_tap_hook(taps, i))
