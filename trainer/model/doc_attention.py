@@ -5,7 +5,7 @@ kernel (sdpa falls to the memory-efficient one and reads the whole mask). Here t
 query i iff j <= i and doc_ids[i] == doc_ids[j] (padding, doc -1, attends causally to padding) -- is a flex BlockMask
 whose 128 x 128 tiles are classified on the device: tiles strictly below the diagonal inside one document are *full*
 (no mask_mod), the diagonal tiles and the tiles a document boundary crosses are *partial*, the rest are skipped. A
-row holding one document therefore costs what causal flash does.
+row holding one document therefore visits exactly the causal tiles, as causal flash does.
 
 Assumes what packing guarantees (trainer.data.packing): each document, and the padding, is ONE contiguous run of a
 row. Tile rule (k-tile before q-tile, both inside the row): they share a document iff the doc at the k-tile's last
