@@ -116,8 +116,9 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
 
 
 def target_attn(device: torch.device) -> str:
-    """The target's attention path: doc-causal flex on CUDA (flash-like cost on packed rows), the dense-mask sdpa
-    reference elsewhere. Same semantics (tests/trainer/test_bench_target_attn.py)."""
+    """The target's attention path: doc-causal flex on CUDA (visits only the causal in-document tiles of packed rows,
+    where sdpa with the dense mask cannot use its flash kernel), the dense-mask sdpa reference elsewhere. Same
+    semantics (tests/trainer/test_bench_target_attn.py). Rows whose length is not a multiple of 128 use the reference."""
     return "flex" if device.type == "cuda" else "sdpa"
 
 

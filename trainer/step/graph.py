@@ -279,7 +279,8 @@ def compile_drafter(state) -> None:
 def compile_step(state) -> None:
     """What step.mode compile / compile+graph compile (default mode, no CUDA graphs), in place, main thread only:
     every drafter layer, every (kept) target decoder layer -- run under no_grad, their tap hooks traced along -- and
-    the LM-head CE chunk math (`state.ce_chunk_fn`; its eager form makes ~8 passes over [chunk, vocab] fp32 logits).
+    the LM-head CE chunk math (`state.ce_chunk_fn`; its eager form makes several passes over [chunk, vocab] fp32
+    logits).
     The matmuls stay cuBLAS calls either way; compilation fuses the norms, RoPE, SiLU and CE elementwise work."""
     from trainer.model.loss import ce_chunk
 
