@@ -73,8 +73,10 @@ class BenchConfig:
             raise SystemExit(f"--target {self.target}: no config.json there (a local Hugging Face model directory)")
         if not self.target:
             check_shape(self.shape)
-        if min(self.draft_layers, self.batch, self.seq, self.anchors, self.accum, self.steps, self.interval, self.ce_chunk) < 1:
-            raise SystemExit("--draft-layers, --batch, --seq, --anchors, --accum, --steps, --interval and --ce-chunk must be >= 1")
+        counts = ("draft_layers", "batch", "seq", "anchors", "accum", "steps", "interval", "ce_chunk")
+        low = [name for name in counts if getattr(self, name) < 1]
+        if low:
+            raise SystemExit(f"--{low[0].replace('_', '-')} must be >= 1")
         if self.pipeline and self.steps < 2:
             raise SystemExit("--pipeline 1 needs --steps >= 2 (its step times are gaps between step ends)")
         if self.block < 2 or self.anchors >= self.seq:

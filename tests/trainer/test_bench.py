@@ -60,7 +60,8 @@ def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
 def test_graph_modes_standin_and_pipeline_refuse_clearly_on_cpu():
     proc = bench(*TINY, "--modes", "graph,compile+graph")
     assert proc.returncode == 1
-    assert table_row(proc.stdout, "graph")[1:] == "FAILED: step.mode=graph needs a CUDA device (this run is on cpu)".split()
+    refusal = "FAILED: step.mode=graph needs a CUDA device (this run is on cpu)"
+    assert table_row(proc.stdout, "graph")[1:] == refusal.split()
     assert "FAILED: step.mode=compile+graph needs a CUDA device" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
     piped = bench(*TINY, "--pipeline", "1", "--modes", "eager")

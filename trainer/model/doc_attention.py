@@ -28,7 +28,8 @@ TILE = 128  # flex's kernel block
 
 
 def doc_tile_states(doc_ids: torch.Tensor, tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """doc_ids [R, S] (S a multiple of tile) -> (partial, full) bool tile tables [R, 1, S/tile, S/tile]. Pure, no sync."""
+    """doc_ids [R, S] (S a multiple of tile) -> (partial, full) bool tile tables [R, 1, S/tile, S/tile].
+    Pure, device-side, no sync."""
     r, s = doc_ids.shape
     n = s // tile
     tiles = doc_ids.view(r, n, tile)

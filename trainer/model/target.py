@@ -66,7 +66,7 @@ class Target:
     mask_token_id: int
     truncated: bool
     _taps: dict  # layer index -> last output (filled by hooks during `features`)
-    attn: str = "sdpa"  # "sdpa": dense packed_causal_mask (the reference); "flex": doc-causal BlockMask (CUDA fast path)
+    attn: str = "sdpa"  # "sdpa": dense packed_causal_mask (reference); "flex": doc-causal BlockMask (CUDA fast path)
     _doc_masks: dict = field(default_factory=dict)  # (rows, seq, device) -> DocCausalMask, static per shape
 
     @property
