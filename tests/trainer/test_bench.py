@@ -117,3 +117,11 @@ def test_pair_counts_match_the_trainers_dense_masks():
     layout = make_layout(b.position_ids, b.doc_ids, b.anchor_pos, b.anchor_valid, 16)
     assert draft_pairs(b, 16) == float(dense_block_mask(layout).sum())
     assert target_pairs(b) == float(packed_causal_mask(b.doc_ids).sum())
+
+
+def test_accum_makes_one_step_of_several_micro_batches():
+    proc = bench(*TINY, "--accum", "2", "--modes", "eager")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = results(proc.stdout)["eager"]
+    assert r["tokens_per_step"] == 2 * 2 * 256  # accum x batch x seq
+    assert r["flops"]["lm_head"] == 2 * (2 * (2 * 2) * 16 * 15 * 128 * 1024)
