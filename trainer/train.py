@@ -115,11 +115,19 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
                       mask_fn=mask_fn)
 
 
+def target_attn(device: torch.device) -> str:
+    """The target's attention path: doc-causal flex on CUDA (visits only the causal in-document tiles of packed rows,
+    where sdpa with the dense mask cannot use its flash kernel), the dense-mask sdpa reference elsewhere. Same
+    semantics (tests/trainer/test_bench_target_attn.py). Rows whose length is not a multiple of 128 use the reference."""
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
 def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
-    """Non-eager step modes and the flex backend are CUDA-only: say so before anything is built."""
+    """Graph step modes and the flex backend are CUDA-only: say so before anything is built. (compile runs on CPU
+    too, through Inductor's C++ backend.)"""
     if device.type == "cuda":
         return
-    if cfg.step.mode != "eager":
+    if cfg.step.mode in ("graph", "compile+graph"):
         raise ConfigError(f"step.mode={cfg.step.mode} needs a CUDA device (this run is on {device})",
                           hint="use --set step.mode=eager on CPU")
     if cfg.step.attn != "sdpa":
@@ -171,7 +179,8 @@ def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout,
         cfg = resolve_target(cfg, run_dir)
     m = cfg.model
     target = load_target(m.target, num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
-                         mask_token_id=m.mask_token_id, device=target_device, dtype=m.dtype, truncate=True)
+                         mask_token_id=m.mask_token_id, device=target_device, dtype=m.dtype, truncate=True,
+                         attn=target_attn(target_device))
     vocab = target.embed_tokens.weight.shape[0]
     datasets = build_datasets(cfg.data, target.tokenizer, vocab, cfg.seed)
     _warn_data(datasets, cfg, env)
@@ -258,8 +267,15 @@ def train_loop(run: Run, stop_at: int | None = None) -> Cursor:
     while run.cursor.step < end:
         step, micro = run.cursor.step, run.cursor.micro
         run.state.lr_.fill_(_lr(run, step))
-        _after_step(run, run.runner.step([run.batches.batch(m) for m in range(micro, micro + accum)]), end, clock)
+        _after_step(run, run.runner.step([_host_batch(run, m) for m in range(micro, micro + accum)]), end, clock)
     return run.cursor
+
+
+def _host_batch(run: Run, micro: int) -> StaticBatch:
+    """CPU micro-batch; pinned when the step runs on CUDA, so the runner's non_blocking copy never blocks the host
+    (a pageable source may make the driver wait for the stream)."""
+    batch = run.batches.batch(micro)
+    return batch.pin_memory() if run.device.type == "cuda" else batch
 
 
 def _pipelined(run: Run, end: int, clock: _Clock) -> None:

@@ -42,34 +42,47 @@ def block_input_ids(input_ids: torch.Tensor, anchor_pos: torch.Tensor, block_siz
     return block.flatten(1)
 
 
+def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool):
+    """One chunk's CE math from raw logits [C, V] (any float dtype), labels y [C], loss scale s [C] (w / sum w)
+    -> (sum(ce * s) fp32 scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None). Pure; computed
+    in fp32; torch.compile-able into a few fused passes (step.mode compile: trainer.step.graph.compile_step)."""
+    dtype = logits.dtype
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, y[:, None])[:, 0]
+    loss = ((lse - picked) * s).sum()
+    correct = logits.argmax(dim=-1) == y
+    if not want_grad:
+        return loss, correct, None
+    g = torch.softmax(logits, dim=-1)
+    g.scatter_add_(1, y[:, None], torch.full_like(picked[:, None], -1.0))
+    return loss, correct, g.mul_(s[:, None]).to(dtype)
+
+
 class _ChunkedLMHeadCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T + b, y_i) / sum(w), never holding more than [C, V] logits.
 
     The LM head is frozen, so only dL/dh is needed; it is computed in forward, chunk by chunk, and saved ([M, D]).
+    chunk_fn: `ce_chunk` or a compiled copy of it (same contract).
     """
 
     @staticmethod
-    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int):
+    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk):
         M = h_MD.shape[0]
         wsum = w_M.sum().clamp_min(1e-12)  # device scalar; all-padding micro-batch -> loss 0, grad 0
         scale_M = w_M / wsum
         loss = h_MD.new_zeros((), dtype=torch.float32)
         correct_M = torch.empty(M, dtype=torch.bool, device=h_MD.device)
-        grad_MD = torch.empty_like(h_MD) if ctx.needs_input_grad[0] else None
+        want_grad = ctx.needs_input_grad[0]
+        grad_MD = torch.empty_like(h_MD) if want_grad else None
         for start in range(0, M, chunk):  # static trip count: M and chunk are Python ints
             end = min(start + chunk, M)
-            h, y, s = h_MD[start:end], labels_M[start:end], scale_M[start:end]
-            logits = (h @ weight_VD.t()).float()
+            logits = h_MD[start:end] @ weight_VD.t()
             if bias_V is not None:
-                logits = logits + bias_V.float()
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, y[:, None])[:, 0]
-            loss = loss + ((lse - picked) * s).sum()
-            correct_M[start:end] = logits.argmax(dim=-1) == y
+                logits = logits.float() + bias_V.float()
+            loss_c, correct_M[start:end], g = chunk_fn(logits, labels_M[start:end], scale_M[start:end], want_grad)
+            loss = loss + loss_c
             if grad_MD is not None:
-                g = torch.softmax(logits, dim=-1)
-                g.scatter_add_(1, y[:, None], torch.full_like(picked[:, None], -1.0))
-                g.mul_(s[:, None])
                 grad_MD[start:end] = (g.to(weight_VD.dtype) @ weight_VD).to(h_MD.dtype)
         ctx.save_for_backward(grad_MD)
         ctx.mark_non_differentiable(correct_M)
@@ -79,14 +92,15 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_correct):
         (grad_MD,) = ctx.saved_tensors
         if grad_MD is None:
-            return None, None, None, None, None, None
-        return grad_MD * grad_loss.to(grad_MD.dtype), None, None, None, None, None
+            return None, None, None, None, None, None, None
+        return grad_MD * grad_loss.to(grad_MD.dtype), None, None, None, None, None, None
 
 
 def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, labels_M: torch.Tensor,
-                    w_M: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (weighted mean CE: scalar fp32, correct [M] bool = argmax == label). Weights must be 0 where invalid."""
-    return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), int(chunk))
+                    w_M: torch.Tensor, chunk: int, chunk_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weighted mean CE: scalar fp32, correct [M] bool = argmax == label). Weights must be 0 where invalid.
+    chunk_fn: None = eager `ce_chunk`; the compile modes pass a compiled copy."""
+    return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), int(chunk), chunk_fn or ce_chunk)
 
 
 def naive_lm_loss(h_MD, weight_VD, bias_V, labels_M, w_M) -> torch.Tensor:

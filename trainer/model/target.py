@@ -4,7 +4,7 @@ Shape legend: R rows, S tokens per packed row, T taps, D hidden.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,6 +66,8 @@ class Target:
     mask_token_id: int
     truncated: bool
     _taps: dict  # layer index -> last output (filled by hooks during `features`)
+    attn: str = "sdpa"  # "sdpa": dense packed_causal_mask (reference); "flex": doc-causal BlockMask (CUDA fast path)
+    _doc_masks: dict = field(default_factory=dict)  # (rows, seq, device) -> DocCausalMask, static per shape
 
     @property
     def hf_config(self):
@@ -83,11 +85,24 @@ class Target:
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def attention_mask(self, doc_ids: torch.Tensor):
+        """The mask handed to HF for packed rows: the static doc-causal BlockMask, rewritten in place (flex; rows
+        whose length is a multiple of the flex tile), else the dense [R, 1, S, S] reference. No host sync."""
+        from trainer.model.doc_attention import TILE, DocCausalMask
+
+        rows, seq = doc_ids.shape
+        if self.attn != "flex" or seq % TILE:
+            return packed_causal_mask(doc_ids)
+        key = (rows, seq, doc_ids.device)
+        if key not in self._doc_masks:  # first call per shape: main thread, during warm-up
+            self._doc_masks[key] = DocCausalMask(rows, seq, doc_ids.device)
+        return self._doc_masks[key].update_(doc_ids)
+
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """Packed rows -> tapped layer outputs concatenated: [R, S, T*D]. Documents never see each other."""
         self._taps.clear()
-        self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=packed_causal_mask(doc_ids),
+        self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask(doc_ids),
                          use_cache=False)
         feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
         self._taps.clear()
@@ -100,7 +115,7 @@ class Target:
         if self.truncated:
             raise RuntimeError("features_and_greedy needs the full target; load it with truncate=False")
         self._taps.clear()
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=packed_causal_mask(doc_ids),
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask(doc_ids),
                          use_cache=False)
         feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
         self._taps.clear()
@@ -117,8 +132,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int, ...] | None = None,
                 mask_token_id: int | None = None, device: str | torch.device = "cpu", dtype: str = "auto",
-                truncate: bool = True) -> Target:
-    """Load tokenizer + model from a local directory (no downloads), freeze it, hook the tapped layers."""
+                truncate: bool = True, attn: str = "sdpa") -> Target:
+    """Load tokenizer + model from a local directory (no downloads), then `prepare_target` (freeze, hook, truncate)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -129,6 +144,18 @@ def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=pick_dtype(dtype, device),
                                                  attn_implementation="sdpa").to(device)
+    return prepare_target(model, tokenizer, num_draft_layers=num_draft_layers, layer_ids=layer_ids,
+                          mask_token_id=mask_token_id, truncate=truncate, attn=attn)
+
+
+def prepare_target(model: nn.Module, tokenizer, *, num_draft_layers: int, layer_ids: tuple[int, ...] | None = None,
+                   mask_token_id: int | None = None, truncate: bool = True, attn: str = "sdpa") -> Target:
+    """An HF causal LM already on its device and dtype -> the frozen, tapped (and truncated) training target.
+
+    attn: "sdpa" (dense packed mask, the reference) or "flex" (doc-causal BlockMask; CUDA fast path, same semantics).
+    """
+    if attn not in ("sdpa", "flex"):
+        raise ValueError(f"target attn must be 'sdpa' or 'flex', got {attn!r}")
     model.requires_grad_(False).eval()
     layers = model.model.layers
     n_layers = len(layers)
@@ -139,6 +166,10 @@ def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int
         raise ConfigError(f"{source} gives {list(ids)}; taps must be distinct, ascending and within 0..{n_layers - 1}",
                           hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
     mask_id = resolve_mask_token_id(tokenizer, model.get_input_embeddings().weight.shape[0], mask_token_id)
+    if attn == "flex":
+        from trainer.model.doc_attention import use_doc_causal_attention
+
+        use_doc_causal_attention(model)  # flex for BlockMasks, HF's sdpa for anything else
     taps: dict = {}
     for i in ids:
         layers[i].register_forward_hook(_tap_hook(taps, i))
@@ -146,7 +177,7 @@ def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int
         # Layers after the last tap never influence the features: do not run them (final norm + lm_head stay).
         model.model.layers = nn.ModuleList(list(layers)[: ids[-1] + 1])
     return Target(model=model, tokenizer=tokenizer, layer_ids=ids, num_layers=n_layers, mask_token_id=mask_id,
-                  truncated=truncate, _taps=taps)
+                  truncated=truncate, _taps=taps, attn=attn)
 
 
 def _tap_hook(store: dict, index: int):

@@ -151,11 +151,13 @@ def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, mode: str
     Warm-up never trains: the drafter's parameters and optimizer state are put back afterwards (StepGraph's restore
     policy for the graph modes, the same snapshot/restore around the eager warm-up step).
     """
-    from trainer.step.graph import (EagerStep, StepGraph, compile_drafter, restore_training_state,
+    from trainer.step.graph import (EagerStep, StepGraph, compile_step, restore_training_state,
                                     snapshot_training_state)
 
     accum = len(sample_batches)
     cpu = step_inputs(sample_batches)
+    if mode in ("compile", "compile+graph"):
+        compile_step(state)  # before the target's warm-up / capture below: both sides run compiled
     target_fn = TargetFeatures(state.target, {k: cpu[k].to(target_device) for k in target_keys(accum)}, accum,
                                capture=mode in ("graph", "compile+graph"))
     with torch.no_grad():
@@ -165,8 +167,6 @@ def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, mode: str
     example = {k: v.to(drafter_device) for k, v in cpu.items()} | feats
     if target_device != drafter_device:
         drafter_side_head(state, drafter_device)
-    if mode in ("compile", "compile+graph"):
-        compile_drafter(state)
     fwd_bwd, opt_step = drafter_fns(state, accum)
     params = [p for p in state.drafter.parameters() if p.requires_grad]
     if mode in ("graph", "compile+graph"):

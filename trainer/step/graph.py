@@ -276,6 +276,20 @@ def compile_drafter(state) -> None:
         layer.compile(dynamic=False)
 
 
+def compile_step(state) -> None:
+    """What step.mode compile / compile+graph compile (default mode, no CUDA graphs), in place, main thread only:
+    every drafter layer, every (kept) target decoder layer -- run under no_grad, their tap hooks traced along -- and
+    the LM-head CE chunk math (`state.ce_chunk_fn`; its eager form makes several passes over [chunk, vocab] fp32
+    logits).
+    The matmuls stay cuBLAS calls either way; compilation fuses the norms, RoPE, SiLU and CE elementwise work."""
+    from trainer.model.loss import ce_chunk
+
+    compile_drafter(state)
+    for layer in state.target.model.model.layers:
+        layer.compile(dynamic=False)
+    state.ce_chunk_fn = torch.compile(ce_chunk, dynamic=False)
+
+
 class GraphRunner:
     """The trainer's whole optimizer step -- `accum` micro-steps (target features, drafter forward + backward), clip
     and AdamW -- as one `StepGraph`, over `accum` static copies of the device batch.
@@ -329,7 +343,7 @@ def make_runner(cfg, state, batch_dev, *, grad_sync=None):
 
     mode = cfg.step.mode
     if mode in ("compile", "compile+graph"):
-        compile_drafter(state)
+        compile_step(state)
     if mode == "compile":
         return EagerRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
     if mode in ("graph", "compile+graph"):

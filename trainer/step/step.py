@@ -47,6 +47,9 @@ class TrainState:
     # GPU (pipeline placement); None = use the target's own.
     embed: torch.nn.Module | None = None
     head: torch.nn.Module | None = None
+    # The LM-head CE chunk math (trainer.model.loss.ce_chunk contract); None = eager. The compile modes set a
+    # torch.compile'd copy (trainer.step.graph.compile_step).
+    ce_chunk_fn: Callable | None = None
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
@@ -120,7 +123,7 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
     head = state.lm_head
     h = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
     loss, correct = chunked_lm_loss(h, head.weight, getattr(head, "bias", None), labels.reshape(-1), w.reshape(-1),
-                                    state.loss_chunk)
+                                    state.loss_chunk, state.ce_chunk_fn)
     validf = valid.float()
     correct_by_pos = (correct.view_as(valid).float() * validf).sum(dim=(0, 1))
     return StepOut(loss_=loss, correct_by_pos_=correct_by_pos, valid_by_pos_=validf.sum(dim=(0, 1)))

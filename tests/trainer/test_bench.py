@@ -1,0 +1,127 @@
+"""`python -m trainer.bench` on the CPU: the trainer's own path (real tiny HF target, real runners), its refusals,
+and the synthetic StaticBatch it feeds."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.benchkit.data import draft_pairs, synthetic_batches, target_pairs
+from trainer.data.anchors import anchor_candidates
+from trainer.data.batching import StaticBatch
+from trainer.model.attention import dense_block_mask, make_layout
+from trainer.model.flex import BlockLayoutShape
+from trainer.model.target import packed_causal_mask
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--shape", "tiny", "--batch", "2", "--seq", "256", "--anchors", "16", "--steps", "3", "--warmup", "1",
+        "--interval", "2"]
+
+
+def bench(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "trainer.bench", *args], cwd=REPO_ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def results(out: str) -> dict[str, dict]:
+    found = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return {r["mode"]: r for r in found}
+
+
+def table_row(out: str, mode: str) -> list[str]:
+    header = next(i for i, line in enumerate(out.splitlines()) if line.startswith("mode "))
+    return next(line.split() for line in out.splitlines()[header + 1:] if line.split()[0] == mode)
+
+
+def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
+    proc = bench(*TINY, "--modes", "eager,compile")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = results(proc.stdout)
+    for mode in ("eager", "compile"):
+        r = res[mode]
+        assert r["impl"] == "trainer" and r["device"] == "cpu" and r["attn"] == "sdpa" and r["target_attn"] == "sdpa"
+        assert r["tokens_per_step"] == 2 * 256 and r["tokens_per_s_per_gpu"] > 0
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(512 / r["step_s_median"])
+        assert all(v == v and abs(v) < 20 for v in r["loss_first_last"])  # finite CE over a 1024-token vocabulary
+        assert float(table_row(proc.stdout, mode)[1]) == pytest.approx(r["tokens_per_s_per_gpu"], abs=1)
+        assert f"MEM {mode} " in proc.stdout
+    # The two modes trained the same model from the same seed on the same data: same first loss.
+    assert res["compile"]["loss_first_last"][0] == pytest.approx(res["eager"]["loss_first_last"][0], rel=1e-3)
+    # LM-head FLOPs from the HF config: rows * anchors * (block - 1) positions, forward + input grad.
+    assert res["eager"]["flops"]["lm_head"] == 2 * (2 * 2 * 16 * 15 * 128 * 1024)
+
+
+def test_graph_modes_standin_and_pipeline_refuse_clearly_on_cpu():
+    proc = bench(*TINY, "--modes", "graph,compile+graph")
+    assert proc.returncode == 1
+    refusal = "FAILED: step.mode=graph needs a CUDA device (this run is on cpu)"
+    assert table_row(proc.stdout, "graph")[1:] == refusal.split()
+    assert "FAILED: step.mode=compile+graph needs a CUDA device" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    piped = bench(*TINY, "--pipeline", "1", "--modes", "eager")
+    assert piped.returncode == 1 and "FAILED: pipeline.enabled needs a CUDA device" in piped.stdout
+    standin = bench(*TINY, "--impl", "standin", "--modes", "eager")
+    assert standin.returncode == 1 and "FAILED: --impl standin needs a CUDA device" in standin.stdout
+
+
+def test_target_dir_loads_through_load_target(tiny_target_dir):
+    from transformers import AutoConfig
+
+    proc = bench(*TINY, "--target", str(tiny_target_dir), "--draft-layers", "2", "--modes", "eager")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = results(proc.stdout)["eager"]
+    assert r["shape"] == str(tiny_target_dir)
+    hf = AutoConfig.from_pretrained(tiny_target_dir)
+    assert r["flops"]["lm_head"] == 2 * (2 * 2 * 16 * 15 * hf.hidden_size * hf.vocab_size)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shape", "huge"], "unknown --shape 'huge'"),
+    (["--target", "/nonexistent"], "--target /nonexistent: no config.json there"),
+    (["--modes", "fast"], "unknown mode(s) ['fast']"),
+    (["--impl", "other"], "unknown --impl 'other'"),
+])
+def test_bad_arguments_are_one_line_and_nonzero(args, message):
+    proc = bench(*args, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [message + proc.stderr.strip().split(message, 1)[1]]
+
+
+def test_synthetic_batch_has_the_bench_shape_and_passes_the_trainers_checks():
+    rows, seq, anchors, block = 4, 3072, 512, 16
+    batches = synthetic_batches(2, rows, seq, anchors, 151936, seed=0)
+    assert len(batches) == 2 and not torch.equal(batches[0].input_ids, batches[1].input_ids)
+    for b in batches:
+        assert b.signature() == StaticBatch.empty(rows, seq, anchors).signature()  # exact fixed shapes and dtypes
+        StaticBatch.empty(rows, seq, anchors).copy_(b)  # the runners' static-buffer copy accepts it
+        BlockLayoutShape(rows, seq, anchors, block)  # the flex layout's tile constraints hold
+        assert b.anchor_valid.all() and (b.anchor_pos.diff(dim=1) > 0).all()  # all valid, sorted, distinct
+        assert anchor_candidates(b.loss_mask, b.doc_ids).gather(1, b.anchor_pos).all()
+        assert (b.doc_ids >= 0).all() and b.loss_mask.all()  # rows filled exactly, every token supervised
+        for r in range(rows):
+            starts = (b.position_ids[r] == 0).nonzero().flatten()
+            assert starts.tolist()[0] == 0 and len(starts) == 3  # three packed documents per row
+            assert b.doc_ids[r].unique().tolist() == [0, 1, 2] and (b.doc_ids[r].diff() >= 0).all()
+        assert b.input_ids.max() < 151936 and b.input_ids.min() >= 0
+
+
+def test_pair_counts_match_the_trainers_dense_masks():
+    b = synthetic_batches(1, 2, 256, 24, 1000, seed=3)[0]
+    b = StaticBatch(**{**b.tensors(), "anchor_valid": b.anchor_valid.clone().index_fill_(1, torch.tensor([5]), False)})
+    layout = make_layout(b.position_ids, b.doc_ids, b.anchor_pos, b.anchor_valid, 16)
+    assert draft_pairs(b, 16) == float(dense_block_mask(layout).sum())
+    assert target_pairs(b) == float(packed_causal_mask(b.doc_ids).sum())
+
+
+def test_accum_makes_one_step_of_several_micro_batches():
+    proc = bench(*TINY, "--accum", "2", "--modes", "eager")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = results(proc.stdout)["eager"]
+    assert r["tokens_per_step"] == 2 * 2 * 256  # accum x batch x seq
+    assert r["flops"]["lm_head"] == 2 * (2 * (2 * 2) * 16 * 15 * 128 * 1024)

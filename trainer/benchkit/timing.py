@@ -1,0 +1,100 @@
+"""Step timing, memory lines and the kernel profile, shared by every bench workload.
+
+CUDA: events recorded after every step and read once at the end (no host sync inside the loop; steps run back to
+back, so host launch gaps count). CPU (tests, development): the host clock around every step (CPU work is
+synchronous). MEM lines: allocator counters on CUDA (host-side bookkeeping, no sync), process peak RSS on CPU.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def mem_line(step: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"step": step, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {
+        "step": step,
+        "alloc_gib": torch.cuda.memory_allocated(device) / 2**30,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "reserved_gib": torch.cuda.memory_reserved(device) / 2**30,
+    }
+
+
+def peak_memory(device: torch.device) -> tuple[float, float]:
+    """(peak allocated, peak reserved) GiB; on CPU (peak RSS, nan)."""
+    if device.type != "cuda":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, float("nan")
+    return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@dataclass(frozen=True)
+class Timed:
+    step_s: list[float]
+    losses: list[float]
+    mem: list[dict]
+    elapsed_s: float
+
+
+def time_steps(step: Callable[[int], torch.Tensor], steps: int, *, device: torch.device, interval: int,
+               label: str, untimed: int = 2) -> Timed:
+    """Run `untimed` then `steps` timed calls of step(k) -> loss (device tensor); print a MEM line every `interval`."""
+    for k in range(untimed):
+        step(k)
+    reset_peak(device)
+    cuda = device.type == "cuda"
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else [0.0] * (steps + 1)
+    losses, mem = [], []
+    t0 = time.perf_counter()
+    _mark(marks, 0, cuda)
+    for k in range(steps):
+        loss = step(untimed + k)
+        _mark(marks, k + 1, cuda)
+        losses.append(loss.detach().clone())  # graph-owned output: copy before the next replay
+        if (k + 1) % interval == 0:
+            mem.append(mem_line(k + 1, device))
+            print("MEM", label, json.dumps(mem[-1]), flush=True)
+    if cuda:
+        torch.cuda.synchronize(device)  # the one sync: end of the timed loop
+        step_s = [marks[k].elapsed_time(marks[k + 1]) / 1e3 for k in range(steps)]
+    else:
+        step_s = [marks[k + 1] - marks[k] for k in range(steps)]
+    elapsed = time.perf_counter() - t0
+    return Timed(step_s, [float(x) for x in losses], mem, elapsed)
+
+
+def _mark(marks: list, k: int, cuda: bool) -> None:
+    if cuda:
+        marks[k].record()
+    else:
+        marks[k] = time.perf_counter()
+
+
+def print_profile(step: Callable[[], object], n: int, label: str) -> None:
+    """Top device kernels over `n` steps, as PROF lines (total ms per step, share, calls per step). CUDA only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in rows) or 1.0
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:25]:
+        print(
+            f"PROF {label} {e.self_device_time_total / n / 1e3:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
+            f"x{e.count // n:<4} {e.key[:110]}",
+            flush=True,
+        )
+    print(f"PROF {label} total device time {total / n / 1e3:.1f} ms/step", flush=True)

@@ -1,0 +1,168 @@
+"""One bench mode over the trainer's own path (`--impl trainer`), in the child process.
+
+Built exactly as `trainer train` builds it: an HF Qwen3 target prepared by `trainer.model.target.prepare_target`
+(random init from a named shape, bf16 on CUDA, frozen, tap hooks, truncated after the last tap; or `--target DIR`
+through `load_target`), `trainer.train.build_state` (Drafter, AdamW with a device LR, chunked LM-head loss, the flex
+mask builder), `trainer.train.make_runner` (EagerRunner / compile / GraphRunner) or, with `--pipeline 1`,
+`trainer.pipeline.train_pipe.build` driven by `trainer.pipeline.threads.Pipeline`. Data: synthetic StaticBatches
+(benchkit/data.py). Data parallel under torchrun: `trainer.distributed.make_grad_sync`, rank-specific data.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from trainer.benchkit.data import draft_pairs, synthetic_batches, target_pairs
+from trainer.benchkit.shapes import Dims, FlopShape, StepCounts, qwen3_config, useful_flops
+from trainer.benchkit.timing import Timed, mem_line, peak_memory, print_profile, reset_peak, time_steps
+from trainer.config import DataCfg, ModelCfg, OptimCfg, PipelineCfg, StepCfg, TrainCfg
+from trainer.errors import ConfigError
+
+def train_config(cfg, mode: str, attn: str) -> TrainCfg:
+    """The TrainCfg the bench's step corresponds to (only the fields build_state / make_runner read matter)."""
+    return TrainCfg(model=ModelCfg(target=cfg.target, num_draft_layers=cfg.draft_layers, block_size=cfg.block),
+                    data=DataCfg(seq_len=cfg.seq, rows_per_step=cfg.batch, num_anchors=cfg.anchors),
+                    step=StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk),
+                    optim=OptimCfg(accum_steps=cfg.accum), pipeline=PipelineCfg(enabled=bool(cfg.pipeline)))
+
+
+def bench_target(cfg, device: torch.device):
+    """--target DIR: load_target. Else a random-init Qwen3ForCausalLM of the named shape, built on `device` in the
+    target dtype and prepared by the same `prepare_target` (bf16 on CUDA, fp32 on CPU, as model.dtype=auto)."""
+    from trainer.model.target import load_target, pick_dtype, prepare_target
+    from trainer.train import target_attn
+
+    attn = target_attn(device)
+    if cfg.target:
+        return load_target(cfg.target, num_draft_layers=cfg.draft_layers, device=device, attn=attn)
+    from transformers import Qwen3ForCausalLM
+
+    from trainer.tiny import build_tokenizer
+
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(qwen3_config(cfg.shape, cfg.seq), dtype=pick_dtype("auto", device))
+    model = model.to(device)  # a no-op where the device context was honoured
+    # The tokenizer only supplies the mask token id (a row of the embedding that is neither pad nor eos).
+    return prepare_target(model, build_tokenizer(), num_draft_layers=cfg.draft_layers, attn=attn)
+
+
+def flop_shape(target, dcfg) -> FlopShape:
+    h = target.hf_config
+    t = Dims(h.hidden_size, h.num_attention_heads, getattr(h, "num_key_value_heads", h.num_attention_heads),
+             getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads, h.intermediate_size)
+    d = Dims(dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim,
+             dcfg.intermediate_size)
+    return FlopShape(target=t, target_layers_run=max(target.layer_ids) + 1, drafter=d, draft_layers=dcfg.num_layers,
+                     taps=dcfg.num_taps, vocab=target.embed_tokens.weight.shape[0])
+
+
+def run_mode(cfg, mode: str) -> dict:
+    """Build, warm up / capture, time `cfg.steps` optimizer steps; return the figures (a JSON-able dict)."""
+    from trainer.distributed import init_from_env, make_grad_sync, shutdown
+    from trainer.train import build_state, check_device_support, make_runner
+
+    info = init_from_env()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "sdpa")
+    tcfg = train_config(cfg, mode, attn)
+    check_device_support(tcfg, dev)  # graph modes, flex and the pipeline refuse a CPU here, before any build
+    torch.manual_seed(0)
+    target = bench_target(cfg, dev)
+    state = build_state(tcfg, target, dev)
+    if cuda:
+        torch.cuda.empty_cache()  # the target layers truncation dropped: not part of the footprint
+    vocab = target.embed_tokens.weight.shape[0]
+    micro = synthetic_batches(2 * cfg.accum, cfg.batch, cfg.seq, cfg.anchors, vocab, seed=1000 * info.rank)
+    if cuda:
+        micro = [b.pin_memory() for b in micro]  # as the trainer's loop hands them over (async H2D copies)
+    steps_in = [micro[:cfg.accum], micro[cfg.accum:]]  # two different optimizer steps, alternated
+    counts = StepCounts(rows=cfg.accum * cfg.batch, seq=cfg.seq, anchors=cfg.anchors, block=cfg.block,
+                        target_pairs=sum(target_pairs(b) for b in steps_in[0]),
+                        draft_pairs=sum(draft_pairs(b, cfg.block) for b in steps_in[0]))
+    flops = useful_flops(flop_shape(target, state.drafter.cfg), counts)
+    sync = make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], info.world)
+    if cfg.pipeline:
+        timed = run_pipeline(cfg, mode, state, steps_in, dev, sync)
+    else:
+        runner = make_runner(tcfg, state, steps_in[0][0].to(dev), dev, sync)
+        if mode in ("eager", "compile"):  # GraphRunner warmed up and captured already
+            for _ in range(cfg.warmup):
+                runner.step(steps_in[0])
+        timed = time_steps(lambda k: runner.step(steps_in[k % 2])[0].loss_, cfg.steps, device=dev,
+                           interval=cfg.interval, label=mode)
+        if cfg.profile and cuda:
+            print_profile(lambda: runner.step(steps_in[0]), cfg.profile, mode)
+    result = figures(cfg, mode, timed, flops, dev, info.world) | {"attn": attn, "target_attn": target.attn}
+    if cuda:
+        torch.cuda.synchronize(dev)
+    shutdown()
+    return result
+
+
+def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Timed:
+    """The trainer's pipeline (`trainer train` with pipeline.enabled): train_pipe.build captures / warms up in this
+    thread, then loader -> target producer -> drafter consumer threads; timed by the consumer's step-end events."""
+    from trainer.pipeline import train_pipe
+    from trainer.pipeline.threads import Pipeline, Placement
+
+    if dev.type != "cuda":
+        raise ConfigError("--pipeline 1 needs a CUDA device (this run is on cpu)")
+    pc = PipelineCfg()
+    built = train_pipe.build(state, steps_in[0], mode=mode, target_device=dev, drafter_device=dev, grad_sync=sync,
+                             slots=pc.slots, prefetch=pc.prefetch)
+    inputs = [train_pipe.step_inputs(s) for s in steps_in]
+
+    def feed():  # loader thread: CPU dicts (it pins them)
+        k = 0
+        while True:
+            yield inputs[k % 2]
+            k += 1
+
+    mem: list[dict] = []
+
+    def on_interval(step: int) -> None:
+        mem.append(mem_line(step, dev))
+        print("MEM", mode + "+pipeline", json.dumps(mem[-1]), flush=True)
+
+    consumer = train_pipe.ConsumerStep(built.stepper, cfg.accum, lambda: None, lambda outs: None)
+    pipe = Pipeline(Placement(dev, dev), feed, built.target_fn, consumer, built.example,
+                    target_keys=train_pipe.target_keys(cfg.accum), slots=built.slots, prefetch=built.prefetch,
+                    on_interval=on_interval, interval=cfg.interval)
+    pipe.run(3)  # the threads' streams, the pinned-memory pool
+    reset_peak(dev)
+    mem.clear()
+    res = pipe.run(cfg.steps)
+    return Timed(res.step_s, res.losses, mem, res.elapsed_s)
+
+
+def figures(cfg, mode: str, timed: Timed, flops: dict, dev: torch.device, world: int) -> dict:
+    import statistics
+
+    from trainer.benchkit.shapes import PEAK_FLOPS
+
+    tokens = cfg.accum * cfg.batch * cfg.seq
+    med = statistics.median(timed.step_s)
+    peak, reserved = peak_memory(dev)
+    return {
+        "mode": mode + ("+pipeline" if cfg.pipeline else ""),
+        "impl": "trainer",
+        "shape": cfg.target or cfg.shape,
+        "world": world,
+        "step_s_median": med,
+        "step_s_min": min(timed.step_s),
+        "step_s_max": max(timed.step_s),
+        "tokens_per_s_per_gpu": tokens / med,
+        "wall_tokens_per_s_per_gpu": tokens * cfg.steps / timed.elapsed_s,
+        "mfu": flops["total"] / med / PEAK_FLOPS,
+        "tflops_per_s": flops["total"] / med / 1e12,
+        "flops": flops,
+        "peak_alloc_gib": peak,
+        "peak_reserved_gib": reserved,
+        "mem": timed.mem,
+        "loss_first_last": [timed.losses[0], timed.losses[-1]],
+        "tokens_per_step": tokens,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    }
