@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -217,8 +218,14 @@ class SpecResult:
 
 @torch.no_grad()
 def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: list[int], max_new: int,
-                         eos_id: int | None = None) -> SpecResult:
-    """Greedy DFlash speculative decoding at batch 1 (see the module docstring for the round)."""
+                         eos_id: int | None = None, host_s: dict[str, float] | None = None) -> SpecResult:
+    """Greedy DFlash speculative decoding at batch 1 (see the module docstring for the round).
+
+    host_s: if given, host seconds are added under "draft" (proposer), "verify" (target forward) and "accept" (the
+    round's one sync and its bookkeeping). At batch 1 the GPU waits on the host, so these split the round's wall
+    time without adding a sync."""
+    clock = time.perf_counter
+    spent = host_s if host_s is not None else {}
     if max_new <= 0:
         return SpecResult(tokens=[])
     B = proposer.block_size
@@ -233,9 +240,12 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
     proposer.begin()
     accepted: list[int] = []
     while _stop_index(new_host, eos_id, max_new) is None:
+        t0 = clock()
         draft = proposer.propose(new_feats, committed)  # [B-1]
+        t1 = clock()
         block = torch.cat([committed[:, -1:], draft[None]], dim=1)  # [1, B]
         logits, feats = target_forward(target, block, cache, start)
+        t2 = clock()
         post = logits[0].argmax(-1)  # [B]: the target's greedy token after each block position
         reference = torch.cat([block[0, :1], post[:-1]])  # what the target emits at each block position
         a_dev = leading_matches(block[0], reference, torch.ones_like(reference, dtype=torch.bool))
@@ -248,6 +258,9 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
         start += a + 1
         crop_cache(cache, start)
         new_feats = feats[:, :a + 1]
+        t3 = clock()
+        for key, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("accept", t3 - t2)):
+            spent[key] = spent.get(key, 0.0) + dt
     return SpecResult(tokens=new_host[:_stop_index(new_host, eos_id, max_new)], accepted=accepted)
 
 

@@ -81,6 +81,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
         generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
     results, repeats, t_target, t_spec, tokens, identical = [], [], 0.0, 0.0, 0, 0
+    host_s: dict[str, float] = {}
     deadline = time.perf_counter() + cfg.budget_s
     for ids in encoded:
         if time.perf_counter() > deadline:
@@ -90,7 +91,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         want = generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
         _sync(device)
         t1 = time.perf_counter()
-        got = generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
+        got = generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id, host_s=host_s)
         _sync(device)
         t2 = time.perf_counter()
         t_target, t_spec = t_target + t1 - t0, t_spec + t2 - t1
@@ -101,14 +102,20 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
                           speculative_s=round(t_spec, 4), identical=identical)
     stats = acceptance_stats(results, block_size)
+    rounds = max(1, sum(r.rounds for r in results))
+    # Where a round's time goes (host ms per round; at batch 1 the GPU waits on the host) next to one target-only
+    # decode step: speedup ~= tau * step / round.
+    round_ms = {k: round(1e3 * v / rounds, 3) for k, v in host_s.items()}
     out = {**stats, "prompts": timing.prompts, "tokens": timing.tokens, "identical": timing.identical,
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
-           "block_size": block_size, "device": str(device),
+           "block_size": block_size, "device": str(device), "round_ms": round_ms,
+           "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
     log(f"decode: tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
-        f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s)")
+        f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s); one round "
+        f"{sum(round_ms.values()):.2f} ms host {round_ms} vs one target step {out['target_step_ms']} ms")
     return out
 
 

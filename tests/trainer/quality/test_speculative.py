@@ -121,3 +121,16 @@ def test_acceptance_stats_by_position():
     stats = acceptance_stats([SpecResult([1], accepted=[0, 3]), SpecResult([2], accepted=[1])], 4)
     assert stats == {"tau": round((1 + 4 + 2) / 3, 4), "rounds": 3, "accept_by_pos": [round(2 / 3, 4), round(1 / 3, 4),
                                                                             round(1 / 3, 4)]}
+
+
+def test_host_time_split_covers_every_round(full_target):
+    """host_s splits each round into draft / verify / accept, adds up across calls, and changes nothing decoded."""
+    ids = _prompt_ids(full_target, PROMPTS[0])
+    proposer = DFlashProposer(full_target, _drafter(full_target), 4)
+    plain = generate_speculative(full_target, proposer, ids, 20)
+    spent: dict[str, float] = {}
+    timed = generate_speculative(full_target, proposer, ids, 20, host_s=spent)
+    assert timed == plain and set(spent) == {"draft", "verify", "accept"} and all(v > 0 for v in spent.values())
+    once = dict(spent)
+    generate_speculative(full_target, proposer, ids, 20, host_s=spent)
+    assert all(spent[k] > once[k] for k in once)
