@@ -103,3 +103,32 @@ def test_state_mask_fn_supplies_the_backend_mask(target):
     assert torch.equal(compute_loss(state, two_doc_batch()).loss_, ref) and len(seen) == 1
     state.mask_fn = lambda layout: torch.ones_like(dense_block_mask(layout))  # leaks everything: must change loss
     assert not torch.equal(compute_loss(state, two_doc_batch()).loss_, ref)
+
+
+def test_step_loss_equals_the_naive_loss_over_every_block_position(target):
+    """compute_loss sends only block positions k >= 1 to the LM head; value, gradients and per-position accuracy must
+    equal the naive loss over all B positions (k = 0 has weight 0 there)."""
+    from trainer.model.attention import make_layout
+    from trainer.model.loss import block_input_ids, block_labels
+
+    state, batch = make_state(target), two_doc_batch()
+    out = compute_loss(state, batch)
+    out.loss_.backward()
+    grads = {n: p.grad.clone() for n, p in state.drafter.named_parameters()}
+    state.drafter.zero_grad(set_to_none=True)
+    B, t = state.block_size, state.target
+    feats = t.features(batch.input_ids, batch.position_ids, batch.doc_ids)
+    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B)
+    hidden = state.drafter(feats, t.embed_tokens(block_input_ids(batch.input_ids, batch.anchor_pos, B,
+                                                                 t.mask_token_id)), layout)
+    labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
+                                 batch.anchor_valid, B)
+    w = decay_weights(B, state.gamma) * valid
+    h = hidden.reshape(-1, hidden.shape[-1])
+    ref = naive_lm_loss(h, t.lm_head.weight, None, labels.reshape(-1), w.reshape(-1))
+    ref.backward()
+    assert torch.allclose(out.loss_, ref, rtol=1e-5, atol=1e-6)
+    for n, p in state.drafter.named_parameters():
+        assert torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6), n
+    hits = (t.lm_head(h).argmax(-1).view_as(valid) == labels) & valid
+    assert out.correct_by_pos_.tolist() == hits.float().sum(dim=(0, 1)).tolist() and out.correct_by_pos_[0] == 0

@@ -121,11 +121,17 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
                                  batch.anchor_valid, B)  # [R, N, B]
     w = decay_weights(B, state.gamma, device=labels.device) * valid  # [R, N, B]
     head = state.lm_head
-    h = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
-    loss, correct = chunked_lm_loss(h, head.weight, getattr(head, "bias", None), labels.reshape(-1), w.reshape(-1),
-                                    state.loss_chunk, state.ce_chunk_fn)
+    R, N = labels.shape[:2]
+    # Block position k = 0 holds the given anchor token (weight 0, never trained): only k = 1..B-1 reach the LM head,
+    # which saves 1/B of the head GEMMs and of the CE passes. One copy: slice + cast into a contiguous [M', D] (the
+    # reshape copies only when the cast did not, i.e. when the dtypes already match).
+    h = hidden.view(R, N, B, -1)[:, :, 1:].to(head.weight.dtype, memory_format=torch.contiguous_format)
+    loss, correct = chunked_lm_loss(h.reshape(R * N * (B - 1), -1), head.weight, getattr(head, "bias", None),
+                                    labels[:, :, 1:].reshape(-1), w[:, :, 1:].reshape(-1), state.loss_chunk,
+                                    state.ce_chunk_fn)
     validf = valid.float()
-    correct_by_pos = (correct.view_as(valid).float() * validf).sum(dim=(0, 1))
+    correct = torch.cat([torch.zeros_like(valid[:, :, :1]), correct.view(R, N, B - 1)], dim=2)  # k = 0: never valid
+    correct_by_pos = (correct.float() * validf).sum(dim=(0, 1))
     return StepOut(loss_=loss, correct_by_pos_=correct_by_pos, valid_by_pos_=validf.sum(dim=(0, 1)))
 
 
