@@ -1,10 +1,16 @@
 """One command, end to end: pretrain a target -> regenerate answers -> train a drafter -> evaluate it.
 
   python -m trainer.quality.pipeline --recipe quality_gpu|quality_cpu|PATH.yaml --out DIR [--set a.b=v]...
+                                     [--reuse EARLIER_DIR]
 
 Writes into DIR: target/ (HF model + tokenizer + corpus.json), data/{train,eval}.jsonl, drafter/ (a trainer run
-directory: config.json, metrics.jsonl, ckpt/, export/), quality.json; prints per-stage timings, the trainer's
-DFLASH_METRICS / DFLASH_EVAL lines, and finally one line `DFLASH_QUALITY {json}`.
+directory: config.json, metrics.jsonl, ckpt/, export/), stages.json (each finished stage's record, written as it
+finishes), quality.json; prints per-stage timings, the trainer's DFLASH_METRICS / DFLASH_EVAL lines, and finally one
+line `DFLASH_QUALITY {json}`.
+
+--reuse EARLIER_DIR trains and evaluates a new drafter on an earlier run's target and data (its target/, data/ and
+stages.json are read, never written): the pretrain and regenerate stages are skipped and the recipe's corpus /
+target / pretrain / regen sections are ignored (quality.json records `reused_from`).
 """
 from __future__ import annotations
 
@@ -133,7 +139,43 @@ def check_out_dir(out: Path) -> None:
         raise ConfigError(f"output directory {out} is not empty", hint="pass a new --out directory")
 
 
-def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
+def record_stage(out: Path, name: str, result: dict) -> None:
+    """Add one finished stage's record to out/stages.json (atomic replace): a later crash keeps what was done, and
+    `--reuse` reads it."""
+    path = out / "stages.json"
+    stages = json.loads(path.read_text()) if path.is_file() else {}
+    stages[name] = result
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(stages, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def reused_stages(earlier: Path, out: Path):
+    """An earlier run's finished pretrain + regenerate stages -> (PretrainResult, RegenResult). Refuses (one line)
+    a directory without them, and an --out inside it."""
+    from trainer.quality.pretrain import PretrainResult
+    from trainer.quality.regenerate import RegenResult
+
+    earlier = earlier.resolve()
+    if earlier == out.resolve() or earlier in out.resolve().parents:
+        raise ConfigError(f"--out {out} lies inside --reuse {earlier}", hint="pass an --out outside the reused run")
+    try:
+        stages = json.loads((earlier / "stages.json").read_text())
+        pre, regen = PretrainResult(**stages["pretrain"]), RegenResult(**stages["regenerate"])
+        # The recorded paths may be relative to another working directory: the layout under `earlier` is fixed.
+        pre = dataclasses.replace(pre, path=str(earlier / "target"))
+        regen = dataclasses.replace(regen, train_path=str(earlier / "data" / "train.jsonl"),
+                                    eval_path=str(earlier / "data" / "eval.jsonl"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--reuse {earlier}: no finished pretrain and regenerate stages there ({e})",
+                          hint="reuse the --out of a pipeline run that got past its regenerate stage") from None
+    for path in (Path(pre.path) / "config.json", Path(regen.train_path), Path(regen.eval_path)):
+        if not path.is_file():
+            raise ConfigError(f"--reuse {earlier}: {path} is missing")
+    return pre, regen
+
+
+def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path | None = None) -> dict:
     import torch
 
     from trainer.eval import evaluate_run
@@ -145,11 +187,13 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
     recipe = apply_overrides(load_recipe(recipe_name), overrides)
     q = recipe.quality
     check_out_dir(out)
+    reused = reused_stages(reuse, out) if reuse is not None else None
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(q.device)
     if q.threads:
         torch.set_num_threads(q.threads)
     (out / "recipe.json").write_text(json.dumps({"recipe": recipe_name, "overrides": overrides,
+                                                "reused_from": str(reuse.resolve()) if reuse else None,
                                                  "quality": dataclasses.asdict(q), "drafter": recipe.drafter},
                                                 indent=1) + "\n")
     timings: dict[str, float] = {}
@@ -161,23 +205,33 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str]) -> dict:
         result = fn()
         timings[name] = round(time.perf_counter() - t0, 1)
         log(f"== stage {name}: {timings[name]}s")
+        record_stage(out, name, result if isinstance(result, dict) else dataclasses.asdict(result))
         return result
 
-    pre = stage("pretrain", lambda: make_target(out / "target", q, device, log))
-    regen = stage("regenerate", lambda: regenerate(out / "target", out / "data", q, device, log))
-    cfg = drafter_train_cfg(recipe.drafter, out / "target", regen, device, q.seed)
+    if reused is None:
+        pre = stage("pretrain", lambda: make_target(out / "target", q, device, log))
+        regen = stage("regenerate", lambda: regenerate(out / "target", out / "data", q, device, log))
+    else:
+        pre, regen = reused
+        log(f"== reusing the target and data of {reuse} (pretrain and regenerate skipped; the recipe's corpus, "
+            f"target, pretrain and regen sections do not apply)")
+        for name, result in (("pretrain", pre), ("regenerate", regen)):
+            record_stage(out, name, {**dataclasses.asdict(result), "reused_from": str(reuse.resolve())})
+    target_dir = Path(pre.path)
+    cfg = drafter_train_cfg(recipe.drafter, target_dir, regen, device, q.seed)
     drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", q.drafter_budget_s))
 
     def evaluate() -> dict:
-        simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, out / "target"))
-        target, drafter, block_size = load_pair(out / "drafter" / "export", out / "target", device,
+        simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, target_dir))
+        target, drafter, block_size = load_pair(out / "drafter" / "export", target_dir, device,
                                                  q.eval.target_dtype)
         return {"simulated": simulated,
                 "decode": decode_benchmark(target, drafter, block_size, heldout_prompts(regen.eval_path), q.eval,
                                            log)}
     ev = stage("eval", evaluate)
     timings["total"] = round(time.perf_counter() - t_all, 1)
-    result = {"recipe": recipe_name, "device": str(device), "torch": torch.__version__,
+    result = {"recipe": recipe_name, "reused_from": str(reuse.resolve()) if reuse else None, "device": str(device),
+              "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "target": dataclasses.asdict(pre), "regen": dataclasses.asdict(regen), "drafter": drafted,
               "tau": ev["decode"]["tau"], "accept_by_pos": ev["decode"]["accept_by_pos"],
@@ -195,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.quality.pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="quality_gpu, quality_cpu, or a PATH.yaml")
     p.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    p.add_argument("--reuse", type=Path, default=None, metavar="EARLIER_DIR",
+                   help="train and evaluate a new drafter on an earlier run's target and data (skips pretrain and "
+                        "regenerate)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe leaf, e.g. --set pretrain.steps=500 or --set drafter.optim.lr=1e-3")
     args = p.parse_args(argv)
@@ -207,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        run_pipeline(args.recipe, Path(args.out), args.overrides)
+        run_pipeline(args.recipe, Path(args.out), args.overrides, args.reuse)
         return 0
 
     return run_cli(command)

@@ -68,3 +68,35 @@ def test_bad_override_is_one_clear_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: unknown config key 'drafter.optim.bogus'")
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.slow
+def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path):
+    """--reuse skips pretrain + regenerate, reads the earlier run without writing it, and a run whose regenerate
+    stage never finished cannot be reused."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    small = ("--set", "regen.train_prompts=12", "--set", "regen.continuations=4",
+             "--set", "eval.prompts=1")
+    proc = _run("--recipe", "quality_cpu", "--out", str(first), *small)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = json.loads((first / "stages.json").read_text())
+    assert set(stages) == {"pretrain", "regenerate", "drafter", "eval"}
+    before = {p: p.stat().st_mtime_ns for p in (first / "target").iterdir()} | {
+        p: p.stat().st_mtime_ns for p in (first / "data").iterdir()}
+    proc = _run("--recipe", "quality_cpu", "--out", str(second), "--reuse", str(first), *small,
+                "--set", "drafter.model.block_size=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== stage pretrain" not in proc.stdout and "== stage regenerate" not in proc.stdout
+    result = json.loads((second / "quality.json").read_text())
+    assert result["reused_from"] == str(first.resolve())
+    assert result["target"]["path"] == str(first.resolve() / "target")
+    assert result["eval"]["decode"]["block_size"] == 4 and result["identical"].split("/")[0] == \
+        result["identical"].split("/")[1]
+    assert not (second / "target").exists() and (second / "drafter" / "export" / "model.safetensors").is_file()
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # the earlier run is read, never written
+    # A run without a finished regenerate stage: one clear line, exit 2, nothing created.
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "stages.json").write_text(json.dumps({"pretrain": stages["pretrain"]}))
+    proc = _run("--recipe", "quality_cpu", "--out", str(tmp_path / "third"), "--reuse", str(tmp_path / "broken"))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --reuse ") and "regenerate" in proc.stderr
+    assert not (tmp_path / "third").exists()
