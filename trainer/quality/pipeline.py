@@ -150,6 +150,12 @@ def record_stage(out: Path, name: str, result: dict) -> None:
     tmp.replace(path)
 
 
+def _from_record(cls, record: dict):
+    """A stage record -> its result dataclass (extra keys such as `reused_from` are not fields: dropped)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in record.items() if k in names})
+
+
 def reused_stages(earlier: Path, out: Path):
     """An earlier run's finished pretrain + regenerate stages -> (PretrainResult, RegenResult). Refuses (one line)
     a directory without them, and an --out inside it."""
@@ -161,7 +167,8 @@ def reused_stages(earlier: Path, out: Path):
         raise ConfigError(f"--out {out} lies inside --reuse {earlier}", hint="pass an --out outside the reused run")
     try:
         stages = json.loads((earlier / "stages.json").read_text())
-        pre, regen = PretrainResult(**stages["pretrain"]), RegenResult(**stages["regenerate"])
+        pre, regen = (_from_record(PretrainResult, stages["pretrain"]),
+                      _from_record(RegenResult, stages["regenerate"]))
         # The recorded paths may be relative to another working directory: the layout under `earlier` is fixed.
         pre = dataclasses.replace(pre, path=str(earlier / "target"))
         regen = dataclasses.replace(regen, train_path=str(earlier / "data" / "train.jsonl"),

@@ -94,6 +94,9 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path)
         result["identical"].split("/")[1]
     assert not (second / "target").exists() and (second / "drafter" / "export" / "model.safetensors").is_file()
     assert {p: p.stat().st_mtime_ns for p in before} == before  # the earlier run is read, never written
+    # A reusing run can itself be reused (its stages.json carries the reused records).
+    reused = json.loads((second / "stages.json").read_text())
+    assert reused["pretrain"]["reused_from"] == str(first.resolve()) and "drafter" in reused
     # A run without a finished regenerate stage: one clear line, exit 2, nothing created.
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "stages.json").write_text(json.dumps({"pretrain": stages["pretrain"]}))
