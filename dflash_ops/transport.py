@@ -151,7 +151,8 @@ class SshTransport:
 
 
 def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
-    """(address, port, user, identity file): inventory values first, then ~/.ssh/config, then defaults."""
+    """(address, port, user, identity file): inventory values first, then ~/.ssh/config (with its Includes),
+    then defaults. A broken ssh config (an Include cycle, an unparsable line) raises ConfigError."""
     cfg = _ssh_config(host.address or host.name)
     address = cfg.get("hostname", host.address or host.name)
     port = host.port or int(cfg.get("port", 22))
@@ -161,12 +162,10 @@ def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
 
 
 def _ssh_config(alias: str) -> dict:
-    path = Path.home() / ".ssh" / "config"
-    if not path.is_file():
-        return {}
-    import paramiko
+    """~/.ssh/config's settings for `alias`, its `Include`s followed (sshconfig.py); {} without a config."""
+    from dflash_ops import sshconfig
 
-    return dict(paramiko.SSHConfig.from_path(str(path)).lookup(alias))
+    return sshconfig.read().lookup(alias)
 
 
 def _client(paramiko, host: Host):
