@@ -51,3 +51,30 @@ def test_include_cycle_is_exit_78_with_one_line(ops_env):
     as_json = ops_env.sub("runs", "--host", "10.1.2.3", "--json")  # an address still resolves through the config
     assert as_json.returncode == 78
     assert json.loads(as_json.stdout)["error"]["code"] == "config"
+
+
+def test_single_hop_proxyjump_is_the_jump_host_unless_the_inventory_names_one(ops_env):
+    ssh = _ssh_dir(ops_env)
+    (ssh / "config").write_text("Include config.d/*\n")
+    (ssh / "config.d" / "j.conf").write_text(
+        "Host gpubox\n  HostName 10.9.8.7\n  ProxyJump bastion\n"
+        "Host direct\n  HostName 10.9.8.8\n  ProxyJump none\n"
+        "Host twohops\n  HostName 10.9.8.9\n  ProxyJump bastion,other\n"
+        "Host chained\n  HostName 10.9.8.10\n  ProxyJump gpubox\n")
+    dry = ops_env.sub("launch", "job", "--host", "gpubox", "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.startswith("ssh root@10.9.8.7:22 (via bastion): "), dry.stderr
+    direct = ops_env.sub("launch", "job", "--host", "direct", "--dry-run")
+    assert direct.returncode == 0 and direct.stdout.startswith("ssh root@10.9.8.8:22: "), direct.stderr
+
+    two = ops_env.sub("launch", "job", "--host", "twohops", "--dry-run")
+    assert two.returncode == 2
+    assert two.stderr.splitlines()[0] == ("error: ~/.ssh/config ProxyJump 'bastion,other' of 'twohops': dflash-ops "
+                                          "supports one [user@]host[:port] hop only")
+    chained = ops_env.sub("launch", "job", "--host", "chained", "--dry-run")
+    assert chained.returncode == 2
+    assert chained.stderr.startswith("error: jump host 'gpubox' has a ProxyJump of its own in ~/.ssh/config")
+
+    inv = ops_env.root / "inv.yaml"
+    inv.write_text("hosts:\n  lab:\n    transport: ssh\n    address: gpubox\n    jump: ops@10.0.0.2:2222\n")
+    named = ops_env.sub("--inventory", str(inv), "launch", "job", "--host", "lab", "--dry-run")
+    assert named.returncode == 0 and named.stdout.startswith("ssh root@10.9.8.7:22 (via ops@10.0.0.2:2222): ")

@@ -190,3 +190,15 @@ def test_wildcards_and_negations_name_no_host(home):
         assert not inventory._looks_like_address(word, word), word
     with pytest.raises(UsageError, match="unknown host 'random'"):
         inventory.resolve_host(inventory.Inventory(), "random", with_ct=False)
+
+
+def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_target(home):
+    _write(home / ".ssh" / "config", "Include jumps.conf\n")
+    _write(home / ".ssh" / "jumps.conf", "Host bastion\n  HostName 10.7.0.1\n  Port 2022\n  User jumper\n"
+                                         "  IdentityFile ~/.ssh/jumpkey\n")
+    target = ("10.7.0.9", 22, "root", "/keys/target")
+    assert transport.resolve_jump("bastion", target) == ("10.7.0.1", 2022, "jumper", f"{home}/.ssh/jumpkey")
+    assert transport.resolve_jump("ops@bastion:2222", target) == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
+    assert transport.resolve_jump("10.7.0.5", target) == ("10.7.0.5", 22, "root", "/keys/target")
+    with pytest.raises(UsageError, match="invalid jump host"):
+        transport.resolve_jump("a,b", target)
