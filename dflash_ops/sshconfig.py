@@ -94,10 +94,6 @@ class SshConfig:
         return False
 
 
-def default_path() -> Path:
-    return Path.home() / ".ssh" / "config"
-
-
 def read(path: Path | None = None, *, home: Path | None = None) -> SshConfig:
     """Read `path` (default `~/.ssh/config`) and everything it includes. A missing file is an empty config.
     `home`: whose `~` and `~/.ssh/` resolve `Include` paths (default: this HOME). Bad includes raise ConfigError."""
