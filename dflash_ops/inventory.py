@@ -167,11 +167,8 @@ def _looks_like_address(text: str, host: str) -> bool:
 
 
 def _ssh_config_has(alias: str) -> bool:
-    path = Path.home() / ".ssh" / "config"
-    if not path.is_file():
-        return False
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        words = line.split()
-        if len(words) >= 2 and words[0].lower() == "host" and alias in words[1:]:
-            return True
-    return False
+    """`alias` is named by a non-wildcard `Host` pattern of ~/.ssh/config or a file it includes (`Host *` and
+    `!alias` name nothing)."""
+    from dflash_ops import sshconfig
+
+    return sshconfig.read().has_alias(alias)

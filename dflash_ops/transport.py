@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -75,18 +76,20 @@ class SshTransport:
     """One lazily opened paramiko connection to `host`; `run` opens one exec channel per call."""
 
     def __init__(self, host: Host) -> None:
-        self.host = host
+        jump = host.jump or config_jump(host)
+        self.host = host if jump == host.jump else replace(host, jump=jump)  # messages name the jump as given
         self.label = host.name
         self._client = None
         self._jump = None
         self._endpoint = resolve_endpoint(host)
+        self._jump_endpoint = resolve_jump(jump, self._endpoint) if jump else None
 
     # -- connection -----------------------------------------------------------------------------------------
     def _connect(self):
         import paramiko  # lazy: only when a connection is really made
 
         address, port, user, key = self._endpoint
-        sock = self.tunnel() if self.host.jump else None
+        sock = self.tunnel() if self._jump_endpoint else None
         client = _client(paramiko, self.host)
         _connect_client(paramiko, client, self.host, address, port, user, key, sock)
         client.get_transport().set_keepalive(self.host.keepalive_s)
@@ -98,16 +101,11 @@ class SshTransport:
         The jump connection (its host key checked like any other) lives until `close()`."""
         import paramiko
 
-        from dflash_ops.names import ADDRESS_RE
-
+        if self._jump_endpoint is None:
+            raise UsageError(f"host {self.host.name!r} has no jump host")
         address, port = self._endpoint[:2]
-        m = ADDRESS_RE.fullmatch(self.host.jump or "")
-        if m is None:
-            raise UsageError(f"invalid jump host {self.host.jump!r}")
-        j_addr, j_port = m.group("host").strip("[]"), int(m.group("port") or 22)
         jump = _client(paramiko, self.host)
-        _connect_client(paramiko, jump, self.host, j_addr, j_port, m.group("user") or self._endpoint[2],
-                        self._endpoint[3], None, is_jump=True)
+        _connect_client(paramiko, jump, self.host, *self._jump_endpoint, None, is_jump=True)
         jump.get_transport().set_keepalive(self.host.keepalive_s)
         self._jump = jump
         try:
@@ -151,7 +149,8 @@ class SshTransport:
 
 
 def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
-    """(address, port, user, identity file): inventory values first, then ~/.ssh/config, then defaults."""
+    """(address, port, user, identity file): inventory values first, then ~/.ssh/config (with its Includes),
+    then defaults. A broken ssh config (an Include cycle, an unparsable line) raises ConfigError."""
     cfg = _ssh_config(host.address or host.name)
     address = cfg.get("hostname", host.address or host.name)
     port = host.port or int(cfg.get("port", 22))
@@ -160,13 +159,49 @@ def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
     return address, port, user, os.path.expanduser(identity) if identity else None
 
 
-def _ssh_config(alias: str) -> dict:
-    path = Path.home() / ".ssh" / "config"
-    if not path.is_file():
-        return {}
-    import paramiko
+def config_jump(host: Host) -> str | None:
+    """~/.ssh/config's `ProxyJump` for a host whose inventory entry names no `jump:` (None for none / `none`).
+    Only one `[user@]host[:port]` hop is supported: a list of hops or an ssh:// URI is a UsageError (exit 2)."""
+    from dflash_ops.names import ADDRESS_RE
 
-    return dict(paramiko.SSHConfig.from_path(str(path)).lookup(alias))
+    if host.transport == LOCAL or host.jump:
+        return None
+    value = _ssh_config(host.address or host.name).get("proxyjump")
+    if not value or value.strip().lower() == "none":
+        return None
+    if ADDRESS_RE.fullmatch(value.strip()) is None:
+        raise UsageError(f"~/.ssh/config ProxyJump {value!r} of {host.address or host.name!r}: dflash-ops supports "
+                         f"one [user@]host[:port] hop only",
+                         hint="give the host an inventory entry with `jump: user@host:port` (one hop)")
+    return value.strip()
+
+
+def resolve_jump(jump: str, target: tuple[str, int, str, str | None]) -> tuple[str, int, str, str | None]:
+    """(address, port, user, identity file) of the jump host `jump` (`[user@]host[:port]`, host maybe an
+    ~/.ssh/config alias): the spec's user and port first, then the jump host's ssh config, then port 22 and the
+    TARGET's user and identity file. A jump host that itself needs a jump (more than one hop) is a UsageError."""
+    from dflash_ops.names import ADDRESS_RE
+
+    m = ADDRESS_RE.fullmatch(jump)
+    if m is None:
+        raise UsageError(f"invalid jump host {jump!r}")
+    name = m.group("host").strip("[]")
+    cfg = _ssh_config(name)
+    if (cfg.get("proxyjump") or "none").strip().lower() != "none":
+        raise UsageError(f"jump host {jump!r} has a ProxyJump of its own in ~/.ssh/config: dflash-ops supports "
+                         f"one hop only", hint="reach the target through one jump host, or set `ProxyJump none` "
+                                               f"for {name} in ~/.ssh/config")
+    identity = (cfg.get("identityfile") or [None])[0]
+    return (cfg.get("hostname", name), int(m.group("port") or cfg.get("port", 22)),
+            m.group("user") or cfg.get("user") or target[2],
+            os.path.expanduser(identity) if identity else target[3])
+
+
+def _ssh_config(alias: str) -> dict:
+    """~/.ssh/config's settings for `alias`, its `Include`s followed (sshconfig.py); {} without a config."""
+    from dflash_ops import sshconfig
+
+    return sshconfig.read().lookup(alias)
 
 
 def _client(paramiko, host: Host):

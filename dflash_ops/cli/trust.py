@@ -49,8 +49,9 @@ def trust_host(
 
 def _fetch_key(transport, host, address: str, port: int):
     """The host's key, fetched the way every other command reaches it: through its `jump:` host when it has one
-    (that connection checks the jump host's key, so the jump host must be trusted first)."""
-    if not host.jump:
+    (that connection checks the jump host's key, so the jump host must be trusted first), or ~/.ssh/config's
+    single-hop `ProxyJump` when the inventory names none."""
+    if not (host.jump or transport.config_jump(host)):
         return transport.fetch_host_key(address, port, timeout_s=host.connect_timeout_s)
     via = transport.SshTransport(host)
     try:
