@@ -53,6 +53,14 @@ def env_key(value: str) -> str:
     return value
 
 
+def env_assignment(item: str) -> tuple[str, str]:
+    """`KEY=VALUE` (as given to `launch --env`) -> (KEY, VALUE); the value is kept verbatim, `=` and all."""
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise UsageError(f"--env {item!r}: expected KEY=VALUE", hint="e.g. --env CUDA_VISIBLE_DEVICES=0,1")
+    return env_key(key), value
+
+
 def new_run_id(name: str, now: float | None = None, tag: str | None = None) -> str:
     """`<name>-<UTC yyyymmddTHHMMSS>-<4 hex>` (docs/contracts.md section 2)."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() if now is None else now))

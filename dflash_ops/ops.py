@@ -84,11 +84,16 @@ class DryRun:
     command: str
 
 
-def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, ...] = ()) -> RunSpec:
+def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, ...] = (),
+         extra_env: tuple[tuple[str, str], ...] = ()) -> RunSpec:
     name = names.run_name(book.name if name is None else name)
-    spec = run_spec(book, s.target, name=name, run_id=names.new_run_id(name), extra_args=extra_args)
+    spec = run_spec(book, s.target, name=name, run_id=names.new_run_id(name), extra_args=extra_args,
+                    extra_env=extra_env)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")
+    if any(k == shellcmd.MARKER_VAR for k, _ in spec.env):
+        # The marker `stop` checks before it kills: a job that could overwrite it could not be stopped.
+        raise UsageError(f"{shellcmd.MARKER_VAR} is set by dflash-ops itself; it cannot be given in an environment")
     return spec
 
 

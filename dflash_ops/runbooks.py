@@ -68,11 +68,14 @@ def substitute(text: str, values: dict[str, str]) -> str:
     return PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], text)
 
 
-def run_spec(book: Runbook, target: Target, *, name: str, run_id: str, extra_args: tuple[str, ...] = ()) -> RunSpec:
-    """Resolve a runbook on a target. `extra_args` (after `--`) are appended verbatim, never substituted."""
+def run_spec(book: Runbook, target: Target, *, name: str, run_id: str, extra_args: tuple[str, ...] = (),
+             extra_env: tuple[tuple[str, str], ...] = ()) -> RunSpec:
+    """Resolve a runbook on a target. `extra_args` (after `--`) are appended verbatim, never substituted.
+    `extra_env` (`launch --env`) is verbatim too and replaces the inventory's or the runbook's value of a key."""
     runs_dir = target.runs_dir
     values = {"python": target.python, "run_dir": f"{runs_dir}/{run_id}", "run_id": run_id, "name": name}
-    env = tuple((k, substitute(v, values)) for k, v in target.env + book.env)
+    given = {k for k, _ in extra_env}
+    env = tuple((k, substitute(v, values)) for k, v in target.env + book.env if k not in given) + tuple(extra_env)
     return RunSpec(
         run_id=run_id, name=name, runbook=book.name,
         argv=tuple(substitute(a, values) for a in book.command) + tuple(extra_args),

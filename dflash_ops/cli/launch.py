@@ -20,19 +20,23 @@ def launch(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact remote command; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Stop a live run of the same name first.")] = False,
     wait: Annotated[Optional[float], typer.Option("--wait", min=0, help="Liveness wait in seconds [default: runbook].")] = None,
+    env: Annotated[Optional[list[str]], typer.Option(
+        "--env", "-e", metavar="KEY=VALUE",
+        help="Set a variable in the job's environment (repeatable; replaces the runbook's or inventory's value).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Launch RUNBOOK detached (survives the connection closing) and prove it alive.
 
     Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set steps=100
     """
-    from dflash_ops import ops, runbooks
+    from dflash_ops import names, ops, runbooks
     from dflash_ops.cli import render
 
     with rendered_errors(json_out):
+        extra_env = tuple(names.env_assignment(item) for item in env or ())
         session = open_session(ctx, host, ct)
         book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
-        spec = ops.plan(session, book, name=name, extra_args=tuple(args or ()))
+        spec = ops.plan(session, book, name=name, extra_args=tuple(args or ()), extra_env=extra_env)
         if dry_run:
             render.dry_run(spec, ops.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
             return

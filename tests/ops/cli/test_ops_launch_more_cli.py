@@ -1,4 +1,4 @@
-"""launch: bare-address targets, --follow, the inductor-cache pre step, and concurrent launches of one name."""
+"""launch: bare-address targets, --follow, the inductor-cache pre step, concurrent launches of one name, --env."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def test_bare_address_and_ct_need_no_inventory(ops_env):
@@ -54,3 +57,33 @@ def test_concurrent_launches_of_one_name_start_exactly_one(ops_env):
     codes = sorted(p.wait(timeout=60) for p in procs)
     assert codes == [0, 5, 5], [p.stderr.read() for p in procs]
     assert [r["state"] for r in ops_env.runs_json()] == ["running"]
+
+
+def test_launch_env_reaches_the_job_verbatim_and_replaces_the_runbooks_value(ops_env, tmp_path):
+    """--env KEY=VALUE: the job sees the value byte for byte (quotes, $, ;, =, newline: no shell runs it), a runbook
+    key given again takes the --env value, run.json lists the keys, the marker stays dflash-ops' own."""
+    out, canary = tmp_path / "seen.json", tmp_path / "canary"
+    hostile = f"a'b\"c $(touch {canary}); `touch {canary}` x=y\nz"
+    done = ops_env.sub("launch", "job", "--json", "--env", f"HOSTILE={hostile}", "-e", "PYTHONUNBUFFERED=yes",
+                       "--", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    launched = json.loads(done.stdout)
+    ops_env.wait_for(out)
+    seen = json.loads(out.read_text())
+    assert seen["env"] == {"HOSTILE": hostile, "DFLASH_OPS_RUN_ID": launched["run_id"]}
+    assert not canary.exists()
+    meta = json.loads((Path(launched["run_dir"]) / "run.json").read_text())
+    assert meta["env_keys"] == ["HOSTILE", "PYTHONUNBUFFERED"]  # the runbook's PYTHONUNBUFFERED was replaced
+
+
+@pytest.mark.parametrize("item, message", [
+    ("NOEQUALS", "expected KEY=VALUE"),
+    ("1BAD=x", "invalid environment variable name"),
+    ("A B=x", "invalid environment variable name"),
+    ("DFLASH_OPS_RUN_ID=x", "set by dflash-ops itself"),
+])
+def test_launch_env_refuses_bad_items_in_one_line(ops_env, item, message):
+    done = ops_env.sub("launch", "job", "--env", item)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr
+    assert ops_env.run_dirs() == []

@@ -67,7 +67,7 @@ def test_bundled_runbooks_are_valid():
     books = {name: runbooks.load_runbook(runbooks.BUNDLED, name) for name in names}  # every one loads
     assert all(any("{run_dir}" in a for a in book.command) for book in books.values())
     modes = {}
-    for name in ("smoke", "eager", "fixedshape", "cudagraph", "graphwarm", "graphwarm-ddp"):
+    for name in ("smoke", "eager", "fixedshape", "cudagraph", "graphwarm", "graphwarm-ddp", "graphwarm-nodes"):
         book = books[name]
         cmd = book.command
         launcher = cmd[:3] == ("{python}", "-m", "torch.distributed.run")  # torchrun runs `-m trainer` per rank
@@ -76,9 +76,12 @@ def test_bundled_runbooks_are_valid():
         modes[name] = next((a for a in book.command if a.startswith("step.mode=")), None)
     assert modes == {"smoke": None, "eager": "step.mode=eager", "fixedshape": "step.mode=eager",
                      "cudagraph": "step.mode=compile+graph", "graphwarm": "step.mode=graph",
-                     "graphwarm-ddp": "step.mode=graph"}
+                     "graphwarm-ddp": "step.mode=graph", "graphwarm-nodes": "step.mode=graph"}
     ddp = runbooks.load_runbook(runbooks.BUNDLED, "graphwarm-ddp").command
     assert ddp[:6] == ("{python}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "gpu")
+    nodes = runbooks.load_runbook(runbooks.BUNDLED, "graphwarm-nodes")
+    assert "--standalone" not in nodes.command and nodes.command[3:5] == ("--nproc-per-node", "gpu")
+    assert ("LOGLEVEL", "INFO") in nodes.env and "Starting elastic_operator" in nodes.liveness.pattern
     assert runbooks.load_runbook(runbooks.BUNDLED, "graphwarm").pre == ("clear_inductor_cache",)
     assert runbooks.load_runbook(runbooks.BUNDLED, "smoke").liveness.pattern == "DFLASH_METRICS|step "
 
