@@ -78,19 +78,41 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     return final
 
 
-def load_latest(run_dir: Path, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                lr_: torch.Tensor) -> Cursor:
-    """Restore the newest complete checkpoint in place; raise ConfigError when there is none."""
+CKPT_FILES = ("drafter.pt", "optimizer.pt", "rng.pt", "trainer.json")
+
+
+def newest_step(run_dir: Path) -> int:
+    """The newest complete checkpoint's step, -1 when there is none."""
+    found = list_checkpoints(run_dir)
+    return found[-1][0] if found else -1
+
+
+def read_latest(run_dir: Path) -> dict[str, bytes]:
+    """The newest complete checkpoint's files as bytes (what `restore` takes; what a rank without the checkpoint
+    receives from one that has it); raise ConfigError when there is none."""
     found = list_checkpoints(run_dir)
     if not found:
         raise ConfigError(f"--resume: no complete checkpoint under {ckpt_root(run_dir)}",
                           hint="start without --resume, or point --run-dir at the run to continue")
-    _step, path = found[-1]
+    return {name: (found[-1][1] / name).read_bytes() for name in CKPT_FILES}
+
+
+def restore(files: dict[str, bytes], drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            lr_: torch.Tensor) -> Cursor:
+    """Load a checkpoint's files (`read_latest`) into the drafter, optimizer and RNGs in place -> its cursor."""
+    import io
+
     device = next(drafter.parameters()).device
-    drafter.load_state_dict(torch.load(path / "drafter.pt", map_location=device))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device))
+    drafter.load_state_dict(torch.load(io.BytesIO(files["drafter.pt"]), map_location=device))
+    optimizer.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"]), map_location=device))
     for group in optimizer.param_groups:
         group["lr"] = lr_  # keep the one device LR tensor the schedule fills (load_state_dict rebinds it)
-    _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    meta = json.loads((path / "trainer.json").read_text())
+    _set_rng_state(torch.load(io.BytesIO(files["rng.pt"]), weights_only=False))
+    meta = json.loads(files["trainer.json"])
     return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+
+
+def load_latest(run_dir: Path, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                lr_: torch.Tensor) -> Cursor:
+    """Restore the newest complete checkpoint in place; raise ConfigError when there is none."""
+    return restore(read_latest(run_dir), drafter, optimizer, lr_)
