@@ -97,6 +97,29 @@ def read_latest(run_dir: Path) -> dict[str, bytes]:
     return {name: (found[-1][1] / name).read_bytes() for name in CKPT_FILES}
 
 
+def read_latest_any_rank(run_dir: Path) -> dict[str, bytes]:
+    """`read_latest`, collective under torchrun: the files of the newest checkpoint any rank holds. When every rank
+    holds it (one node, or a shared filesystem) each reads its own disk; otherwise (another node's run dir, no shared
+    filesystem) the lowest rank that has it reads it once and sends the bytes to all. Every rank raises the same
+    ConfigError when no rank has one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return read_latest(run_dir)
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, newest_step(run_dir))
+    best = max(steps)
+    if best < 0:
+        raise ConfigError(f"--resume: no rank holds a complete checkpoint (looked under {ckpt_root(run_dir)} on "
+                          f"every node)", hint="start without --resume, or point --run-dir at the run to continue")
+    if all(s == best for s in steps):
+        return read_latest(run_dir)  # one node, or a shared filesystem: nothing to send
+    src = steps.index(best)
+    box = [read_latest(run_dir) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)  # SYNC: once, at resume; every rank now holds the files
+    return box[0]
+
+
 def restore(files: dict[str, bytes], drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
             lr_: torch.Tensor) -> Cursor:
     """Load a checkpoint's files (`read_latest`) into the drafter, optimizer and RNGs in place -> its cursor."""

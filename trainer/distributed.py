@@ -127,32 +127,6 @@ def replica_digests(module: torch.nn.Module) -> list[str]:
     return found
 
 
-def checkpoint_files(run_dir, newest_step, read) -> dict[str, bytes]:
-    """Collective under torchrun: the files of the newest checkpoint any rank holds. Ranks that hold that step read
-    it from their own disk; the others (another node's run dir, no shared filesystem) receive the bytes from the
-    lowest rank that has it. Every rank raises the same ConfigError when no rank has one. One process: `read()`.
-
-    newest_step: () -> int (-1: none here); read: () -> dict[str, bytes] (checkpoint.read_latest of run_dir)."""
-    import torch.distributed as dist
-
-    from trainer.errors import ConfigError
-
-    if not dist.is_initialized():
-        return read()
-    steps: list = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, newest_step())
-    best = max(steps)
-    if best < 0:
-        raise ConfigError(f"--resume: no rank holds a complete checkpoint (looked under {run_dir}/ckpt on every node)",
-                          hint="start without --resume, or point --run-dir at the run to continue")
-    if all(s == best for s in steps):
-        return read()  # one node, or a shared filesystem: nothing to send
-    src = steps.index(best)
-    box = [read() if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)  # SYNC: once, at resume
-    return read() if steps[dist.get_rank()] == best else box[0]
-
-
 def barrier() -> None:
     """Wait for every rank (rank 0 wrote something the others read next). No-op in one process."""
     import torch.distributed as dist

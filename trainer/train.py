@@ -193,9 +193,8 @@ def setup(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout,
     cursor = Cursor(step=0, micro=0, world=env.world)
     if resume:
         # Under torchrun on several nodes, only the node that held rank 0 has the checkpoints: it sends them.
-        files = ddp.checkpoint_files(run_dir, lambda: checkpoint.newest_step(run_dir),
-                                     lambda: checkpoint.read_latest(run_dir))
-        cursor = checkpoint.restore(files, state.drafter, state.optimizer, state.lr_)
+        cursor = checkpoint.restore(checkpoint.read_latest_any_rank(run_dir), state.drafter, state.optimizer,
+                                    state.lr_)
         if cursor.world != env.world:
             raise ConfigError(f"--resume with {env.world} data-parallel rank(s); the run was checkpointed with "
                               f"{cursor.world} (its data cursor counts per-rank micro-batches)",
