@@ -70,6 +70,11 @@ def split_heldout(files: list[SourceFile], every: int) -> tuple[list[SourceFile]
     return [f for f in files if not is_heldout(f.rel, every)], [f for f in files if is_heldout(f.rel, every)]
 
 
+def corpus_split(cfg: CorpusCfg) -> tuple[list[SourceFile], list[SourceFile]]:
+    """The recipe's corpus, read from disk -> (held-in files, held-out files)."""
+    return split_heldout(list_sources(corpus_root(cfg), cfg.max_file_bytes, cfg.max_files), cfg.heldout_every)
+
+
 def function_units(text: str, max_prompt_lines: int, max_body_lines: int) -> list[Unit]:
     """Functions and methods (source order), dedented. Prompt = lines up to the end of the docstring (or the
     signature); body = the remaining lines. Files that do not parse give no units."""

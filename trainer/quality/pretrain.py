@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.quality.config import PretrainCfg, QualityCfg, TargetCfg
-from trainer.quality.corpus import (ENDOFTEXT, build_tokenizer, corpus_root, list_sources, pretraining_documents,
-                                    split_heldout)
+from trainer.quality.corpus import ENDOFTEXT, build_tokenizer, corpus_root, corpus_split, pretraining_documents
 
 
 @dataclass(frozen=True)
@@ -122,8 +121,7 @@ def heldout_loss(model, stream: torch.Tensor, cfg: PretrainCfg, device: torch.de
 def make_target(out_dir: Path, q: QualityCfg, device: torch.device, log=print) -> PretrainResult:
     """Corpus -> tokenizer -> pretrained Qwen3 -> `out_dir` (model + tokenizer + corpus.json)."""
     t0 = time.perf_counter()
-    files = list_sources(corpus_root(q.corpus), q.corpus.max_file_bytes, q.corpus.max_files)
-    heldin, heldout = split_heldout(files, q.corpus.heldout_every)
+    heldin, heldout = corpus_split(q.corpus)
     docs = pretraining_documents(heldin, q.corpus)
     tokenizer = build_tokenizer(docs, q.corpus.vocab_size)
     stream = token_stream(tokenizer, docs).to(device)

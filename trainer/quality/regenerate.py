@@ -21,7 +21,7 @@ import torch
 
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
-from trainer.quality.corpus import ENDOFTEXT, all_units, corpus_root, list_sources, split_heldout
+from trainer.quality.corpus import ENDOFTEXT, SourceFile, all_units, corpus_split
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,11 @@ class RegenResult:
     stopped_by: str  # "done" or "budget"
 
 
-def prompt_sets(q: QualityCfg) -> tuple[list[str], list[str]]:
+def prompt_sets(q: QualityCfg, split: tuple[list[SourceFile], list[SourceFile]] | None = None,
+                ) -> tuple[list[str], list[str]]:
     """-> (held-in prompts, held-out prompts): distinct texts from held-in / held-out files, the held-out ones never
-    equal to a held-in one; seeded shuffle, capped by the recipe."""
-    files = list_sources(corpus_root(q.corpus), q.corpus.max_file_bytes, q.corpus.max_files)
-    heldin, heldout = split_heldout(files, q.corpus.heldout_every)
+    equal to a held-in one; seeded shuffle, capped by the recipe. split: `corpus_split(q.corpus)` if already read."""
+    heldin, heldout = split if split is not None else corpus_split(q.corpus)
 
     def pick(prompts: set[str], n: int, salt: int) -> list[str]:
         ordered = sorted(prompts)
@@ -152,7 +152,8 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
 
     t0 = time.perf_counter()
     target = load_target(target_dir, num_draft_layers=1, device=device, truncate=False)
-    train_prompts, eval_prompts = prompt_sets(q)
+    heldin, heldout = corpus_split(q.corpus)
+    train_prompts, eval_prompts = prompt_sets(q, (heldin, heldout))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = t0 + q.regen.budget_s
@@ -166,8 +167,6 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
     if q.regen.continuations and time.perf_counter() < deadline:
         from trainer.quality.pretrain import token_stream
 
-        files = list_sources(corpus_root(q.corpus), q.corpus.max_file_bytes, q.corpus.max_files)
-        heldin, _ = split_heldout(files, q.corpus.heldout_every)
         windows = continuation_windows(token_stream(tok, [f.text for f in heldin]), q.regen.continuations,
                                        q.regen.continuation_prompt_tokens, tok.convert_tokens_to_ids(ENDOFTEXT),
                                        q.seed)
