@@ -96,9 +96,14 @@ class EvalCfg:
     # The target's dtype while decoding. float32: a 16-token verify and a 1-token decode step then round alike, so
     # speculative output is the target's own greedy output (bf16 flipped near-ties: 22/24 prompts identical on H200).
     target_dtype: str = "float32"
+    # static: static KV caches, each decode step / speculative round one CUDA graph replay (trainer/decode/);
+    # hf: the HF DynamicCache reference path (trainer/speculative.py), eager. Both paths share the engine's timing.
+    engine: str = "static"
+    compile: bool = False  # static engine: torch.compile the step's and the round's forwards (fewer kernels)
 
     def __post_init__(self) -> None:
         _check(self.target_dtype in ("float32", "bfloat16", "auto"), "eval.target_dtype must be float32|bfloat16|auto")
+        _check(self.engine in ("static", "hf"), "eval.engine must be static|hf")
         _check(self.prompts >= 1 and self.max_new_tokens >= 1, "eval.prompts and eval.max_new_tokens must be >= 1")
 
 

@@ -71,15 +71,33 @@ def load_pair(export_dir: Path, target_dir: Path, device: torch.device, target_d
     return target, drafter, int(ecfg["block_size"])
 
 
+def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: EvalCfg, compile: bool | None = None):
+    """(target_only(ids, max_new, eos=None), speculative(ids, max_new, eos=None, host_s=None)) for `cfg.engine`.
+    Both use the same target forward, so the comparison is one engine against itself."""
+    if cfg.engine == "hf":
+        proposer = DFlashProposer(target, drafter, block_size)
+        return (lambda ids, n, eos=None: generate_target_only(target, ids, n, eos),
+                lambda ids, n, eos=None, host_s=None: generate_speculative(target, proposer, ids, n, eos, host_s=host_s))
+    from trainer.decode.engine import StaticDecoder
+    from trainer.decode.static_draft import StaticDFlashProposer
+
+    capacity = -(-(max(map(len, encoded)) + cfg.max_new_tokens) // 64) * 64
+    proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
+    compile = cfg.compile if compile is None else compile
+    # Captures its graphs here, in this (the main) thread, before any decoding.
+    decoder = StaticDecoder(target, capacity, proposer, block_size, compile=compile)
+    return decoder.generate_target_only, decoder.generate_speculative
+
+
 def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print) -> dict:
     """Batch-1 greedy decoding of each prompt, target-only then speculative -> stats dict."""
     device = target.device
     tok = target.tokenizer
-    proposer = DFlashProposer(target, drafter, block_size)
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
+    target_only, speculative = decoders(target, drafter, block_size, encoded, cfg)
     for ids in encoded[:1] * cfg.warmup:
-        generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
-        generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id)
+        target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
+        speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
     results, repeats, t_target, t_spec, tokens, identical = [], [], 0.0, 0.0, 0, 0
     host_s: dict[str, float] = {}
     deadline = time.perf_counter() + cfg.budget_s
@@ -88,10 +106,10 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
             break
         _sync(device)
         t0 = time.perf_counter()
-        want = generate_target_only(target, ids, cfg.max_new_tokens, tok.eos_token_id)
+        want = target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
         _sync(device)
         t1 = time.perf_counter()
-        got = generate_speculative(target, proposer, ids, cfg.max_new_tokens, tok.eos_token_id, host_s=host_s)
+        got = speculative(ids, cfg.max_new_tokens, tok.eos_token_id, host_s=host_s)
         _sync(device)
         t2 = time.perf_counter()
         t_target, t_spec = t_target + t1 - t0, t_spec + t2 - t1
@@ -110,10 +128,10 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
-           "block_size": block_size, "device": str(device), "round_ms": round_ms,
+           "block_size": block_size, "device": str(device), "engine": cfg.engine, "round_ms": round_ms,
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
-    log(f"decode: tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
+    log(f"decode ({cfg.engine}): tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
         f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s); one round "
         f"{sum(round_ms.values()):.2f} ms host {round_ms} vs one target step {out['target_step_ms']} ms")
     return out
@@ -135,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new", type=int, default=EvalCfg.max_new_tokens)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--target-dtype", default=EvalCfg.target_dtype, choices=("float32", "bfloat16", "auto"))
+    p.add_argument("--engine", default=EvalCfg.engine, choices=("static", "hf"),
+                   help="static: static caches, CUDA-graph replay per step/round; hf: the DynamicCache reference")
     args = p.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for path in (Path(args.drafter) / "config.json", Path(args.target) / "config.json", Path(args.data)):
@@ -143,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     target, drafter, block_size = load_pair(Path(args.drafter), Path(args.target), torch.device(args.device),
                                             args.target_dtype)
-    cfg = EvalCfg(prompts=args.prompts, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"))
+    cfg = EvalCfg(prompts=args.prompts, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
+                  engine=args.engine)
     result = decode_benchmark(target, drafter, block_size, heldout_prompts(Path(args.data)), cfg)
     print("DFLASH_DECODE " + json.dumps(result), flush=True)
     return 0

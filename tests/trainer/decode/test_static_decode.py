@@ -1,0 +1,145 @@
+"""Static-cache decoding equals the HF DynamicCache reference (`trainer.speculative`), token for token.
+
+Real components only: the session's tiny Qwen3 target (saved to disk, loaded through `load_target`), a real `Drafter`,
+and a table proposer holding the target's own greedy output (a perfect drafter) or a corrupted copy of it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.quality.test_speculative import PROMPTS, _drafter, _prompt_ids
+from trainer.decode.engine import StaticDecoder
+from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
+from trainer.decode.static_target import StaticTarget
+from trainer.speculative import (DFlashProposer, DraftContextCache, acceptance_stats, draft_block_hidden,
+                                 generate_speculative, generate_target_only, new_cache, target_forward)
+
+
+def test_static_forward_equals_hf_cache_forward(full_target):
+    """Prefill then two incremental chunks: logits and tapped features equal HF's forward with a DynamicCache, and a
+    chunk re-run at an earlier position (stale slots beyond it) still equals HF's cropped cache."""
+    ids = torch.tensor([_prompt_ids(full_target, PROMPTS[1])])
+    static = StaticTarget(full_target, slots=64)
+    cache = new_cache(full_target)
+    P = ids.shape[1]
+    chunks = [(ids, 0), (torch.tensor([[5, 9, 11]]), P), (torch.tensor([[7]]), P + 3)]
+    for chunk, pos in chunks:
+        want_logits, want_feats = target_forward(full_target, chunk, cache, pos)
+        got_logits, got_feats = static.forward(chunk, torch.tensor(pos))
+        torch.testing.assert_close(got_logits, want_logits.float(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_feats, want_feats, rtol=1e-4, atol=1e-4)
+    from trainer.speculative import crop_cache
+
+    crop_cache(cache, P + 1)  # reject two of the three chunk tokens; static slots P+1.. keep stale K/V
+    redo = torch.tensor([[3, 4]])
+    want_logits, _ = target_forward(full_target, redo, cache, P + 1)
+    got_logits, _ = static.forward(redo, torch.tensor(P + 1))
+    torch.testing.assert_close(got_logits, want_logits.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_static_draft_equals_reference_draft(full_target):
+    """The drafter over its static context cache == `draft_block_hidden` over the exact context, also when slots at and
+    beyond the anchor hold stale features."""
+    B, S = 4, 9
+    drafter = _drafter(full_target, seed=3)
+    T_D = len(full_target.layer_ids) * full_target.hf_config.hidden_size
+    torch.manual_seed(1)
+    feats = torch.randn(1, S + B, T_D)
+    anchor = torch.tensor([17])
+    block = full_target.embed_tokens(torch.cat([anchor, torch.full((B - 1,), full_target.mask_token_id)]))[None]
+    want = draft_block_hidden(drafter, DraftContextCache(len(drafter.layers)), feats[:, :S], block)
+    proposer = StaticDFlashProposer(full_target, drafter, B, slots=32)
+    proposer.reset(feats[:, :5])
+    proposer.append(feats[:, 5:5 + B], torch.tensor(5))  # slots 5..8 real context, then stale ones:
+    proposer.append(feats[:, S:S + B] * 3, torch.tensor(S))  # slots 9..12 must stay invisible at start = 9
+    got = proposer.draft_hidden(anchor, torch.tensor(S))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("graphs", [True, False])  # on CPU both run eagerly; the flag must not matter there
+def test_target_only_equals_hf_greedy(full_target, graphs):
+    decoder = StaticDecoder(full_target, capacity=128, graphs=graphs)
+    for text in PROMPTS:
+        ids = _prompt_ids(full_target, text)
+        assert decoder.generate_target_only(ids, 23) == generate_target_only(full_target, ids, 23)
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_speculative_equals_reference_round_by_round(full_target, block_size):
+    """Same drafter weights: the static round and the HF reference accept the same counts and emit the same
+    tokens; both equal target-only greedy decoding."""
+    drafter = _drafter(full_target, seed=5)
+    proposer = StaticDFlashProposer(full_target, drafter, block_size, slots=128)
+    decoder = StaticDecoder(full_target, capacity=128, proposer=proposer, block_size=block_size)
+    reference = DFlashProposer(full_target, drafter, block_size)
+    for text in PROMPTS:
+        ids = _prompt_ids(full_target, text)
+        for max_new in (1, 7, 23):
+            want = generate_speculative(full_target, reference, ids, max_new)
+            got = decoder.generate_speculative(ids, max_new)
+            assert got == want, (text, max_new)
+            assert got.tokens == decoder.generate_target_only(ids, max_new)
+
+
+def test_perfect_table_drafter_reaches_tau_equal_block_size(full_target):
+    """Drafting from the target's own greedy output accepts every draft: tau = B, one round per B new tokens."""
+    for block_size in (4, 16):
+        results = []
+        for text in PROMPTS:
+            ids = _prompt_ids(full_target, text)
+            greedy = generate_target_only(full_target, ids, 37 + block_size)  # the last round drafts past 37
+            table = torch.tensor(ids + greedy)
+            decoder = StaticDecoder(full_target, capacity=128, proposer=TableProposer(table, block_size),
+                                    block_size=block_size)
+            got = decoder.generate_speculative(ids, 37)
+            assert got.tokens == greedy[:37]
+            results.append(got)
+        stats = acceptance_stats(results, block_size)
+        assert stats["tau"] == block_size and stats["accept_by_pos"] == [1.0] * (block_size - 1)
+        assert stats["rounds"] == len(PROMPTS) * -(-(37 - 1) // block_size)
+
+
+def test_table_drafter_wrong_at_one_position_accepts_exactly_before_it(full_target):
+    """A table drafter whose every k-th draft is wrong: each round accepts exactly k - 1 (bonus bookkeeping, stale
+    cache slots from the rejected tail, and the anchor hand-over are all exercised every round)."""
+    B, k = 8, 3
+    for text in PROMPTS:
+        ids = _prompt_ids(full_target, text)
+        greedy = generate_target_only(full_target, ids, 30 + B)
+        seq = ids + greedy
+        proposer = _WrongAt(torch.tensor(seq), B, k, full_target.embed_tokens.weight.shape[0])
+        decoder = StaticDecoder(full_target, capacity=128, proposer=proposer, block_size=B)
+        got = decoder.generate_speculative(ids, 30)
+        assert got.tokens == greedy[:30]
+        assert set(got.accepted) == {k - 1}
+
+
+class _WrongAt(TableProposer):
+    """The perfect table drafter with draft position k (1-based) replaced by another token."""
+
+    def __init__(self, table, block_size, k, vocab):
+        super().__init__(table, block_size)
+        self.k, self.vocab = k, vocab
+
+    def draft(self, anchor, start):
+        d = super().draft(anchor, start).clone()
+        d[self.k - 1] = (d[self.k - 1] + 1) % self.vocab
+        return d
+
+
+def test_eos_stops_inside_a_round(full_target):
+    ids = _prompt_ids(full_target, PROMPTS[0])
+    free = generate_target_only(full_target, ids, 30)
+    eos = free[6]
+    want = free[:free.index(eos) + 1]
+    table = torch.tensor(ids + free + [0] * 16)
+    decoder = StaticDecoder(full_target, capacity=128, proposer=TableProposer(table, 16), block_size=16)
+    assert decoder.generate_speculative(ids, 30, eos_id=eos).tokens == want
+    assert decoder.generate_target_only(ids, 30, eos_id=eos) == want
+
+
+def test_capacity_is_checked_before_any_work(full_target):
+    decoder = StaticDecoder(full_target, capacity=16)
+    with pytest.raises(ValueError, match="capacity"):
+        decoder.generate_target_only(list(range(10)), 7)

@@ -1,0 +1,64 @@
+"""Static decoding on CUDA with graph replay (run on the H200: `python3 -m pytest -m gpu tests/trainer/decode`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.decode.test_static_decode import _WrongAt
+from tests.trainer.quality.test_speculative import PROMPTS, _drafter, _prompt_ids
+from trainer.decode.engine import StaticDecoder
+from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
+from trainer.model.target import load_target
+from trainer.speculative import DFlashProposer, generate_speculative, generate_target_only
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda_target(tiny_target_dir):
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tier needs CUDA")
+    return load_target(tiny_target_dir, num_draft_layers=2, device="cuda", dtype="float32", truncate=False)
+
+
+def test_graph_replay_equals_hf_reference(cuda_target):
+    """Graph-replayed target-only decoding == HF greedy; graph-replayed speculative rounds == the HF reference
+    rounds (same accepted counts) with the drafter under bf16 autocast, for several prompts through one decoder."""
+    drafter = _drafter(cuda_target).cuda()
+    for B in (4, 16):
+        proposer = StaticDFlashProposer(cuda_target, drafter, B, slots=192)
+        decoder = StaticDecoder(cuda_target, 192, proposer, B)
+        assert decoder.round.graph is not None and decoder.step.graph is not None
+        reference = DFlashProposer(cuda_target, drafter, B)
+        for text in PROMPTS:
+            ids = _prompt_ids(cuda_target, text)
+            want = generate_target_only(cuda_target, ids, 41)
+            assert decoder.generate_target_only(ids, 41) == want
+            got = decoder.generate_speculative(ids, 41)
+            assert got.tokens == want
+            assert got.accepted == generate_speculative(cuda_target, reference, ids, 41).accepted
+
+
+def test_graph_round_bookkeeping_with_known_answers(cuda_target):
+    """Perfect table drafter: tau = B under replay; one wrong position k: every round accepts k - 1."""
+    B = 16
+    for text in PROMPTS:
+        ids = _prompt_ids(cuda_target, text)
+        greedy = generate_target_only(cuda_target, ids, 40 + B)
+        table = torch.tensor(ids + greedy, device="cuda")
+        perfect = StaticDecoder(cuda_target, 128, TableProposer(table, B), B).generate_speculative(ids, 40)
+        assert perfect.tokens == greedy[:40] and set(perfect.accepted[:-1]) == {B - 1}
+        vocab = cuda_target.embed_tokens.weight.shape[0]
+        wrong = StaticDecoder(cuda_target, 128, _WrongAt(table, B, 5, vocab), B).generate_speculative(ids, 40)
+        assert wrong.tokens == greedy[:40] and set(wrong.accepted) == {4}
+
+
+def test_compiled_round_equals_reference(cuda_target):
+    """torch.compile'd step and round forwards (inside the same raw graphs) decode the same tokens."""
+    drafter = _drafter(cuda_target).cuda()
+    decoder = StaticDecoder(cuda_target, 128, StaticDFlashProposer(cuda_target, drafter, 16, 128), 16, compile=True)
+    for text in PROMPTS:
+        ids = _prompt_ids(cuda_target, text)
+        want = generate_target_only(cuda_target, ids, 33)
+        assert decoder.generate_target_only(ids, 33) == want
+        assert decoder.generate_speculative(ids, 33).tokens == want

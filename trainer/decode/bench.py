@@ -1,0 +1,126 @@
+"""Decoding-speed benchmark, independent of drafter quality: what one target-only decode step and one speculative
+round cost at batch 1, per engine. A round's cost does not depend on how many drafts are accepted (fixed shapes), so
+with any drafter the speedup a drafter of mean acceptance tau would reach is tau * step_ms / round_ms.
+
+    python -m trainer.decode.bench --engines hf,static,static+compile
+    python -m trainer.decode.bench --target DIR --drafter DIR/export   # a trained pair (e.g. a quality run's)
+
+Default model: the quality_gpu target shape (Qwen3, 8 layers, hidden 512, 8/4 heads of 64, vocab 8192, ~29M params,
+random init) in fp32 and a random 3-layer drafter tapping layers 1, 3, 5. Prints one `DECODE_BENCH {json}` per engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def random_pair(device: torch.device, block_size: int):
+    """A random Qwen3 target shaped like the quality recipe's (fp32, tapped, untruncated) and a random drafter."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.model.drafter import Drafter, DrafterConfig
+    from trainer.model.target import Target, _tap_hook
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).to(device).eval().requires_grad_(False)
+    model.config._attn_implementation = "sdpa"
+    layer_ids = (1, 3, 5)
+    taps: dict = {}
+    for i in layer_ids:
+        model.model.layers[i].register_forward_hook(_tap_hook(taps, i))
+    target = Target(model=model, tokenizer=None, layer_ids=layer_ids, num_layers=8, mask_token_id=8191,
+                    truncated=False, _taps=taps)
+    drafter = Drafter(DrafterConfig.from_target(cfg, num_layers=3, num_taps=3)).to(device).eval()
+    return target, drafter, block_size
+
+
+def trained_pair(target_dir: str, drafter_dir: str, device: torch.device):
+    from pathlib import Path
+
+    from trainer.quality.evaluate import load_pair
+
+    return load_pair(Path(drafter_dir), Path(target_dir), device, "float32")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
+
+
+def measure(engine: str, target, drafter, block_size: int, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    """Median over `repeats` of (seconds per target-only token, seconds per speculative round)."""
+    from trainer.quality.config import EvalCfg
+    from trainer.quality.evaluate import decoders
+
+    t0 = time.perf_counter()
+    cfg = EvalCfg(max_new_tokens=new_tokens, engine="hf" if engine == "hf" else "static")
+    target_only, speculative = decoders(target, drafter, block_size, [prompt], cfg,
+                                        compile="compile" in engine.split("+"))
+    target_only(prompt, new_tokens)  # warm-up (and, compiled, the compilation)
+    speculative(prompt, new_tokens)
+    setup_s = time.perf_counter() - t0
+    device = target.device
+    steps, rounds = [], []
+    for _ in range(repeats):
+        _sync(device)
+        a = time.perf_counter()
+        n = len(target_only(prompt, new_tokens))
+        _sync(device)
+        b = time.perf_counter()
+        res = speculative(prompt, new_tokens)
+        _sync(device)
+        c = time.perf_counter()
+        steps.append((b - a) / n)
+        rounds.append((c - b) / res.rounds)
+    step, rnd = statistics.median(steps), statistics.median(rounds)
+    return {"engine": engine, "step_ms": round(1e3 * step, 4), "round_ms": round(1e3 * rnd, 4),
+            "round_over_step": round(rnd / step, 3),
+            "speedup_at_tau": {str(tau): round(tau * step / rnd, 2) for tau in (2, 3, 4, 5)},
+            "spread_step_ms": [round(1e3 * min(steps), 4), round(1e3 * max(steps), 4)],
+            "setup_s": round(setup_s, 1), "block_size": block_size, "prompt_tokens": len(prompt),
+            "new_tokens": new_tokens, "device": str(device), "torch": torch.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.decode.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--engines", default="hf,static,static+compile",
+                   help="comma list of hf | static | static+compile")
+    p.add_argument("--target", default="", help="target HF directory (default: random quality-shaped target)")
+    p.add_argument("--drafter", default="", help="drafter export directory (with --target)")
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=120)
+    p.add_argument("--new-tokens", type=int, default=192)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ("hf", "static", "static+compile")]
+    if bad or not engines:
+        print(f"error: unknown engine(s) {bad or engines}; use hf, static, static+compile", file=sys.stderr)
+        return 2
+    if bool(args.target) != bool(args.drafter):
+        print("error: --target and --drafter go together", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if args.target:
+        target, drafter, block = trained_pair(args.target, args.drafter, device)
+    else:
+        target, drafter, block = random_pair(device, args.block)
+    vocab = target.embed_tokens.weight.shape[0]
+    prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    for engine in engines:
+        print("DECODE_BENCH " + json.dumps(measure(engine, target, drafter, block, prompt, args.new_tokens,
+                                                   args.repeats)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

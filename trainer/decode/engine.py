@@ -1,0 +1,149 @@
+"""Greedy batch-1 decoding, target-only and speculative, over static caches; on CUDA each step is a graph replay.
+
+Two device-side programs, each captured once as a CUDA graph in the calling (main) thread at construction:
+- the decode step: target forward of 1 token at `pos` -> greedy next token; pos += 1;
+- the speculative round (DFlash, one drafter forward per block): draft B-1 tokens after `anchor` at `start`;
+  verify [anchor, drafts] in one target forward; a = leading matches; the bonus token post[a] becomes the next
+  anchor; the block's tapped features go to the drafter's context; start += a + 1.
+Per token (target-only) or per round (speculative) the host replays the graph and reads the result once -- the one
+sync the stop rule (EOS, max_new) needs. Prefill (variable prompt length) runs eagerly before the first replay.
+
+Lossless by construction: every committed token is the target's greedy choice at its position, computed by the same
+static forward as target-only decoding (tests compare the two token for token, and both with HF's own cache path).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from trainer.decode.static_target import StaticTarget
+from trainer.speculative import SpecResult, _stop_index
+
+
+class _Program:
+    """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`), run eagerly
+    otherwise."""
+
+    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool, warmup: int = 2) -> None:
+        self.fn = fn
+        self.graph = None
+        if device.type == "cuda" and graphs:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):  # lazy inits (cuBLAS handles, autocast caches) happen outside the capture
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                fn()
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+class StaticDecoder:
+    """Target-only and speculative greedy decoding of sequences up to `capacity` tokens (prompt + new).
+
+    proposer: None for target-only decoding, else a static proposer (see `trainer.decode.static_draft`) whose caches
+    hold at least `capacity` slots. Construction captures the graphs (CUDA) and leaves the caches dirty; every
+    `generate_*` call starts from its own prefill, so stale contents never matter."""
+
+    def __init__(self, target, capacity: int, proposer=None, block_size: int = 16, graphs: bool = True,
+                 compile: bool = False) -> None:
+        # B spare slots: a verify at the last start writes a whole block.
+        self.static = StaticTarget(target, capacity + block_size)
+        # compile: the decode step's and the round's forwards go through torch.compile (fused norms/RoPE: fewer
+        # kernels per replay); prefill, whose length varies per prompt, stays eager.
+        self._forward = torch.compile(self.static.forward, dynamic=False) if compile else self.static.forward
+        if compile and hasattr(proposer, "compile"):
+            proposer.compile()
+        self.capacity = capacity
+        self.proposer = proposer
+        self.block_size = block_size
+        dev = self.static.device
+        self.device = dev
+        # Decode-step state: the last committed token and its position.
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)
+        self.step = _Program(self._decode_step, dev, graphs)
+        if proposer is not None:
+            # Round state: the anchor (committed, not yet cached) at position `start`; the result row
+            # [a, block (B), post (B)] read by the host once per round.
+            self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
+            self.start = torch.zeros((), dtype=torch.long, device=dev)
+            self.result = torch.zeros(1 + 2 * block_size, dtype=torch.long, device=dev)
+            self.round = _Program(self._spec_round, dev, graphs)
+
+    # ------------------------------------------------------------ device programs (no host sync inside)
+
+    def _decode_step(self) -> None:
+        logits, _ = self._forward(self.tok, self.pos, want_features=False)
+        self.tok.copy_(logits[:, -1:].argmax(-1))
+        self.pos.add_(1)
+
+    def _spec_round(self) -> None:
+        draft = self.proposer.draft(self.anchor, self.start)  # [B-1]
+        block = torch.cat([self.anchor, draft])  # [B]
+        logits, feats = self._forward(block[None], self.start)
+        post = logits[0].argmax(-1)  # [B]: the target's greedy token after each block position
+        a = (block[1:] == post[:-1]).long().cumprod(0).sum()  # leading accepted drafts
+        self.proposer.append(feats, self.start)
+        self.result.copy_(torch.cat([a[None], block, post]))
+        self.anchor.copy_(post.gather(0, a[None]))
+        self.start.add_(a + 1)
+
+    # ------------------------------------------------------------ host loops
+
+    def _prefill(self, prompt_ids: list[int], max_new: int, want_features: bool):
+        if len(prompt_ids) + max_new > self.capacity:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new ({max_new}) exceeds the decoder's capacity "
+                             f"({self.capacity} tokens)")
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        zero = torch.zeros((), dtype=torch.long, device=self.device)
+        logits, feats = self.static.forward(ids, zero, want_features=want_features)
+        return logits[:, -1:].argmax(-1), feats  # [1, 1]
+
+    @torch.no_grad()
+    def generate_target_only(self, prompt_ids: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
+        if max_new <= 0:
+            return []
+        first, _ = self._prefill(prompt_ids, max_new, want_features=False)
+        self.tok.copy_(first)
+        self.pos.fill_(len(prompt_ids))
+        out = [int(first)]  # SYNC: one per token, inherent to greedy decoding
+        while _stop_index(out, eos_id, max_new) is None:
+            self.step()
+            out.append(int(self.tok))  # SYNC
+        return out[:_stop_index(out, eos_id, max_new)]
+
+    @torch.no_grad()
+    def generate_speculative(self, prompt_ids: list[int], max_new: int, eos_id: int | None = None,
+                             host_s: dict[str, float] | None = None) -> SpecResult:
+        """host_s: if given, host seconds are added under "round" (replay + the round's one sync + bookkeeping)."""
+        if self.proposer is None:
+            raise RuntimeError("this decoder was built without a proposer")
+        if max_new <= 0:
+            return SpecResult(tokens=[])
+        B = self.block_size
+        first, feats = self._prefill(prompt_ids, max_new, want_features=True)
+        self.proposer.reset(feats)
+        self.anchor.copy_(first[0])
+        self.start.fill_(len(prompt_ids))
+        new_host = [int(first)]  # SYNC
+        accepted: list[int] = []
+        t0 = time.perf_counter()
+        while _stop_index(new_host, eos_id, max_new) is None:
+            self.round()
+            host = self.result.tolist()  # SYNC: one per round
+            a, block, post = host[0], host[1:B + 1], host[B + 1:]
+            accepted.append(a)
+            new_host += block[1:a + 1] + [post[a]]
+        if host_s is not None:
+            host_s["round"] = host_s.get("round", 0.0) + time.perf_counter() - t0
+        return SpecResult(tokens=new_host[:_stop_index(new_host, eos_id, max_new)], accepted=accepted)

@@ -1,0 +1,107 @@
+"""The target's forward over a static KV cache, written against the HF model's own submodules (same weights, same
+norms and projections), with no Python-side shape or length state: the write position is a device tensor.
+
+Slot = absolute position. A forward over tokens at positions p0..p0+L-1 first writes their K/V into slots
+p0..p0+L-1, then lets each query at position p attend to slots <= p. Slots beyond p may hold stale K/V of rejected
+draft tokens; the mask hides them and a later forward overwrites them, so "cropping" the cache costs nothing.
+
+Shape legend: L tokens, M cache slots, H / Hkv query / key-value heads, Dh head dim, T taps, D hidden, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.errors import ConfigError
+from trainer.model.target import Target
+
+
+def _rope_of(hf_model) -> tuple[torch.Tensor, float]:
+    """(inv_freq [Dh/2] fp32, attention_scaling) from the HF rotary module; only position-independent RoPE types."""
+    rotary = hf_model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type == "dynamic" or "longrope" in str(rope_type):
+        raise ConfigError(f"static decoding does not support rope_type {rope_type!r}",
+                          hint="use eval.engine=hf for this target")
+    return rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
+
+
+def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos [L] long -> cos, sin [1, 1, L, Dh] in `dtype` (HF rotate_half layout, HF's arithmetic)."""
+    freqs = pos.float()[:, None] * inv_freq[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype)[None, None], (emb.sin() * scaling).to(dtype)[None, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class StaticTarget:
+    """A full (untruncated) `Target` plus its static KV cache of `slots` positions.
+
+    `forward` is free of host syncs and allocates nothing that depends on values, so it can run inside a CUDA graph
+    capture for a fixed L."""
+
+    def __init__(self, target: Target, slots: int) -> None:
+        if target.truncated:
+            raise RuntimeError("static decoding needs the full target; load it with truncate=False")
+        cfg = target.hf_config
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise ConfigError("static decoding does not support sliding-window attention",
+                              hint="use eval.engine=hf for this target")
+        self.target = target
+        self.model = target.model
+        self.layers = list(self.model.model.layers)
+        attn0 = self.layers[0].self_attn
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", self.heads)
+        self.head_dim = attn0.head_dim
+        self.slots = slots
+        self.inv_freq, self.rope_scaling = _rope_of(self.model)
+        weight = target.embed_tokens.weight
+        self.inv_freq = self.inv_freq.to(weight.device)
+        shape = (1, self.kv_heads, slots, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
+        self.slot_ids = torch.arange(slots, device=weight.device)
+        self.taps = set(target.layer_ids)
+        # Qwen3 normalizes q and k per head; Llama/Qwen2-style layers have no such norms.
+        self.q_norms = [getattr(layer.self_attn, "q_norm", torch.nn.Identity()) for layer in self.layers]
+        self.k_norms = [getattr(layer.self_attn, "k_norm", torch.nn.Identity()) for layer in self.layers]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_ids.device
+
+    @torch.no_grad()
+    def forward(self, ids_1L: torch.Tensor, pos0: torch.Tensor,
+                want_features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [1, L] at positions pos0..pos0+L-1 (pos0: 0-dim long device tensor) -> (logits [1, L, V] fp32,
+        tapped features [1, L, T*D] or None). Writes their K/V into slots pos0..pos0+L-1; pos0 + L <= slots."""
+        L = ids_1L.shape[1]
+        pos = pos0 + torch.arange(L, device=ids_1L.device)  # [L]
+        x = self.target.embed_tokens(ids_1L)
+        cos, sin = rope_from_inv_freq(pos, self.inv_freq, self.rope_scaling, x.dtype)
+        visible = (self.slot_ids[None, :] <= pos[:, None])[None, None]  # [1, 1, L, M]
+        H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = self.q_norms[i](attn.q_proj(h).view(1, L, H, Dh)).transpose(1, 2)
+            k = self.k_norms[i](attn.k_proj(h).view(1, L, Hkv, Dh)).transpose(1, 2)
+            v = attn.v_proj(h).view(1, L, Hkv, Dh).transpose(1, 2)
+            self.k[i].index_copy_(2, pos, _rotate(k, cos, sin))
+            self.v[i].index_copy_(2, pos, v)
+            out = F.scaled_dot_product_attention(_rotate(q, cos, sin), self.k[i], self.v[i], attn_mask=visible,
+                                                 scale=attn.scaling, enable_gqa=H != Hkv)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, L, H * Dh))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if want_features and i in self.taps:
+                taps[i] = x
+        logits = self.target.lm_head(self.model.model.norm(x)).float()
+        feats = torch.cat([taps[i] for i in self.target.layer_ids], dim=-1) if want_features else None
+        return logits, feats
