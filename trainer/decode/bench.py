@@ -89,6 +89,37 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
             "new_tokens": new_tokens, "device": str(device), "torch": torch.__version__}
 
 
+def breakdown(target, drafter, block_size: int, compile: bool, replays: int = 200) -> dict:
+    """GPU ms of each piece of a round, each captured as its own graph and replayed `replays` times: the decode step
+    (1 token), the verify forward (B tokens), the draft, the context append, and the whole round."""
+    from trainer.decode.engine import GraphProgram, StaticDecoder
+    from trainer.decode.static_draft import StaticDFlashProposer
+
+    proposer = StaticDFlashProposer(target, drafter, block_size, 512)
+    decoder = StaticDecoder(target, 512, proposer, block_size, compile=compile)
+    dev = target.device
+    decoder.start.fill_(200)
+    decoder.pos.fill_(200)
+    block = torch.zeros(1, block_size, dtype=torch.long, device=dev)
+    feats = torch.zeros(1, block_size, len(target.layer_ids) * target.hf_config.hidden_size, device=dev)
+    pieces = {"step": decoder.step, "round": decoder.round,
+              "verify": GraphProgram(lambda: decoder._forward(block, decoder.start), dev, True),
+              "draft": GraphProgram(lambda: proposer.draft(decoder.anchor, decoder.start), dev, True),
+              "append": GraphProgram(lambda: proposer.append(feats, decoder.start), dev, True)}
+    out = {}
+    for name, program in pieces.items():
+        decoder.start.fill_(200)
+        decoder.pos.fill_(200)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(replays):
+            program()
+        end.record()
+        torch.cuda.synchronize(dev)
+        out[name] = round(begin.elapsed_time(end) / replays, 4)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.decode.bench", description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="hf,static,static+compile",
@@ -100,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--breakdown", action="store_true",
+                   help="CUDA: also print the GPU ms of each piece of a round (DECODE_PIECES), per static engine")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ("hf", "static", "static+compile")]
@@ -119,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines:
         print("DECODE_BENCH " + json.dumps(measure(engine, target, drafter, block, prompt, args.new_tokens,
                                                    args.repeats)), flush=True)
+        if args.breakdown and engine != "hf" and device.type == "cuda":
+            pieces = breakdown(target, drafter, block, compile="compile" in engine)
+            print("DECODE_PIECES " + json.dumps({"engine": engine, "gpu_ms": pieces}), flush=True)
     return 0
 
 

@@ -22,7 +22,7 @@ from trainer.decode.static_target import StaticTarget
 from trainer.speculative import SpecResult, _stop_index
 
 
-class _Program:
+class GraphProgram:
     """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`), run eagerly
     otherwise."""
 
@@ -71,14 +71,14 @@ class StaticDecoder:
         # Decode-step state: the last committed token and its position.
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
-        self.step = _Program(self._decode_step, dev, graphs)
+        self.step = GraphProgram(self._decode_step, dev, graphs)
         if proposer is not None:
             # Round state: the anchor (committed, not yet cached) at position `start`; the result row
             # [a, block (B), post (B)] read by the host once per round.
             self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
             self.start = torch.zeros((), dtype=torch.long, device=dev)
             self.result = torch.zeros(1 + 2 * block_size, dtype=torch.long, device=dev)
-            self.round = _Program(self._spec_round, dev, graphs)
+            self.round = GraphProgram(self._spec_round, dev, graphs)
 
     # ------------------------------------------------------------ device programs (no host sync inside)
 

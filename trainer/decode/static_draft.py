@@ -7,7 +7,7 @@ Protocol (what `trainer.decode.engine` asks of a proposer):
   at position `start`; only context at positions < start may be seen;
 - `append(feats [1, B, T*D], start [] long)`: context features of the block just verified, at positions
   start..start+B-1. Only the accepted ones will become visible (positions < the next round's start); the rest are
-  stale and overwritten later.
+  stale and overwritten later. `draft` may use slots >= start as scratch: `append` at the same start follows it.
 
 Shape legend: B block, M context slots, T taps, D hidden, H / Hkv heads, Dh head dim.
 """
@@ -41,7 +41,6 @@ class StaticDFlashProposer:
         self.slot_ids = torch.arange(shape[2], device=dev)
         self.block_offsets = torch.arange(block_size, device=dev)
         self.mask_ids = torch.full((block_size - 1,), target.mask_token_id, dtype=torch.long, device=dev)
-        self.block_visible = torch.ones(block_size, dtype=torch.bool, device=dev)
         self._append_fn, self._draft_fn = self.write_context, self.draft_tokens
 
     def _autocast(self):
@@ -91,20 +90,24 @@ class StaticDFlashProposer:
         d, B, H, Hkv, Dh = self.drafter, self.block_size, self.H, self.Hkv, self.Dh
         dtype = d.fc.weight.dtype
         block_ids = torch.cat([anchor, self.mask_ids])[None]  # [1, B]
-        # Context strictly before the anchor, then the whole block (bidirectional): [1, 1, 1, M + B].
-        visible = torch.cat([self.slot_ids < start, self.block_visible])[None, None, None]
+        pos = start + self.block_offsets  # [B]
+        # The block's own K/V go into its slots start..start+B-1 (the context append after the verify overwrites
+        # them), so attention reads one cache: context strictly before the anchor, then the whole block
+        # (bidirectional), nothing after it.
+        visible = (self.slot_ids < start + B)[None, None, None]  # [1, 1, 1, M + B]
         with self._autocast():
             x = self.target.embed_tokens(block_ids).to(dtype)
-            cos, sin = rope_cos_sin((start + self.block_offsets)[None], Dh, self.theta, dtype)
+            cos, sin = rope_cos_sin(pos[None], Dh, self.theta, dtype)
             for i, layer in enumerate(d.layers):
                 attn = layer.self_attn
                 h = layer.input_layernorm(x)
                 q = apply_rope(attn.q_norm(attn.q_proj(h).view(1, B, H, Dh)).transpose(1, 2), cos, sin)
                 k_b = apply_rope(attn.k_norm(attn.k_proj(h).view(1, B, Hkv, Dh)).transpose(1, 2), cos, sin)
                 v_b = attn.v_proj(h).view(1, B, Hkv, Dh).transpose(1, 2)
-                k = torch.cat([self.k[i], k_b.to(self.k[i].dtype)], 2)
-                v = torch.cat([self.v[i], v_b.to(self.v[i].dtype)], 2)
-                out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=visible, enable_gqa=H != Hkv)
+                self.k[i].index_copy_(2, pos, k_b.to(self.k[i].dtype))
+                self.v[i].index_copy_(2, pos, v_b.to(self.v[i].dtype))
+                out = F.scaled_dot_product_attention(q.to(self.k[i].dtype), self.k[i], self.v[i], attn_mask=visible,
+                                                     enable_gqa=H != Hkv)
                 x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             return d.norm(x)
