@@ -120,6 +120,37 @@ def breakdown(target, drafter, block_size: int, compile: bool, replays: int = 20
     return out
 
 
+def profile_pieces(target, drafter, block_size: int, rows: int = 12) -> None:
+    """Top GPU kernels (eager, so every kernel is attributed) of 20 decode steps, 20 verify forwards and 20 drafts:
+    PROF lines."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.decode.engine import StaticDecoder
+    from trainer.decode.static_draft import StaticDFlashProposer
+
+    proposer = StaticDFlashProposer(target, drafter, block_size, 512)
+    decoder = StaticDecoder(target, 512, proposer, block_size, graphs=False)
+    dev = target.device
+    decoder.start.fill_(200)
+    decoder.pos.fill_(200)
+    block = torch.zeros(1, block_size, dtype=torch.long, device=dev)
+    pieces = {"step": decoder._decode_step, "verify": lambda: decoder._forward(block, decoder.start),
+              "draft": lambda: proposer.draft(decoder.anchor, decoder.start)}
+    for name, fn in pieces.items():
+        fn()
+        torch.cuda.synchronize(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize(dev)
+        attr = "self_device_time_total"
+        events = sorted((e for e in prof.key_averages() if getattr(e, attr, 0) > 0), key=lambda e: -getattr(e, attr))
+        total = sum(getattr(e, attr) for e in events) / 20
+        print(f"PROF {name}: {total:.1f} us kernel time per call, {sum(e.count for e in events) // 20} kernels")
+        for e in events[:rows]:
+            print(f"PROF {name}   {getattr(e, attr) / 20:8.1f} us  x{e.count // 20:<4d} {e.key[:110]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.decode.bench", description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="hf,static,static+compile",
@@ -133,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: also print the GPU ms of each piece of a round (DECODE_PIECES), per static engine")
+    p.add_argument("--profile", action="store_true", help="CUDA: top kernels of a step, a verify and a draft (PROF)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ("hf", "static", "static+compile")]
@@ -149,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter, block = random_pair(device, args.block)
     vocab = target.embed_tokens.weight.shape[0]
     prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    if args.profile and device.type == "cuda":
+        profile_pieces(target, drafter, block)
     for engine in engines:
         print("DECODE_BENCH " + json.dumps(measure(engine, target, drafter, block, prompt, args.new_tokens,
                                                    args.repeats)), flush=True)
