@@ -19,7 +19,7 @@ import time
 import torch
 
 
-def random_pair(device: torch.device, block_size: int):
+def random_pair(device: torch.device, block_size: int, dtype: torch.dtype = torch.float32):
     """A random Qwen3 target shaped like the quality recipe's (fp32, tapped, untruncated) and a random drafter."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -30,7 +30,7 @@ def random_pair(device: torch.device, block_size: int):
     cfg = Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                       tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(cfg).to(device).eval().requires_grad_(False)
+    model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.config._attn_implementation = "sdpa"
     layer_ids = (1, 3, 5)
     taps: dict = {}
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: also print the GPU ms of each piece of a round (DECODE_PIECES), per static engine")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the random target's dtype")
     p.add_argument("--profile", action="store_true", help="CUDA: top kernels of a step, a verify and a draft (PROF)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target:
         target, drafter, block = trained_pair(args.target, args.drafter, device)
     else:
-        target, drafter, block = random_pair(device, args.block)
+        target, drafter, block = random_pair(device, args.block, getattr(torch, args.dtype))
     vocab = target.embed_tokens.weight.shape[0]
     prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     if args.profile and device.type == "cuda":
