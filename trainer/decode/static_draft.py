@@ -26,12 +26,13 @@ class StaticDFlashProposer:
     fp32 drafter runs under bf16 autocast, as the trainer's step does."""
 
     def __init__(self, target: Target, drafter: Drafter, block_size: int, slots: int) -> None:
-        self.target, self.drafter, self.block_size = target, drafter, block_size
+        dev = drafter.fc.weight.device
+        self.autocast = dev.type == "cuda"
+        self.target, self.block_size = target, block_size
+        self.drafter = _with_bf16_linears(drafter) if self.autocast else drafter
         cfg = drafter.cfg
         self.H, self.Hkv, self.Dh, self.theta = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                                  cfg.rope_theta)
-        dev = drafter.fc.weight.device
-        self.autocast = dev.type == "cuda"
         # K/V are cached in the dtype autocast produces them in (bf16 linears on CUDA).
         kv_dtype = torch.bfloat16 if self.autocast else drafter.fc.weight.dtype
         # B spare slots: `append` writes a whole block even at the last round's start.
@@ -65,7 +66,7 @@ class StaticDFlashProposer:
     def write_context(self, feats: torch.Tensor, start: torch.Tensor) -> None:
         """K/V of the context features `feats` [1, n, T*D] into slots start..start+n-1 of every layer."""
         d = self.drafter
-        dtype = d.fc.weight.dtype
+        dtype = d.norm.weight.dtype  # the residual stream's dtype (the linears may hold bf16 copies)
         n = feats.shape[1]
         pos = start + torch.arange(n, device=feats.device)
         with self._autocast():
@@ -88,7 +89,7 @@ class StaticDFlashProposer:
     def draft_hidden(self, anchor: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """-> the drafter's final-normed hidden states of the block [1, B, D]."""
         d, B, H, Hkv, Dh = self.drafter, self.block_size, self.H, self.Hkv, self.Dh
-        dtype = d.fc.weight.dtype
+        dtype = d.norm.weight.dtype
         block_ids = torch.cat([anchor, self.mask_ids])[None]  # [1, B]
         pos = start + self.block_offsets  # [B]
         # The block's own K/V go into its slots start..start+B-1 (the context append after the verify overwrites
@@ -111,6 +112,18 @@ class StaticDFlashProposer:
                 x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             return d.norm(x)
+
+
+def _with_bf16_linears(drafter: Drafter) -> Drafter:
+    """A copy whose Linear weights are stored in bf16 (norms stay fp32). Under bf16 autocast a linear computes on
+    bf16 copies of its weights anyway; storing them saves one cast kernel per linear per call, same numerics."""
+    import copy
+
+    twin = copy.deepcopy(drafter)
+    for module in twin.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.to(torch.bfloat16)
+    return twin
 
 
 class TableProposer:

@@ -230,11 +230,14 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
 
     def evaluate() -> dict:
         simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, target_dir))
-        target, drafter, block_size = load_pair(out / "drafter" / "export", target_dir, device,
-                                                 q.eval.target_dtype)
-        return {"simulated": simulated,
-                "decode": decode_benchmark(target, drafter, block_size, heldout_prompts(regen.eval_path), q.eval,
-                                           log)}
+        prompts = heldout_prompts(regen.eval_path)
+        result = {"simulated": simulated}
+        for key, dtype in (("decode", q.eval.target_dtype), ("decode_also", q.eval.also_dtype)):
+            if dtype:
+                target, drafter, block_size = load_pair(out / "drafter" / "export", target_dir, device, dtype)
+                result[key] = {"target_dtype": dtype,
+                               **decode_benchmark(target, drafter, block_size, prompts, q.eval, log)}
+        return result
     ev = stage("eval", evaluate)
     timings["total"] = round(time.perf_counter() - t_all, 1)
     result = {"recipe": recipe_name, "reused_from": str(reuse.resolve()) if reuse else None, "device": str(device),
@@ -245,6 +248,9 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
               "speedup": ev["decode"]["speedup"], "simulated_tau": ev["simulated"]["tau"],
               "identical": f'{ev["decode"]["identical"]}/{ev["decode"]["prompts"]}',
               "repeated_4gram_frac": ev["decode"]["repeated_4gram_frac"], "eval": ev,
+              **({"also": {k: ev["decode_also"][k] for k in ("target_dtype", "tau", "speedup", "identical",
+                                                              "target_tok_s", "speculative_tok_s")}}
+                 if "decode_also" in ev else {}),
               "timings_s": timings}
     (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
     log(f"stage timings (s): {json.dumps(timings)}")

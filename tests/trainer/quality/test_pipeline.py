@@ -84,7 +84,7 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path)
     before = {p: p.stat().st_mtime_ns for p in (first / "target").iterdir()} | {
         p: p.stat().st_mtime_ns for p in (first / "data").iterdir()}
     proc = _run("--recipe", "quality_cpu", "--out", str(second), "--reuse", str(first), *small,
-                "--set", "drafter.model.block_size=4")
+                "--set", "drafter.model.block_size=4", "--set", "eval.engine=hf", "--set", "eval.also_dtype=float32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== stage pretrain" not in proc.stdout and "== stage regenerate" not in proc.stdout
     result = json.loads((second / "quality.json").read_text())
@@ -92,6 +92,9 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path)
     assert result["target"]["path"] == str(first.resolve() / "target")
     assert result["eval"]["decode"]["block_size"] == 4 and result["identical"].split("/")[0] == \
         result["identical"].split("/")[1]
+    # The second decoding benchmark (eval.also_dtype), through the reference engine this time.
+    assert result["eval"]["decode"]["engine"] == result["eval"]["decode_also"]["engine"] == "hf"
+    assert result["also"]["target_dtype"] == "float32" and result["also"]["tau"] == result["tau"]
     assert not (second / "target").exists() and (second / "drafter" / "export" / "model.safetensors").is_file()
     assert {p: p.stat().st_mtime_ns for p in before} == before  # the earlier run is read, never written
     # A reusing run can itself be reused (its stages.json carries the reused records).
