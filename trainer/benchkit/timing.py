@@ -81,20 +81,27 @@ def _mark(marks: list, k: int, cuda: bool) -> None:
         marks[k] = time.perf_counter()
 
 
+def profile_lines(kernels: list[tuple[str, float, int]], n: int, label: str, top: int = 40) -> list[str]:
+    """Pure: (kernel name, device microseconds over `n` steps, calls over `n` steps) -> PROF lines, slowest first:
+    ms per step, share of the device time, calls per step, the full kernel name (two workloads' lines are compared
+    name by name); then the total."""
+    total = sum(us for _, us, _ in kernels) or 1.0
+    lines = [
+        f"PROF {label} {us / n / 1e3:8.2f} ms {100 * us / total:5.1f}% x{calls // n:<4} {name}"
+        for name, us, calls in sorted(kernels, key=lambda k: -k[1])[:top]
+    ]
+    return lines + [f"PROF {label} total device time {total / n / 1e3:.1f} ms/step"]
+
+
 def print_profile(step: Callable[[], object], n: int, label: str) -> None:
-    """Top device kernels over `n` steps, as PROF lines (total ms per step, share, calls per step). CUDA only."""
+    """Top device kernels over `n` steps, as PROF lines (`profile_lines`). CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in rows) or 1.0
-    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:25]:
-        print(
-            f"PROF {label} {e.self_device_time_total / n / 1e3:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
-            f"x{e.count // n:<4} {e.key[:110]}",
-            flush=True,
-        )
-    print(f"PROF {label} total device time {total / n / 1e3:.1f} ms/step", flush=True)
+    rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+    for line in profile_lines(rows, n, label):
+        print(line, flush=True)

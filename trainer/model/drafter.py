@@ -56,10 +56,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 like Qwen3RMSNorm, cast back to the input dtype.
+        # Normalize in fp32 like Qwen3RMSNorm; scale and return in the input dtype. Under autocast (bf16 input) that
+        # is a bf16 model's norm, its weight rounded to bf16 as autocast rounds the linears' weights; in fp32 the
+        # weight cast is a no-op.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight.to(x.dtype) * x32.to(x.dtype)
+
+
+def stream_dtype(param_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The drafter's activation dtype (residual stream, context, q/k, RoPE tables): the autocast dtype when autocast is
+    on for `device_type` -- a bf16 model's numerics over fp32 master weights, as DFlash/SpecForge train, and half the
+    bytes of every elementwise kernel -- else the parameter dtype (fp32 CPU runs stay fp32 throughout)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return param_dtype
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +139,8 @@ class DraftLayer(nn.Module):
 
 
 class Drafter(nn.Module):
-    """forward(features [R, S, T*D], block embeddings [R, Q, D], layout) -> final-normed hidden [R, Q, D]."""
+    """forward(features [R, S, T*D], block embeddings [R, Q, D], layout) -> final-normed hidden [R, Q, D] in
+    `stream_dtype` (bf16 under bf16 autocast; the parameters' dtype otherwise)."""
 
     def __init__(self, cfg: DrafterConfig, backend: str = "sdpa") -> None:
         super().__init__()
@@ -152,13 +164,13 @@ class Drafter(nn.Module):
                 m.weight.fill_(1.0)
 
     def forward(self, feats_RSTD: torch.Tensor, block_RQD: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-        dtype = self.fc.weight.dtype
+        dtype = stream_dtype(self.fc.weight.dtype, feats_RSTD.device.type)
         if not torch.is_autocast_enabled(feats_RSTD.device.type):
             # Without autocast (CPU, or a bf16 target under an fp32 drafter) match the weights. Under autocast the
             # bf16 features go straight into fc: an fp32 copy of [R, S, T*D] would cost GBs at the GPU recipe.
             feats_RSTD = feats_RSTD.to(dtype)
-        ctx_RSD = self.hidden_norm(self.fc(feats_RSTD))
-        x_RQD = block_RQD.to(dtype)  # the residual stream stays in the parameter dtype
+        ctx_RSD = self.hidden_norm(self.fc(feats_RSTD))  # in `dtype`: fc gives it, the norm keeps it
+        x_RQD = block_RQD.to(dtype)  # the residual stream
         Dh, theta = self.cfg.head_dim, self.cfg.rope_theta
         # Context keys use their own (per-document) positions; block tokens use anchor_pos + k.
         rope_q = rope_cos_sin(layout.q_rope_pos, Dh, theta, dtype)

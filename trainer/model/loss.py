@@ -59,6 +59,32 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: 
     return loss, correct, g.mul_(s[:, None]).to(dtype)
 
 
+def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool):
+    """`ce_chunk`'s contract and math, written for Inductor (the form `compile_step` compiles): one reduction pass
+    over the logits (max, sum of exp, argmax, the label's logit) and one pass that writes dlogits in the logits' dtype
+    (softmax as exp(x - lse): equal to ce_chunk's up to fp32 rounding).
+
+    Why not compile `ce_chunk`: its `scatter_add_` makes Inductor materialize the fp32 softmax [C, V] (a write and a
+    read of 4 bytes per logit, on top of re-reading the logits for logsumexp and softmax separately). Here the label's
+    -1 is a compare against the vocab index, so dlogits is one pointwise expression of logits and per-row scalars.
+    Eager, this form holds more [C, V] fp32 transients than `ce_chunk`: keep it for compiled use.
+    """
+    dtype = logits.dtype
+    x = logits.float()
+    m = x.amax(dim=-1, keepdim=True)  # [C, 1]
+    lse = m + torch.exp(x - m).sum(dim=-1, keepdim=True).log()  # [C, 1]
+    picked = x.gather(1, y[:, None])
+    loss = ((lse - picked)[:, 0] * s).sum()
+    correct = x.argmax(dim=-1) == y
+    if not want_grad:
+        return loss, correct, None
+    # softmax - onehot, scaled. exp(x - lse) rather than reusing exp(x - m): a value used by both a reduction and the
+    # pointwise output would be stored as a [C, V] fp32 buffer; this way each pass only reads the logits.
+    is_label = torch.arange(x.shape[-1], device=x.device) == y[:, None]  # [C, V] bool, an index compare when fused
+    g = (torch.exp(x - lse) - is_label.float()) * s[:, None]
+    return loss, correct, g.to(dtype)
+
+
 class _ChunkedLMHeadCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T + b, y_i) / sum(w), never holding more than [C, V] logits.
 

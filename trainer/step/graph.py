@@ -270,10 +270,13 @@ class EagerStep:
 
 
 def compile_drafter(state) -> None:
-    """torch.compile (default mode, no CUDA graphs) every drafter layer in place: `Module.compile` keeps the module
-    tree, so state_dict keys (checkpoints, export) do not change. Main thread only."""
-    for layer in state.drafter.layers:
-        layer.compile(dynamic=False)
+    """torch.compile (default mode, no CUDA graphs) every drafter layer and the two norms outside them (`hidden_norm`
+    on the context, the final `norm`: eager, each is ~7 forward and ~10 backward passes over [rows, tokens, D]) in
+    place: `Module.compile` keeps the module tree, so state_dict keys (checkpoints, export) do not change. Main thread
+    only."""
+    d = state.drafter
+    for module in (*d.layers, d.hidden_norm, d.norm):
+        module.compile(dynamic=False)
 
 
 def compile_step(state) -> None:
@@ -282,12 +285,14 @@ def compile_step(state) -> None:
     the LM-head CE chunk math (`state.ce_chunk_fn`; its eager form makes several passes over [chunk, vocab] fp32
     logits).
     The matmuls stay cuBLAS calls either way; compilation fuses the norms, RoPE, SiLU and CE elementwise work."""
-    from trainer.model.loss import ce_chunk
+    from trainer.model.loss import ce_chunk_fused
 
     compile_drafter(state)
     for layer in state.target.model.model.layers:
         layer.compile(dynamic=False)
-    state.ce_chunk_fn = torch.compile(ce_chunk, dynamic=False)
+    # The Inductor-shaped twin of ce_chunk: two passes over the [chunk, vocab] logits instead of an fp32 softmax
+    # written, scattered into and re-read (the largest elementwise cost of the step on shape (b)).
+    state.ce_chunk_fn = torch.compile(ce_chunk_fused, dynamic=False)
 
 
 class GraphRunner:

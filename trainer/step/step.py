@@ -69,14 +69,23 @@ class StepOut:
     valid_by_pos_: torch.Tensor  # [B] fp32: valid (supervised) positions per block position
 
 
+def adamw_options(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation flags for `device`. Pure.
+
+    CUDA: the fused kernel (one pass over param, grad and both moments, where foreach makes several), step count and
+    LR read on the device, so it captures into a CUDA graph (the stand-in has run it so since R3). CPU: the
+    per-parameter loop (torch refuses a tensor LR with foreach unless capturable).
+    """
+    on_cuda = device.type == "cuda"
+    return {"foreach": False, "fused": on_cuda, "capturable": on_cuda}
+
+
 def build_optimizer(drafter: Drafter, *, lr: float, betas, eps: float, weight_decay: float,
                     device: torch.device) -> tuple[torch.optim.Optimizer, torch.Tensor]:
     """AdamW with the LR held as a device tensor (a float LR would be baked into a captured graph)."""
     lr_ = torch.tensor(lr, dtype=torch.float32, device=device)
-    # torch refuses a tensor LR with foreach=True unless capturable; CPU gains nothing from foreach anyway.
-    on_cuda = device.type == "cuda"
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr_, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                            foreach=on_cuda, capturable=on_cuda)
+                            **adamw_options(device))
     return opt, lr_
 
 
