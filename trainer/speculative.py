@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.eval import leading_matches
-from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
+from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin, stream_dtype
 from trainer.model.target import Target
 
 
@@ -138,7 +138,8 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
 
     Same arithmetic as `Drafter.forward` for a single anchor whose visible context is everything cached.
     """
-    cfg, dtype = drafter.cfg, drafter.fc.weight.dtype
+    cfg = drafter.cfg
+    dtype = stream_dtype(drafter.fc.weight.dtype, new_feats.device.type)  # as in training: bf16 under autocast
     H, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     ctx = drafter.hidden_norm(drafter.fc(new_feats.to(dtype)))  # [1, n, D]
     n, B = ctx.shape[1], block_emb.shape[1]

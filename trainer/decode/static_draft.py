@@ -30,6 +30,8 @@ class StaticDFlashProposer:
         self.autocast = dev.type == "cuda"
         self.target, self.block_size = target, block_size
         self.drafter = _with_bf16_linears(drafter) if self.autocast else drafter
+        # The activations' dtype, as `Drafter.forward` has it (`stream_dtype`): bf16 under autocast, else fp32.
+        self.stream = torch.bfloat16 if self.autocast else drafter.fc.weight.dtype
         cfg = drafter.cfg
         self.H, self.Hkv, self.Dh, self.theta = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                                  cfg.rope_theta)
@@ -66,7 +68,7 @@ class StaticDFlashProposer:
     def write_context(self, feats: torch.Tensor, start: torch.Tensor) -> None:
         """K/V of the context features `feats` [1, n, T*D] into slots start..start+n-1 of every layer."""
         d = self.drafter
-        dtype = d.norm.weight.dtype  # the residual stream's dtype (the linears may hold bf16 copies)
+        dtype = self.stream
         n = feats.shape[1]
         pos = start + torch.arange(n, device=feats.device)
         with self._autocast():
@@ -89,7 +91,7 @@ class StaticDFlashProposer:
     def draft_hidden(self, anchor: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """-> the drafter's final-normed hidden states of the block [1, B, D]."""
         d, B, H, Hkv, Dh = self.drafter, self.block_size, self.H, self.Hkv, self.Dh
-        dtype = d.norm.weight.dtype
+        dtype = self.stream
         block_ids = torch.cat([anchor, self.mask_ids])[None]  # [1, B]
         pos = start + self.block_offsets  # [B]
         # The block's own K/V go into its slots start..start+B-1 (the context append after the verify overwrites
