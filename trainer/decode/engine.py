@@ -56,6 +56,10 @@ class StaticDecoder:
 
     def __init__(self, target, capacity: int, proposer=None, block_size: int = 16, graphs: bool = True,
                  compile: bool = False) -> None:
+        if proposer is not None and block_size != proposer.block_size:
+            raise ValueError(f"block_size {block_size} differs from the proposer's {proposer.block_size}")
+        if proposer is not None and (getattr(proposer, "capacity", None) or capacity) < capacity:
+            raise ValueError(f"the proposer's caches hold {proposer.capacity} positions, the decoder needs {capacity}")
         # B spare slots: a verify at the last start writes a whole block.
         self.static = StaticTarget(target, capacity + block_size)
         # compile: the decode step's and the round's forwards go through torch.compile (fused norms/RoPE: fewer

@@ -42,6 +42,7 @@ class StaticDFlashProposer:
         self.k = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in drafter.layers]
         self.v = [torch.zeros(shape, dtype=kv_dtype, device=dev) for _ in drafter.layers]
         self.slot_ids = torch.arange(shape[2], device=dev)
+        self.capacity = slots  # positions a decoder may commit (prompt + new tokens)
         self.block_offsets = torch.arange(block_size, device=dev)
         self.mask_ids = torch.full((block_size - 1,), target.mask_token_id, dtype=torch.long, device=dev)
         self._append_fn, self._draft_fn = self.write_context, self.draft_tokens
@@ -135,6 +136,7 @@ class TableProposer:
 
     def __init__(self, table: torch.Tensor, block_size: int) -> None:
         self.table, self.block_size = table, block_size
+        self.capacity = None  # no cache: any decoder capacity fits
         self.offsets = torch.arange(1, block_size, device=table.device)
 
     def reset(self, prompt_feats: torch.Tensor) -> None:

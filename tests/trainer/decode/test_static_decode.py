@@ -143,3 +143,11 @@ def test_capacity_is_checked_before_any_work(full_target):
     decoder = StaticDecoder(full_target, capacity=16)
     with pytest.raises(ValueError, match="capacity"):
         decoder.generate_target_only(list(range(10)), 7)
+
+
+def test_mismatched_proposer_is_refused(full_target):
+    drafter = _drafter(full_target)
+    with pytest.raises(ValueError, match="block_size"):
+        StaticDecoder(full_target, 64, StaticDFlashProposer(full_target, drafter, 8, 64), block_size=16)
+    with pytest.raises(ValueError, match="caches hold 32"):
+        StaticDecoder(full_target, 64, StaticDFlashProposer(full_target, drafter, 16, 32), block_size=16)
