@@ -89,53 +89,54 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
             "new_tokens": new_tokens, "device": str(device), "torch": torch.__version__}
 
 
-def breakdown(target, drafter, block_size: int, compile: bool, replays: int = 200) -> dict:
-    """GPU ms of each piece of a round, each captured as its own graph and replayed `replays` times: the decode step
-    (1 token), the verify forward (B tokens), the draft, the context append, and the whole round."""
+def _pieces(target, drafter, block_size: int, graphs: bool, compile: bool = False) -> dict:
+    """Each piece of a round as a callable over one decoder's static buffers, start at position 200: the decode step
+    (1 token), the verify forward (B tokens), the draft, the context append, and (graphs only) the whole round."""
     from trainer.decode.engine import GraphProgram, StaticDecoder
     from trainer.decode.static_draft import StaticDFlashProposer
 
     proposer = StaticDFlashProposer(target, drafter, block_size, 512)
-    decoder = StaticDecoder(target, 512, proposer, block_size, compile=compile)
+    decoder = StaticDecoder(target, 512, proposer, block_size, graphs=graphs, compile=compile)
     dev = target.device
-    decoder.start.fill_(200)
-    decoder.pos.fill_(200)
     block = torch.zeros(1, block_size, dtype=torch.long, device=dev)
     feats = torch.zeros(1, block_size, len(target.layer_ids) * target.hf_config.hidden_size, device=dev)
-    pieces = {"step": decoder.step, "round": decoder.round,
-              "verify": GraphProgram(lambda: decoder._forward(block, decoder.start), dev, True),
-              "draft": GraphProgram(lambda: proposer.draft(decoder.anchor, decoder.start), dev, True),
-              "append": GraphProgram(lambda: proposer.append(feats, decoder.start), dev, True)}
-    out = {}
-    for name, program in pieces.items():
+    fns = {"step": decoder._decode_step, "verify": lambda: decoder._forward(block, decoder.start),
+           "draft": lambda: proposer.draft(decoder.anchor, decoder.start),
+           "append": lambda: proposer.append(feats, decoder.start)}
+
+    def rewind() -> None:
         decoder.start.fill_(200)
         decoder.pos.fill_(200)
+
+    rewind()
+    if not graphs:
+        return {name: (fn, rewind) for name, fn in fns.items()}
+    programs = {name: GraphProgram(fn, dev, True) for name, fn in fns.items() if name != "step"}
+    return {"step": (decoder.step, rewind), "round": (decoder.round, rewind),
+            **{name: (program, rewind) for name, program in programs.items()}}
+
+
+def breakdown(target, drafter, block_size: int, compile: bool, replays: int = 200) -> dict:
+    """GPU ms of each piece of a round, each captured as its own graph and replayed `replays` times."""
+    out = {}
+    for name, (program, rewind) in _pieces(target, drafter, block_size, graphs=True, compile=compile).items():
+        rewind()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         for _ in range(replays):
             program()
         end.record()
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(target.device)
         out[name] = round(begin.elapsed_time(end) / replays, 4)
     return out
 
 
 def profile_pieces(target, drafter, block_size: int, rows: int = 12) -> None:
-    """Top GPU kernels (eager, so every kernel is attributed) of 20 decode steps, 20 verify forwards and 20 drafts:
-    PROF lines."""
+    """Top GPU kernels (eager, so every kernel is attributed) of 20 calls of each piece of a round: PROF lines."""
     from torch.profiler import ProfilerActivity, profile
 
-    from trainer.decode.engine import StaticDecoder
-    from trainer.decode.static_draft import StaticDFlashProposer
-
-    proposer = StaticDFlashProposer(target, drafter, block_size, 512)
-    decoder = StaticDecoder(target, 512, proposer, block_size, graphs=False)
     dev = target.device
-    decoder.start.fill_(200)
-    decoder.pos.fill_(200)
-    block = torch.zeros(1, block_size, dtype=torch.long, device=dev)
-    pieces = {"step": decoder._decode_step, "verify": lambda: decoder._forward(block, decoder.start),
-              "draft": lambda: proposer.draft(decoder.anchor, decoder.start)}
+    pieces = {name: fn for name, (fn, _) in _pieces(target, drafter, block_size, graphs=False).items()}
     for name, fn in pieces.items():
         fn()
         torch.cuda.synchronize(dev)

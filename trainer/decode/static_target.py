@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.errors import ConfigError
+from trainer.model.drafter import apply_rope
 from trainer.model.target import Target
 
 
@@ -32,11 +33,6 @@ def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     freqs = pos.float()[:, None] * inv_freq[None]
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scaling).to(dtype)[None, None], (emb.sin() * scaling).to(dtype)[None, None]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class StaticTarget:
@@ -94,9 +90,9 @@ class StaticTarget:
             q = self.q_norms[i](attn.q_proj(h).view(1, L, H, Dh)).transpose(1, 2)
             k = self.k_norms[i](attn.k_proj(h).view(1, L, Hkv, Dh)).transpose(1, 2)
             v = attn.v_proj(h).view(1, L, Hkv, Dh).transpose(1, 2)
-            self.k[i].index_copy_(2, pos, _rotate(k, cos, sin))
+            self.k[i].index_copy_(2, pos, apply_rope(k, cos, sin))
             self.v[i].index_copy_(2, pos, v)
-            out = F.scaled_dot_product_attention(_rotate(q, cos, sin), self.k[i], self.v[i], attn_mask=visible,
+            out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=visible,
                                                  scale=attn.scaling, enable_gqa=H != Hkv)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, L, H * Dh))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
