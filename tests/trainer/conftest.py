@@ -55,3 +55,15 @@ def make_state(target, block_size: int = 4, seed: int = 0, layers: int = 2, chun
                                device=torch.device("cpu"))
     return TrainState(target=target, drafter=drafter, optimizer=opt, lr_=lr_, block_size=block_size, gamma=7.0,
                       loss_chunk=chunk, clip=1.0)
+
+
+@pytest.fixture(scope="module")
+def cuda_target(tiny_target_dir):
+    """The full tiny target on CUDA in fp32 (gpu tier)."""
+    import torch
+
+    from trainer.model.target import load_target
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tier needs CUDA")
+    return load_target(tiny_target_dir, num_draft_layers=2, device="cuda", dtype="float32", truncate=False)

@@ -128,8 +128,9 @@ class StaticDecoder:
 
     @torch.no_grad()
     def generate_speculative(self, prompt_ids: list[int], max_new: int, eos_id: int | None = None,
-                             host_s: dict[str, float] | None = None) -> SpecResult:
-        """host_s: if given, host seconds are added under "round" (replay + the round's one sync + bookkeeping)."""
+                             host_s: dict[str, float] | None = None, drafts: list | None = None) -> SpecResult:
+        """host_s: if given, wall seconds of the rounds are added under "round" (replay, the round's one sync, and
+        bookkeeping; the prefill is not included). drafts: if given, each round's B-1 draft tokens are appended."""
         if self.proposer is None:
             raise RuntimeError("this decoder was built without a proposer")
         if max_new <= 0:
@@ -139,15 +140,17 @@ class StaticDecoder:
         self.proposer.reset(feats)
         self.anchor.copy_(first[0])
         self.start.fill_(len(prompt_ids))
-        new_host = [int(first)]  # SYNC
+        committed_new = [int(first)]  # SYNC
         accepted: list[int] = []
         t0 = time.perf_counter()
-        while _stop_index(new_host, eos_id, max_new) is None:
+        while _stop_index(committed_new, eos_id, max_new) is None:
             self.round()
             host = self.result.tolist()  # SYNC: one per round
             a, block, post = host[0], host[1:B + 1], host[B + 1:]
             accepted.append(a)
-            new_host += block[1:a + 1] + [post[a]]
+            committed_new += block[1:a + 1] + [post[a]]
+            if drafts is not None:
+                drafts.append(block[1:])
         if host_s is not None:
             host_s["round"] = host_s.get("round", 0.0) + time.perf_counter() - t0
-        return SpecResult(tokens=new_host[:_stop_index(new_host, eos_id, max_new)], accepted=accepted)
+        return SpecResult(tokens=committed_new[:_stop_index(committed_new, eos_id, max_new)], accepted=accepted)

@@ -25,9 +25,12 @@ class StaticDFlashProposer:
     LM head. Same arithmetic as `trainer.speculative.draft_block_hidden` (and so as `Drafter.forward`): on CUDA the
     fp32 drafter runs under bf16 autocast, as the trainer's step does."""
 
-    def __init__(self, target: Target, drafter: Drafter, block_size: int, slots: int) -> None:
+    def __init__(self, target: Target, drafter: Drafter, block_size: int, slots: int,
+                 autocast: bool | None = None) -> None:
+        """autocast: run under bf16 autocast, as training does on CUDA (default: on CUDA only)."""
         dev = drafter.fc.weight.device
-        self.autocast = dev.type == "cuda"
+        self.autocast = dev.type == "cuda" if autocast is None else autocast
+        self.autocast_device = dev.type
         self.target, self.block_size = target, block_size
         self.drafter = _with_bf16_linears(drafter) if self.autocast else drafter
         # The activations' dtype, as `Drafter.forward` has it (`stream_dtype`): bf16 under autocast, else fp32.
@@ -48,7 +51,7 @@ class StaticDFlashProposer:
         self._append_fn, self._draft_fn = self.write_context, self.draft_tokens
 
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast)
+        return torch.autocast(self.autocast_device, dtype=torch.bfloat16, enabled=self.autocast)
 
     def compile(self) -> None:
         """Route `append` and `draft` (fixed shapes, called inside the round) through torch.compile; `reset` (the

@@ -35,6 +35,24 @@ def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     return (emb.cos() * scaling).to(dtype)[None, None], (emb.sin() * scaling).to(dtype)[None, None]
 
 
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # the layer layout `forward` re-implements
+
+
+def check_supported(cfg) -> None:
+    """Refuse a target whose layers `StaticTarget.forward` would compute differently from HF (sliding windows,
+    soft-capping, other layer layouts): target-only and speculative decoding would then agree with each other while
+    both being wrong."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"static decoding supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not {model_type!r}",
+                          hint="use eval.engine=hf for this target")
+    sliding = (getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)) or \
+        "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+    if sliding:
+        raise ConfigError("static decoding does not support sliding-window attention",
+                          hint="use eval.engine=hf for this target")
+
+
 class StaticTarget:
     """A full (untruncated) `Target` plus its static KV cache of `slots` positions.
 
@@ -44,10 +62,8 @@ class StaticTarget:
     def __init__(self, target: Target, slots: int) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
+        check_supported(target.hf_config)
         cfg = target.hf_config
-        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-            raise ConfigError("static decoding does not support sliding-window attention",
-                              hint="use eval.engine=hf for this target")
         self.target = target
         self.model = target.model
         self.layers = list(self.model.model.layers)

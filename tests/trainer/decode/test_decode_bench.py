@@ -10,7 +10,7 @@ from trainer.decode import bench
 
 
 def test_bench_prints_consistent_figures_per_engine(capsys, full_target):
-    assert bench.main(["--engines", "static,hf", "--new-tokens", "5", "--repeats", "1", "--prompt-tokens", "8",
+    assert bench.main(["--engines", "static,hf", "--new-tokens", "8", "--repeats", "1", "--prompt-tokens", "8",
                        "--device", "cpu", "--block", "4"]) == 0
     lines = [json.loads(l.split(" ", 1)[1]) for l in capsys.readouterr().out.splitlines()
              if l.startswith("DECODE_BENCH ")]
@@ -25,6 +25,7 @@ def test_bench_refuses_bad_arguments(capsys):
     assert bench.main(["--engines", "static,turbo"]) == 2
     assert "unknown engine" in capsys.readouterr().err
     assert bench.main(["--target", "/nonexistent"]) == 2
+    assert bench.main(["--new-tokens", "4"]) == 2
 
 
 def test_every_piece_of_a_round_runs_eagerly(full_target):

@@ -51,10 +51,33 @@ def test_static_draft_equals_reference_draft(full_target):
     want = draft_block_hidden(drafter, DraftContextCache(len(drafter.layers)), feats[:, :S], block)
     proposer = StaticDFlashProposer(full_target, drafter, B, slots=32)
     proposer.reset(feats[:, :5])
-    proposer.append(feats[:, 5:5 + B], torch.tensor(5))  # slots 5..8 real context, then stale ones:
-    proposer.append(feats[:, S:S + B] * 3, torch.tensor(S))  # slots 9..12 must stay invisible at start = 9
+    proposer.append(feats[:, 5:5 + B], torch.tensor(5))  # slots 5..8 real context
+    # Stale context beyond the block (slots S+B..): the draft at start S writes only S..S+B-1, so these stay and
+    # must stay invisible.
+    proposer.append(feats[:, S:S + B] * 3, torch.tensor(S + B))
     got = proposer.draft_hidden(anchor, torch.tensor(S))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_static_draft_under_bf16_autocast_equals_reference(full_target):
+    """The CUDA arithmetic (bf16 autocast, bf16 copies of the linears, bf16 K/V cache) checked on CPU's autocast:
+    equal to the reference draft under the same autocast within bf16 rounding."""
+    B, S = 4, 9
+    drafter = _sharp_drafter(full_target, seed=4)
+    T_D = len(full_target.layer_ids) * full_target.hf_config.hidden_size
+    torch.manual_seed(2)
+    feats = torch.randn(1, S, T_D)
+    anchor = torch.tensor([17])
+    block = full_target.embed_tokens(torch.cat([anchor, torch.full((B - 1,), full_target.mask_token_id)]))[None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = draft_block_hidden(drafter, DraftContextCache(len(drafter.layers)), feats, block)
+    proposer = StaticDFlashProposer(full_target, drafter, B, slots=32, autocast=True)
+    assert proposer.drafter.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert drafter.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # the trained drafter is untouched
+    proposer.reset(feats)
+    got = proposer.draft_hidden(anchor, torch.tensor(S))
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.05)
 
 
 @pytest.mark.parametrize("graphs", [True, False])  # on CPU both run eagerly; the flag must not matter there
@@ -65,21 +88,65 @@ def test_target_only_equals_hf_greedy(full_target, graphs):
         assert decoder.generate_target_only(ids, 23) == generate_target_only(full_target, ids, 23)
 
 
+def _sharp_drafter(target, seed: int):
+    """A random drafter whose drafts depend on its context (linear weights ~N(0, 0.3); at the usual 0.02 init every
+    draft is the same token whatever the context, and a broken context cache would go unnoticed)."""
+    drafter = _drafter(target, seed=seed)
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, 0.3)
+    return drafter
+
+
+class RecordingProposer(DFlashProposer):
+    """The reference proposer, keeping every round's drafts."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.drafts: list[list[int]] = []
+
+    def propose(self, new_feats, committed):
+        draft = super().propose(new_feats, committed)
+        self.drafts.append(draft.tolist())
+        return draft
+
+
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_speculative_equals_reference_round_by_round(full_target, block_size):
-    """Same drafter weights: the static round and the HF reference accept the same counts and emit the same
-    tokens; both equal target-only greedy decoding."""
-    drafter = _drafter(full_target, seed=5)
+    """Same drafter weights: every round drafts the same tokens and accepts the same count as the HF reference
+    (so the context cache and its append are exercised: the drafts depend on them); both outputs equal target-only
+    greedy decoding."""
+    drafter = _sharp_drafter(full_target, seed=5)
     proposer = StaticDFlashProposer(full_target, drafter, block_size, slots=128)
     decoder = StaticDecoder(full_target, capacity=128, proposer=proposer, block_size=block_size)
-    reference = DFlashProposer(full_target, drafter, block_size)
+    distinct = set()
     for text in PROMPTS:
         ids = _prompt_ids(full_target, text)
         for max_new in (1, 7, 23):
+            reference = RecordingProposer(full_target, drafter, block_size)
             want = generate_speculative(full_target, reference, ids, max_new)
-            got = decoder.generate_speculative(ids, max_new)
+            drafts: list[list[int]] = []
+            got = decoder.generate_speculative(ids, max_new, drafts=drafts)
             assert got == want, (text, max_new)
+            assert drafts == reference.drafts, (text, max_new)
             assert got.tokens == decoder.generate_target_only(ids, max_new)
+            distinct.update(tuple(d) for d in drafts)
+    assert len(distinct) > 3  # the drafts really vary with the context
+
+
+def test_a_context_cache_that_misses_appends_is_caught(full_target):
+    """Guard for the test above: a proposer whose append does nothing drafts differently from the reference."""
+    drafter = _sharp_drafter(full_target, seed=5)
+    proposer = StaticDFlashProposer(full_target, drafter, 4, slots=128)
+    proposer._append_fn = lambda feats, start: None
+    decoder = StaticDecoder(full_target, capacity=128, proposer=proposer, block_size=4)
+    ids = _prompt_ids(full_target, PROMPTS[0])
+    reference = RecordingProposer(full_target, drafter, 4)
+    generate_speculative(full_target, reference, ids, 23)
+    drafts: list[list[int]] = []
+    decoder.generate_speculative(ids, 23, drafts=drafts)
+    assert drafts != reference.drafts
 
 
 def test_perfect_table_drafter_reaches_tau_equal_block_size(full_target):

@@ -38,6 +38,7 @@ def test_quality_cpu_pipeline_end_to_end(tmp_path):
     decode, B = result["eval"]["decode"], 8
     assert decode["block_size"] == B and decode["prompts"] >= 1
     assert decode["identical"] == decode["prompts"]  # lossless: every output == target-only greedy
+    assert decode["engine"] == "static" and decode["matches_hf"] is True  # and the engine equals HF's own decoding
     assert 1.0 <= result["tau"] <= B and len(result["accept_by_pos"]) == B - 1
     assert all(a >= b for a, b in zip(result["accept_by_pos"], result["accept_by_pos"][1:]))
     assert 1.0 <= result["simulated_tau"] <= B

@@ -4,19 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model.target import load_target
 from trainer.speculative import DFlashProposer, OracleProposer, acceptance_stats, generate_speculative, \
     generate_target_only
 from tests.trainer.quality.test_speculative import PROMPTS, CorruptedOracle, _drafter, _prompt_ids
 
 pytestmark = pytest.mark.gpu
 
-
-@pytest.fixture(scope="module")
-def cuda_target(tiny_target_dir):
-    if not torch.cuda.is_available():
-        pytest.fail("the gpu tier needs CUDA")
-    return load_target(tiny_target_dir, num_draft_layers=2, device="cuda", dtype="float32", truncate=False)
 
 
 def test_lossless_on_cuda_fp32(cuda_target):
