@@ -74,7 +74,7 @@ def target_forward(target: Target, ids_1L: torch.Tensor, cache, start: int,
 
 # ---------------------------------------------------------------- target-only greedy decoding
 
-def _stop_index(tokens: list[int], eos_id: int | None, max_new: int) -> int | None:
+def stop_index(tokens: list[int], eos_id: int | None, max_new: int) -> int | None:
     """Length to keep when generation must stop: through the first EOS, or max_new; None to go on."""
     if eos_id is not None and eos_id in tokens:
         return min(tokens.index(eos_id) + 1, max_new)
@@ -93,7 +93,7 @@ def generate_target_only(target: Target, prompt_ids: list[int], max_new: int, eo
     while True:
         nxt = int(logits[0, -1].argmax())  # SYNC: one per token, inherent to greedy decoding
         out.append(nxt)
-        if _stop_index(out, eos_id, max_new) is not None:
+        if stop_index(out, eos_id, max_new) is not None:
             return out
         logits, _ = target_forward(target, torch.tensor([[nxt]], device=ids.device), cache,
                                    len(prompt_ids) + len(out) - 1, want_features=False)
@@ -240,7 +240,7 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
     start = len(prompt_ids)
     proposer.begin()
     accepted: list[int] = []
-    while _stop_index(new_host, eos_id, max_new) is None:
+    while stop_index(new_host, eos_id, max_new) is None:
         t0 = clock()
         draft = proposer.propose(new_feats, committed)  # [B-1]
         t1 = clock()
@@ -262,7 +262,7 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
         t3 = clock()
         for key, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("accept", t3 - t2)):
             spent[key] = spent.get(key, 0.0) + dt
-    return SpecResult(tokens=new_host[:_stop_index(new_host, eos_id, max_new)], accepted=accepted)
+    return SpecResult(tokens=new_host[:stop_index(new_host, eos_id, max_new)], accepted=accepted)
 
 
 def acceptance_stats(results: list[SpecResult], block_size: int) -> dict:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from trainer.decode.static_target import StaticTarget
-from trainer.speculative import SpecResult, _stop_index
+from trainer.speculative import SpecResult, stop_index
 
 
 class GraphProgram:
@@ -121,10 +121,10 @@ class StaticDecoder:
         self.tok.copy_(first)
         self.pos.fill_(len(prompt_ids))
         out = [int(first)]  # SYNC: one per token, inherent to greedy decoding
-        while _stop_index(out, eos_id, max_new) is None:
+        while stop_index(out, eos_id, max_new) is None:
             self.step()
             out.append(int(self.tok))  # SYNC
-        return out[:_stop_index(out, eos_id, max_new)]
+        return out[:stop_index(out, eos_id, max_new)]
 
     @torch.no_grad()
     def generate_speculative(self, prompt_ids: list[int], max_new: int, eos_id: int | None = None,
@@ -143,7 +143,7 @@ class StaticDecoder:
         committed_new = [int(first)]  # SYNC
         accepted: list[int] = []
         t0 = time.perf_counter()
-        while _stop_index(committed_new, eos_id, max_new) is None:
+        while stop_index(committed_new, eos_id, max_new) is None:
             self.round()
             host = self.result.tolist()  # SYNC: one per round
             a, block, post = host[0], host[1:B + 1], host[B + 1:]
@@ -153,4 +153,4 @@ class StaticDecoder:
                 drafts.append(block[1:])
         if host_s is not None:
             host_s["round"] = host_s.get("round", 0.0) + time.perf_counter() - t0
-        return SpecResult(tokens=committed_new[:_stop_index(committed_new, eos_id, max_new)], accepted=accepted)
+        return SpecResult(tokens=committed_new[:stop_index(committed_new, eos_id, max_new)], accepted=accepted)
