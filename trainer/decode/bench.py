@@ -2,7 +2,7 @@
 round cost at batch 1, per engine. A round's cost does not depend on how many drafts are accepted (fixed shapes), so
 with any drafter the speedup a drafter of mean acceptance tau would reach is tau * step_ms / round_ms.
 
-    python -m trainer.decode.bench --engines hf,static,static+compile
+    python -m trainer.decode.bench --engines hf,static,static+compile-drafter,static+compile
     python -m trainer.decode.bench --target DIR --drafter DIR/export   # a trained pair (e.g. a quality run's)
 
 Default model: the quality_gpu target shape (Qwen3, 8 layers, hidden 512, 8/4 heads of 64, vocab 8192, ~29M params,
@@ -17,6 +17,10 @@ import sys
 import time
 
 import torch
+
+
+# engine name -> what the static decoder compiles ("hf" ignores it)
+ENGINES = {"hf": "none", "static": "none", "static+compile-drafter": "drafter", "static+compile": "all"}
 
 
 def random_pair(device: torch.device, block_size: int, dtype: torch.dtype = torch.float32):
@@ -65,7 +69,7 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
     t0 = time.perf_counter()
     cfg = EvalCfg(max_new_tokens=new_tokens, engine="hf" if engine == "hf" else "static")
     target_only, speculative = decoders(target, drafter, block_size, [prompt], cfg,
-                                        compile="compile" in engine.split("+"))
+                                        compile=ENGINES[engine])
     target_only(prompt, new_tokens)  # warm-up (and, compiled, the compilation)
     speculative(prompt, new_tokens)
     setup_s = time.perf_counter() - t0
@@ -94,7 +98,7 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
             "new_tokens": new_tokens, "device": str(device), "torch": torch.__version__}
 
 
-def _pieces(target, drafter, block_size: int, graphs: bool, compile: bool = False) -> dict:
+def _pieces(target, drafter, block_size: int, graphs: bool, compile: str = "none") -> dict:
     """Each piece of a round as a callable over one decoder's static buffers, start at position 200: the decode step
     (1 token), the verify forward (B tokens), the draft, the context append, and (graphs only) the whole round."""
     from trainer.decode.engine import GraphProgram, StaticDecoder
@@ -121,7 +125,7 @@ def _pieces(target, drafter, block_size: int, graphs: bool, compile: bool = Fals
             **{name: (program, rewind) for name, program in programs.items()}}
 
 
-def breakdown(target, drafter, block_size: int, compile: bool, replays: int = 200) -> dict:
+def breakdown(target, drafter, block_size: int, compile: str, replays: int = 200) -> dict:
     """GPU ms of each piece of a round, each captured as its own graph and replayed `replays` times (200 steps advance
     pos from 200 to 400, inside the 512-slot cache)."""
     out = {}
@@ -163,7 +167,7 @@ def profile_pieces(target, drafter, block_size: int, rows: int = 12) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.decode.bench", description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="hf,static,static+compile",
-                   help="comma list of hf | static | static+compile")
+                   help=f"comma list of {' | '.join(ENGINES)}")
     p.add_argument("--target", default="", help="target HF directory (default: random quality-shaped target)")
     p.add_argument("--drafter", default="", help="drafter export directory (with --target)")
     p.add_argument("--block", type=int, default=16)
@@ -177,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="CUDA: top kernels of a step, a verify and a draft (PROF)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in engines if e not in ("hf", "static", "static+compile")]
+    bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
-        print(f"error: unknown engine(s) {bad or engines}; use hf, static, static+compile", file=sys.stderr)
+        print(f"error: unknown engine(s) {bad or engines}; use {', '.join(ENGINES)}", file=sys.stderr)
         return 2
     if args.new_tokens < 8:
         print("error: --new-tokens must be >= 8 (the figures are differences of two decode lengths)", file=sys.stderr)
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print("DECODE_BENCH " + json.dumps(measure(engine, target, drafter, block, prompt, args.new_tokens,
                                                    args.repeats)), flush=True)
         if args.breakdown and engine != "hf" and device.type == "cuda":
-            pieces = breakdown(target, drafter, block, compile="compile" in engine)
+            pieces = breakdown(target, drafter, block, compile=ENGINES[engine])
             print("DECODE_PIECES " + json.dumps({"engine": engine, "gpu_ms": pieces}), flush=True)
     return 0
 

@@ -22,6 +22,9 @@ from trainer.decode.static_target import StaticTarget
 from trainer.speculative import SpecResult, stop_index
 
 
+COMPILE_CHOICES = ("none", "drafter", "all")
+
+
 class GraphProgram:
     """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`), run eagerly
     otherwise."""
@@ -55,17 +58,21 @@ class StaticDecoder:
     `generate_*` call starts from its own prefill, so stale contents never matter."""
 
     def __init__(self, target, capacity: int, proposer=None, block_size: int = 16, graphs: bool = True,
-                 compile: bool = False) -> None:
+                 compile: str = "none") -> None:
         if proposer is not None and block_size != proposer.block_size:
             raise ValueError(f"block_size {block_size} differs from the proposer's {proposer.block_size}")
         if proposer is not None and (getattr(proposer, "capacity", None) or capacity) < capacity:
             raise ValueError(f"the proposer's caches hold {proposer.capacity} positions, the decoder needs {capacity}")
         # B spare slots: a verify at the last start writes a whole block.
         self.static = StaticTarget(target, capacity + block_size)
-        # compile: the decode step's and the round's forwards go through torch.compile (fused norms/RoPE: fewer
-        # kernels per replay); prefill, whose length varies per prompt, stays eager.
-        self._forward = torch.compile(self.static.forward, dynamic=False) if compile else self.static.forward
-        if compile and hasattr(proposer, "compile"):
+        # compile: "all" sends the target's step/verify forwards and the drafter's draft/append through torch.compile
+        # (fused norms and RoPE: fewer kernels per replay); "drafter" only the drafter's, so both target paths keep
+        # the same uncompiled forward. Prefill, whose length varies per prompt, always stays eager.
+        if compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {compile!r}")
+        self._forward = torch.compile(self.static.forward, dynamic=False) if compile == "all" else \
+            self.static.forward
+        if compile != "none" and hasattr(proposer, "compile"):
             proposer.compile()
         self.capacity = capacity
         self.proposer = proposer

@@ -99,7 +99,9 @@ class EvalCfg:
     # static: static KV caches, each decode step / speculative round one CUDA graph replay (trainer/decode/);
     # hf: the HF DynamicCache reference path (trainer/speculative.py), eager. Both paths share the engine's timing.
     engine: str = "static"
-    compile: bool = False  # static engine: torch.compile the step's and the round's forwards (fewer kernels)
+    # static engine: torch.compile "none", the "drafter" (its draft and context append), or "all" (also the
+    # target's step and verify forwards). Fewer kernels per replay; compilation takes ~30-50 s per decoder.
+    compile: str = "none"
     # A second decoding benchmark with the target in this dtype ("" = none): bf16 is how targets are served, and
     # its verify forward costs less relative to a decode step, while near-ties may flip (reported as `identical`).
     also_dtype: str = ""
@@ -107,6 +109,7 @@ class EvalCfg:
     def __post_init__(self) -> None:
         _check(self.target_dtype in ("float32", "bfloat16", "auto"), "eval.target_dtype must be float32|bfloat16|auto")
         _check(self.engine in ("static", "hf"), "eval.engine must be static|hf")
+        _check(self.compile in ("none", "drafter", "all"), "eval.compile must be none|drafter|all")
         _check(self.also_dtype in ("", "float32", "bfloat16"), "eval.also_dtype must be '', float32 or bfloat16")
         _check(self.prompts >= 1 and self.max_new_tokens >= 1, "eval.prompts and eval.max_new_tokens must be >= 1")
 

@@ -71,9 +71,11 @@ def load_pair(export_dir: Path, target_dir: Path, device: torch.device, target_d
     return target, drafter, int(ecfg["block_size"])
 
 
-def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: EvalCfg, compile: bool | None = None):
+def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: EvalCfg, compile: str | None = None,
+             log=print):
     """(target_only(ids, max_new, eos=None), speculative(ids, max_new, eos=None, host_s=None)) for `cfg.engine`.
-    Both use the same target forward, so the comparison is one engine against itself."""
+    Both use the same target forward, so the comparison is one engine against itself. A compilation that fails
+    (torch.compile raises while the graphs are captured) falls back to the uncompiled engine, with a note."""
     if cfg.engine == "hf":
         proposer = DFlashProposer(target, drafter, block_size)
         return (lambda ids, n, eos=None: generate_target_only(target, ids, n, eos),
@@ -82,10 +84,21 @@ def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: Ev
     from trainer.decode.static_draft import StaticDFlashProposer
 
     capacity = -(-(max(map(len, encoded), default=0) + cfg.max_new_tokens) // 64) * 64
-    proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
     compile = cfg.compile if compile is None else compile
-    # Captures its graphs here, in this (the main) thread, before any decoding.
-    decoder = StaticDecoder(target, capacity, proposer, block_size, compile=compile)
+
+    def build(how: str):
+        # Captures its graphs here, in this (the main) thread, before any decoding.
+        proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
+        return StaticDecoder(target, capacity, proposer, block_size, compile=how)
+
+    try:
+        decoder = build(compile)
+    except Exception as exc:  # noqa: BLE001 -- any compiler failure; the uncompiled engine is the reference
+        if compile == "none":
+            raise
+        log(f"note: eval.compile={compile} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            f"decoding uncompiled")
+        decoder = build("none")
     return decoder.generate_target_only, decoder.generate_speculative
 
 
@@ -94,7 +107,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     device = target.device
     tok = target.tokenizer
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
-    target_only, speculative = decoders(target, drafter, block_size, encoded, cfg)
+    target_only, speculative = decoders(target, drafter, block_size, encoded, cfg, log=log)
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
         speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
@@ -136,7 +149,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
-           "block_size": block_size, "device": str(device), "engine": cfg.engine, "matches_hf": matches_hf,
+           "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": cfg.compile, "matches_hf": matches_hf,
            "round_ms": round_ms,
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
@@ -164,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-dtype", default=EvalCfg.target_dtype, choices=("float32", "bfloat16", "auto"))
     p.add_argument("--engine", default=EvalCfg.engine, choices=("static", "hf"),
                    help="static: static caches, CUDA-graph replay per step/round; hf: the DynamicCache reference")
+    p.add_argument("--compile", default=EvalCfg.compile, choices=("none", "drafter", "all"),
+                   help="static engine: torch.compile nothing, the drafter, or the drafter and the target")
     args = p.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for path in (Path(args.drafter) / "config.json", Path(args.target) / "config.json", Path(args.data)):
@@ -173,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     target, drafter, block_size = load_pair(Path(args.drafter), Path(args.target), torch.device(args.device),
                                             args.target_dtype)
     cfg = EvalCfg(prompts=args.prompts, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
-                  engine=args.engine)
+                  engine=args.engine, compile=args.compile)
     result = decode_benchmark(target, drafter, block_size, heldout_prompts(Path(args.data)), cfg)
     print("DFLASH_DECODE " + json.dumps(result), flush=True)
     return 0

@@ -218,3 +218,23 @@ def test_mismatched_proposer_is_refused(full_target):
         StaticDecoder(full_target, 64, StaticDFlashProposer(full_target, drafter, 8, 64), block_size=16)
     with pytest.raises(ValueError, match="caches hold 32"):
         StaticDecoder(full_target, 64, StaticDFlashProposer(full_target, drafter, 16, 32), block_size=16)
+
+
+def test_a_failing_compilation_falls_back_to_the_uncompiled_engine(full_target, monkeypatch):
+    """eval.compile is an optimisation: if the compiler raises while the graphs are built, evaluation goes on
+    uncompiled and says so in one line."""
+    from trainer.quality.config import EvalCfg
+    from trainer.quality.evaluate import decoders
+
+    def broken(self):
+        raise RuntimeError("inductor exploded\nsecond line")
+
+    monkeypatch.setattr(StaticDFlashProposer, "compile", broken)
+    notes: list[str] = []
+    ids = _prompt_ids(full_target, PROMPTS[0])
+    target_only, speculative = decoders(full_target, _drafter(full_target), 4, [ids],
+                                        EvalCfg(max_new_tokens=9, compile="drafter"), log=notes.append)
+    assert len(notes) == 1 and "eval.compile=drafter failed (RuntimeError: inductor exploded)" in notes[0]
+    assert speculative(ids, 9).tokens == target_only(ids, 9) == generate_target_only(full_target, ids, 9)
+    with pytest.raises(ValueError, match="compile must be"):
+        StaticDecoder(full_target, 64, compile="yes")

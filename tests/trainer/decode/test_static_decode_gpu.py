@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.trainer.decode.test_static_decode import RecordingProposer, _WrongAt, _sharp_drafter
-from tests.trainer.quality.test_speculative import PROMPTS, _drafter, _prompt_ids
+from tests.trainer.quality.test_speculative import PROMPTS, _prompt_ids
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
 from trainer.speculative import generate_speculative, generate_target_only
@@ -52,10 +52,12 @@ def test_graph_round_bookkeeping_with_known_answers(cuda_target):
         assert wrong.tokens == greedy[:40] and set(wrong.accepted) == {4}
 
 
-def test_compiled_round_equals_reference(cuda_target):
+@pytest.mark.parametrize("compile", ["drafter", "all"])
+def test_compiled_round_equals_reference(cuda_target, compile):
     """torch.compile'd step and round forwards (inside the same raw graphs) decode the same tokens."""
-    drafter = _drafter(cuda_target).cuda()
-    decoder = StaticDecoder(cuda_target, 128, StaticDFlashProposer(cuda_target, drafter, 16, 128), 16, compile=True)
+    drafter = _sharp_drafter(cuda_target, seed=5).cuda()
+    decoder = StaticDecoder(cuda_target, 128, StaticDFlashProposer(cuda_target, drafter, 16, 128), 16,
+                            compile=compile)
     for text in PROMPTS:
         ids = _prompt_ids(cuda_target, text)
         want = generate_target_only(cuda_target, ids, 33)
