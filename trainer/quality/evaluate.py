@@ -149,7 +149,8 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
-           "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": cfg.compile, "matches_hf": matches_hf,
+           "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": cfg.compile,
+           "matches_hf": matches_hf,
            "round_ms": round_ms,
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
