@@ -78,8 +78,10 @@ def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: Ev
     (torch.compile raises while the graphs are captured) falls back to the uncompiled engine, with a note."""
     if cfg.engine == "hf":
         proposer = DFlashProposer(target, drafter, block_size)
-        return (lambda ids, n, eos=None: generate_target_only(target, ids, n, eos),
-                lambda ids, n, eos=None, host_s=None: generate_speculative(target, proposer, ids, n, eos, host_s=host_s))
+        def speculative(ids, n, eos=None, host_s=None):
+            return generate_speculative(target, proposer, ids, n, eos, host_s=host_s)
+
+        return (lambda ids, n, eos=None: generate_target_only(target, ids, n, eos)), speculative
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.static_draft import StaticDFlashProposer
 
@@ -154,7 +156,8 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "round_ms": round_ms,
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
-    log(f"decode ({cfg.engine}): tau {out['tau']} over {out['rounds']} rounds, {timing.identical}/{timing.prompts} identical, "
+    log(f"decode ({cfg.engine}): tau {out['tau']} over {out['rounds']} rounds, "
+        f"{timing.identical}/{timing.prompts} identical, "
         f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s); one round "
         f"{sum(round_ms.values()):.2f} ms {round_ms} vs one target step {out['target_step_ms']} ms")
     return out
