@@ -12,6 +12,10 @@ text whose blocks mean what the split files meant. OpenSSH semantics (readconf.c
   its own condition and the ones it was included under; a guard of more than one condition is written for
   paramiko as one `Match` line (`Host a b` becomes `originalhost a,b`, which is what `Host` tests).
 - For each key the first value wins; `IdentityFile` accumulates (paramiko's lookup does both on the flat text).
+- `ProxyJump` and `ProxyCommand` share ONE slot (the first found wins, ssh_config(5)), and ssh expands their
+  tokens only when it uses them: both go to paramiko as one private key holding the raw value hex-encoded, so
+  paramiko's first-value-wins picks the right one and its unquoted token expansion never touches them
+  (sshroute.py expands ProxyCommand tokens, quoting each value).
 
 Not read: `/etc/ssh/ssh_config` (dflash-ops never did), and ssh's refusal of group/world-writable included files.
 Pure apart from reading files; paramiko is imported only by `lookup` (keeps `--help` light).
@@ -31,6 +35,8 @@ from dflash_ops.errors import ConfigError
 
 MAX_INCLUDE_DEPTH = 16  # OpenSSH's READCONF_MAX_DEPTH
 _LINE_RE = re.compile(r"(\w+)(?:\s*=\s*|\s+)(.+)")  # `Key value` or `Key=value`, as ssh and paramiko split it
+_PROXY_KEY = "xdflashopsproxy"  # the shared ProxyJump/ProxyCommand slot in the text paramiko reads
+_PROXY_KINDS = {"proxyjump": "j", "proxycommand": "c"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class SshConfig:
         out: list[str] = []
         for section in self.sections:
             out.append(_header(section.guard))
-            out.extend(f"  {line}" for line in section.lines)
+            out.extend(f"  {_for_paramiko(line)}" for line in section.lines)
         return "\n".join(out) + "\n"
 
     def lookup(self, alias: str) -> dict:
@@ -75,9 +81,14 @@ class SshConfig:
         import paramiko  # lazy: only when a host is really resolved
 
         try:
-            return dict(paramiko.SSHConfig.from_text(self.text()).lookup(alias))
+            found = dict(paramiko.SSHConfig.from_text(self.text()).lookup(alias))
         except paramiko.ssh_exception.ConfigParseError as exc:
             raise ConfigError(f"{self.source} (with its includes): {exc}") from None
+        proxy = found.pop(_PROXY_KEY, None)
+        if proxy:  # "j<hex>" or "c<hex>": whichever of ProxyJump / ProxyCommand came first, raw
+            key = "proxyjump" if proxy[0] == "j" else "proxycommand"
+            found[key] = bytes.fromhex(proxy[1:]).decode("utf-8")
+        return found
 
     def has_alias(self, word: str) -> bool:
         """True iff some `Host` line names `word` literally (not by a wildcard, not negated) and every block it
@@ -166,6 +177,14 @@ def _check_nesting(included: Path, chain: tuple[Path, ...], where: str) -> None:
     if len(chain) > MAX_INCLUDE_DEPTH:
         raise ConfigError(f"{where}: ssh config Includes nested more than {MAX_INCLUDE_DEPTH} deep "
                           f"(ssh refuses this too)")
+
+
+def _for_paramiko(line: str) -> str:
+    m = _LINE_RE.fullmatch(line)
+    kind = _PROXY_KINDS.get(m.group(1).lower()) if m else None
+    if kind is None:
+        return line
+    return f"{_PROXY_KEY} {kind}{m.group(2).strip().encode('utf-8').hex()}"
 
 
 def _header(guard: tuple[Condition, ...]) -> str:

@@ -65,3 +65,59 @@ def test_proxyjump_from_an_included_file_carries_the_connection(sshd, isolated_e
     trusted = _cli(repo_root, tmp_path, "trust-host", JUMPED, "--yes")
     assert trusted.returncode == 0 and "already trusted" in trusted.stderr, trusted.stderr
     assert sshd.log_path.read_text().count("Accepted publickey") == logins + 3  # its handshake went via jumpbox
+
+
+def _hops_config(home, sshd, *extra: str):
+    """Aliases hop1, hop2 (127.0.0.1) and hop-lh (`localhost`: a known_hosts entry of its own) for the one sshd,
+    and targets reached through them."""
+    ssh = home / ".ssh"
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    login = f"  Port {sshd.port}\n  User {sshd.user}\n  IdentityFile {sshd.client_key}\n"
+    (ssh / "config").write_text(
+        f"Host hop1 hop2 pve-2hop pve-via-chain\n  HostName 127.0.0.1\n{login}"
+        f"Host hop-lh pve-lh\n  HostName localhost\n{login}"
+        "Host pve-2hop\n  ProxyJump hop1,hop2\n"
+        "Host pve-via-chain\n  ProxyJump hop2\nHost hop2\n  ProxyJump hop1\n"   # hop2's own ProxyJump applies
+        "Host pve-lh\n  ProxyJump hop1,hop2\n" + "".join(extra))
+    (ssh / "known_hosts").write_text(sshd.host_key_line + "\n")
+    return ssh
+
+
+def _logins(sshd) -> int:
+    return sshd.log_path.read_text().count("Accepted publickey")
+
+
+def test_two_hops_make_three_logins_each_key_checked(sshd, isolated_env, repo_root, tmp_path):
+    ssh = _hops_config(isolated_env, sshd, "Host pve-badhop\n  HostName 127.0.0.1\n  ProxyJump hop1,hop-lh\n")
+    for alias, via in (("pve-2hop", "hop1,hop2"), ("pve-via-chain", "hop1,hop2")):
+        dry = _cli(repo_root, tmp_path, "launch", "smoke", "--host", alias, "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert dry.stdout.startswith(f"ssh {sshd.user}@127.0.0.1:{sshd.port} (via {via}): ")
+        before = _logins(sshd)
+        runs = _cli(repo_root, tmp_path, "runs", "--host", alias, "--json")
+        assert runs.returncode == 0, runs.stderr
+        assert isinstance(json.loads(runs.stdout), list)
+        assert _logins(sshd) == before + 3, alias  # hop 1, hop 2 through hop 1's channel, the target through hop 2's
+
+    before = _logins(sshd)  # the second hop's key is unknown (`[localhost]:PORT` is not recorded): refused there
+    refused = _cli(repo_root, tmp_path, "runs", "--host", "pve-badhop")
+    assert refused.returncode == 77, refused.stderr
+    assert refused.stderr.splitlines()[0] == (f"error: host key of jump host {sshd.user}@localhost:{sshd.port} "
+                                              f"(hop-lh, hop 2 of 2) is unknown (not in {ssh / 'known_hosts'})")
+    assert "-J hop1" in refused.stderr  # the hint reaches hop 2 through hop 1
+    assert _logins(sshd) == before + 1  # hop 1 only: nothing logged in to the unchecked host
+
+
+def test_trust_host_through_two_hops_records_only_the_target(sshd, isolated_env, repo_root, tmp_path):
+    ssh = _hops_config(isolated_env, sshd)
+    unknown = _cli(repo_root, tmp_path, "runs", "--host", "pve-lh")
+    assert unknown.returncode == 77 and f"host key of {sshd.user}@localhost:{sshd.port} is unknown" in unknown.stderr
+    before = _logins(sshd)
+    trusted = _cli(repo_root, tmp_path, "trust-host", "pve-lh", "--yes")
+    assert trusted.returncode == 0, trusted.stderr
+    assert "(via hop1,hop2)" in trusted.stderr
+    assert _logins(sshd) == before + 2  # the two hops; the target only shook hands
+    entry = sshd.host_key_line.replace(f"[127.0.0.1]:{sshd.port}", f"[localhost]:{sshd.port}", 1)
+    assert (ssh / "known_hosts").read_text() == f"{sshd.host_key_line}\n{entry}\n"
+    assert _cli(repo_root, tmp_path, "runs", "--host", "pve-lh", "--json").returncode == 0
+    assert _logins(sshd) == before + 5

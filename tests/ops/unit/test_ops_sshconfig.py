@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pwd
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -196,9 +197,15 @@ def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_tar
     _write(home / ".ssh" / "config", "Include jumps.conf\n")
     _write(home / ".ssh" / "jumps.conf", "Host bastion\n  HostName 10.7.0.1\n  Port 2022\n  User jumper\n"
                                          "  IdentityFile ~/.ssh/jumpkey\n")
-    target = ("10.7.0.9", 22, "root", "/keys/target")
-    assert transport.resolve_jump("bastion", target) == ("10.7.0.1", 2022, "jumper", f"{home}/.ssh/jumpkey")
-    assert transport.resolve_jump("ops@bastion:2222", target) == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
-    assert transport.resolve_jump("10.7.0.5", target) == ("10.7.0.5", 22, "root", "/keys/target")
-    with pytest.raises(UsageError, match="invalid jump host"):
-        transport.resolve_jump("a,b", target)
+    target = Host(name="t", transport="ssh", address="10.7.0.9", identity_file="/keys/target")
+
+    def hop(jump: str) -> tuple:
+        (only,) = transport.resolve_route(replace(target, jump=jump)).hops
+        return only.address, only.port, only.user, only.identity
+
+    assert hop("bastion") == ("10.7.0.1", 2022, "jumper", f"{home}/.ssh/jumpkey")
+    assert hop("ops@bastion:2222") == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
+    assert hop("ssh://ops@bastion:2222") == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
+    assert hop("10.7.0.5") == ("10.7.0.5", 22, "root", "/keys/target")
+    with pytest.raises(UsageError, match="hop 2 'b;x' is not"):
+        transport.resolve_route(replace(target, jump="a,b;x"))
