@@ -12,10 +12,11 @@ text whose blocks mean what the split files meant. OpenSSH semantics (readconf.c
   its own condition and the ones it was included under; a guard of more than one condition is written for
   paramiko as one `Match` line (`Host a b` becomes `originalhost a,b`, which is what `Host` tests).
 - For each key the first value wins; `IdentityFile` accumulates (paramiko's lookup does both on the flat text).
-- `ProxyJump` and `ProxyCommand` share ONE slot (the first found wins, ssh_config(5)), and ssh expands their
-  tokens only when it uses them: both go to paramiko as one private key holding the raw value hex-encoded, so
-  paramiko's first-value-wins picks the right one and its unquoted token expansion never touches them
-  (sshroute.py expands ProxyCommand tokens, quoting each value).
+- `ProxyJump` and `ProxyCommand` compete (ssh_config(5): the first found wins; OpenSSH 9.2's `ssh -G` shows the
+  detail: a `ProxyJump none` found first still lets a later `ProxyCommand` apply). paramiko must neither expand
+  their tokens (unquoted) nor lose their order, so each goes to paramiko under a private key as `<line index>:
+  <raw value, hex>`; `lookup` decides from the first of each and returns at most one of them, raw (sshroute.py
+  expands ProxyCommand tokens, quoting each value).
 
 Not read: `/etc/ssh/ssh_config` (dflash-ops never did), and ssh's refusal of group/world-writable included files.
 Pure apart from reading files; paramiko is imported only by `lookup` (keeps `--help` light).
@@ -35,8 +36,7 @@ from dflash_ops.errors import ConfigError
 
 MAX_INCLUDE_DEPTH = 16  # OpenSSH's READCONF_MAX_DEPTH
 _LINE_RE = re.compile(r"(\w+)(?:\s*=\s*|\s+)(.+)")  # `Key value` or `Key=value`, as ssh and paramiko split it
-_PROXY_KEY = "xdflashopsproxy"  # the shared ProxyJump/ProxyCommand slot in the text paramiko reads
-_PROXY_KINDS = {"proxyjump": "j", "proxycommand": "c"}
+_PROXY_KEYS = {"proxyjump": "xdflashopsproxyjump", "proxycommand": "xdflashopsproxycommand"}  # in paramiko's text
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ class SshConfig:
         out: list[str] = []
         for section in self.sections:
             out.append(_header(section.guard))
-            out.extend(f"  {_for_paramiko(line)}" for line in section.lines)
+            for line in section.lines:
+                out.append(f"  {_for_paramiko(line, len(out))}")  # len(out): this line's index, in file order
         return "\n".join(out) + "\n"
 
     def lookup(self, alias: str) -> dict:
@@ -84,10 +85,10 @@ class SshConfig:
             found = dict(paramiko.SSHConfig.from_text(self.text()).lookup(alias))
         except paramiko.ssh_exception.ConfigParseError as exc:
             raise ConfigError(f"{self.source} (with its includes): {exc}") from None
-        proxy = found.pop(_PROXY_KEY, None)
-        if proxy:  # "j<hex>" or "c<hex>": whichever of ProxyJump / ProxyCommand came first, raw
-            key = "proxyjump" if proxy[0] == "j" else "proxycommand"
-            found[key] = bytes.fromhex(proxy[1:]).decode("utf-8")
+        first = {key: _decode(found.pop(private, None)) for key, private in _PROXY_KEYS.items()}
+        winner = _proxy_winner(first["proxyjump"], first["proxycommand"])
+        if winner is not None:
+            found[winner] = first[winner][1]
         return found
 
     def has_alias(self, word: str) -> bool:
@@ -179,12 +180,29 @@ def _check_nesting(included: Path, chain: tuple[Path, ...], where: str) -> None:
                           f"(ssh refuses this too)")
 
 
-def _for_paramiko(line: str) -> str:
+def _for_paramiko(line: str, index: int) -> str:
     m = _LINE_RE.fullmatch(line)
-    kind = _PROXY_KINDS.get(m.group(1).lower()) if m else None
-    if kind is None:
+    private = _PROXY_KEYS.get(m.group(1).lower()) if m else None
+    if private is None:
         return line
-    return f"{_PROXY_KEY} {kind}{m.group(2).strip().encode('utf-8').hex()}"
+    return f"{private} {index}:{m.group(2).strip().encode('utf-8').hex()}"
+
+
+def _decode(value: str | None) -> tuple[int, str] | None:
+    if value is None:
+        return None
+    index, _, raw = value.partition(":")
+    return int(index), bytes.fromhex(raw).decode("utf-8")
+
+
+def _proxy_winner(jump: tuple[int, str] | None, command: tuple[int, str] | None) -> str | None:
+    """Which of the first ProxyJump / first ProxyCommand (line index, value) ssh uses: a ProxyCommand (even
+    `none`) found first shuts ProxyJump out; a ProxyJump found first shuts ProxyCommand out unless it is `none`."""
+    if jump is None or command is None:
+        return "proxyjump" if jump else "proxycommand" if command else None
+    if command[0] < jump[0] or jump[1].strip().lower() == "none":
+        return "proxycommand"
+    return "proxyjump"
 
 
 def _header(guard: tuple[Condition, ...]) -> str:

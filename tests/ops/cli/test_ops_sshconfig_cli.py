@@ -58,11 +58,14 @@ def test_proxyjump_routes_are_the_jump_hosts_unless_the_inventory_names_some(ops
     (ssh / "config").write_text("Include config.d/*\n")
     (ssh / "config.d" / "j.conf").write_text(
         "Host gpubox\n  HostName 10.9.8.7\n  ProxyJump bastion\n"
-        "Host direct\n  HostName 10.9.8.8\n  ProxyJump none\n  ProxyCommand nc %h %p\n"
+        "Host direct\n  HostName 10.9.8.8\n  ProxyCommand none\n  ProxyJump bastion\n"
+        "Host viacmd\n  HostName 10.9.8.8\n  ProxyJump none\n  ProxyCommand nc %h %p\n"
         "Host twohops\n  HostName 10.9.8.9\n  ProxyJump bastion,ssh://ops@other:2200\n"
         "Host chained\n  HostName 10.9.8.10\n  ProxyJump gpubox,other\n")
     expected = {"gpubox": "ssh root@10.9.8.7:22 (via bastion): ",
-                "direct": "ssh root@10.9.8.8:22: ",  # `ProxyJump none` came first: the ProxyCommand is ignored
+                "direct": "ssh root@10.9.8.8:22: ",  # `ProxyCommand none` came first: the ProxyJump is ignored
+                # but `ProxyJump none` does not shut a later ProxyCommand out (as `ssh -G` shows)
+                "viacmd": "ssh root@10.9.8.8:22 (via ProxyCommand: nc 10.9.8.8 22): ",
                 "twohops": "ssh root@10.9.8.9:22 (via bastion,ssh://ops@other:2200): ",
                 # only the FIRST hop's own ProxyJump applies (ssh reaches `other` with `ssh -J gpubox`)
                 "chained": "ssh root@10.9.8.10:22 (via bastion,gpubox,other): "}
