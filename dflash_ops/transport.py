@@ -264,12 +264,22 @@ def _ssh_config(alias: str) -> dict:
 
 
 def _client(paramiko, host: Host):
+    _quiet_paramiko()
     client = paramiko.SSHClient()
     kh = known_hosts_path(host)
     if kh.is_file():
         client.load_host_keys(str(kh))
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
     return client
+
+
+@functools.cache
+def _quiet_paramiko() -> None:
+    """paramiko's transport thread logs failures (a traceback for a dead proxy's missing banner) that Python
+    prints to stderr when nothing handles them; every failure reaches the user as one OpsError instead."""
+    import logging
+
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def _connect_client(paramiko, client, host: Host, to: Endpoint, sock, *, where: str, trust) -> None:

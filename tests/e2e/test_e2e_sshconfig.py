@@ -121,3 +121,74 @@ def test_trust_host_through_two_hops_records_only_the_target(sshd, isolated_env,
     assert (ssh / "known_hosts").read_text() == f"{sshd.host_key_line}\n{entry}\n"
     assert _cli(repo_root, tmp_path, "runs", "--host", "pve-lh", "--json").returncode == 0
     assert _logins(sshd) == before + 5
+
+
+BRIDGE = """\
+import os, socket, sys, threading
+host, port, user, name, pct, marker = sys.argv[1:]
+with open(marker, "a") as f:
+    f.write(" ".join(sys.argv[1:6]) + "\\n")
+sock = socket.create_connection(("127.0.0.1", int(port)))  # wherever %h points: only this proxy reaches the sshd
+
+
+def upstream():
+    while data := os.read(0, 65536):
+        sock.sendall(data)
+    sock.shutdown(socket.SHUT_WR)
+
+
+threading.Thread(target=upstream, daemon=True).start()
+while data := sock.recv(65536):
+    os.write(1, data)
+"""
+
+
+def test_proxycommand_carries_the_connection_and_trust_host(sshd, isolated_env, repo_root, tmp_path):
+    """`HostName pve-proxied.invalid` cannot be reached directly: only the ProxyCommand (a real process that
+    bridges its stdin/stdout to the sshd and records the expanded tokens) gets there. The host key is recorded
+    under the HostName, as ssh records it."""
+    bridge, marker = tmp_path / "bridge.py", tmp_path / "proxied"
+    bridge.write_text(BRIDGE)
+    ssh = isolated_env / ".ssh"
+    ssh.mkdir(mode=0o700)
+    (ssh / "config").write_text(
+        f"Host pve-proxied\n  HostName pve-proxied.invalid\n  Port {sshd.port}\n  User {sshd.user}\n"
+        f"  IdentityFile {sshd.client_key}\n  ProxyCommand {sys.executable} {bridge} %h %p %r %n 100%% {marker}\n"
+        "  ProxyJump ignored-because-later\n")
+    command = f"{sys.executable} {bridge} pve-proxied.invalid {sshd.port} {sshd.user} pve-proxied 100% {marker}"
+    dry = _cli(repo_root, tmp_path, "launch", "smoke", "--host", "pve-proxied", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith(f"ssh {sshd.user}@pve-proxied.invalid:{sshd.port} (via ProxyCommand: {command}): ")
+
+    unknown = _cli(repo_root, tmp_path, "runs", "--host", "pve-proxied")
+    assert unknown.returncode == 77, unknown.stderr
+    assert f"host key of {sshd.user}@pve-proxied.invalid:{sshd.port} is unknown" in unknown.stderr
+    trusted = _cli(repo_root, tmp_path, "trust-host", "pve-proxied", "--yes")
+    assert trusted.returncode == 0, trusted.stderr
+    entry = sshd.host_key_line.replace(f"[127.0.0.1]:{sshd.port}", f"[pve-proxied.invalid]:{sshd.port}", 1)
+    assert (ssh / "known_hosts").read_text() == entry + "\n"
+
+    before = _logins(sshd)
+    runs = _cli(repo_root, tmp_path, "runs", "--host", "pve-proxied", "--json")
+    assert runs.returncode == 0, runs.stderr
+    assert isinstance(json.loads(runs.stdout), list)
+    assert _logins(sshd) == before + 1
+    expanded = f"pve-proxied.invalid {sshd.port} {sshd.user} pve-proxied 100%"
+    assert marker.read_text().splitlines() == [expanded] * 3  # the refused run, trust-host, runs
+
+
+def test_a_proxycommand_that_dies_is_one_line_with_its_words_exit_69(sshd, isolated_env, repo_root, tmp_path):
+    ssh = isolated_env / ".ssh"
+    ssh.mkdir(mode=0o700)
+    (ssh / "config").write_text(
+        "Host pve-noproxy\n  HostName gone.invalid\n"
+        "  ProxyCommand sh -c 'echo \"no route to $0\" >&2; exit 3' %h\n"
+        f"Host pve-hop-by-cmd\n  HostName 127.0.0.1\n  ProxyJump cmdhop\n"
+        "Host cmdhop\n  ProxyCommand sh -c 'exit 4'\n")
+    done = _cli(repo_root, tmp_path, "runs", "--host", "pve-noproxy")
+    assert done.returncode == 69, done.stderr
+    assert done.stderr.splitlines()[0] == ("error: ProxyCommand for root@gone.invalid:22 exited with code 3 (no route "
+                                           "to gone.invalid): sh -c 'echo \"no route to $0\" >&2; exit 3' gone.invalid")
+    hop = _cli(repo_root, tmp_path, "runs", "--host", "pve-hop-by-cmd")
+    assert hop.returncode == 69, hop.stderr
+    assert hop.stderr.startswith("error: ProxyCommand for jump host root@cmdhop:22 (cmdhop) exited with code 4: ")
