@@ -317,7 +317,8 @@ def _hop_label(hop: Endpoint, index: int, count: int) -> str:
 
 
 def _target_trust(host: Host, changed: bool = False) -> str:
-    return f"dflash-ops trust-host {host.name}" if changed else f"verify and record it: dflash-ops trust-host {host.name}"
+    how = f"dflash-ops trust-host {host.name}"
+    return how if changed else f"verify and record it: {how}"
 
 
 def _hop_trust_hint(host: Host, changed: bool = False, *, before: Sequence[Endpoint], hop: Endpoint) -> str:

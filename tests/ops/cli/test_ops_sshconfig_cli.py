@@ -74,7 +74,8 @@ def test_proxyjump_routes_are_the_jump_hosts_unless_the_inventory_names_some(ops
         assert dry.returncode == 0 and dry.stdout.startswith(line), (alias, dry.stdout, dry.stderr)
 
     inv = ops_env.root / "inv.yaml"
-    inv.write_text("hosts:\n  lab:\n    transport: ssh\n    address: gpubox\n    jump: ops@10.0.0.2:2222,ssh://[fd00::1]\n")
+    inv.write_text("hosts:\n  lab:\n    transport: ssh\n    address: gpubox\n"
+                   "    jump: ops@10.0.0.2:2222,ssh://[fd00::1]\n")
     named = ops_env.sub("--inventory", str(inv), "launch", "job", "--host", "lab", "--dry-run")
     assert named.returncode == 0, named.stderr
     assert named.stdout.startswith("ssh root@10.9.8.7:22 (via ops@10.0.0.2:2222,ssh://[fd00::1]): ")
@@ -111,3 +112,21 @@ def test_loops_long_chains_and_bad_hops_are_one_line_exit_2(ops_env):
     assert bad.stderr.splitlines()[0] == (f"error: {inv}:5: host 'lab': jump: hop 2 '' is not [user@]host[:port] or "
                                           "ssh://[user@]host[:port] (jump is user@host:port, or a comma list of "
                                           "them, first hop first)")
+
+
+def test_system_ssh_config_is_read_after_the_users(ops_env):
+    etc = ops_env.root / "etc-ssh"
+    (etc / "ssh_config.d").mkdir(parents=True)
+    (etc / "ssh_config").write_text("Include ssh_config.d/*.conf\nHost *\n  User sysuser\n")
+    (etc / "ssh_config.d" / "lab.conf").write_text("Host syslab\n  HostName 10.5.0.1\n  ProxyJump a,b\n")
+    ssh = _ssh_dir(ops_env)
+    (ssh / "config").write_text("Host syslab\n  Port 2201\n  ProxyJump c\n")
+    ops_env.env["DFLASH_OPS_SSH_SYSTEM_CONFIG"] = str(etc / "ssh_config")
+    done = ops_env.sub("launch", "job", "--host", "syslab", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ssh sysuser@10.5.0.1:2201 (via c): ")  # first value wins across both files
+
+    (etc / "ssh_config.d" / "bad.conf").write_text("Include ssh_config\n")  # relative to etc-ssh/, not to ssh_config.d/
+    broken = ops_env.sub("launch", "job", "--host", "syslab", "--dry-run")
+    assert broken.returncode == 78
+    assert broken.stderr.startswith(f"error: {etc}/ssh_config.d/bad.conf:1: ssh config Include cycle: ")

@@ -46,6 +46,7 @@ def _ssh_says(cfg: Path, alias: str) -> tuple[str, str, str]:
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", "")  # this machine's /etc/ssh/ssh_config stays out
     (tmp_path / ".ssh").mkdir(mode=0o700)
     return tmp_path
 
@@ -209,3 +210,34 @@ def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_tar
     assert hop("10.7.0.5") == ("10.7.0.5", 22, "root", "/keys/target")
     with pytest.raises(UsageError, match="hop 2 'b;x' is not"):
         transport.resolve_route(replace(target, jump="a,b;x"))
+
+
+def test_system_config_comes_after_the_users_with_includes_under_its_own_dir(home, tmp_path, monkeypatch):
+    etc = tmp_path / "etc-ssh"
+    system = _write(etc / "ssh_config", "Include ssh_config.d/*.conf\nHost *\n  User sysdefault\n  Port 2200\n")
+    _write(etc / "ssh_config.d" / "lab.conf", "Host syslab\n  HostName 10.5.0.1\n  ProxyJump sysjump\n")
+    _write(home / ".ssh" / "ssh_config.d" / "lab.conf", "Host syslab\n  HostName 10.6.6.6\n")  # not this one
+    _write(home / ".ssh" / "config", "Host syslab\n  User mine\nHost other\n  ProxyCommand none\n")
+    monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", str(system))
+    cfg = sshconfig.read()
+    assert cfg.source == f"{home}/.ssh/config and {system}"
+    got = cfg.lookup("syslab")
+    # the user's User wins; the rest comes from the system file and the file it includes relative to etc-ssh/
+    assert (got["hostname"], got["user"], got["port"], got["proxyjump"]) == ("10.5.0.1", "mine", "2200", "sysjump")
+    assert "proxyjump" not in cfg.lookup("other")  # the user's `ProxyCommand none` came first
+    assert cfg.has_alias("syslab") and not cfg.has_alias("sysdefault")
+    assert inventory.resolve_host(inventory.Inventory(), "syslab", with_ct=False).address == "syslab"
+    only_user = sshconfig.read(home / ".ssh" / "config")  # an explicit file is read alone, as `ssh -F` reads it
+    assert only_user.lookup("syslab")["hostname"] == "syslab"
+
+    monkeypatch.delenv("DFLASH_OPS_SSH_SYSTEM_CONFIG")
+    assert sshconfig.system_config() == Path("/etc/ssh/ssh_config")
+
+
+def test_a_broken_system_include_names_the_system_file(home, tmp_path, monkeypatch):
+    etc = tmp_path / "etc-ssh"
+    system = _write(etc / "ssh_config", "Include loop.conf\n")
+    _write(etc / "loop.conf", "Include ssh_config\n")
+    monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", str(system))
+    with pytest.raises(ConfigError, match=f"^{etc}/loop.conf:1: ssh config Include cycle: {system} -> "):
+        sshconfig.read()
