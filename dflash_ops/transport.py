@@ -96,7 +96,7 @@ class SshTransport:
         address, port, user, key = self._endpoint
         sock = self.tunnel()
         client = _client(paramiko, self.host)
-        self._connect_first(paramiko, client, Endpoint(address, port, user, key, self.host.name), sock,
+        self._connect_one(paramiko, client, Endpoint(address, port, user, key, self.host.name), sock,
                             where=f"{user}@{address}:{port}", trust=_target_trust)
         client.get_transport().set_keepalive(self.host.keepalive_s)
         self._client = client
@@ -108,14 +108,14 @@ class SshTransport:
         and its host key checked like any other. Everything opened here lives until `close()`."""
         import paramiko
 
-        sock = self._start_proxy(paramiko) if self.route.proxy_command else None
+        sock = self._start_proxy() if self.route.proxy_command else None
         hops = self.route.hops
         targets = [*hops[1:], Endpoint(*self._endpoint, self.host.name)]
         for i, (hop, nxt) in enumerate(zip(hops, targets)):
             where = _hop_label(hop, i, len(hops))
             client = _client(paramiko, self.host)
             self._hops.append(client)
-            self._connect_first(paramiko, client, hop, sock, where=where,
+            self._connect_one(paramiko, client, hop, sock, where=where,
                                 trust=functools.partial(_hop_trust_hint, before=hops[:i], hop=hop))
             client.get_transport().set_keepalive(self.host.keepalive_s)
             try:
@@ -126,7 +126,7 @@ class SshTransport:
                 raise HostUnreachable(f"{where} cannot reach {nxt.address}:{nxt.port}: {exc}") from None
         return sock
 
-    def _start_proxy(self, paramiko):
+    def _start_proxy(self):
         # The command string is the user's own ssh config line (they could run anything as themselves anyway,
         # as ssh would): only the %-token values are ours to quote, and sshroute.expand_proxy_command did.
         # ssh runs it as `$SHELL -c "exec CMD"`; paramiko.ProxyCommand shlex-splits its argument back to that argv.
@@ -138,12 +138,14 @@ class SshTransport:
                                   f"{exc.strerror or exc}") from None
         return self._proxy
 
-    def _connect_first(self, paramiko, client, to: Endpoint, sock, *, where: str, trust) -> None:
+    def _connect_one(self, paramiko, client, to: Endpoint, sock, *, where: str, trust) -> None:
         """Connect `client`; when `sock` is the proxy command and it died, say so (its exit code, last stderr)."""
         try:
             _connect_client(paramiko, client, self.host, to, sock, where=where, trust=trust)
-        except (HostUnreachable, AuthFailed):
-            proxy = self._proxy if sock is not None and sock is self._proxy else None
+        except (HostUnreachable, AuthFailed) as exc:
+            # an AuthFailed went through a working proxy (the handshake happened): only a dead one is news
+            dead = isinstance(exc, HostUnreachable) and sock is not None and sock is self._proxy
+            proxy = self._proxy if dead else None
             code = proxy.exited(within_s=1.0) if proxy is not None else None
             said = proxy.last_words() if code is not None else ""
             self.close()

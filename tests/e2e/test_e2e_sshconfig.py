@@ -192,3 +192,19 @@ def test_a_proxycommand_that_dies_is_one_line_with_its_words_exit_69(sshd, isola
     hop = _cli(repo_root, tmp_path, "runs", "--host", "pve-hop-by-cmd")
     assert hop.returncode == 69, hop.stderr
     assert hop.stderr.startswith("error: ProxyCommand for jump host root@cmdhop:22 (cmdhop) exited with code 4: ")
+
+
+def test_inventory_jump_list_with_an_ssh_uri_hop(sshd, isolated_env, repo_root, tmp_path):
+    """No ssh config at all: the inventory's `jump:` names two hops (the second an ssh:// URI); the identity and
+    known_hosts of the entry serve every hop."""
+    known = tmp_path / "known_hosts"
+    lh = sshd.host_key_line.replace(f"[127.0.0.1]:{sshd.port}", f"[localhost]:{sshd.port}", 1)
+    known.write_text(f"{sshd.host_key_line}\n{lh}\n")
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"hosts:\n  lab:\n    transport: ssh\n    address: 127.0.0.1\n    port: {sshd.port}\n"
+                   f"    user: {sshd.user}\n    identity_file: {sshd.client_key}\n    known_hosts: {known}\n"
+                   f"    jump: 127.0.0.1:{sshd.port},ssh://{sshd.user}@localhost:{sshd.port}\n")
+    before = _logins(sshd)
+    runs = _cli(repo_root, tmp_path, "--inventory", str(inv), "runs", "--host", "lab", "--json")
+    assert runs.returncode == 0, runs.stderr
+    assert _logins(sshd) == before + 3
