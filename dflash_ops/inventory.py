@@ -90,9 +90,16 @@ def _host(name: str, node: Node) -> Host:
 
 
 def _jump(f: Fields) -> str | None:
+    """`jump:`: one hop or a comma list of hops, each `[user@]host[:port]` or `ssh://[user@]host[:port]`."""
+    from dflash_ops import sshroute
+
     jump = f.str("jump")
-    if jump is not None and not names.ADDRESS_RE.fullmatch(jump):
-        raise f.require("jump").fail(f"{f.what}: jump must look like user@host:port, got {jump!r}")
+    if jump is not None:
+        try:
+            sshroute.parse_jump(jump, "jump")
+        except UsageError as exc:
+            raise f.require("jump").fail(f"{f.what}: {exc.message} (jump is user@host:port, or a comma list of "
+                                         f"them, first hop first)") from None
     return jump
 
 

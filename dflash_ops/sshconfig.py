@@ -1,4 +1,5 @@
-"""The user's OpenSSH client config (`~/.ssh/config`) read the way `ssh` reads it, `Include` included.
+"""The OpenSSH client config (`~/.ssh/config`, then `/etc/ssh/ssh_config`) read the way `ssh` reads it, `Include`
+included.
 
 paramiko parses `Host`/`Match` blocks but ignores `Include`; this module follows it and hands paramiko one flat
 text whose blocks mean what the split files meant. OpenSSH semantics (readconf.c, ssh_config(5)):
@@ -6,14 +7,22 @@ text whose blocks mean what the split files meant. OpenSSH semantics (readconf.c
 - `Include PATH...`: several paths per line; `~` expanded; a relative path is under `~/.ssh/`; globs expand in
   sorted order; a path that matches nothing is skipped silently; nesting deeper than 16 (READCONF_MAX_DEPTH) is
   refused, and so is a cycle (ssh only notices it at depth 16; we name the files).
+- The system file is read after the user's, so for each key the user's value wins; its relative `Include`s are
+  under its own directory (`/etc/ssh/`). `$DFLASH_OPS_SSH_SYSTEM_CONFIG` names another system file (empty: none).
+  An explicit `path` is read alone, as `ssh -F FILE` reads it.
 - An `Include` inside a `Host`/`Match` block applies only when that block matches. The included file may open
   its own `Host`/`Match` blocks: ssh evaluates them only if the enclosing block matched (else they "never match"),
   and once the file ends the enclosing block is in force again. So every block carries a GUARD, the conjunction of
   its own condition and the ones it was included under; a guard of more than one condition is written for
   paramiko as one `Match` line (`Host a b` becomes `originalhost a,b`, which is what `Host` tests).
 - For each key the first value wins; `IdentityFile` accumulates (paramiko's lookup does both on the flat text).
+- `ProxyJump` and `ProxyCommand` compete (ssh_config(5): the first found wins; OpenSSH 9.2's `ssh -G` shows the
+  detail: a `ProxyJump none` found first still lets a later `ProxyCommand` apply). paramiko must neither expand
+  their tokens (unquoted) nor lose their order, so each goes to paramiko under a private key as `<line index>:
+  <raw value, hex>`; `lookup` decides from the first of each and returns at most one of them, raw (sshroute.py
+  expands ProxyCommand tokens, quoting each value).
 
-Not read: `/etc/ssh/ssh_config` (dflash-ops never did), and ssh's refusal of group/world-writable included files.
+Not done: ssh's refusal of group/world-writable config files.
 Pure apart from reading files; paramiko is imported only by `lookup` (keeps `--help` light).
 """
 
@@ -30,7 +39,10 @@ from pathlib import Path
 from dflash_ops.errors import ConfigError
 
 MAX_INCLUDE_DEPTH = 16  # OpenSSH's READCONF_MAX_DEPTH
+SYSTEM_CONFIG = Path("/etc/ssh/ssh_config")
+SYSTEM_CONFIG_ENV = "DFLASH_OPS_SSH_SYSTEM_CONFIG"
 _LINE_RE = re.compile(r"(\w+)(?:\s*=\s*|\s+)(.+)")  # `Key value` or `Key=value`, as ssh and paramiko split it
+_PROXY_KEYS = {"proxyjump": "xdflashopsproxyjump", "proxycommand": "xdflashopsproxycommand"}  # in paramiko's text
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,8 @@ class SshConfig:
         out: list[str] = []
         for section in self.sections:
             out.append(_header(section.guard))
-            out.extend(f"  {line}" for line in section.lines)
+            for line in section.lines:
+                out.append(f"  {_for_paramiko(line, len(out))}")  # len(out): this line's index, in file order
         return "\n".join(out) + "\n"
 
     def lookup(self, alias: str) -> dict:
@@ -75,9 +88,14 @@ class SshConfig:
         import paramiko  # lazy: only when a host is really resolved
 
         try:
-            return dict(paramiko.SSHConfig.from_text(self.text()).lookup(alias))
+            found = dict(paramiko.SSHConfig.from_text(self.text()).lookup(alias))
         except paramiko.ssh_exception.ConfigParseError as exc:
             raise ConfigError(f"{self.source} (with its includes): {exc}") from None
+        first = {key: _decode(found.pop(private, None)) for key, private in _PROXY_KEYS.items()}
+        winner = _proxy_winner(first["proxyjump"], first["proxycommand"])
+        if winner is not None:
+            found[winner] = first[winner][1]
+        return found
 
     def has_alias(self, word: str) -> bool:
         """True iff some `Host` line names `word` literally (not by a wildcard, not negated) and every block it
@@ -94,22 +112,36 @@ class SshConfig:
         return False
 
 
-def read(path: Path | None = None, *, home: Path | None = None) -> SshConfig:
-    """Read `path` (default `~/.ssh/config`) and everything it includes. A missing file is an empty config.
-    `home`: whose `~` and `~/.ssh/` resolve `Include` paths (default: this HOME). Bad includes raise ConfigError."""
+def read(path: Path | None = None, *, home: Path | None = None, system: Path | None = None) -> SshConfig:
+    """Read `path` (default `~/.ssh/config`), then `system` (default when `path` is not given: system_config()),
+    each with everything it includes. A missing file is empty. `home`: whose `~` and `~/.ssh/` resolve `Include`
+    paths (default: this HOME). Bad includes raise ConfigError."""
     home = home if home is not None else Path.home()
+    if path is None and system is None:
+        system = system_config()
     path = path if path is not None else home / ".ssh" / "config"
-    if not path.is_file():
-        return SshConfig(source=str(path))
     sections: list[Section] = []
-    _read_file(path, (), (), home, sections)
-    return SshConfig(sections=tuple(sections), source=str(path))
+    read_files = []
+    for top, base in ((path, home / ".ssh"), (system, system.parent if system else None)):
+        if top is not None and top.is_file():
+            _read_file(top, (), (), home, base, sections)
+            read_files.append(str(top))
+    return SshConfig(sections=tuple(sections), source=" and ".join(read_files) or str(path))
 
 
-def _read_file(path: Path, outer: tuple[Condition, ...], chain: tuple[Path, ...], home: Path,
+def system_config() -> Path | None:
+    """`/etc/ssh/ssh_config`, or `$DFLASH_OPS_SSH_SYSTEM_CONFIG` when set (empty: no system file)."""
+    override = os.environ.get(SYSTEM_CONFIG_ENV)
+    if override is None:
+        return SYSTEM_CONFIG
+    return Path(override) if override else None
+
+
+def _read_file(path: Path, outer: tuple[Condition, ...], chain: tuple[Path, ...], home: Path, base: Path,
                out: list[Section]) -> None:
     """Append `path`'s blocks to `out`. `outer`: the guard in force at the `Include` that named `path` (it is in
-    force again after the file ends); `chain`: the files including it, outermost first."""
+    force again after the file ends); `chain`: the files including it, outermost first; `base`: where relative
+    `Include` paths are (`~/.ssh` for the user's files, `/etc/ssh` for the system's)."""
     chain = (*chain, path.resolve())
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -128,16 +160,16 @@ def _read_file(path: Path, outer: tuple[Condition, ...], chain: tuple[Path, ...]
             guard = (*outer, Condition(keyword, value))
             out.append(Section(guard))
         elif keyword == "include":
-            for included in _include_paths(value, home, f"{path}:{number}"):
+            for included in _include_paths(value, home, base, f"{path}:{number}"):
                 _check_nesting(included, chain, f"{path}:{number}")
-                _read_file(included, guard, chain, home, out)
+                _read_file(included, guard, chain, home, base, out)
         elif out and out[-1].guard == guard:
             out[-1] = Section(guard, (*out[-1].lines, line))
         else:
             out.append(Section(guard, (line,)))
 
 
-def _include_paths(value: str, home: Path, where: str) -> list[Path]:
+def _include_paths(value: str, home: Path, base: Path, where: str) -> list[Path]:
     """The files one `Include` line names, in ssh's order: each argument in turn, its glob matches sorted."""
     try:
         args = shlex.split(value)
@@ -152,7 +184,7 @@ def _include_paths(value: str, home: Path, where: str) -> list[Path]:
         elif os.path.isabs(arg):
             pattern = arg
         else:
-            pattern = str(home / ".ssh" / arg)
+            pattern = str(base / arg)
         # no match is not an error for ssh; a directory reads as an empty file
         found.extend(Path(p) for p in sorted(glob.glob(pattern)) if os.path.isfile(p))
     return found
@@ -166,6 +198,31 @@ def _check_nesting(included: Path, chain: tuple[Path, ...], where: str) -> None:
     if len(chain) > MAX_INCLUDE_DEPTH:
         raise ConfigError(f"{where}: ssh config Includes nested more than {MAX_INCLUDE_DEPTH} deep "
                           f"(ssh refuses this too)")
+
+
+def _for_paramiko(line: str, index: int) -> str:
+    m = _LINE_RE.fullmatch(line)
+    private = _PROXY_KEYS.get(m.group(1).lower()) if m else None
+    if private is None:
+        return line
+    return f"{private} {index}:{m.group(2).strip().encode('utf-8').hex()}"
+
+
+def _decode(value: str | None) -> tuple[int, str] | None:
+    if value is None:
+        return None
+    index, _, raw = value.partition(":")
+    return int(index), bytes.fromhex(raw).decode("utf-8")
+
+
+def _proxy_winner(jump: tuple[int, str] | None, command: tuple[int, str] | None) -> str | None:
+    """Which of the first ProxyJump / first ProxyCommand (line index, value) ssh uses: a ProxyCommand (even
+    `none`) found first shuts ProxyJump out; a ProxyJump found first shuts ProxyCommand out unless it is `none`."""
+    if jump is None or command is None:
+        return "proxyjump" if jump else "proxycommand" if command else None
+    if command[0] < jump[0] or jump[1].strip().lower() == "none":
+        return "proxycommand"
+    return "proxyjump"
 
 
 def _header(guard: tuple[Condition, ...]) -> str:

@@ -2,23 +2,27 @@
 
 `LocalTransport` runs the argv with subprocess (no shell). `SshTransport` sends `shlex.join(argv)` over one
 paramiko connection: host keys checked against known_hosts with RejectPolicy (unknown and changed keys refused),
-keepalive, connect timeout, no agent forwarding, optional jump host through a `direct-tcpip` channel.
+keepalive, connect timeout, no agent forwarding; reached directly, through a chain of jump hosts (each a
+`direct-tcpip` channel of the one before, each host key checked), or through a ProxyCommand (sshroute.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shlex
 import socket
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
+from dflash_ops import sshroute
 from dflash_ops.errors import AuthFailed, HostUnreachable, UsageError
 from dflash_ops.shellcmd import command_string
 from dflash_ops.spec import LOCAL, Completed, Host
+from dflash_ops.sshroute import Endpoint, Route
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -73,46 +77,84 @@ def host_key_entry(address: str, port: int) -> str:
 
 
 class SshTransport:
-    """One lazily opened paramiko connection to `host`; `run` opens one exec channel per call."""
+    """One lazily opened paramiko connection to `host`; `run` opens one exec channel per call. The route (jump
+    hosts, proxy command: sshroute.py) is resolved at construction, so bad settings fail before anything runs."""
 
     def __init__(self, host: Host) -> None:
-        jump = host.jump or config_jump(host)
-        self.host = host if jump == host.jump else replace(host, jump=jump)  # messages name the jump as given
+        self.host = host
         self.label = host.name
         self._client = None
-        self._jump = None
+        self._hops: list = []      # connected jump hosts, first first: each carries the next one's channel
+        self._proxy = None         # the running proxy command, if the route has one
         self._endpoint = resolve_endpoint(host)
-        self._jump_endpoint = resolve_jump(jump, self._endpoint) if jump else None
+        self.route = resolve_route(host, self._endpoint)
 
     # -- connection -----------------------------------------------------------------------------------------
     def _connect(self):
         import paramiko  # lazy: only when a connection is really made
 
         address, port, user, key = self._endpoint
-        sock = self.tunnel() if self._jump_endpoint else None
+        sock = self.tunnel()
         client = _client(paramiko, self.host)
-        _connect_client(paramiko, client, self.host, address, port, user, key, sock)
+        self._connect_one(paramiko, client, Endpoint(address, port, user, key, self.host.name), sock,
+                            where=f"{user}@{address}:{port}", trust=_target_trust)
         client.get_transport().set_keepalive(self.host.keepalive_s)
         self._client = client
         return client
 
     def tunnel(self):
-        """A `direct-tcpip` channel from the jump host to the host's endpoint (a socket for paramiko.Transport).
-        The jump connection (its host key checked like any other) lives until `close()`."""
+        """What carries the connection to the host's endpoint: None (direct TCP), the proxy command's pipes, or
+        a `direct-tcpip` channel from the last jump host, each jump host connected through the one before it
+        and its host key checked like any other. Everything opened here lives until `close()`."""
         import paramiko
 
-        if self._jump_endpoint is None:
-            raise UsageError(f"host {self.host.name!r} has no jump host")
-        address, port = self._endpoint[:2]
-        jump = _client(paramiko, self.host)
-        _connect_client(paramiko, jump, self.host, *self._jump_endpoint, None, is_jump=True)
-        jump.get_transport().set_keepalive(self.host.keepalive_s)
-        self._jump = jump
+        sock = self._start_proxy() if self.route.proxy_command else None
+        hops = self.route.hops
+        targets = [*hops[1:], Endpoint(*self._endpoint, self.host.name)]
+        for i, (hop, nxt) in enumerate(zip(hops, targets)):
+            where = _hop_label(hop, i, len(hops))
+            client = _client(paramiko, self.host)
+            self._hops.append(client)
+            self._connect_one(paramiko, client, hop, sock, where=where,
+                                trust=functools.partial(_hop_trust_hint, before=hops[:i], hop=hop))
+            client.get_transport().set_keepalive(self.host.keepalive_s)
+            try:
+                sock = client.get_transport().open_channel("direct-tcpip", (nxt.address, nxt.port),
+                                                           ("127.0.0.1", 0), timeout=self.host.connect_timeout_s)
+            except (paramiko.SSHException, OSError) as exc:
+                self.close()
+                raise HostUnreachable(f"{where} cannot reach {nxt.address}:{nxt.port}: {exc}") from None
+        return sock
+
+    def _start_proxy(self):
+        # The command string is the user's own ssh config line (they could run anything as themselves anyway,
+        # as ssh would): only the %-token values are ours to quote, and sshroute.expand_proxy_command did.
+        # ssh runs it as `$SHELL -c "exec CMD"`; paramiko.ProxyCommand shlex-splits its argument back to that argv.
+        shell = os.environ.get("SHELL") or "/bin/sh"
         try:
-            return jump.get_transport().open_channel("direct-tcpip", (address, port), ("127.0.0.1", 0),
-                                                     timeout=self.host.connect_timeout_s)
-        except (paramiko.SSHException, OSError) as exc:
-            raise HostUnreachable(f"jump host {self.host.jump} cannot reach {address}:{port}: {exc}") from None
+            self._proxy = _proxy_class()(shlex.join([shell, "-c", "exec " + self.route.proxy_command]))
+        except OSError as exc:
+            raise HostUnreachable(f"cannot start ProxyCommand {self.route.proxy_command!r}: "
+                                  f"{exc.strerror or exc}") from None
+        return self._proxy
+
+    def _connect_one(self, paramiko, client, to: Endpoint, sock, *, where: str, trust) -> None:
+        """Connect `client`; when `sock` is the proxy command and it died, say so (its exit code, last stderr)."""
+        try:
+            _connect_client(paramiko, client, self.host, to, sock, where=where, trust=trust)
+        except (HostUnreachable, AuthFailed) as exc:
+            # an AuthFailed went through a working proxy (the handshake happened): only a dead one is news
+            dead = isinstance(exc, HostUnreachable) and sock is not None and sock is self._proxy
+            proxy = self._proxy if dead else None
+            code = proxy.exited(within_s=1.0) if proxy is not None else None
+            said = proxy.last_words() if code is not None else ""
+            self.close()
+            if code is None:
+                raise
+            raise HostUnreachable(f"ProxyCommand for {where} exited with code {code}"
+                                  f"{f' ({said})' if said else ''}: {self.route.proxy_command}",
+                                  hint="run that command by hand: it must connect its stdin/stdout to the "
+                                       "host's sshd") from None
 
     def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Completed:
         import paramiko
@@ -131,7 +173,8 @@ class SshTransport:
 
     def describe(self, argv: Sequence[str]) -> str:
         address, port, user, _ = self._endpoint
-        via = f" (via {self.host.jump})" if self.host.jump else ""
+        route = self.route.describe()
+        via = f" (via {route})" if route else ""
         return f"ssh {user}@{address}:{port}{via}: {command_string(argv)}"
 
     def reconnect(self) -> None:
@@ -139,17 +182,64 @@ class SshTransport:
         self._connect()
 
     def close(self) -> None:
-        for c in (self._client, self._jump):
+        # target first, then the hops from the last one back: each carries the connection after it
+        for c in (self._client, *reversed(self._hops), self._proxy):
             if c is not None:
                 try:
                     c.close()
                 except Exception:  # noqa: BLE001 - closing a dead connection must never mask the real error
                     pass
-        self._client = self._jump = None
+        self._client, self._hops, self._proxy = None, [], None
+
+
+@functools.cache
+def _proxy_class():
+    """paramiko.ProxyCommand made to notice its command's end (paramiko's `recv` spins on a closed stdout until
+    the banner timeout; this one returns b"", which paramiko reads as EOF, so a dead proxy fails at once) and to
+    reap it on close. Built on first use: paramiko is imported lazily."""
+    import select
+
+    import paramiko
+
+    class ProxyProcess(paramiko.ProxyCommand):
+        def recv(self, size: int) -> bytes:
+            ready, _, _ = select.select([self.process.stdout], [], [], self.timeout)
+            if not ready:
+                raise socket.timeout()
+            return os.read(self.process.stdout.fileno(), size)
+
+        def close(self) -> None:
+            if self.process.poll() is None:
+                self.process.terminate()  # our own child, by its pid
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+        def exited(self, within_s: float) -> int | None:
+            """Its exit code once it has exited (waiting up to `within_s`), else None."""
+            try:
+                return self.process.wait(timeout=within_s)
+            except subprocess.TimeoutExpired:
+                return None
+
+        def last_words(self) -> str:
+            """Its last stderr line so far (never blocks: a child it left behind may hold the pipe open)."""
+            fd = self.process.stderr.fileno()
+            os.set_blocking(fd, False)
+            try:
+                said = os.read(fd, 65536)
+            except (BlockingIOError, OSError):
+                said = b""
+            lines = said.decode(errors="replace").strip().splitlines()
+            return lines[-1] if lines else ""
+
+    return ProxyProcess
 
 
 def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
-    """(address, port, user, identity file): inventory values first, then ~/.ssh/config (with its Includes),
+    """(address, port, user, identity file): inventory values first, then ssh config (with its Includes),
     then defaults. A broken ssh config (an Include cycle, an unparsable line) raises ConfigError."""
     cfg = _ssh_config(host.address or host.name)
     address = cfg.get("hostname", host.address or host.name)
@@ -159,52 +249,24 @@ def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
     return address, port, user, os.path.expanduser(identity) if identity else None
 
 
-def config_jump(host: Host) -> str | None:
-    """~/.ssh/config's `ProxyJump` for a host whose inventory entry names no `jump:` (None for none / `none`).
-    Only one `[user@]host[:port]` hop is supported: a list of hops or an ssh:// URI is a UsageError (exit 2)."""
-    from dflash_ops.names import ADDRESS_RE
-
-    if host.transport == LOCAL or host.jump:
-        return None
-    value = _ssh_config(host.address or host.name).get("proxyjump")
-    if not value or value.strip().lower() == "none":
-        return None
-    if ADDRESS_RE.fullmatch(value.strip()) is None:
-        raise UsageError(f"~/.ssh/config ProxyJump {value!r} of {host.address or host.name!r}: dflash-ops supports "
-                         f"one [user@]host[:port] hop only",
-                         hint="give the host an inventory entry with `jump: user@host:port` (one hop)")
-    return value.strip()
-
-
-def resolve_jump(jump: str, target: tuple[str, int, str, str | None]) -> tuple[str, int, str, str | None]:
-    """(address, port, user, identity file) of the jump host `jump` (`[user@]host[:port]`, host maybe an
-    ~/.ssh/config alias): the spec's user and port first, then the jump host's ssh config, then port 22 and the
-    TARGET's user and identity file. A jump host that itself needs a jump (more than one hop) is a UsageError."""
-    from dflash_ops.names import ADDRESS_RE
-
-    m = ADDRESS_RE.fullmatch(jump)
-    if m is None:
-        raise UsageError(f"invalid jump host {jump!r}")
-    name = m.group("host").strip("[]")
-    cfg = _ssh_config(name)
-    if (cfg.get("proxyjump") or "none").strip().lower() != "none":
-        raise UsageError(f"jump host {jump!r} has a ProxyJump of its own in ~/.ssh/config: dflash-ops supports "
-                         f"one hop only", hint="reach the target through one jump host, or set `ProxyJump none` "
-                                               f"for {name} in ~/.ssh/config")
-    identity = (cfg.get("identityfile") or [None])[0]
-    return (cfg.get("hostname", name), int(m.group("port") or cfg.get("port", 22)),
-            m.group("user") or cfg.get("user") or target[2],
-            os.path.expanduser(identity) if identity else target[3])
+def resolve_route(host: Host, target: tuple[str, int, str, str | None] | None = None) -> Route:
+    """How `host` is reached (sshroute.resolve): its inventory `jump:`, else ssh config's ProxyJump or
+    ProxyCommand (first found wins). A local host has no route."""
+    if host.transport == LOCAL:
+        return Route()
+    endpoint = Endpoint(*(target or resolve_endpoint(host)), host.name)
+    return sshroute.resolve(host.address or host.name, endpoint, host.jump, _ssh_config)
 
 
 def _ssh_config(alias: str) -> dict:
-    """~/.ssh/config's settings for `alias`, its `Include`s followed (sshconfig.py); {} without a config."""
+    """ssh config's settings for `alias`, `Include`s followed (sshconfig.py); {} without a config."""
     from dflash_ops import sshconfig
 
     return sshconfig.read().lookup(alias)
 
 
 def _client(paramiko, host: Host):
+    _quiet_paramiko()
     client = paramiko.SSHClient()
     kh = known_hosts_path(host)
     if kh.is_file():
@@ -213,27 +275,34 @@ def _client(paramiko, host: Host):
     return client
 
 
-def _connect_client(paramiko, client, host: Host, address: str, port: int, user: str, key: str | None, sock, *,
-                    is_jump: bool = False) -> None:
-    """Connect `client` (host key checked); `is_jump`: `address` is `host`'s jump host (errors say so)."""
-    where = f"{'jump host ' if is_jump else ''}{user}@{address}:{port}"
-    kh, entry = known_hosts_path(host), host_key_entry(address, port)
+@functools.cache
+def _quiet_paramiko() -> None:
+    """paramiko's transport thread logs failures (a traceback for a dead proxy's missing banner) that Python
+    prints to stderr when nothing handles them; every failure reaches the user as one OpsError instead."""
+    import logging
+
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+
+def _connect_client(paramiko, client, host: Host, to: Endpoint, sock, *, where: str, trust) -> None:
+    """Connect `client` to `to` (host key checked against `host`'s known_hosts). `where` names it in errors;
+    `trust(host)` is the hint that says how to record its key."""
+    kh, entry = known_hosts_path(host), host_key_entry(to.address, to.port)
     try:
-        client.connect(address, port=port, username=user, key_filename=key, timeout=host.connect_timeout_s,
-                       banner_timeout=host.connect_timeout_s, auth_timeout=host.connect_timeout_s, sock=sock,
-                       look_for_keys=key is None, allow_agent=True)
+        client.connect(to.address, port=to.port, username=to.user, key_filename=to.identity,
+                       timeout=host.connect_timeout_s, banner_timeout=host.connect_timeout_s,
+                       auth_timeout=host.connect_timeout_s, sock=sock, look_for_keys=to.identity is None,
+                       allow_agent=True)
     except paramiko.BadHostKeyException:
-        record = _jump_trust_hint(host) if is_jump else f"dflash-ops trust-host {host.name}"
         raise AuthFailed(f"host key of {where} CHANGED (does not match {kh})",
-                         hint=f"if the change is expected: ssh-keygen -R '{entry}' -f {kh}, then {record}") from None
+                         hint=f"if the change is expected: ssh-keygen -R '{entry}' -f {kh}, then "
+                              f"{trust(host, changed=True)}") from None
     except paramiko.AuthenticationException as exc:
         raise AuthFailed(f"authentication to {where} failed: {exc}",
                          hint="check user and identity_file in the inventory") from None
     except paramiko.SSHException as exc:
         if "known_hosts" in str(exc):
-            raise AuthFailed(f"host key of {where} is unknown (not in {kh})",
-                             hint=_jump_trust_hint(host) if is_jump else
-                             f"verify and record it: dflash-ops trust-host {host.name}") from None
+            raise AuthFailed(f"host key of {where} is unknown (not in {kh})", hint=trust(host)) from None
         raise HostUnreachable(f"SSH to {where} failed: {exc}") from None
     except (socket.timeout, TimeoutError):
         raise HostUnreachable(f"connect to {where} timed out after {host.connect_timeout_s:g} s") from None
@@ -241,11 +310,31 @@ def _connect_client(paramiko, client, host: Host, address: str, port: int, user:
         raise HostUnreachable(f"cannot connect to {where}: {exc.strerror or exc}") from None
 
 
-def _jump_trust_hint(host: Host) -> str:
-    """How to trust `host`'s jump host: `trust-host` reaches `host` THROUGH it, so it must be trusted first."""
+def _hop_label(hop: Endpoint, index: int, count: int) -> str:
+    """`jump host user@addr:port`, plus how the user named it and which hop it is when that says more."""
+    extra = [hop.name] if hop.name != hop.label else []
+    if count > 1:
+        extra.append(f"hop {index + 1} of {count}")
+    return f"jump host {hop.label}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _target_trust(host: Host, changed: bool = False) -> str:
+    how = f"dflash-ops trust-host {host.name}"
+    return how if changed else f"verify and record it: {how}"
+
+
+def _hop_trust_hint(host: Host, changed: bool = False, *, before: Sequence[Endpoint], hop: Endpoint) -> str:
+    """How to trust a jump host's key: `trust-host` reaches `host` THROUGH it, so it must be trusted first. The
+    first hop is reached directly (`trust-host` it); a later one only through the hops before it."""
     kh = known_hosts_path(host)
-    how = (f"dflash-ops trust-host {host.jump}" if kh == Path(os.path.expanduser("~/.ssh/known_hosts")) else
-           f"give it an inventory entry with known_hosts: {kh}, then dflash-ops trust-host <that entry>")
+    if before:
+        via = ",".join(h.name for h in before)
+        how = "e.g. " + shlex.join(["ssh", "-o", f"UserKnownHostsFile={kh}", "-J", via, "-p", str(hop.port),
+                                    f"{hop.user}@{hop.address}", "true"])
+    elif kh == Path(os.path.expanduser("~/.ssh/known_hosts")):
+        how = f"dflash-ops trust-host {hop.name}"
+    else:
+        how = f"give it an inventory entry with known_hosts: {kh}, then dflash-ops trust-host <that entry>"
     return (f"record the jump host's key in {kh} first ({how}; compare its fingerprint), "
             f"then dflash-ops trust-host {host.name}")
 

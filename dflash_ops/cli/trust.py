@@ -17,7 +17,7 @@ def trust_host(
     """Fetch HOST's SSH key, show its SHA256 fingerprint, and append it to known_hosts after confirmation.
 
     Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first.
-    A host with a `jump:` host is reached through it (the jump host's key must already be trusted).
+    A host with jump hosts is reached through them (their keys must already be trusted), a ProxyCommand through it.
     """
     from dflash_ops import transport
     from dflash_ops.cli import render
@@ -30,10 +30,11 @@ def trust_host(
         address, port, _, _ = transport.resolve_endpoint(found)
         entry = transport.host_key_entry(address, port)
         path = transport.known_hosts_path(found)
+        route = transport.resolve_route(found).describe()
         key = _fetch_key(transport, found, address, port)
         fingerprint = transport.key_fingerprint(key)
         state = transport.known_key_status(path, entry, key)
-        via = f" (via {found.jump})" if found.jump else ""
+        via = f" (via {route})" if route else ""
         if state == "same":
             render.info(f"{entry} is already trusted ({key.get_name()} {fingerprint}){via}")
             return
@@ -48,11 +49,9 @@ def trust_host(
 
 
 def _fetch_key(transport, host, address: str, port: int):
-    """The host's key, fetched the way every other command reaches it: through its `jump:` host when it has one
-    (that connection checks the jump host's key, so the jump host must be trusted first), or ~/.ssh/config's
-    single-hop `ProxyJump` when the inventory names none."""
-    if not (host.jump or transport.config_jump(host)):
-        return transport.fetch_host_key(address, port, timeout_s=host.connect_timeout_s)
+    """The host's key, fetched the way every other command reaches it: directly, through its jump hosts (the
+    inventory's `jump:`, else ssh config's ProxyJump; those connections check each jump host's key, so they must
+    be trusted first), or through its ssh config ProxyCommand."""
     via = transport.SshTransport(host)
     try:
         return transport.fetch_host_key(address, port, timeout_s=host.connect_timeout_s, sock=via.tunnel())

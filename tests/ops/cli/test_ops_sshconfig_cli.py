@@ -53,28 +53,80 @@ def test_include_cycle_is_exit_78_with_one_line(ops_env):
     assert json.loads(as_json.stdout)["error"]["code"] == "config"
 
 
-def test_single_hop_proxyjump_is_the_jump_host_unless_the_inventory_names_one(ops_env):
+def test_proxyjump_routes_are_the_jump_hosts_unless_the_inventory_names_some(ops_env):
     ssh = _ssh_dir(ops_env)
     (ssh / "config").write_text("Include config.d/*\n")
     (ssh / "config.d" / "j.conf").write_text(
         "Host gpubox\n  HostName 10.9.8.7\n  ProxyJump bastion\n"
-        "Host direct\n  HostName 10.9.8.8\n  ProxyJump none\n"
-        "Host twohops\n  HostName 10.9.8.9\n  ProxyJump bastion,other\n"
-        "Host chained\n  HostName 10.9.8.10\n  ProxyJump gpubox\n")
-    dry = ops_env.sub("launch", "job", "--host", "gpubox", "--dry-run")
-    assert dry.returncode == 0 and dry.stdout.startswith("ssh root@10.9.8.7:22 (via bastion): "), dry.stderr
-    direct = ops_env.sub("launch", "job", "--host", "direct", "--dry-run")
-    assert direct.returncode == 0 and direct.stdout.startswith("ssh root@10.9.8.8:22: "), direct.stderr
-
-    two = ops_env.sub("launch", "job", "--host", "twohops", "--dry-run")
-    assert two.returncode == 2
-    assert two.stderr.splitlines()[0] == ("error: ~/.ssh/config ProxyJump 'bastion,other' of 'twohops': dflash-ops "
-                                          "supports one [user@]host[:port] hop only")
-    chained = ops_env.sub("launch", "job", "--host", "chained", "--dry-run")
-    assert chained.returncode == 2
-    assert chained.stderr.startswith("error: jump host 'gpubox' has a ProxyJump of its own in ~/.ssh/config")
+        "Host direct\n  HostName 10.9.8.8\n  ProxyCommand none\n  ProxyJump bastion\n"
+        "Host viacmd\n  HostName 10.9.8.8\n  ProxyJump none\n  ProxyCommand nc %h %p\n"
+        "Host twohops\n  HostName 10.9.8.9\n  ProxyJump bastion,ssh://ops@other:2200\n"
+        "Host chained\n  HostName 10.9.8.10\n  ProxyJump gpubox,other\n")
+    expected = {"gpubox": "ssh root@10.9.8.7:22 (via bastion): ",
+                "direct": "ssh root@10.9.8.8:22: ",  # `ProxyCommand none` came first: the ProxyJump is ignored
+                # but `ProxyJump none` does not shut a later ProxyCommand out (as `ssh -G` shows)
+                "viacmd": "ssh root@10.9.8.8:22 (via ProxyCommand: nc 10.9.8.8 22): ",
+                "twohops": "ssh root@10.9.8.9:22 (via bastion,ssh://ops@other:2200): ",
+                # only the FIRST hop's own ProxyJump applies (ssh reaches `other` with `ssh -J gpubox`)
+                "chained": "ssh root@10.9.8.10:22 (via bastion,gpubox,other): "}
+    for alias, line in expected.items():
+        dry = ops_env.sub("launch", "job", "--host", alias, "--dry-run")
+        assert dry.returncode == 0 and dry.stdout.startswith(line), (alias, dry.stdout, dry.stderr)
 
     inv = ops_env.root / "inv.yaml"
-    inv.write_text("hosts:\n  lab:\n    transport: ssh\n    address: gpubox\n    jump: ops@10.0.0.2:2222\n")
+    inv.write_text("hosts:\n  lab:\n    transport: ssh\n    address: gpubox\n"
+                   "    jump: ops@10.0.0.2:2222,ssh://[fd00::1]\n")
     named = ops_env.sub("--inventory", str(inv), "launch", "job", "--host", "lab", "--dry-run")
-    assert named.returncode == 0 and named.stdout.startswith("ssh root@10.9.8.7:22 (via ops@10.0.0.2:2222): ")
+    assert named.returncode == 0, named.stderr
+    assert named.stdout.startswith("ssh root@10.9.8.7:22 (via ops@10.0.0.2:2222,ssh://[fd00::1]): ")
+
+
+def test_loops_long_chains_and_bad_hops_are_one_line_exit_2(ops_env):
+    ssh = _ssh_dir(ops_env)
+    nine = ",".join(f"h{i}" for i in range(9))
+    (ssh / "config").write_text(
+        "Host ring-a\n  ProxyJump ring-b\nHost ring-b\n  ProxyJump ring-c\nHost ring-c\n  ProxyJump ring-a\n"
+        "Host self\n  ProxyJump self\nHost twice\n  ProxyJump a,b,a\n"
+        f"Host nine\n  ProxyJump {nine}\n"
+        "Host deep\n  ProxyJump d1,x1,x2,x3\nHost d1\n  ProxyJump d2,y1,y2,y3\nHost d2\n  ProxyJump z1\n"
+        "Host bad\n  ProxyJump ok,b;touch /tmp/x\n")
+    expected = {
+        "ring-a": "error: ssh config ProxyJump loop: ring-a -> ring-b -> ring-c -> ring-a",
+        "self": "error: ssh config ProxyJump loop: self -> self",
+        "twice": "error: ProxyJump route to 'twice' visits 'a' twice (a,b,a -> twice): a loop",
+        "nine": f"error: ssh config ProxyJump {nine!r} of 'nine': 9 jump hosts, more than 8",
+        "deep": "error: ProxyJump route to 'deep' has 9 jump hosts (z1,d2,y1,y2,y3,d1,x1,x2,x3), more than 8",
+        "bad": "error: ssh config ProxyJump 'ok,b;touch /tmp/x' of 'bad': hop 2 'b;touch /tmp/x' is not "
+               "[user@]host[:port] or ssh://[user@]host[:port]",
+    }
+    for alias, line in expected.items():
+        done = ops_env.sub("launch", "job", "--host", alias, "--dry-run")
+        assert done.returncode == 2, (alias, done.stderr)
+        assert done.stderr.splitlines()[0] == line, alias
+        assert "Traceback" not in done.stderr
+
+    inv = ops_env.root / "inv.yaml"
+    inv.write_text("hosts:\n  lab:\n    transport: ssh\n    address: 10.1.1.1\n    jump: a,,b\n")
+    bad = ops_env.sub("--inventory", str(inv), "runs", "--host", "lab")
+    assert bad.returncode == 78
+    assert bad.stderr.splitlines()[0] == (f"error: {inv}:5: host 'lab': jump: hop 2 '' is not [user@]host[:port] or "
+                                          "ssh://[user@]host[:port] (jump is user@host:port, or a comma list of "
+                                          "them, first hop first)")
+
+
+def test_system_ssh_config_is_read_after_the_users(ops_env):
+    etc = ops_env.root / "etc-ssh"
+    (etc / "ssh_config.d").mkdir(parents=True)
+    (etc / "ssh_config").write_text("Include ssh_config.d/*.conf\nHost *\n  User sysuser\n")
+    (etc / "ssh_config.d" / "lab.conf").write_text("Host syslab\n  HostName 10.5.0.1\n  ProxyJump a,b\n")
+    ssh = _ssh_dir(ops_env)
+    (ssh / "config").write_text("Host syslab\n  Port 2201\n  ProxyJump c\n")
+    ops_env.env["DFLASH_OPS_SSH_SYSTEM_CONFIG"] = str(etc / "ssh_config")
+    done = ops_env.sub("launch", "job", "--host", "syslab", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ssh sysuser@10.5.0.1:2201 (via c): ")  # first value wins across both files
+
+    (etc / "ssh_config.d" / "bad.conf").write_text("Include ssh_config\n")  # relative to etc-ssh/, not to ssh_config.d/
+    broken = ops_env.sub("launch", "job", "--host", "syslab", "--dry-run")
+    assert broken.returncode == 78
+    assert broken.stderr.startswith(f"error: {etc}/ssh_config.d/bad.conf:1: ssh config Include cycle: ")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pwd
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def _ssh_says(cfg: Path, alias: str) -> tuple[str, str, str]:
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", "")  # this machine's /etc/ssh/ssh_config stays out
     (tmp_path / ".ssh").mkdir(mode=0o700)
     return tmp_path
 
@@ -196,9 +198,46 @@ def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_tar
     _write(home / ".ssh" / "config", "Include jumps.conf\n")
     _write(home / ".ssh" / "jumps.conf", "Host bastion\n  HostName 10.7.0.1\n  Port 2022\n  User jumper\n"
                                          "  IdentityFile ~/.ssh/jumpkey\n")
-    target = ("10.7.0.9", 22, "root", "/keys/target")
-    assert transport.resolve_jump("bastion", target) == ("10.7.0.1", 2022, "jumper", f"{home}/.ssh/jumpkey")
-    assert transport.resolve_jump("ops@bastion:2222", target) == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
-    assert transport.resolve_jump("10.7.0.5", target) == ("10.7.0.5", 22, "root", "/keys/target")
-    with pytest.raises(UsageError, match="invalid jump host"):
-        transport.resolve_jump("a,b", target)
+    target = Host(name="t", transport="ssh", address="10.7.0.9", identity_file="/keys/target")
+
+    def hop(jump: str) -> tuple:
+        (only,) = transport.resolve_route(replace(target, jump=jump)).hops
+        return only.address, only.port, only.user, only.identity
+
+    assert hop("bastion") == ("10.7.0.1", 2022, "jumper", f"{home}/.ssh/jumpkey")
+    assert hop("ops@bastion:2222") == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
+    assert hop("ssh://ops@bastion:2222") == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
+    assert hop("10.7.0.5") == ("10.7.0.5", 22, "root", "/keys/target")
+    with pytest.raises(UsageError, match="hop 2 'b;x' is not"):
+        transport.resolve_route(replace(target, jump="a,b;x"))
+
+
+def test_system_config_comes_after_the_users_with_includes_under_its_own_dir(home, tmp_path, monkeypatch):
+    etc = tmp_path / "etc-ssh"
+    system = _write(etc / "ssh_config", "Include ssh_config.d/*.conf\nHost *\n  User sysdefault\n  Port 2200\n")
+    _write(etc / "ssh_config.d" / "lab.conf", "Host syslab\n  HostName 10.5.0.1\n  ProxyJump sysjump\n")
+    _write(home / ".ssh" / "ssh_config.d" / "lab.conf", "Host syslab\n  HostName 10.6.6.6\n")  # not this one
+    _write(home / ".ssh" / "config", "Host syslab\n  User mine\nHost other\n  ProxyCommand none\n")
+    monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", str(system))
+    cfg = sshconfig.read()
+    assert cfg.source == f"{home}/.ssh/config and {system}"
+    got = cfg.lookup("syslab")
+    # the user's User wins; the rest comes from the system file and the file it includes relative to etc-ssh/
+    assert (got["hostname"], got["user"], got["port"], got["proxyjump"]) == ("10.5.0.1", "mine", "2200", "sysjump")
+    assert "proxyjump" not in cfg.lookup("other")  # the user's `ProxyCommand none` came first
+    assert cfg.has_alias("syslab") and not cfg.has_alias("sysdefault")
+    assert inventory.resolve_host(inventory.Inventory(), "syslab", with_ct=False).address == "syslab"
+    only_user = sshconfig.read(home / ".ssh" / "config")  # an explicit file is read alone, as `ssh -F` reads it
+    assert only_user.lookup("syslab")["hostname"] == "syslab"
+
+    monkeypatch.delenv("DFLASH_OPS_SSH_SYSTEM_CONFIG")
+    assert sshconfig.system_config() == Path("/etc/ssh/ssh_config")
+
+
+def test_a_broken_system_include_names_the_system_file(home, tmp_path, monkeypatch):
+    etc = tmp_path / "etc-ssh"
+    system = _write(etc / "ssh_config", "Include loop.conf\n")
+    _write(etc / "loop.conf", "Include ssh_config\n")
+    monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", str(system))
+    with pytest.raises(ConfigError, match=f"^{etc}/loop.conf:1: ssh config Include cycle: {system} -> "):
+        sshconfig.read()
