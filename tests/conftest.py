@@ -36,7 +36,8 @@ FIRST_CTID = 200
 # ------------------------------------------------------------------------------------------------ every test
 @pytest.fixture(autouse=True)
 def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A throwaway HOME and XDG dirs, plain fixed-width output, and no DFLASH_OPS_* settings leaking in.
+    """A throwaway HOME and XDG dirs, plain fixed-width output, no DFLASH_OPS_* settings leaking in, and no system
+    ssh config.
 
     Heavy tool caches (Hugging Face, Triton) keep their real location: they hold downloads and compiled kernels,
     not state the code under test owns. Returns the temporary HOME.
@@ -45,6 +46,9 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
     home = tmp_path_factory.mktemp("home")
     for var in [v for v in os.environ if v.startswith("DFLASH_OPS_")]:
         monkeypatch.delenv(var)
+    # This machine's /etc/ssh/ssh_config stays out of every test (and of the CLI subprocesses they start); the tests
+    # of the system file point this at their own.
+    monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", "")
     monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", str(real_home / ".cache" / "huggingface")))
     monkeypatch.setenv("TRITON_CACHE_DIR", os.environ.get("TRITON_CACHE_DIR", str(real_home / ".triton" / "cache")))
     monkeypatch.setenv("HOME", str(home))
