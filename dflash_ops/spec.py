@@ -44,7 +44,7 @@ class Host:
     port: int | None = None
     identity_file: str | None = None
     known_hosts: str | None = None       # None: ~/.ssh/known_hosts
-    jump: str | None = None              # "user@host:port"
+    jump: str | None = None              # "[user@]host[:port]" or a comma list of hops (ssh://... too)
     pct: str = DEFAULT_PCT
     runs_dir: str | None = None          # for runs on the host itself (no container)
     python: str | None = None

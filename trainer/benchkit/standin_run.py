@@ -120,7 +120,7 @@ def run_mode(cfg, mode: str) -> dict:
 
 def run_pipeline(cfg, mode: str, dev, batches, target_fn, stepper, sample) -> Timed:
     """Loader -> target producer -> drafter consumer threads (trainer.pipeline.threads), target and drafter on `dev`."""
-    from trainer.pipeline.threads import Pipeline, Placement
+    from trainer.pipeline.threads import Devices, Pipeline
 
     cpu_batches = [{k: v.cpu() for k, v in b.items()} for b in batches]
 
@@ -136,7 +136,7 @@ def run_pipeline(cfg, mode: str, dev, batches, target_fn, stepper, sample) -> Ti
         mem.append(mem_line(step, dev))
         print("MEM", mode + "+pipeline", json.dumps(mem[-1]), flush=True)
 
-    pipe = Pipeline(Placement(dev, dev), feed, lambda b: {"taps": target_fn(b["input_ids"])}, stepper, sample,
+    pipe = Pipeline(Devices(dev, dev), feed, lambda b: {"taps": target_fn(b["input_ids"])}, stepper, sample,
                     on_interval=on_interval, interval=cfg.interval)
     pipe.run(3)  # warm the threads' streams and the pinned-memory pool
     reset_peak(dev)

@@ -105,7 +105,7 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
     """The trainer's pipeline (`trainer train` with pipeline.enabled): train_pipe.build captures / warms up in this
     thread, then loader -> target producer -> drafter consumer threads; timed by the consumer's step-end events."""
     from trainer.pipeline import train_pipe
-    from trainer.pipeline.threads import Pipeline, Placement
+    from trainer.pipeline.threads import Devices, Pipeline
 
     if dev.type != "cuda":
         raise ConfigError("--pipeline 1 needs a CUDA device (this run is on cpu)")
@@ -127,7 +127,7 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
         print("MEM", mode + "+pipeline", json.dumps(mem[-1]), flush=True)
 
     consumer = train_pipe.ConsumerStep(built.stepper, cfg.accum, lambda: None, lambda outs: None)
-    pipe = Pipeline(Placement(dev, dev), feed, built.target_fn, consumer, built.example,
+    pipe = Pipeline(Devices(dev, dev), feed, built.target_fn, consumer, built.example,
                     target_keys=train_pipe.target_keys(cfg.accum), slots=built.slots, prefetch=built.prefetch,
                     on_interval=on_interval, interval=cfg.interval)
     pipe.run(3)  # the threads' streams, the pinned-memory pool

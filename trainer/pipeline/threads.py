@@ -25,8 +25,9 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where the target runs and where the drafter trains (config: pipeline placement)."""
+class Devices:
+    """The torch devices the target runs on and the drafter trains on (resolved from the config's placement,
+    `trainer.placement.Placement`, which holds their names and the process group backend)."""
 
     target: torch.device
     drafter: torch.device
@@ -49,7 +50,7 @@ class Pipeline:
     example: one full step-input dict (batch fields + target outputs) giving the ring slots' shapes and dtypes.
     """
 
-    def __init__(self, placement: Placement, batches: Callable[[], Iterator[Tensors]],
+    def __init__(self, placement: Devices, batches: Callable[[], Iterator[Tensors]],
                  target_fn: Callable[[Tensors], Tensors], step, example: Tensors, *,
                  target_keys: tuple[str, ...] = ("input_ids",), slots: int = 3, prefetch: int = 4,
                  on_interval: Callable[[int], None] | None = None, interval: int = 10) -> None:

@@ -136,10 +136,10 @@ class PipelinedSteps:
     def run(self, steps: int, feed: Callable[[], Iterator[Tensors]], before: Callable[[], None],
             after: Callable[[list[StepOut]], None]) -> None:
         """Raises the first thread error as RuntimeError (its cause is the original exception)."""
-        from trainer.pipeline.threads import Pipeline, Placement
+        from trainer.pipeline.threads import Devices, Pipeline
 
         consumer = ConsumerStep(self.stepper, self.accum, before, after)
-        pipe = Pipeline(Placement(self.target_device, self.drafter_device), feed, self.target_fn, consumer,
+        pipe = Pipeline(Devices(self.target_device, self.drafter_device), feed, self.target_fn, consumer,
                         self.example, target_keys=target_keys(self.accum), slots=self.slots, prefetch=self.prefetch)
         pipe.run(steps)
 

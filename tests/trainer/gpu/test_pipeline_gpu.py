@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainer.pipeline.standin import TINY, Workload, build, make_batch
-from trainer.pipeline.threads import Pipeline, Placement
+from trainer.pipeline.threads import Devices, Pipeline
 from trainer.step.graph import StepGraph
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +37,7 @@ def test_pipeline_matches_sequential_bit_exact():
     target, st, sg, sample = captured()
     seen = []
     feed = iter(cpu_batches())
-    pipe = Pipeline(Placement(DEV, DEV), lambda: feed, lambda b: {"taps": target.taps(b["input_ids"])}, sg, sample,
+    pipe = Pipeline(Devices(DEV, DEV), lambda: feed, lambda b: {"taps": target.taps(b["input_ids"])}, sg, sample,
                     slots=2, on_interval=seen.append, interval=4)
     res = pipe.run(STEPS // 2)  # two runs through one ring: it must be reusable
     res2 = pipe.run(STEPS - STEPS // 2)
@@ -54,7 +54,7 @@ def test_pipeline_surfaces_a_thread_error():
     def bad_target(ids):
         raise ValueError("boom in the producer")
 
-    pipe = Pipeline(Placement(DEV, DEV), lambda: iter(cpu_batches()), lambda b: {"taps": bad_target(b["input_ids"])},
+    pipe = Pipeline(Devices(DEV, DEV), lambda: iter(cpu_batches()), lambda b: {"taps": bad_target(b["input_ids"])},
                     sg, sample)
     with pytest.raises(RuntimeError, match="boom in the producer"):
         pipe.run(3)
