@@ -20,6 +20,10 @@ class CorpusCfg:
     max_files: int = 0  # 0 = every eligible file
     max_file_bytes: int = 200_000  # larger files (generated tables) are skipped
     heldout_every: int = 10  # files with crc32(path) % N == 0 are held out of pretraining AND drafter training
+    # N >= 2: about 1/N of the other files are kept out of pretraining and feed only the drafter's regenerated data
+    # (the target then answers on text it never saw, as at evaluation); 0: the drafter's data comes from the
+    # pretraining files.
+    drafter_only_every: int = 0
     vocab_size: int = 8192
     max_prompt_lines: int = 6  # the user turn: a function's signature and docstring, at most this many lines
     max_body_lines: int = 60  # functions with longer bodies are not used as prompts
@@ -27,6 +31,8 @@ class CorpusCfg:
     def __post_init__(self) -> None:
         _check(self.max_files >= 0, "corpus.max_files must be >= 0 (0 = all)")
         _check(self.heldout_every >= 2, "corpus.heldout_every must be >= 2")
+        _check(self.drafter_only_every == 0 or self.drafter_only_every >= 2,
+               "corpus.drafter_only_every must be 0 (off) or >= 2")
         _check(self.vocab_size >= 300, "corpus.vocab_size must be >= 300 (256 bytes + special tokens + merges)")
         _check(self.max_prompt_lines >= 1 and self.max_body_lines >= 1, "corpus.max_*_lines must be >= 1")
 

@@ -2,7 +2,8 @@
 
 - `list_sources`: deterministic file order (sorted relative paths), tests / site-packages / caches / huge files skipped;
 - `split_heldout`: a stable split by crc32 of the relative path (held-out files are seen by nobody: not the target's
-  pretraining, not the drafter's training);
+  pretraining, not the drafter's training); `split_corpus` optionally also keeps some files from pretraining for the
+  drafter's data alone (`corpus.drafter_only_every`);
 - `function_units`: (signature + docstring, body) pairs from the AST, used as chat prompts and answers;
 - `build_tokenizer`: byte-level BPE trained on the held-in text, with Qwen-style chat special tokens and `<|MASK|>`.
 Everything but `build_tokenizer` is pure given the file contents.
@@ -70,9 +71,42 @@ def split_heldout(files: list[SourceFile], every: int) -> tuple[list[SourceFile]
     return [f for f in files if not is_heldout(f.rel, every)], [f for f in files if is_heldout(f.rel, every)]
 
 
-def corpus_split(cfg: CorpusCfg) -> tuple[list[SourceFile], list[SourceFile]]:
-    """The recipe's corpus, read from disk -> (held-in files, held-out files)."""
-    return split_heldout(list_sources(corpus_root(cfg), cfg.max_file_bytes, cfg.max_files), cfg.heldout_every)
+@dataclass(frozen=True)
+class CorpusSplit:
+    """Who sees which files. `target`: pretraining. `drafter`: the prompts and source windows whose regenerated
+    answers train the drafter. `heldout`: nobody (evaluation prompts only). Without drafter-only files, `drafter` is
+    `target`; with them, the two are disjoint, so the drafter learns what the target writes on text it never saw --
+    the situation of every held-out prompt."""
+
+    target: list[SourceFile]
+    drafter: list[SourceFile]
+    heldout: list[SourceFile]
+
+    @property
+    def seen(self) -> list[SourceFile]:
+        """Every file some model trains on (target and drafter files, each once, in input order)."""
+        in_target = {f.rel for f in self.target}
+        return self.target + [f for f in self.drafter if f.rel not in in_target]
+
+
+def is_drafter_only(rel: str, every: int) -> bool:
+    # A second, salted hash: independent of the held-out choice.
+    return every > 0 and zlib.crc32(b"drafter:" + rel.encode()) % every == 0
+
+
+def split_corpus(files: list[SourceFile], heldout_every: int, drafter_only_every: int = 0) -> CorpusSplit:
+    """Held-out files by `is_heldout`; of the rest, `is_drafter_only` ones go to the drafter alone (0: none)."""
+    heldin, heldout = split_heldout(files, heldout_every)
+    if not drafter_only_every:
+        return CorpusSplit(target=heldin, drafter=heldin, heldout=heldout)
+    return CorpusSplit(target=[f for f in heldin if not is_drafter_only(f.rel, drafter_only_every)],
+                       drafter=[f for f in heldin if is_drafter_only(f.rel, drafter_only_every)], heldout=heldout)
+
+
+def corpus_split(cfg: CorpusCfg) -> CorpusSplit:
+    """The recipe's corpus, read from disk and split."""
+    return split_corpus(list_sources(corpus_root(cfg), cfg.max_file_bytes, cfg.max_files), cfg.heldout_every,
+                        cfg.drafter_only_every)
 
 
 def function_units(text: str, max_prompt_lines: int, max_body_lines: int) -> list[Unit]:

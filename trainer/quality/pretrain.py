@@ -32,6 +32,7 @@ class PretrainResult:
     heldout_loss: float
     seconds: float
     stopped_by: str  # "steps" or "budget"
+    files_drafter_only: int = 0  # kept out of pretraining for the drafter's data (corpus.drafter_only_every)
 
 
 def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
@@ -121,13 +122,15 @@ def heldout_loss(model, stream: torch.Tensor, cfg: PretrainCfg, device: torch.de
 def make_target(out_dir: Path, q: QualityCfg, device: torch.device, log=print) -> PretrainResult:
     """Corpus -> tokenizer -> pretrained Qwen3 -> `out_dir` (model + tokenizer + corpus.json)."""
     t0 = time.perf_counter()
-    heldin, heldout = corpus_split(q.corpus)
+    split = corpus_split(q.corpus)
+    heldin, heldout = split.target, split.heldout
+    drafter_only = len(split.seen) - len(heldin)
     docs = pretraining_documents(heldin, q.corpus)
     tokenizer = build_tokenizer(docs, q.corpus.vocab_size)
     stream = token_stream(tokenizer, docs).to(device)
     eval_stream = token_stream(tokenizer, [f.text for f in heldout]).to(device)
     log(f"pretrain corpus: {len(heldin)} held-in files ({stream.numel():,} tokens incl. chat units), "
-        f"{len(heldout)} held-out files; tokenizer {len(tokenizer)} tokens ({time.perf_counter() - t0:.1f}s)")
+        f"{len(heldout)} held-out files, {drafter_only} for the drafter alone; tokenizer {len(tokenizer)} tokens ({time.perf_counter() - t0:.1f}s)")
     torch.manual_seed(q.seed)
     model = build_model(q.target, tokenizer).to(device)
     params = sum(p.numel() for p in model.parameters())
@@ -140,6 +143,7 @@ def make_target(out_dir: Path, q: QualityCfg, device: torch.device, log=print) -
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     result = PretrainResult(path=str(out_dir), params=params, files_heldin=len(heldin), files_heldout=len(heldout),
+                            files_drafter_only=drafter_only,
                             corpus_tokens=int(stream.numel()), steps=steps,
                             tokens_seen=steps * q.pretrain.rows * q.pretrain.seq_len, final_loss=round(last, 4),
                             heldout_loss=round(held, 4), seconds=round(time.perf_counter() - t0, 1),

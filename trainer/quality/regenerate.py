@@ -21,7 +21,7 @@ import torch
 
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
-from trainer.quality.corpus import ENDOFTEXT, SourceFile, all_units, corpus_split
+from trainer.quality.corpus import ENDOFTEXT, CorpusSplit, all_units, corpus_split
 
 
 @dataclass(frozen=True)
@@ -37,20 +37,21 @@ class RegenResult:
     stopped_by: str  # "done" or "budget"
 
 
-def prompt_sets(q: QualityCfg, split: tuple[list[SourceFile], list[SourceFile]] | None = None,
-                ) -> tuple[list[str], list[str]]:
-    """-> (held-in prompts, held-out prompts): distinct texts from held-in / held-out files, the held-out ones never
-    equal to a held-in one; seeded shuffle, capped by the recipe. split: `corpus_split(q.corpus)` if already read."""
-    heldin, heldout = split if split is not None else corpus_split(q.corpus)
+def prompt_sets(q: QualityCfg, split: CorpusSplit | None = None) -> tuple[list[str], list[str]]:
+    """-> (training prompts, held-out prompts): distinct texts from the drafter's files / the held-out files, the
+    held-out ones never equal to a prompt of any file a model trains on; seeded shuffle, capped by the recipe.
+    split: `corpus_split(q.corpus)` if already read."""
+    split = split if split is not None else corpus_split(q.corpus)
 
     def pick(prompts: set[str], n: int, salt: int) -> list[str]:
         ordered = sorted(prompts)
         random.Random(q.seed * 1000 + salt).shuffle(ordered)
         return ordered[:n]
-    seen = {u.prompt for u in all_units(heldin, q.corpus)}
-    # A held-out prompt whose text also occurs in a held-in file (`def __repr__(self):`) is not held out: drop it.
-    unseen = {u.prompt for u in all_units(heldout, q.corpus)} - seen
-    return pick(seen, q.regen.train_prompts, 1), pick(unseen, q.regen.eval_prompts, 2)
+    seen = {u.prompt for u in all_units(split.seen, q.corpus)}
+    # A held-out prompt whose text also occurs in a seen file (`def __repr__(self):`) is not held out: drop it.
+    unseen = {u.prompt for u in all_units(split.heldout, q.corpus)} - seen
+    train = {u.prompt for u in all_units(split.drafter, q.corpus)}
+    return pick(train, q.regen.train_prompts, 1), pick(unseen, q.regen.eval_prompts, 2)
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -146,14 +147,14 @@ def write_continuations(model, tokenizer, windows: list[list[int]], cfg: RegenCf
 
 
 def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.device, log=print) -> RegenResult:
-    """Write out_dir/train.jsonl (held-in prompts) and out_dir/eval.jsonl (held-out prompts); eval is answered
-    first so a time-budget cut only shortens the training set."""
+    """Write out_dir/train.jsonl (prompts and source windows of the drafter's files) and out_dir/eval.jsonl
+    (held-out prompts); eval is answered first so a time-budget cut only shortens the training set."""
     from trainer.model.target import load_target
 
     t0 = time.perf_counter()
     target = load_target(target_dir, num_draft_layers=1, device=device, truncate=False)
-    heldin, heldout = corpus_split(q.corpus)
-    train_prompts, eval_prompts = prompt_sets(q, (heldin, heldout))
+    split = corpus_split(q.corpus)
+    train_prompts, eval_prompts = prompt_sets(q, split)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = t0 + q.regen.budget_s
@@ -167,7 +168,7 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
     if q.regen.continuations and time.perf_counter() < deadline:
         from trainer.quality.pretrain import token_stream
 
-        windows = continuation_windows(token_stream(tok, [f.text for f in heldin]), q.regen.continuations,
+        windows = continuation_windows(token_stream(tok, [f.text for f in split.drafter]), q.regen.continuations,
                                        q.regen.continuation_prompt_tokens, tok.convert_tokens_to_ids(ENDOFTEXT),
                                        q.seed)
         with (out_dir / "train.jsonl").open("a", encoding="utf-8") as f:

@@ -69,6 +69,24 @@ def test_heldout_split_is_stable_and_disjoint():
     assert split_heldout(list_sources(corpus_root(CorpusCfg()), 200_000, max_files=120), 10)[1] == heldout
 
 
+def test_drafter_only_files_are_kept_from_pretraining_and_from_evaluation():
+    from trainer.quality.corpus import is_drafter_only, split_corpus
+
+    files = list_sources(corpus_root(CorpusCfg()), 200_000, max_files=120)
+    off = split_corpus(files, 10)
+    assert off.target == off.drafter == split_heldout(files, 10)[0] and off.seen == off.target
+    on = split_corpus(files, 10, drafter_only_every=3)
+    target, drafter, heldout = ({f.rel for f in part} for part in (on.target, on.drafter, on.heldout))
+    assert on.heldout == off.heldout  # the held-out choice does not move
+    assert target.isdisjoint(drafter) and drafter.isdisjoint(heldout) and target.isdisjoint(heldout)
+    assert target | drafter | heldout == {f.rel for f in files}
+    assert all(is_drafter_only(r, 3) for r in drafter) and not any(is_drafter_only(r, 3) for r in target)
+    assert 0.2 < len(drafter) / (len(drafter) + len(target)) < 0.45  # about a third
+    assert {f.rel for f in on.seen} == target | drafter and len(on.seen) == len(target) + len(drafter)
+    with pytest.raises(Exception, match="drafter_only_every"):
+        CorpusCfg(drafter_only_every=1)
+
+
 @pytest.fixture(scope="module")
 def stdlib_slice():
     cfg = CorpusCfg(max_files=25, vocab_size=600)

@@ -81,6 +81,39 @@ def test_held_in_and_held_out_prompts_come_from_their_own_files(made):
     assert prompt_sets(q) == (train, held_out)  # deterministic
 
 
+def test_with_drafter_only_files_the_training_prompts_come_from_them_alone(made):
+    """corpus.drafter_only_every: the drafter's prompts come from files the target never pretrained on, and the
+    held-out prompts still differ from every prompt of a file any model trains on."""
+    import dataclasses
+
+    from trainer.quality.corpus import all_units, corpus_split
+
+    q0 = made[0]
+    q = dataclasses.replace(q0, corpus=dataclasses.replace(q0.corpus, drafter_only_every=3))
+    split = corpus_split(q.corpus)
+    train, held_out = prompt_sets(q, split)
+    assert train and held_out
+    target_prompts = {u.prompt for u in all_units(split.target, q.corpus)}
+    drafter_prompts = {u.prompt for u in all_units(split.drafter, q.corpus)}
+    assert set(train) <= drafter_prompts
+    assert {f.rel for f in split.target}.isdisjoint({f.rel for f in split.drafter})
+    assert set(held_out).isdisjoint(target_prompts | drafter_prompts)
+    assert set(held_out) <= {u.prompt for u in all_units(split.heldout, q.corpus)}
+
+
+def test_drafter_only_files_stay_out_of_pretraining(made, tmp_path):
+    """make_target with corpus.drafter_only_every: fewer pretraining files, the rest counted; held-out unchanged."""
+    from trainer.quality.pretrain import make_target
+
+    q0, pre0 = made[0], made[1]
+    q = dataclasses.replace(q0, corpus=dataclasses.replace(q0.corpus, drafter_only_every=3),
+                            pretrain=dataclasses.replace(q0.pretrain, steps=1))
+    pre = make_target(tmp_path / "target", q, torch.device("cpu"), log=lambda _m: None)
+    assert pre.files_drafter_only > 0 and pre0.files_drafter_only == 0
+    assert pre.files_heldin + pre.files_drafter_only == pre0.files_heldin
+    assert pre.files_heldout == pre0.files_heldout and pre.corpus_tokens < pre0.corpus_tokens
+
+
 def test_repeated_ngram_fraction():
     from trainer.quality.evaluate import repeated_ngram_fraction
 
