@@ -54,12 +54,13 @@ def check_supported(cfg) -> None:
 
 
 class StaticTarget:
-    """A full (untruncated) `Target` plus its static KV cache of `slots` positions.
+    """A full (untruncated) `Target` plus its static KV cache of `slots` positions for `rows` sequences that advance
+    together (batch-1 decoding: rows = 1; equal-length prompts generated as a batch: rows = R).
 
     `forward` is free of host syncs and allocates nothing that depends on values, so it can run inside a CUDA graph
     capture for a fixed L."""
 
-    def __init__(self, target: Target, slots: int) -> None:
+    def __init__(self, target: Target, slots: int, rows: int = 1) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
         check_supported(target.hf_config)
@@ -75,7 +76,8 @@ class StaticTarget:
         self.inv_freq, self.rope_scaling = _rope_of(self.model)
         weight = target.embed_tokens.weight
         self.inv_freq = self.inv_freq.to(weight.device)
-        shape = (1, self.kv_heads, slots, self.head_dim)
+        self.rows = rows
+        shape = (rows, self.kv_heads, slots, self.head_dim)
         self.k = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
         self.v = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
         self.slot_ids = torch.arange(slots, device=weight.device)
@@ -89,13 +91,14 @@ class StaticTarget:
         return self.slot_ids.device
 
     @torch.no_grad()
-    def forward(self, ids_1L: torch.Tensor, pos0: torch.Tensor,
-                want_features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids [1, L] at positions pos0..pos0+L-1 (pos0: 0-dim long device tensor) -> (logits [1, L, V] fp32,
-        tapped features [1, L, T*D] or None). Writes their K/V into slots pos0..pos0+L-1; pos0 + L <= slots."""
-        L = ids_1L.shape[1]
-        pos = pos0 + torch.arange(L, device=ids_1L.device)  # [L]
-        x = self.target.embed_tokens(ids_1L)
+    def forward(self, ids_RL: torch.Tensor, pos0: torch.Tensor, want_features: bool = True,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [R, L] (R = rows) at positions pos0..pos0+L-1 (pos0: 0-dim long device tensor) -> (logits [R, L, V]
+        fp32 -- [R, 1, V] of the last position when `last_only` --, tapped features [R, L, T*D] or None). Writes
+        their K/V into slots pos0..pos0+L-1; pos0 + L <= slots."""
+        R, L = ids_RL.shape
+        pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L]
+        x = self.target.embed_tokens(ids_RL)
         cos, sin = rope_from_inv_freq(pos, self.inv_freq, self.rope_scaling, x.dtype)
         visible = (self.slot_ids[None, :] <= pos[:, None])[None, None]  # [1, 1, L, M]
         H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
@@ -103,17 +106,18 @@ class StaticTarget:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = self.q_norms[i](attn.q_proj(h).view(1, L, H, Dh)).transpose(1, 2)
-            k = self.k_norms[i](attn.k_proj(h).view(1, L, Hkv, Dh)).transpose(1, 2)
-            v = attn.v_proj(h).view(1, L, Hkv, Dh).transpose(1, 2)
+            q = self.q_norms[i](attn.q_proj(h).view(R, L, H, Dh)).transpose(1, 2)
+            k = self.k_norms[i](attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
+            v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
             self.k[i].index_copy_(2, pos, apply_rope(k, cos, sin))
             self.v[i].index_copy_(2, pos, v)
             out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=visible,
                                                  scale=attn.scaling, enable_gqa=H != Hkv)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, L, H * Dh))
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(R, L, H * Dh))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if want_features and i in self.taps:
                 taps[i] = x
-        logits = self.target.lm_head(self.model.model.norm(x)).float()
+        # last_only: a batch prefill needs only the next token ([R, P, V] fp32 logits would be GBs).
+        logits = self.target.lm_head(self.model.model.norm(x[:, -1:] if last_only else x)).float()
         feats = torch.cat([taps[i] for i in self.target.layer_ids], dim=-1) if want_features else None
         return logits, feats

@@ -85,12 +85,16 @@ class RegenCfg:
     continuation_prompt_tokens: int = 96
     continuation_new_tokens: int = 128
     continuation_batch_size: int = 1024
+    # static: continuations through trainer.decode.BatchGreedy (static cache, one CUDA graph replay per token for the
+    # whole batch; falls back to hf with a note if it fails); hf: HF generate.
+    engine: str = "static"
 
     def __post_init__(self) -> None:
         _check(self.train_prompts >= 1 and self.eval_prompts >= 1, "regen.*_prompts must be >= 1")
         _check(self.max_new_tokens >= 1 and self.batch_size >= 1, "regen.max_new_tokens/batch_size must be >= 1")
         _check(self.continuations >= 0 and self.continuation_prompt_tokens >= 1 and self.continuation_new_tokens >= 1
                and self.continuation_batch_size >= 1, "regen.continuation_* must be >= 1 (continuations >= 0)")
+        _check(self.engine in ("static", "hf"), "regen.engine must be static|hf")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -125,21 +125,52 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
     return wins[keep][:count].tolist()
 
 
-def write_continuations(model, tokenizer, windows: list[list[int]], cfg: RegenCfg, f, deadline: float,
+def continuation_engine(target, cfg: RegenCfg, eot: int, log=print):
+    """-> answer(windows: list of equal-length token lists) -> greedy continuations, each through the first
+    <|endoftext|> (kept). regen.engine "static": `trainer.decode.BatchGreedy` (one static cache, one graph replay per
+    token for the whole batch), built on first use; if it raises, a one-line note and HF `generate` from then on.
+    "hf": HF `generate` (left-padded batches, launch-bound)."""
+    def hf(chunk):
+        return greedy_batch(target.model, chunk, cfg.continuation_new_tokens, eot, eot)
+
+    if cfg.engine == "hf":
+        return hf
+    state: dict = {}
+
+    def static(chunk):
+        if state.get("failed"):
+            return hf(chunk)
+        try:
+            if "gen" not in state:
+                from trainer.decode.batch import BatchGreedy
+
+                state["gen"] = BatchGreedy(target, cfg.continuation_batch_size, cfg.continuation_prompt_tokens,
+                                           cfg.continuation_new_tokens)
+            rows = state["gen"].generate(torch.tensor(chunk)).tolist()  # SYNC: once per batch
+        except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
+            state["failed"] = True
+            log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                f"continuing with HF generate")
+            return hf(chunk)
+        return [row[:row.index(eot) + 1] if eot in row else row for row in rows]
+
+    return static
+
+
+def write_continuations(answer, windows: list[list[int]], cfg: RegenCfg, f, deadline: float, eot: int,
                         log=print) -> tuple[int, int, int]:
-    """Greedy continuations of equal-length windows (no padding needed), appended to `f` as token lines
-    (loss on the continuation only; through the first <|endoftext|>, kept) -> (samples written, tokens generated,
-    windows answered)."""
-    eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    """Greedy continuations (`answer`, from `continuation_engine`) of equal-length windows (no padding needed),
+    appended to `f` as token lines (loss on the continuation only) -> (samples written, tokens generated, windows
+    answered)."""
     n = tokens = answered = 0
     for i in range(0, len(windows), cfg.continuation_batch_size):
         if time.perf_counter() > deadline:
             break
         chunk = windows[i:i + cfg.continuation_batch_size]
-        for ids, answer in zip(chunk, greedy_batch(model, chunk, cfg.continuation_new_tokens, eot, eot)):
-            tokens += len(answer)
-            if answer and answer != [eot]:
-                f.write(token_line(ids, answer))
+        for ids, answer_ids in zip(chunk, answer(chunk)):
+            tokens += len(answer_ids)
+            if answer_ids and answer_ids != [eot]:
+                f.write(token_line(ids, answer_ids))
                 n += 1
         answered += len(chunk)
         log(f"regen continuations: {answered}/{len(windows)} answered")
@@ -168,11 +199,12 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
     if q.regen.continuations and time.perf_counter() < deadline:
         from trainer.quality.pretrain import token_stream
 
+        eot = tok.convert_tokens_to_ids(ENDOFTEXT)
         windows = continuation_windows(token_stream(tok, [f.text for f in split.drafter]), q.regen.continuations,
-                                       q.regen.continuation_prompt_tokens, tok.convert_tokens_to_ids(ENDOFTEXT),
-                                       q.seed)
+                                       q.regen.continuation_prompt_tokens, eot, q.seed)
+        answer = continuation_engine(target, q.regen, eot, log)
         with (out_dir / "train.jsonl").open("a", encoding="utf-8") as f:
-            n_cont, tok_cont, cont_answered = write_continuations(model, tok, windows, q.regen, f, deadline, log)
+            n_cont, tok_cont, cont_answered = write_continuations(answer, windows, q.regen, f, deadline, eot, log)
     result = RegenResult(train_path=str(out_dir / "train.jsonl"), eval_path=str(out_dir / "eval.jsonl"),
                          train_samples=n_train + n_cont, eval_samples=n_eval, continuations=n_cont,
                          ended_with_eos=round((eos_eval + eos_train) / max(1, n_eval + n_train), 4),

@@ -63,3 +63,18 @@ def test_compiled_round_equals_reference(cuda_target, compile):
         want = generate_target_only(cuda_target, ids, 33)
         assert decoder.generate_target_only(ids, 33) == want
         assert decoder.generate_speculative(ids, 33).tokens == want
+
+
+def test_batched_continuations_under_graph_replay(cuda_target):
+    """BatchGreedy (the regen stage's continuation engine): one replay per token for the whole batch, each row the
+    target's own greedy continuation (fp32)."""
+    from trainer.decode.batch import BatchGreedy
+
+    torch.manual_seed(0)
+    vocab = cuda_target.embed_tokens.weight.shape[0]
+    prompts = torch.randint(0, vocab - 1, (6, 10))
+    gen = BatchGreedy(cuda_target, rows=4, prompt_len=10, new_tokens=12)
+    assert gen.step.graph is not None
+    got = torch.cat([gen.generate(prompts[:4]), gen.generate(prompts[4:])]).tolist()
+    for row, prompt in zip(got, prompts.tolist()):
+        assert row == generate_target_only(cuda_target, prompt, 12)

@@ -137,9 +137,10 @@ def test_training_lines_are_the_targets_exact_tokens(made):
         assert answer == generate_target_only(target, prompt, 16, tok.eos_token_id)
 
 
-def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path):
+@pytest.mark.parametrize("engine", ["static", "hf"])
+def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path, engine):
     from trainer.quality.pretrain import token_stream
-    from trainer.quality.regenerate import continuation_windows, write_continuations
+    from trainer.quality.regenerate import continuation_engine, continuation_windows, write_continuations
 
     q, _pre, _regen, out = made
     target = load_target(out / "target", num_draft_layers=1, truncate=False)
@@ -149,10 +150,14 @@ def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path):
     windows = continuation_windows(stream, 6, 12, eot, seed=3)
     assert len(windows) == 6 and all(len(w) == 12 and eot not in w for w in windows)
     assert windows == continuation_windows(stream, 6, 12, eot, seed=3)  # seeded
-    cfg = dataclasses.replace(q.regen, continuation_new_tokens=8, continuation_batch_size=4)
+    cfg = dataclasses.replace(q.regen, continuation_new_tokens=8, continuation_batch_size=4, engine=engine,
+                              continuation_prompt_tokens=12)
     path = tmp_path / "cont.jsonl"
+    notes: list[str] = []
+    answer = continuation_engine(target, cfg, eot, notes.append)
     with path.open("w") as f:
-        n, tokens, answered = write_continuations(target.model, tok, windows, cfg, f, float("inf"), lambda _m: None)
+        n, tokens, answered = write_continuations(answer, windows, cfg, f, float("inf"), eot, notes.append)
+    assert not [m for m in notes if m.startswith("note:")]  # the static engine did not fall back
     lines = [json.loads(line) for line in open(path)]
     assert answered == 6 and n == len(lines) >= 1 and tokens >= n
     for obj in lines:
@@ -161,3 +166,25 @@ def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path):
         assert answer == generate_target_only(target, prompt, 8, eot)
     samples, report = load_samples([str(path)], tok, len(tok), max_bad_fraction=0.0)
     assert len(samples) == n and not report.bad
+
+
+def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
+    from trainer.decode import batch
+    from trainer.quality.regenerate import continuation_engine
+
+    q, _pre, _regen, out = made
+    target = load_target(out / "target", num_draft_layers=1, truncate=False)
+    eot = target.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    def broken(*_a, **_k):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(batch.BatchGreedy, "__init__", broken)
+    cfg = dataclasses.replace(q.regen, continuation_new_tokens=5, continuation_batch_size=2,
+                              continuation_prompt_tokens=6, engine="static")
+    notes: list[str] = []
+    answer = continuation_engine(target, cfg, eot, notes.append)
+    windows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
+    got = answer(windows) + answer(windows)
+    assert notes == ["note: regen.engine=static failed (RuntimeError: capture failed); continuing with HF generate"]
+    assert got[:2] == got[2:] == [generate_target_only(target, w, 5, eot) for w in windows]
