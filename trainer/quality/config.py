@@ -132,9 +132,17 @@ class QualityCfg:
     regen: RegenCfg = field(default_factory=RegenCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     drafter_budget_s: float = 200.0  # wall-clock cap on drafter training (stops early, reported)
+    # > 0: the whole pipeline's wall-clock target. The drafter then gets what is left of it after pretrain and
+    # regenerate, minus `eval_reserve_s` for evaluation (and never more than drafter_budget_s).
+    total_budget_s: float = 0.0
+    eval_reserve_s: float = 60.0
     seed: int = 0
     device: str = "auto"
     threads: int = 0  # CPU intra-op threads; 0 = torch default
+
+    def __post_init__(self) -> None:
+        _check(self.drafter_budget_s > 0, "drafter_budget_s must be > 0")
+        _check(self.total_budget_s >= 0 and self.eval_reserve_s >= 0, "total_budget_s and eval_reserve_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,14 @@ def drafter_train_cfg(drafter_tree: dict, target_dir: Path, regen, device, seed:
     return from_dict(TrainCfg, tree)
 
 
+def drafter_budget(q, elapsed_s: float) -> float:
+    """The drafter's wall-clock budget: `drafter_budget_s`, or less when `total_budget_s` is set and the stages so
+    far leave less (never below 0: a drafter with no time trains no step and says so). Pure."""
+    if not q.total_budget_s:
+        return q.drafter_budget_s
+    return max(0.0, min(q.drafter_budget_s, q.total_budget_s - elapsed_s - q.eval_reserve_s))
+
+
 def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
     """The real Trainer (setup -> loop -> finish/export) inside budget_s: once the step time is known, the run's
     total_steps (which the LR schedule reads) shrinks to what fits, so a cut run still anneals. A graph mode that
@@ -226,7 +234,12 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
             record_stage(out, name, {**dataclasses.asdict(result), "reused_from": str(reuse.resolve())})
     target_dir = Path(pre.path)
     cfg = drafter_train_cfg(recipe.drafter, target_dir, regen, device, q.seed)
-    drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", q.drafter_budget_s))
+    used = time.perf_counter() - t_all
+    budget = drafter_budget(q, used)
+    if budget != q.drafter_budget_s:
+        log(f"drafter budget: {budget:.0f}s = total_budget_s {q.total_budget_s:.0f} - {used:.0f}s used - "
+            f"eval_reserve_s {q.eval_reserve_s:.0f}")
+    drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", budget))
 
     def evaluate() -> dict:
         simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, target_dir))

@@ -85,8 +85,10 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path)
     before = {p: p.stat().st_mtime_ns for p in (first / "target").iterdir()} | {
         p: p.stat().st_mtime_ns for p in (first / "data").iterdir()}
     proc = _run("--recipe", "quality_cpu", "--out", str(second), "--reuse", str(first), *small,
-                "--set", "drafter.model.block_size=4", "--set", "eval.engine=hf", "--set", "eval.also_dtype=float32")
+                "--set", "drafter.model.block_size=4", "--set", "eval.engine=hf", "--set", "eval.also_dtype=float32",
+                "--set", "total_budget_s=100", "--set", "eval_reserve_s=10")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "drafter budget: " in proc.stdout and "= total_budget_s 100 - " in proc.stdout
     assert "== stage pretrain" not in proc.stdout and "== stage regenerate" not in proc.stdout
     result = json.loads((second / "quality.json").read_text())
     assert result["reused_from"] == str(first.resolve())
