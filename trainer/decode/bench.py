@@ -46,12 +46,12 @@ def random_pair(device: torch.device, block_size: int, dtype: torch.dtype = torc
     return target, drafter, block_size
 
 
-def trained_pair(target_dir: str, drafter_dir: str, device: torch.device):
+def trained_pair(target_dir: str, drafter_dir: str, device: torch.device, dtype: str = "float32"):
     from pathlib import Path
 
     from trainer.quality.evaluate import load_pair
 
-    return load_pair(Path(drafter_dir), Path(target_dir), device, "float32")
+    return load_pair(Path(drafter_dir), Path(target_dir), device, dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: also print the GPU ms of each piece of a round (DECODE_PIECES), per static engine")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the random target's dtype")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's dtype")
     p.add_argument("--profile", action="store_true", help="CUDA: top kernels of a step, a verify and a draft (PROF)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device(args.device)
     if args.target:
-        target, drafter, block = trained_pair(args.target, args.drafter, device)
+        target, drafter, block = trained_pair(args.target, args.drafter, device, args.dtype)
     else:
         target, drafter, block = random_pair(device, args.block, getattr(torch, args.dtype))
     vocab = target.embed_tokens.weight.shape[0]
