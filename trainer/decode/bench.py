@@ -191,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.target) != bool(args.drafter):
         print("error: --target and --drafter go together", file=sys.stderr)
         return 2
+    from pathlib import Path
+
+    for given in (args.target, args.drafter):
+        if given and not (Path(given) / "config.json").is_file():
+            print(f"error: {given} has no config.json (a target HF directory / a drafter export directory)",
+                  file=sys.stderr)
+            return 2
     device = torch.device(args.device)
     if args.target:
         target, drafter, block = trained_pair(args.target, args.drafter, device, args.dtype)

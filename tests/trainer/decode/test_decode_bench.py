@@ -26,6 +26,8 @@ def test_bench_refuses_bad_arguments(capsys):
     assert "unknown engine" in capsys.readouterr().err
     assert bench.main(["--target", "/nonexistent"]) == 2
     assert bench.main(["--new-tokens", "4"]) == 2
+    assert bench.main(["--target", "/nonexistent", "--drafter", "/nonexistent"]) == 2
+    assert "has no config.json" in capsys.readouterr().err
 
 
 def test_every_piece_of_a_round_runs_eagerly(full_target):
