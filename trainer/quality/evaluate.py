@@ -73,15 +73,16 @@ def load_pair(export_dir: Path, target_dir: Path, device: torch.device, target_d
 
 def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: EvalCfg, compile: str | None = None,
              log=print):
-    """(target_only(ids, max_new, eos=None), speculative(ids, max_new, eos=None, host_s=None)) for `cfg.engine`.
-    Both use the same target forward, so the comparison is one engine against itself. A compilation that fails
-    (torch.compile raises while the graphs are captured) falls back to the uncompiled engine, with a note."""
+    """(target_only(ids, max_new, eos=None), speculative(ids, max_new, eos=None, host_s=None), compile mode used)
+    for `cfg.engine`. Both use the same target forward, so the comparison is one engine against itself. A compilation
+    that fails (torch.compile raises while the graphs are captured) falls back to the uncompiled engine, with a
+    note, and the mode used is then "none"."""
     if cfg.engine == "hf":
         proposer = DFlashProposer(target, drafter, block_size)
         def speculative(ids, n, eos=None, host_s=None):
             return generate_speculative(target, proposer, ids, n, eos, host_s=host_s)
 
-        return (lambda ids, n, eos=None: generate_target_only(target, ids, n, eos)), speculative
+        return (lambda ids, n, eos=None: generate_target_only(target, ids, n, eos)), speculative, "none"
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.static_draft import StaticDFlashProposer
 
@@ -100,8 +101,9 @@ def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: Ev
             raise
         log(f"note: eval.compile={compile} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             f"decoding uncompiled")
-        decoder = build("none")
-    return decoder.generate_target_only, decoder.generate_speculative
+        compile = "none"
+        decoder = build(compile)
+    return decoder.generate_target_only, decoder.generate_speculative, compile
 
 
 def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print) -> dict:
@@ -109,7 +111,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     device = target.device
     tok = target.tokenizer
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
-    target_only, speculative = decoders(target, drafter, block_size, encoded, cfg, log=log)
+    target_only, speculative, compiled = decoders(target, drafter, block_size, encoded, cfg, log=log)
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
         speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
@@ -151,7 +153,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
-           "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": cfg.compile,
+           "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": compiled,
            "matches_hf": matches_hf,
            "round_ms": round_ms,
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,

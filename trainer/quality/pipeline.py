@@ -121,7 +121,8 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
             # Shrink the schedule so the cosine still anneals inside the budget (the trainer reads total_steps).
             run.total_steps = max(run.cursor.step + 1, fits)
     finish(run)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    metrics = run_dir / "metrics.jsonl"  # absent when the budget allowed no logged step
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
     last = json.loads(lines[-1]) if lines else {}
     return {"steps": run.cursor.step, "total_steps": run.total_steps, "mode": cfg.step.mode,
             "loss": last.get("loss"), "acc": last.get("acc"), "tokens_per_s": last.get("tokens_per_s"),
@@ -234,11 +235,14 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
             record_stage(out, name, {**dataclasses.asdict(result), "reused_from": str(reuse.resolve())})
     target_dir = Path(pre.path)
     cfg = drafter_train_cfg(recipe.drafter, target_dir, regen, device, q.seed)
-    used = time.perf_counter() - t_all
+    # Time spent before the drafter: this run's, or under --reuse the reused stages' own (so that a reusing run
+    # gives its drafter the budget the original run's drafter had).
+    used = time.perf_counter() - t_all if reused is None else pre.seconds + regen.seconds
     budget = drafter_budget(q, used)
-    if budget != q.drafter_budget_s:
-        log(f"drafter budget: {budget:.0f}s = total_budget_s {q.total_budget_s:.0f} - {used:.0f}s used - "
-            f"eval_reserve_s {q.eval_reserve_s:.0f}")
+    if q.total_budget_s:
+        log(f"drafter budget: {budget:.0f}s = min(drafter_budget_s {q.drafter_budget_s:.0f}, total_budget_s "
+            f"{q.total_budget_s:.0f} - {used:.0f}s used{' by the reused stages' if reused else ''} - eval_reserve_s "
+            f"{q.eval_reserve_s:.0f})")
     drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", budget))
 
     def evaluate() -> dict:

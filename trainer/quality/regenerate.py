@@ -11,6 +11,7 @@ eval.jsonl holds chat lines {"conversations": [user, assistant]}: its prompts ar
 """
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
@@ -35,6 +36,7 @@ class RegenResult:
     generated_tokens: int
     seconds: float
     stopped_by: str  # "done" or "budget"
+    continuation_engine: str = ""  # what generated the continuations: "static", "hf", or "static->hf" (fell back)
 
 
 def prompt_sets(q: QualityCfg, split: CorpusSplit | None = None) -> tuple[list[str], list[str]]:
@@ -51,6 +53,8 @@ def prompt_sets(q: QualityCfg, split: CorpusSplit | None = None) -> tuple[list[s
     # A held-out prompt whose text also occurs in a seen file (`def __repr__(self):`) is not held out: drop it.
     unseen = {u.prompt for u in all_units(split.heldout, q.corpus)} - seen
     train = {u.prompt for u in all_units(split.drafter, q.corpus)}
+    if split.drafter is not split.target:  # drafter-only files: only prompts the target never pretrained on
+        train -= {u.prompt for u in all_units(split.target, q.corpus)}
     return pick(train, q.regen.train_prompts, 1), pick(unseen, q.regen.eval_prompts, 2)
 
 
@@ -125,36 +129,47 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
     return wins[keep][:count].tolist()
 
 
-def continuation_engine(target, cfg: RegenCfg, eot: int, log=print):
-    """-> answer(windows: list of equal-length token lists) -> greedy continuations, each through the first
+class ContinuationEngine:
+    """answer(windows: list of equal-length token lists) -> greedy continuations, each through the first
     <|endoftext|> (kept). regen.engine "static": `trainer.decode.BatchGreedy` (one static cache, one graph replay per
-    token for the whole batch), built on first use; if it raises, a one-line note and HF `generate` from then on.
-    "hf": HF `generate` (left-padded batches, launch-bound)."""
-    def hf(chunk):
-        return greedy_batch(target.model, chunk, cfg.continuation_new_tokens, eot, eot)
+    token for the whole batch), built on first use with min(batch size, windows) rows; if it raises, a one-line note
+    and HF `generate` from then on. "hf": HF `generate` (left-padded batches, launch-bound). `used` says which ran."""
 
-    if cfg.engine == "hf":
-        return hf
-    state: dict = {}
+    def __init__(self, target, cfg: RegenCfg, eot: int, rows: int, log=print) -> None:
+        self.target, self.cfg, self.eot, self.rows, self.log = target, cfg, eot, rows, log
+        self.gen = None
+        self.used = cfg.engine
 
-    def static(chunk):
-        if state.get("failed"):
-            return hf(chunk)
+    def _hf(self, chunk):
+        return greedy_batch(self.target.model, chunk, self.cfg.continuation_new_tokens, self.eot, self.eot)
+
+    def __call__(self, chunk):
+        if self.used != "static":
+            return self._hf(chunk)
         try:
-            if "gen" not in state:
+            if self.gen is None:
                 from trainer.decode.batch import BatchGreedy
 
-                state["gen"] = BatchGreedy(target, cfg.continuation_batch_size, cfg.continuation_prompt_tokens,
-                                           cfg.continuation_new_tokens)
-            rows = state["gen"].generate(torch.tensor(chunk)).tolist()  # SYNC: once per batch
+                self.gen = BatchGreedy(self.target, self.rows, self.cfg.continuation_prompt_tokens,
+                                       self.cfg.continuation_new_tokens)
+            rows = self.gen.generate(torch.tensor(chunk)).tolist()  # SYNC: once per batch
         except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
-            state["failed"] = True
-            log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                f"continuing with HF generate")
-            return hf(chunk)
-        return [row[:row.index(eot) + 1] if eot in row else row for row in rows]
+            self.close()
+            self.used = "static->hf"
+            self.log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                     f"continuing with HF generate")
+            return self._hf(chunk)
+        return [row[:row.index(self.eot) + 1] if self.eot in row else row for row in rows]
 
-    return static
+    def close(self) -> None:
+        """Free the static cache and its graph now (they hold GBs at the GPU recipe's batch)."""
+        self.gen = None
+        gc.collect()  # the graph's callable refers back to its owner: a cycle
+
+
+def continuation_engine(target, cfg: RegenCfg, eot: int, log=print, windows: int | None = None) -> ContinuationEngine:
+    rows = cfg.continuation_batch_size if windows is None else max(1, min(cfg.continuation_batch_size, windows))
+    return ContinuationEngine(target, cfg, eot, rows, log)
 
 
 def write_continuations(answer, windows: list[list[int]], cfg: RegenCfg, f, deadline: float, eot: int,
@@ -196,21 +211,27 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
                                                               out_dir / "train.jsonl", deadline, log, as_tokens=True)
     n_cont = tok_cont = cont_answered = 0
     windows: list = []
+    engine_used = ""
     if q.regen.continuations and time.perf_counter() < deadline:
         from trainer.quality.pretrain import token_stream
 
         eot = tok.convert_tokens_to_ids(ENDOFTEXT)
         windows = continuation_windows(token_stream(tok, [f.text for f in split.drafter]), q.regen.continuations,
                                        q.regen.continuation_prompt_tokens, eot, q.seed)
-        answer = continuation_engine(target, q.regen, eot, log)
-        with (out_dir / "train.jsonl").open("a", encoding="utf-8") as f:
-            n_cont, tok_cont, cont_answered = write_continuations(answer, windows, q.regen, f, deadline, eot, log)
+        answer = continuation_engine(target, q.regen, eot, log, windows=len(windows))
+        try:
+            with (out_dir / "train.jsonl").open("a", encoding="utf-8") as f:
+                n_cont, tok_cont, cont_answered = write_continuations(answer, windows, q.regen, f, deadline, eot,
+                                                                      log)
+        finally:
+            answer.close()
+        engine_used = answer.used
     result = RegenResult(train_path=str(out_dir / "train.jsonl"), eval_path=str(out_dir / "eval.jsonl"),
                          train_samples=n_train + n_cont, eval_samples=n_eval, continuations=n_cont,
                          ended_with_eos=round((eos_eval + eos_train) / max(1, n_eval + n_train), 4),
                          generated_tokens=tok_eval + tok_train + tok_cont, seconds=round(time.perf_counter() - t0, 1),
                          stopped_by="budget" if answered < len(train_prompts) or cont_answered < len(windows)
-                         or (q.regen.continuations and not windows) else "done")
+                         or (q.regen.continuations and not windows) else "done", continuation_engine=engine_used)
     if not n_train or not n_eval:
         raise DataError(f"regeneration left {n_train} training and {n_eval} held-out answers (blank answers are "
                         f"dropped)", hint="train the target longer (pretrain.steps) or raise regen.budget_s")

@@ -88,7 +88,7 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path)
                 "--set", "drafter.model.block_size=4", "--set", "eval.engine=hf", "--set", "eval.also_dtype=float32",
                 "--set", "total_budget_s=100", "--set", "eval_reserve_s=10")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "drafter budget: " in proc.stdout and "= total_budget_s 100 - " in proc.stdout
+    assert "drafter budget: " in proc.stdout and "total_budget_s 100 - " in proc.stdout
     assert "== stage pretrain" not in proc.stdout and "== stage regenerate" not in proc.stdout
     result = json.loads((second / "quality.json").read_text())
     assert result["reused_from"] == str(first.resolve())
@@ -99,6 +99,17 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path)
     assert result["eval"]["decode"]["engine"] == result["eval"]["decode_also"]["engine"] == "hf"
     assert result["also"]["target_dtype"] == "float32" and result["also"]["tau"] == result["tau"]
     assert not (second / "target").exists() and (second / "drafter" / "export" / "model.safetensors").is_file()
+    # Under --reuse the budget counts the reused stages' own time, as the original run's drafter had it.
+    used = result["target"]["seconds"] + result["regen"]["seconds"]
+    assert f"total_budget_s 100 - {used:.0f}s used by the reused stages - eval_reserve_s 10)" in proc.stdout
+
+    # A total budget that leaves the drafter no time: it trains no step, says so, and the run still ends.
+    no_time = tmp_path / "no_time"
+    proc = _run("--recipe", "quality_cpu", "--out", str(no_time), "--reuse", str(first), *small,
+                "--set", "total_budget_s=1", "--set", "eval_reserve_s=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    drafted = json.loads((no_time / "quality.json").read_text())["drafter"]
+    assert drafted["steps"] == 0 and drafted["stopped_by"] == "budget" and "drafter budget: 0s" in proc.stdout
     assert {p: p.stat().st_mtime_ns for p in before} == before  # the earlier run is read, never written
     # A reusing run can itself be reused (its stages.json carries the reused records).
     reused = json.loads((second / "stages.json").read_text())

@@ -95,7 +95,7 @@ def test_with_drafter_only_files_the_training_prompts_come_from_them_alone(made)
     assert train and held_out
     target_prompts = {u.prompt for u in all_units(split.target, q.corpus)}
     drafter_prompts = {u.prompt for u in all_units(split.drafter, q.corpus)}
-    assert set(train) <= drafter_prompts
+    assert set(train) <= drafter_prompts and set(train).isdisjoint(target_prompts)  # text the target never saw
     assert {f.rel for f in split.target}.isdisjoint({f.rel for f in split.drafter})
     assert set(held_out).isdisjoint(target_prompts | drafter_prompts)
     assert set(held_out) <= {u.prompt for u in all_units(split.heldout, q.corpus)}
@@ -157,7 +157,7 @@ def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path, e
     answer = continuation_engine(target, cfg, eot, notes.append)
     with path.open("w") as f:
         n, tokens, answered = write_continuations(answer, windows, cfg, f, float("inf"), eot, notes.append)
-    assert not [m for m in notes if m.startswith("note:")]  # the static engine did not fall back
+    assert not [m for m in notes if m.startswith("note:")] and answer.used == engine  # no fall-back
     lines = [json.loads(line) for line in open(path)]
     assert answered == 6 and n == len(lines) >= 1 and tokens >= n
     for obj in lines:
@@ -188,3 +188,4 @@ def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
     got = answer(windows) + answer(windows)
     assert notes == ["note: regen.engine=static failed (RuntimeError: capture failed); continuing with HF generate"]
     assert got[:2] == got[2:] == [generate_target_only(target, w, 5, eot) for w in windows]
+    assert answer.used == "static->hf" and answer.gen is None
