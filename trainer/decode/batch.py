@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.decode.engine import GraphProgram
+from trainer.decode.engine import GraphProgram, greedy_step
 from trainer.decode.static_target import StaticTarget
 from trainer.model.target import Target
 
@@ -27,9 +27,7 @@ class BatchGreedy:
         self.step = GraphProgram(self._step, dev, graphs)
 
     def _step(self) -> None:
-        logits, _ = self.static.forward(self.tok, self.pos, want_features=False)
-        self.tok.copy_(logits[:, -1:].argmax(-1))
-        self.pos.add_(1)
+        greedy_step(self.static.forward, self.tok, self.pos)
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor) -> torch.Tensor:

@@ -54,17 +54,12 @@ def trained_pair(target_dir: str, drafter_dir: str, device: torch.device, dtype:
     return load_pair(Path(drafter_dir), Path(target_dir), device, dtype)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
-
-
 def measure(engine: str, target, drafter, block_size: int, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     """Median over `repeats` of (seconds per target-only token, seconds per speculative round). Each figure is the
     difference between a decode of `new_tokens` and one of half as many, divided by the extra tokens (rounds): the
     prefill and the per-sequence set-up cancel out."""
     from trainer.quality.config import EvalCfg
-    from trainer.quality.evaluate import decoders
+    from trainer.quality.evaluate import decoders, sync
 
     t0 = time.perf_counter()
     cfg = EvalCfg(max_new_tokens=new_tokens, engine="hf" if engine == "hf" else "static")
@@ -76,10 +71,10 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
     device = target.device
 
     def timed(fn, n: int):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         out = fn(prompt, n)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - start, out
 
     short = new_tokens // 2

@@ -25,6 +25,14 @@ from trainer.speculative import SpecResult, stop_index
 COMPILE_CHOICES = ("none", "drafter", "all")
 
 
+def greedy_step(forward, tok: torch.Tensor, pos: torch.Tensor) -> None:
+    """One greedy decode step for every row, on the device: tok [R, 1] at position `pos` -> the next token, in place;
+    pos += 1. `forward` is a `StaticTarget.forward` (or its compiled form). Graph-safe: no sync, fixed shapes."""
+    logits, _ = forward(tok, pos, want_features=False)
+    tok.copy_(logits[:, -1:].argmax(-1))
+    pos.add_(1)
+
+
 class GraphProgram:
     """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`), run eagerly
     otherwise."""
@@ -94,9 +102,7 @@ class StaticDecoder:
     # ------------------------------------------------------------ device programs (no host sync inside)
 
     def _decode_step(self) -> None:
-        logits, _ = self._forward(self.tok, self.pos, want_features=False)
-        self.tok.copy_(logits[:, -1:].argmax(-1))
-        self.pos.add_(1)
+        greedy_step(self._forward, self.tok, self.pos)
 
     def _spec_round(self) -> None:
         draft = self.proposer.draft(self.anchor, self.start)  # [B-1]

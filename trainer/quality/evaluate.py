@@ -52,7 +52,7 @@ def heldout_prompts(eval_jsonl: Path) -> list[str]:
         return [json.loads(line)["conversations"][0]["content"] for line in f if line.strip()]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
 
@@ -122,13 +122,13 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     for ids in encoded:
         if time.perf_counter() > deadline:
             break
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         want = target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         got = speculative(ids, cfg.max_new_tokens, tok.eos_token_id, host_s=host_s)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         t_target, t_spec = t_target + t1 - t0, t_spec + t2 - t1
         tokens += len(want)
