@@ -49,12 +49,14 @@ def prompt_sets(q: QualityCfg, split: CorpusSplit | None = None) -> tuple[list[s
         ordered = sorted(prompts)
         random.Random(q.seed * 1000 + salt).shuffle(ordered)
         return ordered[:n]
-    seen = {u.prompt for u in all_units(split.seen, q.corpus)}
+    def prompts_of(files) -> set[str]:
+        return {u.prompt for u in all_units(files, q.corpus)}
+
+    target = prompts_of(split.target)
+    # Drafter-only files: only prompts the target never pretrained on. Otherwise the drafter's files are the target's.
+    train = prompts_of(split.drafter) - target if split.drafter is not split.target else target
     # A held-out prompt whose text also occurs in a seen file (`def __repr__(self):`) is not held out: drop it.
-    unseen = {u.prompt for u in all_units(split.heldout, q.corpus)} - seen
-    train = {u.prompt for u in all_units(split.drafter, q.corpus)}
-    if split.drafter is not split.target:  # drafter-only files: only prompts the target never pretrained on
-        train -= {u.prompt for u in all_units(split.target, q.corpus)}
+    unseen = prompts_of(split.heldout) - target - train
     return pick(train, q.regen.train_prompts, 1), pick(unseen, q.regen.eval_prompts, 2)
 
 
