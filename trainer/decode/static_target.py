@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.decode.rmsnorm import RowInvariantRMSNorm
 from trainer.errors import ConfigError
 from trainer.model.drafter import apply_rope
 from trainer.model.target import Target
@@ -33,6 +34,10 @@ def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     freqs = pos.float()[:, None] * inv_freq[None]
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scaling).to(dtype)[None, None], (emb.sin() * scaling).to(dtype)[None, None]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # the layer layout `forward` re-implements
@@ -82,9 +87,16 @@ class StaticTarget:
         self.v = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
         self.slot_ids = torch.arange(slots, device=weight.device)
         self.taps = set(target.layer_ids)
-        # Qwen3 normalizes q and k per head; Llama/Qwen2-style layers have no such norms.
-        self.q_norms = [getattr(layer.self_attn, "q_norm", torch.nn.Identity()) for layer in self.layers]
-        self.k_norms = [getattr(layer.self_attn, "k_norm", torch.nn.Identity()) for layer in self.layers]
+        # Every norm is row-invariant (trainer/decode/rmsnorm.py): a verify forward over 16 tokens must compute each
+        # token exactly as a 1-token step does. Qwen3 also normalizes q and k per head; Llama/Qwen2 layers do not.
+        norm = RowInvariantRMSNorm
+        self.input_norms = [norm(layer.input_layernorm) for layer in self.layers]
+        self.post_norms = [norm(layer.post_attention_layernorm) for layer in self.layers]
+        self.q_norms = [norm(layer.self_attn.q_norm) if hasattr(layer.self_attn, "q_norm") else _identity
+                        for layer in self.layers]
+        self.k_norms = [norm(layer.self_attn.k_norm) if hasattr(layer.self_attn, "k_norm") else _identity
+                        for layer in self.layers]
+        self.final_norm = norm(self.model.model.norm)
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +117,7 @@ class StaticTarget:
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = self.input_norms[i](x)
             q = self.q_norms[i](attn.q_proj(h).view(R, L, H, Dh)).transpose(1, 2)
             k = self.k_norms[i](attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
             v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
@@ -114,10 +126,10 @@ class StaticTarget:
             out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=visible,
                                                  scale=attn.scaling, enable_gqa=H != Hkv)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(R, L, H * Dh))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(self.post_norms[i](x))
             if want_features and i in self.taps:
                 taps[i] = x
         # last_only: a batch prefill needs only the next token ([R, P, V] fp32 logits would be GBs).
-        logits = self.target.lm_head(self.model.model.norm(x[:, -1:] if last_only else x)).float()
+        logits = self.target.lm_head(self.final_norm(x[:, -1:] if last_only else x)).float()
         feats = torch.cat([taps[i] for i in self.target.layer_ids], dim=-1) if want_features else None
         return logits, feats

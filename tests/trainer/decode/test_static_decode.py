@@ -239,3 +239,18 @@ def test_a_failing_compilation_falls_back_to_the_uncompiled_engine(full_target, 
     assert speculative(ids, 9).tokens == target_only(ids, 9) == generate_target_only(full_target, ids, 9)
     with pytest.raises(ValueError, match="compile must be"):
         StaticDecoder(full_target, 64, compile="yes")
+
+
+def test_row_invariant_rmsnorm_falls_back_to_the_hf_module_off_cuda():
+    """Without CUDA (or Triton) the HF module itself runs: the CPU engine stays HF's arithmetic exactly."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from trainer.decode.rmsnorm import RowInvariantRMSNorm
+
+    module = Qwen3RMSNorm(32, eps=1e-6)
+    module.weight.data.normal_(1.0, 0.2)
+    norm = RowInvariantRMSNorm(module)
+    x = torch.randn(3, 5, 32)
+    assert not norm.uses_kernel(x)
+    assert torch.equal(norm(x), module(x))
+    assert norm.eps == 1e-6

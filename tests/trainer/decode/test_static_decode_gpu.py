@@ -78,3 +78,34 @@ def test_batched_continuations_under_graph_replay(cuda_target):
     got = torch.cat([gen.generate(prompts[:4]), gen.generate(prompts[4:])]).tolist()
     for row, prompt in zip(got, prompts.tolist()):
         assert row == generate_target_only(cuda_target, prompt, 12)
+
+
+def _quality_shaped_bf16_target():
+    """A random target of the quality recipe's shape in bf16: the shapes whose cuBLAS kernels were measured to give
+    the same rows at M = 1 and M = 16 (the tiny test target's shapes were not)."""
+    from trainer.decode.bench import random_pair
+
+    target, _, _ = random_pair(torch.device("cuda"), 16, torch.bfloat16)
+    return target
+
+
+def test_row_invariant_rmsnorm_on_cuda():
+    """One row normalized alone == the same row among 16 or 128, bitwise, in bf16 and fp32; and close to HF's."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from trainer.decode.rmsnorm import RowInvariantRMSNorm
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for width, rows in ((512, 16), (64, 128)):
+            torch.manual_seed(width)
+            module = Qwen3RMSNorm(width, eps=1e-6).to("cuda", dtype)
+            module.weight.data.normal_(1.0, 0.2)
+            norm = RowInvariantRMSNorm(module)
+            x = torch.randn(rows, width, device="cuda", dtype=dtype) * 3
+            assert norm.uses_kernel(x)
+            together = norm(x)
+            alone = torch.cat([norm(x[r:r + 1]) for r in range(rows)])
+            assert torch.equal(together, alone)
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(together, module(x), rtol=tol, atol=tol)
+
