@@ -54,7 +54,8 @@ def trained_pair(target_dir: str, drafter_dir: str, device: torch.device, dtype:
     return load_pair(Path(drafter_dir), Path(target_dir), device, dtype)
 
 
-def measure(engine: str, target, drafter, block_size: int, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+def measure(engine: str, target, drafter, block_size: int, prompt: list[int], new_tokens: int, repeats: int,
+            invariant: bool = True) -> dict:
     """Median over `repeats` of (seconds per target-only token, seconds per speculative round). Each figure is the
     difference between a decode of `new_tokens` and one of half as many, divided by the extra tokens (rounds): the
     prefill and the per-sequence set-up cancel out."""
@@ -62,7 +63,7 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
     from trainer.quality.evaluate import decoders, sync
 
     t0 = time.perf_counter()
-    cfg = EvalCfg(max_new_tokens=new_tokens, engine="hf" if engine == "hf" else "static")
+    cfg = EvalCfg(max_new_tokens=new_tokens, engine="hf" if engine == "hf" else "static", invariant=invariant)
     target_only, speculative, compiled = decoders(target, drafter, block_size, [prompt], cfg,
                                                   compile=ENGINES[engine])
     target_only(prompt, new_tokens)  # warm-up (and, compiled, the compilation)
@@ -85,7 +86,7 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
         steps.append((t_long - t_short) / max(1, len(out_long) - len(out_short)))
         rounds.append((s_long - s_short) / max(1, res_long.rounds - res_short.rounds))
     step, rnd = statistics.median(steps), statistics.median(rounds)
-    return {"engine": engine, "compiled": compiled, "step_ms": round(1e3 * step, 4), "round_ms": round(1e3 * rnd, 4),
+    return {"engine": engine, "compiled": compiled, "invariant": invariant, "step_ms": round(1e3 * step, 4), "round_ms": round(1e3 * rnd, 4),
             "round_over_step": round(rnd / step, 3),
             "speedup_at_tau": {str(tau): round(tau * step / rnd, 2) for tau in (2, 3, 4, 5)},
             "spread_step_ms": [round(1e3 * min(steps), 4), round(1e3 * max(steps), 4)],
@@ -93,14 +94,14 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
             "new_tokens": new_tokens, "device": str(device), "torch": torch.__version__}
 
 
-def _pieces(target, drafter, block_size: int, graphs: bool, compile: str = "none") -> dict:
+def _pieces(target, drafter, block_size: int, graphs: bool, compile: str = "none", invariant: bool = True) -> dict:
     """Each piece of a round as a callable over one decoder's static buffers, start at position 200: the decode step
     (1 token), the verify forward (B tokens), the draft, the context append, and (graphs only) the whole round."""
     from trainer.decode.engine import GraphProgram, StaticDecoder
     from trainer.decode.static_draft import StaticDFlashProposer
 
     proposer = StaticDFlashProposer(target, drafter, block_size, 512)
-    decoder = StaticDecoder(target, 512, proposer, block_size, graphs=graphs, compile=compile)
+    decoder = StaticDecoder(target, 512, proposer, block_size, graphs=graphs, compile=compile, invariant=invariant)
     dev = target.device
     block = torch.zeros(1, block_size, dtype=torch.long, device=dev)
     feats = torch.zeros(1, block_size, len(target.layer_ids) * target.hf_config.hidden_size, device=dev)
@@ -120,11 +121,12 @@ def _pieces(target, drafter, block_size: int, graphs: bool, compile: str = "none
             **{name: (program, rewind) for name, program in programs.items()}}
 
 
-def breakdown(target, drafter, block_size: int, compile: str, replays: int = 200) -> dict:
+def breakdown(target, drafter, block_size: int, compile: str, replays: int = 200, invariant: bool = True) -> dict:
     """GPU ms of each piece of a round, each captured as its own graph and replayed `replays` times (200 steps advance
     pos from 200 to 400, inside the 512-slot cache)."""
     out = {}
-    for name, (program, rewind) in _pieces(target, drafter, block_size, graphs=True, compile=compile).items():
+    for name, (program, rewind) in _pieces(target, drafter, block_size, graphs=True, compile=compile,
+                                           invariant=invariant).items():
         rewind()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: also print the GPU ms of each piece of a round (DECODE_PIECES), per static engine")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's dtype")
     p.add_argument("--profile", action="store_true", help="CUDA: top kernels of a step, a verify and a draft (PROF)")
+    p.add_argument("--attention", default="invariant", choices=("invariant", "gqa"),
+                   help="static engines: invariant (fp32 attention, a verify equals its decode steps bitwise) or gqa "
+                        "(the model dtype, lighter)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
@@ -203,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and device.type == "cuda":
         profile_pieces(target, drafter, block)
     for engine in engines:
+        invariant = args.attention == "invariant"
         print("DECODE_BENCH " + json.dumps(measure(engine, target, drafter, block, prompt, args.new_tokens,
-                                                   args.repeats)), flush=True)
+                                                   args.repeats, invariant)), flush=True)
         if args.breakdown and engine != "hf" and device.type == "cuda":
-            pieces = breakdown(target, drafter, block, compile=ENGINES[engine])
+            pieces = breakdown(target, drafter, block, compile=ENGINES[engine], invariant=invariant)
             print("DECODE_PIECES " + json.dumps({"engine": engine, "gpu_ms": pieces}), flush=True)
     return 0
 

@@ -40,6 +40,13 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[R, Hkv, L, Dh] -> [R, Hkv * groups, L, Dh] fp32, each KV head once per query head it serves (HF's
+    repeat_kv order: query head h reads KV head h // groups)."""
+    x = x.float()
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # the layer layout `forward` re-implements
 
 
@@ -65,7 +72,7 @@ class StaticTarget:
     `forward` is free of host syncs and allocates nothing that depends on values, so it can run inside a CUDA graph
     capture for a fixed L."""
 
-    def __init__(self, target: Target, slots: int, rows: int = 1) -> None:
+    def __init__(self, target: Target, slots: int, rows: int = 1, invariant: bool = True) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
         check_supported(target.hf_config)
@@ -82,9 +89,16 @@ class StaticTarget:
         weight = target.embed_tokens.weight
         self.inv_freq = self.inv_freq.to(weight.device)
         self.rows = rows
-        shape = (rows, self.kv_heads, slots, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
+        # invariant: the caches hold fp32 K/V with each KV head repeated for its query heads, and attention runs in
+        # fp32 without SDPA's GQA flag. Measured on the H200 (docs/quality.md, "Lossless in bf16"), SDPA then gives
+        # a query bitwise the same result whether it comes alone (a decode step) or among 16 (a verify); with
+        # enable_gqa, or in bf16, it does not. The K/V values are the model dtype's, widened exactly.
+        # Not invariant (BatchGreedy: every row decodes one token at a time): the model dtype, GQA, 1/4 the memory.
+        self.invariant = invariant
+        cache_heads, cache_dtype = (self.heads, torch.float32) if invariant else (self.kv_heads, weight.dtype)
+        shape = (rows, cache_heads, slots, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=cache_dtype, device=weight.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=cache_dtype, device=weight.device) for _ in self.layers]
         self.slot_ids = torch.arange(slots, device=weight.device)
         self.taps = set(target.layer_ids)
         # Every norm is row-invariant (trainer/decode/rmsnorm.py): a verify forward over 16 tokens must compute each
@@ -121,10 +135,13 @@ class StaticTarget:
             q = self.q_norms[i](attn.q_proj(h).view(R, L, H, Dh)).transpose(1, 2)
             k = self.k_norms[i](attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
             v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
-            self.k[i].index_copy_(2, pos, apply_rope(k, cos, sin))
-            self.v[i].index_copy_(2, pos, v)
-            out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=visible,
-                                                 scale=attn.scaling, enable_gqa=H != Hkv)
+            k, q = apply_rope(k, cos, sin), apply_rope(q, cos, sin)
+            if self.invariant:
+                k, v, q = (_repeat_heads(k, H // Hkv), _repeat_heads(v, H // Hkv), q.float())
+            self.k[i].index_copy_(2, pos, k.to(self.k[i].dtype))
+            self.v[i].index_copy_(2, pos, v.to(self.v[i].dtype))
+            out = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=visible, scale=attn.scaling,
+                                                 enable_gqa=not self.invariant and H != Hkv).to(x.dtype)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(R, L, H * Dh))
             x = x + layer.mlp(self.post_norms[i](x))
             if want_features and i in self.taps:

@@ -115,6 +115,10 @@ class EvalCfg:
     # A second decoding benchmark with the target in this dtype ("" = none): bf16 is how targets are served, and
     # its verify forward costs less relative to a decode step, while near-ties may flip (reported as `identical`).
     also_dtype: str = ""
+    # static engine: attention in fp32 over fp32 caches with repeated KV heads, so that a verify forward computes
+    # each token bitwise as a decode step does (bf16 decoding then is lossless too); false: GQA attention in the
+    # model's dtype, lighter, where a bf16 near-tie can flip.
+    invariant: bool = True
 
     def __post_init__(self) -> None:
         _check(self.target_dtype in ("float32", "bfloat16", "auto"), "eval.target_dtype must be float32|bfloat16|auto")

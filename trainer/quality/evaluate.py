@@ -92,7 +92,7 @@ def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: Ev
     def build(how: str):
         # Captures its graphs here, in this (the main) thread, before any decoding.
         proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
-        return StaticDecoder(target, capacity, proposer, block_size, compile=how)
+        return StaticDecoder(target, capacity, proposer, block_size, compile=how, invariant=cfg.invariant)
 
     try:
         decoder = build(compile)

@@ -16,11 +16,15 @@ from trainer.speculative import (DFlashProposer, DraftContextCache, acceptance_s
                                  generate_speculative, generate_target_only, new_cache, target_forward)
 
 
-def test_static_forward_equals_hf_cache_forward(full_target):
+@pytest.mark.parametrize("invariant", [True, False])
+def test_static_forward_equals_hf_cache_forward(full_target, invariant):
     """Prefill then two incremental chunks: logits and tapped features equal HF's forward with a DynamicCache, and a
-    chunk re-run at an earlier position (stale slots beyond it) still equals HF's cropped cache."""
+    chunk re-run at an earlier position (stale slots beyond it) still equals HF's cropped cache. Both attention
+    layouts: fp32 caches with repeated KV heads (invariant) and the model dtype with GQA."""
     ids = torch.tensor([_prompt_ids(full_target, PROMPTS[1])])
-    static = StaticTarget(full_target, slots=64)
+    static = StaticTarget(full_target, slots=64, invariant=invariant)
+    heads = full_target.hf_config.num_attention_heads if invariant else full_target.hf_config.num_key_value_heads
+    assert static.k[0].shape[1] == heads and static.k[0].dtype == torch.float32
     cache = new_cache(full_target)
     P = ids.shape[1]
     chunks = [(ids, 0), (torch.tensor([[5, 9, 11]]), P), (torch.tensor([[7]]), P + 3)]

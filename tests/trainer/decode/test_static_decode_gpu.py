@@ -109,3 +109,43 @@ def test_row_invariant_rmsnorm_on_cuda():
             tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(together, module(x), rtol=tol, atol=tol)
 
+
+
+def test_bf16_verify_rows_equal_decode_steps_bitwise():
+    """The lossless property at its root: a 16-token forward computes each token's logits and tapped features
+    bitwise as 16 successive 1-token forwards do, in bf16 (where rounding differences would flip near-ties)."""
+    from trainer.decode.static_target import StaticTarget
+
+    target = _quality_shaped_bf16_target()
+    static = StaticTarget(target, slots=256)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 8000, (1, 100), device="cuda")
+    at = lambda p: torch.tensor(p, device="cuda")  # noqa: E731
+    logits, _ = static.forward(prompt, at(0))
+    token = logits[0, -1].argmax()
+    tokens, steps = [], []
+    for j in range(16):
+        tokens.append(token)
+        step_logits, step_feats = static.forward(token.view(1, 1), at(100 + j))
+        steps.append((step_logits[0, 0].clone(), step_feats[0, 0].clone()))
+        token = step_logits[0, 0].argmax()
+    block_logits, block_feats = static.forward(torch.stack(tokens).view(1, 16), at(100))
+    for j, (want_logits, want_feats) in enumerate(steps):
+        assert torch.equal(block_logits[0, j], want_logits), j
+        assert torch.equal(block_feats[0, j], want_feats), j
+
+
+def test_bf16_speculative_equals_target_only_under_graph_replay():
+    """bf16 target, both decoders graph-replayed: speculative output == target-only output token for token, with
+    drafts right up to a fixed position (so every verify block mixes accepted and rejected tokens)."""
+    target = _quality_shaped_bf16_target()
+    B = 16
+    torch.manual_seed(2)
+    for _ in range(3):
+        ids = torch.randint(0, 8000, (60,)).tolist()
+        greedy = StaticDecoder(target, 320, None, B).generate_target_only(ids, 160 + B)
+        table = torch.tensor(ids + greedy, device="cuda")
+        for wrong_at in (3, 9):
+            decoder = StaticDecoder(target, 320, _WrongAt(table, B, wrong_at, 8192), B)
+            out = decoder.generate_speculative(ids, 160)
+            assert out.tokens == greedy[:160] and set(out.accepted[:-1]) == {wrong_at - 1}
