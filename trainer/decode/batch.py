@@ -20,8 +20,7 @@ class BatchGreedy:
         if rows < 1 or prompt_len < 1 or new_tokens < 1:
             raise ValueError("rows, prompt_len and new_tokens must be >= 1")
         self.rows, self.prompt_len, self.new_tokens = rows, prompt_len, new_tokens
-        # Every row decodes one token per step, so no verify has to match a step bitwise: the lighter caches.
-        self.static = StaticTarget(target, prompt_len + new_tokens, rows=rows, invariant=False)
+        self.static = StaticTarget(target, prompt_len + new_tokens, rows=rows)
         dev = self.static.device
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)

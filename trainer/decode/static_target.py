@@ -72,7 +72,7 @@ class StaticTarget:
     `forward` is free of host syncs and allocates nothing that depends on values, so it can run inside a CUDA graph
     capture for a fixed L."""
 
-    def __init__(self, target: Target, slots: int, rows: int = 1, invariant: bool = True) -> None:
+    def __init__(self, target: Target, slots: int, rows: int = 1, invariant: bool = False) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
         check_supported(target.hf_config)
@@ -90,10 +90,10 @@ class StaticTarget:
         self.inv_freq = self.inv_freq.to(weight.device)
         self.rows = rows
         # invariant: the caches hold fp32 K/V with each KV head repeated for its query heads, and attention runs in
-        # fp32 without SDPA's GQA flag. Measured on the H200 (docs/quality.md, "Lossless in bf16"), SDPA then gives
-        # a query bitwise the same result whether it comes alone (a decode step) or among 16 (a verify); with
-        # enable_gqa, or in bf16, it does not. The K/V values are the model dtype's, widened exactly.
-        # Not invariant (BatchGreedy: every row decodes one token at a time): the model dtype, GQA, 1/4 the memory.
+        # fp32 without SDPA's GQA flag. On the H200 (docs/quality.md, "Exact bf16"), SDPA in that layout gave a query
+        # bitwise the same result alone (a decode step) as among 16 (a verify); with enable_gqa, or in bf16, it did
+        # not. The K/V values are the model dtype's, widened exactly. It is slower (fp32 attention), hence opt-in.
+        # Default: the model dtype and SDPA's GQA, 1/4 of the cache memory.
         self.invariant = invariant
         cache_heads, cache_dtype = (self.heads, torch.float32) if invariant else (self.kv_heads, weight.dtype)
         shape = (rows, cache_heads, slots, self.head_dim)

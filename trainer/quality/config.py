@@ -115,10 +115,10 @@ class EvalCfg:
     # A second decoding benchmark with the target in this dtype ("" = none): bf16 is how targets are served, and
     # its verify forward costs less relative to a decode step, while near-ties may flip (reported as `identical`).
     also_dtype: str = ""
-    # static engine: attention in fp32 over fp32 caches with repeated KV heads, so that a verify forward computes
-    # each token bitwise as a decode step does (bf16 decoding then is lossless too); false: GQA attention in the
-    # model's dtype, lighter, where a bf16 near-tie can flip.
-    invariant: bool = True
+    # static engine, true: attention in fp32 over fp32 caches with repeated KV heads, meant to make a verify forward
+    # compute each token bitwise as a decode step does, so that bf16 decoding is lossless too. It costs 0.42 ms per
+    # bf16 step on the H200 (1.04 against 0.62 ms), and its gpu test has not yet passed on the H200: off by default.
+    invariant: bool = False
 
     def __post_init__(self) -> None:
         _check(self.target_dtype in ("float32", "bfloat16", "auto"), "eval.target_dtype must be float32|bfloat16|auto")

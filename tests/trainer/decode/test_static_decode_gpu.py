@@ -112,12 +112,13 @@ def test_row_invariant_rmsnorm_on_cuda():
 
 
 def test_bf16_verify_rows_equal_decode_steps_bitwise():
-    """The lossless property at its root: a 16-token forward computes each token's logits and tapped features
-    bitwise as 16 successive 1-token forwards do, in bf16 (where rounding differences would flip near-ties)."""
+    """The lossless property at its root, for the invariant engine: a 16-token forward computes each token's logits
+    and tapped features bitwise as 16 successive 1-token forwards do, in bf16 (where rounding differences would flip
+    near-ties). Failed with SDPA's GQA in bf16 (first row, one ulp), which the invariant attention replaces."""
     from trainer.decode.static_target import StaticTarget
 
     target = _quality_shaped_bf16_target()
-    static = StaticTarget(target, slots=256)
+    static = StaticTarget(target, slots=256, invariant=True)
     torch.manual_seed(1)
     prompt = torch.randint(0, 8000, (1, 100), device="cuda")
     at = lambda p: torch.tensor(p, device="cuda")  # noqa: E731
@@ -136,16 +137,16 @@ def test_bf16_verify_rows_equal_decode_steps_bitwise():
 
 
 def test_bf16_speculative_equals_target_only_under_graph_replay():
-    """bf16 target, both decoders graph-replayed: speculative output == target-only output token for token, with
-    drafts right up to a fixed position (so every verify block mixes accepted and rejected tokens)."""
+    """bf16 target, invariant engine, both decoders graph-replayed: speculative output == target-only output token for
+    token, with drafts right up to a fixed position (so every verify block mixes accepted and rejected tokens)."""
     target = _quality_shaped_bf16_target()
     B = 16
     torch.manual_seed(2)
     for _ in range(3):
         ids = torch.randint(0, 8000, (60,)).tolist()
-        greedy = StaticDecoder(target, 320, None, B).generate_target_only(ids, 160 + B)
+        greedy = StaticDecoder(target, 320, None, B, invariant=True).generate_target_only(ids, 160 + B)
         table = torch.tensor(ids + greedy, device="cuda")
         for wrong_at in (3, 9):
-            decoder = StaticDecoder(target, 320, _WrongAt(table, B, wrong_at, 8192), B)
+            decoder = StaticDecoder(target, 320, _WrongAt(table, B, wrong_at, 8192), B, invariant=True)
             out = decoder.generate_speculative(ids, 160)
             assert out.tokens == greedy[:160] and set(out.accepted[:-1]) == {wrong_at - 1}
