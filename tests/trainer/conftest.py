@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without an NVIDIA GPU, Triton's kernels run under its CPU interpreter (tests/trainer/decode/test_kernels.py). The
+# choice is made when triton is imported, so it is made here, before any test can import it.
+if not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

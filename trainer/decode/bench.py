@@ -177,13 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's dtype")
     p.add_argument("--profile", action="store_true", help="CUDA: top kernels of a step, a verify and a draft (PROF)")
     p.add_argument("--attention", default="gqa", choices=("gqa", "invariant"),
-                   help="static engines: gqa (SDPA's GQA in the model dtype, the default) or invariant (fp32 "
-                        "attention over repeated KV heads, meant to make a verify equal its decode steps bitwise)")
+                   help="static engines: gqa (SDPA, the default) or invariant (the row-invariant Triton kernel, "
+                        "which makes a verify equal its decode steps bitwise)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
         print(f"error: unknown engine(s) {bad or engines}; use {', '.join(ENGINES)}", file=sys.stderr)
+        return 2
+    if args.attention == "invariant" and "static+compile" in engines:
+        print("error: --attention invariant keeps the target uncompiled; drop the static+compile engine",
+              file=sys.stderr)
         return 2
     if args.new_tokens < 8:
         print("error: --new-tokens must be >= 8 (the figures are differences of two decode lengths)", file=sys.stderr)

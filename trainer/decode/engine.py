@@ -78,6 +78,9 @@ class StaticDecoder:
         # the same uncompiled forward. Prefill, whose length varies per prompt, always stays eager.
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {compile!r}")
+        if invariant and compile == "all":
+            raise ValueError("invariant decoding keeps the target uncompiled (its Triton kernels are not traced); "
+                             "use compile='drafter'")
         self._forward = torch.compile(self.static.forward, dynamic=False) if compile == "all" else \
             self.static.forward
         if compile != "none" and hasattr(proposer, "compile"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.decode.rmsnorm import RowInvariantRMSNorm
+from trainer.decode.kernels import RowInvariantRMSNorm, decode_attention, usable_for
 from trainer.errors import ConfigError
 from trainer.model.drafter import apply_rope
 from trainer.model.target import Target
@@ -38,13 +38,6 @@ def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[R, Hkv, L, Dh] -> [R, Hkv * groups, L, Dh] fp32, each KV head once per query head it serves (HF's
-    repeat_kv order: query head h reads KV head h // groups)."""
-    x = x.float()
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # the layer layout `forward` re-implements
@@ -89,19 +82,16 @@ class StaticTarget:
         weight = target.embed_tokens.weight
         self.inv_freq = self.inv_freq.to(weight.device)
         self.rows = rows
-        # invariant: the caches hold fp32 K/V with each KV head repeated for its query heads, and attention runs in
-        # fp32 without SDPA's GQA flag. On the H200 (docs/quality.md, "Exact bf16"), SDPA in that layout gave a query
-        # bitwise the same result alone (a decode step) as among 16 (a verify); with enable_gqa, or in bf16, it did
-        # not. The K/V values are the model dtype's, widened exactly. It is slower (fp32 attention), hence opt-in.
-        # Default: the model dtype and SDPA's GQA, 1/4 of the cache memory.
+        # invariant: attention through the row-invariant Triton kernel (trainer/decode/kernels.py), so that a verify
+        # computes each token bitwise as a decode step does, in bf16 too (SDPA does not: docs/quality.md, "Exact
+        # bf16"). Where the kernel cannot run (no Triton, CPU without the interpreter, inside torch.compile), SDPA.
         self.invariant = invariant
-        cache_heads, cache_dtype = (self.heads, torch.float32) if invariant else (self.kv_heads, weight.dtype)
-        shape = (rows, cache_heads, slots, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=cache_dtype, device=weight.device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=cache_dtype, device=weight.device) for _ in self.layers]
+        shape = (rows, self.kv_heads, slots, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
         self.slot_ids = torch.arange(slots, device=weight.device)
         self.taps = set(target.layer_ids)
-        # Every norm is row-invariant (trainer/decode/rmsnorm.py): a verify forward over 16 tokens must compute each
+        # Every norm is row-invariant (trainer/decode/kernels.py): a verify forward over 16 tokens must compute each
         # token exactly as a 1-token step does. Qwen3 also normalizes q and k per head; Llama/Qwen2 layers do not.
         norm = RowInvariantRMSNorm
         self.input_norms = [norm(layer.input_layernorm) for layer in self.layers]
@@ -135,14 +125,15 @@ class StaticTarget:
             q = self.q_norms[i](attn.q_proj(h).view(R, L, H, Dh)).transpose(1, 2)
             k = self.k_norms[i](attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
             v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
-            k, q = apply_rope(k, cos, sin), apply_rope(q, cos, sin)
-            if self.invariant:
-                k, v, q = (_repeat_heads(k, H // Hkv), _repeat_heads(v, H // Hkv), q.float())
-            self.k[i].index_copy_(2, pos, k.to(self.k[i].dtype))
-            self.v[i].index_copy_(2, pos, v.to(self.v[i].dtype))
-            out = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=visible, scale=attn.scaling,
-                                                 enable_gqa=not self.invariant and H != Hkv).to(x.dtype)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(R, L, H * Dh))
+            self.k[i].index_copy_(2, pos, apply_rope(k, cos, sin))
+            self.v[i].index_copy_(2, pos, v)
+            q = apply_rope(q, cos, sin)
+            if self.invariant and usable_for(q):
+                out = decode_attention(q, self.k[i], self.v[i], pos, attn.scaling)  # [R, L, H, Dh]
+            else:
+                out = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=visible, scale=attn.scaling,
+                                                     enable_gqa=H != Hkv).transpose(1, 2)
+            x = x + attn.o_proj(out.reshape(R, L, H * Dh))
             x = x + layer.mlp(self.post_norms[i](x))
             if want_features and i in self.taps:
                 taps[i] = x

@@ -115,9 +115,9 @@ class EvalCfg:
     # A second decoding benchmark with the target in this dtype ("" = none): bf16 is how targets are served, and
     # its verify forward costs less relative to a decode step, while near-ties may flip (reported as `identical`).
     also_dtype: str = ""
-    # static engine, true: attention in fp32 over fp32 caches with repeated KV heads, meant to make a verify forward
-    # compute each token bitwise as a decode step does, so that bf16 decoding is lossless too. It costs 0.42 ms per
-    # bf16 step on the H200 (1.04 against 0.62 ms), and its gpu test has not yet passed on the H200: off by default.
+    # static engine, true: the target's attention through a row-invariant Triton kernel (trainer/decode/kernels.py),
+    # so that a verify forward computes each token bitwise as a decode step does and bf16 decoding is lossless too.
+    # Off by default until it is measured on the H200 (CPU-tested under Triton's interpreter). Not with compile=all.
     invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -125,6 +125,8 @@ class EvalCfg:
         _check(self.engine in ("static", "hf"), "eval.engine must be static|hf")
         _check(self.compile in ("none", "drafter", "all"), "eval.compile must be none|drafter|all")
         _check(self.also_dtype in ("", "float32", "bfloat16"), "eval.also_dtype must be '', float32 or bfloat16")
+        _check(not (self.invariant and self.compile == "all"),
+               "eval.invariant keeps the target uncompiled: use eval.compile none or drafter")
         _check(self.prompts >= 1 and self.max_new_tokens >= 1, "eval.prompts and eval.max_new_tokens must be >= 1")
 
 

@@ -93,7 +93,7 @@ def test_row_invariant_rmsnorm_on_cuda():
     """One row normalized alone == the same row among 16 or 128, bitwise, in bf16 and fp32; and close to HF's."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from trainer.decode.rmsnorm import RowInvariantRMSNorm
+    from trainer.decode.kernels import RowInvariantRMSNorm
 
     for dtype in (torch.bfloat16, torch.float32):
         for width, rows in ((512, 16), (64, 128)):
@@ -111,10 +111,31 @@ def test_row_invariant_rmsnorm_on_cuda():
 
 
 
+def test_decode_attention_kernel_on_cuda():
+    """The Triton attention kernel compiled for the H200: SDPA's result (fp32), and rows independent of the batch
+    (bf16, bitwise), at the quality target's head shapes over a 320-slot cache."""
+    import torch.nn.functional as F
+
+    from trainer.decode.kernels import decode_attention
+
+    torch.manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 16, 8, 64, device="cuda", dtype=dtype).transpose(1, 2)
+        k, v = (torch.randn(1, 4, 320, 64, device="cuda", dtype=dtype) for _ in range(2))
+        pos = torch.arange(200, 216, device="cuda")
+        got = decode_attention(q, k, v, pos, 0.125)
+        alone = torch.cat([decode_attention(q[:, :, j:j + 1], k, v, pos[j:j + 1], 0.125) for j in range(16)], 1)
+        assert torch.equal(got, alone)
+        if dtype == torch.float32:
+            visible = (torch.arange(320, device="cuda")[None] <= pos[:, None])[None, None]
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.125, enable_gqa=True)
+            torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_verify_rows_equal_decode_steps_bitwise():
     """The lossless property at its root, for the invariant engine: a 16-token forward computes each token's logits
     and tapped features bitwise as 16 successive 1-token forwards do, in bf16 (where rounding differences would flip
-    near-ties). Failed with SDPA's GQA in bf16 (first row, one ulp), which the invariant attention replaces."""
+    near-ties). Failed with SDPA in bf16 (first row, one ulp), which the Triton attention kernel replaces here."""
     from trainer.decode.static_target import StaticTarget
 
     target = _quality_shaped_bf16_target()

@@ -1,0 +1,107 @@
+"""The row-invariant decode kernels (trainer/decode/kernels.py), run on CPU under Triton's interpreter: the same
+kernel code the H200 compiles, checked for what it computes and for its invariance (a row's result does not depend on
+how many rows are launched together)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.trainer.quality.test_speculative import PROMPTS, _prompt_ids
+from trainer.decode import kernels
+from trainer.decode.engine import StaticDecoder
+from trainer.decode.static_draft import StaticDFlashProposer
+from trainer.decode.static_target import StaticTarget
+from trainer.speculative import generate_target_only, new_cache, target_forward
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """The kernels on CPU tensors, under Triton's interpreter (chosen in tests/trainer/conftest.py before triton is
+    imported)."""
+    import triton  # noqa: F401 -- a dev dependency: its absence is a failure, not a skip
+
+    assert kernels.interpreting(), "TRITON_INTERPRET=1 must be set before triton is imported (tests/trainer/conftest.py)"
+    monkeypatch.setattr(kernels, "CPU_UNDER_INTERPRETER", True)
+
+
+def _cache_with_stale_slots(R, Hkv, S, Dh, dtype):
+    """K/V caches whose slots beyond every query hold large junk: a mask that leaks would show."""
+    k, v = torch.randn(R, Hkv, S, Dh), torch.randn(R, Hkv, S, Dh)
+    k[:, :, 60:], v[:, :, 60:] = 1e3, -1e3
+    return k.to(dtype), v.to(dtype)
+
+
+def test_decode_attention_equals_sdpa(interpreter):
+    """GQA (4 query heads on 2 KV heads), 2 sequences, queries at positions 50..54 over a 130-slot cache (three slot
+    blocks, the last partial): SDPA's causal result, with the junk beyond each position unseen."""
+    torch.manual_seed(0)
+    R, H, Hkv, S, Dh, L = 2, 4, 2, 130, 16, 5
+    q = torch.randn(R, L, H, Dh).transpose(1, 2)  # the layout the static target passes: [R, H, L, Dh] view
+    k, v = _cache_with_stale_slots(R, Hkv, S, Dh, torch.float32)
+    pos = torch.arange(50, 50 + L)
+    got = kernels.decode_attention(q, k, v, pos, scale=0.25)
+    visible = (torch.arange(S)[None, :] <= pos[:, None])[None, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True).transpose(1, 2)
+    assert got.shape == (R, L, H, Dh)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_rows_do_not_depend_on_the_batch(interpreter, dtype):
+    """16 queries at once == each query alone, bitwise: the invariance the verify forward relies on."""
+    torch.manual_seed(1)
+    R, H, Hkv, S, Dh, L = 1, 4, 2, 96, 16, 16
+    q = torch.randn(R, L, H, Dh).transpose(1, 2).to(dtype)
+    k, v = _cache_with_stale_slots(R, Hkv, S, Dh, dtype)
+    pos = torch.arange(40, 40 + L)
+    together = kernels.decode_attention(q, k, v, pos, scale=0.25)
+    alone = torch.cat([kernels.decode_attention(q[:, :, j:j + 1], k, v, pos[j:j + 1], scale=0.25) for j in range(L)],
+                      dim=1)
+    assert together.dtype == dtype and torch.equal(together, alone)
+
+
+def test_rms_norm_kernel_is_hf_arithmetic_and_row_invariant(interpreter):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    torch.manual_seed(2)
+    module = Qwen3RMSNorm(96, eps=1e-6)
+    module.weight.data.normal_(1.0, 0.2)
+    norm = kernels.RowInvariantRMSNorm(module)
+    x = torch.randn(2, 8, 96) * 3  # 96: a row length that is not a power of two (masked tail)
+    assert norm.uses_kernel(x)
+    got = norm(x)
+    torch.testing.assert_close(got, module(x), rtol=1e-6, atol=1e-6)
+    rows = x.view(-1, 96)
+    assert torch.equal(got.view(-1, 96), torch.cat([norm(rows[r:r + 1]) for r in range(rows.shape[0])]))
+
+
+def test_invariant_static_forward_equals_hf_cache_forward(interpreter, full_target):
+    """The static target with both kernels (invariant attention, Triton norms) against HF's cached forward."""
+    ids = torch.tensor([_prompt_ids(full_target, PROMPTS[0])])
+    static = StaticTarget(full_target, slots=64, invariant=True)
+    assert static.input_norms[0].uses_kernel(full_target.embed_tokens(ids))
+    cache = new_cache(full_target)
+    P = ids.shape[1]
+    for chunk, pos in [(ids, 0), (torch.tensor([[5, 9, 11]]), P)]:
+        want_logits, want_feats = target_forward(full_target, chunk, cache, pos)
+        got_logits, got_feats = static.forward(chunk, torch.tensor(pos))
+        torch.testing.assert_close(got_logits, want_logits.float(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_feats, want_feats, rtol=1e-4, atol=1e-4)
+
+
+def test_invariant_speculative_decoding_equals_target_only(interpreter, full_target):
+    """The invariant engine end to end (a random drafter, B = 4): speculative output == HF greedy output."""
+    from tests.trainer.decode.test_static_decode import _sharp_drafter
+
+    drafter = _sharp_drafter(full_target, seed=3)
+    ids = _prompt_ids(full_target, PROMPTS[2])
+    want = generate_target_only(full_target, ids, 10)
+    decoder = StaticDecoder(full_target, 64, StaticDFlashProposer(full_target, drafter, 4, 64), 4, invariant=True)
+    assert decoder.generate_target_only(ids, 10) == want
+    assert decoder.generate_speculative(ids, 10).tokens == want
+
+
+def test_invariant_decoding_refuses_a_compiled_target(full_target):
+    with pytest.raises(ValueError, match="compile='drafter'"):
+        StaticDecoder(full_target, 64, None, 4, compile="all", invariant=True)

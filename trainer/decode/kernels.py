@@ -1,0 +1,152 @@
+"""Row-invariant operations for the static target: a row's result does not depend on how many rows are computed
+together.
+
+Why: speculative decoding is lossless only if the target's 16-token verify forward computes, for each token, exactly
+what a 1-token decode step computes. Measured op by op on the H200 (docs/quality.md, "Exact bf16"): in bf16, cuBLAS
+gives bitwise the same rows at M = 1 and M = 16 for the target's linears, while two ops do not:
+- the HF RMSNorm: its `mean` is a PyTorch reduction whose thread layout changes with the number of rows (512
+  threads on one row, 32 per row on 16), so the fp32 sums round differently;
+- SDPA: 25 of 524,288 bf16 attention outputs differed between 1 and 16 queries.
+Here each is a Triton kernel in which one program computes one row (one norm row, one query of one head) with a loop
+and reduction shaped only by the row length and the cache size, so a row's result is the same whatever the batch.
+
+The kernels run on CUDA, and on CPU under Triton's interpreter (`TRITON_INTERPRET=1` and `CPU_UNDER_INTERPRETER`, which
+the CPU tests set). Where they cannot run (no Triton, CPU, inside `torch.compile`), callers fall back to the HF module
+and SDPA.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on. It must be chosen before triton is imported (the CPU tests do so)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Under the interpreter the kernels can take CPU tensors, slowly. Only the kernel tests switch this on; everything else
+# on CPU keeps the HF modules and SDPA.
+CPU_UNDER_INTERPRETER = False
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """(triton, rms_norm_rows, attention_rows), or None where Triton is not installed. Built lazily: `triton.jit`
+    reads TRITON_INTERPRET when it wraps a function (tests clear this cache after switching it)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        # HF's arithmetic: fp32 mean of squares, rsqrt(var + eps), cast to the input dtype, times the weight.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / n_cols
+        normed = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+        tl.store(y_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty),
+                 mask=inside)
+
+    @triton.jit
+    def attention_rows(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
+                       sq_r, sq_h, sq_l, sk_r, sk_h, sk_s, so_r, so_h, so_l,
+                       N_SLOTS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+        # One query (row l, head h, sequence r) against every cache slot, in slot blocks of BLOCK_S, fp32 online
+        # softmax; slots after the query's position are masked. Every program walks all n_slots, so a query's
+        # arithmetic depends on its position and the cache only, never on how many queries were launched. Masked
+        # slots add exactly 0 (their weight is exp(-inf) = 0, and a block with no visible slot rescales by 1).
+        l = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2).to(tl.int64)
+        kv = h // GROUPS
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + r * sq_r + h * sq_h + l * sq_l + d).to(tl.float32)
+        p = tl.load(pos_ptr + l)
+        m = -1e30  # finite: a block with no visible slot then rescales by exp(0) = 1, never NaN
+        den = 0.0
+        acc = tl.zeros((HEAD_DIM,), tl.float32)
+        k_base = k_ptr + r * sk_r + kv * sk_h
+        v_base = v_ptr + r * sk_r + kv * sk_h
+        for s0 in range(0, N_SLOTS, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            inside = s < N_SLOTS
+            k = tl.load(k_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(k * q[None, :], axis=1) * scale
+            scores = tl.where(inside & (s <= p), scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=0))
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(scores - m_new)
+            v = tl.load(v_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(w[:, None] * v, axis=0)
+            den = den * alpha + tl.sum(w, axis=0)
+            m = m_new
+        tl.store(o_ptr + r * so_r + h * so_h + l * so_l + d, (acc / den).to(o_ptr.dtype.element_ty))
+
+    return triton, rms_norm_rows, attention_rows
+
+
+def available() -> bool:
+    return _kernels() is not None
+
+
+def usable_for(x: torch.Tensor) -> bool:
+    """The kernels can run on `x` here (CUDA, or the interpreter) and are not being traced by torch.compile."""
+    on_cpu = CPU_UNDER_INTERPRETER and interpreting()
+    return (x.is_cuda or on_cpu) and _kernels() is not None and not torch.compiler.is_compiling()
+
+
+class RowInvariantRMSNorm:
+    """Wraps an HF RMSNorm module (`weight`, `variance_epsilon`); callable like it. Also one kernel instead of about
+    eight, which makes a decode step faster."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.weight = module.weight
+        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        return usable_for(x) and self.weight.dtype == x.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.uses_kernel(x):
+            return self.module(x)
+        triton, kernel, _ = _kernels()
+        n = x.shape[-1]
+        x2 = x.contiguous().view(-1, n)
+        y = torch.empty_like(x2)
+        if x2.shape[0] == 0:
+            return y.view(x.shape)
+        block = triton.next_power_of_2(n)
+        # num_warps depends on the row length only: the reduction tree must not change with the row count.
+        kernel[(x2.shape[0],)](x2, self.weight, y, n, self.eps, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+        return y.view(x.shape)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of L queries over a static cache, row-invariant. q [R, H, L, Dh] (last dim contiguous), k / v
+    [R, Hkv, S, Dh] caches (slot = position; H a multiple of Hkv), pos [L] long positions of the queries -> [R, L, H,
+    Dh] in q's dtype (the layout the output projection reads). A query at position p sees slots <= p."""
+    triton, _, kernel = _kernels()
+    R, H, L, Dh = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride():
+        raise ValueError("decode_attention needs contiguous head dims and k / v caches of one layout")
+    if Dh != triton.next_power_of_2(Dh) or H % Hkv:
+        raise ValueError(f"decode_attention needs a power-of-two head dim and H % Hkv == 0, got {Dh}, {H}/{Hkv}")
+    out = torch.empty(R, L, H, Dh, dtype=q.dtype, device=q.device)
+    o = out.transpose(1, 2)  # [R, H, L, Dh] view of the output
+    # N_SLOTS is a compile-time constant (one compilation per cache size; a decoder has one): the loop bound then
+    # is the same for every query, whatever L.
+    kernel[(L, H, R)](q, k, v, pos, o, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                      k.stride(2), o.stride(0), o.stride(1), o.stride(2), N_SLOTS=S, GROUPS=H // Hkv, HEAD_DIM=Dh,
+                      BLOCK_S=64, num_warps=4)
+    return out
