@@ -105,3 +105,12 @@ def test_invariant_speculative_decoding_equals_target_only(interpreter, full_tar
 def test_invariant_decoding_refuses_a_compiled_target(full_target):
     with pytest.raises(ValueError, match="compile='drafter'"):
         StaticDecoder(full_target, 64, None, 4, compile="all", invariant=True)
+
+
+def test_eval_config_refuses_invariant_with_a_compiled_target():
+    from trainer.errors import ConfigError
+    from trainer.quality.config import EvalCfg
+
+    with pytest.raises(ConfigError, match="eval.invariant"):
+        EvalCfg(invariant=True, compile="all")
+    assert EvalCfg(invariant=True, compile="drafter").invariant
