@@ -60,7 +60,7 @@ def _kernels():
                        sq_r, sq_h, sq_l, sk_r, sk_h, sk_s, so_r, so_h, so_l,
                        N_SLOTS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
         # One query (row l, head h, sequence r) against every cache slot, in slot blocks of BLOCK_S, fp32 online
-        # softmax; slots after the query's position are masked. Every program walks all n_slots, so a query's
+        # softmax; slots after the query's position are masked. Every program walks all N_SLOTS, so a query's
         # arithmetic depends on its position and the cache only, never on how many queries were launched. Masked
         # slots add exactly 0 (their weight is exp(-inf) = 0, and a block with no visible slot rescales by 1).
         l = tl.program_id(0)
