@@ -135,7 +135,8 @@ def test_decode_attention_kernel_on_cuda():
 def test_bf16_verify_rows_equal_decode_steps_bitwise():
     """The lossless property at its root, for the invariant engine: a 16-token forward computes each token's logits
     and tapped features bitwise as 16 successive 1-token forwards do, in bf16 (where rounding differences would flip
-    near-ties). Failed with SDPA in bf16 (first row, one ulp), which the Triton attention kernel replaces here."""
+    near-ties). Failed with SDPA in bf16 (the first row's logits, in their last bits), which the Triton attention
+    kernel replaces here."""
     from trainer.decode.static_target import StaticTarget
 
     target = _quality_shaped_bf16_target()
