@@ -59,10 +59,12 @@ def _kernels():
     def attention_rows(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
                        sq_r, sq_h, sq_l, sk_r, sk_h, sk_s, so_r, so_h, so_l,
                        N_SLOTS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-        # One query (row l, head h, sequence r) against every cache slot, in slot blocks of BLOCK_S, fp32 online
-        # softmax; slots after the query's position are masked. Every program walks all N_SLOTS, so a query's
-        # arithmetic depends on its position and the cache only, never on how many queries were launched. Masked
-        # slots add exactly 0 (their weight is exp(-inf) = 0, and a block with no visible slot rescales by 1).
+        # One query (row l, head h, sequence r) at position p against cache slots 0..p, in slot blocks of BLOCK_S
+        # from slot 0, fp32 online softmax; the slots of the last block after p are masked (weight exp(-inf) = 0).
+        # Blocks wholly after p are skipped: which blocks run depends on p alone, and such a block would add exactly
+        # 0 anyway (alpha = exp(0) = 1, weights 0). So a query's arithmetic depends on its position and the cache,
+        # never on how many queries were launched. (`range(0, p + 1, ...)` would say it shorter, but Triton's
+        # interpreter, which the CPU tests use, cannot loop to a loaded bound.)
         l = tl.program_id(0)
         h = tl.program_id(1)
         r = tl.program_id(2).to(tl.int64)
@@ -76,18 +78,19 @@ def _kernels():
         k_base = k_ptr + r * sk_r + kv * sk_h
         v_base = v_ptr + r * sk_r + kv * sk_h
         for s0 in range(0, N_SLOTS, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            inside = s < N_SLOTS
-            k = tl.load(k_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(k * q[None, :], axis=1) * scale
-            scores = tl.where(inside & (s <= p), scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=0))
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(scores - m_new)
-            v = tl.load(v_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(w[:, None] * v, axis=0)
-            den = den * alpha + tl.sum(w, axis=0)
-            m = m_new
+            if s0 <= p:
+                s = s0 + tl.arange(0, BLOCK_S)
+                inside = (s < N_SLOTS) & (s <= p)
+                # Both loads before any arithmetic: one wait on memory per block, not two.
+                k = tl.load(k_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+                v = tl.load(v_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+                scores = tl.where(inside, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=0))
+                alpha = tl.exp(m - m_new)
+                w = tl.exp(scores - m_new)
+                acc = acc * alpha + tl.sum(w[:, None] * v, axis=0)
+                den = den * alpha + tl.sum(w, axis=0)
+                m = m_new
         tl.store(o_ptr + r * so_r + h * so_h + l * so_l + d, (acc / den).to(o_ptr.dtype.element_ty))
 
     return triton, rms_norm_rows, attention_rows
@@ -95,6 +98,12 @@ def _kernels():
 
 def available() -> bool:
     return _kernels() is not None
+
+
+def head_dim_supported(head_dim: int) -> bool:
+    """The attention kernel loads a head as one power-of-two vector; 16 and up keeps the compiled kernel the same
+    for every launch (Triton specializes integer arguments by their divisibility by 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def usable_for(x: torch.Tensor) -> bool:
@@ -138,10 +147,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     triton, _, kernel = _kernels()
     R, H, L, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride():
-        raise ValueError("decode_attention needs contiguous head dims and k / v caches of one layout")
-    if Dh != triton.next_power_of_2(Dh) or H % Hkv:
-        raise ValueError(f"decode_attention needs a power-of-two head dim and H % Hkv == 0, got {Dh}, {H}/{Hkv}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride() or pos.stride(0) != 1:
+        raise ValueError("decode_attention needs contiguous head dims and positions, and k / v of one layout")
+    if k.shape[0] != R or k.shape[-1] != Dh or pos.shape != (L,):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, cache {tuple(k.shape)}, pos {tuple(pos.shape)} disagree")
+    if not head_dim_supported(Dh) or H % Hkv:
+        raise ValueError(f"decode_attention needs a power-of-two head dim >= 16 and H % Hkv == 0, got {Dh}, {H}/{Hkv}")
     out = torch.empty(R, L, H, Dh, dtype=q.dtype, device=q.device)
     o = out.transpose(1, 2)  # [R, H, L, Dh] view of the output
     # N_SLOTS is a compile-time constant (one compilation per cache size; a decoder has one): the loop bound then

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.decode.kernels import RowInvariantRMSNorm, decode_attention, usable_for
+from trainer.decode.kernels import RowInvariantRMSNorm, decode_attention, head_dim_supported, usable_for
 from trainer.errors import ConfigError
 from trainer.model.drafter import apply_rope
 from trainer.model.target import Target
@@ -84,8 +84,10 @@ class StaticTarget:
         self.rows = rows
         # invariant: attention through the row-invariant Triton kernel (trainer/decode/kernels.py), so that a verify
         # computes each token bitwise as a decode step does, in bf16 too (SDPA does not: docs/quality.md, "Exact
-        # bf16"). Where the kernel cannot run (no Triton, CPU without the interpreter, inside torch.compile), SDPA.
-        self.invariant = invariant
+        # bf16"). Where the kernel cannot run (no Triton, CPU without the interpreter, a head dim it does not take),
+        # SDPA; `attention` says which.
+        kernel_ok = usable_for(weight) and head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0
+        self.attention = "invariant" if invariant and kernel_ok else "sdpa"
         shape = (rows, self.kv_heads, slots, self.head_dim)
         self.k = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
         self.v = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers]
@@ -116,7 +118,8 @@ class StaticTarget:
         pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L]
         x = self.target.embed_tokens(ids_RL)
         cos, sin = rope_from_inv_freq(pos, self.inv_freq, self.rope_scaling, x.dtype)
-        visible = (self.slot_ids[None, :] <= pos[:, None])[None, None]  # [1, 1, L, M]
+        # SDPA's mask (the invariant kernel masks by position itself)
+        visible = None if self.attention == "invariant" else (self.slot_ids[None, :] <= pos[:, None])[None, None]
         H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -128,7 +131,7 @@ class StaticTarget:
             self.k[i].index_copy_(2, pos, apply_rope(k, cos, sin))
             self.v[i].index_copy_(2, pos, v)
             q = apply_rope(q, cos, sin)
-            if self.invariant and usable_for(q):
+            if self.attention == "invariant":
                 out = decode_attention(q, self.k[i], self.v[i], pos, attn.scaling)  # [R, L, H, Dh]
             else:
                 out = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=visible, scale=attn.scaling,

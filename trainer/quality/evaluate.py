@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -71,18 +72,26 @@ def load_pair(export_dir: Path, target_dir: Path, device: torch.device, target_d
     return target, drafter, int(ecfg["block_size"])
 
 
+class Decoders(NamedTuple):
+    """The two decoders of one engine and what they really run (a fallback can differ from what was asked)."""
+    target_only: Callable  # (ids, max_new, eos=None) -> tokens
+    speculative: Callable  # (ids, max_new, eos=None, host_s=None) -> SpecResult
+    compile: str  # none | drafter | all
+    attention: str  # sdpa | invariant (the static target's Triton kernel) | hf
+
+
 def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: EvalCfg, compile: str | None = None,
-             log=print):
-    """(target_only(ids, max_new, eos=None), speculative(ids, max_new, eos=None, host_s=None), compile mode used)
-    for `cfg.engine`. Both use the same target forward, so the comparison is one engine against itself. A compilation
-    that fails (torch.compile raises while the graphs are captured) falls back to the uncompiled engine, with a
-    note, and the mode used is then "none"."""
+             log=print) -> Decoders:
+    """Target-only and speculative decoding for `cfg.engine`. Both use the same target forward, so the comparison is
+    one engine against itself. A compilation that fails (torch.compile raises while the graphs are captured) falls
+    back to the uncompiled engine, with a note, and the mode used is then "none". `cfg.invariant` where the Triton
+    kernel cannot run (no Triton, CPU) decodes with SDPA, with a note."""
     if cfg.engine == "hf":
         proposer = DFlashProposer(target, drafter, block_size)
         def speculative(ids, n, eos=None, host_s=None):
             return generate_speculative(target, proposer, ids, n, eos, host_s=host_s)
 
-        return (lambda ids, n, eos=None: generate_target_only(target, ids, n, eos)), speculative, "none"
+        return Decoders(lambda ids, n, eos=None: generate_target_only(target, ids, n, eos), speculative, "none", "hf")
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.static_draft import StaticDFlashProposer
 
@@ -103,7 +112,11 @@ def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: Ev
             f"decoding uncompiled")
         compile = "none"
         decoder = build(compile)
-    return decoder.generate_target_only, decoder.generate_speculative, compile
+    attention = decoder.static.attention
+    if cfg.invariant and attention != "invariant":
+        log("note: eval.invariant: the Triton attention kernel cannot run here (no Triton, or not CUDA); decoding "
+            "with SDPA")
+    return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention)
 
 
 def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print) -> dict:
@@ -111,7 +124,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     device = target.device
     tok = target.tokenizer
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
-    target_only, speculative, compiled = decoders(target, drafter, block_size, encoded, cfg, log=log)
+    target_only, speculative, compiled, attention = decoders(target, drafter, block_size, encoded, cfg, log=log)
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
         speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
@@ -154,6 +167,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
            "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": compiled,
+           "attention": attention,
            "matches_hf": matches_hf,
            "round_ms": round_ms,
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,

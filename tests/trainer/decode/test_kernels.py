@@ -98,6 +98,7 @@ def test_invariant_speculative_decoding_equals_target_only(interpreter, full_tar
     ids = _prompt_ids(full_target, PROMPTS[2])
     want = generate_target_only(full_target, ids, 10)
     decoder = StaticDecoder(full_target, 64, StaticDFlashProposer(full_target, drafter, 4, 64), 4, invariant=True)
+    assert decoder.static.attention == "invariant"
     assert decoder.generate_target_only(ids, 10) == want
     assert decoder.generate_speculative(ids, 10).tokens == want
 

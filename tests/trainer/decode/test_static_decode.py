@@ -232,9 +232,10 @@ def test_a_failing_compilation_falls_back_to_the_uncompiled_engine(full_target, 
     monkeypatch.setattr(StaticDFlashProposer, "compile", broken)
     notes: list[str] = []
     ids = _prompt_ids(full_target, PROMPTS[0])
-    target_only, speculative, compiled = decoders(full_target, _drafter(full_target), 4, [ids],
-                                                  EvalCfg(max_new_tokens=9, compile="drafter"), log=notes.append)
-    assert compiled == "none"  # what is reported is what ran
+    target_only, speculative, compiled, attention = decoders(full_target, _drafter(full_target), 4, [ids],
+                                                             EvalCfg(max_new_tokens=9, compile="drafter"),
+                                                             log=notes.append)
+    assert compiled == "none" and attention == "sdpa"  # what is reported is what ran
     assert len(notes) == 1 and "eval.compile=drafter failed (RuntimeError: inductor exploded)" in notes[0]
     assert speculative(ids, 9).tokens == target_only(ids, 9) == generate_target_only(full_target, ids, 9)
     with pytest.raises(ValueError, match="compile must be"):
@@ -255,3 +256,17 @@ def test_row_invariant_rmsnorm_falls_back_to_the_hf_module_off_cuda():
     assert not norm.uses_kernel(x)
     assert torch.equal(norm(x), module(x))
     assert norm.eps == 1e-6
+
+
+def test_invariant_attention_where_the_kernel_cannot_run_says_so(full_target):
+    """eval.invariant on CPU (no interpreter): SDPA decodes, the note says so, and the decoders report "sdpa"."""
+    from trainer.quality.config import EvalCfg
+    from trainer.quality.evaluate import decoders
+
+    notes: list[str] = []
+    ids = _prompt_ids(full_target, PROMPTS[0])
+    made = decoders(full_target, _drafter(full_target), 4, [ids], EvalCfg(max_new_tokens=5, invariant=True),
+                    log=notes.append)
+    assert made.attention == "sdpa" and made.compile == "none"
+    assert len(notes) == 1 and "eval.invariant" in notes[0] and "SDPA" in notes[0]
+    assert made.speculative(ids, 5).tokens == made.target_only(ids, 5)
