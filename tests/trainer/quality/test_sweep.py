@@ -1,0 +1,83 @@
+"""`python -m trainer.quality.sweep`: variants of the quality pipeline side by side, sharing one target."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.errors import ConfigError
+from trainer.quality.sweep import Variant, check_variants, parse_slots, parse_variant, shares_target
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SMALL = "regen.train_prompts=12 regen.continuations=4 eval.prompts=1"
+
+
+def test_a_variant_is_a_name_and_overrides():
+    assert parse_variant("base") == Variant("base")
+    assert parse_variant("taps 'drafter.model.target_layer_ids=[1, 4, 6]' eval.prompts=48") == Variant(
+        "taps", ("drafter.model.target_layer_ids=[1, 4, 6]", "eval.prompts=48"))
+    for bad in ("", "../x", "-x a=1", "name not-a-setting", "name =1", "name 'unclosed"):
+        with pytest.raises(ConfigError):
+            parse_variant(bad)
+
+
+def test_slots():
+    assert parse_slots(None, 2) == ["0", "1"] and parse_slots(None, 0) == ["cpu"]
+    assert parse_slots("1,0", 0) == ["1", "0"] and parse_slots("cpu:3", 0) == ["cpu"] * 3
+    for bad in ("0,0", "gpu0", "cpu:0", "1,"):
+        with pytest.raises(ConfigError):
+            parse_slots(bad, 2)
+
+
+def test_variants_share_a_target_only_when_they_build_it_alike():
+    base, small = Variant("a", ("regen.continuations=4",)), Variant("b", ("regen.continuations=4", "eval.prompts=3"))
+    assert shares_target([base, small])
+    assert not shares_target([base, Variant("c", ("eval.prompts=3",))])
+    assert not shares_target([Variant("a"), Variant("d", ("pretrain.steps=9",))])
+    assert shares_target([Variant("a"), Variant("e", ("drafter.model.num_draft_layers=4", "total_budget_s=100"))])
+
+
+def test_bad_overrides_and_duplicate_names_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match="--variant b: .*drafter.optim.bogus"):
+        check_variants("quality_cpu", [Variant("a"), Variant("b", ("drafter.optim.bogus=1",))])
+    with pytest.raises(ConfigError, match="its own name"):
+        check_variants("quality_cpu", [Variant("a"), Variant("a")])
+
+
+def _sweep(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "trainer.quality.sweep", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=280)
+
+
+@pytest.mark.slow
+def test_two_variants_side_by_side_on_one_target(tmp_path):
+    """Two CPU slots: the first variant runs the whole pipeline; the second waits for its regenerate stage, then trains
+    its own drafter (block size 4) on that target and data. One table, one DFLASH_SWEEP line, sweep.json."""
+    out = tmp_path / "sweep"
+    proc = _sweep("--recipe", "quality_cpu", "--out", str(out), "--slots", "cpu:2", "--variant", f"base {SMALL}",
+                  "--variant", f"b4 {SMALL} drafter.model.block_size=4")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.split("DFLASH_SWEEP ", 1)[1])
+    assert result == json.loads((out / "sweep.json").read_text())
+    assert result["shared_target"] is True
+    base, b4 = result["variants"]
+    assert base["status"] == b4["status"] == "ok" and base["reused_from"] is None
+    assert b4["reused_from"] == str(out / "base")
+    q4 = json.loads((out / "b4" / "quality.json").read_text())
+    assert q4["reused_from"] == str((out / "base").resolve()) and q4["eval"]["decode"]["block_size"] == 4
+    assert 1.0 <= b4["tau"] <= 4 and 1.0 <= base["tau"] <= 8
+    assert "== stage pretrain" in (out / "base.log").read_text()
+    assert "== stage pretrain" not in (out / "b4.log").read_text()
+    assert "variant" in proc.stdout and "simulated_tau" in proc.stdout  # the table's header
+
+
+def test_a_non_empty_out_dir_is_refused_and_kept(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    proc = _sweep("--recipe", "quality_cpu", "--out", str(tmp_path), "--variant", "a")
+    assert proc.returncode == 2 and "not empty" in proc.stderr
+    assert (tmp_path / "keep.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
