@@ -86,7 +86,8 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
         steps.append((t_long - t_short) / max(1, len(out_long) - len(out_short)))
         rounds.append((s_long - s_short) / max(1, res_long.rounds - res_short.rounds))
     step, rnd = statistics.median(steps), statistics.median(rounds)
-    return {"engine": engine, "compiled": compiled, "attention": attention, "step_ms": round(1e3 * step, 4), "round_ms": round(1e3 * rnd, 4),
+    return {"engine": engine, "compiled": compiled, "attention": attention, "step_ms": round(1e3 * step, 4),
+            "round_ms": round(1e3 * rnd, 4),
             "round_over_step": round(rnd / step, 3),
             "speedup_at_tau": {str(tau): round(tau * step / rnd, 2) for tau in (2, 3, 4, 5)},
             "spread_step_ms": [round(1e3 * min(steps), 4), round(1e3 * max(steps), 4)],

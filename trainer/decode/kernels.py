@@ -8,7 +8,8 @@ gives bitwise the same rows at M = 1 and M = 16 for the target's linears, while 
   threads on one row, 32 per row on 16), so the fp32 sums round differently;
 - SDPA: 25 of 524,288 bf16 attention outputs differed between 1 and 16 queries.
 Here each is a Triton kernel in which one program computes one row (one norm row, one query of one head) with a loop
-and reduction shaped only by the row length and the cache size, so a row's result is the same whatever the batch.
+and reductions shaped only by the row length (norm) or the query's position (attention), so a row's result is the
+same whatever the batch.
 
 The kernels run on CUDA, and on CPU under Triton's interpreter (`TRITON_INTERPRET=1` and `CPU_UNDER_INTERPRETER`, which
 the CPU tests set). Where they cannot run (no Triton, CPU, inside `torch.compile`), callers fall back to the HF module
@@ -34,8 +35,8 @@ CPU_UNDER_INTERPRETER = False
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    """(triton, rms_norm_rows, attention_rows), or None where Triton is not installed. Built lazily: `triton.jit`
-    reads TRITON_INTERPRET when it wraps a function (tests clear this cache after switching it)."""
+    """(triton, rms_norm_rows, attention_rows), or None where Triton is not installed. Built once, lazily, so that
+    importing this module costs nothing where no kernel runs."""
     try:
         import triton
         import triton.language as tl
@@ -72,7 +73,7 @@ def _kernels():
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + r * sq_r + h * sq_h + l * sq_l + d).to(tl.float32)
         p = tl.load(pos_ptr + l)
-        m = -1e30  # finite: a block with no visible slot then rescales by exp(0) = 1, never NaN
+        m = -1e30  # finite, so exp(m - m_new) is never NaN
         den = 0.0
         acc = tl.zeros((HEAD_DIM,), tl.float32)
         k_base = k_ptr + r * sk_r + kv * sk_h
@@ -150,7 +151,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     if q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride() or pos.stride(0) != 1:
         raise ValueError("decode_attention needs contiguous head dims and positions, and k / v of one layout")
     if k.shape[0] != R or k.shape[-1] != Dh or pos.shape != (L,):
-        raise ValueError(f"decode_attention: q {tuple(q.shape)}, cache {tuple(k.shape)}, pos {tuple(pos.shape)} disagree")
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, cache {tuple(k.shape)} and pos {tuple(pos.shape)} "
+                         f"disagree")
     if not head_dim_supported(Dh) or H % Hkv:
         raise ValueError(f"decode_attention needs a power-of-two head dim >= 16 and H % Hkv == 0, got {Dh}, {H}/{Hkv}")
     out = torch.empty(R, L, H, Dh, dtype=q.dtype, device=q.device)

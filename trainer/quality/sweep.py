@@ -8,10 +8,10 @@ DIR/NAME (its output in DIR/NAME.log) on its own slot: a GPU index (CUDA_VISIBLE
 runs two at a time on the CPU. Default: every visible GPU, else one CPU slot.
 
 Shared target: when every variant overrides what builds the target and its data (corpus, target, pretrain, regen) in
-the same way (or not at all), the first variant runs the whole pipeline and the others, once its regenerate stage is recorded, train and evaluate
-their drafters on its target and data (`--reuse`). Their drafters then differ by their overrides only, not by a
-different target: GPU pretraining is not bitwise reproducible, and two targets from one recipe already move τ by
-~0.2. `--independent` runs every variant whole instead.
+the same way (or not at all), the first variant runs the whole pipeline. The others, once its regenerate stage is
+recorded, train and evaluate their drafters on its target and data (`--reuse`). Their drafters then differ by their
+overrides only, not by a different target: GPU pretraining is not bitwise reproducible, and two targets from one
+recipe already move τ by ~0.2. `--independent` runs every variant whole instead.
 
 Writes DIR/sweep.json and prints a table and one line `DFLASH_SWEEP {json}`. Exit 0 when every variant finished, 1
 otherwise; bad arguments: one line, exit 2.

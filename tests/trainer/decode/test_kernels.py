@@ -21,7 +21,7 @@ def interpreter(monkeypatch):
     imported)."""
     import triton  # noqa: F401 -- a dev dependency: its absence is a failure, not a skip
 
-    assert kernels.interpreting(), "TRITON_INTERPRET=1 must be set before triton is imported (tests/trainer/conftest.py)"
+    assert kernels.interpreting(), "TRITON_INTERPRET=1 must be set before triton is imported (tests/trainer/conftest)"
     monkeypatch.setattr(kernels, "CPU_UNDER_INTERPRETER", True)
 
 
