@@ -12,10 +12,15 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module args...` from the repository root, as a user runs it (also when not pip-installed)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "trainer.quality.pipeline", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=280)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return run_module("trainer.quality.pipeline", *args)
 
 
 @pytest.mark.slow

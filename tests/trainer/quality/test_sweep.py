@@ -2,17 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.trainer.quality.test_pipeline import run_module
 from trainer.errors import ConfigError
 from trainer.quality.sweep import Variant, check_variants, parse_slots, parse_variant, shares_target
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
 SMALL = "regen.train_prompts=12 regen.continuations=4 eval.prompts=1"
 
 
@@ -49,9 +45,7 @@ def test_bad_overrides_and_duplicate_names_are_refused_before_anything_runs(tmp_
 
 
 def _sweep(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "trainer.quality.sweep", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
+    return run_module("trainer.quality.sweep", *args)
 
 
 @pytest.mark.slow
