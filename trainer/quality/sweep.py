@@ -147,9 +147,26 @@ def start(job: Job, recipe: str, slot: str) -> None:
     print(f"start {job.variant.name} on {'cpu' if slot == 'cpu' else 'GPU ' + slot}: {shlex.join(job.argv[1:])}",
           flush=True)
     with job.log.open("w") as log:
-        # Its own session: stopping the sweep stops exactly the pipelines it started, with their children.
-        job.proc = subprocess.Popen(job.argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        # Same process group as the sweep: `dflash-ops stop` (a kill of the launched job's group) reaches the
+        # pipelines too.
+        job.proc = subprocess.Popen(job.argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(jobs: list[Job], grace_s: float = 10.0) -> None:
+    """Terminate the pipelines this sweep started and still runs (and only those), then kill what outlives grace_s."""
+    alive = [job.proc for job in jobs if job.proc is not None and job.proc.poll() is None]
+    for proc in alive:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in alive:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
 
 
 def check_variants(recipe: str, variants: list[Variant]) -> None:
@@ -182,6 +199,7 @@ def run_sweep(recipe: str, out: Path, variants: list[Variant], slots: list[str],
     base = out / variants[0].name
     jobs = [Job(v, base if shared and i else None, out / v.name, out / f"{v.name}.log") for i, v in enumerate(variants)]
     waiting, running, free = list(jobs), [], list(slots)
+    signal.signal(signal.SIGTERM, _interrupted)  # a SIGTERM to the sweep alone still stops its pipelines
     try:
         while waiting or running:
             for job in list(running):
@@ -205,8 +223,7 @@ def run_sweep(recipe: str, out: Path, variants: list[Variant], slots: list[str],
             if waiting or running:
                 time.sleep(poll_s)
     except KeyboardInterrupt:
-        for job in running:
-            os.killpg(job.proc.pid, signal.SIGTERM)
+        stop(running)
         raise
     rows = [summarize(job) for job in jobs]
     result = {"recipe": recipe, "shared_target": shared, "slots": slots, "variants": rows}

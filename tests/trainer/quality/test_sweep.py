@@ -2,13 +2,22 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.trainer.quality.test_pipeline import run_module
 from trainer.errors import ConfigError
 from trainer.quality.sweep import Variant, check_variants, parse_slots, parse_variant, shares_target
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SMALL = "regen.train_prompts=12 regen.continuations=4 eval.prompts=1"
 
 
@@ -68,6 +77,50 @@ def test_two_variants_side_by_side_on_one_target(tmp_path):
     assert "== stage pretrain" in (out / "base.log").read_text()
     assert "== stage pretrain" not in (out / "b4.log").read_text()
     assert "variant" in proc.stdout and "simulated_tau" in proc.stdout  # the table's header
+    # The operator CLI's runbook proves a sweep alive by this pattern: it must match what the sweep prints.
+    book = yaml.safe_load((REPO_ROOT / "runbooks" / "quality-sweep.yaml").read_text())
+    assert re.search(book["liveness"]["pattern"], proc.stdout.splitlines()[0])
+    assert book["command"][:3] == ["{python}", "-m", "trainer.quality.sweep"]
+    assert book["command"][book["command"].index("--out") + 1].startswith("{run_dir}/")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains `text` (read from /proc; nothing is signalled)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_stopping_the_sweep_stops_the_pipelines_it_started(tmp_path):
+    """SIGTERM to the sweep alone (not its group): it terminates the pipeline it runs and exits 130; no process of
+    the sweep is left."""
+    out = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+    sweep = subprocess.Popen([sys.executable, "-m", "trainer.quality.sweep", "--recipe", "quality_cpu", "--out",
+                              str(out), "--variant", "base", "--variant", "b2 eval.prompts=1"], cwd=REPO_ROOT,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "base.log").exists() or len(_processes_mentioning(str(out / "base"))) < 1:
+            assert time.monotonic() < deadline and sweep.poll() is None, "the first pipeline never started"
+            time.sleep(0.2)
+        sweep.send_signal(signal.SIGTERM)
+        _, err = sweep.communicate(timeout=60)
+        assert sweep.returncode == 130 and "interrupted" in err
+        deadline = time.monotonic() + 10
+        while _processes_mentioning(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_mentioning(str(out)) == []
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
 
 
 def test_a_non_empty_out_dir_is_refused_and_kept(tmp_path):
