@@ -59,10 +59,12 @@ def parse_variant(text: str) -> Variant:
     return Variant(words[0], tuple(words[1:]))
 
 
-def parse_slots(text: str | None, gpu_count: int) -> list[str]:
-    """"0,1" / "cpu" / "cpu:2" / None (every visible GPU, else one CPU slot) -> slot names (pure)."""
+def parse_slots(text: str | None, visible: list[str]) -> list[str]:
+    """"0,1" / "cpu" / "cpu:2" / None (every visible GPU, else one CPU slot) -> slot names (pure). A GPU slot is
+    what its pipeline gets as CUDA_VISIBLE_DEVICES; `visible` lists the GPUs this process may use, as the same
+    variable names them."""
     if text is None:
-        return [str(i) for i in range(gpu_count)] or ["cpu"]
+        return list(visible) or ["cpu"]
     match = re.fullmatch(r"cpu(?::([1-9][0-9]?))?", text)
     if match:
         return ["cpu"] * int(match.group(1) or 1)
@@ -239,23 +241,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (must be new or empty)")
     p.add_argument("--variant", action="append", default=[], metavar='"NAME KEY=VALUE ..."',
                    help="a variant: a name, then --set overrides; repeat for each (the first shares its target)")
-    p.add_argument("--slots", default=None, help="GPU indices (0,1), cpu, or cpu:N (default: every visible GPU)")
+    p.add_argument("--slots", default=None,
+                   help="GPUs as CUDA_VISIBLE_DEVICES names them (0,1), cpu, or cpu:N (default: every visible GPU)")
     p.add_argument("--independent", action="store_true", help="every variant pretrains its own target")
     args = p.parse_args(argv)
 
     def command() -> int:
         variants = [parse_variant(v) for v in args.variant]
-        slots = parse_slots(args.slots, _gpu_count() if args.slots is None else 0)
+        slots = parse_slots(args.slots, _visible_gpus() if args.slots is None else [])
         rows = run_sweep(args.recipe, Path(args.out), variants, slots, args.independent)
         return 0 if all(r["status"] == "ok" for r in rows) else 1
 
     return run_cli(command)
 
 
-def _gpu_count() -> int:
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (so that a sweep started with
+    CUDA_VISIBLE_DEVICES=2,3 runs its pipelines on 2 and 3, not on 0 and 1)."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [g.strip() for g in given.split(",") if g.strip()]
     import torch
 
-    return torch.cuda.device_count()
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 if __name__ == "__main__":

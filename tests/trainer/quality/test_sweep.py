@@ -31,11 +31,20 @@ def test_a_variant_is_a_name_and_overrides():
 
 
 def test_slots():
-    assert parse_slots(None, 2) == ["0", "1"] and parse_slots(None, 0) == ["cpu"]
-    assert parse_slots("1,0", 0) == ["1", "0"] and parse_slots("cpu:3", 0) == ["cpu"] * 3
+    assert parse_slots(None, ["2", "3"]) == ["2", "3"] and parse_slots(None, []) == ["cpu"]
+    assert parse_slots("1,0", []) == ["1", "0"] and parse_slots("cpu:3", []) == ["cpu"] * 3
     for bad in ("0,0", "gpu0", "cpu:0", "1,"):
         with pytest.raises(ConfigError):
-            parse_slots(bad, 2)
+            parse_slots(bad, ["0", "1"])
+
+
+def test_default_slots_follow_cuda_visible_devices(monkeypatch):
+    from trainer.quality.sweep import _visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert _visible_gpus() == ["2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert _visible_gpus() == []
 
 
 def test_variants_share_a_target_only_when_they_build_it_alike():
