@@ -201,7 +201,7 @@ def run_sweep(recipe: str, out: Path, variants: list[Variant], slots: list[str],
     base = out / variants[0].name
     jobs = [Job(v, base if shared and i else None, out / v.name, out / f"{v.name}.log") for i, v in enumerate(variants)]
     waiting, running, free = list(jobs), [], list(slots)
-    signal.signal(signal.SIGTERM, _interrupted)  # a SIGTERM to the sweep alone still stops its pipelines
+    previous = signal.signal(signal.SIGTERM, _interrupted)  # a SIGTERM to the sweep alone still stops its pipelines
     try:
         while waiting or running:
             for job in list(running):
@@ -227,6 +227,8 @@ def run_sweep(recipe: str, out: Path, variants: list[Variant], slots: list[str],
     except KeyboardInterrupt:
         stop(running)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     rows = [summarize(job) for job in jobs]
     result = {"recipe": recipe, "shared_target": shared, "slots": slots, "variants": rows}
     (out / "sweep.json").write_text(json.dumps(result, indent=1) + "\n")
