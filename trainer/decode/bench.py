@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     if args.profile and device.type == "cuda":
         profile_pieces(target, drafter, block)
+    invariant = args.attention == "invariant"
     for engine in engines:
-        invariant = args.attention == "invariant"
         print("DECODE_BENCH " + json.dumps(measure(engine, target, drafter, block, prompt, args.new_tokens,
                                                    args.repeats, invariant)), flush=True)
         if args.breakdown and engine != "hf" and device.type == "cuda":

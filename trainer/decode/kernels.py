@@ -97,10 +97,6 @@ def _kernels():
     return triton, rms_norm_rows, attention_rows
 
 
-def available() -> bool:
-    return _kernels() is not None
-
-
 def head_dim_supported(head_dim: int) -> bool:
     """The attention kernel loads a head as one power-of-two vector; 16 and up keeps the compiled kernel the same
     for every launch (Triton specializes integer arguments by their divisibility by 16)."""
