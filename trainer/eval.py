@@ -39,6 +39,38 @@ def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block
     return leading_matches(drafted, reference, valid), batch.anchor_valid
 
 
+@torch.no_grad()
+def replayed_rounds(target: Target, drafter: Drafter, prompt_ids: list[int], output_ids: list[int],
+                    block_size: int) -> list[int]:
+    """Replay a greedy speculative decode in the training layout: the rounds' accepted counts that the drafter
+    would get on `output_ids` (the target's greedy answer to `prompt_ids`), teacher-forced.
+
+    Every answer position is an anchor (one packed row, one document), so `block_acceptance` gives the accepted
+    count a[p] of a round that starts at p. Real decoding starts at the first answer token (the prefill's bonus) and
+    moves on by a[p] + 1, while tokens of the answer are left to make. Equal lists mean decoding sees what training saw; a lower real tau with equal lists is
+    the rounds' own selection (a round starts where the last draft failed), not a defect. The last round can come
+    out shorter here: the replay cannot look past the answer, where real decoding drafts past max_new."""
+    P, n = len(prompt_ids), len(output_ids)
+    if n == 0:
+        return []
+    dev = target.device
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)], dtype=torch.long, device=dev)
+    S = ids.shape[1]
+    loss_mask = torch.zeros(1, S, dtype=torch.bool, device=dev)
+    loss_mask[:, P:] = True
+    batch = StaticBatch(input_ids=ids, position_ids=torch.arange(S, device=dev)[None],
+                        doc_ids=torch.zeros(1, S, dtype=torch.long, device=dev), loss_mask=loss_mask,
+                        anchor_pos=torch.arange(P, S, device=dev)[None],
+                        anchor_valid=torch.ones(1, n, dtype=torch.bool, device=dev))
+    accepted, _valid = block_acceptance(target, drafter, batch, block_size)
+    by_anchor = accepted[0].tolist()  # SYNC: eval only
+    rounds, i = [], 0
+    while i < n - 1:  # the round anchored at the last answer token would only make tokens past the answer
+        rounds.append(by_anchor[i])
+        i += by_anchor[i] + 1
+    return rounds
+
+
 def leading_matches(drafted: torch.Tensor, reference: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[..., B] -> [...]: number of leading k >= 1 with drafted == reference and valid (position 0 is the anchor)."""
     match = (drafted == reference) & valid

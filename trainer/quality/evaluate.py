@@ -119,6 +119,34 @@ def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: Ev
     return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention)
 
 
+def capped_rounds(accepted: list[int], n: int) -> list[int]:
+    """Real rounds as a replay of an n-token answer sees them: a round anchored at answer token i cannot accept
+    past the answer's end (real decoding drafts on and truncates at max_new)."""
+    capped, i = [], 0
+    for a in accepted:
+        capped.append(min(a, n - i - 1))
+        i += a + 1
+    return capped
+
+
+def replay_stats(target, drafter, block_size: int, decoded: list[tuple[list[int], list[int]]],
+                 results: list) -> dict:
+    """Untimed: each decoded answer replayed through the training layout (`trainer.eval.replayed_rounds`), with the
+    drafter under the numerics the decode ran it in (bf16 autocast on CUDA). `replayed_equal` counts the prompts
+    whose replayed rounds equal the real rounds; `replayed_tau` is their mean tau."""
+    from trainer.eval import replayed_rounds
+
+    on_cuda = target.device.type == "cuda"
+    rounds, equal = [], 0
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
+        for (ids, want), got in zip(decoded, results):
+            replayed = replayed_rounds(target, drafter, ids, want, block_size)
+            rounds += replayed
+            equal += replayed == capped_rounds(got.accepted, len(want))
+    return {"replayed_tau": round(sum(a + 1 for a in rounds) / len(rounds), 4) if rounds else None,
+            "replayed_equal": equal}
+
+
 def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print) -> dict:
     """Batch-1 greedy decoding of each prompt, target-only then speculative -> stats dict."""
     device = target.device
@@ -128,7 +156,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
         speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
-    results, repeats, t_target, t_spec, tokens, identical = [], [], 0.0, 0.0, 0, 0
+    results, decoded, repeats, t_target, t_spec, tokens, identical = [], [], [], 0.0, 0.0, 0, 0
     host_s: dict[str, float] = {}
     first_output = None
     deadline = time.perf_counter() + cfg.budget_s
@@ -147,6 +175,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         tokens += len(want)
         identical += got.tokens == want
         results.append(got)
+        decoded.append((ids, want))
         repeats.append(repeated_ngram_fraction(want))
         if first_output is None:
             first_output = want
@@ -155,6 +184,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     matches_hf = None
     if cfg.engine == "static" and first_output is not None:
         matches_hf = generate_target_only(target, encoded[0], cfg.max_new_tokens, tok.eos_token_id) == first_output
+    replay = replay_stats(target, drafter, block_size, decoded, results)
     timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
                           speculative_s=round(t_spec, 4), identical=identical)
     stats = acceptance_stats(results, block_size)
@@ -168,14 +198,15 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
            "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": compiled,
            "attention": attention,
-           "matches_hf": matches_hf,
+           "matches_hf": matches_hf, **replay,
            "round_ms": round_ms,
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
     log(f"decode ({cfg.engine}): tau {out['tau']} over {out['rounds']} rounds, "
         f"{timing.identical}/{timing.prompts} identical, "
         f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s); one round "
-        f"{sum(round_ms.values()):.2f} ms {round_ms} vs one target step {out['target_step_ms']} ms")
+        f"{sum(round_ms.values()):.2f} ms {round_ms} vs one target step {out['target_step_ms']} ms; replayed in the "
+        f"training layout: tau {out['replayed_tau']}, {out['replayed_equal']}/{timing.prompts} prompts round for round")
     return out
 
 

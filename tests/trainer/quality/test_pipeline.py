@@ -44,6 +44,9 @@ def test_quality_cpu_pipeline_end_to_end(tmp_path):
     assert decode["block_size"] == B and decode["prompts"] >= 1
     assert decode["identical"] == decode["prompts"]  # lossless: every output == target-only greedy
     assert decode["engine"] == "static" and decode["matches_hf"] is True  # and the engine equals HF's own decoding
+    # Decoding sees what training saw: every prompt's rounds, replayed teacher-forced in the training layout, accept
+    # exactly what the real rounds accepted.
+    assert decode["replayed_equal"] == decode["prompts"] and decode["replayed_tau"] is not None
     assert 1.0 <= result["tau"] <= B and len(result["accept_by_pos"]) == B - 1
     assert all(a >= b for a, b in zip(result["accept_by_pos"], result["accept_by_pos"][1:]))
     assert 1.0 <= result["simulated_tau"] <= B
