@@ -79,16 +79,22 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
         return time.perf_counter() - start, out
 
     short = new_tokens // 2
-    steps, rounds = [], []
+    steps, rounds, target_fixed, spec_fixed = [], [], [], []
     for _ in range(repeats):
         (t_long, out_long), (t_short, out_short) = timed(target_only, new_tokens), timed(target_only, short)
         (s_long, res_long), (s_short, res_short) = timed(speculative, new_tokens), timed(speculative, short)
         steps.append((t_long - t_short) / max(1, len(out_long) - len(out_short)))
         rounds.append((s_long - s_short) / max(1, res_long.rounds - res_short.rounds))
+        # What a decode costs before its first step (round): a 1-token decode is the prefill alone (speculative:
+        # with the drafter's context reset).
+        target_fixed.append(timed(target_only, 1)[0])
+        spec_fixed.append(timed(speculative, 1)[0])
     step, rnd = statistics.median(steps), statistics.median(rounds)
     return {"engine": engine, "compiled": compiled, "attention": attention, "step_ms": round(1e3 * step, 4),
             "round_ms": round(1e3 * rnd, 4),
             "round_over_step": round(rnd / step, 3),
+            "fixed_ms": {"target_only": round(1e3 * statistics.median(target_fixed), 3),
+                         "speculative": round(1e3 * statistics.median(spec_fixed), 3)},
             "speedup_at_tau": {str(tau): round(tau * step / rnd, 2) for tau in (2, 3, 4, 5)},
             "spread_step_ms": [round(1e3 * min(steps), 4), round(1e3 * max(steps), 4)],
             "setup_s": round(setup_s, 1), "block_size": block_size, "prompt_tokens": len(prompt),
@@ -141,6 +147,40 @@ def breakdown(target, drafter, block_size: int, compile: str, replays: int = 200
     return out
 
 
+def setup_costs(target, drafter, block_size: int, prompt: list[int], compile: str, invariant: bool,
+                repeats: int = 20) -> dict:
+    """Wall ms (median, synced) of what each decode does once before its first step or round: the prefill graph's
+    replay (target-only; speculative, which also writes the prompt's context into the drafter), and the same
+    forwards run eagerly over the unpadded prompt, as they ran before the prefill became a graph."""
+    from trainer.decode.engine import StaticDecoder
+    from trainer.decode.static_draft import StaticDFlashProposer
+    from trainer.quality.evaluate import sync
+
+    proposer = StaticDFlashProposer(target, drafter, block_size, 512)
+    decoder = StaticDecoder(target, 512, proposer, block_size, compile=compile, invariant=invariant)
+    ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
+    zero = torch.zeros((), dtype=torch.long, device=target.device)
+
+    def eager(with_reset: bool) -> None:
+        _, feats = decoder.static.forward(ids, zero, want_features=with_reset)
+        if with_reset:
+            proposer.reset(feats)
+
+    pieces = {"prefill": lambda: decoder.prefill(prompt), "prefill_spec": lambda: decoder.prefill_spec(prompt),
+              "prefill_eager": lambda: eager(False), "prefill_spec_eager": lambda: eager(True)}
+    out = {}
+    for name, fn in pieces.items():
+        times = []
+        for _ in range(repeats + 1):
+            sync(target.device)
+            t0 = time.perf_counter()
+            fn()
+            sync(target.device)
+            times.append(time.perf_counter() - t0)
+        out[name] = round(1e3 * statistics.median(times[1:]), 3)
+    return out
+
+
 def profile_pieces(target, drafter, block_size: int, rows: int = 12) -> None:
     """Top GPU kernels (eager, so every kernel is attributed) of 20 calls of each piece of a round: PROF lines."""
     from torch.profiler import ProfilerActivity, profile
@@ -174,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--breakdown", action="store_true",
-                   help="CUDA: also print the GPU ms of each piece of a round (DECODE_PIECES), per static engine")
+                   help="CUDA: also print the GPU ms of each piece of a round and the wall ms of the prefill and "
+                        "the drafter's reset (DECODE_PIECES), per static engine")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the target's dtype")
     p.add_argument("--profile", action="store_true", help="CUDA: top kernels of a step, a verify and a draft (PROF)")
     p.add_argument("--attention", default="gqa", choices=("gqa", "invariant"),
@@ -218,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    args.repeats, invariant)), flush=True)
         if args.breakdown and engine != "hf" and device.type == "cuda":
             pieces = breakdown(target, drafter, block, compile=ENGINES[engine], invariant=invariant)
-            print("DECODE_PIECES " + json.dumps({"engine": engine, "gpu_ms": pieces}), flush=True)
+            once = setup_costs(target, drafter, block, prompt, ENGINES[engine], invariant)
+            print("DECODE_PIECES " + json.dumps({"engine": engine, "gpu_ms": pieces, "once_wall_ms": once}),
+                  flush=True)
     return 0
 
 

@@ -6,13 +6,15 @@ Two device-side programs, each captured once as a CUDA graph in the calling (mai
   verify [anchor, drafts] in one target forward; a = leading matches; the bonus token post[a] becomes the next
   anchor; the block's tapped features go to the drafter's context; start += a + 1.
 Per token (target-only) or per round (speculative) the host replays the graph and reads the result once -- the one
-sync the stop rule (EOS, max_new) needs. Prefill (variable prompt length) runs eagerly before the first replay.
+sync the stop rule (EOS, max_new) needs. The prefill is a graph too, one per prompt-length bucket (`Prefill`): a
+prompt is padded up to its bucket, and the padding's K/V land in slots that no query sees before they are rewritten.
 
 Lossless by construction: every committed token is the target's greedy choice at its position, computed by the same
 static forward as target-only decoding (tests compare the two token for token, and both with HF's own cache path).
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
@@ -58,6 +60,56 @@ class GraphProgram:
             self.fn()
 
 
+def prefill_buckets(slots: int, smallest: int = 16) -> list[int]:
+    """Prompt lengths a prefill graph is captured for: powers of two from `smallest`, then `slots` (the cache's
+    size) so that every prompt that fits the cache fits a bucket. At most ~2x the prompt's tokens are computed;
+    at batch 1 a prefill of a few hundred tokens costs its kernel launches, not its FLOPs."""
+    buckets, size = [], smallest
+    while size < slots:
+        buckets.append(size)
+        size *= 2
+    return buckets + [slots]
+
+
+class Prefill:
+    """The prompt's forward as one graph replay: per bucket of `prefill_buckets`, static ids and a graph (captured
+    at construction, in the calling thread). The prompt is copied into its bucket's ids; the rest of the bucket is
+    whatever the last prompt left there. Rows after the prompt cannot change the prompt's rows (causal attention,
+    row-wise norms and linears); their K/V land in slots at or after the prompt's end, which every later forward
+    rewrites before any query at that position can see them (slot = position). Likewise for the drafter's context.
+
+    proposer: None -> only the next token (target-only decoding); else also the prompt's tapped features, written
+    into the proposer's context (`reset`) inside the same graph. Eager on CPU (same padding)."""
+
+    def __init__(self, static: StaticTarget, slots: int, proposer=None, graphs: bool = True) -> None:
+        dev = static.device
+        self.static, self.proposer = static, proposer
+        self.buckets = prefill_buckets(slots)
+        self.zero = torch.zeros((), dtype=torch.long, device=dev)
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)  # index of the prompt's last token
+        self.first = torch.zeros(1, 1, dtype=torch.long, device=dev)  # the greedy token after the prompt
+        self.ids = {L: torch.zeros(1, L, dtype=torch.long, device=dev) for L in self.buckets}
+        self.programs = {L: GraphProgram(functools.partial(self._run, L), dev, graphs) for L in self.buckets}
+
+    def _run(self, L: int) -> None:
+        logits, feats = self.static.forward(self.ids[L], self.zero, want_features=self.proposer is not None,
+                                            logits_at=self.last)
+        self.first.copy_(logits[:, -1:].argmax(-1))
+        if self.proposer is not None:
+            self.proposer.reset(feats)
+
+    def __call__(self, prompt_ids: list[int]) -> torch.Tensor:
+        """-> the greedy token after the prompt, [1, 1] long on the device (this object's buffer)."""
+        P = len(prompt_ids)
+        L = next((b for b in self.buckets if b >= P), None)
+        if L is None or P == 0:
+            raise ValueError(f"a prompt of {P} tokens does not fit a prefill bucket (1..{self.buckets[-1]})")
+        self.ids[L][0, :P].copy_(torch.tensor(prompt_ids, dtype=torch.long), non_blocking=False)
+        self.last.fill_(P - 1)
+        self.programs[L]()
+        return self.first
+
+
 class StaticDecoder:
     """Target-only and speculative greedy decoding of sequences up to `capacity` tokens (prompt + new).
 
@@ -94,7 +146,9 @@ class StaticDecoder:
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
         self.step = GraphProgram(self._decode_step, dev, graphs)
+        self.prefill = Prefill(self.static, self.static.slots, None, graphs)
         if proposer is not None:
+            self.prefill_spec = Prefill(self.static, self.static.slots, proposer, graphs)
             # Round state: the anchor (committed, not yet cached) at position `start`; the result row
             # [a, block (B), post (B)] read by the host once per round.
             self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
@@ -120,20 +174,17 @@ class StaticDecoder:
 
     # ------------------------------------------------------------ host loops
 
-    def _prefill(self, prompt_ids: list[int], max_new: int, want_features: bool):
+    def _check_fits(self, prompt_ids: list[int], max_new: int) -> None:
         if len(prompt_ids) + max_new > self.capacity:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_new ({max_new}) exceeds the decoder's capacity "
                              f"({self.capacity} tokens)")
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        zero = torch.zeros((), dtype=torch.long, device=self.device)
-        logits, feats = self.static.forward(ids, zero, want_features=want_features)
-        return logits[:, -1:].argmax(-1), feats  # [1, 1]
 
     @torch.no_grad()
     def generate_target_only(self, prompt_ids: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
         if max_new <= 0:
             return []
-        first, _ = self._prefill(prompt_ids, max_new, want_features=False)
+        self._check_fits(prompt_ids, max_new)
+        first = self.prefill(prompt_ids)
         self.tok.copy_(first)
         self.pos.fill_(len(prompt_ids))
         out = [int(first)]  # SYNC: one per token, inherent to greedy decoding
@@ -152,8 +203,8 @@ class StaticDecoder:
         if max_new <= 0:
             return SpecResult(tokens=[])
         B = self.block_size
-        first, feats = self._prefill(prompt_ids, max_new, want_features=True)
-        self.proposer.reset(feats)
+        self._check_fits(prompt_ids, max_new)
+        first = self.prefill_spec(prompt_ids)  # also writes the prompt's context into the proposer
         self.anchor.copy_(first[0])
         self.start.fill_(len(prompt_ids))
         committed_new = [int(first)]  # SYNC

@@ -110,10 +110,12 @@ class StaticTarget:
 
     @torch.no_grad()
     def forward(self, ids_RL: torch.Tensor, pos0: torch.Tensor, want_features: bool = True,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, logits_at: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [R, L] (R = rows) at positions pos0..pos0+L-1 (pos0: 0-dim long device tensor) -> (logits [R, L, V]
-        fp32 -- [R, 1, V] of the last position when `last_only` --, tapped features [R, L, T*D] or None). Writes
-        their K/V into slots pos0..pos0+L-1; pos0 + L <= slots."""
+        fp32 -- [R, 1, V] of the last position when `last_only`, of index `logits_at` ([1] long device tensor) when
+        given --, tapped features [R, L, T*D] or None). Writes their K/V into slots pos0..pos0+L-1;
+        pos0 + L <= slots."""
         R, L = ids_RL.shape
         pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L]
         x = self.target.embed_tokens(ids_RL)
@@ -140,7 +142,12 @@ class StaticTarget:
             x = x + layer.mlp(self.post_norms[i](x))
             if want_features and i in self.taps:
                 taps[i] = x
-        # last_only: a batch prefill needs only the next token ([R, P, V] fp32 logits would be GBs).
-        logits = self.target.lm_head(self.final_norm(x[:, -1:] if last_only else x)).float()
+        # last_only: a batch prefill needs only the next token ([R, P, V] fp32 logits would be GBs); logits_at: a
+        # padded prefill needs the next token after its last real one.
+        if logits_at is not None:
+            x_out = x.index_select(1, logits_at)
+        else:
+            x_out = x[:, -1:] if last_only else x
+        logits = self.target.lm_head(self.final_norm(x_out)).float()
         feats = torch.cat([taps[i] for i in self.target.layer_ids], dim=-1) if want_features else None
         return logits, feats

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.quality.test_speculative import PROMPTS, _drafter, _prompt_ids
-from trainer.decode.engine import StaticDecoder
+from trainer.decode.engine import StaticDecoder, prefill_buckets
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
 from trainer.decode.static_target import StaticTarget
 from trainer.speculative import (DFlashProposer, DraftContextCache, acceptance_stats, draft_block_hidden,
@@ -204,6 +204,32 @@ def test_eos_stops_inside_a_round(full_target):
     decoder = StaticDecoder(full_target, capacity=128, proposer=TableProposer(table, 16), block_size=16)
     assert decoder.generate_speculative(ids, 30, eos_id=eos).tokens == want
     assert decoder.generate_target_only(ids, 30, eos_id=eos) == want
+
+
+def test_prefill_buckets_cover_every_prompt_that_fits():
+    assert prefill_buckets(144) == [16, 32, 64, 128, 144]
+    assert prefill_buckets(16) == [16] and prefill_buckets(10) == [10]
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_padded_prefill_is_independent_of_the_bucket_and_its_leftovers(full_target, block_size):
+    """Prompts are padded up to their prefill bucket, over whatever the last prompt left in it. Lengths 1, a bucket's
+    exact size and one past it, each after a longer prompt of the same bucket: every output equals HF's greedy
+    decoding (target-only) and the target-only output (speculative, with a real drafter)."""
+    proposer = None if block_size is None else StaticDFlashProposer(full_target, _drafter(full_target), block_size, 128)
+    decoder = StaticDecoder(full_target, capacity=128, proposer=proposer, block_size=block_size or 16)
+    assert decoder.prefill.buckets == [16, 32, 64, 128, 128 + (block_size or 16)]
+    torch.manual_seed(5)
+    vocab = full_target.embed_tokens.weight.shape[0] - 1
+    for length in (1, 16, 17, 31, 32, 33):
+        junk = torch.randint(0, vocab, (max(length, 32) if length <= 32 else 64,)).tolist()
+        decoder.generate_target_only(junk, 3)  # fills the bucket with other tokens
+        ids = torch.randint(0, vocab, (length,)).tolist()
+        want = generate_target_only(full_target, ids, 9)
+        assert decoder.generate_target_only(ids, 9) == want, length
+        if proposer is not None:
+            decoder.generate_speculative(junk, 3)
+            assert decoder.generate_speculative(ids, 9).tokens == want, length
 
 
 def test_capacity_is_checked_before_any_work(full_target):
