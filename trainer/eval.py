@@ -46,10 +46,12 @@ def replayed_rounds(target: Target, drafter: Drafter, prompt_ids: list[int], out
     would get on `output_ids` (the target's greedy answer to `prompt_ids`), teacher-forced.
 
     Every answer position is an anchor (one packed row, one document), so `block_acceptance` gives the accepted
-    count a[p] of a round that starts at p. Real decoding starts at the first answer token (the prefill's bonus) and
-    moves on by a[p] + 1, while tokens of the answer are left to make. Equal lists mean decoding sees what training saw; a lower real tau with equal lists is
-    the rounds' own selection (a round starts where the last draft failed), not a defect. The last round can come
-    out shorter here: the replay cannot look past the answer, where real decoding drafts past max_new."""
+    count a[p] of a round that starts at p. Real decoding starts at the first answer token (the prefill's bonus)
+    and moves on by a[p] + 1 while tokens of the answer are left to make. Equal lists (in fp32 on CPU: every prompt)
+    mean decoding sees what training saw; then a real tau below the simulated one is the rounds' own selection (a
+    round starts where the last draft failed), not a defect. In bf16 a compiled drafter rounds differently from
+    this eager one, so near-ties make some lists differ while the means agree. The last round can come out
+    shorter here: the replay cannot look past the answer, where real decoding drafts past max_new."""
     P, n = len(prompt_ids), len(output_ids)
     if n == 0:
         return []

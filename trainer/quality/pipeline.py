@@ -263,6 +263,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
               "target": dataclasses.asdict(pre), "regen": dataclasses.asdict(regen), "drafter": drafted,
               "tau": ev["decode"]["tau"], "accept_by_pos": ev["decode"]["accept_by_pos"],
               "speedup": ev["decode"]["speedup"], "simulated_tau": ev["simulated"]["tau"],
+              "replayed_tau": ev["decode"].get("replayed_tau"),
               "identical": f'{ev["decode"]["identical"]}/{ev["decode"]["prompts"]}',
               "repeated_4gram_frac": ev["decode"]["repeated_4gram_frac"], "eval": ev,
               **({"also": {k: ev["decode_also"][k] for k in ("target_dtype", "tau", "speedup", "identical",

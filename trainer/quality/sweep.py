@@ -125,15 +125,16 @@ def summarize(job: Job) -> dict:
     also = q.get("also") or {}
     drafter = q.get("drafter") or {}
     return {**row, "status": "ok" if job.rc == 0 else job.note or "failed",
-            "tau": q.get("tau"), "simulated_tau": q.get("simulated_tau"), "speedup": q.get("speedup"),
+            "tau": q.get("tau"), "replayed_tau": q.get("replayed_tau"), "simulated_tau": q.get("simulated_tau"),
+            "speedup": q.get("speedup"),
             "identical": q.get("identical"), "also_tau": also.get("tau"), "also_speedup": also.get("speedup"),
             "also_identical": also.get("identical"), "drafter_steps": drafter.get("steps"),
             "drafter_acc": drafter.get("acc"), "total_s": (q.get("timings_s") or {}).get("total")}
 
 
 def table(rows: list[dict]) -> str:
-    cols = ("variant", "status", "tau", "simulated_tau", "speedup", "identical", "also_tau", "also_speedup",
-            "drafter_steps", "total_s")
+    cols = ("variant", "status", "tau", "replayed_tau", "simulated_tau", "speedup", "identical", "also_tau",
+            "also_speedup", "drafter_steps", "total_s")
     cells = [[str(r.get(c, "") if r.get(c) is not None else "-") for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]

@@ -50,6 +50,7 @@ def test_quality_cpu_pipeline_end_to_end(tmp_path):
     assert 1.0 <= result["tau"] <= B and len(result["accept_by_pos"]) == B - 1
     assert all(a >= b for a, b in zip(result["accept_by_pos"], result["accept_by_pos"][1:]))
     assert 1.0 <= result["simulated_tau"] <= B
+    assert result["replayed_tau"] == decode["replayed_tau"]
     assert result["speedup"] > 0 and decode["target_s"] > 0
     # The decoding benchmark re-runs alone on the pipeline's artifacts.
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
