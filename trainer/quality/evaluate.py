@@ -152,6 +152,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     device = target.device
     tok = target.tokenizer
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
+    t_setup = time.perf_counter()
     target_only, speculative, compiled, attention = decoders(target, drafter, block_size, encoded, cfg, log=log)
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
@@ -159,6 +160,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     results, decoded, repeats, t_target, t_spec, tokens, identical = [], [], [], 0.0, 0.0, 0, 0
     host_s: dict[str, float] = {}
     first_output = None
+    setup_s = time.perf_counter() - t_setup  # graph capture, compilation, warm-up
     deadline = time.perf_counter() + cfg.budget_s
     for ids in encoded:
         if time.perf_counter() > deadline:
@@ -184,7 +186,9 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     matches_hf = None
     if cfg.engine == "static" and first_output is not None:
         matches_hf = generate_target_only(target, encoded[0], cfg.max_new_tokens, tok.eos_token_id) == first_output
+    t_replay = time.perf_counter()
     replay = replay_stats(target, drafter, block_size, decoded, results)
+    replay_s = time.perf_counter() - t_replay
     timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
                           speculative_s=round(t_spec, 4), identical=identical)
     stats = acceptance_stats(results, block_size)
@@ -199,14 +203,15 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": compiled,
            "attention": attention,
            "matches_hf": matches_hf, **replay,
-           "round_ms": round_ms,
+           "round_ms": round_ms, "setup_s": round(setup_s, 1), "replay_s": round(replay_s, 1),
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
     log(f"decode ({cfg.engine}): tau {out['tau']} over {out['rounds']} rounds, "
         f"{timing.identical}/{timing.prompts} identical, "
         f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s); one round "
         f"{sum(round_ms.values()):.2f} ms {round_ms} vs one target step {out['target_step_ms']} ms; replayed in the "
-        f"training layout: tau {out['replayed_tau']}, {out['replayed_equal']}/{timing.prompts} prompts round for round")
+        f"training layout: tau {out['replayed_tau']}, {out['replayed_equal']}/{timing.prompts} prompts round for round; "
+        f"set-up {setup_s:.1f}s, timed {t_target + t_spec:.1f}s, replay {replay_s:.1f}s")
     return out
 
 

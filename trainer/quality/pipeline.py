@@ -246,7 +246,9 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", budget))
 
     def evaluate() -> dict:
+        t0 = time.perf_counter()
         simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, target_dir))
+        log(f"simulated eval: {time.perf_counter() - t0:.1f}s")
         prompts = heldout_prompts(regen.eval_path)
         result = {"simulated": simulated}
         for key, dtype in (("decode", q.eval.target_dtype), ("decode_also", q.eval.also_dtype)):
