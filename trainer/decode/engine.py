@@ -79,7 +79,10 @@ class Prefill:
     rewrites before any query at that position can see them (slot = position). Likewise for the drafter's context.
 
     proposer: None -> only the next token (target-only decoding); else also the prompt's tapped features, written
-    into the proposer's context (`reset`) inside the same graph. Eager on CPU (same padding)."""
+    into the proposer's context (`reset`) inside the same graph. Eager on CPU (same padding).
+
+    Each bucket's graph keeps its own memory pool for its activations: small at the few hundred slots evaluation
+    uses; a long-context decoder (thousands of slots) would want the buckets to share one pool."""
 
     def __init__(self, static: StaticTarget, slots: int, proposer=None, graphs: bool = True) -> None:
         dev = static.device
