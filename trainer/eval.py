@@ -73,6 +73,16 @@ def replayed_rounds(target: Target, drafter: Drafter, prompt_ids: list[int], out
     return rounds
 
 
+def capped_rounds(accepted: list[int], n: int) -> list[int]:
+    """Real rounds as a replay of an n-token answer sees them: a round anchored at answer token i cannot accept
+    past the answer's end (real decoding drafts on and truncates at max_new)."""
+    capped, i = [], 0
+    for a in accepted:
+        capped.append(min(a, n - i - 1))
+        i += a + 1
+    return capped
+
+
 def leading_matches(drafted: torch.Tensor, reference: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[..., B] -> [...]: number of leading k >= 1 with drafted == reference and valid (position 0 is the anchor)."""
     match = (drafted == reference) & valid

@@ -2,7 +2,7 @@ import torch
 
 from tests.trainer.conftest import make_state
 from tests.trainer.test_traps import drafter_hidden, two_doc_batch
-from trainer.eval import block_acceptance, leading_matches
+from trainer.eval import block_acceptance, capped_rounds, leading_matches, replayed_rounds
 from trainer.export import export_config, export_drafter, load_exported
 from trainer.model.target import packed_causal_mask
 from trainer.step.step import EagerRunner
@@ -30,6 +30,27 @@ class OracleDrafter(torch.nn.Module):
         B, S = layout.block_size, self.last.shape[1]
         prev = (layout.anchor_pos[:, :, None] + torch.arange(B) - 1).clamp(0, S - 1).flatten(1)
         return self.last.gather(1, prev[:, :, None].expand(-1, -1, self.last.shape[2]))
+
+
+def test_capped_rounds_stop_at_the_answers_end():
+    # 10-token answer: rounds anchored at tokens 0, 1, 5; the last one drafted 15 but only 4 tokens were left.
+    assert capped_rounds([0, 3, 15], 10) == [0, 3, 4]
+    assert capped_rounds([], 10) == []
+
+
+def test_replay_walks_rounds_like_decoding(full_target):
+    """Rounds move on by accepted + 1 from the answer's first token (the prefill's) until the answer is made: the
+    last round starts before the answer's last token and reaches it."""
+    from tests.trainer.quality.test_speculative import _drafter, _prompt_ids
+    from trainer.speculative import generate_target_only
+
+    ids = _prompt_ids(full_target, "count from 3 to 40")
+    answer = generate_target_only(full_target, ids, 12)
+    rounds = replayed_rounds(full_target, _drafter(full_target, seed=7), ids, answer, 4)
+    assert rounds and all(0 <= a <= 3 for a in rounds)
+    made = [sum(a + 1 for a in rounds[:k]) for k in range(len(rounds) + 1)]  # answer index each round starts at
+    assert made[-2] < len(answer) - 1 <= made[-1]
+    assert replayed_rounds(full_target, _drafter(full_target), ids, [], 4) == []
 
 
 def test_perfect_drafter_gets_full_acceptance_and_tau_counts_the_bonus(full_target):

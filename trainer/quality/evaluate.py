@@ -119,22 +119,12 @@ def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: Ev
     return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention)
 
 
-def capped_rounds(accepted: list[int], n: int) -> list[int]:
-    """Real rounds as a replay of an n-token answer sees them: a round anchored at answer token i cannot accept
-    past the answer's end (real decoding drafts on and truncates at max_new)."""
-    capped, i = [], 0
-    for a in accepted:
-        capped.append(min(a, n - i - 1))
-        i += a + 1
-    return capped
-
-
 def replay_stats(target, drafter, block_size: int, decoded: list[tuple[list[int], list[int]]],
                  results: list) -> dict:
     """Untimed: each decoded answer replayed through the training layout (`trainer.eval.replayed_rounds`), with the
     drafter under the numerics the decode ran it in (bf16 autocast on CUDA). `replayed_equal` counts the prompts
     whose replayed rounds equal the real rounds; `replayed_tau` is their mean tau."""
-    from trainer.eval import replayed_rounds
+    from trainer.eval import capped_rounds, replayed_rounds
 
     on_cuda = target.device.type == "cuda"
     rounds, equal = [], 0
