@@ -117,7 +117,8 @@ class EvalCfg:
     also_dtype: str = ""
     # static engine, true: the target's attention through a row-invariant Triton kernel (trainer/decode/kernels.py),
     # so that a verify forward computes each token bitwise as a decode step does and bf16 decoding is lossless too.
-    # Off by default until it is measured on the H200 (CPU-tested under Triton's interpreter). Not with compile=all.
+    # Off by default because it needs Triton on CUDA (or Triton's interpreter on CPU); `quality_gpu` turns it on
+    # (measured on the H200: docs/quality.md, "Exact bf16"). Not with compile=all.
     invariant: bool = False
 
     def __post_init__(self) -> None:
