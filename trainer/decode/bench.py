@@ -5,8 +5,9 @@ with any drafter the speedup a drafter of mean acceptance tau would reach is tau
     python -m trainer.decode.bench --engines hf,static,static+compile-drafter,static+compile
     python -m trainer.decode.bench --target DIR --drafter DIR/export   # a trained pair (e.g. a quality run's)
 
-Default model: the quality_gpu target shape (Qwen3, 8 layers, hidden 512, 8/4 heads of 64, vocab 8192, ~29M params,
-random init) in fp32 and a random 3-layer drafter tapping layers 1, 3, 5. Prints one `DECODE_BENCH {json}` per engine.
+Default model: the quality_gpu target shape (Qwen3, 16 layers, hidden 512, 8/4 heads of 64, vocab 8192, ~55M params,
+random init) in fp32 and a random 3-layer drafter tapping layers 1, 7, 13 (DFlash's spacing). `--layers 8` gives the
+shape the recipe had until 798e0e0 (~29M params, taps 1, 3, 5). Prints one `DECODE_BENCH {json}` per engine.
 """
 from __future__ import annotations
 
@@ -23,24 +24,25 @@ import torch
 ENGINES = {"hf": "none", "static": "none", "static+compile-drafter": "drafter", "static+compile": "all"}
 
 
-def random_pair(device: torch.device, block_size: int, dtype: torch.dtype = torch.float32):
-    """A random Qwen3 target shaped like the quality recipe's (fp32, tapped, untruncated) and a random drafter."""
+def random_pair(device: torch.device, block_size: int, dtype: torch.dtype = torch.float32, num_layers: int = 8):
+    """A random Qwen3 target of the quality recipe's width (tapped, untruncated; `num_layers` deep) and a random
+    3-layer drafter tapping the layers DFlash's rule picks."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from trainer.model.drafter import Drafter, DrafterConfig
-    from trainer.model.target import Target, _tap_hook
+    from trainer.model.target import Target, _tap_hook, build_target_layer_ids
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+    cfg = Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=num_layers,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                       tie_word_embeddings=True)
     model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.config._attn_implementation = "sdpa"
-    layer_ids = (1, 3, 5)
+    layer_ids = tuple(build_target_layer_ids(num_layers, 3))
     taps: dict = {}
     for i in layer_ids:
         model.model.layers[i].register_forward_hook(_tap_hook(taps, i))
-    target = Target(model=model, tokenizer=None, layer_ids=layer_ids, num_layers=8, mask_token_id=8191,
+    target = Target(model=model, tokenizer=None, layer_ids=layer_ids, num_layers=num_layers, mask_token_id=8191,
                     truncated=False, _taps=taps)
     drafter = Drafter(DrafterConfig.from_target(cfg, num_layers=3, num_taps=3)).to(device).eval()
     return target, drafter, block_size
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="", help="target HF directory (default: random quality-shaped target)")
     p.add_argument("--drafter", default="", help="drafter export directory (with --target)")
     p.add_argument("--block", type=int, default=16)
+    p.add_argument("--layers", type=int, default=16,
+                   help="the random target's depth (default 16, quality_gpu's; ignored with --target)")
     p.add_argument("--prompt-tokens", type=int, default=120)
     p.add_argument("--new-tokens", type=int, default=192)
     p.add_argument("--repeats", type=int, default=3)
@@ -234,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.new_tokens < 8:
         print("error: --new-tokens must be >= 8 (the figures are differences of two decode lengths)", file=sys.stderr)
         return 2
+    if args.layers < 4:
+        print("error: --layers must be >= 4 (the drafter taps layers 1..L-3)", file=sys.stderr)
+        return 2
     if bool(args.target) != bool(args.drafter):
         print("error: --target and --drafter go together", file=sys.stderr)
         return 2
@@ -248,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target:
         target, drafter, block = trained_pair(args.target, args.drafter, device, args.dtype)
     else:
-        target, drafter, block = random_pair(device, args.block, getattr(torch, args.dtype))
+        target, drafter, block = random_pair(device, args.block, getattr(torch, args.dtype), args.layers)
     vocab = target.embed_tokens.weight.shape[0]
     prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     if args.profile and device.type == "cuda":

@@ -28,6 +28,16 @@ def test_bench_refuses_bad_arguments(capsys):
     assert bench.main(["--new-tokens", "4"]) == 2
     assert bench.main(["--target", "/nonexistent", "--drafter", "/nonexistent"]) == 2
     assert "has no config.json" in capsys.readouterr().err
+    assert bench.main(["--layers", "3"]) == 2
+    assert "--layers must be >= 4" in capsys.readouterr().err
+
+
+def test_random_pair_has_the_requested_depth_and_dflash_taps():
+    """The bench's default is quality_gpu's 16-layer target, tapped where DFlash's rule puts 3 taps."""
+    target, drafter, block = bench.random_pair(torch.device("cpu"), 16, num_layers=16)
+    assert len(target.model.model.layers) == 16 and target.num_layers == 16
+    assert tuple(target.layer_ids) == (1, 7, 13)
+    assert block == 16
 
 
 def test_every_piece_of_a_round_runs_eagerly(full_target):
