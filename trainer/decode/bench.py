@@ -24,7 +24,7 @@ import torch
 ENGINES = {"hf": "none", "static": "none", "static+compile-drafter": "drafter", "static+compile": "all"}
 
 
-def random_pair(device: torch.device, block_size: int, dtype: torch.dtype = torch.float32, num_layers: int = 8):
+def random_pair(device: torch.device, block_size: int, dtype: torch.dtype = torch.float32, *, num_layers: int):
     """A random Qwen3 target of the quality recipe's width (tapped, untruncated; `num_layers` deep) and a random
     3-layer drafter tapping the layers DFlash's rule picks."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -56,13 +56,24 @@ def trained_pair(target_dir: str, drafter_dir: str, device: torch.device, dtype:
     return load_pair(Path(drafter_dir), Path(target_dir), device, dtype)
 
 
+def wall_s(fn, device: torch.device):
+    """-> (wall seconds of fn(), its result), synced before and after so the device's queued work is counted."""
+    from trainer.quality.evaluate import sync
+
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
 def measure(engine: str, target, drafter, block_size: int, prompt: list[int], new_tokens: int, repeats: int,
             invariant: bool = False) -> dict:
     """Median over `repeats` of (seconds per target-only token, seconds per speculative round). Each figure is the
     difference between a decode of `new_tokens` and one of half as many, divided by the extra tokens (rounds): the
     prefill and the per-sequence set-up cancel out."""
     from trainer.quality.config import EvalCfg
-    from trainer.quality.evaluate import decoders, sync
+    from trainer.quality.evaluate import decoders
 
     t0 = time.perf_counter()
     cfg = EvalCfg(max_new_tokens=new_tokens, engine="hf" if engine == "hf" else "static", invariant=invariant)
@@ -74,11 +85,7 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
     device = target.device
 
     def timed(fn, n: int):
-        sync(device)
-        start = time.perf_counter()
-        out = fn(prompt, n)
-        sync(device)
-        return time.perf_counter() - start, out
+        return wall_s(lambda: fn(prompt, n), device)
 
     short = new_tokens // 2
     steps, rounds, target_fixed, spec_fixed = [], [], [], []
@@ -156,7 +163,6 @@ def setup_costs(target, drafter, block_size: int, prompt: list[int], compile: st
     forwards run eagerly over the unpadded prompt, as they ran before the prefill became a graph."""
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.static_draft import StaticDFlashProposer
-    from trainer.quality.evaluate import sync
 
     proposer = StaticDFlashProposer(target, drafter, block_size, 512)
     decoder = StaticDecoder(target, 512, proposer, block_size, compile=compile, invariant=invariant)
@@ -172,14 +178,8 @@ def setup_costs(target, drafter, block_size: int, prompt: list[int], compile: st
               "prefill_eager": lambda: eager(False), "prefill_spec_eager": lambda: eager(True)}
     out = {}
     for name, fn in pieces.items():
-        times = []
-        for _ in range(repeats + 1):
-            sync(target.device)
-            t0 = time.perf_counter()
-            fn()
-            sync(target.device)
-            times.append(time.perf_counter() - t0)
-        out[name] = round(1e3 * statistics.median(times[1:]), 3)
+        times = [wall_s(fn, target.device)[0] for _ in range(repeats + 1)]
+        out[name] = round(1e3 * statistics.median(times[1:]), 3)  # the first call is a warm-up
     return out
 
 
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target:
         target, drafter, block = trained_pair(args.target, args.drafter, device, args.dtype)
     else:
-        target, drafter, block = random_pair(device, args.block, getattr(torch, args.dtype), args.layers)
+        target, drafter, block = random_pair(device, args.block, getattr(torch, args.dtype), num_layers=args.layers)
     vocab = target.embed_tokens.weight.shape[0]
     prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     if args.profile and device.type == "cuda":

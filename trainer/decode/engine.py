@@ -130,7 +130,7 @@ class StaticDecoder:
         self.static = StaticTarget(target, capacity + block_size, invariant=invariant)
         # compile: "all" sends the target's step/verify forwards and the drafter's draft/append through torch.compile
         # (fused norms and RoPE: fewer kernels per replay); "drafter" only the drafter's, so both target paths keep
-        # the same uncompiled forward. Prefill, whose length varies per prompt, always stays eager.
+        # the same uncompiled forward. The prefill (one graph per prompt-length bucket) always runs uncompiled.
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {compile!r}")
         if invariant and compile == "all":

@@ -27,7 +27,7 @@ def count(dtype: torch.dtype, device: torch.device, blocks: int) -> dict[str, st
     from trainer.decode.static_target import StaticTarget, rope_from_inv_freq
     from trainer.model.drafter import apply_rope
 
-    target = random_pair(device, 16, dtype)[0]
+    target = random_pair(device, 16, dtype, num_layers=8)[0]
     static = StaticTarget(target, slots=512)
     H, Hkv, Dh = static.heads, static.kv_heads, static.head_dim
     tally: dict[str, list[int]] = {}

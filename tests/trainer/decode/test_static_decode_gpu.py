@@ -85,7 +85,7 @@ def _quality_shaped_bf16_target():
     the same rows at M = 1 and M = 16 (the tiny test target's shapes were not)."""
     from trainer.decode.bench import random_pair
 
-    target, _, _ = random_pair(torch.device("cuda"), 16, torch.bfloat16)
+    target, _, _ = random_pair(torch.device("cuda"), 16, torch.bfloat16, num_layers=8)
     return target
 
 
