@@ -89,6 +89,16 @@ class StepCfg:
         _check(self.attn in ATTN_BACKENDS, f"step.attn must be one of {ATTN_BACKENDS}, got {self.attn!r}")
         _check(self.loss_chunk >= 1, "step.loss_chunk must be >= 1")
 
+    @property
+    def compiles(self) -> bool:
+        """torch.compile the step's layers and loss math (Inductor; runs on CPU too)."""
+        return self.mode in ("compile", "compile+graph")
+
+    @property
+    def captures(self) -> bool:
+        """Capture the whole step as a CUDA graph in the main thread's warm-up, then replay it (CUDA only)."""
+        return self.mode in ("graph", "compile+graph")
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimCfg:
@@ -285,16 +295,21 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def _set_path(tree: dict[str, Any], dotted: str, raw: str) -> None:
+def set_override(tree: dict[str, Any], dotted: str, raw: str, root: type) -> None:
+    """Apply one `--set a.b=v` to a raw config tree, checking the path against the dataclass tree under `root`
+    (unknown sections and keys are refused with the valid ones). The value is parsed as YAML; types are checked
+    later, by `from_dict`."""
     node = tree
     parts = dotted.split(".")
-    cls: type = TrainCfg
+    cls: type = root
     for part in parts[:-1]:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hint = _resolved_hints(cls).get(part)
         if part not in fields or not dataclasses.is_dataclass(hint):
             sections = [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(_resolved_hints(cls)[f.name])]
             raise ConfigError(f"unknown config section {part!r} in --set {dotted}; valid sections: {', '.join(sections)}")
+        if not isinstance(node.get(part, {}), dict):
+            raise ConfigError(f"--set {dotted}: {part!r} is not a mapping in this recipe")
         node = node.setdefault(part, {})
         cls = hint
     leaf = parts[-1]
@@ -319,6 +334,13 @@ def parse_overrides(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def apply_overrides(tree: dict[str, Any], items: list[str], root: type) -> dict[str, Any]:
+    """`--set` items on a raw tree whose schema is the dataclass `root` (in place; returns the tree)."""
+    for key, raw in parse_overrides(list(items)):
+        set_override(tree, key, raw, root)
+    return tree
+
+
 def recipe_text(recipe: str) -> tuple[str, str]:
     """Return (source, yaml text) for a bundled recipe NAME or a PATH.yaml."""
     if recipe.endswith((".yaml", ".yml")) or "/" in recipe:
@@ -333,8 +355,8 @@ def recipe_text(recipe: str) -> tuple[str, str]:
     return f"bundled:{recipe}", res.read_text()
 
 
-def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
-    """Recipe (bundled name or YAML path) + `a.b=v` overrides -> validated TrainCfg."""
+def recipe_tree(recipe: str) -> tuple[str, dict[str, Any]]:
+    """(source, parsed mapping) of a bundled recipe NAME or a PATH.yaml."""
     source, text = recipe_text(recipe)
     try:
         tree = yaml.safe_load(text) or {}
@@ -342,6 +364,10 @@ def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
         raise ConfigError(f"recipe {source} is not valid YAML: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"recipe {source} must be a mapping of sections")
-    for key, raw in parse_overrides(list(overrides)):
-        _set_path(tree, key, raw)
-    return from_dict(TrainCfg, tree)
+    return source, tree
+
+
+def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
+    """Recipe (bundled name or YAML path) + `a.b=v` overrides -> validated TrainCfg."""
+    _source, tree = recipe_tree(recipe)
+    return from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg))

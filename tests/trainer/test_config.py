@@ -45,10 +45,10 @@ def test_unknown_recipe_lists_bundled():
 
 def test_non_eager_mode_on_cpu_is_a_clear_error(tmp_path, tiny_target_dir):
     from tests.trainer.conftest import small_cfg
-    from trainer.train import setup
+    from trainer.build import build
 
     with pytest.raises(ConfigError, match="step.mode=graph needs a CUDA device"):
-        setup(small_cfg(tiny_target_dir, "step.mode=graph"), tmp_path / "run")
+        build(small_cfg(tiny_target_dir, "step.mode=graph"), tmp_path / "run")
     with pytest.raises(ConfigError, match="step.attn=flex needs a CUDA device"):
-        setup(small_cfg(tiny_target_dir, "step.attn=flex"), tmp_path / "run")
+        build(small_cfg(tiny_target_dir, "step.attn=flex"), tmp_path / "run")
     assert not (tmp_path / "run" / "config.json").exists()  # refused before anything was written

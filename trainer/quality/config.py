@@ -1,17 +1,14 @@
-"""The quality pipeline's configuration: one recipe YAML (`trainer/recipes/quality_*.yaml`) with five sections.
+"""The quality pipeline's configuration: one recipe YAML (`trainer/recipes/quality_*.yaml`).
 
-`corpus`, `target`, `pretrain`, `regen`, `eval` are typed here; `drafter` is a trainer recipe tree (the same keys as
-`trainer/recipes/*.yaml`) validated by `trainer.config`. Pure: no torch import.
+`corpus`, `target`, `pretrain`, `regen`, `eval` are typed here; `drafter` is a whole trainer config (`TrainCfg`, the
+same keys as `trainer/recipes/*.yaml`), whose target and data the pipeline fills in. One tree, one parser
+(`trainer.config`): `--set drafter.optim.lr=1e-3` reaches the trainer's leaf like any other. Pure: no torch import.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-import yaml
-
-from trainer.config import TrainCfg, _check, from_dict, recipe_text
-from trainer.errors import ConfigError
+from trainer.config import TrainCfg, _check, apply_overrides, device_spec_ok, from_dict, recipe_tree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +104,7 @@ class EvalCfg:
     # speculative output is the target's own greedy output (bf16 flipped near-ties: 22/24 prompts identical on H200).
     target_dtype: str = "float32"
     # static: static KV caches, each decode step / speculative round one CUDA graph replay (trainer/decode/);
-    # hf: the HF DynamicCache reference path (trainer/speculative.py), eager. Both paths share the engine's timing.
+    # hf: the HF DynamicCache reference path (trainer/decode/reference.py), eager. Both paths share the engine's timing.
     engine: str = "static"
     # static engine: torch.compile "none", the "drafter" (its draft and context append), or "all" (also the
     # target's step and verify forwards). Fewer kernels per replay; compilation takes ~30-50 s per decoder.
@@ -144,30 +141,18 @@ class QualityCfg:
     total_budget_s: float = 0.0
     eval_reserve_s: float = 60.0
     seed: int = 0
-    device: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (trainer/placement.py)
     threads: int = 0  # CPU intra-op threads; 0 = torch default
+    drafter: TrainCfg = field(default_factory=TrainCfg)  # model.target, data paths: filled in by the pipeline
 
     def __post_init__(self) -> None:
         _check(self.drafter_budget_s > 0, "drafter_budget_s must be > 0")
+        _check(device_spec_ok(self.device), f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _check(self.total_budget_s >= 0 and self.eval_reserve_s >= 0, "total_budget_s and eval_reserve_s must be >= 0")
 
 
-@dataclass(frozen=True)
-class Recipe:
-    quality: QualityCfg
-    drafter: dict[str, Any]  # trainer recipe tree; model.target / data paths are filled in by the pipeline
-
-
-def load_recipe(recipe: str) -> Recipe:
-    """Bundled NAME (trainer/recipes/NAME.yaml) or PATH.yaml -> validated Recipe (the drafter tree is checked too)."""
-    source, text = recipe_text(recipe)
-    try:
-        tree = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {source} is not valid YAML: {e}") from None
-    if not isinstance(tree, dict) or not isinstance(tree.get("drafter", {}), dict):
-        raise ConfigError(f"recipe {source} must be a mapping with a 'drafter' mapping")
-    drafter = tree.pop("drafter", {})
-    quality = from_dict(QualityCfg, tree)
-    from_dict(TrainCfg, drafter, prefix="drafter.")  # fail early, before minutes of pretraining
-    return Recipe(quality=quality, drafter=drafter)
+def load_recipe(recipe: str, overrides: list[str] = ()) -> QualityCfg:
+    """Bundled NAME (trainer/recipes/NAME.yaml) or PATH.yaml, plus `--set` overrides -> validated QualityCfg (the
+    drafter's trainer config included: a bad drafter key fails here, before minutes of pretraining)."""
+    _source, tree = recipe_tree(recipe)
+    return from_dict(QualityCfg, apply_overrides(tree, list(overrides), QualityCfg))

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.config import TrainCfg, from_dict
 from trainer.errors import ConfigError
 from trainer.quality.config import load_recipe
 
@@ -15,8 +14,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.mark.parametrize("name", ["quality_gpu", "quality_cpu"])
 def test_recipe_validates_and_fits_its_target(name):
-    recipe = load_recipe(name)
-    q, drafter = recipe.quality, from_dict(TrainCfg, recipe.drafter)
+    q = load_recipe(name)
+    drafter = q.drafter
     taps = drafter.model.target_layer_ids
     assert taps is None or max(taps) < q.target.num_layers
     assert drafter.data.num_anchors < drafter.data.seq_len
@@ -24,7 +23,7 @@ def test_recipe_validates_and_fits_its_target(name):
 
 
 def test_gpu_recipe_budgets_fit_ten_minutes():
-    q = load_recipe("quality_gpu").quality
+    q = load_recipe("quality_gpu")
     assert 0 < q.total_budget_s <= 600 - 40  # the drafter's budget is derived from it; 40 s for start-up and saving
     benchmarks = 2 if q.eval.also_dtype else 1
     assert q.eval_reserve_s >= benchmarks * q.eval.budget_s + 10  # the decode loops + loading + simulated eval
@@ -37,7 +36,7 @@ def test_drafter_budget_is_what_the_total_leaves():
 
     from trainer.quality.pipeline import drafter_budget
 
-    q = load_recipe("quality_gpu").quality
+    q = load_recipe("quality_gpu")
     assert drafter_budget(q, 150.0) == q.total_budget_s - 150.0 - q.eval_reserve_s
     assert drafter_budget(q, 0.0) == q.drafter_budget_s  # never more than the drafter's own cap
     assert drafter_budget(q, q.total_budget_s) == 0.0  # nothing left: no negative budgets
@@ -58,3 +57,15 @@ def test_unknown_recipe_key_names_the_key(tmp_path):
     bad.write_text("pretrain:\n  stepz: 3\ndrafter: {}\n")
     with pytest.raises(ConfigError, match="pretrain.stepz"):
         load_recipe(str(bad))
+    bad.write_text("drafter:\n  optim:\n    lrr: 1\n")
+    with pytest.raises(ConfigError, match="drafter.optim.lrr"):
+        load_recipe(str(bad))
+
+
+def test_overrides_reach_every_section_through_one_parser():
+    q = load_recipe("quality_cpu", ["pretrain.steps=7", "drafter.optim.lr=1e-3", "drafter.model.target_layer_ids=[1, 2]"])
+    assert (q.pretrain.steps, q.drafter.optim.lr, q.drafter.model.target_layer_ids) == (7, 1e-3, (1, 2))
+    with pytest.raises(ConfigError, match="valid sections: .*drafter"):
+        load_recipe("quality_cpu", ["nosuch.x=1"])
+    with pytest.raises(ConfigError, match="drafter.optim.lr must be a number"):
+        load_recipe("quality_cpu", ["drafter.optim.lr=fast"])

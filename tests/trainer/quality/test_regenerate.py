@@ -11,7 +11,7 @@ from trainer.data.source import load_samples
 from trainer.model.target import load_target
 from trainer.quality.config import load_recipe
 from trainer.quality.regenerate import chat_prompt_ids, greedy_batch, prompt_sets, regenerate
-from trainer.speculative import generate_target_only
+from trainer.decode.reference import generate_target_only
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def made(tmp_path_factory):
     continuations."""
     from trainer.quality.pretrain import make_target
 
-    q = load_recipe("quality_cpu").quality
+    q = load_recipe("quality_cpu")
     q = dataclasses.replace(q, pretrain=dataclasses.replace(q.pretrain, budget_s=1e6),
                             regen=dataclasses.replace(q.regen, train_prompts=12, eval_prompts=4, max_new_tokens=16,
                                                       batch_size=5, continuations=6, continuation_batch_size=4,
