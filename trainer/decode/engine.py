@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
+from trainer.capture import capture
+from trainer.decode.rounds import SpecResult, stop_index
 from trainer.decode.static_target import StaticTarget
-from trainer.speculative import SpecResult, stop_index
 
 
 COMPILE_CHOICES = ("none", "drafter", "all")
@@ -36,22 +37,15 @@ def greedy_step(forward, tok: torch.Tensor, pos: torch.Tensor) -> None:
 
 
 class GraphProgram:
-    """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`), run eagerly
-    otherwise."""
+    """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`, through
+    trainer/capture.py: explicit stream, device guard, warm-up on the capture stream), run eagerly otherwise."""
 
     def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool, warmup: int = 2) -> None:
         self.fn = fn
         self.graph = None
         if device.type == "cuda" and graphs:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(warmup):  # lazy inits (cuBLAS handles, autocast caches) happen outside the capture
-                    fn()
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                fn()
+            # warm-up: lazy inits (cuBLAS handles, autocast caches) happen outside the capture
+            self.graph, _ = capture(fn, device, warmup)
 
     def __call__(self) -> None:
         if self.graph is not None:

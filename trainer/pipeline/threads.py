@@ -6,7 +6,7 @@
 The hand-off is `SlotRing` (preallocated slots + CUDA events): no host-device sync anywhere on the hot path; the only
 syncs are the final `synchronize()` and whatever `on_interval` does (it gets no tensors, only the step number).
 
-Thread affinity (research/cudagraphs.md section 5): everything that compiles or captures -- the target graph, the
+Thread affinity (trainer/capture.py): everything that compiles or captures -- the target graph, the
 StepGraph, the first flex call -- happens in the main thread BEFORE `run()` starts the threads; the threads only
 replay. Each thread sets its device and uses its own streams.
 """

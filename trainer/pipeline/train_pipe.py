@@ -1,6 +1,6 @@
 """The trainer's optimizer steps through the threaded pipeline (`pipeline.enabled`, CUDA only).
 
-One ring slot = one optimizer step: `accum` micro-batches, fields `"{i}.{name}"` (StaticBatch fields) plus
+One ring slot = one optimizer step: `accum` micro-batches in the flat encoding of trainer/step/slots.py, plus
 `"{i}.feats"` ([R, S, T*D], the target's tapped features for micro-batch i, on the drafter's device).
 
     loader thread    EpochBatches -> CPU step dicts (pinned), `prefetch` ahead
@@ -14,45 +14,18 @@ target device first, then the drafter device -- before `PipelinedSteps.run()` st
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from trainer.capture import Capture
+from trainer.config import StepCfg
 from trainer.data.batching import StaticBatch
-from trainer.step.step import StepOut, TrainState, forward_backward, optimizer_step
+from trainer.step.slots import decode_outs, encode, target_keys
+from trainer.step.step import StepOut, TrainState
 
-TARGET_FIELDS = ("input_ids", "position_ids", "doc_ids")
 Tensors = dict[str, torch.Tensor]
-
-
-def step_inputs(micro_batches: Sequence[StaticBatch]) -> Tensors:
-    """Pure: one optimizer step's micro-batches -> the flat slot dict ("{i}.{field}")."""
-    return {f"{i}.{k}": v for i, mb in enumerate(micro_batches) for k, v in mb.tensors().items()}
-
-
-def target_keys(accum: int) -> tuple[str, ...]:
-    return tuple(f"{i}.{f}" for i in range(accum) for f in TARGET_FIELDS)
-
-
-def micro_batch(inputs: Tensors, i: int) -> StaticBatch:
-    return StaticBatch(**{f.name: inputs[f"{i}.{f.name}"] for f in dataclasses.fields(StaticBatch)})
-
-
-def drafter_fns(state: TrainState, accum: int):
-    """(forward_backward(inputs) -> outputs, optimizer_step() -> outputs) over one slot, as StepGraph/EagerStep take."""
-    scale = 1.0 / accum
-
-    def fwd_bwd(inputs: Tensors) -> Tensors:
-        out = {}
-        for i in range(accum):
-            o = forward_backward(state, micro_batch(inputs, i), scale, feats=inputs[f"{i}.feats"])
-            out.update({f"{i}.loss_": o.loss_, f"{i}.correct_by_pos_": o.correct_by_pos_,
-                        f"{i}.valid_by_pos_": o.valid_by_pos_})
-        return out
-
-    return fwd_bwd, lambda: {"grad_norm": optimizer_step(state)}
 
 
 class TargetFeatures:
@@ -68,21 +41,10 @@ class TargetFeatures:
         self.static = {k: v.detach().clone() for k, v in sample.items()}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Tensors = {}
-        dev = self.target.device
-        with torch.cuda.device(dev):
-            s = torch.cuda.Stream(device=dev)
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(s):
-                for _ in range(warmup):  # cuBLAS handles, lazy inits: on the main thread
-                    self._features(self.static)
-            torch.cuda.current_stream(dev).wait_stream(s)
-            torch.cuda.synchronize(dev)
-            if capture:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=s):
-                    self.outputs = self._features(self.static)
-                torch.cuda.synchronize(dev)
-                self.graph = g
+        cap = Capture(self.target.device)
+        cap.warm_up(lambda: self._features(self.static), warmup)  # cuBLAS handles, lazy inits: on the main thread
+        if capture:
+            self.graph, self.outputs = cap.graph(lambda: self._features(self.static))
 
     def _features(self, inputs: Tensors) -> Tensors:
         return {f"{i}.feats": self.target.features(inputs[f"{i}.input_ids"], inputs[f"{i}.position_ids"],
@@ -113,9 +75,7 @@ class ConsumerStep:
 
     def step(self, slot: Tensors) -> Tensors:
         self.before()
-        out = self.stepper.step(slot)
-        outs = [StepOut(loss_=out[f"{i}.loss_"], correct_by_pos_=out[f"{i}.correct_by_pos_"],
-                        valid_by_pos_=out[f"{i}.valid_by_pos_"]) for i in range(self.accum)]
+        outs = decode_outs(self.stepper.step(slot), self.accum)
         self.after(outs)
         return {"loss": outs[0].loss_}
 
@@ -144,22 +104,22 @@ class PipelinedSteps:
         pipe.run(steps)
 
 
-def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, mode: str, target_device: torch.device,
+def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, step: StepCfg, target_device: torch.device,
           drafter_device: torch.device, grad_sync, slots: int, prefetch: int) -> PipelinedSteps:
     """Main thread, before any worker: warm up / capture the target side (target device), then the drafter side.
 
     Warm-up never trains: the drafter's parameters and optimizer state are put back afterwards (StepGraph's restore
     policy for the graph modes, the same snapshot/restore around the eager warm-up step).
     """
-    from trainer.step.graph import (EagerStep, StepGraph, compile_step, restore_training_state,
+    from trainer.step.graph import (EagerStep, StepGraph, compile_step, restore_training_state, slot_step,
                                     snapshot_training_state)
 
     accum = len(sample_batches)
-    cpu = step_inputs(sample_batches)
-    if mode in ("compile", "compile+graph"):
+    cpu = encode(sample_batches)
+    if step.compiles:
         compile_step(state)  # before the target's warm-up / capture below: both sides run compiled
     target_fn = TargetFeatures(state.target, {k: cpu[k].to(target_device) for k in target_keys(accum)}, accum,
-                               capture=mode in ("graph", "compile+graph"))
+                               capture=step.captures)
     with torch.no_grad():
         feats = {k: v.to(drafter_device) for k, v in target_fn({k: cpu[k].to(target_device)
                                                                 for k in target_keys(accum)}).items()}
@@ -167,9 +127,9 @@ def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, mode: str
     example = {k: v.to(drafter_device) for k, v in cpu.items()} | feats
     if target_device != drafter_device:
         drafter_side_head(state, drafter_device)
-    fwd_bwd, opt_step = drafter_fns(state, accum)
+    fwd_bwd, opt_step = slot_step(state, accum, with_feats=True)
     params = [p for p in state.drafter.parameters() if p.requires_grad]
-    if mode in ("graph", "compile+graph"):
+    if step.captures:
         stepper = StepGraph(fwd_bwd, opt_step, params, state.optimizer, example, sync_grads=grad_sync)
         stepper.capture(restore=True)
     else:

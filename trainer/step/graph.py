@@ -1,8 +1,8 @@
 """Whole-training-step CUDA graph capture (StepGraph) and the trainer-loop runner built on it (GraphRunner).
 
 `StepGraph` captures one training step -- forward+backward over every micro-step, gradient clip and a capturable
-optimizer step -- with the raw CUDA graph API (`torch.cuda.graph`), and replays it. Design and the facts behind it:
-/work/shared/research/cudagraphs.md sections 3 and 5.
+optimizer step -- through trainer/capture.py (raw `torch.cuda.graph` on an explicit stream under a device guard),
+and replays it.
 
 Thread affinity. `capture()` must run in the main thread, one device after another, before any producer or worker
 thread issues CUDA work. After capture, exactly one thread may call `step()` on a given `StepGraph` (graph exec objects
@@ -38,6 +38,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from trainer.capture import Capture
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -142,7 +144,6 @@ class StepGraph:
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._outputs: dict[str, torch.Tensor] = {}
         self._grads: list[torch.Tensor | None] = []
-        self._stream: torch.cuda.Stream | None = None
 
     @property
     def captured(self) -> bool:
@@ -157,42 +158,32 @@ class StepGraph:
         return out
 
     def capture(self, restore: bool = True) -> None:
-        """Warm up on a private side stream, then capture. Main thread only, nothing else issuing CUDA work.
+        """Warm up, then capture (trainer/capture.py). Main thread only, nothing else issuing CUDA work.
 
         restore: put parameters and optimizer state back to their pre-warm-up values afterwards (module docstring).
         """
         if self.captured:
             raise RuntimeError("StepGraph.capture() called twice; build a new StepGraph to re-capture")
         snap = snapshot_training_state(self._params, self._optimizer) if restore else None
-        with torch.cuda.device(self.device):
-            # One explicit stream per device: torch.cuda.graph's default side stream is a class attribute created on
-            # whatever device was current first (cudagraphs.md section 2, capture-device traps).
-            self._stream = torch.cuda.Stream(device=self.device)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                for _ in range(self._warmup_steps):
-                    self._eager_step()
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            torch.cuda.synchronize(self.device)
-            self._optimizer.zero_grad(set_to_none=True)  # captured backward allocates .grad in the graph pool
-            if self._sync_grads is None:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=self._stream, capture_error_mode=self._capture_error_mode):
-                    out = dict(self._forward_backward(self.static_inputs))
-                    out.update(self._optimizer_step())
-                self._graphs = [g]
-            else:
-                g_fb, g_opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g_fb, stream=self._stream, capture_error_mode=self._capture_error_mode):
-                    out = dict(self._forward_backward(self.static_inputs))
-                # Same pool and stream: g_opt is always replayed right after g_fb, never concurrently.
-                with torch.cuda.graph(
-                    g_opt, pool=g_fb.pool(), stream=self._stream, capture_error_mode=self._capture_error_mode
-                ):
-                    out.update(self._optimizer_step())
-                self._graphs = [g_fb, g_opt]
-            torch.cuda.synchronize(self.device)
-            if snap is not None:
+        cap = Capture(self.device, self._capture_error_mode)
+        cap.warm_up(self._eager_step, self._warmup_steps)
+        self._optimizer.zero_grad(set_to_none=True)  # captured backward allocates .grad in the graph pool
+        if self._sync_grads is None:
+            def whole() -> dict[str, torch.Tensor]:
+                out = dict(self._forward_backward(self.static_inputs))
+                out.update(self._optimizer_step())
+                return out
+
+            g, out = cap.graph(whole)
+            self._graphs = [g]
+        else:
+            g_fb, out = cap.graph(lambda: dict(self._forward_backward(self.static_inputs)))
+            # Same pool and stream: g_opt is always replayed right after g_fb, never concurrently.
+            g_opt, opt_out = cap.graph(lambda: dict(self._optimizer_step()), pool=g_fb.pool())
+            out.update(opt_out)
+            self._graphs = [g_fb, g_opt]
+        if snap is not None:
+            with torch.cuda.device(self.device):
                 restore_training_state(self._params, self._optimizer, snap)
                 torch.cuda.synchronize(self.device)
         self._outputs = out
@@ -295,6 +286,25 @@ def compile_step(state) -> None:
     state.ce_chunk_fn = torch.compile(ce_chunk_fused, dynamic=False)
 
 
+def slot_step(state, accum: int, *, with_feats: bool = False):
+    """(forward_backward(inputs) -> outputs, optimizer_step() -> outputs) over one step's flat inputs
+    (trainer/step/slots.py), as StepGraph and EagerStep take them. with_feats: the target's features come in the
+    inputs ("{i}.feats", computed by the pipeline's producer) instead of being computed in the step."""
+    from trainer.step.slots import encode_out, micro_batch
+    from trainer.step.step import forward_backward, optimizer_step
+
+    scale = 1.0 / accum
+
+    def fwd_bwd(inputs):
+        out = {}
+        for i in range(accum):
+            feats = inputs[f"{i}.feats"] if with_feats else None
+            out.update(encode_out(i, forward_backward(state, micro_batch(inputs, i), scale, feats=feats)))
+        return out
+
+    return fwd_bwd, lambda: {"grad_norm": optimizer_step(state)}
+
+
 class GraphRunner:
     """The trainer's whole optimizer step -- `accum` micro-steps (target features, drafter forward + backward), clip
     and AdamW -- as one `StepGraph`, over `accum` static copies of the device batch.
@@ -309,48 +319,30 @@ class GraphRunner:
     """
 
     def __init__(self, state, batch_dev, accum_steps: int, *, warmup_steps: int = 3, grad_sync=None) -> None:
-        from trainer.step.step import forward_backward, optimizer_step
+        from trainer.step.slots import encode
 
         self.state, self.accum = state, accum_steps
-        self._fields = list(batch_dev.tensors())
-        self._batch_type = type(batch_dev)
-        scale = 1.0 / accum_steps
-
-        def fwd_bwd(inputs):
-            out = {}
-            for i in range(accum_steps):
-                mb = self._batch_type(**{f: inputs[f"{i}.{f}"] for f in self._fields})
-                o = forward_backward(state, mb, scale)
-                out.update({f"{i}.loss_": o.loss_, f"{i}.correct_by_pos_": o.correct_by_pos_,
-                            f"{i}.valid_by_pos_": o.valid_by_pos_})
-            return out
-
         params = [p for p in state.drafter.parameters() if p.requires_grad]
-        sample = {f"{i}.{f}": t for i in range(accum_steps) for f, t in batch_dev.tensors().items()}
-        self.graph = StepGraph(fwd_bwd, lambda: {"grad_norm": optimizer_step(state)}, params, state.optimizer,
-                               sample, sync_grads=grad_sync, warmup_steps=warmup_steps)
+        fwd_bwd, opt_step = slot_step(state, accum_steps)
+        self.graph = StepGraph(fwd_bwd, opt_step, params, state.optimizer, encode([batch_dev] * accum_steps),
+                               sync_grads=grad_sync, warmup_steps=warmup_steps)
         self.graph.capture(restore=True)
 
     def step(self, micro_batches):
-        from trainer.step.step import StepOut
+        from trainer.step.slots import decode_outs, encode
 
         if len(micro_batches) != self.accum:
             raise ValueError(f"expected {self.accum} micro-batches, got {len(micro_batches)}")
-        inputs = {f"{i}.{f}": t for i, mb in enumerate(micro_batches) for f, t in mb.tensors().items()}
-        out = self.graph.step(inputs)
-        return [StepOut(loss_=out[f"{i}.loss_"], correct_by_pos_=out[f"{i}.correct_by_pos_"],
-                        valid_by_pos_=out[f"{i}.valid_by_pos_"]) for i in range(self.accum)]
+        return decode_outs(self.graph.step(encode(micro_batches)), self.accum)
 
 
-def make_runner(cfg, state, batch_dev, *, grad_sync=None):
-    """trainer/train.py hook for step.mode in {compile, graph, compile+graph}. Main thread, before any worker."""
+def make_runner(step_cfg, state, batch_dev, accum_steps: int, *, grad_sync=None):
+    """The runner for step.mode in {compile, graph, compile+graph} (trainer/build.py). Main thread, before any
+    worker."""
     from trainer.step.step import EagerRunner
 
-    mode = cfg.step.mode
-    if mode in ("compile", "compile+graph"):
+    if step_cfg.compiles:
         compile_step(state)
-    if mode == "compile":
-        return EagerRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
-    if mode in ("graph", "compile+graph"):
-        return GraphRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
-    raise ValueError(f"make_runner: unsupported step.mode {mode!r}")
+    if step_cfg.captures:
+        return GraphRunner(state, batch_dev, accum_steps, grad_sync=grad_sync)
+    return EagerRunner(state, batch_dev, accum_steps, grad_sync=grad_sync)

@@ -1,14 +1,14 @@
 """The training step contract: capture-friendly forward/backward and optimizer step.
 
-Contract for both functions (what makes them CUDA-graph capturable later, see research/cudagraphs.md section 3):
+Contract for both functions (what makes them CUDA-graph capturable, trainer/step/graph.py):
 - inputs are a StaticBatch already on the device (static buffers) and the state; shapes never change within a run;
 - no `.item()`, no `.tolist()`, no print, no Python branching on tensor values, no host-to-device copies;
 - outputs are device tensors (StepOut); under graph replay they alias graph-owned storage, so callers clone
   (or accumulate into their own buffers) before the next replay.
 
-Eager loop (trainer/train.py, via EagerRunner.step): lr_.fill_(schedule(step)) -> accum x [batch_dev.copy_(batch);
+Eager loop (trainer/loop.py, via EagerRunner.step): lr_.fill_(schedule(step)) -> accum x [batch_dev.copy_(batch);
 forward_backward] -> optimizer_step -> zero_grads. Eager zeroes grads in place (`zero_grad(set_to_none=False)`) so `.grad` buffers keep
-their addresses; the graph mode (GPU branch) is free to use set_to_none=True before capture instead (see cudagraphs.md).
+their addresses; the graph mode (GPU branch) is free to use set_to_none=True before capture instead (its module docstring says why).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def adamw_options(device: torch.device) -> dict[str, bool]:
     """AdamW's implementation flags for `device`. Pure.
 
     CUDA: the fused kernel (one pass over param, grad and both moments, where foreach makes several), step count and
-    LR read on the device, so it captures into a CUDA graph (the stand-in has run it so since R3). CPU: the
+    LR read on the device, so it captures into a CUDA graph. CPU: the
     per-parameter loop (torch refuses a tensor LR with foreach unless capturable).
     """
     on_cuda = device.type == "cuda"

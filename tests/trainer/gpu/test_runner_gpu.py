@@ -1,11 +1,12 @@
-"""The trainer's own loop (trainer.train) in graph / compile+graph mode against eager, on the real tiny HF target."""
+"""The trainer's own loop (trainer.loop) in graph / compile+graph mode against eager, on the real tiny HF target."""
 import json
 
 import pytest
 import torch
 
 from tests.trainer.conftest import small_cfg
-from trainer.train import setup, train_loop
+from trainer.build import build
+from trainer.loop import TrainLoop
 
 pytestmark = pytest.mark.gpu
 
@@ -14,8 +15,8 @@ SETS = ("device=cuda", "data.seq_len=128", "data.num_anchors=8", "data.rows_per_
 
 
 def train(tmp_path, tiny_target_dir, name, *sets):
-    run = setup(small_cfg(tiny_target_dir, *SETS, *sets), tmp_path / name)
-    train_loop(run)
+    run = build(small_cfg(tiny_target_dir, *SETS, *sets), tmp_path / name)
+    TrainLoop(run).run()
     torch.cuda.synchronize()
     losses = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return losses, {n: p.detach().clone() for n, p in run.state.drafter.named_parameters()}

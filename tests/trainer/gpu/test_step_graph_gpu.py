@@ -1,96 +1,80 @@
-"""StepGraph (captured whole training step) against the eager step, on a real GPU. Run: pytest -m gpu."""
+"""StepGraph (the captured whole training step) against the eager step, over the trainer's own step functions, on a
+real GPU. Run: pytest -m gpu tests/trainer/gpu."""
 import pytest
 import torch
 
-from trainer.pipeline.standin import TINY, Workload, build, make_batch
-from trainer.step.graph import EagerStep, StepGraph
+from tests.trainer.gpu.gpu_bed import DEV, fresh, max_diff, params
+from trainer.step.graph import EagerStep, StepGraph, compile_step, slot_step
+from trainer.step.slots import encode
 
 pytestmark = pytest.mark.gpu
 
 K = 6  # training steps compared
-DEV = "cuda:0"
 
 
-def batches(w: Workload, target) -> list[dict[str, torch.Tensor]]:
-    out = []
-    for k in range(K):
-        b = make_batch(w, DEV, seed=100 + k)
-        b["taps"] = target.taps(b["input_ids"])
-        out.append(b)
-    return out
+def step_inputs(batches, accum: int) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.to(DEV) for k, v in encode([batches.batch(s * accum + i) for i in range(accum)]).items()}
+            for s in range(K)]
 
 
-def run(w: Workload, *, graph: bool, attn: str, compile: bool = False, halve_grads: bool = False):
-    target, drafter, opt, st = build(w, DEV, seed=0, attn=attn, compile=compile)
+def run(target_dir, *, graph: bool, accum: int = 1, compile: bool = False, halve_grads: bool = False):
+    _cfg, state, batches = fresh(target_dir)
+    if compile:
+        compile_step(state)
     sync = None
     if halve_grads:  # stands in for a data-parallel all-reduce between the two captured graphs
-        sync = lambda: torch._foreach_mul_([p.grad for p in st.params], 0.5)  # noqa: E731
-    data = batches(w, target)
+        sync = lambda: torch._foreach_mul_([p.grad for p in params(state)], 0.5)  # noqa: E731
+    fwd_bwd, opt_step = slot_step(state, accum)
+    data = step_inputs(batches, accum)
     if graph:
-        stepper = StepGraph(st.forward_backward, st.optimizer_step, st.params, opt, data[0], sync_grads=sync)
+        stepper = StepGraph(fwd_bwd, opt_step, params(state), state.optimizer, data[0], sync_grads=sync)
         stepper.capture(restore=True)
     else:
-        stepper = EagerStep(st.forward_backward, st.optimizer_step, opt, sync_grads=sync)
+        stepper = EagerStep(fwd_bwd, opt_step, state.optimizer, sync_grads=sync)
     losses = []
-    for k, b in enumerate(data):
+    for k, inputs in enumerate(data):
         stepper.set_lr(6e-4 * (k + 1) / K)  # LR changes in place between replays
-        out = stepper.step(b)
-        losses.append(out["loss"].clone())  # graph outputs are overwritten by the next replay
+        out = stepper.step(inputs)
+        losses.append(out["0.loss_"].clone())  # graph outputs are overwritten by the next replay
     torch.cuda.synchronize()
-    return [p.detach().clone() for p in st.params], torch.stack(losses)
+    return [p.detach().clone() for p in params(state)], torch.stack(losses)
 
 
-def max_diff(a, b) -> float:
-    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
-
-
-@pytest.mark.parametrize("attn", ["flex"])
-def test_graph_matches_eager(attn):
-    """Tolerance 0: bit-exact. Only flex here: the dense-mask sdpa reference at these dims uses the memory-efficient
-    kernel, whose backward is not deterministic -- eager differs from eager by 1e-4..5e-4 after 6 AdamW steps, and the
-    spread varies run to run (measured on the H200), so no fixed tolerance is meaningful. The same StepGraph path with
-    the trainer's sdpa backend is checked in test_runner_gpu.py (deterministic at those dims)."""
-    w = Workload(TINY, batch=2, seq=256, anchors=16, accum=2, ce_chunk=160)
-    p_e1, l_e1 = run(w, graph=False, attn=attn)
-    p_e2, l_e2 = run(w, graph=False, attn=attn)
-    p_g, l_g = run(w, graph=True, attn=attn)
-    noise = max_diff(p_e1, p_e2)
-    print(f"attn={attn} eager-vs-eager {noise:.3g} graph-vs-eager {max_diff(p_e1, p_g):.3g}")
-    assert noise == 0.0  # eager is deterministic, so any graph difference would be a capture bug
+def test_graph_matches_eager_bit_for_bit(tiny_target_dir):
+    """Tolerance 0: flex is deterministic, so eager equals eager, and any graph difference would be a capture bug."""
+    p_e1, l_e1 = run(tiny_target_dir, graph=False, accum=2)
+    p_e2, _ = run(tiny_target_dir, graph=False, accum=2)
+    p_g, l_g = run(tiny_target_dir, graph=True, accum=2)
+    assert max_diff(p_e1, p_e2) == 0.0
     assert max_diff(p_e1, p_g) == 0.0
     assert torch.equal(l_e1, l_g)
     assert len(set(l_g.tolist())) == K  # replays saw K different batches
-    assert max_diff(p_e1, [p.detach() for p in build(w, DEV, seed=0)[3].params]) > 0  # training moved the params
+    assert max_diff(p_e1, [p.detach() for p in params(fresh(tiny_target_dir)[1])]) > 0  # training moved them
 
 
-def test_split_graph_with_grad_sync_matches_eager():
-    w = Workload(TINY, batch=2, seq=256, anchors=16, accum=1, ce_chunk=200)
-    p_e, l_e = run(w, graph=False, attn="flex", halve_grads=True)
-    p_g, l_g = run(w, graph=True, attn="flex", halve_grads=True)
-    p_full, _ = run(w, graph=True, attn="flex", halve_grads=False)
+def test_split_graph_with_grad_sync_matches_eager(tiny_target_dir):
+    p_e, l_e = run(tiny_target_dir, graph=False, halve_grads=True)
+    p_g, l_g = run(tiny_target_dir, graph=True, halve_grads=True)
+    p_full, _ = run(tiny_target_dir, graph=True, halve_grads=False)
     assert max_diff(p_e, p_g) == 0.0
     assert torch.equal(l_e, l_g)
     assert max_diff(p_g, p_full) > 0  # the eager callback between the graphs really ran on every replay
 
 
-def test_compiled_graph_matches_compiled_eager():
-    w = Workload(TINY, batch=2, seq=256, anchors=16, accum=1, ce_chunk=200)
-    p_e, l_e = run(w, graph=False, attn="flex", compile=True)
-    p_g, l_g = run(w, graph=True, attn="flex", compile=True)
-    print(f"compile: graph-vs-eager {max_diff(p_e, p_g):.3g}")
+def test_compiled_graph_matches_compiled_eager(tiny_target_dir):
+    p_e, l_e = run(tiny_target_dir, graph=False, compile=True)
+    p_g, l_g = run(tiny_target_dir, graph=True, compile=True)
     assert max_diff(p_e, p_g) == 0.0
     assert torch.equal(l_e, l_g)
 
 
-def test_step_rejects_wrong_shapes():
-    w = Workload(TINY, batch=2, seq=256, anchors=16, accum=1, ce_chunk=200)
-    target, drafter, opt, st = build(w, DEV, seed=0)
-    b = make_batch(w, DEV, seed=1)
-    b["taps"] = target.taps(b["input_ids"])
-    sg = StepGraph(st.forward_backward, st.optimizer_step, st.params, opt, b, warmup_steps=1)
+def test_step_rejects_wrong_shapes(tiny_target_dir):
+    _cfg, state, batches = fresh(tiny_target_dir)
+    fwd_bwd, opt_step = slot_step(state, 1)
+    inputs = {k: v.to(DEV) for k, v in encode([batches.batch(0)]).items()}
+    sg = StepGraph(fwd_bwd, opt_step, params(state), state.optimizer, inputs, warmup_steps=1)
     sg.capture()
-    bad = dict(b, anchor=b["anchor"][:, :8])
-    with pytest.raises(ValueError, match="anchor"):
-        sg.step(bad)
-    with pytest.raises(ValueError, match="taps"):
-        sg.step(dict(b, taps=b["taps"].float()))
+    with pytest.raises(ValueError, match="0.anchor_pos"):
+        sg.step(dict(inputs, **{"0.anchor_pos": inputs["0.anchor_pos"][:, :8]}))
+    with pytest.raises(ValueError, match="0.input_ids"):
+        sg.step(dict(inputs, **{"0.input_ids": inputs["0.input_ids"].int()}))

@@ -10,7 +10,8 @@ import torch
 from tests.trainer.conftest import small_cfg
 from trainer import checkpoint
 from trainer.errors import NonFiniteLoss
-from trainer.train import setup, train_loop
+from trainer.build import build
+from trainer.loop import StopRule, TrainLoop
 
 pytestmark = pytest.mark.gpu
 
@@ -19,9 +20,9 @@ SETS = ("device=cuda", "data.seq_len=128", "data.num_anchors=8", "data.rows_per_
 PIPE = ("pipeline.enabled=true", "pipeline.slots=2")
 
 
-def train(tmp_path, target_dir, name, *sets, stop_at=None, resume=False):
-    run = setup(small_cfg(target_dir, *SETS, *sets), tmp_path / name, resume=resume)
-    train_loop(run, stop_at=stop_at)
+def train(tmp_path, target_dir, name, *sets, stop_at=0, resume=False):
+    run = build(small_cfg(target_dir, *SETS, *sets), tmp_path / name, resume=resume)
+    TrainLoop(run).run(StopRule(steps=stop_at))
     torch.cuda.synchronize()
     return run
 
@@ -59,12 +60,13 @@ def test_pipeline_resume_is_exact(tmp_path, tiny_target_dir):
 
 
 def test_nonfinite_loss_in_the_consumer_thread_is_reported_as_such(tmp_path, tiny_target_dir):
-    run = setup(small_cfg(tiny_target_dir, *SETS, "step.mode=graph", "log.every=2", *PIPE), tmp_path / "r")
-    train_loop(run, stop_at=2)
+    run = build(small_cfg(tiny_target_dir, *SETS, "step.mode=graph", "log.every=2", *PIPE), tmp_path / "r")
+    loop = TrainLoop(run)
+    loop.run(StopRule(steps=2))
     with torch.no_grad():
         run.state.drafter.fc.weight.fill_(float("nan"))  # in place: the captured graph reads it on the next replay
     with pytest.raises(NonFiniteLoss, match="non-finite loss"):
-        train_loop(run)
+        loop.run()
 
 
 def test_target_on_a_second_gpu_matches_one_gpu(tmp_path, tiny_target_dir):
