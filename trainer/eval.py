@@ -13,11 +13,16 @@ from pathlib import Path
 
 import torch
 
+from trainer import rundir
 from trainer.data.batching import EpochBatches, StaticBatch
+from trainer.decode.rounds import leading_matches
+from trainer.errors import ConfigError
+from trainer.export import load_pair
 from trainer.model.attention import make_layout
 from trainer.model.drafter import Drafter
 from trainer.model.loss import block_input_ids, block_labels
 from trainer.model.target import Target
+from trainer.placement import local_device
 
 
 @torch.no_grad()
@@ -73,22 +78,6 @@ def replayed_rounds(target: Target, drafter: Drafter, prompt_ids: list[int], out
     return rounds
 
 
-def capped_rounds(accepted: list[int], n: int) -> list[int]:
-    """Real rounds as a replay of an n-token answer sees them: a round anchored at answer token i cannot accept
-    past the answer's end (real decoding drafts on and truncates at max_new)."""
-    capped, i = [], 0
-    for a in accepted:
-        capped.append(min(a, n - i - 1))
-        i += a + 1
-    return capped
-
-
-def leading_matches(drafted: torch.Tensor, reference: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[..., B] -> [...]: number of leading k >= 1 with drafted == reference and valid (position 0 is the anchor)."""
-    match = (drafted == reference) & valid
-    return match[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
-
-
 @torch.no_grad()
 def evaluate(target: Target, drafter: Drafter, rows, *, block_size: int, num_anchors: int, rows_per_batch: int,
              max_rows: int, seed: int, device: torch.device, attn: str = "sdpa") -> dict:
@@ -122,23 +111,14 @@ def _emit(result: dict, stream) -> None:
 def evaluate_run(run_dir, rows=None, stream=None) -> dict:
     """Eval a run directory: its config, its export/, the full target, its held-out split (or `rows`)."""
     from trainer.data.dataset import build_datasets
-    from trainer.errors import ConfigError
-    from trainer.export import load_exported
-    from trainer.model.target import load_target
-    from trainer.train import load_run_config, resolve_device
 
     run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
-    if not (run_dir / "export" / "config.json").is_file():
-        raise ConfigError(f"{run_dir} has no export/", hint=f"run `python -m trainer export --run-dir {run_dir}` first")
-    device = resolve_device(cfg)
+    cfg = rundir.load_run_config(run_dir)
+    export = rundir.require_export(run_dir)
+    device = local_device(cfg.device)
     # Evaluation runs the dense sdpa block mask whatever the run trained with: same attention semantics, no static
     # mask buffers to set up, and it is off the hot path (flex needs a mask_fn that only the training step owns).
-    drafter, ecfg = load_exported(run_dir / "export", device, backend="sdpa")
-    target = load_target(cfg.model.target, num_draft_layers=cfg.model.num_draft_layers,
-                         layer_ids=tuple(ecfg["dflash_config"]["target_layer_ids"]),
-                         mask_token_id=ecfg["dflash_config"]["mask_token_id"], device=device, dtype=cfg.model.dtype,
-                         truncate=False)
+    target, drafter, _ecfg = load_pair(export, cfg.model.target, device, cfg.model.dtype)
     if rows is None:
         rows = build_datasets(cfg.data, target.tokenizer, target.embed_tokens.weight.shape[0], cfg.seed).eval
     if rows is None:
@@ -155,18 +135,13 @@ def evaluate_export(drafter_dir, target_dir, data_path, *, seq_len: int = 2048, 
     """Eval an export dir against a target dir on a JSONL file (all of it held out)."""
     from trainer.data.packing import pack
     from trainer.data.source import load_samples
-    from trainer.export import load_exported
-    from trainer.model.target import load_target
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    drafter, ecfg = load_exported(drafter_dir, device)
-    dc = ecfg["dflash_config"]
-    target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"], layer_ids=tuple(dc["target_layer_ids"]),
-                         mask_token_id=dc["mask_token_id"], device=device, truncate=False)
+    device = local_device("auto")
+    target, drafter, ecfg = load_pair(Path(drafter_dir), target_dir, device)
     samples, _report = load_samples([str(data_path)], target.tokenizer, target.embed_tokens.weight.shape[0], 1.0)
     pad_id = target.tokenizer.pad_token_id or 0
     rows = pack(samples, seq_len, pad_id)
-    result = evaluate(target, drafter, rows, block_size=ecfg["block_size"], num_anchors=min(num_anchors, seq_len - 1),
+    result = evaluate(target, drafter, rows, block_size=ecfg.block_size, num_anchors=min(num_anchors, seq_len - 1),
                       rows_per_batch=rows_per_batch, max_rows=max_rows, seed=1, device=device)
     _emit(result, stream or sys.stdout)
     return result

@@ -1,47 +1,92 @@
-"""Export the drafter in the form DFlash serving stacks load: `config.json` (DFlash fields) + `model.safetensors`.
+"""The drafter export, in the form DFlash serving stacks load: `config.json` (DFlash fields) + `model.safetensors`.
 
 Only drafter weights are written (the serving side reuses the target's embedding and LM head). Names follow z-lab's
 `DFlashDraftModel` (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`, ...).
-Written to a temp dir and renamed, like checkpoints.
+`ExportConfig` is the export's `config.json` as a value: written from a trained run, read back (by evaluation and
+decoding) into the same value, so no caller indexes the JSON by hand. Written to a temp dir and renamed, like
+checkpoints.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from trainer.errors import ConfigError
 from trainer.model.drafter import Drafter, DrafterConfig
 
 
-def export_config(cfg: DrafterConfig, *, block_size: int, layer_ids: tuple[int, ...], num_target_layers: int,
-                  mask_token_id: int, vocab_size: int, max_position_embeddings: int, dtype: str) -> dict:
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "hidden_act": "silu",
-        "attention_bias": cfg.attention_bias,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": max_position_embeddings,
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "block_size": block_size,
-        "num_target_layers": num_target_layers,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids), "block_size": block_size},
-    }
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    drafter: DrafterConfig
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    mask_token_id: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str = "bfloat16"
+
+    @staticmethod
+    def of(drafter: DrafterConfig, target, block_size: int) -> "ExportConfig":
+        """The export of a drafter trained against `target` (a `trainer.model.target.Target`)."""
+        return ExportConfig(drafter=drafter, block_size=block_size, target_layer_ids=tuple(target.layer_ids),
+                            num_target_layers=target.num_layers, mask_token_id=target.mask_token_id,
+                            vocab_size=target.embed_tokens.weight.shape[0],
+                            max_position_embeddings=getattr(target.hf_config, "max_position_embeddings", 32768))
+
+    def to_json(self) -> dict:
+        d = self.drafter
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": d.hidden_size,
+            "intermediate_size": d.intermediate_size,
+            "num_attention_heads": d.num_attention_heads,
+            "num_key_value_heads": d.num_key_value_heads,
+            "head_dim": d.head_dim,
+            "num_hidden_layers": d.num_layers,
+            "hidden_act": "silu",
+            "attention_bias": d.attention_bias,
+            "rms_norm_eps": d.rms_norm_eps,
+            "rope_theta": d.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.dtype,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size},
+        }
+
+    @staticmethod
+    def from_json(config: dict, source: str = "config.json") -> "ExportConfig":
+        """The inverse of `to_json`; a missing field is one ConfigError naming it."""
+        try:
+            dflash = config["dflash_config"]
+            layer_ids = tuple(int(i) for i in dflash["target_layer_ids"])
+            drafter = DrafterConfig(
+                hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+                head_dim=config["head_dim"], num_layers=config["num_hidden_layers"], num_taps=len(layer_ids),
+                rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                attention_bias=config.get("attention_bias", False))
+            return ExportConfig(drafter=drafter, block_size=int(dflash.get("block_size", config["block_size"])),
+                                target_layer_ids=layer_ids, num_target_layers=config["num_target_layers"],
+                                mask_token_id=int(dflash["mask_token_id"]), vocab_size=config["vocab_size"],
+                                max_position_embeddings=config.get("max_position_embeddings", 32768),
+                                dtype=config.get("torch_dtype", "bfloat16"))
+        except KeyError as e:
+            raise ConfigError(f"{source}: a DFlash drafter config needs the field {e.args[0]!r}",
+                              hint="point at a drafter export directory (config.json + model.safetensors)") from None
 
 
-def export_drafter(out_dir: Path, drafter: Drafter, config: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_drafter(out_dir: Path, drafter: Drafter, config: ExportConfig, dtype: torch.dtype = torch.bfloat16) -> Path:
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -50,26 +95,36 @@ def export_drafter(out_dir: Path, drafter: Drafter, config: dict, dtype: torch.d
     tmp.mkdir(parents=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir
 
 
-def load_exported(export_dir: Path, device: torch.device | str = "cpu", backend: str = "sdpa") -> tuple[Drafter, dict]:
-    """Rebuild a Drafter (fp32) from an export dir -> (drafter, config dict)."""
+def load_exported(export_dir: Path, device: torch.device | str = "cpu",
+                  backend: str = "sdpa") -> tuple[Drafter, ExportConfig]:
+    """Rebuild a Drafter (fp32) from an export dir -> (drafter, its ExportConfig)."""
     from safetensors.torch import load_file
 
     export_dir = Path(export_dir)
-    config = json.loads((export_dir / "config.json").read_text())
-    dcfg = DrafterConfig(
-        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-        num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"], num_layers=config["num_hidden_layers"],
-        num_taps=len(config["dflash_config"]["target_layer_ids"]), rms_norm_eps=config["rms_norm_eps"],
-        rope_theta=config["rope_theta"], attention_bias=config.get("attention_bias", False))
-    drafter = Drafter(dcfg, backend=backend)
+    path = export_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{export_dir} has no config.json", hint="point at a drafter export directory")
+    config = ExportConfig.from_json(json.loads(path.read_text()), str(path))
+    drafter = Drafter(config.drafter, backend=backend)
     state = load_file(str(export_dir / "model.safetensors"))
     drafter.load_state_dict({k: v.float() for k, v in state.items()})
     return drafter.to(device).eval(), config
+
+
+def load_pair(export_dir: Path, target_dir: str | Path, device: torch.device | str, dtype: str = "auto",
+              backend: str = "sdpa"):
+    """An exported drafter (fp32; run under autocast on CUDA, as in training) and its full (untruncated) target in
+    `dtype`, tapped as the export says -> (Target, Drafter, ExportConfig)."""
+    from trainer.model.target import load_target
+
+    drafter, ecfg = load_exported(export_dir, device, backend=backend)
+    target = load_target(target_dir, num_draft_layers=ecfg.drafter.num_layers, layer_ids=ecfg.target_layer_ids,
+                         mask_token_id=ecfg.mask_token_id, device=device, dtype=dtype, truncate=False)
+    return target, drafter, ecfg

@@ -1,4 +1,8 @@
-"""Where one rank's target and drafter run, and how its process joins the data-parallel job. Pure: no torch import.
+"""Where one rank's target and drafter run, and how its process joins the data-parallel job.
+
+The one home of device resolution: the trainer, evaluation, the quality pipeline and the benchmarks all read a
+device spec through `resolve_device` (pure) or `local_device` (asks torch what this host has; torch is imported
+only there).
 
 A torchrun job sets RANK / WORLD_SIZE / LOCAL_RANK in every process; without them the run is one process (world 1).
 Device specs (config `device` for the drafter, `pipeline.target_device` for the target):
@@ -71,6 +75,13 @@ def resolve_device(spec: str, local_rank: int, cuda_available: bool, device_coun
         raise ConfigError(f"device {spec} resolves to cuda:{index} on local rank {local_rank}, but this host has "
                           f"{device_count} GPU(s)", hint="lower --nproc-per-node or change the placement offsets")
     return f"cuda:{index}"
+
+
+def local_device(spec: str):
+    """A device spec -> torch.device for a one-process use (evaluation, the quality pipeline, benchmarks)."""
+    import torch
+
+    return torch.device(resolve_device(spec, 0, torch.cuda.is_available(), torch.cuda.device_count()))
 
 
 def resolve_placement(device: str, target_device: str, backend: str, env: DistEnv, cuda_available: bool,

@@ -1,9 +1,11 @@
+import pytest
 import torch
 
 from tests.trainer.conftest import make_state
 from tests.trainer.test_traps import drafter_hidden, two_doc_batch
-from trainer.eval import block_acceptance, capped_rounds, leading_matches, replayed_rounds
-from trainer.export import export_config, export_drafter, load_exported
+from trainer.decode.rounds import capped_rounds, leading_matches
+from trainer.eval import block_acceptance, replayed_rounds
+from trainer.export import ExportConfig, export_drafter, load_exported
 from trainer.model.target import packed_causal_mask
 from trainer.step.step import EagerRunner
 
@@ -41,8 +43,8 @@ def test_capped_rounds_stop_at_the_answers_end():
 def test_replay_walks_rounds_like_decoding(full_target):
     """Rounds move on by accepted + 1 from the answer's first token (the prefill's) until the answer is made: the
     last round starts before the answer's last token and reaches it."""
-    from tests.trainer.quality.test_speculative import _drafter, _prompt_ids
-    from trainer.speculative import generate_target_only
+    from tests.trainer.decode.test_reference import _drafter, _prompt_ids
+    from trainer.decode.reference import generate_target_only
 
     ids = _prompt_ids(full_target, "count from 3 to 40")
     answer = generate_target_only(full_target, ids, 12)
@@ -64,11 +66,19 @@ def test_perfect_drafter_gets_full_acceptance_and_tau_counts_the_bonus(full_targ
     assert none[0, :4].tolist() != [3, 3, 3, 3]
 
 
+def test_an_export_config_missing_a_field_is_one_clear_error():
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs the field 'dflash_config'"):
+        ExportConfig.from_json({"hidden_size": 8}, "x/config.json")
+
+
 def test_export_round_trip_matches_the_drafter(tmp_path, target):
     state = make_state(target, block_size=4)
-    cfg = export_config(state.drafter.cfg, block_size=4, layer_ids=target.layer_ids, num_target_layers=6,
-                        mask_token_id=target.mask_token_id, vocab_size=177, max_position_embeddings=4096,
-                        dtype="float32")
+    cfg = ExportConfig(drafter=state.drafter.cfg, block_size=4, target_layer_ids=tuple(target.layer_ids),
+                       num_target_layers=6, mask_token_id=target.mask_token_id, vocab_size=177,
+                       max_position_embeddings=4096, dtype="float32")
+    assert ExportConfig.from_json(cfg.to_json()) == cfg
     export_drafter(tmp_path / "export", state.drafter, cfg, dtype=torch.float32)
     loaded, saved_cfg = load_exported(tmp_path / "export")
     assert saved_cfg == cfg and not (tmp_path / "export.tmp").exists()

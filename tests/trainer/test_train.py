@@ -6,7 +6,9 @@ import torch
 from tests.trainer.conftest import small_cfg
 from trainer import checkpoint
 from trainer.errors import NonFiniteLoss
-from trainer.train import finish, setup, train_loop
+from trainer.build import build
+from trainer.loop import StopRule, TrainLoop
+from trainer.train import finish
 
 
 def losses(run_dir):
@@ -17,8 +19,7 @@ def losses(run_dir):
 def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
     cfg = small_cfg(tiny_target_dir, "optim.max_steps=40", "log.every=5", "optim.lr=3e-3", "optim.warmup_ratio=0.05",
                     "data.rows_per_step=4", "data.num_anchors=16")
-    run = setup(cfg, tmp_path / "run")
-    train_loop(run)
+    TrainLoop(build(cfg, tmp_path / "run")).run()
     got = losses(tmp_path / "run")
     assert got[40] < 0.7 * got[5], got
 
@@ -26,16 +27,16 @@ def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
 @pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_target_dir):
     sets = ("optim.max_steps=8", "ckpt.every=4", "optim.accum_steps=2", "data.rows_per_step=2")
-    full = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "full")
-    train_loop(full)
-    first = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "split")
-    train_loop(first, stop_at=4)
+    full = build(small_cfg(tiny_target_dir, *sets), tmp_path / "full")
+    TrainLoop(full).run()
+    first = build(small_cfg(tiny_target_dir, *sets), tmp_path / "split")
+    TrainLoop(first).run(StopRule(steps=4))
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "split")] == [4]
     del first
     torch.manual_seed(12345)  # resume must not depend on the process's RNG state
-    second = setup(small_cfg(tiny_target_dir, *sets), tmp_path / "split", resume=True)
-    assert second.cursor.step == 4 and second.cursor.micro == 8
-    train_loop(second)
+    second = build(small_cfg(tiny_target_dir, *sets), tmp_path / "split", resume=True)
+    assert second.start.step == 4 and second.start.micro == 8
+    TrainLoop(second).run()
     a, b = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert [b[s] for s in range(1, 9)] == [a[s] for s in range(1, 9)]  # bit-exact on CPU
     pa = dict(full.state.drafter.named_parameters())
@@ -46,30 +47,30 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_target_dir):
 def test_resume_refuses_a_changed_config(tmp_path, tiny_target_dir):
     from trainer.errors import ConfigError
 
-    run = setup(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")
-    train_loop(run)
+    TrainLoop(build(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")).run()
     with pytest.raises(ConfigError, match=r"optim.lr \(0.003 -> 0.001\)"):
-        setup(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2", "optim.lr=1e-3"), tmp_path / "r",
+        build(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2", "optim.lr=1e-3"), tmp_path / "r",
               resume=True)
     with pytest.raises(ConfigError, match="already holds checkpoints"):
-        setup(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")
+        build(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_target_dir):
-    run = setup(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
-    train_loop(run, stop_at=4)
+    run = build(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
+    loop = TrainLoop(run)
+    loop.run(StopRule(steps=4))
     saved = checkpoint.list_checkpoints(tmp_path / "r")
     assert [s for s, _ in saved] == [2, 4]
     good = torch.load(saved[-1][1] / "drafter.pt")
     with torch.no_grad():
         run.state.drafter.fc.weight.fill_(float("nan"))  # poison: the next loss is NaN
     with pytest.raises(NonFiniteLoss, match=r"Last good checkpoint: .*step_4"):
-        train_loop(run)
+        loop.run()
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "r")] == [2, 4]
     after = torch.load(saved[-1][1] / "drafter.pt")
     assert all(torch.equal(good[k], after[k]) for k in good)
     with pytest.raises(NonFiniteLoss):
-        finish(run)
+        finish(run, loop)
     assert not (tmp_path / "r" / "export").exists()
 
 
@@ -94,9 +95,10 @@ def test_evaluation_of_a_flex_run_uses_the_dense_reference_mask(tmp_path, tiny_t
     from trainer.eval import evaluate_run
 
     cfg = small_cfg(tiny_target_dir, "optim.max_steps=2", "data.rows_per_step=2", "eval_at_end=false")
-    run = setup(cfg, tmp_path / "run")
-    train_loop(run)
-    finish(run)
+    run = build(cfg, tmp_path / "run")
+    loop = TrainLoop(run)
+    loop.run()
+    finish(run, loop)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     config["step"]["attn"] = "flex"
     (tmp_path / "run" / "config.json").write_text(json.dumps(config))

@@ -15,7 +15,6 @@ target / pretrain / regen sections are ignored (quality.json records `reused_fro
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import importlib.util
 import json
@@ -24,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from trainer.errors import ConfigError, run_cli
 
 
@@ -33,54 +30,21 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def apply_overrides(recipe, items: list[str]):
-    """`--set a.b=v` on the quality tree (`drafter.x.y=v` reaches the trainer tree) -> a new validated Recipe."""
-    from trainer.config import from_dict, parse_overrides
-    from trainer.quality.config import QualityCfg, Recipe
-
-    tree = {**dataclasses.asdict(recipe.quality), "drafter": copy.deepcopy(recipe.drafter)}
-    for key, raw in parse_overrides(items):
-        node, parts = tree, key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part, {}), dict):
-                raise ConfigError(f"--set {key}: {part!r} is not a section")
-            node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
-    drafter = tree.pop("drafter")
-    from trainer.config import TrainCfg
-
-    from_dict(TrainCfg, drafter, prefix="drafter.")
-    return Recipe(quality=from_dict(QualityCfg, tree), drafter=drafter)
-
-
-def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name} but CUDA is not available", hint="use --set device=cpu (or auto)")
-    return torch.device(name)
-
-
 def graph_mode_available(device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("trainer.step.graph") is not None
 
 
-def drafter_train_cfg(drafter_tree: dict, target_dir: Path, regen, device, seed: int):
-    """The trainer recipe tree + this pipeline's target and data -> TrainCfg. Graph modes fall back to eager where
-    they cannot run (no CUDA, or a build without trainer.step.graph), with a printed note."""
-    from trainer.config import TrainCfg, from_dict
-
-    tree = copy.deepcopy(drafter_tree)
-    tree.setdefault("model", {})["target"] = str(target_dir)
-    tree.setdefault("data", {}).update(paths=[regen.train_path], eval_paths=[regen.eval_path])
-    tree.update(eval_at_end=False, device=str(device), seed=tree.get("seed", seed))
-    mode = tree.get("step", {}).get("mode", "eager")
-    if mode != "eager" and not graph_mode_available(device):
-        log(f"drafter: step.mode={mode} is not available here ({device}); training eagerly")
-        tree.setdefault("step", {})["mode"] = "eager"
-    return from_dict(TrainCfg, tree)
+def drafter_train_cfg(q, target_dir: Path, regen, device):
+    """The recipe's drafter config + this pipeline's target and data -> TrainCfg. Graph modes fall back to eager
+    where they cannot run (no CUDA, or a build without trainer.step.graph), with a printed note."""
+    d = q.drafter
+    step = d.step
+    if step.mode != "eager" and not graph_mode_available(device):
+        log(f"drafter: step.mode={step.mode} is not available here ({device}); training eagerly")
+        step = dataclasses.replace(step, mode="eager")
+    return dataclasses.replace(
+        d, model=dataclasses.replace(d.model, target=str(target_dir)), step=step, eval_at_end=False,
+        device=str(device), data=dataclasses.replace(d.data, paths=(regen.train_path,), eval_paths=(regen.eval_path,)))
 
 
 def drafter_budget(q, elapsed_s: float) -> float:
@@ -92,43 +56,31 @@ def drafter_budget(q, elapsed_s: float) -> float:
 
 
 def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
-    """The real Trainer (setup -> loop -> finish/export) inside budget_s: once the step time is known, the run's
-    total_steps (which the LR schedule reads) shrinks to what fits, so a cut run still anneals. A graph mode that
-    the trainer refuses with a ConfigError (not a crash) falls back to eager, with a note."""
-    from trainer.train import finish, setup, train_loop
+    """The real trainer (build -> loop -> finish/export) inside budget_s: the loop's stop rule shrinks the LR
+    schedule to the steps that fit once the step time is known, so a cut run still anneals. A graph mode that the
+    trainer refuses with a ConfigError (not a crash) falls back to eager, with a note."""
+    from trainer.build import build
+    from trainer.loop import StopRule, TrainLoop
+    from trainer.train import finish
 
     t0 = time.perf_counter()
     random.seed(cfg.seed)
     try:
-        run = setup(cfg, run_dir)
+        session = build(cfg, run_dir)
     except ConfigError as e:
         if cfg.step.mode == "eager":
             raise
         log(f"drafter: step.mode={cfg.step.mode} refused ({e}); training eagerly")
         cfg = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, mode="eager"))
-        run = setup(cfg, run_dir)
-    planned, chunk = run.total_steps, cfg.log.every
-    first_chunk_end = None
-    while run.cursor.step < run.total_steps and time.perf_counter() - t0 < budget_s:
-        train_loop(run, stop_at=min(run.cursor.step + chunk, run.total_steps))
-        now = time.perf_counter()
-        if first_chunk_end is None:  # the first chunk pays for warm-up / graph capture: measure from its end
-            first_chunk_end = (now, run.cursor.step)
-            continue
-        per_step = (now - first_chunk_end[0]) / max(1, run.cursor.step - first_chunk_end[1])
-        fits = run.cursor.step + int((budget_s - (now - t0)) / per_step)
-        if fits < run.total_steps:
-            # Shrink the schedule so the cosine still anneals inside the budget (the trainer reads total_steps).
-            run.total_steps = max(run.cursor.step + 1, fits)
-    finish(run)
-    metrics = run_dir / "metrics.jsonl"  # absent when the budget allowed no logged step
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    last = json.loads(lines[-1]) if lines else {}
-    return {"steps": run.cursor.step, "total_steps": run.total_steps, "mode": cfg.step.mode,
+        session = build(cfg, run_dir)
+    loop = TrainLoop(session)
+    ran = loop.run(StopRule(budget_s=budget_s))
+    finish(session, loop)
+    last = ran.last
+    return {"steps": ran.cursor.step, "total_steps": ran.horizon, "mode": cfg.step.mode,
             "loss": last.get("loss"), "acc": last.get("acc"), "tokens_per_s": last.get("tokens_per_s"),
-            "seconds": round(time.perf_counter() - t0, 1),
-            "planned_steps": planned,
-            "stopped_by": "steps" if run.cursor.step >= planned else "budget"}
+            "seconds": round(time.perf_counter() - t0, 1), "planned_steps": ran.planned_steps,
+            "stopped_by": ran.stopped_by}
 
 
 def heldout_rows(cfg, target_dir: Path):
@@ -194,23 +146,25 @@ def reused_stages(earlier: Path, out: Path):
 def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path | None = None) -> dict:
     import torch
 
+    from trainer.config import to_dict
     from trainer.eval import evaluate_run
+    from trainer.export import load_pair
+    from trainer.placement import local_device
     from trainer.quality.config import load_recipe
-    from trainer.quality.evaluate import decode_benchmark, heldout_prompts, load_pair
+    from trainer.quality.evaluate import decode_benchmark, heldout_prompts
     from trainer.quality.pretrain import make_target
     from trainer.quality.regenerate import regenerate
 
-    recipe = apply_overrides(load_recipe(recipe_name), overrides)
-    q = recipe.quality
+    q = load_recipe(recipe_name, overrides)
     check_out_dir(out)
     reused = reused_stages(reuse, out) if reuse is not None else None
     out.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(q.device)
+    device = local_device(q.device)
     if q.threads:
         torch.set_num_threads(q.threads)
     (out / "recipe.json").write_text(json.dumps({"recipe": recipe_name, "overrides": overrides,
                                                 "reused_from": str(reuse.resolve()) if reuse else None,
-                                                 "quality": dataclasses.asdict(q), "drafter": recipe.drafter},
+                                                 "quality": to_dict(q)},
                                                 indent=1) + "\n")
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
@@ -234,7 +188,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
         for name, result in (("pretrain", pre), ("regenerate", regen)):
             record_stage(out, name, {**dataclasses.asdict(result), "reused_from": str(reuse.resolve())})
     target_dir = Path(pre.path)
-    cfg = drafter_train_cfg(recipe.drafter, target_dir, regen, device, q.seed)
+    cfg = drafter_train_cfg(q, target_dir, regen, device)
     # Time spent before the drafter: this run's, or under --reuse the reused stages' own (so that a reusing run
     # gives its drafter the budget the original run's drafter had).
     used = time.perf_counter() - t_all if reused is None else pre.seconds + regen.seconds
@@ -253,9 +207,9 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
         result = {"simulated": simulated}
         for key, dtype in (("decode", q.eval.target_dtype), ("decode_also", q.eval.also_dtype)):
             if dtype:
-                target, drafter, block_size = load_pair(out / "drafter" / "export", target_dir, device, dtype)
+                target, drafter, ecfg = load_pair(out / "drafter" / "export", target_dir, device, dtype)
                 result[key] = {"target_dtype": dtype,
-                               **decode_benchmark(target, drafter, block_size, prompts, q.eval, log)}
+                               **decode_benchmark(target, drafter, ecfg.block_size, prompts, q.eval, log)}
         return result
     ev = stage("eval", evaluate)
     timings["total"] = round(time.perf_counter() - t_all, 1)

@@ -176,15 +176,14 @@ def check_variants(recipe: str, variants: list[Variant]) -> None:
     """Every variant's overrides applied to the recipe before anything starts: a typo is one line now, not a failed
     run later."""
     from trainer.quality.config import load_recipe
-    from trainer.quality.pipeline import apply_overrides
 
     names = [v.name for v in variants]
     if not variants or len(set(names)) != len(names):
         raise ConfigError("give at least one --variant, each with its own name")
-    base = load_recipe(recipe)
+    load_recipe(recipe)
     for v in variants:
         try:
-            apply_overrides(base, list(v.overrides))
+            load_recipe(recipe, list(v.overrides))
         except ConfigError as exc:
             raise ConfigError(f"--variant {v.name}: {exc}", hint=exc.hint) from None
 

@@ -1,0 +1,191 @@
+"""The training loop: drive a built `Session` until a `StopRule` says stop.
+
+Host syncs happen only at log / checkpoint cadence (trainer/metrics.py); between them the loop only enqueues work.
+Sequential (one thread) or, with pipeline.enabled, through the loader/producer/consumer threads; the per-step
+bookkeeping (`_after_step`) is the same and runs in whichever thread finished the step.
+
+Data parallel: metrics and the non-finite check are collective at log cadence (every rank reaches them at the same
+steps); only rank 0's sink writes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from trainer import checkpoint
+from trainer import distributed as ddp
+from trainer.build import Session
+from trainer.checkpoint import Cursor
+from trainer.data.batching import StaticBatch
+from trainer.errors import ConfigError, NonFiniteLoss, TrainerError
+from trainer.metrics import DeviceMetrics, peak_mem_gib
+from trainer.step.step import lr_at
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """steps: stop once the run has done this many optimizer steps (0 = the session's planned length); the LR
+    schedule keeps the planned length, so a run stopped and resumed equals one that ran through.
+    budget_s (None: no budget): also stop once this much wall time has passed; as soon as the step time is known
+    (after the first log interval, which pays for warm-up and capture), the schedule's horizon shrinks to the steps
+    that fit, so a cut run still anneals."""
+
+    steps: int = 0
+    budget_s: float | None = None
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    cursor: Cursor
+    planned_steps: int
+    horizon: int  # the LR schedule's length at the end (< planned when a budget cut the run)
+    stopped_by: str  # "steps" | "budget"
+    last: dict = field(default_factory=dict)  # the last metrics record logged ({} when none was)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Clock:
+    """Wall time of the current log interval (host clock; no device sync of its own)."""
+
+    start: float
+    interval_start: float
+    steps: int = 0
+
+    @staticmethod
+    def now() -> "_Clock":
+        t = time.perf_counter()
+        return _Clock(start=t, interval_start=t)
+
+
+class TrainLoop:
+    """Owns the mutable side of a run: the data cursor, the device metrics, the LR horizon."""
+
+    def __init__(self, session: Session) -> None:
+        self.s = session
+        self.cursor = session.start
+        self.horizon = session.planned_steps
+        self.metrics = DeviceMetrics(session.cfg.model.block_size, session.device)
+        self.last: dict = {}
+
+    # ------------------------------------------------------------ driving
+
+    def run(self, stop: StopRule = StopRule()) -> LoopResult:
+        """Train from the cursor until the rule stops it; may be called again to go on (the cursor is kept)."""
+        t0 = time.perf_counter()
+        planned = self.s.planned_steps
+        end = min(stop.steps or planned, planned)
+        clock = _Clock.now()
+        if stop.budget_s is None:
+            self._run_to(end, clock)
+        else:
+            if self.s.env.world > 1:
+                raise ConfigError("a time budget is for one process: data-parallel ranks would disagree on it")
+            first_chunk_end = None
+            while self.cursor.step < min(end, self.horizon) and time.perf_counter() - t0 < stop.budget_s:
+                self._run_to(min(self.cursor.step + self.s.cfg.log.every, end, self.horizon), clock)
+                now = time.perf_counter()
+                if first_chunk_end is None:  # the first chunk pays for warm-up / capture: measure from its end
+                    first_chunk_end = (now, self.cursor.step)
+                    continue
+                per_step = (now - first_chunk_end[0]) / max(1, self.cursor.step - first_chunk_end[1])
+                fits = self.cursor.step + int((stop.budget_s - (now - t0)) / per_step)
+                if fits < self.horizon:
+                    # The schedule shrinks so the cosine still anneals inside the budget.
+                    self.horizon = max(self.cursor.step + 1, fits)
+        return LoopResult(cursor=self.cursor, planned_steps=planned, horizon=self.horizon,
+                          stopped_by="steps" if self.cursor.step >= end else "budget",
+                          last=dict(self.last), seconds=round(time.perf_counter() - t0, 1))
+
+    def _run_to(self, end: int, clock: _Clock) -> None:
+        if self.s.pipe is not None:
+            self._pipelined(end, clock)
+            return
+        accum = self.s.cfg.optim.accum_steps
+        while self.cursor.step < end:
+            micro = self.cursor.micro
+            self.s.state.lr_.fill_(self.lr(self.cursor.step))
+            outs = self.s.runner.step([self._host_batch(m) for m in range(micro, micro + accum)])
+            self._after_step(outs, end, clock)
+
+    def _host_batch(self, micro: int) -> StaticBatch:
+        """CPU micro-batch; pinned when the step runs on CUDA, so the runner's non_blocking copy never blocks the
+        host (a pageable source may make the driver wait for the stream)."""
+        batch = self.s.batches.batch(micro)
+        return batch.pin_memory() if self.s.device.type == "cuda" else batch
+
+    def _pipelined(self, end: int, clock: _Clock) -> None:
+        from trainer.step.slots import encode
+
+        start, accum = self.cursor, self.s.cfg.optim.accum_steps
+        steps = end - start.step
+        if steps <= 0:
+            return
+
+        def feed():  # loader thread: CPU batches only
+            for k in range(steps):
+                first = start.micro + k * accum
+                yield encode([self.s.batches.batch(m) for m in range(first, first + accum)])
+
+        def before() -> None:  # consumer thread, on its stream, before the step's replay
+            self.s.state.lr_.fill_(self.lr(self.cursor.step))
+
+        try:
+            self.s.pipe.run(steps, feed, before, lambda outs: self._after_step(outs, end, clock))
+        except RuntimeError as e:
+            if isinstance(e.__cause__, TrainerError):  # e.g. NonFiniteLoss raised by _after_step in the consumer
+                raise e.__cause__ from None
+            raise
+
+    # ------------------------------------------------------------ per step
+
+    def lr(self, step: int) -> float:
+        o = self.s.cfg.optim
+        return lr_at(step, base_lr=o.lr, total_steps=self.horizon, warmup_ratio=o.warmup_ratio, schedule=o.schedule,
+                     min_lr_ratio=o.min_lr_ratio)
+
+    def _after_step(self, outs, end: int, clock: _Clock) -> None:
+        """Bookkeeping after one optimizer step: metrics (device), cursor, and at cadence log / checkpoint (SYNC)."""
+        cfg = self.s.cfg
+        for out in outs:
+            self.metrics.add(out)
+        step, micro = self.cursor.step + 1, self.cursor.micro + cfg.optim.accum_steps
+        self.cursor = Cursor(step=step, micro=micro, world=self.s.env.world)
+        clock.steps += 1
+        self.s.sink.progress_bar(step, self.horizon)
+        if step % cfg.log.every == 0 or step == end:
+            self.check_finite(step)
+            now = time.perf_counter()
+            self._log(step, micro, now - clock.interval_start, clock.steps, now - clock.start)
+            clock.interval_start, clock.steps = now, 0
+        if cfg.ckpt.every and step % cfg.ckpt.every == 0:
+            self.check_finite(step)
+            self.save()
+
+    def check_finite(self, step: int) -> None:
+        """SYNC (collective: every rank calls it at the same steps). Raise NonFiniteLoss (exit 4) naming the last
+        good checkpoint on every rank if any rank saw a non-finite loss; nothing is saved over it."""
+        if self.metrics.nonfinite(ddp.all_reduce_sum_):
+            found = checkpoint.list_checkpoints(self.s.run_dir)
+            last = str(found[-1][1]) if found else "none"
+            raise NonFiniteLoss(f"non-finite loss (NaN/inf) by step {step}; stopping. Last good checkpoint: {last}",
+                                hint="lower optim.lr or check the data; resume from the last good checkpoint with "
+                                     "--resume")
+
+    def save(self) -> None:
+        """Rank 0 only: the replicas are identical, one copy is the checkpoint."""
+        if self.s.env.is_main:
+            checkpoint.save(self.s.run_dir, self.cursor, self.s.state.drafter, self.s.state.optimizer,
+                            self.s.cfg.ckpt.keep)
+
+    def _log(self, step: int, micro: int, dt: float, steps: int, elapsed: float) -> None:
+        """Collective at log cadence: metrics are summed over ranks; tokens/s counts every rank's tokens."""
+        s = self.s
+        record = {"step": step, "total_steps": self.horizon, "epoch": s.batches.locate(max(0, micro - 1))[0]}
+        record.update(self.metrics.flush(ddp.all_reduce_sum_))
+        tokens = steps * s.cfg.optim.accum_steps * s.cfg.data.tokens_per_step * s.env.world
+        record.update({"tokens_per_s": round(tokens / dt, 1) if dt > 0 else None, "lr": self.lr(step - 1),
+                       "peak_mem_gib": peak_mem_gib(s.device), "step_time_s": round(dt / max(1, steps), 4),
+                       "elapsed_s": round(elapsed, 2), "world": s.env.world})
+        s.sink.emit(record)
+        self.last = record
