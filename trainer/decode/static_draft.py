@@ -22,7 +22,7 @@ from trainer.model.target import Target
 
 class StaticDFlashProposer:
     """The trained DFlash drafter with a static context K/V cache (slot = position), the target's frozen embedding and
-    LM head. Same arithmetic as `trainer.speculative.draft_block_hidden` (and so as `Drafter.forward`): on CUDA the
+    LM head. Same arithmetic as `trainer.decode.reference.draft_block_hidden` (and so as `Drafter.forward`): on CUDA the
     fp32 drafter runs under bf16 autocast, as the trainer's step does."""
 
     def __init__(self, target: Target, drafter: Drafter, block_size: int, slots: int,

@@ -1,4 +1,4 @@
-"""Evaluate a trained drafter against its target on held-out prompts.
+"""Evaluate a trained drafter against its target on held-out prompts (composes trainer.eval and trainer.decode).
 
 - simulated tau: the trainer's own `evaluate_run` (teacher-forced blocks on the held-out regenerated answers);
 - real speculative decoding at batch size 1: mean tau, acceptance per block position, whether every output equals
@@ -10,13 +10,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import torch
 
+from trainer.decode.decoders import capacity_for, decoders, sync
+from trainer.decode.reference import generate_target_only
+from trainer.decode.rounds import acceptance_stats, capped_rounds
 from trainer.quality.config import EvalCfg
 from trainer.quality.regenerate import chat_prompt_ids
-from trainer.speculative import DFlashProposer, acceptance_stats, generate_speculative, generate_target_only
 
 
 @dataclass(frozen=True)
@@ -53,78 +54,12 @@ def heldout_prompts(eval_jsonl: Path) -> list[str]:
         return [json.loads(line)["conversations"][0]["content"] for line in f if line.strip()]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
-
-
-def load_pair(export_dir: Path, target_dir: Path, device: torch.device, target_dtype: str = "auto"):
-    """The exported drafter (fp32; run under autocast on CUDA, as in training) and the full target (in
-    `target_dtype`) with the drafter's taps and mask id."""
-    from trainer.export import load_exported
-    from trainer.model.target import load_target
-
-    drafter, ecfg = load_exported(export_dir, device)
-    dc = ecfg["dflash_config"]
-    target = load_target(target_dir, num_draft_layers=ecfg["num_hidden_layers"],
-                         layer_ids=tuple(dc["target_layer_ids"]), mask_token_id=dc["mask_token_id"], device=device,
-                         dtype=target_dtype, truncate=False)
-    return target, drafter, int(ecfg["block_size"])
-
-
-class Decoders(NamedTuple):
-    """The two decoders of one engine and what they really run (a fallback can differ from what was asked)."""
-    target_only: Callable  # (ids, max_new, eos=None) -> tokens
-    speculative: Callable  # (ids, max_new, eos=None, host_s=None) -> SpecResult
-    compile: str  # none | drafter | all
-    attention: str  # sdpa | invariant (the static target's Triton kernel) | hf
-
-
-def decoders(target, drafter, block_size: int, encoded: list[list[int]], cfg: EvalCfg, compile: str | None = None,
-             log=print) -> Decoders:
-    """Target-only and speculative decoding for `cfg.engine`. Both use the same target forward, so the comparison is
-    one engine against itself. A compilation that fails (torch.compile raises while the graphs are captured) falls
-    back to the uncompiled engine, with a note, and the mode used is then "none". `cfg.invariant` where the Triton
-    kernel cannot run (no Triton, CPU) decodes with SDPA, with a note."""
-    if cfg.engine == "hf":
-        proposer = DFlashProposer(target, drafter, block_size)
-        def speculative(ids, n, eos=None, host_s=None):
-            return generate_speculative(target, proposer, ids, n, eos, host_s=host_s)
-
-        return Decoders(lambda ids, n, eos=None: generate_target_only(target, ids, n, eos), speculative, "none", "hf")
-    from trainer.decode.engine import StaticDecoder
-    from trainer.decode.static_draft import StaticDFlashProposer
-
-    capacity = -(-(max(map(len, encoded), default=0) + cfg.max_new_tokens) // 64) * 64
-    compile = cfg.compile if compile is None else compile
-
-    def build(how: str):
-        # Captures its graphs here, in this (the main) thread, before any decoding.
-        proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
-        return StaticDecoder(target, capacity, proposer, block_size, compile=how, invariant=cfg.invariant)
-
-    try:
-        decoder = build(compile)
-    except Exception as exc:  # noqa: BLE001 -- any compiler failure; the uncompiled engine is the reference
-        if compile == "none":
-            raise
-        log(f"note: eval.compile={compile} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-            f"decoding uncompiled")
-        compile = "none"
-        decoder = build(compile)
-    attention = decoder.static.attention
-    if cfg.invariant and attention != "invariant":
-        log("note: eval.invariant: the Triton attention kernel cannot run here (no Triton, or not CUDA); decoding "
-            "with SDPA")
-    return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention)
-
-
 def replay_stats(target, drafter, block_size: int, decoded: list[tuple[list[int], list[int]]],
                  results: list) -> dict:
     """Untimed: each decoded answer replayed through the training layout (`trainer.eval.replayed_rounds`), with the
     drafter under the numerics the decode ran it in (bf16 autocast on CUDA). `replayed_equal` counts the prompts
     whose replayed rounds equal the real rounds; `replayed_tau` is their mean tau."""
-    from trainer.eval import capped_rounds, replayed_rounds
+    from trainer.eval import replayed_rounds
 
     on_cuda = target.device.type == "cuda"
     rounds, equal = [], 0
@@ -143,7 +78,9 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     tok = target.tokenizer
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
     t_setup = time.perf_counter()
-    target_only, speculative, compiled, attention = decoders(target, drafter, block_size, encoded, cfg, log=log)
+    target_only, speculative, compiled, attention = decoders(
+        target, drafter, block_size, capacity_for(encoded, cfg.max_new_tokens), engine=cfg.engine,
+        compile=cfg.compile, invariant=cfg.invariant, log=log)
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
         speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
@@ -203,42 +140,3 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         f"training layout: tau {out['replayed_tau']}, {out['replayed_equal']}/{timing.prompts} prompts round for round; "
         f"set-up {setup_s:.1f}s, timed {t_target + t_spec:.1f}s, replay {replay_s:.1f}s")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Re-run the batch-1 decoding benchmark on any export + target + held-out chat JSONL (no retraining):
-    python -m trainer.quality.evaluate --drafter DIR/drafter/export --target DIR/target --data DIR/data/eval.jsonl"""
-    import argparse
-    import json
-    import os
-    import sys
-
-    p = argparse.ArgumentParser(prog="python -m trainer.quality.evaluate", description=main.__doc__.splitlines()[0])
-    p.add_argument("--drafter", required=True, help="drafter export directory (config.json + model.safetensors)")
-    p.add_argument("--target", required=True, help="target HF model directory")
-    p.add_argument("--data", required=True, help="chat JSONL whose user turns are the prompts")
-    p.add_argument("--prompts", type=int, default=EvalCfg.prompts)
-    p.add_argument("--max-new", type=int, default=EvalCfg.max_new_tokens)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--target-dtype", default=EvalCfg.target_dtype, choices=("float32", "bfloat16", "auto"))
-    p.add_argument("--engine", default=EvalCfg.engine, choices=("static", "hf"),
-                   help="static: static caches, CUDA-graph replay per step/round; hf: the DynamicCache reference")
-    p.add_argument("--compile", default=EvalCfg.compile, choices=("none", "drafter", "all"),
-                   help="static engine: torch.compile nothing, the drafter, or the drafter and the target")
-    args = p.parse_args(argv)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    for path in (Path(args.drafter) / "config.json", Path(args.target) / "config.json", Path(args.data)):
-        if not path.is_file():
-            print(f"error: {path} not found", file=sys.stderr)
-            return 2
-    target, drafter, block_size = load_pair(Path(args.drafter), Path(args.target), torch.device(args.device),
-                                            args.target_dtype)
-    cfg = EvalCfg(prompts=args.prompts, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
-                  engine=args.engine, compile=args.compile)
-    result = decode_benchmark(target, drafter, block_size, heldout_prompts(Path(args.data)), cfg)
-    print("DFLASH_DECODE " + json.dumps(result), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

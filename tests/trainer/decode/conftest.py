@@ -1,4 +1,14 @@
-"""Decoding tests run tiny models, like the quality tests: the same one-intra-op-thread fixture (autouse)."""
+"""Decoding tests run tiny models: one intra-op thread is ~10x faster than two on a shared 2-core box."""
 from __future__ import annotations
 
-from tests.trainer.quality.conftest import one_thread  # noqa: F401  (a fixture: pytest collects it from here)
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")  # module: also covers module-scoped fixtures
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trainer.decode.batch import BatchGreedy
-from trainer.speculative import generate_target_only
+from trainer.decode.reference import generate_target_only
 
 
 def test_each_row_is_the_targets_own_greedy_continuation(full_target):

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.quality.test_speculative import PROMPTS, _prompt_ids
+from tests.trainer.decode.test_reference import PROMPTS, _prompt_ids
 from trainer.decode import kernels
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.static_draft import StaticDFlashProposer
 from trainer.decode.static_target import StaticTarget
-from trainer.speculative import generate_target_only, new_cache, target_forward
+from trainer.decode.reference import generate_target_only, new_cache, target_forward
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Static-cache decoding equals the HF DynamicCache reference (`trainer.speculative`), token for token.
+"""Static-cache decoding equals the HF DynamicCache reference (`trainer.decode.reference`), token for token.
 
 Real components only: the session's tiny Qwen3 target (saved to disk, loaded through `load_target`), a real `Drafter`,
 and a table proposer holding the target's own greedy output (a perfect drafter) or a corrupted copy of it.
@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.quality.test_speculative import PROMPTS, _drafter, _prompt_ids
+from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
 from trainer.decode.engine import StaticDecoder, prefill_buckets
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
 from trainer.decode.static_target import StaticTarget
-from trainer.speculative import (DFlashProposer, DraftContextCache, acceptance_stats, draft_block_hidden,
+from trainer.decode.rounds import acceptance_stats
+from trainer.decode.reference import (DFlashProposer, DraftContextCache, draft_block_hidden,
                                  generate_speculative, generate_target_only, new_cache, target_forward)
 
 
@@ -29,7 +30,7 @@ def test_static_forward_equals_hf_cache_forward(full_target):
         got_logits, got_feats = static.forward(chunk, torch.tensor(pos))
         torch.testing.assert_close(got_logits, want_logits.float(), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_feats, want_feats, rtol=1e-4, atol=1e-4)
-    from trainer.speculative import crop_cache
+    from trainer.decode.reference import crop_cache
 
     crop_cache(cache, P + 1)  # reject two of the three chunk tokens; static slots P+1.. keep stale K/V
     redo = torch.tensor([[3, 4]])
@@ -247,10 +248,9 @@ def test_mismatched_proposer_is_refused(full_target):
 
 
 def test_a_failing_compilation_falls_back_to_the_uncompiled_engine(full_target, monkeypatch):
-    """eval.compile is an optimisation: if the compiler raises while the graphs are built, evaluation goes on
-    uncompiled and says so in one line."""
-    from trainer.quality.config import EvalCfg
-    from trainer.quality.evaluate import decoders
+    """Compiling is an optimisation: if the compiler raises while the graphs are built, decoding goes on uncompiled
+    and says so in one line."""
+    from trainer.decode.decoders import capacity_for, decoders
 
     def broken(self):
         raise RuntimeError("inductor exploded\nsecond line")
@@ -258,11 +258,11 @@ def test_a_failing_compilation_falls_back_to_the_uncompiled_engine(full_target, 
     monkeypatch.setattr(StaticDFlashProposer, "compile", broken)
     notes: list[str] = []
     ids = _prompt_ids(full_target, PROMPTS[0])
-    target_only, speculative, compiled, attention = decoders(full_target, _drafter(full_target), 4, [ids],
-                                                             EvalCfg(max_new_tokens=9, compile="drafter"),
+    target_only, speculative, compiled, attention = decoders(full_target, _drafter(full_target), 4,
+                                                             capacity_for([ids], 9), compile="drafter",
                                                              log=notes.append)
     assert compiled == "none" and attention == "sdpa"  # what is reported is what ran
-    assert len(notes) == 1 and "eval.compile=drafter failed (RuntimeError: inductor exploded)" in notes[0]
+    assert len(notes) == 1 and "compile=drafter failed (RuntimeError: inductor exploded)" in notes[0]
     assert speculative(ids, 9).tokens == target_only(ids, 9) == generate_target_only(full_target, ids, 9)
     with pytest.raises(ValueError, match="compile must be"):
         StaticDecoder(full_target, 64, compile="yes")
@@ -285,14 +285,14 @@ def test_row_invariant_rmsnorm_falls_back_to_the_hf_module_off_cuda():
 
 
 def test_invariant_attention_where_the_kernel_cannot_run_says_so(full_target):
-    """eval.invariant on CPU (no interpreter): SDPA decodes, the note says so, and the decoders report "sdpa"."""
-    from trainer.quality.config import EvalCfg
-    from trainer.quality.evaluate import decoders
+    """Invariant attention on CPU (no interpreter): SDPA decodes, the note says so, and the decoders report
+    "sdpa"."""
+    from trainer.decode.decoders import capacity_for, decoders
 
     notes: list[str] = []
     ids = _prompt_ids(full_target, PROMPTS[0])
-    made = decoders(full_target, _drafter(full_target), 4, [ids], EvalCfg(max_new_tokens=5, invariant=True),
+    made = decoders(full_target, _drafter(full_target), 4, capacity_for([ids], 5), invariant=True,
                     log=notes.append)
     assert made.attention == "sdpa" and made.compile == "none"
-    assert len(notes) == 1 and "eval.invariant" in notes[0] and "SDPA" in notes[0]
+    assert len(notes) == 1 and "invariant attention" in notes[0] and "SDPA" in notes[0]
     assert made.speculative(ids, 5).tokens == made.target_only(ids, 5)

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from tests.trainer.decode.test_static_decode import RecordingProposer, _WrongAt, _sharp_drafter
-from tests.trainer.quality.test_speculative import PROMPTS, _prompt_ids
+from tests.trainer.decode.test_reference import PROMPTS, _prompt_ids
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
-from trainer.speculative import generate_speculative, generate_target_only
+from trainer.decode.reference import generate_speculative, generate_target_only
 
 pytestmark = pytest.mark.gpu
 
@@ -83,7 +83,7 @@ def test_batched_continuations_under_graph_replay(cuda_target):
 def _quality_shaped_bf16_target():
     """A random target of the quality recipe's shape in bf16: the shapes whose cuBLAS kernels were measured to give
     the same rows at M = 1 and M = 16 (the tiny test target's shapes were not)."""
-    from trainer.decode.bench import random_pair
+    from bench.decode import random_pair
 
     target, _, _ = random_pair(torch.device("cuda"), 16, torch.bfloat16, num_layers=8)
     return target

@@ -1,14 +1,4 @@
-"""Quality tests run tiny models: one intra-op thread is ~10x faster than two on a shared 2-core box."""
+"""Quality tests run tiny models, like the decoding tests: the same one-intra-op-thread fixture (autouse)."""
 from __future__ import annotations
 
-import pytest
-
-
-@pytest.fixture(autouse=True, scope="module")  # module: also covers module-scoped fixtures
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.trainer.decode.conftest import one_thread  # noqa: F401  (a fixture: pytest collects it from here)

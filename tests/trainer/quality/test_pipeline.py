@@ -52,9 +52,9 @@ def test_quality_cpu_pipeline_end_to_end(tmp_path):
     assert 1.0 <= result["simulated_tau"] <= B
     assert result["replayed_tau"] == decode["replayed_tau"]
     assert result["speedup"] > 0 and decode["target_s"] > 0
-    # The decoding benchmark re-runs alone on the pipeline's artifacts.
+    # The decoding benchmark (bench/speculative.py) re-runs alone on the pipeline's artifacts.
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    again = subprocess.run([sys.executable, "-m", "trainer.quality.evaluate", "--drafter", str(out / "drafter/export"),
+    again = subprocess.run([sys.executable, "-m", "bench.speculative", "--drafter", str(out / "drafter/export"),
                             "--target", str(out / "target"), "--data", str(out / "data/eval.jsonl"), "--prompts", "2",
                             "--max-new", "9", "--device", "cpu"], cwd=REPO_ROOT, env=env, capture_output=True,
                            text=True, timeout=120)

@@ -1,12 +1,12 @@
-"""Speculative decoding on CUDA (run on the H200 machine: `python3 -m pytest -m gpu tests/trainer/quality`)."""
+"""Speculative decoding on CUDA (run on the H200 machine: `python3 -m pytest -m gpu tests/trainer/decode`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainer.speculative import DFlashProposer, OracleProposer, acceptance_stats, generate_speculative, \
-    generate_target_only
-from tests.trainer.quality.test_speculative import PROMPTS, CorruptedOracle, _drafter, _prompt_ids
+from trainer.decode.reference import DFlashProposer, OracleProposer, generate_speculative, generate_target_only
+from trainer.decode.rounds import acceptance_stats
+from tests.trainer.decode.test_reference import PROMPTS, CorruptedOracle, _drafter, _prompt_ids
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,6 @@
-"""Greedy decoding at batch size 1: the target alone, and DFlash speculative decoding (z-lab `dflash_generate`).
+"""The reference decoders over HF's DynamicCache, at batch size 1: the target alone, and DFlash speculative decoding
+(z-lab `dflash_generate`). Eager and simple: the static, graph-replayed engine (trainer/decode/engine.py) is tested
+against them.
 
 Speculative round (invariant: the target KV cache and the drafter's context cache both hold exactly `start` tokens;
 token `start` (the anchor / previous bonus token) is committed but not yet in either cache):
@@ -17,14 +19,13 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.eval import leading_matches
+from trainer.decode.rounds import SpecResult, leading_matches, stop_index
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin, stream_dtype
 from trainer.model.target import Target
 
@@ -73,13 +74,6 @@ def target_forward(target: Target, ids_1L: torch.Tensor, cache, start: int,
 
 
 # ---------------------------------------------------------------- target-only greedy decoding
-
-def stop_index(tokens: list[int], eos_id: int | None, max_new: int) -> int | None:
-    """Length to keep when generation must stop: through the first EOS, or max_new; None to go on."""
-    if eos_id is not None and eos_id in tokens:
-        return min(tokens.index(eos_id) + 1, max_new)
-    return max_new if len(tokens) >= max_new else None
-
 
 @torch.no_grad()
 def generate_target_only(target: Target, prompt_ids: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
@@ -207,16 +201,6 @@ class OracleProposer(nn.Module):
 
 # ---------------------------------------------------------------- speculative decoding
 
-@dataclass(frozen=True)
-class SpecResult:
-    tokens: list[int]  # new tokens (same stopping rule as generate_target_only)
-    accepted: list[int] = field(default_factory=list)  # per round: accepted draft tokens a in 0..B-1 (tau = a + 1)
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-
 @torch.no_grad()
 def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: list[int], max_new: int,
                          eos_id: int | None = None, host_s: dict[str, float] | None = None) -> SpecResult:
@@ -263,13 +247,3 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
         for key, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("accept", t3 - t2)):
             spent[key] = spent.get(key, 0.0) + dt
     return SpecResult(tokens=new_host[:stop_index(new_host, eos_id, max_new)], accepted=accepted)
-
-
-def acceptance_stats(results: list[SpecResult], block_size: int) -> dict:
-    """Mean tau (accepted + bonus, in [1, B]) over all rounds, and per block position k = 1..B-1 the fraction of
-    rounds whose draft token k was accepted."""
-    acc = [a for r in results for a in r.accepted]
-    if not acc:
-        return {"tau": None, "rounds": 0, "accept_by_pos": []}
-    return {"tau": round(sum(a + 1 for a in acc) / len(acc), 4), "rounds": len(acc),
-            "accept_by_pos": [round(sum(a >= k for a in acc) / len(acc), 4) for k in range(1, block_size)]}

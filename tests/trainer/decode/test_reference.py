@@ -10,7 +10,8 @@ import torch
 
 from trainer.model.attention import make_layout
 from trainer.model.drafter import Drafter, DrafterConfig
-from trainer.speculative import (DFlashProposer, DraftContextCache, OracleProposer, acceptance_stats, crop_cache,
+from trainer.decode.rounds import SpecResult, acceptance_stats
+from trainer.decode.reference import (DFlashProposer, DraftContextCache, OracleProposer, crop_cache,
                                  draft_block_hidden, generate_speculative, generate_target_only, new_cache,
                                  target_forward)
 
@@ -116,8 +117,6 @@ def test_perfect_drafter_reaches_tau_equal_block_size(full_target):
 
 
 def test_acceptance_stats_by_position():
-    from trainer.speculative import SpecResult
-
     stats = acceptance_stats([SpecResult([1], accepted=[0, 3]), SpecResult([2], accepted=[1])], 4)
     assert stats == {"tau": round((1 + 4 + 2) / 3, 4), "rounds": 3, "accept_by_pos": [round(2 / 3, 4), round(1 / 3, 4),
                                                                             round(1 / 3, 4)]}

@@ -1,0 +1,71 @@
+"""Pick a decoding engine: target-only and speculative greedy decoders over one target forward, so that a speedup
+compares an engine with itself.
+
+    static  static KV caches; a decode step and a speculative round are each one CUDA graph replay (engine.py)
+    hf      the HF DynamicCache reference (reference.py), eager
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+ENGINES = ("static", "hf")
+
+
+class Decoders(NamedTuple):
+    """The two decoders of one engine and what they really run (a fallback can differ from what was asked)."""
+    target_only: Callable  # (ids, max_new, eos=None) -> tokens
+    speculative: Callable  # (ids, max_new, eos=None, host_s=None) -> SpecResult
+    compile: str  # none | drafter | all
+    attention: str  # sdpa | invariant (the static target's Triton kernel) | hf
+
+
+def capacity_for(prompts: list[list[int]], max_new: int, multiple: int = 64) -> int:
+    """Cache slots for the longest prompt plus `max_new`, rounded up (one set of graphs serves every prompt). Pure."""
+    return -(-(max(map(len, prompts), default=0) + max_new) // multiple) * multiple
+
+
+def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "static", compile: str = "none",
+             invariant: bool = False, log=print) -> Decoders:
+    """Target-only and speculative decoding for `engine`. A compilation that fails (torch.compile raises while the
+    graphs are captured) falls back to the uncompiled engine, with a note, and the mode used is then "none".
+    `invariant` where the Triton kernel cannot run (no Triton, CPU) decodes with SDPA, with a note. The static
+    engine captures its graphs here, in the calling (main) thread, before any decoding."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "hf":
+        from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
+
+        proposer = DFlashProposer(target, drafter, block_size)
+
+        def speculative(ids, n, eos=None, host_s=None):
+            return generate_speculative(target, proposer, ids, n, eos, host_s=host_s)
+
+        return Decoders(lambda ids, n, eos=None: generate_target_only(target, ids, n, eos), speculative, "none", "hf")
+    from trainer.decode.engine import StaticDecoder
+    from trainer.decode.static_draft import StaticDFlashProposer
+
+    def build(how: str):
+        proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
+        return StaticDecoder(target, capacity, proposer, block_size, compile=how, invariant=invariant)
+
+    try:
+        decoder = build(compile)
+    except Exception as exc:  # noqa: BLE001 -- any compiler failure; the uncompiled engine is the reference
+        if compile == "none":
+            raise
+        log(f"note: compile={compile} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            f"decoding uncompiled")
+        compile = "none"
+        decoder = build(compile)
+    attention = decoder.static.attention
+    if invariant and attention != "invariant":
+        log("note: invariant attention: the Triton kernel cannot run here (no Triton, or not CUDA); decoding with "
+            "SDPA")
+    return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # SYNC: wall-clock timing needs finished kernels
