@@ -1,5 +1,5 @@
-"""PROF lines of `python -m trainer.bench --profile N` (formatting only: the profiler itself needs CUDA)."""
-from trainer.benchkit.timing import profile_lines
+"""PROF lines of `python -m bench.step --profile N` (formatting only: the profiler itself needs CUDA)."""
+from bench.timing import profile_lines
 
 
 def test_prof_lines_are_slowest_first_per_step_with_full_names_and_a_total():

@@ -1,12 +1,11 @@
-"""Training-step benchmark: `python -m trainer.bench --shape small --modes eager,compile,graph,compile+graph`.
+"""Training-step benchmark: `python -m bench.step --shape small --modes eager,compile,graph,compile+graph`.
 
-What runs (`--impl trainer`, the default): the trainer's own modules, built as `trainer train` builds them -- an HF
+Run from the repository root. What runs: the trainer's own modules, built as `trainer train` builds them -- an HF
 Qwen3 target (`transformers.Qwen3ForCausalLM`, random init from a named shape; or `--target DIR` through
 `load_target`), bf16 on CUDA, frozen, truncated after its last tap, with the doc-causal flex attention path on CUDA;
 the trainer's `Drafter` (5 layers, KV injection, fp32 params under bf16 autocast), its chunked LM-head loss, AdamW
-with a device LR; driven by `trainer.train.make_runner`. Data: synthetic `StaticBatch`es built by trainer.data
-(random ids, 3 packed documents per row, `anchors` sorted anchors per row). `--impl standin` runs the older
-self-contained stand-in (trainer/pipeline/standin.py, CUDA only), which the first figures came from.
+with a device LR; driven by `trainer.build.make_runner`. Data: synthetic `StaticBatch`es built by trainer.data
+(random ids, 3 packed documents per row, `anchors` sorted anchors per row).
 
 One step = `accum` micro-steps of `batch` rows x `seq` tokens (target features, no grad; drafter forward + backward)
 + grad clip + AdamW. Each mode runs in its own subprocess (fresh allocator and peak counters; a crash loses one mode):
@@ -18,7 +17,7 @@ One step = `accum` micro-steps of `batch` rows x `seq` tokens (target features, 
   compile+graph  compiled kernels inside the same capture (CUDA only)
 --pipeline 1 runs the steps through the trainer's threaded pipeline (trainer.pipeline.train_pipe: loader -> target
 producer -> event ring -> drafter consumer), timed by the consumer's events. Under torchrun
-(`torchrun --nproc-per-node 2 -m trainer.bench ...`) every rank trains a replica on its own data and gradients are
+(`torchrun --nproc-per-node 2 -m bench.step ...`) every rank trains a replica on its own data and gradients are
 averaged by trainer.distributed.make_grad_sync between the fwd/bwd and update graphs; figures are per GPU, rank 0
 prints.
 
@@ -26,7 +25,7 @@ Timing: CUDA events around every step, read once at the end (no host sync in the
 on CPU the host clock. Reported: median step time and its min-max over the timed steps (after warm-up or capture
 and 2 untimed steps). tokens/s = accum * batch * seq / median.
 MFU = useful FLOPs per step / median step time / 989 TFLOP/s (H200 SXM dense bf16, datasheet); the FLOPs formula is
-in trainer/benchkit/shapes.py and takes its dims from the HF config and the DrafterConfig.
+in bench/shapes.py and takes its dims from the HF config and the DrafterConfig.
 """
 from __future__ import annotations
 
@@ -38,16 +37,14 @@ import sys
 from dataclasses import asdict, dataclass
 
 MODES = ("eager", "compile", "graph", "compile+graph")
-IMPLS = ("trainer", "standin")
 ATTNS = ("auto", "flex", "sdpa")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    impl: str = "trainer"
     shape: str = "small"
     target: str = ""  # a local HF model directory (loaded through trainer.model.target.load_target); "" = --shape
-    draft_layers: int = 5  # drafter layers = target taps (--impl trainer)
+    draft_layers: int = 5  # drafter layers = target taps
     batch: int = 4
     seq: int = 3072
     anchors: int = 512
@@ -63,10 +60,8 @@ class BenchConfig:
 
     def check(self) -> None:
         """Raise SystemExit with one line naming the fix."""
-        from trainer.benchkit.shapes import check_shape
+        from bench.shapes import check_shape
 
-        if self.impl not in IMPLS:
-            raise SystemExit(f"unknown --impl {self.impl!r}; choose one of {list(IMPLS)}")
         if self.attn not in ATTNS:
             raise SystemExit(f"unknown --attn {self.attn!r}; choose one of {list(ATTNS)}")
         if self.target and not os.path.isfile(os.path.join(self.target, "config.json")):
@@ -83,11 +78,31 @@ class BenchConfig:
             raise SystemExit("--block must be >= 2 and --anchors < --seq")
 
 
+HELP = {
+    "shape": "named target shape (bench/shapes.py): small, qwen3-8b, tiny",
+    "target": "a local HF model directory instead of --shape",
+    "draft_layers": "drafter layers (= target taps)",
+    "batch": "rows per micro-step",
+    "seq": "tokens per row",
+    "anchors": "anchors (16-token blocks) per row",
+    "block": "block size",
+    "accum": "micro-steps per optimizer step",
+    "steps": "timed optimizer steps",
+    "warmup": "warm-up steps before capture / timing",
+    "attn": "the drafter's block attention: auto (flex on CUDA, sdpa on CPU), flex, sdpa",
+    "interval": "steps between MEM lines",
+    "ce_chunk": "positions per LM-head / cross-entropy chunk",
+    "profile": "after timing, profile this many steps and print the top kernels (PROF lines; CUDA)",
+    "pipeline": "1: run the steps through the loader / producer / consumer threads (CUDA)",
+}
+
+
 def parse(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
-    p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n")[0])
     for field, default in asdict(BenchConfig()).items():
-        p.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
-    p.add_argument("--modes", default=",".join(MODES))
+        p.add_argument("--" + field.replace("_", "-"), type=type(default), default=default,
+                       help=f"{HELP[field]} (default: {default!r})")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (default: all)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = vars(p.parse_args(argv))
     modes, child = a.pop("modes").split(","), a.pop("child")
@@ -104,10 +119,8 @@ def run_child(cfg: BenchConfig, mode: str) -> int:
     from trainer.errors import TrainerError
 
     try:
-        if cfg.impl == "standin":
-            from trainer.benchkit.standin_run import run_mode
-        else:
-            from trainer.benchkit.trainer_run import run_mode
+        from bench.step_run import run_mode
+
         result = run_mode(cfg, mode)
     except TrainerError as e:
         print(f"BENCH_ERROR {e}", flush=True)
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     say("config", json.dumps(asdict(cfg)), flush=True)
     results = []
     for mode in modes:
-        cmd = [sys.executable, "-m", "trainer.bench", *argv, "--child", mode]
+        cmd = [sys.executable, "-m", "bench.step", *argv, "--child", mode]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if main_rank:
             keep = ("MEM", "PROF")

@@ -1,4 +1,4 @@
-"""`python -m trainer.bench` on the CPU: the trainer's own path (real tiny HF target, real runners), its refusals,
+"""`python -m bench.step` on the CPU: the trainer's own path (real tiny HF target, real runners), its refusals,
 and the synthetic StaticBatch it feeds."""
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.benchkit.data import draft_pairs, synthetic_batches, target_pairs
+from bench.synthetic import draft_pairs, synthetic_batches, target_pairs
 from trainer.data.anchors import anchor_candidates
 from trainer.data.batching import StaticBatch
 from trainer.model.attention import dense_block_mask, make_layout
 from trainer.model.flex import BlockLayoutShape
 from trainer.model.target import packed_causal_mask
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--shape", "tiny", "--batch", "2", "--seq", "256", "--anchors", "16", "--steps", "3", "--warmup", "1",
         "--interval", "2"]
 
 
 def bench(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "trainer.bench", *args], cwd=REPO_ROOT, env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "bench.step", *args], cwd=REPO_ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
 
@@ -45,7 +45,7 @@ def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
     res = results(proc.stdout)
     for mode in ("eager", "compile"):
         r = res[mode]
-        assert r["impl"] == "trainer" and r["device"] == "cpu" and r["attn"] == "sdpa" and r["target_attn"] == "sdpa"
+        assert r["device"] == "cpu" and r["attn"] == "sdpa" and r["target_attn"] == "sdpa"
         assert r["tokens_per_step"] == 2 * 256 and r["tokens_per_s_per_gpu"] > 0
         assert r["tokens_per_s_per_gpu"] == pytest.approx(512 / r["step_s_median"])
         assert all(v == v and abs(v) < 20 for v in r["loss_first_last"])  # finite CE over a 1024-token vocabulary
@@ -57,7 +57,7 @@ def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
     assert res["eager"]["flops"]["lm_head"] == 2 * (2 * 2 * 16 * 15 * 128 * 1024)
 
 
-def test_graph_modes_standin_and_pipeline_refuse_clearly_on_cpu():
+def test_graph_modes_and_pipeline_refuse_clearly_on_cpu():
     proc = bench(*TINY, "--modes", "graph,compile+graph")
     assert proc.returncode == 1
     refusal = "FAILED: step.mode=graph needs a CUDA device (this run is on cpu)"
@@ -66,8 +66,6 @@ def test_graph_modes_standin_and_pipeline_refuse_clearly_on_cpu():
     assert "Traceback" not in proc.stdout + proc.stderr
     piped = bench(*TINY, "--pipeline", "1", "--modes", "eager")
     assert piped.returncode == 1 and "FAILED: pipeline.enabled needs a CUDA device" in piped.stdout
-    standin = bench(*TINY, "--impl", "standin", "--modes", "eager")
-    assert standin.returncode == 1 and "FAILED: --impl standin needs a CUDA device" in standin.stdout
 
 
 def test_target_dir_loads_through_load_target(tiny_target_dir):
@@ -85,7 +83,7 @@ def test_target_dir_loads_through_load_target(tiny_target_dir):
     (["--shape", "huge"], "unknown --shape 'huge'"),
     (["--target", "/nonexistent"], "--target /nonexistent: no config.json there"),
     (["--modes", "fast"], "unknown mode(s) ['fast']"),
-    (["--impl", "other"], "unknown --impl 'other'"),
+    (["--attn", "other"], "unknown --attn 'other'"),
 ])
 def test_bad_arguments_are_one_line_and_nonzero(args, message):
     proc = bench(*args, timeout=60)

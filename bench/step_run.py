@@ -1,11 +1,11 @@
-"""One bench mode over the trainer's own path (`--impl trainer`), in the child process.
+"""One bench mode over the trainer's own path, in the child process of `python -m bench.step`.
 
 Built exactly as `trainer train` builds it: an HF Qwen3 target prepared by `trainer.model.target.prepare_target`
 (random init from a named shape, bf16 on CUDA, frozen, tap hooks, truncated after the last tap; or `--target DIR`
-through `load_target`), `trainer.train.build_state` (Drafter, AdamW with a device LR, chunked LM-head loss, the flex
-mask builder), `trainer.train.make_runner` (EagerRunner / compile / GraphRunner) or, with `--pipeline 1`,
+through `load_target`), `trainer.build.build_state` (Drafter, AdamW with a device LR, chunked LM-head loss, the flex
+mask builder), `trainer.build.make_runner` (EagerRunner / compile / GraphRunner) or, with `--pipeline 1`,
 `trainer.pipeline.train_pipe.build` driven by `trainer.pipeline.threads.Pipeline`. Data: synthetic StaticBatches
-(benchkit/data.py). Data parallel under torchrun: `trainer.distributed.make_grad_sync`, rank-specific data.
+(bench/synthetic.py). Data parallel under torchrun: `trainer.distributed.make_grad_sync`, rank-specific data.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import json
 
 import torch
 
-from trainer.benchkit.data import draft_pairs, synthetic_batches, target_pairs
-from trainer.benchkit.shapes import Dims, FlopShape, StepCounts, qwen3_config, useful_flops
-from trainer.benchkit.timing import Timed, mem_line, peak_memory, print_profile, reset_peak, time_steps
+from bench.shapes import Dims, FlopShape, StepCounts, qwen3_config, useful_flops
+from bench.synthetic import draft_pairs, synthetic_batches, target_pairs
+from bench.timing import Timed, mem_line, peak_memory, print_profile, reset_peak, time_steps
 from trainer.config import DataCfg, ModelCfg, OptimCfg, PipelineCfg, StepCfg, TrainCfg
 from trainer.errors import ConfigError
 
@@ -31,7 +31,7 @@ def bench_target(cfg, device: torch.device):
     """--target DIR: load_target. Else a random-init Qwen3ForCausalLM of the named shape, built on `device` in the
     target dtype and prepared by the same `prepare_target` (bf16 on CUDA, fp32 on CPU, as model.dtype=auto)."""
     from trainer.model.target import load_target, pick_dtype, prepare_target
-    from trainer.train import target_attn
+    from trainer.build import target_attn
 
     attn = target_attn(device)
     if cfg.target:
@@ -59,8 +59,8 @@ def flop_shape(target, dcfg) -> FlopShape:
 
 def run_mode(cfg, mode: str) -> dict:
     """Build, warm up / capture, time `cfg.steps` optimizer steps; return the figures (a JSON-able dict)."""
+    from trainer.build import build_state, check_device_support, make_runner
     from trainer.distributed import init_from_env, make_grad_sync, shutdown
-    from trainer.train import build_state, check_device_support, make_runner
 
     info = init_from_env()
     cuda = torch.cuda.is_available()
@@ -87,7 +87,7 @@ def run_mode(cfg, mode: str) -> dict:
         timed = run_pipeline(cfg, mode, state, steps_in, dev, sync)
     else:
         runner = make_runner(tcfg, state, steps_in[0][0].to(dev), dev, sync)
-        if mode in ("eager", "compile"):  # GraphRunner warmed up and captured already
+        if not tcfg.step.captures:  # GraphRunner warmed up and captured already
             for _ in range(cfg.warmup):
                 runner.step(steps_in[0])
         timed = time_steps(lambda k: runner.step(steps_in[k % 2])[0].loss_, cfg.steps, device=dev,
@@ -106,13 +106,14 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
     thread, then loader -> target producer -> drafter consumer threads; timed by the consumer's step-end events."""
     from trainer.pipeline import train_pipe
     from trainer.pipeline.threads import Devices, Pipeline
+    from trainer.step.slots import encode, target_keys
 
     if dev.type != "cuda":
         raise ConfigError("--pipeline 1 needs a CUDA device (this run is on cpu)")
     pc = PipelineCfg()
-    built = train_pipe.build(state, steps_in[0], mode=mode, target_device=dev, drafter_device=dev, grad_sync=sync,
-                             slots=pc.slots, prefetch=pc.prefetch)
-    inputs = [train_pipe.step_inputs(s) for s in steps_in]
+    built = train_pipe.build(state, steps_in[0], step=StepCfg(mode=mode), target_device=dev, drafter_device=dev,
+                             grad_sync=sync, slots=pc.slots, prefetch=pc.prefetch)
+    inputs = [encode(s) for s in steps_in]
 
     def feed():  # loader thread: CPU dicts (it pins them)
         k = 0
@@ -128,7 +129,7 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
 
     consumer = train_pipe.ConsumerStep(built.stepper, cfg.accum, lambda: None, lambda outs: None)
     pipe = Pipeline(Devices(dev, dev), feed, built.target_fn, consumer, built.example,
-                    target_keys=train_pipe.target_keys(cfg.accum), slots=built.slots, prefetch=built.prefetch,
+                    target_keys=target_keys(cfg.accum), slots=built.slots, prefetch=built.prefetch,
                     on_interval=on_interval, interval=cfg.interval)
     pipe.run(3)  # the threads' streams, the pinned-memory pool
     reset_peak(dev)
@@ -140,14 +141,13 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
 def figures(cfg, mode: str, timed: Timed, flops: dict, dev: torch.device, world: int) -> dict:
     import statistics
 
-    from trainer.benchkit.shapes import PEAK_FLOPS
+    from bench.shapes import PEAK_FLOPS
 
     tokens = cfg.accum * cfg.batch * cfg.seq
     med = statistics.median(timed.step_s)
     peak, reserved = peak_memory(dev)
     return {
         "mode": mode + ("+pipeline" if cfg.pipeline else ""),
-        "impl": "trainer",
         "shape": cfg.target or cfg.shape,
         "world": world,
         "step_s_median": med,
