@@ -1,13 +1,22 @@
 """trainer: the DFlash block-diffusion drafter trainer.
 
-Layout (functional core, imperative shell):
-  config.py            typed config tree (recipes/*.yaml + --set), validated once
+Layout (functional core, imperative shell; docs/architecture.md draws it):
+  __main__.py          the CLI (train, eval, export, make-tiny-target) and its one error boundary (errors.py)
+  config.py            one typed config tree (recipes/*.yaml + --set), one override parser, validated once
+  placement.py         device specs -> devices (the one resolver); distributed.py: torchrun process group, grad sync
+  build.py             config -> Session: target, data, drafter + optimizer, runner or pipeline (captured here)
+  loop.py              TrainLoop: drives a Session until a StopRule (steps, time budget); metrics.py: the only syncs
+  train.py             the program: build -> loop -> final checkpoint, export, eval; `trainer export`
+  rundir.py            what a run leaves on disk; checkpoint.py (ckpt/step_N), export.py (the serving export)
+  eval.py              simulated acceptance length tau on held-out rows
+  capture.py           CUDA graph capture, the one way (training, pipeline, decoding)
   data/                source (JSONL -> samples), packing, anchors (pure), batching (StaticBatch, EpochBatches)
-  model/target.py      frozen HF target: tapped-layer hooks, truncation, packed block-diagonal causal mask
-  model/drafter.py     the drafter (pure torch, z-lab DFlashDraftModel parameter names)
-  model/attention.py   block visibility rule + block_attention(q, k, v, layout, backend)  [flex.py: GPU branch]
-  model/loss.py        same-position labels, decay weights, chunked LM-head CE
-  step/step.py         forward_backward / optimizer_step / EagerRunner              [graph.py: GPU branch]
-  train.py             setup + loop; metrics.py (the only host syncs); checkpoint.py; export.py; eval.py
+  model/               target (frozen HF, taps), drafter, block attention (+ flex), doc-causal target attention, loss
+  step/                step.py (forward/backward, optimizer step, EagerRunner), slots.py (the flat step encoding),
+                       graph.py (StepGraph, GraphRunner, compile)
+  pipeline/            loader / target producer / drafter consumer threads over an event ring
+  decode/              batch-1 decoding: static-cache graph engine, its Triton kernels, the HF-cache reference
+  quality/             the quality pipeline (pretrain -> regenerate -> drafter -> eval) and its sweep
   tiny.py, smoke_data.py  the tiny target and the bundled smoke dataset
+Benchmarks live outside the package, in the repository's bench/.
 """

@@ -1,7 +1,7 @@
 """Data-parallel scale-out through torch.distributed (torchrun, NCCL): one process per GPU, one drafter replica each.
 
-Gradients are all-reduced OUTSIDE the captured graphs (research/cudagraphs.md section 4: collectives inside graphs
-need matching captures on every rank and NCCL warns about multi-GPU-per-process capture): `StepGraph(sync_grads=...)`
+Gradients are all-reduced OUTSIDE the captured graphs (collectives inside graphs need matching captures on every
+rank, and NCCL warns about multi-GPU-per-process capture): `StepGraph(sync_grads=...)`
 or `GraphRunner(grad_sync=...)` splits the step into forward/backward and update graphs and calls `grad_sync()`
 eagerly between their replays. The all-reduce runs on the calling thread's current stream order (NCCL's internal
 stream waits for it), so it needs no host sync.
