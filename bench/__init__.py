@@ -1,0 +1,1 @@
+"""Benchmarks: each module is a program (`python -m bench.NAME`); none is imported by the product."""
