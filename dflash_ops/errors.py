@@ -2,7 +2,7 @@
 not an error: `cli/tail.py` exits with it directly).
 
 Every failure a user can cause or meet is one of these; the CLI renders them in one place
-(`cli._boundary.rendered_errors`). Anything else is a bug and keeps its traceback.
+(`cli._common.rendered_errors`). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

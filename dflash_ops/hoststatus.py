@@ -1,11 +1,11 @@
 """`status` for one host: one script, one round trip, every container of the host covered.
 
 PURE builder and parser, plus `query_host` (the only effect: one `transport.run`). The host script runs, in
-parallel and each under `timeout`, the GPU probe (gpuscripts.probe_script, on the host itself) and one runs listing per
-target (through `pct exec` for a container), then prints their outputs as sections:
+parallel and each under `timeout`, the GPU probe (gpus.scripts.probe_script, on the host itself) and one runs
+listing per target (through `pct exec` for a container), then prints their outputs as sections:
 
     %%DFLASH gpu <rc>                    then the probe's output
-    %%DFLASH target <i> <rc>             then target i's listing: ops' list_script, then ours:
+    %%DFLASH target <i> <rc>             then target i's listing: shellcmd.list_script, then ours:
         DFLASH_PIDNS pid:[inode]         the target's PID namespace (maps GPU holders when cgroups do not)
         DFLASH_MLINES <run id>           then "M <log line>" for the last metrics/done lines of that run's log
     %%DFLASH err <i>                     then the last bytes of target i's stderr
@@ -18,7 +18,9 @@ import os
 import shlex
 from dataclasses import dataclass, replace
 
-from dflash_ops import gpus, gpuscripts, metrics_line, parse, shellcmd
+from dflash_ops import metrics_line
+from dflash_ops.gpus import facts, scripts
+from dflash_ops.runs import parse, shellcmd
 from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
 
 SECTION = "%%DFLASH "
@@ -31,12 +33,12 @@ DEV_GLOB_ENV = "DFLASH_OPS_NVIDIA_DEV_GLOB"       # device nodes whose open fds 
 @dataclass(frozen=True)
 class GpuSettings:
     nvidia_smi: str = "nvidia-smi"
-    dev_glob: str = gpus.DEFAULT_DEV_GLOB
+    dev_glob: str = facts.DEFAULT_DEV_GLOB
 
     @classmethod
     def from_env(cls) -> "GpuSettings":
         return cls(nvidia_smi=os.environ.get(NVIDIA_SMI_ENV) or "nvidia-smi",
-                   dev_glob=os.environ.get(DEV_GLOB_ENV) or gpus.DEFAULT_DEV_GLOB)
+                   dev_glob=os.environ.get(DEV_GLOB_ENV) or facts.DEFAULT_DEV_GLOB)
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,8 @@ class TargetStatus:
 class HostStatus:
     host: str
     transport: str
-    snapshot: gpus.GpuSnapshot | None
-    holders: tuple[gpus.Holder, ...]
+    snapshot: facts.GpuSnapshot | None
+    holders: tuple[facts.Holder, ...]
     holder_runs: tuple[tuple[int, str], ...]  # (holder host pid, run id)
     targets: tuple[TargetStatus, ...]
     gpu_error: str | None = None
@@ -75,7 +77,7 @@ def targets_of(host: Host, ct: str | None = None) -> list[Target]:
 
 
 def target_script(runs_dir: str) -> str:
-    """Runs listing (ops' list_script) plus the PID namespace and each run's last metrics lines."""
+    """Runs listing (shellcmd.list_script) plus the PID namespace and each run's last metrics lines."""
     q = shlex.quote
     return (shellcmd.list_script(runs_dir) +
             "printf 'DFLASH_PIDNS %s\\n' \"$(readlink /proc/self/ns/pid 2>/dev/null)\"\n"
@@ -92,7 +94,7 @@ def host_script(targets: list[Target], gpu: GpuSettings, *, part_timeout_s: int 
     q = shlex.quote
     lim = f"timeout -k 2 {int(part_timeout_s)}"
     lines = ['tmp=$(mktemp -d) || exit 1', "trap 'rm -rf -- \"$tmp\"' EXIT",
-             f"{{ {lim} bash -c {q(gpuscripts.probe_script(nvidia_smi=gpu.nvidia_smi, dev_glob=gpu.dev_glob))}"
+             f"{{ {lim} bash -c {q(scripts.probe_script(nvidia_smi=gpu.nvidia_smi, dev_glob=gpu.dev_glob))}"
              ' >"$tmp/gpu" 2>/dev/null; echo $? >"$tmp/gpu.rc"; } &']
     for i, t in enumerate(targets):
         argv = shellcmd.target_argv(t, target_script(t.runs_dir))
@@ -150,7 +152,7 @@ def parse_host(text: str, host: Host, targets: list[Target], *,
         if head[0] == "gpu":
             rc = int(head[1]) if len(head) > 1 and head[1].isdigit() else -1
             try:
-                snap, gpu_error = gpus.parse_probe("\n".join(body)), None
+                snap, gpu_error = facts.parse_probe("\n".join(body)), None
             except ValueError as exc:
                 gpu_error = f"GPU probe failed ({_rc_text(rc, part_timeout_s)}): {exc}"
         elif head[0] == "target" and len(head) == 3:
@@ -167,13 +169,13 @@ def parse_host(text: str, host: Host, targets: list[Target], *,
         ct_ns = tuple((int(t.container.ctid), per_target[i][2]) for i, t in enumerate(targets)
                       if t.container is not None and i in per_target and per_target[i][2].startswith("pid:["))
         snap = replace(snap, ct_pidns=snap.ct_pidns + ct_ns)
-    holders = gpus.find_holders(snap) if snap is not None else ()
+    holders = facts.find_holders(snap) if snap is not None else ()
     statuses, holder_runs = _join(targets, per_target, errors, holders)
     return HostStatus(host=host.name, transport=host.transport, snapshot=snap, holders=holders,
                       holder_runs=holder_runs, targets=statuses, gpu_error=gpu_error)
 
 
-def _run_key(h: gpus.Holder) -> tuple[str | None, int | None]:
+def _run_key(h: facts.Holder) -> tuple[str | None, int | None]:
     """(container, the holder's process-group id as the run's `pid` file has it)."""
     if h.ctid is not None:
         return str(h.ctid), h.ct_pgid
@@ -207,7 +209,7 @@ def query_host(host: Host, targets: list[Target], gpu: GpuSettings, *,
                part_timeout_s: int = PART_TIMEOUT_S) -> HostStatus:
     """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails."""
     from dflash_ops.errors import RemoteFailed
-    from dflash_ops.transport import for_host
+    from dflash_ops.ssh.transport import for_host
 
     t = for_host(host)
     try:

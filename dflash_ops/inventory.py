@@ -91,12 +91,12 @@ def _host(name: str, node: Node) -> Host:
 
 def _jump(f: Fields) -> str | None:
     """`jump:`: one hop or a comma list of hops, each `[user@]host[:port]` or `ssh://[user@]host[:port]`."""
-    from dflash_ops import sshroute
+    from dflash_ops.ssh import routing
 
     jump = f.str("jump")
     if jump is not None:
         try:
-            sshroute.parse_jump(jump, "jump")
+            routing.parse_jump(jump, "jump")
         except UsageError as exc:
             raise f.require("jump").fail(f"{f.what}: {exc.message} (jump is user@host:port, or a comma list of "
                                          f"them, first hop first)") from None
@@ -176,6 +176,6 @@ def _looks_like_address(text: str, host: str) -> bool:
 def _ssh_config_has(alias: str) -> bool:
     """`alias` is named by a non-wildcard `Host` pattern of ~/.ssh/config or a file it includes (`Host *` and
     `!alias` name nothing)."""
-    from dflash_ops import sshconfig
+    from dflash_ops.ssh import config
 
-    return sshconfig.read().has_alias(alias)
+    return config.read().has_alias(alias)

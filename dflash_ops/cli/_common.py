@@ -37,8 +37,9 @@ def _inventory(ctx: typer.Context):
 
 def open_session(ctx: typer.Context, host: str | None, ct: str | None):
     """Resolve --host/--ct through the inventory into a Session (no connection is made yet)."""
-    from dflash_ops import inventory, transport
-    from dflash_ops.ops import Session
+    from dflash_ops import inventory
+    from dflash_ops.runs.lifecycle import Session
+    from dflash_ops.ssh import transport
 
     target = inventory.resolve_target(_inventory(ctx), host, ct)
     return Session(target=target, transport=transport.for_host(target.host))
@@ -52,7 +53,7 @@ def resolve_host(ctx: typer.Context, host: str):
 
 
 def runbooks_dir(ctx: typer.Context) -> Path:
-    from dflash_ops import runbooks
+    from dflash_ops.runs import runbooks
 
     return settings(ctx).runbooks or runbooks.default_dir()
 

@@ -23,8 +23,8 @@ def gpu_reset(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, yes: Y
     """Find GPU holders (compute apps and processes with /dev/nvidia* open, DataLoader workers too) on the host,
     show them, SIGTERM their process groups, SIGKILL after --grace, re-scan, and wait until every GPU in scope
     is free. Exit 1 if one is still held. Never touches our own SSH session, sshd or GPU daemons."""
-    from dflash_ops import gpureset
     from dflash_ops.cli import reset_view
+    from dflash_ops.gpus import reset
 
     with rendered_errors(json_out):
         hg, scope = _resolve(ctx, host, ct, all_containers, yes, json_out)
@@ -33,31 +33,33 @@ def gpu_reset(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, yes: Y
             if before.no_gpu_reason:
                 reset_view.no_gpu(hg.host.name, before.no_gpu_reason, json_out=json_out)
                 return
-            from dflash_ops import gpus
+            from dflash_ops.gpus import facts
 
-            plan = gpus.plan_kill(before, scope)
+            plan = facts.plan_kill(before, scope)
             if not json_out:
                 reset_view.plan(hg.host.name, before, plan, scope)
             if plan.targets and not yes and not typer.confirm(f"Kill {len(plan.targets)} process(es)?"):
                 raise typer.Exit(1)
-            result = gpureset.reset(hg, before, plan, scope, grace_s=grace, wait_s=wait, threshold_mib=threshold_mib)
+            result = reset.reset(hg, before, plan, scope, grace_s=grace, wait_s=wait, threshold_mib=threshold_mib)
             resets = _hard_resets(hg, result, yes) if hard and not result.held else ()
         finally:
             hg.transport.close()
         reset_view.result(hg.host.name, result, resets, json_out=json_out)
         if result.held and json_out:
-            raise typer.Exit(gpureset.GpuStillHeld.exit_code)   # one JSON document: it says ok false, held [...]
+            raise typer.Exit(reset.GpuStillHeld.exit_code)   # one JSON document: it says ok false, held [...]
         if result.held:
-            raise gpureset.GpuStillHeld(
+            raise reset.GpuStillHeld(
                 f"GPU(s) {', '.join(map(str, result.held))} on {hg.host.name} still held after {result.waited_s:.0f} s",
                 hint="see the table above; a holder outside the scope needs --all-containers")
 
 
 def _resolve(ctx: typer.Context, host: str | None, ct: str | None, all_containers: bool, yes: bool, json_out: bool):
-    from dflash_ops import gpureset, gpus, inventory, transport
+    from dflash_ops import inventory
     from dflash_ops.errors import UsageError
+    from dflash_ops.gpus import facts, reset
     from dflash_ops.hoststatus import GpuSettings
     from dflash_ops.spec import PROXMOX
+    from dflash_ops.ssh import transport
 
     if json_out and not yes:
         raise UsageError("--json needs --yes (there is no prompt in machine-readable mode)")
@@ -72,9 +74,9 @@ def _resolve(ctx: typer.Context, host: str | None, ct: str | None, all_container
     target = int(ct) if ct is not None else None
     # every listed container's PID namespace: holders map to containers even where cgroups name none
     known = tuple(sorted({int(c.ctid) for c in h.containers} | ({target} if target else set())))
-    hg = gpureset.HostGpus(host=h, transport=transport.for_host(h), settings=GpuSettings.from_env(),
-                           ctids=known if h.transport == PROXMOX else ())
-    return hg, gpus.Scope(ctid=target, all_containers=all_containers)
+    hg = reset.HostGpus(host=h, transport=transport.for_host(h), settings=GpuSettings.from_env(),
+                        ctids=known if h.transport == PROXMOX else ())
+    return hg, facts.Scope(ctid=target, all_containers=all_containers)
 
 
 def _hard_resets(hg, result, yes: bool) -> tuple[tuple[int, str, bool, str], ...]:

@@ -29,16 +29,17 @@ def launch(
 
     Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set steps=100
     """
-    from dflash_ops import names, ops, runbooks
+    from dflash_ops import names
     from dflash_ops.cli import render
+    from dflash_ops.runs import lifecycle, runbooks
 
     with rendered_errors(json_out):
         extra_env = tuple(names.env_assignment(item) for item in env or ())
         session = open_session(ctx, host, ct)
         book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
-        spec = ops.plan(session, book, name=name, extra_args=tuple(args or ()), extra_env=extra_env)
+        spec = lifecycle.plan(session, book, name=name, extra_args=tuple(args or ()), extra_env=extra_env)
         if dry_run:
-            render.dry_run(spec, ops.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
+            render.dry_run(spec, lifecycle.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
             return
         try:
             launched = _launch(session, spec, force=force, wait_s=wait)
@@ -52,13 +53,13 @@ def launch(
 
 
 def _launch(session, spec, *, force: bool, wait_s: float | None):
-    """ops.launch, saying first what it waits for; Ctrl-C exits 130 and leaves the run alone."""
-    from dflash_ops import ops
+    """lifecycle.launch, saying first what it waits for; Ctrl-C exits 130 and leaves the run alone."""
     from dflash_ops.cli import render
+    from dflash_ops.runs import lifecycle
 
     render.launching(spec, session.target.label, wait_s)
     try:
-        return ops.launch(session, spec, force=force, wait_s=wait_s)
+        return lifecycle.launch(session, spec, force=force, wait_s=wait_s)
     except KeyboardInterrupt:
         render.info(f"interrupted; if {spec.run_id} started it goes on (`dflash-ops runs`, `dflash-ops stop`)")
         raise typer.Exit(130) from None

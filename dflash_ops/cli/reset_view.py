@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from dflash_ops import gpus
 from dflash_ops.cli.status_view import holder_dict
+from dflash_ops.gpus import facts
 
 
 def _console():
@@ -21,16 +21,16 @@ def no_gpu(host: str, reason: str, *, json_out: bool) -> None:
         sys.stdout.write(f"{host}: no GPU ({reason}); nothing to reset\n")
 
 
-def _where(h: gpus.Holder) -> str:
+def _where(h: facts.Holder) -> str:
     if h.ctid is None:
         return "host"
     return f"ct{h.ctid}" + (f" pid {h.ct_pid}" if h.ct_pid is not None else "")
 
 
-def plan(host: str, snap: gpus.GpuSnapshot, p: gpus.KillPlan, scope: gpus.Scope) -> None:
+def plan(host: str, snap: facts.GpuSnapshot, p: facts.KillPlan, scope: facts.Scope) -> None:
     from rich.table import Table
 
-    by_pid = {h.pid: h for h in gpus.find_holders(snap)}
+    by_pid = {h.pid: h for h in facts.find_holders(snap)}
     console = _console()
     if not p.targets:
         console.print(f"{host}: no GPU holder in scope ({scope.describe()})")
@@ -50,7 +50,7 @@ def plan(host: str, snap: gpus.GpuSnapshot, p: gpus.KillPlan, scope: gpus.Scope)
 
 def _result_dict(host: str, r, resets) -> dict:
     def gpu_rows(snap):
-        holders = gpus.find_holders(snap)
+        holders = facts.find_holders(snap)
         return [{"index": g.index, "uuid": g.uuid, "memory_used_mib": g.mem_used_mib,
                  "memory_total_mib": g.mem_total_mib,
                  "holders": [holder_dict(h) for h in holders if g.index in h.gpu_indices]} for g in snap.gpus]
@@ -76,7 +76,7 @@ def result(host: str, r, resets, *, json_out: bool) -> None:
         console.print(f"round {n}: {len(rd.plan.targets)} targeted, {len(rep.died_on_term)} ended on SIGTERM, "
                       f"{len(rep.gone) - len(rep.died_on_term)} needed SIGKILL, {len(rep.alive)} survived"
                       + (f", {len(rep.absent)} already gone" if rep.absent else ""))
-    after_holders = gpus.find_holders(r.after)
+    after_holders = facts.find_holders(r.after)
     before = {g.index: g for g in r.before.gpus}
     table = Table(title=f"GPUs on {host}: before -> after", title_justify="left")
     for col in ("gpu", "uuid", "before", "after", "state"):

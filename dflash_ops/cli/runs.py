@@ -9,12 +9,12 @@ from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, open_session, render
 
 def runs(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, json_out: JsonOpt = False) -> None:
     """List runs: name, run id, state (running, exited N, killed, lost), pid, start, duration."""
-    from dflash_ops import ops
     from dflash_ops.cli import render
+    from dflash_ops.runs import lifecycle
 
     with rendered_errors(json_out):
         session = open_session(ctx, host, ct)
         try:
-            render.runs_table(ops.list_runs(session), target=session.target.label, json_out=json_out)
+            render.runs_table(lifecycle.list_runs(session), target=session.target.label, json_out=json_out)
         finally:
             session.transport.close()

@@ -1,9 +1,9 @@
 """HostStatus values -> JSON-able dicts and Rich renderables (for `status`; `gpu-reset` reuses the GPU table)."""
 from __future__ import annotations
 
-from dflash_ops import gpus
 from dflash_ops.errors import OpsError
 from dflash_ops.fanout import Outcome
+from dflash_ops.gpus import facts
 from dflash_ops.hoststatus import HostStatus, RunRow
 
 
@@ -22,13 +22,13 @@ def _num(value: float | None, fmt: str) -> str:
 
 # --------------------------------------------------------------------------- JSON
 
-def holder_dict(h: gpus.Holder, run_id: str | None = None) -> dict:
+def holder_dict(h: facts.Holder, run_id: str | None = None) -> dict:
     return {"pid": h.pid, "comm": h.comm, "gpus": list(h.gpu_indices), "used_mib": h.used_mib,
             "compute_app": h.is_compute_app, "pgid": h.pgid, "ct": str(h.ctid) if h.ctid is not None else None,
             "ct_pid": h.ct_pid, "run_id": run_id}
 
 
-def gpu_dicts(snap: gpus.GpuSnapshot, holders: tuple[gpus.Holder, ...], runs: dict[int, str]) -> list[dict]:
+def gpu_dicts(snap: facts.GpuSnapshot, holders: tuple[facts.Holder, ...], runs: dict[int, str]) -> list[dict]:
     return [{"index": g.index, "uuid": g.uuid, "memory_used_mib": g.mem_used_mib,
              "memory_total_mib": g.mem_total_mib, "utilization_pct": g.util_pct,
              "holders": [holder_dict(h, runs.get(h.pid)) for h in holders if g.index in h.gpu_indices]}
@@ -66,7 +66,7 @@ def report_dict(outcomes: list[Outcome], elapsed_s: float) -> dict:
 
 # --------------------------------------------------------------------------- Rich
 
-def gpu_table(snap: gpus.GpuSnapshot, holders: tuple[gpus.Holder, ...], runs: dict[int, str], *, title: str):
+def gpu_table(snap: facts.GpuSnapshot, holders: tuple[facts.Holder, ...], runs: dict[int, str], *, title: str):
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
@@ -81,7 +81,7 @@ def gpu_table(snap: gpus.GpuSnapshot, holders: tuple[gpus.Holder, ...], runs: di
     return table
 
 
-def _holder_text(h: gpus.Holder, run_id: str | None) -> str:
+def _holder_text(h: facts.Holder, run_id: str | None) -> str:
     where = f"ct{h.ctid}:{h.ct_pid}" if h.ctid is not None and h.ct_pid is not None else (
         f"ct{h.ctid}" if h.ctid is not None else "host")
     mem = f"{h.used_mib} MiB" if h.is_compute_app else "fd only"

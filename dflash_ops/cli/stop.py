@@ -22,14 +22,14 @@ def stop(
     Only a process group that carries the run's marker (DFLASH_OPS_RUN_ID) is signalled, so a reused pid is never
     hit. Stopping a run that is not running is a no-op (exit 0).
     """
-    from dflash_ops import ops
     from dflash_ops.cli import render
+    from dflash_ops.runs import lifecycle
 
     with rendered_errors(json_out):
         session = open_session(ctx, host, ct)
         try:
-            status = ops.find_run(session, run)
-            result = ops.stop(session, status, grace_s=grace)
+            status = lifecycle.find_run(session, run)
+            result = lifecycle.stop(session, status, grace_s=grace)
             render.stopped(status.run_id, result.how, result.status, json_out=json_out)
         finally:
             session.transport.close()

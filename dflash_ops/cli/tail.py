@@ -23,13 +23,13 @@ def tail(
     Following ends by itself when the run ends (exit 0 if it exited 0, else 4); it survives dropped connections.
     Ctrl-C stops tailing only (exit 130); the run goes on.
     """
-    from dflash_ops import ops
+    from dflash_ops.runs import lifecycle
 
     with rendered_errors():
         session = open_session(ctx, host, ct)
         try:
-            status = ops.find_run(session, run)
-            start = ops.tail_start(session, status, lines, follow=follow)
+            status = lifecycle.find_run(session, run)
+            start = lifecycle.tail_start(session, status, lines, follow=follow)
             follow_run(session, status, start=start, keep_following=follow)
         finally:
             session.transport.close()
@@ -37,8 +37,8 @@ def tail(
 
 def follow_run(session, status, *, start: int, keep_following: bool = True) -> None:
     """Stream the log to stdout; exits the program with the run's verdict when following ends."""
-    from dflash_ops import ops
     from dflash_ops.cli import render
+    from dflash_ops.runs import lifecycle
 
     out = sys.stdout.buffer
 
@@ -47,8 +47,8 @@ def follow_run(session, status, *, start: int, keep_following: bool = True) -> N
         out.flush()
 
     try:
-        final = ops.follow(session, status, start=start, emit=emit, keep_following=keep_following,
-                           notify=render.info)
+        final = lifecycle.follow(session, status, start=start, emit=emit, keep_following=keep_following,
+                                 notify=render.info)
     except KeyboardInterrupt:
         render.info(f"stopped tailing; run {status.run_id} goes on")
         raise typer.Exit(130) from None

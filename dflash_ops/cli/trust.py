@@ -19,9 +19,9 @@ def trust_host(
     Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first.
     A host with jump hosts is reached through them (their keys must already be trusted), a ProxyCommand through it.
     """
-    from dflash_ops import transport
     from dflash_ops.cli import render
     from dflash_ops.errors import AuthFailed, UsageError
+    from dflash_ops.ssh import transport
 
     with rendered_errors():
         found = resolve_host(ctx, host)

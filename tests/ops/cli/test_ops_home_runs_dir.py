@@ -8,8 +8,10 @@ import json
 import shlex
 import sys
 
-from dflash_ops import inventory, ops, runbooks, transport
+from dflash_ops import inventory
+from dflash_ops.runs import lifecycle, runbooks
 from dflash_ops.spec import SSH, Host, Target
+from dflash_ops.ssh import transport
 
 
 def _ssh_config(env, text: str) -> None:
@@ -36,24 +38,24 @@ def test_home_runs_dir_is_expanded_by_the_remote_shell_for_every_command(ops_env
     home = ops_env.root / "home"
     target = Target(Host(name="box", transport=SSH, python=sys.executable))
     assert target.runs_dir == "~/dflash-runs"
-    s = ops.Session(target, transport.LocalTransport())
+    s = lifecycle.Session(target, transport.LocalTransport())
     book = runbooks.load_runbook(ops_env.runbooks, "job")
     out = tmp_path / "out.json"
-    spec = ops.plan(s, book, name="homejob", extra_args=("--out", str(out), "--lines", "3", "--every", "0.01"))
+    spec = lifecycle.plan(s, book, name="homejob", extra_args=("--out", str(out), "--lines", "3", "--every", "0.01"))
     assert spec.run_dir.startswith("~/dflash-runs/homejob-")
-    launched = ops.launch(s, spec)
+    launched = lifecycle.launch(s, spec)
     real = home / "dflash-runs" / spec.run_id
     assert (real / "run.json").is_file() and (real / "pid").is_file()
     # the job got the absolute run dir (docs/contracts.md: `{run_dir}` is absolute) and runs in it
     got = json.loads(out.read_text())
     assert got["argv"][:2] == ["--run-dir", str(real)] and got["cwd"] == str(real)
     chunks: list[bytes] = []
-    final = ops.follow(s, launched.status, start=0, emit=chunks.append, poll_s=0.02)
+    final = lifecycle.follow(s, launched.status, start=0, emit=chunks.append, poll_s=0.02)
     assert final.state == "exited" and final.exit_code == 0
     assert b"".join(chunks) == (real / "output.log").read_bytes() and (real / "exit_code").read_text() == "0\n"
-    [listed] = ops.list_runs(s)
+    [listed] = lifecycle.list_runs(s)
     assert listed.run_id == spec.run_id and listed.run_dir == spec.run_dir and listed.state == "exited"
-    assert ops.stop(s, listed).how == "not_running"
+    assert lifecycle.stop(s, listed).how == "not_running"
     assert not ops_env.runs_dir.exists()  # nothing landed in the local runs dir
 
 

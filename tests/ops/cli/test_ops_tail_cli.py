@@ -8,8 +8,10 @@ import subprocess
 import sys
 import time
 
-from dflash_ops import inventory, ops, transport
+from dflash_ops import inventory
 from dflash_ops.errors import HostUnreachable
+from dflash_ops.runs import lifecycle
+from dflash_ops.ssh import transport
 
 
 def _launch(env, *job_args: str) -> dict:
@@ -67,10 +69,11 @@ def test_follow_resumes_at_the_byte_offset_across_drops(ops_env):
     run = _launch(ops_env, "--lines", "60", "--every", "0.02")
     target = inventory.resolve_target(inventory.Inventory(), None, None)
     flaky = FlakyTransport()
-    s = ops.Session(target=target, transport=flaky)
-    status = next(r for r in ops.list_runs(ops.Session(target, transport.LocalTransport())) if r.run_id == run["run_id"])
+    s = lifecycle.Session(target=target, transport=flaky)
+    status = next(r for r in lifecycle.list_runs(lifecycle.Session(target, transport.LocalTransport()))
+                  if r.run_id == run["run_id"])
     got: list[bytes] = []
-    final = ops.follow(s, status, start=0, emit=got.append, poll_s=0.01, sleep=lambda s: time.sleep(min(s, 0.01)))
+    final = lifecycle.follow(s, status, start=0, emit=got.append, poll_s=0.01, sleep=lambda s: time.sleep(min(s, 0.01)))
     log = (ops_env.run_dirs()[-1] / "output.log").read_bytes()
     assert b"".join(got) == log and len(got) == 61
     assert final.state == "exited" and final.exit_code == 0
@@ -103,12 +106,13 @@ def test_follow_gives_up_after_its_reconnect_budget(ops_env):
 
     run = _launch(ops_env, "--hold")
     target = inventory.resolve_target(inventory.Inventory(), None, None)
-    status = next(r for r in ops.list_runs(ops.Session(target, transport.LocalTransport())) if r.run_id == run["run_id"])
+    status = next(r for r in lifecycle.list_runs(lifecycle.Session(target, transport.LocalTransport()))
+                  if r.run_id == run["run_id"])
     dead = DeadTransport()
     notes: list[str] = []
     with pytest.raises(HostUnreachable):
-        ops.follow(ops.Session(target, dead), status, start=0, emit=lambda line: None, sleep=lambda s: None,
-                   reconnect_budget_s=0.3, notify=notes.append)
+        lifecycle.follow(lifecycle.Session(target, dead), status, start=0, emit=lambda line: None,
+                         sleep=lambda s: None, reconnect_budget_s=0.3, notify=notes.append)
     assert dead.reconnects >= 1 and len(notes) == 1 and "resuming at byte 0" in notes[0]
 
 
@@ -137,8 +141,8 @@ def test_tail_is_byte_exact_when_the_log_ends_without_a_newline(ops_env):
 
 def _session_and_status(run_id: str):
     target = inventory.resolve_target(inventory.Inventory(), None, None)
-    s = ops.Session(target, transport.LocalTransport())
-    return s, next(r for r in ops.list_runs(s) if r.run_id == run_id)
+    s = lifecycle.Session(target, transport.LocalTransport())
+    return s, next(r for r in lifecycle.list_runs(s) if r.run_id == run_id)
 
 
 def test_tail_n0_of_a_running_run_does_not_cut_the_line_being_written(ops_env, tmp_path):
@@ -151,10 +155,10 @@ def test_tail_n0_of_a_running_run_does_not_cut_the_line_being_written(ops_env, t
         assert time.monotonic() < deadline, log_path.read_bytes()
         time.sleep(0.02)
     s, status = _session_and_status(run["run_id"])
-    start = ops.tail_start(s, status, 0)
+    start = lifecycle.tail_start(s, status, 0)
     assert ops_env.sub("tail", run["run_id"], "-n", "0", "--no-follow").stdout == ""
     gate.write_text("go")
     got: list[bytes] = []
-    final = ops.follow(s, status, start=start, emit=got.append, poll_s=0.02)
+    final = lifecycle.follow(s, status, start=start, emit=got.append, poll_s=0.02)
     assert got == [b"half and done\n", b"last\n"]
     assert final.state == "exited" and final.exit_code == 0

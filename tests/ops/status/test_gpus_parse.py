@@ -1,5 +1,5 @@
 """Pure parsers and the kill plan, on text shaped like real nvidia-smi and /proc output."""
-from dflash_ops import gpus, gpuscripts
+from dflash_ops.gpus import facts, scripts
 
 PROBE = """@@SELF 900 899 1
 @@SELFPG 900 899 1
@@ -25,31 +25,31 @@ L\t777\tNSpid: 777
 
 
 def test_parse_query_gpu_handles_not_available_cells():
-    rows = gpus.parse_query_gpu("0, GPU-a, 12, 143771, 5\n1, GPU-b, 0, 143771, [N/A]\n")
-    assert rows[1] == gpus.GpuInfo(index=1, uuid="GPU-b", mem_used_mib=0, mem_total_mib=143771, util_pct=None)
+    rows = facts.parse_query_gpu("0, GPU-a, 12, 143771, 5\n1, GPU-b, 0, 143771, [N/A]\n")
+    assert rows[1] == facts.GpuInfo(index=1, uuid="GPU-b", mem_used_mib=0, mem_total_mib=143771, util_pct=None)
 
 
 def test_parse_compute_apps_keeps_commas_in_process_names():
-    (app,) = gpus.parse_compute_apps("42, python3 -c a,b, 1024, GPU-x\n")
+    (app,) = facts.parse_compute_apps("42, python3 -c a,b, 1024, GPU-x\n")
     assert (app.pid, app.process_name, app.used_mib, app.gpu_uuid) == (42, "python3 -c a,b", 1024, "GPU-x")
 
 
 def test_ctid_from_cgroup_pve_and_plain_lxc_and_host():
-    assert gpus.ctid_from_cgroup("0::/lxc/200/ns/init.scope") == 200
-    assert gpus.ctid_from_cgroup("12:pids:/lxc.payload.101/x|0::/") == 101
-    assert gpus.ctid_from_cgroup("0::/system.slice/sshd.service") is None
-    assert gpus.ctid_from_cgroup("0::/user.slice/lxc-monitor") is None
+    assert facts.ctid_from_cgroup("0::/lxc/200/ns/init.scope") == 200
+    assert facts.ctid_from_cgroup("12:pids:/lxc.payload.101/x|0::/") == 101
+    assert facts.ctid_from_cgroup("0::/system.slice/sshd.service") is None
+    assert facts.ctid_from_cgroup("0::/user.slice/lxc-monitor") is None
 
 
 def test_parse_stat_with_spaces_and_parens_in_comm():
-    comm, state, ppid, pgid, start = gpus.parse_stat(
+    comm, state, ppid, pgid, start = facts.parse_stat(
         "1601 (pt_data (worker)) S 1585 1500 1500 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 424250 1 1")
     assert (comm, state, ppid, pgid, start) == ("pt_data (worker)", "S", 1585, 1500, 424250)
 
 
 def test_find_holders_maps_host_pids_to_container_and_run():
-    snap = gpus.parse_probe(PROBE)
-    by_pid = {h.pid: h for h in gpus.find_holders(snap)}
+    snap = facts.parse_probe(PROBE)
+    by_pid = {h.pid: h for h in facts.find_holders(snap)}
     trainer, worker = by_pid[1585], by_pid[1601]
     assert (trainer.ctid, trainer.ct_pid, trainer.ct_pgid, trainer.used_mib) == (200, 12, 7, 2566)
     assert trainer.gpu_indices == (0,) and trainer.is_compute_app
@@ -58,35 +58,35 @@ def test_find_holders_maps_host_pids_to_container_and_run():
 
 
 def test_plan_kills_groups_in_scope_and_spares_daemons_and_other_containers():
-    snap = gpus.parse_probe(PROBE)
-    plan = gpus.plan_kill(snap, gpus.Scope(ctid=200))
+    snap = facts.parse_probe(PROBE)
+    plan = facts.plan_kill(snap, facts.Scope(ctid=200))
     assert [(t.pid, t.pgid) for t in plan.targets] == [(1585, 1500), (1601, 1500)]
     assert [(h.pid, why) for h, why in plan.spared] == [(777, "system process (nvidia-persistenced)")]
-    other = gpus.plan_kill(snap, gpus.Scope(ctid=201))
+    other = facts.plan_kill(snap, facts.Scope(ctid=201))
     why = dict((h.pid, why) for h, why in other.spared)
     assert other.targets == () and why[1585] == "belongs to container 200, not container 201 (use --all-containers)"
-    assert len(gpus.plan_kill(snap, gpus.Scope(ctid=201, all_containers=True)).targets) == 2
+    assert len(facts.plan_kill(snap, facts.Scope(ctid=201, all_containers=True)).targets) == 2
 
 
 def test_plan_signals_pid_alone_when_its_group_holds_our_session():
     probe = PROBE.replace("@@SELFPG 900 899 1", "@@SELFPG 1500 1")
-    plan = gpus.plan_kill(gpus.parse_probe(probe), gpus.Scope())
+    plan = facts.plan_kill(facts.parse_probe(probe), facts.Scope())
     assert {(t.pid, t.pgid) for t in plan.targets} == {(1585, None), (1601, None)}
-    assert gpus.parse_probe(probe).self_pgids == (1500, 1)
+    assert facts.parse_probe(probe).self_pgids == (1500, 1)
 
 
 def test_pid_namespace_maps_holders_when_the_cgroup_names_no_container():
     probe = PROBE.replace("0::/lxc/200/ns", "0::/user.slice").replace("@@FDS", "@@CTNS\n200 pid:[4026532001]\n@@FDS")
-    by_pid = {h.pid: h for h in gpus.find_holders(gpus.parse_probe(probe))}
+    by_pid = {h.pid: h for h in facts.find_holders(facts.parse_probe(probe))}
     assert (by_pid[1585].ctid, by_pid[1585].ct_pid, by_pid[777].ctid) == (200, 12, None)
 
 
 def test_no_gpu_and_truncated_output():
-    snap = gpus.parse_probe("@@SELF 5\n@@NOGPU nvidia-smi not found (nvidia-smi)\n@@FDS\n@@PROCS\n@@END\n")
+    snap = facts.parse_probe("@@SELF 5\n@@NOGPU nvidia-smi not found (nvidia-smi)\n@@FDS\n@@PROCS\n@@END\n")
     assert snap.no_gpu_reason == "nvidia-smi not found (nvidia-smi)" and snap.gpus == ()
-    assert gpus.parse_probe(PROBE).no_gpu_reason is None
+    assert facts.parse_probe(PROBE).no_gpu_reason is None
     try:
-        gpus.parse_probe("@@SELF 5\n@@GPUS\n0, GPU-a, 1")
+        facts.parse_probe("@@SELF 5\n@@GPUS\n0, GPU-a, 1")
     except ValueError as e:
         assert "incomplete" in str(e)
     else:
@@ -94,8 +94,8 @@ def test_no_gpu_and_truncated_output():
 
 
 def test_scripts_quote_every_value():
-    script = gpuscripts.probe_script(nvidia_smi="/opt/x y/nvidia-smi", dev_glob="/tmp/a'b/nvidia*")
+    script = scripts.probe_script(nvidia_smi="/opt/x y/nvidia-smi", dev_glob="/tmp/a'b/nvidia*")
     assert "smi='/opt/x y/nvidia-smi'" in script and """glob='/tmp/a'"'"'b/nvidia*'""" in script
-    assert "glob2='/nvidia*'" in gpuscripts.probe_script()     # a CT's bind-mounted node as the host may read it
-    kill = gpuscripts.kill_script((gpus.KillTarget(pid=10, starttime=99, pgid=None),), grace_s=1.5)
+    assert "glob2='/nvidia*'" in scripts.probe_script()     # a CT's bind-mounted node as the host may read it
+    kill = scripts.kill_script((facts.KillTarget(pid=10, starttime=99, pgid=None),), grace_s=1.5)
     assert "targets=10:99:0" in kill and "grace_us=1500000" in kill

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 tests/ops/status/testbed_bench.py [-n 10]
 
 Starts the test bed (sshd on 127.0.0.1, 8 containers, one fake-trainer run in each, a fake nvidia-smi on the
-host's PATH), then runs `python -m dflash_ops.bench --status-only` twice: on the Proxmox host alone, and on the
+host's PATH), then runs `python -m bench.cli --status-only` twice: on the Proxmox host alone, and on the
 whole inventory with an extra host that accepts TCP but never answers (connect_timeout_s: 1), which must cost one
 connect timeout in total. Needs root (namespaces), openssh-server and util-linux.
 """
@@ -30,7 +30,7 @@ from test_status_cli import SilentServer  # noqa: E402
 
 
 def bench(n: int, inventory: Path, host: str | None, label: str, env: dict) -> None:
-    argv = [sys.executable, "-m", "dflash_ops.bench", "--status-only", "-n", str(n), "--inventory", str(inventory)]
+    argv = [sys.executable, "-m", "bench.cli", "--status-only", "-n", str(n), "--inventory", str(inventory)]
     out = subprocess.run(argv + (["--host", host] if host else []), cwd=REPO, env=env, capture_output=True,
                          text=True, check=True).stdout.strip()
     print(f"{out}  [{label}]")

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import inventory, runbooks
+from dflash_ops import inventory
 from dflash_ops.errors import ConfigError, UsageError
+from dflash_ops.runs import runbooks
 from dflash_ops.spec import Container, Host, Target
 
 REPO = Path(__file__).resolve().parents[3]

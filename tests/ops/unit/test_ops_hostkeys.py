@@ -7,8 +7,8 @@ import subprocess
 import paramiko
 import pytest
 
-from dflash_ops import transport
 from dflash_ops.spec import Host
+from dflash_ops.ssh import transport
 
 
 def _key(tmp_path, name: str) -> paramiko.PKey:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dflash_ops import parse
+from dflash_ops.runs import parse
 
 
 def test_state_line_and_states():

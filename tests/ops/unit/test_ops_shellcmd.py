@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from dflash_ops import shellcmd
+from dflash_ops.runs import shellcmd
 from dflash_ops.spec import Container, Host, Liveness, RunSpec, Target
 
 HOSTILE = ("it's \"q\"", "$(id)", "`id`", "a; b && c | d", "new\nline", "back\\slash", " ", "", "\u4e2d\U0001f600",

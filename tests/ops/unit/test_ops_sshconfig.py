@@ -1,4 +1,4 @@
-"""~/.ssh/config with `Include`, read by dflash_ops.sshconfig: real files in a temporary HOME, and OpenSSH's own
+"""~/.ssh/config with `Include`, read by dflash_ops.ssh.config: real files in a temporary HOME, and OpenSSH's own
 `ssh -G -F FILE ALIAS` (prints the settings ssh would use, connects nowhere) as the judge of what the files mean.
 
 `ssh -G` resolves `~` and relative Include paths against the passwd home, not $HOME, so the cases it judges use
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import inventory, sshconfig, transport
+from dflash_ops import inventory
 from dflash_ops.errors import ConfigError, UsageError
 from dflash_ops.spec import Host
+from dflash_ops.ssh import config, transport
 
 LOGIN = pwd.getpwuid(os.getuid()).pw_name
 
@@ -29,7 +30,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def _ours(cfg: Path, alias: str, home: Path | None = None) -> tuple[str, str, str]:
-    got = sshconfig.read(cfg, home=home or cfg.parent).lookup(alias)
+    got = config.read(cfg, home=home or cfg.parent).lookup(alias)
     return got.get("hostname", alias), got.get("user", LOGIN), got.get("port", "22")
 
 
@@ -59,7 +60,7 @@ def test_include_glob_relative_and_tilde_paths_in_sorted_order(home):
     _write(ssh / "config.d" / ".hidden", "Host hidden\n  HostName 9.9.9.9\n")  # a glob skips dotfiles, as ssh's
     _write(home / "more" / "extra.conf", "Host tilde\n  HostName 10.0.0.30\n")
     _write(home / "abs.conf", "Host absolute\n  HostName 10.0.0.40\n  User abs\n")
-    cfg = sshconfig.read()
+    cfg = config.read()
     assert cfg.lookup("pve")["hostname"] == "10.0.0.10" and cfg.lookup("pve")["port"] == "2220"
     assert cfg.lookup("pve")["user"] == "fallback"
     assert cfg.lookup("tilde")["hostname"] == "10.0.0.30"
@@ -72,13 +73,13 @@ def test_nested_includes_and_missing_files_are_skipped(home):
     _write(ssh / "config", "Include nothere.conf none.d/*.conf level1.conf\n")
     _write(ssh / "level1.conf", "Include sub/level2.conf\nHost one\n  HostName 10.1.0.1\n")
     _write(ssh / "sub" / "level2.conf", "Include ~/.ssh/also-missing\nHost two\n  HostName 10.1.0.2\n  Port 2202\n")
-    cfg = sshconfig.read()
+    cfg = config.read()
     assert cfg.lookup("one")["hostname"] == "10.1.0.1"
     assert (cfg.lookup("two")["hostname"], cfg.lookup("two")["port"]) == ("10.1.0.2", "2202")
 
 
 def test_no_config_at_all_is_empty(home):
-    assert sshconfig.read().lookup("pve") == {} and not sshconfig.read().has_alias("pve")
+    assert config.read().lookup("pve") == {} and not config.read().has_alias("pve")
     assert transport.resolve_endpoint(Host(name="pve", transport="ssh", address="pve")) == ("pve", 22, "root", None)
 
 
@@ -101,7 +102,7 @@ def test_include_inside_a_host_block_applies_only_to_that_block_as_ssh_does(tmp_
     for alias, expected in want.items():
         assert _ours(cfg, alias) == expected, alias
         assert _ssh_says(cfg, alias) == expected, alias
-    parsed = sshconfig.read(cfg, home=d)
+    parsed = config.read(cfg, home=d)
     assert parsed.has_alias("pve") and not parsed.has_alias("stray") and not parsed.has_alias("mbox")
 
 
@@ -126,7 +127,7 @@ def test_identity_files_accumulate_across_files_in_order(home):
     ssh = home / ".ssh"
     _write(ssh / "config", "Host pve\n  IdentityFile ~/.ssh/first\nInclude keys.conf\n")
     _write(ssh / "keys.conf", "Host pve\n  IdentityFile ~/.ssh/second\n  User ops\n")
-    assert sshconfig.read().lookup("pve")["identityfile"] == [f"{home}/.ssh/first", f"{home}/.ssh/second"]
+    assert config.read().lookup("pve")["identityfile"] == [f"{home}/.ssh/first", f"{home}/.ssh/second"]
     assert transport.resolve_endpoint(Host(name="pve", transport="proxmox", address="pve")) == \
         ("pve", 22, "ops", f"{home}/.ssh/first")
 
@@ -136,7 +137,7 @@ def test_include_cycle_is_one_clear_config_error(tmp_path):
     _write(tmp_path / "b.conf", f"Include {tmp_path}/a.conf\n")
     cfg = _write(tmp_path / "config", f"Include {tmp_path}/a.conf\n")
     with pytest.raises(ConfigError) as info:
-        sshconfig.read(cfg, home=tmp_path)
+        config.read(cfg, home=tmp_path)
     assert info.value.exit_code == 78
     assert info.value.message == (f"{tmp_path}/b.conf:1: ssh config Include cycle: {tmp_path}/a.conf -> "
                                   f"{tmp_path}/b.conf -> {tmp_path}/a.conf")
@@ -148,7 +149,7 @@ def test_include_cycle_is_one_clear_config_error(tmp_path):
 def test_self_include_is_a_cycle(home):
     _write(home / ".ssh" / "config", "Include config\n")
     with pytest.raises(ConfigError, match="Include cycle"):
-        sshconfig.read()
+        config.read()
 
 
 def test_include_depth_limit_is_sshs(tmp_path):
@@ -159,11 +160,11 @@ def test_include_depth_limit_is_sshs(tmp_path):
         _write(d / f"f{n_includes}", "Host deep\n  HostName 10.5.0.1\n")
         return d / "f0"
 
-    ok = chain(sshconfig.MAX_INCLUDE_DEPTH)
+    ok = chain(config.MAX_INCLUDE_DEPTH)
     assert _ours(ok, "deep")[0] == "10.5.0.1" == _ssh_says(ok, "deep")[0]
-    too_deep = chain(sshconfig.MAX_INCLUDE_DEPTH + 1)
+    too_deep = chain(config.MAX_INCLUDE_DEPTH + 1)
     with pytest.raises(ConfigError, match="nested more than 16 deep"):
-        sshconfig.read(too_deep, home=tmp_path)
+        config.read(too_deep, home=tmp_path)
     refused = subprocess.run(["ssh", "-G", "-F", str(too_deep), "deep"], capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0
 
@@ -172,7 +173,7 @@ def test_unparsable_line_names_file_and_line(home):
     _write(home / ".ssh" / "config", "Include bad.conf\n")
     _write(home / ".ssh" / "bad.conf", "Host x\n  HostName 10.0.0.1\n  Port\n")
     with pytest.raises(ConfigError, match=r"bad\.conf:3: unparsable ssh config line 'Port'"):
-        sshconfig.read()
+        config.read()
 
 
 def test_alias_only_in_an_included_file_is_an_address(home):
@@ -219,7 +220,7 @@ def test_system_config_comes_after_the_users_with_includes_under_its_own_dir(hom
     _write(home / ".ssh" / "ssh_config.d" / "lab.conf", "Host syslab\n  HostName 10.6.6.6\n")  # not this one
     _write(home / ".ssh" / "config", "Host syslab\n  User mine\nHost other\n  ProxyCommand none\n")
     monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", str(system))
-    cfg = sshconfig.read()
+    cfg = config.read()
     assert cfg.source == f"{home}/.ssh/config and {system}"
     got = cfg.lookup("syslab")
     # the user's User wins; the rest comes from the system file and the file it includes relative to etc-ssh/
@@ -227,11 +228,11 @@ def test_system_config_comes_after_the_users_with_includes_under_its_own_dir(hom
     assert "proxyjump" not in cfg.lookup("other")  # the user's `ProxyCommand none` came first
     assert cfg.has_alias("syslab") and not cfg.has_alias("sysdefault")
     assert inventory.resolve_host(inventory.Inventory(), "syslab", with_ct=False).address == "syslab"
-    only_user = sshconfig.read(home / ".ssh" / "config")  # an explicit file is read alone, as `ssh -F` reads it
+    only_user = config.read(home / ".ssh" / "config")  # an explicit file is read alone, as `ssh -F` reads it
     assert only_user.lookup("syslab")["hostname"] == "syslab"
 
     monkeypatch.delenv("DFLASH_OPS_SSH_SYSTEM_CONFIG")
-    assert sshconfig.system_config() == Path("/etc/ssh/ssh_config")
+    assert config.system_config() == Path("/etc/ssh/ssh_config")
 
 
 def test_a_broken_system_include_names_the_system_file(home, tmp_path, monkeypatch):
@@ -240,4 +241,4 @@ def test_a_broken_system_include_names_the_system_file(home, tmp_path, monkeypat
     _write(etc / "loop.conf", "Include ssh_config\n")
     monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", str(system))
     with pytest.raises(ConfigError, match=f"^{etc}/loop.conf:1: ssh config Include cycle: {system} -> "):
-        sshconfig.read()
+        config.read()

@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ops import names, parse, shellcmd
+from dflash_ops import names
 from dflash_ops.errors import HostUnreachable, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
-from dflash_ops.runbooks import run_spec
+from dflash_ops.runs import parse, shellcmd
+from dflash_ops.runs.runbooks import run_spec
 from dflash_ops.spec import EXITED, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
-from dflash_ops.transport import Transport
+from dflash_ops.ssh.transport import Transport
 
 LAST_LINES = 20
 POLL_S = 0.25

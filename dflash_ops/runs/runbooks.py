@@ -15,7 +15,7 @@ RUNBOOK_KEYS = {"description", "command", "workdir", "env", "pre", "liveness"}
 LIVENESS_KEYS = {"wait_s", "pattern", "timeout_s"}
 PRE_STEPS = ("clear_inductor_cache",)
 PLACEHOLDER_RE = re.compile(r"\{(python|run_dir|run_id|name)\}")
-BUNDLED = Path(__file__).resolve().parent.parent / "runbooks"
+BUNDLED = Path(__file__).resolve().parents[2] / "runbooks"   # the repository's runbooks/, beside dflash_ops/
 
 
 def default_dir() -> Path:

@@ -1,7 +1,7 @@
 """PURE builders of the bash that runs on the GPU-owning machine, and the parser of the kill report.
 
-`probe_script` prints the sections `gpus.parse_probe` reads (see the `gpus` module docstring); `kill_script` runs
-the SIGTERM -> grace -> SIGKILL ladder over a `gpus.KillPlan`'s targets. Every value enters through
+`probe_script` prints the sections `facts.parse_probe` reads (see the `facts` module docstring); `kill_script` runs
+the SIGTERM -> grace -> SIGKILL ladder over a `facts.KillPlan`'s targets. Every value enters through
 `shlex.quote` or as a validated int.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from dflash_ops.gpus import APPS_QUERY, CSV_FORMAT, DEFAULT_DEV_GLOB, GPU_QUERY, KillTarget
+from dflash_ops.gpus.facts import APPS_QUERY, CSV_FORMAT, DEFAULT_DEV_GLOB, GPU_QUERY, KillTarget
 
 _SELF_CHAIN = r"""
 chain=""; chain_pg=""; p=$$

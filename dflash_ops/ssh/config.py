@@ -19,7 +19,7 @@ text whose blocks mean what the split files meant. OpenSSH semantics (readconf.c
 - `ProxyJump` and `ProxyCommand` compete (ssh_config(5): the first found wins; OpenSSH 9.2's `ssh -G` shows the
   detail: a `ProxyJump none` found first still lets a later `ProxyCommand` apply). paramiko must neither expand
   their tokens (unquoted) nor lose their order, so each goes to paramiko under a private key as `<line index>:
-  <raw value, hex>`; `lookup` decides from the first of each and returns at most one of them, raw (sshroute.py
+  <raw value, hex>`; `lookup` decides from the first of each and returns at most one of them, raw (routing.py
   expands ProxyCommand tokens, quoting each value).
 
 Not done: ssh's refusal of group/world-writable config files.

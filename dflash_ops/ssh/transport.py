@@ -3,7 +3,7 @@
 `LocalTransport` runs the argv with subprocess (no shell). `SshTransport` sends `shlex.join(argv)` over one
 paramiko connection: host keys checked against known_hosts with RejectPolicy (unknown and changed keys refused),
 keepalive, connect timeout, no agent forwarding; reached directly, through a chain of jump hosts (each a
-`direct-tcpip` channel of the one before, each host key checked), or through a ProxyCommand (sshroute.py).
+`direct-tcpip` channel of the one before, each host key checked), or through a ProxyCommand (routing.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from dflash_ops import sshroute
 from dflash_ops.errors import AuthFailed, HostUnreachable, UsageError
-from dflash_ops.shellcmd import command_string
+from dflash_ops.runs.shellcmd import command_string
 from dflash_ops.spec import LOCAL, Completed, Host
-from dflash_ops.sshroute import Endpoint, Route
+from dflash_ops.ssh import routing
+from dflash_ops.ssh.routing import Endpoint, Route
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -78,7 +78,7 @@ def host_key_entry(address: str, port: int) -> str:
 
 class SshTransport:
     """One lazily opened paramiko connection to `host`; `run` opens one exec channel per call. The route (jump
-    hosts, proxy command: sshroute.py) is resolved at construction, so bad settings fail before anything runs."""
+    hosts, proxy command: routing.py) is resolved at construction, so bad settings fail before anything runs."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -128,7 +128,7 @@ class SshTransport:
 
     def _start_proxy(self):
         # The command string is the user's own ssh config line (they could run anything as themselves anyway,
-        # as ssh would): only the %-token values are ours to quote, and sshroute.expand_proxy_command did.
+        # as ssh would): only the %-token values are ours to quote, and routing.expand_proxy_command did.
         # ssh runs it as `$SHELL -c "exec CMD"`; paramiko.ProxyCommand shlex-splits its argument back to that argv.
         shell = os.environ.get("SHELL") or "/bin/sh"
         try:
@@ -250,19 +250,19 @@ def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
 
 
 def resolve_route(host: Host, target: tuple[str, int, str, str | None] | None = None) -> Route:
-    """How `host` is reached (sshroute.resolve): its inventory `jump:`, else ssh config's ProxyJump or
+    """How `host` is reached (routing.resolve): its inventory `jump:`, else ssh config's ProxyJump or
     ProxyCommand (first found wins). A local host has no route."""
     if host.transport == LOCAL:
         return Route()
     endpoint = Endpoint(*(target or resolve_endpoint(host)), host.name)
-    return sshroute.resolve(host.address or host.name, endpoint, host.jump, _ssh_config)
+    return routing.resolve(host.address or host.name, endpoint, host.jump, _ssh_config)
 
 
 def _ssh_config(alias: str) -> dict:
-    """ssh config's settings for `alias`, `Include`s followed (sshconfig.py); {} without a config."""
-    from dflash_ops import sshconfig
+    """ssh config's settings for `alias`, `Include`s followed (config.py); {} without a config."""
+    from dflash_ops.ssh import config
 
-    return sshconfig.read().lookup(alias)
+    return config.read().lookup(alias)
 
 
 def _client(paramiko, host: Host):

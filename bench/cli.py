@@ -1,4 +1,4 @@
-"""`python -m dflash_ops.bench`: print the CLI's performance figures (not a test).
+"""`python -m bench.cli`: print the CLI's performance figures (not a test).
 
   help_cold_start_s     median wall time of N fresh `python -m dflash_ops --help` processes
   launch_overhead_s     launch-to-verified minus the liveness wait (median of K launches)
@@ -37,8 +37,9 @@ def help_cold_start(n: int) -> list[float]:
 
 
 def _session(args):
-    from dflash_ops import inventory, transport
-    from dflash_ops.ops import Session
+    from dflash_ops import inventory
+    from dflash_ops.runs.lifecycle import Session
+    from dflash_ops.ssh import transport
 
     inv = inventory.load_inventory(Path(args.inventory) if args.inventory else None)
     target = inventory.resolve_target(inv, args.host, args.ct)
@@ -53,29 +54,29 @@ def _book(seconds: float, wait_s: float):
 
 
 def launch_overheads(s, k: int, wait_s: float) -> list[float]:
-    from dflash_ops import ops
+    from dflash_ops.runs import lifecycle
 
     out = []
     for i in range(k):
-        spec = ops.plan(s, _book(30, wait_s), name=f"bench-launch-{i}")
-        launched = ops.launch(s, spec)
+        spec = lifecycle.plan(s, _book(30, wait_s), name=f"bench-launch-{i}")
+        launched = lifecycle.launch(s, spec)
         out.append(launched.verified_after_s - wait_s)
-        ops.stop(s, launched.status, grace_s=2)
+        lifecycle.stop(s, launched.status, grace_s=2)
     return out
 
 
 def tail_latencies(s, seconds: float) -> list[float]:
-    from dflash_ops import ops
+    from dflash_ops.runs import lifecycle
 
-    spec = ops.plan(s, _book(seconds, 0.2), name="bench-tail")
-    launched = ops.launch(s, spec)
+    spec = lifecycle.plan(s, _book(seconds, 0.2), name="bench-tail")
+    launched = lifecycle.launch(s, spec)
     lat: list[float] = []
 
     def emit(line: bytes) -> None:
         if line.startswith(b"t="):
             lat.append(time.time() - float(line[2:]))
 
-    ops.follow(s, launched.status, start=0, emit=emit)
+    lifecycle.follow(s, launched.status, start=0, emit=emit)
     return lat
 
 

@@ -1,6 +1,6 @@
 """How a host is reached: the jump hosts in connection order and the proxy command that carries the first
 connection, resolved the way `ssh` resolves them (ssh_config(5), ssh.c). Pure: ssh config is read only through
-the `lookup` function passed in (alias -> paramiko-style dict, see sshconfig.SshConfig.lookup).
+the `lookup` function passed in (alias -> paramiko-style dict, see config.SshConfig.lookup).
 
 - The route comes from the inventory's `jump:` when it has one, else from the target's ssh config, where
   `ProxyJump` and `ProxyCommand` compete: the first one found wins, and `none` (either) means direct.

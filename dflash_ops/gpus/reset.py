@@ -1,7 +1,8 @@
 """`gpu-reset` use case: find GPU holders on the GPU-owning machine, kill them by process group, re-scan, verify.
 
 Effects go through one Transport to the host (never into a container: a container may not see the PIDs that hold
-its GPUs). Decisions are pure and live in `gpus` (plan_kill, kill_script); this module sequences them:
+its GPUs). Decisions are pure and live in `facts` (plan_kill) and `scripts` (kill_script); this module sequences
+them:
 
     probe -> plan -> [caller confirms] -> kill ladder -> re-scan (new holders in scope: kill them too, at most
     MAX_ROUNDS) -> poll until nothing in scope holds a GPU and its memory is back to ~0 (bounded) -> result.
@@ -12,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ops import gpus, gpuscripts
 from dflash_ops.errors import OpsError, RemoteFailed
+from dflash_ops.gpus import facts, scripts
 from dflash_ops.hoststatus import GpuSettings
 from dflash_ops.spec import Host
 
@@ -29,14 +30,14 @@ class GpuStillHeld(OpsError):
 
 @dataclass(frozen=True)
 class Round:
-    plan: gpus.KillPlan
-    report: gpuscripts.KillReport
+    plan: facts.KillPlan
+    report: scripts.KillReport
 
 
 @dataclass(frozen=True)
 class ResetResult:
-    before: gpus.GpuSnapshot
-    after: gpus.GpuSnapshot
+    before: facts.GpuSnapshot
+    after: facts.GpuSnapshot
     rounds: tuple[Round, ...]
     held: tuple[int, ...]                # GPU indices still held in scope at the end (empty: success)
     watched: tuple[int, ...]             # GPU indices whose release was verified
@@ -52,14 +53,14 @@ class HostGpus:
     settings: GpuSettings
     ctids: tuple[int, ...] = ()
 
-    def probe(self) -> gpus.GpuSnapshot:
-        script = gpuscripts.probe_script(nvidia_smi=self.settings.nvidia_smi, dev_glob=self.settings.dev_glob,
-                                   pct=self.host.pct, ctids=self.ctids)
-        return gpus.parse_probe(self._run(script, "GPU probe", 60).out)
+    def probe(self) -> facts.GpuSnapshot:
+        script = scripts.probe_script(nvidia_smi=self.settings.nvidia_smi, dev_glob=self.settings.dev_glob,
+                                      pct=self.host.pct, ctids=self.ctids)
+        return facts.parse_probe(self._run(script, "GPU probe", 60).out)
 
-    def kill(self, targets: tuple[gpus.KillTarget, ...], grace_s: float) -> gpuscripts.KillReport:
-        return gpuscripts.parse_kill_report(self._run(gpuscripts.kill_script(targets, grace_s=grace_s), "kill ladder",
-                                                grace_s + 30).out)
+    def kill(self, targets: tuple[facts.KillTarget, ...], grace_s: float) -> scripts.KillReport:
+        return scripts.parse_kill_report(self._run(scripts.kill_script(targets, grace_s=grace_s), "kill ladder",
+                                                   grace_s + 30).out)
 
     def reset(self, uuid: str) -> tuple[bool, str]:
         """`nvidia-smi -r -i UUID` on the host; (ok, its message)."""
@@ -75,13 +76,13 @@ class HostGpus:
         return done
 
 
-def held_in_scope(snap: gpus.GpuSnapshot, scope: gpus.Scope, watched: tuple[int, ...],
+def held_in_scope(snap: facts.GpuSnapshot, scope: facts.Scope, watched: tuple[int, ...],
                   threshold_mib: int) -> tuple[int, ...]:
     """GPUs still held: any that a holder in scope still holds (a killable one, or a compute app we may not kill),
     plus watched GPUs whose memory is above the threshold although no other container's compute app accounts
     for it. Holders outside the scope (other containers) are not ours to report."""
-    plan = gpus.plan_kill(snap, scope)
-    by_pid = {h.pid: h for h in gpus.find_holders(snap)}
+    plan = facts.plan_kill(snap, scope)
+    by_pid = {h.pid: h for h in facts.find_holders(snap)}
     ours = {i for t in plan.targets for i in by_pid[t.pid].gpu_indices}
     ours |= {i for h, _ in plan.spared if scope.covers(h) and h.is_compute_app for i in h.gpu_indices}
     others = {i for h, _ in plan.spared if not scope.covers(h) and h.is_compute_app for i in h.gpu_indices}
@@ -90,15 +91,15 @@ def held_in_scope(snap: gpus.GpuSnapshot, scope: gpus.Scope, watched: tuple[int,
     return tuple(sorted(ours | leaked))
 
 
-def watched_gpus(snap: gpus.GpuSnapshot, plan: gpus.KillPlan, scope: gpus.Scope) -> tuple[int, ...]:
+def watched_gpus(snap: facts.GpuSnapshot, plan: facts.KillPlan, scope: facts.Scope) -> tuple[int, ...]:
     """The GPUs whose release we verify: those the targets held; every GPU when the scope is the whole host."""
     if scope.ctid is None or scope.all_containers:
         return tuple(g.index for g in snap.gpus)
     targeted = {t.pid for t in plan.targets}
-    return tuple(sorted({i for h in gpus.find_holders(snap) if h.pid in targeted for i in h.gpu_indices}))
+    return tuple(sorted({i for h in facts.find_holders(snap) if h.pid in targeted for i in h.gpu_indices}))
 
 
-def reset(hg: HostGpus, before: gpus.GpuSnapshot, plan: gpus.KillPlan, scope: gpus.Scope, *, grace_s: float,
+def reset(hg: HostGpus, before: facts.GpuSnapshot, plan: facts.KillPlan, scope: facts.Scope, *, grace_s: float,
           wait_s: float, threshold_mib: int = 0, sleep: Callable[[float], None] = time.sleep) -> ResetResult:
     """Kill `plan` (already shown and confirmed), re-scan for new holders in scope, then wait for release."""
     rounds: list[Round] = []
@@ -108,8 +109,8 @@ def reset(hg: HostGpus, before: gpus.GpuSnapshot, plan: gpus.KillPlan, scope: gp
         rounds.append(Round(plan=plan, report=hg.kill(plan.targets, grace_s)))
         killed |= {t.pid for t in plan.targets}
         snap = hg.probe()
-        fresh = gpus.plan_kill(snap, scope)
-        plan = gpus.KillPlan(targets=tuple(t for t in fresh.targets if t.pid not in killed), spared=fresh.spared)
+        fresh = facts.plan_kill(snap, scope)
+        plan = facts.KillPlan(targets=tuple(t for t in fresh.targets if t.pid not in killed), spared=fresh.spared)
         watched |= set(watched_gpus(snap, plan, scope))
     t0 = time.monotonic()
     while True:
