@@ -1,7 +1,7 @@
 """GPU facts and GPU holders: pure builders and parsers (no SSH, no subprocess).
 
 One remote bash script (`scripts.probe_script`) runs on the machine that owns the GPUs -- the Proxmox host, never a
-container, because a container may not see host PIDs (research/ops.md section 4). It prints sections:
+container, because a container may not see host PIDs. It prints sections:
 
     @@SELF <pid> <pid> ...          the probe's own shell and its ancestors (never killed)
     @@NOGPU <reason>                 no usable nvidia-smi (this machine, CI)

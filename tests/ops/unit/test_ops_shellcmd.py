@@ -58,7 +58,8 @@ def test_the_plain_host_argv_is_bash_c():
 
 
 def test_trap_ordering_nohup_line_is_alone():
-    """The `&` must background only the nohup command: never `a && nohup ... &` (research/ops.md 1.5)."""
+    """The `&` must background only the nohup command: never `a && nohup ... &`
+    (`&` would then background the whole and-list, and `$!` would be a subshell's PID, not the job's)."""
     script = shellcmd.launch_script(spec())
     command = _launch_command(script)
     start = script.index(command)
