@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=120)
     p.add_argument("--new-tokens", type=int, default=192)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: also print the GPU ms of each piece of a round and the wall ms of the prefill and "
                         "the drafter's reset (DECODE_PIECES), per static engine")
@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {given} has no config.json (a target HF directory / a drafter export directory)",
                   file=sys.stderr)
             return 2
-    device = torch.device(args.device)
+    from trainer.placement import local_device
+
+    device = local_device(args.device)
     if args.target:
         target, drafter, block = trained_pair(args.target, args.drafter, device, args.dtype)
     else:

@@ -85,14 +85,16 @@ def count(dtype: torch.dtype, device: torch.device, blocks: int) -> dict[str, st
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.invariance", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--blocks", type=int, default=8, help="blocks of 16 tokens (1..20)")
     args = p.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not 1 <= args.blocks <= 20 or any(d not in ("bfloat16", "float32") for d in dtypes) or not dtypes:
         p.error("--blocks must be 1..20 and --dtypes a comma list of bfloat16, float32")
-    device = torch.device(args.device)
+    from trainer.placement import local_device
+
+    device = local_device(args.device)
     with torch.no_grad():
         result = {d: count(getattr(torch, d), device, args.blocks) for d in dtypes}
     print("INVARIANCE " + json.dumps({"device": str(device), "torch": torch.__version__, **result}), flush=True)

@@ -114,7 +114,7 @@ def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
 def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device, grad_sync=None):
     """Main thread. grad_sync: the data-parallel gradient average (None in one process)."""
     check_device_support(cfg, device)
-    if cfg.step.mode == "eager":
+    if cfg.step.eager:
         return EagerRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
     try:
         from trainer.step.graph import make_runner as make_graph_runner  # GPU branch: compile / graph runners

@@ -90,6 +90,11 @@ class StepCfg:
         _check(self.loss_chunk >= 1, "step.loss_chunk must be >= 1")
 
     @property
+    def eager(self) -> bool:
+        """Neither compiled nor captured: the reference step, on any device."""
+        return not (self.compiles or self.captures)
+
+    @property
     def compiles(self) -> bool:
         """torch.compile the step's layers and loss math (Inductor; runs on CPU too)."""
         return self.mode in ("compile", "compile+graph")

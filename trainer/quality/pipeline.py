@@ -39,7 +39,7 @@ def drafter_train_cfg(q, target_dir: Path, regen, device):
     where they cannot run (no CUDA, or a build without trainer.step.graph), with a printed note."""
     d = q.drafter
     step = d.step
-    if step.mode != "eager" and not graph_mode_available(device):
+    if not step.eager and not graph_mode_available(device):
         log(f"drafter: step.mode={step.mode} is not available here ({device}); training eagerly")
         step = dataclasses.replace(step, mode="eager")
     return dataclasses.replace(
@@ -68,7 +68,7 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
     try:
         session = build(cfg, run_dir)
     except ConfigError as e:
-        if cfg.step.mode == "eager":
+        if cfg.step.eager:
             raise
         log(f"drafter: step.mode={cfg.step.mode} refused ({e}); training eagerly")
         cfg = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, mode="eager"))
