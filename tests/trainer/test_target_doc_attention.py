@@ -28,10 +28,12 @@ def packed_doc_ids(lengths_per_row: list[list[int]], seq: int) -> tuple[torch.Te
 ROWS = [[384], [100, 28, 200, 56], [128, 128, 100], [5, 300]]  # one doc; mid-tile cuts; tile-aligned; padding tail
 
 
-def test_tile_tables_never_drop_a_visible_pair_and_skip_only_invisible_tiles():
+@pytest.mark.parametrize("window", [None, 5, 127, 128, 129, 200, 256, 300])
+def test_tile_tables_never_drop_a_visible_pair_and_skip_only_invisible_tiles(window):
+    """Tile edges included: windows just under, at and over one and two tiles."""
     doc, _ = packed_doc_ids(ROWS, 384)
-    partial, full = doc_tile_states(doc, TILE)
-    dense = packed_causal_mask(doc)[:, 0]  # [R, S, S]
+    partial, full = doc_tile_states(doc, TILE, window)
+    dense = packed_causal_mask(doc, window)[:, 0]  # [R, S, S]
     n = 384 // TILE
     tiles = dense.view(len(ROWS), n, TILE, n, TILE)
     for r in range(len(ROWS)):
@@ -45,7 +47,8 @@ def test_tile_tables_never_drop_a_visible_pair_and_skip_only_invisible_tiles():
                     assert t.any(), (r, q, k)
                 else:
                     assert not t.any(), (r, q, k)
-    assert full[0, 0].sum() == 3 and partial[0, 0].sum() == 3  # one document: causal tiles only
+    if window is None:
+        assert full[0, 0].sum() == 3 and partial[0, 0].sum() == 3  # one document: causal tiles only
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +98,20 @@ def test_compiled_target_layers_take_the_block_mask_and_follow_new_layouts(tiny_
         doc, pos = packed_doc_ids(rows, 256)
         ids = torch.randint(0, vocab, doc.shape)
         torch.testing.assert_close(fast.features(ids, pos, doc), ref.features(ids, pos, doc), atol=2e-5, rtol=1e-4)
+
+
+def test_sliding_window_flex_features_equal_the_dense_reference(tmp_path):
+    """A sliding-window family (Qwen2, window 4 on its upper layers) through the flex path: the windowed BlockMask
+    gives HF's features."""
+    from tests.trainer.families import build_family_target
+
+    path = build_family_target(tmp_path / "qwen2", "qwen2")
+    ref = load_target(path, num_draft_layers=2, layer_ids=(1, 3), dtype="float32")
+    fast = load_target(path, num_draft_layers=2, layer_ids=(1, 3), dtype="float32", attn="flex")
+    doc, pos = packed_doc_ids([[100, 28, 128], [256]], 256)
+    ids = torch.randint(0, ref.embed_tokens.weight.shape[0], doc.shape, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = fast.features(ids, pos, doc)
+    torch.testing.assert_close(got, ref.features(ids, pos, doc), atol=2e-5, rtol=1e-4)
+    assert {key[3] for key in fast._doc_masks} == {None, 4}  # one static mask per kind of layer

@@ -196,6 +196,21 @@ def test_bad_mask_id_is_a_clear_error(target, which, needle):
         resolve_mask_token_id(tok, vocab, bad)
 
 
+def test_without_a_mask_token_the_first_spare_embedding_row_is_the_mask(capsys):
+    """A tokenizer with no mask token (Qwen3's): the first row past its vocabulary, said in the log; with no spare
+    row, the clear error."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<eos>": 1, "a": 2, "b": 3}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<unk>")),
+                                  eos_token="<eos>", pad_token="<eos>", unk_token="<unk>")
+    assert resolve_mask_token_id(tok, 8, None) == 4
+    assert "mask token: id 4, the first embedding row past the tokenizer's vocabulary" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="no spare row"):
+        resolve_mask_token_id(tok, 4, None)
+
+
 def test_bad_mask_id_stops_loading(tiny_target_dir):
     with pytest.raises(ConfigError, match="not a row"):
         load_target(tiny_target_dir, num_draft_layers=2, mask_token_id=10**6)

@@ -1,7 +1,9 @@
 """Random anchor sampling (pure given a torch.Generator).
 
-An anchor p is a candidate iff token p+1 is supervised (loss_mask) and in the same document as p (so the block has at
-least one label). Per row, N anchors are drawn uniformly without replacement among the candidates; rows with fewer
+An anchor p is a candidate iff tokens p and p+1 are both supervised (loss_mask) and in the same document (the
+reference rule: the block has at least one label, and its anchor is a token the target itself produced -- a block
+anchored on the last prompt token is one inference never runs, since decoding's first anchor is the prefill's
+bonus token). Per row, N anchors are drawn uniformly without replacement among the candidates; rows with fewer
 candidates are padded with valid=False anchors pointing at position 0. Output is sorted: valid anchors first, ascending.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[R, S] bool."""
     cand = torch.zeros_like(loss_mask)
-    cand[:, :-1] = loss_mask[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0)
+    cand[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0)
     return cand
 
 

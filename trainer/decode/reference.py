@@ -68,7 +68,7 @@ def target_forward(target: Target, ids_1L: torch.Tensor, cache, start: int,
     pos = torch.arange(start, start + ids_1L.shape[1], device=ids_1L.device)[None]
     target._taps.clear()  # filled by the layer hooks installed by load_target
     out = target.model(input_ids=ids_1L, position_ids=pos, use_cache=True, **{_cache_kwarg(target.model): cache})
-    feats = torch.cat([target._taps[i] for i in target.layer_ids], dim=-1) if want_features else None
+    feats = target.join_taps(target._taps) if want_features else None
     target._taps.clear()
     return out.logits, feats
 

@@ -149,5 +149,5 @@ class StaticTarget:
         else:
             x_out = x[:, -1:] if last_only else x
         logits = self.target.lm_head(self.final_norm(x_out)).float()
-        feats = torch.cat([taps[i] for i in self.target.layer_ids], dim=-1) if want_features else None
+        feats = self.target.join_taps(taps, self.final_norm) if want_features else None
         return logits, feats

@@ -11,6 +11,9 @@ Assumes what packing guarantees (trainer.data.packing): each document, and the p
 row. Tile rule (k-tile before q-tile, both inside the row): they share a document iff the doc at the k-tile's last
 position equals the doc at the q-tile's first position (a run covering both covers the positions between).
 
+Sliding-window layers add HF's window rule, i - j < window: a k-tile entirely inside the window of every query of
+the q-tile stays full, one entirely outside it is skipped, the tiles the window's edge crosses are partial.
+
 Static buffers, no host sync: `DocCausalMask.update_(doc_ids)` rewrites doc ids and every BlockMask table IN PLACE,
 so a CUDA graph captured over the target forward sees each new batch's documents on replay (same pattern as
 trainer.model.flex.FlexBlockMask). The attention function is registered with HF's AttentionInterface under
@@ -27,7 +30,8 @@ ATTN_NAME = "doc_causal"  # must not contain "flash": HF treats such names as hu
 TILE = 128  # flex's kernel block
 
 
-def doc_tile_states(doc_ids: torch.Tensor, tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+def doc_tile_states(doc_ids: torch.Tensor, tile: int = TILE,
+                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """doc_ids [R, S] (S a multiple of tile) -> (partial, full) bool tile tables [R, 1, S/tile, S/tile].
     Pure, device-side, no sync."""
     r, s = doc_ids.shape
@@ -38,39 +42,51 @@ def doc_tile_states(doc_ids: torch.Tensor, tile: int = TILE) -> tuple[torch.Tens
     qi = torch.arange(n, device=doc_ids.device)
     below = qi[None, :] < qi[:, None]  # [q, k]: k-tile strictly before q-tile
     shared = last[:, None, :] == first[:, :, None]  # [R, q, k]: the run at k's end reaches q's start
-    full = below & shared & uniform[:, None, :] & uniform[:, :, None]
+    gap = qi[:, None] - qi[None, :]  # [q, k] in tiles
+    if window is None:
+        inside, reached = below, below
+    else:
+        inside = below & (gap * tile + tile - 1 < window)  # the farthest pair of the two tiles is in the window
+        reached = below & ((gap - 1) * tile + 1 < window)  # the nearest pair is
+    full = inside & shared & uniform[:, None, :] & uniform[:, :, None]
     diag = torch.eye(n, dtype=torch.bool, device=doc_ids.device).expand(r, n, n)
-    partial = (below & shared & ~full) | diag
+    partial = (reached & shared & ~full) | diag
     return partial.unsqueeze(1), full.unsqueeze(1)
 
 
 class DocCausalMask:
-    """Static doc-id buffer + a BlockMask over it for rows of shape [rows, seq]; `update_` rewrites both in place."""
+    """Static doc-id buffer + a BlockMask over it for rows of shape [rows, seq]; `update_` rewrites both in place.
+    window: HF's sliding window (a query sees the `window` keys ending at itself), None for full attention."""
 
-    def __init__(self, rows: int, seq: int, device: torch.device | str, tile: int = TILE) -> None:
+    def __init__(self, rows: int, seq: int, device: torch.device | str, tile: int = TILE,
+                 window: int | None = None) -> None:
         if seq % tile:
             raise ValueError(f"DocCausalMask needs seq ({seq}) to be a multiple of the tile ({tile})")
-        self.rows, self.seq, self.tile = rows, seq, tile
+        self.rows, self.seq, self.tile, self.window = rows, seq, tile, window
         self.doc_ids = torch.zeros(rows, seq, dtype=torch.int32, device=device)
-        tensors = block_mask_tensors(*doc_tile_states(self.doc_ids, tile))
+        tensors = block_mask_tensors(*doc_tile_states(self.doc_ids, tile, window))
         self.block_mask = BlockMask.from_kv_blocks(
             tensors["kv_num_blocks"], tensors["kv_indices"], tensors["full_kv_num_blocks"],
             tensors["full_kv_indices"], BLOCK_SIZE=tile, mask_mod=self._mask_mod(), seq_lengths=(seq, seq))
 
     def _mask_mod(self):
         doc = self.doc_ids  # the static buffer, read at kernel time
+        window = self.window
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
-        return mask_mod
+        def sliding_mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window) & (doc[b, q_idx] == doc[b, kv_idx])
+
+        return mask_mod if window is None else sliding_mask_mod
 
     def update_(self, doc_ids: torch.Tensor) -> BlockMask:
         """Write this batch's documents and tile tables in place; returns the (same) BlockMask. Capturable."""
         if tuple(doc_ids.shape) != (self.rows, self.seq):
             raise ValueError(f"DocCausalMask.update_: doc_ids {tuple(doc_ids.shape)}, expected {(self.rows, self.seq)}")
         self.doc_ids.copy_(doc_ids)
-        tensors = block_mask_tensors(*doc_tile_states(self.doc_ids, self.tile))
+        tensors = block_mask_tensors(*doc_tile_states(self.doc_ids, self.tile, self.window))
         for name, t in tensors.items():
             getattr(self.block_mask, name).copy_(t)
         return self.block_mask
@@ -80,9 +96,13 @@ def doc_causal_attention(module, query, key, value, attention_mask, scaling=None
     """HF attention-interface function. query [R, H, S, Dh], key/value [R, Hkv, S, Dh] -> ([R, S, H, Dh], None).
 
     A BlockMask -> flex (compiled on CUDA, the process-wide instance; plain flex inside an outer torch.compile and
-    on CPU, where it is the reference math). Anything else -> HF's sdpa, unchanged.
+    on CPU, where it is the reference math), with the layer's score soft cap when it has one. Anything else -> HF's
+    own path for this model (sdpa; eager for soft-capped families), unchanged.
     """
     if not isinstance(attention_mask, BlockMask):
+        if kwargs.get("softcap"):
+            return _eager_of(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                     **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -91,8 +111,31 @@ def doc_causal_attention(module, query, key, value, attention_mask, scaling=None
 
     use_compiled = query.is_cuda and not torch.compiler.is_compiling()
     fn = compiled_flex_attention() if use_compiled else flex_attention
-    out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    softcap = kwargs.get("softcap")
+    out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+             score_mod=_softcapped(softcap) if softcap else None)
     return out.transpose(1, 2).contiguous(), None
+
+
+_SOFTCAPS: dict[float, object] = {}
+
+
+def _softcapped(cap: float):
+    """Gemma 2's attention-score soft cap as a flex score_mod; one function per cap value, so the compiled kernel
+    is not rebuilt per call."""
+    if cap not in _SOFTCAPS:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
+        _SOFTCAPS[cap] = score_mod
+    return _SOFTCAPS[cap]
+
+
+def _eager_of(module):
+    """The eager attention function of the module's own modeling file (soft-capped families define their own)."""
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def use_doc_causal_attention(model) -> None:

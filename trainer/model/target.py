@@ -1,5 +1,13 @@
 """The frozen target: a local HF causal LM, tapped with forward hooks, truncated after the last tap for training.
 
+Families: any decoder whose layers are softmax attention, full or sliding-window (Qwen3, Qwen2/2.5, Llama 3,
+Mistral, Gemma 2/3, ...). A packed row holds several documents, so the target gets its masks from here, per kind
+of layer: causal AND same document, AND inside the window for sliding layers (HF's own window rule: a query sees
+the `sliding_window` keys ending at itself). Linear-attention hybrids are refused before any weight is loaded.
+
+Tap semantics are HF's `hidden_states[i + 1]`, what the serving stacks feed the drafter: the raw output of layer i,
+except the last layer's, which HF reports after the final norm.
+
 Shape legend: R rows, S tokens per packed row, T taps, D hidden.
 """
 from __future__ import annotations
@@ -13,6 +21,48 @@ from torch import nn
 from trainer.errors import ConfigError
 
 MASK_TOKEN = "<|MASK|>"
+FULL, SLIDING = "full_attention", "sliding_attention"
+# Families whose layers include linear attention / state-space mixers: their features come from layers this trainer
+# does not mask per document, so a packed row would leak across documents. (Also caught by `layer_types` values.)
+LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
+                  "granitemoehybrid", "nemotron_h", "lfm2", "minimax", "mamba", "mamba2", "rwkv", "recurrent_gemma")
+
+
+@dataclass(frozen=True)
+class AttentionKinds:
+    """Per decoder layer: full or sliding-window attention, and the window."""
+
+    layer_types: tuple[str, ...]
+    window: int | None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.layer_types)))
+
+
+def attention_kinds(hf_config) -> AttentionKinds:
+    """From the HF config alone (before any weight is loaded): the layers' attention kinds, or one ConfigError that
+    names the family and what to do."""
+    model_type = getattr(hf_config, "model_type", "?")
+    n = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    window = getattr(hf_config, "sliding_window", None)
+    unsupported = sorted(set(types or ()) - {FULL, SLIDING})
+    if model_type in LINEAR_HYBRIDS or unsupported:
+        what = f" (layer types {unsupported})" if unsupported else ""
+        raise ConfigError(f"target family {model_type!r}{what} mixes in linear-attention or state-space layers, "
+                          "which this trainer cannot mask per document: its features would leak across packed "
+                          "documents", hint="use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma)")
+    if types is None:  # Mistral-style configs: one window (or none) for every layer
+        types = [SLIDING if window else FULL] * n
+    types = tuple(types)
+    if len(types) != n:
+        raise ConfigError(f"target config has {len(types)} layer_types for {n} layers",
+                          hint="fix the target's config.json")
+    if SLIDING in types and not (isinstance(window, int) and window > 0):
+        raise ConfigError(f"target config has sliding-window layers but sliding_window={window!r}",
+                          hint="fix the target's config.json")
+    return AttentionKinds(layer_types=types, window=window if SLIDING in types else None)
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -24,8 +74,12 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None) -> int:
-    """The mask id must be a real row of the target embedding and not pad/eos (else tau ~ 1 silently)."""
+def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None, log=None) -> int:
+    """The mask id must be a real row of the target embedding and not pad/eos (else tau ~ 1 silently).
+
+    In order: model.mask_token_id; the tokenizer's mask token; its `<|MASK|>` token; else the first embedding row
+    past the tokenizer's vocabulary, when the embedding has spare rows (Qwen3: 151669, the id the published DFlash
+    drafters use) -- said in the log, since no token names it."""
     if requested is not None:
         mask_id = requested
         source = "model.mask_token_id"
@@ -35,8 +89,14 @@ def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None) -> 
         mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
         source = f"tokenizer token {MASK_TOKEN}"
         if mask_id is None or mask_id == getattr(tokenizer, "unk_token_id", object()):
-            raise ConfigError(f"the target tokenizer has no mask token and no {MASK_TOKEN}",
-                              hint="set model.mask_token_id to a reserved, unused row of the target embedding")
+            spare = len(tokenizer)
+            if spare >= vocab_rows:
+                raise ConfigError(f"the target tokenizer has no mask token and no {MASK_TOKEN}, and the embedding has "
+                                  f"no spare row past its {spare} tokens",
+                                  hint="set model.mask_token_id to a reserved, unused row of the target embedding")
+            mask_id, source = spare, "the first embedding row past the tokenizer's vocabulary"
+            (log or print)(f"mask token: id {mask_id}, {source} (the tokenizer has no mask token; "
+                           f"--set model.mask_token_id=N to choose another)")
     if not 0 <= mask_id < vocab_rows:
         raise ConfigError(f"mask token id {mask_id} ({source}) is not a row of the target embedding (0..{vocab_rows - 1})",
                           hint="set model.mask_token_id to a reserved row inside the embedding")
@@ -48,11 +108,15 @@ def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None) -> 
     return mask_id
 
 
-def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[R, 1, S, S] bool: causal AND same document (block-diagonal causal). Padding (-1) attends causally to padding."""
+def packed_causal_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[R, 1, S, S] bool: causal AND same document (block-diagonal causal), AND i - j < window when given.
+    Padding (-1) attends causally to padding."""
     S = doc_ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()
-    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+    idx = torch.arange(S, device=doc_ids.device)
+    visible = idx[None, :] <= idx[:, None]
+    if window is not None:
+        visible = visible & (idx[:, None] - idx[None, :] < window)
+    return (visible & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
 
 
 @dataclass
@@ -67,7 +131,8 @@ class Target:
     truncated: bool
     _taps: dict  # layer index -> last output (filled by hooks during `features`)
     attn: str = "sdpa"  # "sdpa": dense packed_causal_mask (reference); "flex": doc-causal BlockMask (CUDA fast path)
-    _doc_masks: dict = field(default_factory=dict)  # (rows, seq, device) -> DocCausalMask, static per shape
+    kinds: AttentionKinds | None = None  # None: every layer full attention
+    _doc_masks: dict = field(default_factory=dict)  # (rows, seq, device, window) -> DocCausalMask, static per shape
 
     @property
     def hf_config(self):
@@ -86,17 +151,36 @@ class Target:
         return self.embed_tokens.weight.device
 
     def attention_mask(self, doc_ids: torch.Tensor):
-        """The mask handed to HF for packed rows: the static doc-causal BlockMask, rewritten in place (flex; rows
-        whose length is a multiple of the flex tile), else the dense [R, 1, S, S] reference. No host sync."""
+        """The mask(s) handed to HF for packed rows, per kind of layer: one mask when every layer is of one kind,
+        else {layer type: mask} (the form HF's mixed-layer models take). Each is the static doc-causal BlockMask,
+        rewritten in place (flex; rows whose length is a multiple of the flex tile), or the dense [R, 1, S, S]
+        reference. No host sync."""
+        kinds = self.kinds.kinds if self.kinds is not None else (FULL,)
+        masks = {kind: self._mask(doc_ids, self.kinds.window if kind == SLIDING else None) for kind in kinds}
+        return masks[kinds[0]] if len(masks) == 1 else masks
+
+    def _mask(self, doc_ids: torch.Tensor, window: int | None):
         from trainer.model.doc_attention import TILE, DocCausalMask
 
         rows, seq = doc_ids.shape
         if self.attn != "flex" or seq % TILE:
-            return packed_causal_mask(doc_ids)
-        key = (rows, seq, doc_ids.device)
+            mask = packed_causal_mask(doc_ids, window)
+            if hf_attention(self.model.config) == "eager":  # HF's eager attention adds the mask to the scores
+                dtype = self.embed_tokens.weight.dtype
+                return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                    ~mask, torch.finfo(dtype).min)
+            return mask
+        key = (rows, seq, doc_ids.device, window)
         if key not in self._doc_masks:  # first call per shape: main thread, during warm-up
-            self._doc_masks[key] = DocCausalMask(rows, seq, doc_ids.device)
+            self._doc_masks[key] = DocCausalMask(rows, seq, doc_ids.device, window=window)
         return self._doc_masks[key].update_(doc_ids)
+
+    def join_taps(self, taps: dict, final_norm=None) -> torch.Tensor:
+        """The tapped layers' outputs, concatenated [.., T*D], as HF's hidden_states[i + 1]: the last layer's after
+        the final norm (`final_norm`: a numerically equivalent stand-in, e.g. the static decoder's)."""
+        last = self.num_layers - 1
+        norm = final_norm or self.model.model.norm
+        return torch.cat([norm(taps[i]) if i == last else taps[i] for i in self.layer_ids], dim=-1)
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
@@ -104,7 +188,7 @@ class Target:
         self._taps.clear()
         self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask(doc_ids),
                          use_cache=False)
-        feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        feats = self.join_taps(self._taps)
         self._taps.clear()
         return feats
 
@@ -117,7 +201,7 @@ class Target:
         self._taps.clear()
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask(doc_ids),
                          use_cache=False)
-        feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        feats = self.join_taps(self._taps)
         self._taps.clear()
         return feats, out.logits.argmax(dim=-1)
 
@@ -130,20 +214,28 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def hf_attention(hf_config) -> str:
+    """HF's attention implementation for the reference path: sdpa, except for families whose attention scores are
+    soft-capped (Gemma 2), which sdpa cannot compute and HF runs eagerly."""
+    return "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int, ...] | None = None,
                 mask_token_id: int | None = None, device: str | torch.device = "cpu", dtype: str = "auto",
                 truncate: bool = True, attn: str = "sdpa") -> Target:
     """Load tokenizer + model from a local directory (no downloads), then `prepare_target` (freeze, hook, truncate)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"target directory {path} has no config.json",
                           hint="set model.target to a local Hugging Face model directory (or '' for the tiny target)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    attention_kinds(config)  # refuse a family before its weights are read
     device = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=pick_dtype(dtype, device),
-                                                 attn_implementation="sdpa").to(device)
+                                                 attn_implementation=hf_attention(config)).to(device)
     return prepare_target(model, tokenizer, num_draft_layers=num_draft_layers, layer_ids=layer_ids,
                           mask_token_id=mask_token_id, truncate=truncate, attn=attn)
 
@@ -157,8 +249,13 @@ def prepare_target(model: nn.Module, tokenizer, *, num_draft_layers: int, layer_
     if attn not in ("sdpa", "flex"):
         raise ValueError(f"target attn must be 'sdpa' or 'flex', got {attn!r}")
     model.requires_grad_(False).eval()
+    kinds = attention_kinds(model.config)
     layers = model.model.layers
     n_layers = len(layers)
+    plain = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")]
+    if plain:
+        raise ConfigError(f"target layers {plain[:4]} of {model.config.model_type!r} have no softmax attention",
+                          hint="use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma)")
     ids = tuple(layer_ids) if layer_ids is not None else tuple(build_target_layer_ids(n_layers, num_draft_layers))
     if not all(0 <= i < n_layers for i in ids) or list(ids) != sorted(set(ids)):
         source = "model.target_layer_ids" if layer_ids is not None else \
@@ -177,7 +274,7 @@ def prepare_target(model: nn.Module, tokenizer, *, num_draft_layers: int, layer_
         # Layers after the last tap never influence the features: do not run them (final norm + lm_head stay).
         model.model.layers = nn.ModuleList(list(layers)[: ids[-1] + 1])
     return Target(model=model, tokenizer=tokenizer, layer_ids=ids, num_layers=n_layers, mask_token_id=mask_id,
-                  truncated=truncate, _taps=taps, attn=attn)
+                  truncated=truncate, _taps=taps, attn=attn, kinds=kinds)
 
 
 def _tap_hook(store: dict, index: int):

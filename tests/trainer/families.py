@@ -1,0 +1,53 @@
+"""Tiny random targets of every supported family, saved to disk with the bundled tokenizer, as a user's would be.
+
+Each is small enough for CPU tests and keeps what makes its family different: Qwen2 with sliding-window layers after
+`max_window_layers`, Mistral with one window for every layer, Gemma 3 alternating sliding and full layers (scaled
+embeddings, pre-attention scalar), Gemma 2 with soft-capped attention scores, Llama 3 with its RoPE scaling. The
+windows (4 tokens) are shorter than the test documents, so a mask that ignores them gives different features."""
+from __future__ import annotations
+
+from pathlib import Path
+
+WINDOW = 4
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "gemma2")
+
+
+def family_config(family: str, vocab: int, layers: int = 4):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=layers // 2)
+    if family == "llama":
+        return tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=WINDOW)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**common, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if family == "gemma2":
+        return tf.Gemma2Config(**common, sliding_window=WINDOW, query_pre_attn_scalar=16)
+    raise ValueError(family)
+
+
+def build_family_target(out_dir: Path, family: str, seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    cfg = family_config(family, len(tokenizer))
+    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

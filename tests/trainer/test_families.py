@@ -1,0 +1,115 @@
+"""Every supported target family: the trainer's tapped features equal HF's own forward, document by document, on
+packed rows (sliding windows included); each trains end to end; unsupported families are refused in one line before
+any weight is read. Real tiny models of each family, saved to disk and loaded through `load_target`."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.trainer.conftest import small_cfg
+from tests.trainer.families import FAMILIES, build_family_target
+from trainer.errors import ConfigError
+from trainer.model.target import load_target, packed_causal_mask
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: build_family_target(root / f, f) for f in FAMILIES}
+
+
+def packed_row(lengths: list[int], seq: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (1, seq), generator=g)
+    doc = torch.full((1, seq), -1)
+    pos = torch.zeros(1, seq, dtype=torch.long)
+    at = 0
+    for d, n in enumerate(lengths):
+        doc[0, at:at + n] = d
+        pos[0, at:at + n] = torch.arange(n)
+        at += n
+    return ids, pos, doc
+
+
+def hf_taps(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
+    """HF's own forward of one document alone: hidden_states[i + 1] for each tap, concatenated."""
+    out = target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_features_equal_hf_per_document(family, family_dirs):
+    lengths = [9, 11, 6]
+    # Taps 1 and 3 of 4 layers: the last layer's tap is HF's final-norm output (what serving stacks feed).
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    vocab = target.embed_tokens.weight.shape[0]
+    ids, pos, doc = packed_row(lengths, 32, vocab)
+    got = target.features(ids, pos, doc)
+    at = 0
+    for n in lengths:
+        want = hf_taps(target, ids[:, at:at + n], (1, 3))
+        torch.testing.assert_close(got[:, at:at + n], want, atol=2e-5, rtol=1e-4)
+        at += n
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma3", "gemma2"])
+def test_a_mask_without_the_window_would_be_caught(family, family_dirs):
+    """The comparison above can fail: the doc-causal mask alone (the window dropped) differs from HF's forward past
+    the window."""
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    ids, pos, doc = packed_row([12], 16, target.embed_tokens.weight.shape[0])
+    target.kinds = None  # every layer read as full attention: the old behaviour
+    wrong = target.features(ids, pos, doc)[:, :12]
+    assert not torch.allclose(wrong, hf_taps(target, ids[:, :12], (1, 3)), atol=1e-3)
+
+
+def test_the_dense_window_rule_is_hfs():
+    doc = torch.zeros(1, 6, dtype=torch.long)
+    doc[0, 4:] = 1
+    m = packed_causal_mask(doc, window=2)[0, 0]
+    assert m.nonzero().tolist() == [[0, 0], [1, 0], [1, 1], [2, 1], [2, 2], [3, 2], [3, 3], [4, 4], [5, 4], [5, 5]]
+
+
+def test_an_untapped_last_layer_is_truncated_and_a_tapped_one_kept(family_dirs):
+    t = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 2))
+    assert len(t.model.model.layers) == 3
+    t = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 3))
+    assert len(t.model.model.layers) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_end_to_end(family, family_dirs, tmp_path):
+    from trainer.build import build
+    from trainer.loop import TrainLoop
+    from trainer.train import finish
+
+    cfg = small_cfg(family_dirs[family], "model.num_draft_layers=2", "model.target_layer_ids=[1, 3]",
+                    "optim.max_steps=3", "data.seq_len=64",
+                    "data.num_anchors=6")
+    session = build(cfg, tmp_path / "run")
+    loop = TrainLoop(session)
+    loop.run()
+    result = finish(session, loop)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(isinstance(x, float) and x == x for x in losses)
+    exported = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    assert exported["dflash_config"]["target_layer_ids"] == list(session.state.target.layer_ids)
+    assert result["step"] == 3
+
+
+@pytest.mark.parametrize("model_type, extra, needle", [
+    ("qwen3_next", {}, "target family 'qwen3_next'"),
+    ("qwen3", {"layer_types": ["linear_attention", "full_attention"]}, "layer types ['linear_attention']"),
+])
+def test_linear_attention_hybrids_are_refused_before_any_weight(tmp_path, model_type, extra, needle):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=2, **extra)
+    cfg.save_pretrained(tmp_path)  # a config and no weights: the refusal must come before they are read
+    with pytest.raises(ConfigError, match=re.escape(needle)) as e:
+        load_target(tmp_path, num_draft_layers=1)
+    assert "softmax-attention target" in e.value.hint
