@@ -30,17 +30,35 @@ class ExportConfig:
     vocab_size: int
     max_position_embeddings: int
     dtype: str = "bfloat16"
+    mask_token: str | None = None  # the mask's string, where the tokenizer has one (some SGLang versions resolve it)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
 
     @staticmethod
     def of(drafter: DrafterConfig, target, block_size: int) -> "ExportConfig":
         """The export of a drafter trained against `target` (a `trainer.model.target.Target`)."""
+        hf, tok = target.hf_config, target.tokenizer
+        mask_token = None
+        if tok is not None and target.mask_token_id < len(tok):
+            mask_token = tok.convert_ids_to_tokens(target.mask_token_id)
         return ExportConfig(drafter=drafter, block_size=block_size, target_layer_ids=tuple(target.layer_ids),
                             num_target_layers=target.num_layers, mask_token_id=target.mask_token_id,
                             vocab_size=target.embed_tokens.weight.shape[0],
-                            max_position_embeddings=getattr(target.hf_config, "max_position_embeddings", 32768))
+                            max_position_embeddings=getattr(hf, "max_position_embeddings", 32768),
+                            mask_token=mask_token, bos_token_id=getattr(hf, "bos_token_id", None),
+                            eos_token_id=getattr(hf, "eos_token_id", None), pad_token_id=getattr(hf, "pad_token_id",
+                                                                                                  None))
 
     def to_json(self) -> dict:
+        """What SGLang's, vLLM's and SpecForge's DFlash loaders read: a Qwen3-shaped config (every layer full
+        attention), RoPE in the legacy (`rope_theta`, `rope_scaling`) and the transformers-5 (`rope_parameters`)
+        form, and `dflash_config`."""
         d = self.drafter
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                  "block_size": self.block_size, "num_target_layers": self.num_target_layers}
+        if self.mask_token is not None:
+            dflash["mask_token"] = self.mask_token
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -50,40 +68,77 @@ class ExportConfig:
             "num_key_value_heads": d.num_key_value_heads,
             "head_dim": d.head_dim,
             "num_hidden_layers": d.num_layers,
+            "layer_types": ["full_attention"] * d.num_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": d.num_layers,
             "hidden_act": "silu",
             "attention_bias": d.attention_bias,
+            "attention_dropout": 0.0,
             "rms_norm_eps": d.rms_norm_eps,
             "rope_theta": d.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": d.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
             "tie_word_embeddings": False,
             "torch_dtype": self.dtype,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
-                              "block_size": self.block_size},
+            "dflash_config": dflash,
         }
 
     @staticmethod
     def from_json(config: dict, source: str = "config.json") -> "ExportConfig":
-        """The inverse of `to_json`; a missing field is one ConfigError naming it."""
+        """Read a DFlash drafter's config.json -- ours, or one written by another tool (legacy or transformers-5
+        RoPE fields, `layer_types`). A missing field, or what this drafter cannot honour (RoPE scaling, sliding-
+        window layers), is one ConfigError naming it."""
+        def refuse(what: str) -> ConfigError:
+            return ConfigError(f"{source}: {what}", hint="this trainer's drafter has full-attention layers with plain "
+                                                         "RoPE; retrain or convert the drafter")
         try:
             dflash = config["dflash_config"]
             layer_ids = tuple(int(i) for i in dflash["target_layer_ids"])
+            theta, scaling = _rope_of(config)
+            if scaling not in (None, "default"):
+                raise refuse(f"RoPE scaling {scaling!r} is not supported")
+            layers = int(config["num_hidden_layers"])
+            kinds = sorted(set(config.get("layer_types") or ["full_attention"]))
+            if kinds != ["full_attention"]:
+                raise refuse(f"layer types {kinds} are not supported (only full_attention)")
             drafter = DrafterConfig(
                 hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
                 num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-                head_dim=config["head_dim"], num_layers=config["num_hidden_layers"], num_taps=len(layer_ids),
-                rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                num_layers=layers, num_taps=len(layer_ids), rms_norm_eps=config["rms_norm_eps"], rope_theta=theta,
                 attention_bias=config.get("attention_bias", False))
-            return ExportConfig(drafter=drafter, block_size=int(dflash.get("block_size", config["block_size"])),
-                                target_layer_ids=layer_ids, num_target_layers=config["num_target_layers"],
+            block_size = int(dflash.get("block_size", config.get("block_size", 0)) or 0)
+            if block_size < 2:
+                raise refuse("no block_size (dflash_config.block_size or block_size)")
+            return ExportConfig(drafter=drafter, block_size=block_size, target_layer_ids=layer_ids,
+                                num_target_layers=int(dflash.get("num_target_layers", config.get("num_target_layers",
+                                                                                                  0)) or 0),
                                 mask_token_id=int(dflash["mask_token_id"]), vocab_size=config["vocab_size"],
                                 max_position_embeddings=config.get("max_position_embeddings", 32768),
-                                dtype=config.get("torch_dtype", "bfloat16"))
+                                dtype=config.get("torch_dtype") or config.get("dtype") or "bfloat16",
+                                mask_token=dflash.get("mask_token"), bos_token_id=config.get("bos_token_id"),
+                                eos_token_id=config.get("eos_token_id"), pad_token_id=config.get("pad_token_id"))
         except KeyError as e:
             raise ConfigError(f"{source}: a DFlash drafter config needs the field {e.args[0]!r}",
                               hint="point at a drafter export directory (config.json + model.safetensors)") from None
+
+
+def _rope_of(config: dict) -> tuple[float, str | None]:
+    """(theta, scaling type) from either RoPE form; transformers 5's `rope_parameters` wins where both exist."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"]), params.get("rope_type") or params.get("type")
+    legacy = config.get("rope_scaling")
+    kind = (legacy.get("rope_type") or legacy.get("type")) if isinstance(legacy, dict) else None
+    return float(config.get("rope_theta", 10000.0)), kind
 
 
 def export_drafter(out_dir: Path, drafter: Drafter, config: ExportConfig, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -96,6 +151,10 @@ def export_drafter(out_dir: Path, drafter: Drafter, config: ExportConfig, dtype:
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+    # A server usually runs as another user: the files must be readable by it whatever the trainer's umask was.
+    tmp.chmod(0o755)
+    for f in tmp.iterdir():
+        f.chmod(0o644)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -73,6 +73,34 @@ def test_an_export_config_missing_a_field_is_one_clear_error():
         ExportConfig.from_json({"hidden_size": 8}, "x/config.json")
 
 
+def other_tools_config() -> dict:
+    """A DFlash drafter config as a transformers-5 tool writes it: rope_parameters only, layer_types, the block
+    size only inside dflash_config, no head_dim."""
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "rms_norm_eps": 1e-6,
+            "layer_types": ["full_attention", "full_attention"], "vocab_size": 177,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+            "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 3], "block_size": 16,
+                              "num_target_layers": 6}}
+
+
+def test_a_drafter_saved_by_another_tool_is_read():
+    cfg = ExportConfig.from_json(other_tools_config())
+    assert (cfg.drafter.rope_theta, cfg.drafter.head_dim, cfg.block_size, cfg.num_target_layers) == (5e5, 16, 16, 6)
+    assert ExportConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer types"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "RoPE scaling 'yarn'"),
+])
+def test_what_the_drafter_cannot_honour_is_refused_in_one_line(change, needle):
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        ExportConfig.from_json({**other_tools_config(), **change})
+
+
 def test_export_round_trip_matches_the_drafter(tmp_path, target):
     state = make_state(target, block_size=4)
     cfg = ExportConfig(drafter=state.drafter.cfg, block_size=4, target_layer_ids=tuple(target.layer_ids),

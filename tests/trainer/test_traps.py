@@ -244,3 +244,73 @@ def test_ctx_lo_form_of_the_rule_equals_the_doc_id_form():
     by_range = (j >= layout.ctx_lo[0, :, None]) & (j < batch.anchor_pos[0, :, None]) & batch.anchor_valid[0, :, None]
     dense = dense_block_mask(layout)[0, 0, ::B, :S]  # one query row per block
     assert torch.equal(by_range, dense)
+
+
+# ----------------------------------------------------------------- traps a mutation run found unguarded
+
+def test_the_block_holds_the_anchor_token_then_masks():
+    """Block position 0 is the anchor's real token (the verifier's last committed token), never MASK."""
+    batch = two_doc_batch()
+    blocks = block_input_ids(batch.input_ids, batch.anchor_pos, B, 99).view(1, -1, B)
+    assert torch.equal(blocks[:, :, 0], batch.input_ids.gather(1, batch.anchor_pos))
+    assert (blocks[:, :, 1:] == 99).all()
+
+
+def test_no_anchor_candidate_crosses_a_document_boundary():
+    from trainer.data.anchors import anchor_candidates
+
+    lm = torch.ones(1, 6, dtype=torch.bool)  # every token supervised: only the documents separate them
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    assert anchor_candidates(lm, doc)[0].tolist() == [True, True, False, True, True, False]
+
+
+def test_anchors_are_resampled_every_epoch_for_the_same_row():
+    """The same packed row, met in two epochs, gets new anchors (not only a new position in the shuffle)."""
+    from trainer.data.batching import EpochBatches
+    from trainer.data.packing import pack
+    from trainer.data.source import Sample
+
+    samples = [Sample(input_ids=torch.arange(40) + 100 * i, loss_mask=torch.ones(40, dtype=torch.bool))
+               for i in range(6)]
+    batches = EpochBatches(pack(samples, 40, pad_id=0), 1, 8, seed=0, pad_id=0)
+
+    def anchors_by_row(epoch: int) -> dict[int, list[int]]:
+        out = {}
+        for i in range(batches.per_epoch):
+            b = batches.batch(epoch * batches.per_epoch + i)
+            out[int(b.input_ids[0, 0])] = b.anchor_pos[0].tolist()
+        return out
+
+    first, second = anchors_by_row(0), anchors_by_row(1)
+    assert first.keys() == second.keys() and len(first) == 6
+    assert sum(first[k] != second[k] for k in first) >= 5  # 8 of 39 candidates: a repeat is a ~1e-8 event
+    # One row: it sits at the same place in every epoch, so only the epoch can change its anchors.
+    one = EpochBatches(pack(samples[:1], 40, pad_id=0), 1, 8, seed=0, pad_id=0)
+    assert len({tuple(one.batch(e).anchor_pos[0].tolist()) for e in range(4)}) == 4
+
+
+@pytest.mark.parametrize("edge", [-1, 0, 1])
+def test_flex_tile_tables_at_tile_edges_match_the_dense_rule(edge):
+    """Anchors and document starts exactly at, one before and one after tile edges: a context tile is full only
+    when every key of it is visible (a tile marked full one position early would attend to the anchor itself)."""
+    from trainer.model.flex import BlockLayoutShape, dense_block_mask, tile_states
+
+    shape = BlockLayoutShape(batch=1, ctx_len=384, num_anchors=16, block_size=16)
+    base = [128, 129, 130, 250, 256, 256, 300, 383, 128, 200, 255, 256, 257, 300, 380, 383]
+    anchor = torch.tensor([sorted(max(1, min(383, a + edge)) for a in base)])
+    ctx_lo = torch.zeros_like(anchor)
+    ctx_lo[0, 8:] = 128 + edge  # a second document starting at a tile edge
+    ctx_lo = torch.minimum(ctx_lo, anchor - 1)
+    valid = torch.ones_like(anchor, dtype=torch.bool)
+    partial, full = tile_states(anchor, ctx_lo, valid, shape)
+    dense = dense_block_mask(anchor, ctx_lo, valid, shape.ctx_len, shape.block_size)[0, 0]
+    t = shape.tile
+    for q in range(shape.q_len // t):
+        for k in range(shape.kv_len // t):
+            tile = dense[q * t:(q + 1) * t, k * t:(k + 1) * t]
+            if full[0, 0, q, k]:
+                assert tile.all(), (q, k)
+            elif partial[0, 0, q, k]:
+                assert tile.any(), (q, k)
+            else:
+                assert not tile.any(), (q, k)
