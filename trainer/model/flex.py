@@ -189,9 +189,17 @@ _compiled_flex = None
 
 
 def compiled_flex_attention():
-    """The process-wide compiled flex_attention (eager flex allocates during capture and is slow)."""
+    """The process-wide compiled flex_attention (eager flex allocates during capture and is slow).
+
+    One compiled entry per (shapes, mask rule, mask buffers): the drafter's block mask, the target's doc-causal
+    masks (one per kind of layer), each of their static buffers. Past Dynamo's recompile limit (8) a new one would
+    silently run eager flex -- slow, and a failure inside a CUDA graph capture -- so the limit is raised to what a
+    process that builds several targets and drafters (the quality pipeline, the test suite) needs."""
     global _compiled_flex
     if _compiled_flex is None:
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 

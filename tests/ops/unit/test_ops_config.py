@@ -76,8 +76,8 @@ def test_bundled_runbooks_are_valid():
         assert cmd[0] == "{python}" and cmd[first:first + 2] == ("-m", "trainer") and "{run_dir}" in cmd
         modes[name] = next((a for a in book.command if a.startswith("step.mode=")), None)
     assert modes == {"smoke": None, "eager": "step.mode=eager", "fixedshape": "step.mode=eager",
-                     "cudagraph": "step.mode=compile+graph", "graphwarm": "step.mode=graph",
-                     "graphwarm-ddp": "step.mode=graph", "graphwarm-nodes": "step.mode=graph"}
+                     "cudagraph": "step.mode=graph", "graphwarm": "step.mode=compile+graph",
+                     "graphwarm-ddp": "step.mode=compile+graph", "graphwarm-nodes": "step.mode=compile+graph"}
     ddp = runbooks.load_runbook(runbooks.BUNDLED, "graphwarm-ddp").command
     assert ddp[:6] == ("{python}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "gpu")
     nodes = runbooks.load_runbook(runbooks.BUNDLED, "graphwarm-nodes")
