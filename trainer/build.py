@@ -81,8 +81,9 @@ def load_run_target(cfg: TrainCfg, device: torch.device | str, *, truncate: bool
 
 def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainState:
     torch.manual_seed(cfg.seed)
-    dcfg = DrafterConfig.from_target(target.hf_config, num_layers=cfg.model.num_draft_layers,
-                                     num_taps=len(target.layer_ids))
+    m = cfg.model
+    dcfg = DrafterConfig.from_target(target.hf_config, num_layers=m.num_draft_layers, num_taps=len(target.layer_ids),
+                                     layer_types=m.draft_layer_types or (), sliding_window=m.draft_sliding_window)
     drafter = Drafter(dcfg, backend=cfg.step.attn).to(device)
     o = cfg.optim
     optimizer, lr_ = build_optimizer(drafter, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,

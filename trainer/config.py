@@ -39,9 +39,20 @@ class ModelCfg:
     mask_token_id: int | None = None  # None = tokenizer.mask_token_id, else the `<|MASK|>` token
     gamma: float | None = None  # loss decay; None = paper value for the block size
     dtype: str = "auto"  # target dtype: auto = bf16 on CUDA, fp32 on CPU
+    # The drafter's layers: full_attention | sliding_attention each (None: all full). A sliding layer's query sees
+    # the `draft_sliding_window` positions ending at itself (causal inside its block).
+    draft_layer_types: tuple[str, ...] | None = None
+    draft_sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.num_draft_layers >= 1, "model.num_draft_layers must be >= 1")
+        if self.draft_layer_types is not None:
+            kinds = ("full_attention", "sliding_attention")
+            _check(len(self.draft_layer_types) == self.num_draft_layers and set(self.draft_layer_types) <= set(kinds),
+                   f"model.draft_layer_types must list {kinds[0]} or {kinds[1]} for each of the "
+                   f"{self.num_draft_layers} draft layers")
+            _check("sliding_attention" not in self.draft_layer_types or (self.draft_sliding_window or 0) >= 1,
+                   "model.draft_layer_types has sliding layers: set model.draft_sliding_window >= 1")
         _check(self.block_size >= 2, "model.block_size must be >= 2 (anchor + at least one MASK)")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}")
         _check(self.gamma is None or self.gamma > 0, "model.gamma must be > 0 (or null for the paper value)")

@@ -31,7 +31,8 @@ def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block
     """-> accepted [R, N] long (leading matches, 0..B-1) and block_valid [R, N] bool. `target` must be untruncated."""
     B = block_size
     feats, greedy = target.features_and_greedy(batch.input_ids, batch.position_ids, batch.doc_ids)
-    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, attn)
+    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, attn,
+                         window=drafter.cfg.window)
     noise = target.embed_tokens(block_input_ids(batch.input_ids, batch.anchor_pos, B, target.mask_token_id))
     hidden = drafter(feats, noise, layout)  # [R, N*B, D]
     logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))

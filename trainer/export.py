@@ -51,9 +51,9 @@ class ExportConfig:
                                                                                                   None))
 
     def to_json(self) -> dict:
-        """What SGLang's, vLLM's and SpecForge's DFlash loaders read: a Qwen3-shaped config (every layer full
-        attention), RoPE in the legacy (`rope_theta`, `rope_scaling`) and the transformers-5 (`rope_parameters`)
-        form, and `dflash_config`."""
+        """What SGLang's, vLLM's and SpecForge's DFlash loaders read: a Qwen3-shaped config with its `layer_types`
+        and sliding window, RoPE in the legacy (`rope_theta`, `rope_scaling`) and the transformers-5
+        (`rope_parameters`) form, and `dflash_config`."""
         d = self.drafter
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
                   "block_size": self.block_size, "num_target_layers": self.num_target_layers}
@@ -68,9 +68,9 @@ class ExportConfig:
             "num_key_value_heads": d.num_key_value_heads,
             "head_dim": d.head_dim,
             "num_hidden_layers": d.num_layers,
-            "layer_types": ["full_attention"] * d.num_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "layer_types": [d.kind(i) for i in range(d.num_layers)],
+            "use_sliding_window": d.window is not None,
+            "sliding_window": d.window,
             "max_window_layers": d.num_layers,
             "hidden_act": "silu",
             "attention_bias": d.attention_bias,
@@ -97,8 +97,8 @@ class ExportConfig:
         RoPE fields, `layer_types`). A missing field, or what this drafter cannot honour (RoPE scaling, sliding-
         window layers), is one ConfigError naming it."""
         def refuse(what: str) -> ConfigError:
-            return ConfigError(f"{source}: {what}", hint="this trainer's drafter has full-attention layers with plain "
-                                                         "RoPE; retrain or convert the drafter")
+            return ConfigError(f"{source}: {what}", hint="this trainer's drafter has full or sliding-window "
+                                                         "attention layers with plain RoPE; retrain or convert it")
         try:
             dflash = config["dflash_config"]
             layer_ids = tuple(int(i) for i in dflash["target_layer_ids"])
@@ -106,15 +106,21 @@ class ExportConfig:
             if scaling not in (None, "default"):
                 raise refuse(f"RoPE scaling {scaling!r} is not supported")
             layers = int(config["num_hidden_layers"])
-            kinds = sorted(set(config.get("layer_types") or ["full_attention"]))
-            if kinds != ["full_attention"]:
-                raise refuse(f"layer types {kinds} are not supported (only full_attention)")
+            layer_types = tuple(config.get("layer_types") or ())
+            unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+            if unknown or (layer_types and len(layer_types) != layers):
+                raise refuse(f"layer types {unknown or list(layer_types)} are not supported "
+                             f"(full_attention or sliding_attention, one per layer)")
+            window = config.get("sliding_window") if "sliding_attention" in layer_types else None
+            if "sliding_attention" in layer_types and not (isinstance(window, int) and window >= 1):
+                raise refuse(f"sliding-window layers with sliding_window={window!r}")
             drafter = DrafterConfig(
                 hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
                 num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
                 head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
                 num_layers=layers, num_taps=len(layer_ids), rms_norm_eps=config["rms_norm_eps"], rope_theta=theta,
-                attention_bias=config.get("attention_bias", False))
+                attention_bias=config.get("attention_bias", False),
+                layer_types=layer_types if "sliding_attention" in layer_types else (), sliding_window=window)
             block_size = int(dflash.get("block_size", config.get("block_size", 0)) or 0)
             if block_size < 2:
                 raise refuse("no block_size (dflash_config.block_size or block_size)")

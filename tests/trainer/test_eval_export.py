@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ class OracleDrafter(torch.nn.Module):
 
     def __init__(self, target, batch):
         super().__init__()
+        self.cfg = types.SimpleNamespace(window=None)  # what evaluation reads of a drafter's config: no sliding layers
         self.last = target.model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                        attention_mask=packed_causal_mask(batch.doc_ids)).last_hidden_state
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.decode.rounds import SpecResult, leading_matches, stop_index
+from trainer.model.attention import SLIDING, window_visible
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin, stream_dtype
 from trainer.model.target import Target
 
@@ -130,7 +131,8 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
     cache.length..cache.length+n-1; the block [1, B, D] right after them. Appends the n context K/V to `cache`
     (block K/V are never cached) -> final-normed hidden [1, B, D].
 
-    Same arithmetic as `Drafter.forward` for a single anchor whose visible context is everything cached.
+    Same arithmetic as `Drafter.forward` for a single anchor whose visible context is everything cached (a sliding
+    layer: the window ending at each query, as in training).
     """
     cfg = drafter.cfg
     dtype = stream_dtype(drafter.fc.weight.dtype, new_feats.device.type)  # as in training: bf16 under autocast
@@ -142,6 +144,10 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
     rope_c = rope_cos_sin(torch.arange(cache.length, start, device=dev)[None], Dh, cfg.rope_theta, dtype)
     rope_q = rope_cos_sin(torch.arange(start, start + B, device=dev)[None], Dh, cfg.rope_theta, dtype)
     x = block_emb.to(dtype)
+    sliding = None
+    if cfg.window is not None:
+        sliding = window_visible(torch.arange(start, start + B, device=dev), torch.arange(start + B, device=dev),
+                                 cfg.window)[None, None]
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         k_c = apply_rope(attn.k_norm(attn.k_proj(ctx).view(1, n, Hkv, Dh)).transpose(1, 2), *rope_c)
@@ -151,9 +157,11 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
         q = apply_rope(attn.q_norm(attn.q_proj(h).view(1, B, H, Dh)).transpose(1, 2), *rope_q)
         k_b = apply_rope(attn.k_norm(attn.k_proj(h).view(1, B, Hkv, Dh)).transpose(1, 2), *rope_q)
         v_b = attn.v_proj(h).view(1, B, Hkv, Dh).transpose(1, 2)
-        # No mask: the block sees all cached context (strictly before the anchor) and itself, bidirectionally.
+        # Full layers: no mask, the block sees all cached context (strictly before the anchor) and itself,
+        # bidirectionally.
+        mask = sliding if layer.kind == SLIDING else None
         out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k_b], 2), torch.cat([v_ctx, v_b], 2),
-                                             enable_gqa=H != Hkv)
+                                             attn_mask=mask, enable_gqa=H != Hkv)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.length = start

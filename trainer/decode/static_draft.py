@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.model.attention import SLIDING, window_visible
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin
 from trainer.model.target import Target
 
@@ -102,6 +103,8 @@ class StaticDFlashProposer:
         # them), so attention reads one cache: context strictly before the anchor, then the whole block
         # (bidirectional), nothing after it.
         visible = (self.slot_ids < start + B)[None, None, None]  # [1, 1, 1, M + B]
+        if d.cfg.window is not None:  # sliding layers: the window ending at each query (causal in the block)
+            sliding = window_visible(pos, self.slot_ids, d.cfg.window)[None, None]  # [1, 1, B, M + B]
         with self._autocast():
             x = self.target.embed_tokens(block_ids).to(dtype)
             cos, sin = rope_cos_sin(pos[None], Dh, self.theta, dtype)
@@ -113,7 +116,8 @@ class StaticDFlashProposer:
                 v_b = attn.v_proj(h).view(1, B, Hkv, Dh).transpose(1, 2)
                 self.k[i].index_copy_(2, pos, k_b.to(self.k[i].dtype))
                 self.v[i].index_copy_(2, pos, v_b.to(self.v[i].dtype))
-                out = F.scaled_dot_product_attention(q.to(self.k[i].dtype), self.k[i], self.v[i], attn_mask=visible,
+                mask = sliding if layer.kind == SLIDING else visible
+                out = F.scaled_dot_product_attention(q.to(self.k[i].dtype), self.k[i], self.v[i], attn_mask=mask,
                                                      enable_gqa=H != Hkv)
                 x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))

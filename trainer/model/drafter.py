@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model.attention import BlockLayout, block_attention
+from trainer.model.attention import FULL, SLIDING, BlockLayout, block_attention, mask_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,9 +29,30 @@ class DrafterConfig:
     rms_norm_eps: float
     rope_theta: float
     attention_bias: bool = False
+    # Per layer full_attention | sliding_attention (empty: every layer full). A sliding layer's query at position p
+    # sees the `sliding_window` positions ending at p: causal inside its block, and the context just before it.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {FULL, SLIDING}:
+                raise ValueError(f"layer_types must name {FULL} or {SLIDING} for each of the {self.num_layers} "
+                                 f"layers, got {list(self.layer_types)}")
+            if SLIDING in self.layer_types and not (self.sliding_window or 0) >= 1:
+                raise ValueError("sliding-window layers need sliding_window >= 1")
+
+    def kind(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window, when some layer uses it."""
+        return self.sliding_window if SLIDING in self.layer_types else None
 
     @staticmethod
-    def from_target(hf_cfg, *, num_layers: int, num_taps: int) -> "DrafterConfig":
+    def from_target(hf_cfg, *, num_layers: int, num_taps: int, layer_types: tuple[str, ...] = (),
+                    sliding_window: int | None = None) -> "DrafterConfig":
         """As wide as the target (DFlash paper section 4.2): copy its dims, RoPE theta and norm eps."""
         heads = hf_cfg.num_attention_heads
         return DrafterConfig(
@@ -39,7 +60,8 @@ class DrafterConfig:
             num_attention_heads=heads, num_key_value_heads=getattr(hf_cfg, "num_key_value_heads", heads),
             head_dim=getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads,
             num_layers=num_layers, num_taps=num_taps, rms_norm_eps=hf_cfg.rms_norm_eps,
-            rope_theta=rope_theta_of(hf_cfg), attention_bias=bool(getattr(hf_cfg, "attention_bias", False)))
+            rope_theta=rope_theta_of(hf_cfg), attention_bias=bool(getattr(hf_cfg, "attention_bias", False)),
+            layer_types=tuple(layer_types), sliding_window=sliding_window)
 
 
 def rope_theta_of(hf_cfg) -> float:
@@ -100,8 +122,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps)
 
-    def forward(self, x_RQD: torch.Tensor, ctx_RSD: torch.Tensor, rope_q, rope_k, layout: BlockLayout,
-                backend: str) -> torch.Tensor:
+    def forward(self, x_RQD: torch.Tensor, ctx_RSD: torch.Tensor, rope_q, rope_k, mask, backend: str) -> torch.Tensor:
         R, Q, _ = x_RQD.shape
         q = self.q_norm(self.q_proj(x_RQD).view(R, Q, self.H, self.Dh)).transpose(1, 2)  # [R, H, Q, Dh]
         kv_in = torch.cat([ctx_RSD, x_RQD], dim=1)  # [R, S+Q, D]
@@ -109,7 +130,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(kv_in).view(R, -1, self.Hkv, self.Dh).transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
-        out = block_attention(q, k, v, layout, backend)  # [R, H, Q, Dh]
+        out = block_attention(q, k, v, mask, backend)  # [R, H, Q, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.H * self.Dh))
 
 
@@ -125,8 +146,9 @@ class MLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, kind: str = FULL) -> None:
         super().__init__()
+        self.kind = kind
         self.self_attn = DraftAttention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -134,7 +156,8 @@ class DraftLayer(nn.Module):
 
     def forward(self, x_RQD, ctx_RSD, rope_q, rope_k, layout: BlockLayout, backend: str) -> torch.Tensor:
         # The context features bypass input_layernorm, the Q/O projections and the MLP (z-lab DFlash layout).
-        x_RQD = x_RQD + self.self_attn(self.input_layernorm(x_RQD), ctx_RSD, rope_q, rope_k, layout, backend)
+        x_RQD = x_RQD + self.self_attn(self.input_layernorm(x_RQD), ctx_RSD, rope_q, rope_k,
+                                       mask_of(layout, self.kind), backend)
         return x_RQD + self.mlp(self.post_attention_layernorm(x_RQD))
 
 
@@ -148,7 +171,7 @@ class Drafter(nn.Module):
         self.backend = backend
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg, cfg.kind(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters()
 

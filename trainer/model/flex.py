@@ -6,6 +6,8 @@ Layout (one row of the batch; S context positions, N anchors, block size B, Q = 
 Query block j sees the context keys in [ctx_lo[j], anchor[j]) -- strictly before its anchor, and not before the start
 of the anchor's document (ctx_lo, 0 when rows are not packed) -- plus every token of its own block (bidirectional).
 A block with valid[j] False sees only its own block (so no attention row is empty; the loss gives it weight 0).
+With a sliding window W (the drafter's sliding layers), the query at block offset k also needs kv >= anchor + k -
+(W - 1) for context keys and kv offset <= k inside its block (trainer.model.attention's sliding rule).
 `dense_block_mask` is the same rule as a dense boolean mask: the reference the sdpa backend and the tests use.
 
 Sparsity: tiles of `tile` x `tile` (128: flex's kernel block). A q-tile holds tile/B consecutive anchors; for sorted
@@ -69,35 +71,49 @@ class BlockLayoutShape:
         return self.ctx_len + self.q_len
 
 
-def dense_block_mask(anchor: torch.Tensor, ctx_lo: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int):
+def dense_block_mask(anchor: torch.Tensor, ctx_lo: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
+                     window: int | None = None):
     """Boolean mask [batch, 1, Q, KV] (True = attend) of the layout rule in the module docstring. Pure, no sync."""
     b, n = anchor.shape
     dev = anchor.device
     kv = torch.arange(ctx_len + n * block_size, device=dev)
-    j = torch.arange(n * block_size, device=dev) // block_size  # query -> its block
+    q = torch.arange(n * block_size, device=dev)
+    j, off = q // block_size, q % block_size  # query -> its block, its offset in it
     a, lo, v = anchor[:, j, None], ctx_lo[:, j, None], valid[:, j, None]  # [b, Q, 1]
     in_ctx = (kv < ctx_len) & (kv >= lo) & (kv < a) & v
     in_blk = (kv >= ctx_len) & ((kv - ctx_len) // block_size == j[:, None])
+    if window is not None:
+        in_ctx = in_ctx & (kv >= a + off[:, None] - (window - 1))
+        in_blk = in_blk & ((kv - ctx_len) % block_size <= off[:, None])
     return (in_ctx | in_blk).unsqueeze(1)
 
 
-def tile_states(anchor: torch.Tensor, ctx_lo: torch.Tensor, valid: torch.Tensor, shape: BlockLayoutShape):
+def tile_states(anchor: torch.Tensor, ctx_lo: torch.Tensor, valid: torch.Tensor, shape: BlockLayoutShape,
+                window: int | None = None):
     """(partial, full) boolean tile tables [batch, 1, Q/tile, KV/tile] for the layout. Pure, device-side, no sync.
 
-    A tile is full if every (query, key) pair in it is visible, partial if some are, absent otherwise.
+    A tile is full if every (query, key) pair in it is visible, partial if some are, absent otherwise. With a
+    window, a block's queries have lower bounds from anchor - (W - 1) (offset 0) to anchor + B - W (offset B-1):
+    full needs the largest below the tile, partial the smallest below its end.
     """
     per_tile = shape.tile // shape.block_size
     q_tiles, ctx_tiles = shape.q_len // shape.tile, shape.ctx_len // shape.tile
     lo = ctx_lo.view(shape.batch, q_tiles, per_tile, 1)
     hi = torch.where(valid, anchor, ctx_lo).clamp_min(ctx_lo).view(shape.batch, q_tiles, per_tile, 1)
+    lo_all, lo_any = lo, lo
+    if window is not None:
+        a = anchor.view(shape.batch, q_tiles, per_tile, 1)
+        lo_all = torch.maximum(lo, a + shape.block_size - window)
+        lo_any = torch.maximum(lo, a - (window - 1))
     t0 = torch.arange(ctx_tiles, device=anchor.device) * shape.tile
     t1 = t0 + shape.tile
-    ctx_full = ((lo <= t0) & (hi >= t1)).all(dim=2)  # [b, q_tiles, ctx_tiles]
-    ctx_any = (torch.maximum(lo, t0) < torch.minimum(hi, t1)).any(dim=2)
-    # Block region: q-tile i and key-tile i hold the same blocks; only that diagonal tile is visible.
+    ctx_full = ((lo_all <= t0) & (hi >= t1)).all(dim=2)  # [b, q_tiles, ctx_tiles]
+    ctx_any = (torch.maximum(lo_any, t0) < torch.minimum(hi, t1)).any(dim=2)
+    # Block region: q-tile i and key-tile i hold the same blocks; only that diagonal tile is visible (full only when
+    # it is one whole bidirectional block).
     diag = torch.eye(q_tiles, dtype=torch.bool, device=anchor.device).expand(shape.batch, q_tiles, q_tiles)
     no_blk = torch.zeros_like(diag)
-    blk_full, blk_partial = (diag, no_blk) if per_tile == 1 else (no_blk, diag)
+    blk_full, blk_partial = (diag, no_blk) if per_tile == 1 and window is None else (no_blk, diag)
     full = torch.cat([ctx_full, blk_full], dim=-1)
     partial = torch.cat([ctx_any & ~ctx_full, blk_partial], dim=-1)
     return partial.unsqueeze(1), full.unsqueeze(1)
@@ -132,8 +148,9 @@ def block_mask_tensors(partial: torch.Tensor, full: torch.Tensor) -> dict[str, t
 class FlexBlockMask:
     """Static layout buffers + a BlockMask over them, rewritten in place by `update_()` (see the module docstring)."""
 
-    def __init__(self, shape: BlockLayoutShape, device: torch.device | str) -> None:
+    def __init__(self, shape: BlockLayoutShape, device: torch.device | str, window: int | None = None) -> None:
         self.shape = shape
+        self.window = window
         dev = torch.device(device)
         n = shape.num_anchors
         # Placeholder layout: anchors spread evenly, all valid (any valid layout would do; update_ overwrites it).
@@ -141,7 +158,7 @@ class FlexBlockMask:
         self.anchor = spread.contiguous().to(torch.int32)
         self.ctx_lo = torch.zeros(shape.batch, n, dtype=torch.int32, device=dev)
         self.valid = torch.ones(shape.batch, n, dtype=torch.bool, device=dev)
-        tensors = block_mask_tensors(*tile_states(self.anchor, self.ctx_lo, self.valid, shape))
+        tensors = block_mask_tensors(*tile_states(self.anchor, self.ctx_lo, self.valid, shape, window))
         self.block_mask = BlockMask.from_kv_blocks(
             tensors["kv_num_blocks"],
             tensors["kv_indices"],
@@ -155,7 +172,7 @@ class FlexBlockMask:
 
     def _mask_mod(self):
         anchor, ctx_lo, valid = self.anchor, self.ctx_lo, self.valid  # the static buffers, read at kernel time
-        s, bs = self.shape.ctx_len, self.shape.block_size
+        s, bs, w = self.shape.ctx_len, self.shape.block_size, self.window
 
         def mask_mod(b, h, q_idx, kv_idx):
             j = q_idx // bs
@@ -163,7 +180,14 @@ class FlexBlockMask:
             in_blk = (kv_idx >= s) & ((kv_idx - s) // bs == j)
             return in_ctx | in_blk
 
-        return mask_mod
+        def sliding_mask_mod(b, h, q_idx, kv_idx):
+            j, k = q_idx // bs, q_idx % bs
+            in_ctx = (kv_idx < s) & (kv_idx >= ctx_lo[b, j]) & (kv_idx < anchor[b, j]) & valid[b, j] \
+                & (kv_idx >= anchor[b, j] + k - (w - 1))
+            in_blk = (kv_idx >= s) & ((kv_idx - s) // bs == j) & ((kv_idx - s) % bs <= k)
+            return in_ctx | in_blk
+
+        return mask_mod if w is None else sliding_mask_mod
 
     def _copy_tables(self, tensors: dict[str, torch.Tensor]) -> None:
         for name in _BLOCK_MASK_FIELDS:
@@ -182,7 +206,8 @@ class FlexBlockMask:
         self.anchor.copy_(anchor)
         self.ctx_lo.copy_(ctx_lo)
         self.valid.copy_(valid)
-        self._copy_tables(block_mask_tensors(*tile_states(self.anchor, self.ctx_lo, self.valid, self.shape)))
+        self._copy_tables(block_mask_tensors(*tile_states(self.anchor, self.ctx_lo, self.valid, self.shape,
+                                                          self.window)))
 
 
 _compiled_flex = None
@@ -230,24 +255,25 @@ def doc_start_of_anchor(doc_ids: torch.Tensor, anchor_pos: torch.Tensor) -> torc
     return run_start.gather(1, anchor_pos)
 
 
-def static_mask_for(shape: BlockLayoutShape, device: torch.device) -> FlexBlockMask:
-    """The process-wide static FlexBlockMask for (shape, device): built once, rewritten in place by every step.
+def static_mask_for(shape: BlockLayoutShape, device: torch.device, window: int | None = None) -> FlexBlockMask:
+    """The process-wide static FlexBlockMask for (shape, device, window): built once, rewritten in place by every
+    step.
 
     One per device is enough because each micro-step's backward finishes before the next micro-step rebuilds it, and
     exactly one thread drives a device. Built lazily: the first call must come from the main thread (warm-up).
     """
-    key = (shape, torch.device(device))
+    key = (shape, torch.device(device), window)
     if key not in _static_masks:
-        _static_masks[key] = FlexBlockMask(shape, device)
+        _static_masks[key] = FlexBlockMask(shape, device, window)
     return _static_masks[key]
 
 
-def build_block_mask(layout) -> BlockMask:
+def build_block_mask(layout, window: int | None = None) -> BlockMask:
     """The flex backend's `mask_fn` (trainer.model.attention.make_layout / TrainState.mask_fn): rewrites the static
-    BlockMask for this layout's shape and device in place and returns it. Device-side only: capturable."""
+    BlockMask for this layout's shape, device and window in place and returns it. Device-side only: capturable."""
     r, n = layout.anchor_pos.shape
     shape = BlockLayoutShape(r, layout.doc_ids.shape[1], n, layout.block_size)
-    mask = static_mask_for(shape, layout.anchor_pos.device)
+    mask = static_mask_for(shape, layout.anchor_pos.device, window)
     ctx_lo = getattr(layout, "ctx_lo", None)
     if ctx_lo is None:  # older layouts: derive the document start from the doc ids
         ctx_lo = doc_start_of_anchor(layout.doc_ids, layout.anchor_pos)

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.model.attention import FULL, SLIDING
 
 MASK_TOKEN = "<|MASK|>"
-FULL, SLIDING = "full_attention", "sliding_attention"
 # Families whose layers include linear attention / state-space mixers: their features come from layers this trainer
 # does not mask per document, so a packed row would leak across documents. (Also caught by `layer_types` values.)
 LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",

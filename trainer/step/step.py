@@ -120,7 +120,7 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
     if feats is None:
         feats = state.target.features(batch.input_ids, batch.position_ids, batch.doc_ids)  # [R, S, T*D], no grad
     layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, state.attn,
-                         state.mask_fn)
+                         state.mask_fn, window=state.drafter.cfg.window)
     noise_ids = block_input_ids(batch.input_ids, batch.anchor_pos, B, state.target.mask_token_id)  # [R, N*B]
     with torch.no_grad():
         noise_emb = state.embed_tokens(noise_ids)  # frozen target embedding
