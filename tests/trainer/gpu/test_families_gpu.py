@@ -53,14 +53,17 @@ def test_flex_features_equal_hf_per_document_in_bf16(qwen2_small):
         at += n
 
 
-def test_trains_with_compile_and_graph(qwen2_small, tmp_path):
+@pytest.mark.parametrize("draft", [(), ("model.draft_layer_types=[sliding_attention, full_attention, "
+                                           "sliding_attention]", "model.draft_sliding_window=200")])
+def test_trains_with_compile_and_graph(qwen2_small, tmp_path, draft):
+    """Also with sliding-window drafter layers: their flex BlockMask inside the captured, compiled step."""
     from trainer.build import build
     from trainer.loop import TrainLoop
     from trainer.train import finish
 
     cfg = small_cfg(qwen2_small, "device=cuda", "step.mode=compile+graph", "step.attn=flex", "model.dtype=bfloat16",
                     "model.num_draft_layers=3", "model.target_layer_ids=[1, 6, 11]", "data.seq_len=1024",
-                    "data.num_anchors=64", "optim.max_steps=6", "log.every=2")
+                    "data.num_anchors=64", "optim.max_steps=6", "log.every=2", *draft)
     session = build(cfg, tmp_path / "run")
     assert session.state.target.kinds.window == 300
     loop = TrainLoop(session)
