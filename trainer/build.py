@@ -179,6 +179,11 @@ def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout,
         batch_dev = batches.batch(0).to(device)  # static device buffers; contents replaced every micro-step
         runner = make_runner(cfg, state, batch_dev, device, grad_sync)
     sink = (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream)
+    if env.is_main and cfg.track.backends:
+        from trainer.config import to_dict
+        from trainer.tracking import TrackedSink, Tracker
+
+        sink = TrackedSink(run_dir / "metrics.jsonl", stream, Tracker(cfg.track, run_dir, to_dict(cfg), start.step))
     return Session(cfg=cfg, run_dir=run_dir, env=env, device=device, state=state, datasets=datasets,
                    batches=batches, planned_steps=planned, start=start, sink=sink, runner=runner, pipe=pipe)
 

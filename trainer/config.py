@@ -202,6 +202,22 @@ class PipelineCfg:
         _check(self.prefetch >= 1, "pipeline.prefetch must be >= 1")
 
 
+TRACK_BACKENDS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackCfg:
+    """Experiment tracking beside metrics.jsonl (trainer/tracking.py). W&B offline: WANDB_MODE=offline."""
+
+    backends: tuple[str, ...] = ()  # any of tensorboard, wandb, mlflow
+    project: str = "dflash"  # the W&B project / MLflow experiment
+    dir: str = ""  # "" = <run_dir>/tracking
+
+    def __post_init__(self) -> None:
+        bad = [b for b in self.backends if b not in TRACK_BACKENDS]
+        _check(not bad, f"track.backends: unknown {bad}; choose from {TRACK_BACKENDS}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
@@ -212,6 +228,7 @@ class TrainCfg:
     log: LogCfg = field(default_factory=LogCfg)
     dist: DistCfg = field(default_factory=DistCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+    track: TrackCfg = field(default_factory=TrackCfg)
     seed: int = 0
     # The drafter's device: auto | cpu | cuda | cuda:N | cuda:local+K. Under torchrun auto/cuda = cuda:LOCAL_RANK.
     device: str = "auto"

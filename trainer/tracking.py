@@ -1,0 +1,161 @@
+"""Experiment tracking beside metrics.jsonl, where users look: TensorBoard event files (local, no account), and
+Weights & Biases / MLflow when installed (their offline modes need no network: WANDB_MODE=offline, MLflow's file
+store, the default here). Config `track.backends`; one trainer run is one tracked run, and a resumed run continues
+it (the backend's run id is kept in the tracking directory; TensorBoard drops the events past the checkpoint).
+
+What is logged, per log interval: loss, accuracy overall and per block position, tokens/s, step time, memory, LR;
+at the end, the simulated acceptance length tau and the acceptance per position. Rank 0 only.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer.config import TrackCfg
+from trainer.errors import ConfigError
+from trainer.metrics import MetricsSink
+
+SCALARS = ("loss", "acc", "tokens_per_s", "step_time_s", "peak_mem_gib", "lr", "epoch")
+
+
+def scalars(record: dict, prefix: str = "train/") -> dict[str, float]:
+    """A metrics (or eval) record -> flat {name: number}: lists become name/k (k = block position). Pure."""
+    out = {}
+    for key, value in record.items():
+        if key in SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[prefix + key] = float(value)
+        elif key in ("acc_by_pos", "accept_by_pos") and isinstance(value, list):
+            out.update({f"{prefix}{key}/{k}": float(v) for k, v in enumerate(value, start=1) if v is not None})
+        elif key == "tau" and isinstance(value, (int, float)):
+            out[prefix + key] = float(value)
+    return out
+
+
+class Tracker:
+    """Fan-out to the configured backends. `log` per interval, `finish` with the run's result, then closed."""
+
+    def __init__(self, cfg: TrackCfg, run_dir: Path, config: dict, start_step: int) -> None:
+        self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "tracking"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ids_path = self.dir / "runs.json"
+        ids = json.loads(self.ids_path.read_text()) if self.ids_path.is_file() else {}
+        self.backends = [_open(name, cfg, self.dir, Path(run_dir).name, config, start_step, ids)
+                         for name in cfg.backends]
+        self.ids_path.write_text(json.dumps({b.name: b.run_id for b in self.backends if b.run_id}) + "\n")
+
+    def log(self, record: dict) -> None:
+        step = int(record["step"])
+        values = scalars(record)
+        for b in self.backends:
+            b.log(values, step)
+
+    def finish(self, result: dict) -> None:
+        step = int(result.get("step", 0))
+        values = scalars(result.get("eval") or {}, prefix="eval/")
+        for b in self.backends:
+            if values:
+                b.log(values, step)
+            b.close()
+
+
+def _open(name: str, cfg: TrackCfg, root: Path, run_name: str, config: dict, start_step: int, ids: dict):
+    if name == "tensorboard":
+        return _TensorBoard(root, start_step)
+    if name == "wandb":
+        return _WandB(root, cfg.project, run_name, config, ids.get("wandb"))
+    if name == "mlflow":
+        return _MLflow(root, cfg.project, run_name, config, ids.get("mlflow"))
+    raise ConfigError(f"unknown tracking backend {name!r}", hint="use tensorboard, wandb or mlflow")
+
+
+def _need(module: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"track.backends names {extra}, but the {module} package is not installed",
+                          hint=f"pip install {module}, or drop {extra} from track.backends") from None
+
+
+class _TensorBoard:
+    name, run_id = "tensorboard", None
+
+    def __init__(self, root: Path, start_step: int) -> None:
+        _need("tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: a resumed run re-trains the steps after its checkpoint; their old events are dropped.
+        self.writer = SummaryWriter(log_dir=str(root / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    def log(self, values: dict, step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    name = "wandb"
+
+    def __init__(self, root: Path, project: str, run_name: str, config: dict, run_id: str | None) -> None:
+        wandb = _need("wandb", "wandb")
+        self.run = wandb.init(project=project, name=run_name, dir=str(root), config=config, id=run_id,
+                              resume="allow", reinit="create_new")
+        self.run_id = self.run.id
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    name = "mlflow"
+
+    def __init__(self, root: Path, project: str, run_name: str, config: dict, run_id: str | None) -> None:
+        import os
+
+        mlflow = _need("mlflow", "mlflow")
+        # MLFLOW_TRACKING_URI (a server, a database) wins; else a local file store beside the run, which MLflow 3
+        # keeps working but refuses unless asked for (the database store needs SQLAlchemy, not in mlflow-skinny).
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (root / "mlruns").as_uri()
+        self.client = mlflow.MlflowClient(uri)
+        if run_id is None:
+            exp = self.client.get_experiment_by_name(project)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(project)
+            run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+            self.client.log_dict(run_id, config, "config.json")
+        self.run_id = run_id
+
+    def log(self, values: dict, step: int) -> None:
+        from mlflow.entities import Metric
+        import time
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class TrackedSink(MetricsSink):
+    """The metrics sink that also feeds a Tracker: every interval's record, and the run's result at the end."""
+
+    def __init__(self, path: Path, stream, tracker: Tracker) -> None:
+        super().__init__(path, stream)
+        self.tracker = tracker
+
+    def emit(self, record: dict) -> None:
+        super().emit(record)
+        self.tracker.log(record)
+
+    def done(self, record: dict) -> None:
+        super().done(record)
+        self.tracker.finish(record)
