@@ -94,7 +94,8 @@ def test_a_drafter_saved_by_another_tool_is_read():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer types"),
+    ({"layer_types": ["linear_attention", "full_attention"]}, "layer types"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_window=None"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "RoPE scaling 'yarn'"),
 ])
 def test_what_the_drafter_cannot_honour_is_refused_in_one_line(change, needle):
