@@ -113,3 +113,9 @@ def test_linear_attention_hybrids_are_refused_before_any_weight(tmp_path, model_
     with pytest.raises(ConfigError, match=re.escape(needle)) as e:
         load_target(tmp_path, num_draft_layers=1)
     assert "softmax-attention target" in e.value.hint
+
+
+def test_an_unknown_model_type_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family", "num_hidden_layers": 2}')
+    with pytest.raises(ConfigError, match="transformers cannot read its config.json"):
+        load_target(tmp_path, num_draft_layers=1)

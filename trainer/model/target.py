@@ -230,7 +230,12 @@ def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int
     if not (path / "config.json").is_file():
         raise ConfigError(f"target directory {path} has no config.json",
                           hint="set model.target to a local Hugging Face model directory (or '' for the tiny target)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:  # an unknown model_type, a broken config.json
+        raise ConfigError(f"target {path}: transformers cannot read its config.json ({str(e).splitlines()[0][:200]})",
+                          hint="point model.target at a Hugging Face causal LM directory this transformers "
+                               "version supports") from None
     attention_kinds(config)  # refuse a family before its weights are read
     device = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
