@@ -8,7 +8,9 @@ Layout (functional core, imperative shell; docs/architecture.md draws it):
   loop.py              TrainLoop: drives a Session until a StopRule (steps, time budget); metrics.py: the only syncs
   train.py             the program: build -> loop -> final checkpoint, export, eval; `trainer export`
   rundir.py            what a run leaves on disk; checkpoint.py (ckpt/step_N), export.py (the serving export)
-  eval.py              simulated acceptance length tau on held-out rows
+  eval.py              simulated acceptance length tau on held-out rows; prompts.py: prompt files (GSM8K, MATH-500,
+                       HumanEval, MBPP, MT-Bench, chat, ShareGPT, plain) for real decoding (`trainer eval --prompts`)
+  tracking.py          TensorBoard / W&B / MLflow beside metrics.jsonl (track.backends)
   capture.py           CUDA graph capture, the one way (training, pipeline, decoding)
   data/                source (JSONL -> samples), packing, anchors (pure), batching (StaticBatch, EpochBatches)
   model/               target (frozen HF, taps), drafter, block attention (+ flex), doc-causal target attention, loss

@@ -28,11 +28,23 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config leaf, e.g. --set optim.lr=3e-4 (repeatable)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    e = sub.add_parser("eval", help="simulated acceptance length tau on held-out data")
+    e = sub.add_parser("eval", help="simulated tau on held-out data, or real decoding on prompt files",
+                       description="--run-dir D: simulated tau on the run's held-out split. --drafter EXPORT --target "
+                                   "T --data F: simulated tau on a training-format JSONL. --drafter EXPORT --target "
+                                   "T --prompts FILE...: real batch-1 speculative decoding of each prompt file "
+                                   "(GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, chat, ShareGPT or plain lines): "
+                                   "tau, acceptance per position, speedup over the target alone, per file.")
     e.add_argument("--run-dir", default=None)
-    e.add_argument("--drafter", default=None, help="export dir (with --target and --data)")
-    e.add_argument("--target", default=None)
-    e.add_argument("--data", default=None)
+    e.add_argument("--drafter", default=None, help="export dir (with --target and --data, or --prompts)")
+    e.add_argument("--target", default=None, help="the target's HF directory")
+    e.add_argument("--data", default=None, help="a training-format JSONL (simulated tau)")
+    e.add_argument("--prompts", nargs="+", default=None, metavar="FILE", help="prompt files (real decoding)")
+    e.add_argument("--limit", type=int, default=64, help="prompts per file (default: %(default)s)")
+    e.add_argument("--max-new", type=int, default=256, help="new tokens per prompt (default: %(default)s)")
+    e.add_argument("--engine", default="static", choices=("static", "hf"),
+                   help="static: static caches, CUDA-graph replays; hf: the HF-cache reference (default: static)")
+    e.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the target's dtype while decoding (default: bf16 on CUDA, fp32 on CPU)")
     x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
     x.add_argument("--run-dir", required=True)
     m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer")
@@ -75,6 +87,8 @@ def _exit_rank_now() -> None:
 
 
 def cmd_eval(args) -> int:
+    if args.prompts and args.drafter and args.target and not (args.run_dir or args.data):
+        return eval_prompts(args)
     from trainer.eval import evaluate_export, evaluate_run
 
     if args.run_dir and not args.drafter:
@@ -83,7 +97,42 @@ def cmd_eval(args) -> int:
     if args.drafter and args.target and args.data and not args.run_dir:
         evaluate_export(args.drafter, args.target, args.data)
         return 0
-    raise TrainerError("eval needs either --run-dir D, or all of --drafter EXPORT_DIR --target T --data F")
+    raise TrainerError("eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --data F or --prompts FILE...")
+
+
+def eval_prompts(args) -> int:
+    """Real decoding of each prompt file: one DFLASH_EVAL line and one human line per set. The prompt files are read
+    before any model is loaded."""
+    import json
+
+    from trainer.prompts import read_prompt_set
+
+    if args.limit < 1 or args.max_new < 1:
+        raise TrainerError("--limit and --max-new must be >= 1")
+    sets = [read_prompt_set(p) for p in args.prompts]
+    for ps in sets:
+        if ps.bad_lines:
+            print(f"warning: {ps.name}: {len(ps.bad_lines)} unreadable lines skipped (lines "
+                  f"{', '.join(map(str, ps.bad_lines[:10]))}{', ...' if len(ps.bad_lines) > 10 else ''})",
+                  file=sys.stderr, flush=True)
+    from trainer.export import load_pair
+    from trainer.placement import local_device
+    from trainer.quality.config import EvalCfg
+    from trainer.quality.evaluate import decode_benchmark
+
+    target, drafter, ecfg = load_pair(Path(args.drafter), args.target, local_device("auto"), args.target_dtype)
+    cfg = EvalCfg(prompts=args.limit, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
+                  engine=args.engine)
+    for ps in sets:
+        r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None)
+        keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
+                "speculative_tok_s", "engine", "attention", "device")
+        record = {"set": ps.name, "formats": list(ps.formats), **{k: r[k] for k in keep}}
+        print("DFLASH_EVAL " + json.dumps(record), flush=True)
+        print(f"eval {ps.name}: tau {r['tau']}, speedup {r['speedup']}x at batch 1 ({r['target_tok_s']} -> "
+              f"{r['speculative_tok_s']} tokens/s), {r['identical']}/{r['prompts']} outputs equal the target's",
+              flush=True)
+    return 0
 
 
 def cmd_export(args) -> int:

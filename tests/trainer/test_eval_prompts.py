@@ -1,0 +1,77 @@
+"""`trainer eval --prompts`: the prompt formats users evaluate on (a few lines of each, written here), read into
+user turns, and real batch-1 decoding of each set through the CLI, on a tiny target saved to disk."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.errors import DataError
+from trainer.prompts import read_prompt_set
+
+FIXTURES = Path(__file__).parent / "fixtures" / "prompts"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name, fmt, first", [
+    ("gsm8k", "gsm8k", "count from 3 to 9"),
+    ("math500", "math", "repeat twice : cat dog"),
+    ("humaneval", "humaneval", 'def count ( n ) :\n    """ count from 3 to n """\n'),
+    ("mbpp", "mbpp", "Write a function to count from 3 to 40.\nYour code should pass these tests:\n"
+                     "assert count()[0] == 3\nassert count()[-1] == 40"),
+    ("mtbench", "mt-bench", "repeat twice : cat dog fish"),
+])
+def test_each_format_gives_its_user_turn(name, fmt, first):
+    ps = read_prompt_set(FIXTURES / f"{name}.jsonl")
+    assert ps.name == name and ps.formats == (fmt,) and len(ps.prompts) == 2 and ps.prompts[0] == first
+
+
+def test_chat_sharegpt_plain_lines_and_bad_lines(tmp_path):
+    f = tmp_path / "mixed.txt"
+    f.write_bytes(b'{"conversations": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]}\n'
+                  b'{"conversations": [{"from": "human", "value": "b"}]}\n'
+                  b"plain prompt\n\n"
+                  b'{"unknown": 1}\n'
+                  b"\xff\xfe broken\n"
+                  b'{"question": "", "answer": ""}\n')
+    ps = read_prompt_set(f)
+    assert ps.prompts == ("a", "b", "plain prompt") and ps.formats == ("chat", "sharegpt", "text")
+    assert ps.bad_lines == (5, 6, 7)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="holds no prompt"):
+        read_prompt_set(tmp_path / "empty.jsonl")
+    with pytest.raises(DataError, match="not found"):
+        read_prompt_set(tmp_path / "missing.jsonl")
+
+
+def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp_path):
+    from tests.trainer.conftest import make_state
+    from trainer.export import ExportConfig, export_drafter
+
+    state = make_state(target, block_size=4, seed=1)
+    export_drafter(tmp_path / "export", state.drafter, ExportConfig.of(state.drafter.cfg, target, 4),
+                   dtype=torch.float32)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+    files = [str(FIXTURES / f"{n}.jsonl") for n in ("gsm8k", "math500", "humaneval", "mbpp", "mtbench")]
+    proc = subprocess.run([sys.executable, "-m", "trainer", "eval", "--drafter", str(tmp_path / "export"),
+                           "--target", str(tiny_target_dir), "--prompts", *files, "--max-new", "12"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("DFLASH_EVAL ")]
+    assert [r["set"] for r in records] == ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]
+    for r in records:
+        assert r["prompts"] == 2 and r["identical"] == 2  # lossless
+        assert 1.0 <= r["tau"] <= 4 and len(r["accept_by_pos"]) == 3 and r["speedup"] > 0
+    assert "eval gsm8k: tau " in proc.stdout
+
+
+def test_a_bad_prompt_file_is_one_line_before_any_model(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainer", "eval", "--drafter", str(tmp_path), "--target",
+                           str(tmp_path), "--prompts", str(tmp_path / "missing.jsonl")], cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True)
+    assert proc.returncode == 3 and proc.stderr.splitlines()[0].startswith("error: prompt file ")
