@@ -171,11 +171,13 @@ def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
 
 
 # -- tail -----------------------------------------------------------------------------------------------------
-def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True) -> int:
-    """Byte offset of the last `lines` lines. `lines == 0` while following a running run starts at the line being
-    written (if any), so it comes out whole; otherwise 0 lines start at the end of the log."""
+def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True, hidden_ere: str | None = None) -> int:
+    """Byte offset of the last `lines` lines (not counting lines matching `hidden_ere`, which the view hides).
+    `lines == 0` while following a running run starts at the line being written (if any), so it comes out whole;
+    otherwise 0 lines start at the end of the log."""
     whole = follow and run.state == RUNNING
-    done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole), f"reading {run.run_id}'s log")
+    done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
+                 f"reading {run.run_id}'s log")
     words = parse.tagged(done.out, "DFLASH_START")
     return int(words[0]) if words and words[0].lstrip("-").isdigit() else 0
 

@@ -198,18 +198,26 @@ def _probe_body(run_dir: str, tail_bytes: int) -> str:
             f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')
 
 
-def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False) -> str:
+def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False, hidden_ere: str | None = None) -> str:
     """Byte offset where the last `lines` lines of the log begin (a trailing partial line counts as one).
 
     With `lines == 0` that is the end of the log, or with `whole_partial` the start of a trailing partial line,
-    so a follower never starts in the middle of the line being written.
+    so a follower never starts in the middle of the line being written. With `hidden_ere`, lines matching it are
+    not counted (the view will not show them), so `-n N` shows N lines of what is shown.
     """
     n = int(lines)
-    count = f'n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n {n} | wc -c)\n'
+    log = 'head -c "$size" -- "$D/output.log" 2>/dev/null'
+    count = f'n=$({log} | tail -n {n} | wc -c)\n'
+    if n > 0 and hidden_ere is not None:
+        # the line number of the Nth shown line from the end; the bytes before it are skipped
+        count = (f'first=$({log} | grep -a -n -v -E -e {q(hidden_ere)} | tail -n {n} | head -n 1 | cut -d: -f1)\n'
+                 'if [ -z "$first" ]; then n=0; else\n'
+                 f'  n=$((size - $({log} | head -n $((first - 1)) | wc -c)))\n'
+                 'fi\n')
     if n == 0 and whole_partial:
         # the last byte is a newline (or the log is empty): start at the end; else at the partial line's start
-        count = ('nl=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -c 1 | wc -l)\n'
-                 'n=0; [ "$nl" = 1 ] || n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n 1 | wc -c)\n')
+        count = (f'nl=$({log} | tail -c 1 | wc -l)\n'
+                 f'n=0; [ "$nl" = 1 ] || n=$({log} | tail -n 1 | wc -c)\n')
     return (f"D={path_word(run_dir)}\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'size=$(stat -c %s -- "$D/output.log" 2>/dev/null || echo 0)\n'

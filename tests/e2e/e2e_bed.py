@@ -7,7 +7,8 @@ against the session's real sshd and emulated Proxmox containers reached through 
   and TORCHINDUCTOR_CACHE_DIR=`bed.cache_dir`). Containers are stopped when the module ends (that ends every job
   inside them, as stopping a real container does).
 - JOB flags: `--gate FILE` (after `job started`, wait until FILE exists), `--lines N` `--every S` (print
-  `line I` N times), `--child FILE` (spawn `sleep 300` in the job's group, write its container pid),
+  `line I` N times), `--metrics N` (N intervals as the trainer prints them: a `DFLASH_METRICS` line, then a
+  human line `step I loss L`), `--child FILE` (spawn `sleep 300` in the job's group, write its container pid),
   `--argv FILE` (write the job's argv as NUL-joined bytes), `--env FILE` (write $HOSTILE's bytes), `--echo` (print
   every argument after `--echo` raw, one per line), `--rc N` (exit status). Files are written via tmp+rename.
 """
@@ -58,6 +59,11 @@ while gate and not os.path.exists(gate) and time.monotonic() < deadline:
     time.sleep(0.02)
 for i in range(int(opt("--lines", "0"))):
     print(f"line {i}", flush=True)
+    time.sleep(float(opt("--every", "0.02")))
+for i in range(1, int(opt("--metrics", "0")) + 1):   # as the trainer prints an interval: machine line, human line
+    print('DFLASH_METRICS {"step": %d, "loss": %.1f, "acc_by_pos": [%s]}' % (i, 4 - i / 10, ", ".join(["0.5"] * 15)),
+          flush=True)
+    print(f"step {i} loss {4 - i / 10:.1f}", flush=True)
     time.sleep(float(opt("--every", "0.02")))
 sys.exit(int(opt("--rc", "0")))
 '''
