@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,12 @@ class Target:
     @property
     def label(self) -> str:
         return self.host.name if self.container is None else f"{self.host.name}/ct{self.container.ctid}"
+
+    @property
+    def cli_args(self) -> str:
+        """`--host H [--ct N]`, as a hint's command line names this target (a shell could paste it)."""
+        args = ["--host", self.host.name] + (["--ct", self.container.ctid] if self.container else [])
+        return shlex.join(args)
 
     @property
     def runs_dir(self) -> str:

@@ -43,11 +43,12 @@ def status_dict(s: RunStatus) -> dict:
     return d
 
 
-def launching(spec, target: str, wait_s: float | None) -> None:
+def started(spec, target: str, pid: int, wait_s: float | None) -> None:
     live = spec.liveness
     wait = live.wait_s if wait_s is None else wait_s
     upto = f" (up to {live.timeout_s:g} s)" if live.timeout_s else ""
-    _err(f"launching {spec.run_id} on {target}; proving it alive: wait {wait:g} s, then /{live.pattern}/ in the log{upto}")
+    _err(f"started {spec.run_id} on {target} (pid {pid}); proving it alive: wait {wait:g} s, "
+         f"then /{live.pattern}/ in the log{upto}")
 
 
 def launched(l: Launched, *, json_out: bool) -> None:
@@ -70,11 +71,26 @@ def launched(l: Launched, *, json_out: bool) -> None:
         _out(f"  matched   {l.matched_line[:200]}")
 
 
+def argv_summary(argv, limit: int = 120) -> str:
+    """PURE: the argv as a shell would read it (shlex.join), whole tokens only: the tokens that fit in `limit`
+    characters, then " …" when some are left out (the first token always shows, however long)."""
+    import shlex
+
+    words = [shlex.quote(a) for a in argv]
+    shown, used = [], 0
+    for word in words:
+        if shown and used + 1 + len(word) > limit:
+            return " ".join(shown) + " …"
+        shown.append(word)
+        used += len(word) + (1 if len(shown) > 1 else 0)
+    return " ".join(shown)
+
+
 def dry_run(spec, command: str, *, json_out: bool) -> None:
     if json_out:
         _out(json.dumps({"run_id": spec.run_id, "run_dir": spec.run_dir, "argv": list(spec.argv), "command": command}))
         return
-    _err(f"# dry run: would launch {spec.run_id} ({' '.join(spec.argv)[:120]}); nothing was run")
+    _err(f"# dry run: would launch {spec.run_id} ({argv_summary(spec.argv)}); nothing was run")
     _out(command)
 
 

@@ -31,9 +31,26 @@ class Session:
     def argv(self, script: str) -> list[str]:
         return shellcmd.target_argv(self.target, script)
 
-    def run(self, script: str, what: str, *, timeout_s: float = 60.0, ok: tuple[int, ...] = (0,)) -> Completed:
+    def connect(self) -> None:
+        """Reach the target now (a no-op for this machine), so that an unreachable host fails before any script."""
+        try:
+            self.transport.connect()
+        except HostUnreachable as exc:
+            raise self._hinted(exc) from None
+
+    def _hinted(self, exc: HostUnreachable) -> HostUnreachable:
+        if exc.hint is None:
+            exc.hint = f"check that {self.target.host.name} is up and accepts SSH, then retry with {self.target.cli_args}"
+        return exc
+
+    def run(self, script: str, what: str, *, timeout_s: float = 60.0, ok: tuple[int, ...] = (0,),
+            on_stdout: Callable[[bytes], None] | None = None) -> Completed:
         """Run `script` on the target; an exit code outside `ok` (and not a known refusal) is RemoteFailed."""
-        done = self.transport.run(self.argv(script), timeout_s=timeout_s)
+        kwargs = {"on_stdout": on_stdout} if on_stdout is not None else {}
+        try:
+            done = self.transport.run(self.argv(script), timeout_s=timeout_s, **kwargs)
+        except HostUnreachable as exc:
+            raise self._hinted(exc) from None
         if done.exit_code in ok:
             return done
         if done.exit_code == 3 and "DFLASH_MISSING" in done.out:
@@ -49,12 +66,13 @@ class Session:
 
 def _refusal(words: list[str], target: Target) -> Refused:
     kind, run = (words + ["-", "-"])[:2]
+    where = target.cli_args
     if kind == "alive":
         return Refused(f"run {run} of that name is alive on {target.label}",
-                       hint=f"stop it (`dflash-ops stop {run}`) or pass --force, or choose another --name")
+                       hint=f"stop it (`dflash-ops stop {run} {where}`) or pass --force, or choose another --name")
     if kind == "cache":
         return Refused(f"not clearing the inductor cache: run {run} is alive on {target.label}",
-                       hint=f"wait for it or `dflash-ops stop {run}` first")
+                       hint=f"wait for it or `dflash-ops stop {run} {where}` first")
     return Refused(f"another launch holds the lock on {target.label}", hint="retry in a few seconds")
 
 
@@ -74,7 +92,7 @@ def find_run(s: Session, ref: str | None) -> RunStatus:
     if not runs:
         what = f"run {ref!r}" if ref else "any run"
         raise RunNotFound(f"no {what} on {s.target.label} (runs dir {s.target.runs_dir})",
-                          hint="`dflash-ops runs` lists the runs of a host/container")
+                          hint=f"`dflash-ops runs {s.target.cli_args}` lists its runs")
     return runs[-1]
 
 
@@ -104,9 +122,12 @@ def dry_run(s: Session, spec: RunSpec, *, wait_s: float | None = None) -> DryRun
 
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
-           grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep) -> Launched:
+           grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep,
+           on_started: Callable[[int], None] = lambda pid: None) -> Launched:
     """Start `spec` detached and prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
-    unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call."""
+    unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call;
+    `on_started(pid)` is called as soon as that call reports the job started (never for a refused launch)."""
+    s.connect()                # unreachable: nothing was sent (the hint names --host/--ct)
     stopped: tuple[str, ...] = ()
     if force:
         alive = [r for r in list_runs(s) if r.name == spec.name and r.state == "running"]
@@ -114,12 +135,16 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
             stop(s, r, grace_s=grace_s)
         stopped = tuple(r.run_id for r in alive)
     wait = spec.liveness.wait_s if wait_s is None else wait_s
+    seen = _StartWatch(on_started)
     t0 = time.monotonic()
     try:
         done = s.run(shellcmd.launch_script(spec, probe_after_s=wait), f"launching {spec.run_id}",
-                     timeout_s=wait + 60)
-    except HostUnreachable as exc:  # the connection may have dropped after the job started
-        raise HostUnreachable(exc.message, hint=f"{spec.run_id} may have started: check `dflash-ops runs`") from None
+                     timeout_s=wait + 60, on_stdout=seen.feed)
+    except HostUnreachable as exc:  # the connection dropped while the launch script ran
+        where = s.target.cli_args
+        hint = (f"{spec.run_id} started (pid {seen.pid}) and goes on: `dflash-ops tail {spec.run_id} {where}`"
+                if seen.pid is not None else f"{spec.run_id} may have started: check `dflash-ops runs {where}`")
+        raise HostUnreachable(exc.message, hint=hint) from None
     words = parse.tagged(done.out, "DFLASH_LAUNCHED")
     if not words or not words[0].isdigit():
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
@@ -127,6 +152,25 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
     status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep)
     return Launched(spec=spec, target=s.target.label, pid=int(words[0]), status=status,
                     matched_line=line, verified_after_s=time.monotonic() - t0, stopped_first=stopped)
+
+
+class _StartWatch:
+    """Watches the launch script's stdout for its `DFLASH_LAUNCHED <pid>` line and reports it once."""
+
+    def __init__(self, on_started: Callable[[int], None]) -> None:
+        self.on_started, self.pid, self._buf = on_started, None, b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.pid is not None:
+            return
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        for line in lines:
+            words = line.decode("utf-8", "replace").split()
+            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and words[1].isdigit():
+                self.pid = int(words[1])
+                self.on_started(self.pid)
+                return
 
 
 def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: float,
@@ -148,9 +192,11 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
         if matched is not None:
             return status, matched
         if time.monotonic() >= deadline:
+            where = s.target.cli_args
             raise RunFailed(f"run {spec.run_id} is alive (pid {status.pid}) but no log line matched "
                             f"/{spec.liveness.pattern}/ in time",
-                            hint=f"it goes on; `dflash-ops tail {spec.run_id}` or `dflash-ops stop {spec.run_id}`",
+                            hint=f"it goes on; `dflash-ops tail {spec.run_id} {where}` or "
+                                 f"`dflash-ops stop {spec.run_id} {where}`",
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         sleep(POLL_S)
         probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run").stdout)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import os
+import selectors
 import shlex
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -27,12 +28,18 @@ from dflash_ops.ssh.routing import Endpoint, Route
 DEFAULT_TIMEOUT_S = 60.0
 
 
+OnStdout = Callable[[bytes], None]   # sees the command's stdout as it arrives, chunk by chunk
+
+
 class Transport(Protocol):
     label: str
 
-    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Completed: ...
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+            on_stdout: OnStdout | None = None) -> Completed: ...
 
     def describe(self, argv: Sequence[str]) -> str: ...
+
+    def connect(self) -> None: ...
 
     def reconnect(self) -> None: ...
 
@@ -45,26 +52,57 @@ class LocalTransport:
     def __init__(self, label: str = "local") -> None:
         self.label = label
 
-    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Completed:
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+            on_stdout: OnStdout | None = None) -> Completed:
         try:
-            proc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s,
-                                  check=False)
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
         except FileNotFoundError as exc:
             raise UsageError(f"cannot run {argv[0]!r} on this machine: {exc.strerror}",
                              hint="check the `pct:` path of this host in the inventory") from None
-        except subprocess.TimeoutExpired:
-            raise HostUnreachable(f"local command timed out after {timeout_s} s") from None
-        return Completed(command=command_string(argv), exit_code=proc.returncode, stdout=proc.stdout,
-                         stderr=proc.stderr)
+        with proc:
+            try:
+                out, err = _read_both(proc, timeout_s, on_stdout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise HostUnreachable(f"local command timed out after {timeout_s} s") from None
+        return Completed(command=command_string(argv), exit_code=proc.returncode, stdout=out, stderr=err)
 
     def describe(self, argv: Sequence[str]) -> str:
         return command_string(argv)
+
+    def connect(self) -> None:
+        return None
 
     def reconnect(self) -> None:
         return None
 
     def close(self) -> None:
         return None
+
+
+def _read_both(proc: subprocess.Popen, timeout_s: float | None, on_stdout: OnStdout | None) -> tuple[bytes, bytes]:
+    """stdout and stderr of `proc` until both close and it exits (stdout chunks to `on_stdout` as they come)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    got = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    with selectors.DefaultSelector() as sel:
+        for stream in got:
+            sel.register(stream, selectors.EVENT_READ)
+        while sel.get_map():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout_s)
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                got[key.fileobj] += chunk
+                if key.fileobj is proc.stdout and on_stdout is not None:
+                    on_stdout(chunk)
+    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return bytes(got[proc.stdout]), bytes(got[proc.stderr])
 
 
 def known_hosts_path(host: Host) -> Path:
@@ -156,7 +194,8 @@ class SshTransport:
                                   hint="run that command by hand: it must connect its stdin/stdout to the "
                                        "host's sshd") from None
 
-    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Completed:
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+            on_stdout: OnStdout | None = None) -> Completed:
         import paramiko
 
         command = command_string(argv)
@@ -164,7 +203,7 @@ class SshTransport:
         try:
             chan = client.get_transport().open_session(timeout=self.host.connect_timeout_s)
             chan.exec_command(command)  # no get_pty, no agent forwarding, no env= (never user values)
-            out, err, code = _drain(chan, timeout_s)
+            out, err, code = _drain(chan, timeout_s, on_stdout)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self.close()
             raise HostUnreachable(f"connection to {self.label} lost: {exc or type(exc).__name__}",
@@ -176,6 +215,11 @@ class SshTransport:
         route = self.route.describe()
         via = f" (via {route})" if route else ""
         return f"ssh {user}@{address}:{port}{via}: {command_string(argv)}"
+
+    def connect(self) -> None:
+        """Connect now (else the first `run` does): a host that cannot be reached fails before anything is sent."""
+        if self._client is None:
+            self._connect()
 
     def reconnect(self) -> None:
         self.close()
@@ -339,15 +383,22 @@ def _hop_trust_hint(host: Host, changed: bool = False, *, before: Sequence[Endpo
             f"then dflash-ops trust-host {host.name}")
 
 
-def _drain(chan, timeout_s: float | None) -> tuple[bytes, bytes, int]:
+def _drain(chan, timeout_s: float | None, on_stdout: OnStdout | None = None) -> tuple[bytes, bytes, int]:
     """Read stdout and stderr together until the command exits (no deadlock on a full stderr window)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     out, err = bytearray(), bytearray()
     chan.settimeout(0.05)
+
+    def take() -> None:
+        chunk = chan.recv(65536)
+        out.extend(chunk)
+        if on_stdout is not None and chunk:
+            on_stdout(chunk)
+
     while True:
         got = False
         while chan.recv_ready():
-            out += chan.recv(65536)
+            take()
             got = True
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(65536)
@@ -365,7 +416,7 @@ def _drain(chan, timeout_s: float | None) -> tuple[bytes, bytes, int]:
             time.sleep(0.005)
     # the exit status can arrive before the last data: drain once more
     while chan.recv_ready():
-        out += chan.recv(65536)
+        take()
     while chan.recv_stderr_ready():
         err += chan.recv_stderr(65536)
     code = chan.recv_exit_status()
