@@ -39,7 +39,8 @@ def info(text: str) -> None:
 
 def status_dict(s: RunStatus) -> dict:
     d = asdict(s)
-    d.update(state_text=s.state_text, duration_s=s.duration_s, log_path=s.log_path, argv=list(s.argv))
+    d.update(state_text=s.state_text, duration_s=s.duration_s, log_path=s.log_path, argv=list(s.argv),
+             leftovers=s.leftovers)
     return d
 
 
@@ -129,6 +130,13 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
     if not console.is_terminal:
         console = Console(width=250)  # piped: never squeeze ids and times into 80 columns
     console.print(table)
+    for r in runs:
+        if r.leftovers:
+            _err(f"{r.run_id} {r.state} but {r.leftovers} of its processes live on: "
+                 f"`dflash-ops stop {r.run_id}` ends them")
+        elif r.dir_missing:
+            _err(f"{r.run_id}: its run dir is gone but {r.procs} of its processes live on: "
+                 f"`dflash-ops stop {r.run_id}` ends them")
 
 
 def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None:

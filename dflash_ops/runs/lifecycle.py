@@ -110,9 +110,11 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
                     extra_env=extra_env)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")
-    if any(k == shellcmd.MARKER_VAR for k, _ in spec.env):
-        # The marker `stop` checks before it kills: a job that could overwrite it could not be stopped.
-        raise UsageError(f"{shellcmd.MARKER_VAR} is set by dflash-ops itself; it cannot be given in an environment")
+    for key in (shellcmd.MARKER_VAR, shellcmd.RUN_DIR_VAR):
+        if any(k == key for k, _ in spec.env):
+            # What `stop` and the refusals find a run's processes by: a job that could overwrite it could not be
+            # stopped, and its name could be launched twice.
+            raise UsageError(f"{key} is set by dflash-ops itself; it cannot be given in an environment")
     return spec
 
 
@@ -130,7 +132,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
     s.connect()                # unreachable: nothing was sent (the hint names --host/--ct)
     stopped: tuple[str, ...] = ()
     if force:
-        alive = [r for r in list_runs(s) if r.name == spec.name and r.state == "running"]
+        alive = [r for r in list_runs(s) if r.name == spec.name and r.holds_on]
         for r in alive:
             stop(s, r, grace_s=grace_s)
         stopped = tuple(r.run_id for r in alive)
@@ -210,10 +212,14 @@ class Stopped:
 
 
 def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
-    done = s.run(shellcmd.stop_script(run.run_dir, grace_s), f"stopping {run.run_id}", timeout_s=grace_s + 30)
+    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script)."""
+    done = s.run(shellcmd.stop_script(s.target.runs_dir, run.run_id, grace_s), f"stopping {run.run_id}",
+                 timeout_s=grace_s + 30)
     how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
+    left = parse.tagged(done.out, "DFLASH_LEFT") or []
     raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
-    return Stopped(how=how, status=parse.updated(run, raw, time.time()) if raw else run)
+    procs = int(left[0]) if left and left[0].isdigit() else None
+    return Stopped(how=how, status=parse.updated(run, raw, time.time(), procs) if raw else run)
 
 
 # -- tail -----------------------------------------------------------------------------------------------------

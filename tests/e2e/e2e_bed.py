@@ -9,6 +9,7 @@ against the session's real sshd and emulated Proxmox containers reached through 
 - JOB flags: `--gate FILE` (after `job started`, wait until FILE exists), `--lines N` `--every S` (print
   `line I` N times), `--metrics N` (N intervals as the trainer prints them: a `DFLASH_METRICS` line, then a
   human line `step I loss L`), `--child FILE` (spawn `sleep 300` in the job's group, write its container pid),
+  `--setsid-child FILE` (the same in a session and group of its own: only its environment's marker ties it to the run),
   `--argv FILE` (write the job's argv as NUL-joined bytes), `--env FILE` (write $HOSTILE's bytes), `--echo` (print
   every argument after `--echo` raw, one per line), `--rc N` (exit status). Files are written via tmp+rename.
 """
@@ -54,6 +55,9 @@ if "--echo" in args:
 if opt("--child"):
     child = subprocess.Popen(["sleep", "300"])
     put(opt("--child"), str(child.pid).encode())
+if opt("--setsid-child"):
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    put(opt("--setsid-child"), str(child.pid).encode())
 gate, deadline = opt("--gate"), time.monotonic() + 120
 while gate and not os.path.exists(gate) and time.monotonic() < deadline:
     time.sleep(0.02)
