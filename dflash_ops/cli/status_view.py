@@ -39,7 +39,8 @@ def _run_dict(row: RunRow) -> dict:
     r = row.status
     return {"run_id": r.run_id, "name": r.name, "state": r.state, "state_text": r.state_text, "pid": r.pid,
             "uptime_s": r.duration_s, "exit_code": r.exit_code, "started_at": r.started_at, "log": r.log_path,
-            "gpus": list(row.gpu_indices), "metrics": row.metrics.as_dict() if row.metrics else None}
+            "gpus": list(row.gpu_indices), "leftovers": r.leftovers, "dir_missing": r.dir_missing,
+            "metrics": row.metrics.as_dict() if row.metrics else None}
 
 
 def host_dict(o: Outcome) -> dict:

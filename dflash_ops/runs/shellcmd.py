@@ -133,10 +133,27 @@ def wrapper_script(spec: RunSpec) -> str:
     workdir = word(spec.workdir) if spec.run_dir in spec.workdir else path_word(spec.workdir)
     lines = ["trap : TERM INT"]
     lines += [f"export {k}={word(v)}" for k, v in spec.env]
-    lines += [f"cd -- {workdir} && {' '.join(map(word, spec.argv))}", "rc=$?",
-              f"printf '%s\\n' \"$rc\" > {rd}/exit_code.tmp && mv -f -- {rd}/exit_code.tmp {rd}/exit_code",
+    lines += [f"cd -- {workdir} && {' '.join(map(word, spec.argv))}", "rc=$?", KEEP_RC,
+              f'until dflash_keep_rc {rd} || [ ! -d {rd} ]; do sleep {RC_RETRY_S}; done',
+              f"rm -f -- {rd}/{RC_RESERVE}",
               'exit "$rc"']
     return "\n".join(lines) + "\n"
+
+
+RC_RESERVE = ".exit_code.reserve"
+RC_RESERVE_BYTES = 32
+RC_RETRY_S = 5
+# The exit status is a few bytes, and it must survive a full disk: first the usual tmp + rename; if that cannot be
+# written, the bytes reserved at launch are overwritten in place (`1<>`: no new block to allocate), cut to size
+# and renamed into place; if even that fails, the wrapper keeps the status in memory and retries (above).
+KEEP_RC = (
+    "dflash_keep_rc() {\n"
+    """  { printf '%s\\n' "$rc" > "$1"/exit_code.tmp && mv -f -- "$1"/exit_code.tmp "$1"/exit_code; } 2>/dev/null"""
+    " && return 0\n"
+    '  rm -f -- "$1"/exit_code.tmp\n'
+    f"""  {{ printf '%s\\n' "$rc" 1<> "$1"/{RC_RESERVE} && truncate -s $(( ${{#rc}} + 1 )) -- "$1"/{RC_RESERVE}"""
+    f""" && mv -f -- "$1"/{RC_RESERVE} "$1"/exit_code; }} 2>/dev/null\n"""
+    "}")
 
 
 def _alive_loop(name: str | None, tag: str) -> str:
@@ -182,10 +199,14 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         'fi\n',
         _alive_loop(spec.name, "alive"),
         *(PRE_BUILDERS[step](spec) for step in spec.pre),
-        f"mkdir -- {rd} || exit 1\n",
-        f"printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
-        f" && mv -f -- {rd}/run.json.tmp {rd}/run.json || exit 1\n",
-        f"cd -- {rd} || exit 1\n",
+        f"mkdir -- {rd} || {{ printf 'DFLASH_ERROR cannot create %s\\n' {rd}; exit 1; }}\n",
+        # from here on a failure (a full disk) removes what this launch created: no phantom run is left behind
+        f"dflash_fail() {{ rm -rf -- {rd}; printf 'DFLASH_ERROR %s\\n' \"$1\"; exit 1; }}\n",
+        f"err=$({{ printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
+        f" && mv -f -- {rd}/run.json.tmp {rd}/run.json; }} 2>&1) || dflash_fail \"cannot write run.json: ${{err##*: }}\"\n",
+        f"err=$({{ printf '\\n%.0s' {{1..{RC_RESERVE_BYTES}}} > {rd}/{RC_RESERVE}; }} 2>&1)"
+        f" || dflash_fail \"cannot reserve room for the exit status: ${{err##*: }}\"\n",
+        f"cd -- {rd} || dflash_fail 'cannot enter the run dir'\n",
         f"{MARKER_VAR}={q(spec.run_id)} {RUN_DIR_VAR}=\"$RUNS\"/{q(spec.run_id)}"
         f" nohup setsid bash -c {q(wrapper_script(spec))} dflash-run \"$PWD\""
         " >>output.log 2>&1 </dev/null 9>&- &\n",
@@ -193,7 +214,12 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         # between fork and exec the child's environ lacks the marker: hold the lock until it shows (<= 2 s)
         f"i=0; while [ $i -lt 200 ] && kill -0 \"$pid\" 2>/dev/null && ! dflash_marked \"$pid\" {q(spec.run_id)};"
         " do sleep 0.01; i=$((i+1)); done\n",
-        "printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid\n",
+        # a job whose pid cannot be recorded could not be told from a stranger later: end it (ours, just started)
+        "if ! err=$({ printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid; } 2>&1); then\n"
+        '  kill -KILL -- "-$pid" 2>/dev/null\n'
+        f'  while read -r p i s; do [ "$i" = {q(spec.run_id)} ] && kill -KILL "$p" 2>/dev/null; done < <(dflash_procs)\n'
+        '  dflash_fail "cannot write the pid file: ${err##*: }"\n'
+        "fi\n",
         "printf 'DFLASH_LAUNCHED %s\\n' \"$pid\"\n",
     ]
     if probe_after_s is not None:

@@ -65,7 +65,7 @@ def test_trap_ordering_nohup_line_is_alone():
     command = _launch_command(script)
     start = script.index(command)
     assert script[start - 1] == "\n" and script[start + len(command)] == "\n"
-    assert script[:start].rstrip().endswith("|| exit 1")  # the cd before it is its own list
+    assert script[:start].rstrip().endswith("|| dflash_fail 'cannot enter the run dir'")  # the cd: its own list
 
 
 def test_run_json_prefix_is_json_once_closed():
