@@ -459,15 +459,26 @@ def key_fingerprint(key) -> str:
 
 
 def known_key_status(path: Path, entry: str, key) -> str:
-    """'same' (already trusted), 'changed' (a different key of that type is recorded) or 'new'."""
+    """'same' (already trusted), 'changed' (a different key of that type is recorded), 'other_type' (keys of
+    other types are recorded for the host, none of this type: OpenSSH warns here) or 'new'."""
     import paramiko
 
     if not path.is_file():
         return "new"
     recorded = paramiko.HostKeys(str(path)).lookup(entry)
-    if recorded is None or key.get_name() not in recorded:
+    if not recorded:
         return "new"
+    if key.get_name() not in recorded:
+        return "other_type"
     return "same" if recorded[key.get_name()] == key else "changed"
+
+
+def known_keys(path: Path, entry: str) -> list[tuple[str, str]]:
+    """(type, SHA256 fingerprint) of every key `path` records for `entry`."""
+    import paramiko
+
+    recorded = paramiko.HostKeys(str(path)).lookup(entry) if path.is_file() else None
+    return [(name, key_fingerprint(recorded[name])) for name in (recorded or {})]
 
 
 def append_known_host(path: Path, entry: str, key) -> None:
