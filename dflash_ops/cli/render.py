@@ -151,3 +151,25 @@ def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None
             _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
         else:
             _out(f"stopped {run_id} with {signal}; state: {status.state_text}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def pulled_file(f, dest) -> None:
+    _out(f"{dest}  {_size(f.size)}  sha256 {f.sha256}")
+
+
+def pulled(p, *, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps({"run_id": p.run_id, "what": p.what, "to": str(p.to),
+                         "files": [{"path": f.rel, "dest": str(dest), "size": f.size, "sha256": f.sha256}
+                                   for f, dest in p.files]}))
+        return
+    total = sum(f.size for f, _ in p.files)
+    _err(f"pulled the {p.what} of {p.run_id}: {len(p.files)} file(s), {_size(total)}, into {p.to} "
+         "(sizes and SHA-256 checked)")

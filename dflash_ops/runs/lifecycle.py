@@ -5,14 +5,16 @@ Every function takes a Session (a Target and the Transport that reaches it), ret
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_ops import names
-from dflash_ops.errors import HostUnreachable, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
-from dflash_ops.runs import parse, shellcmd
+from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
+from dflash_ops.runs import parse, pull, shellcmd
 from dflash_ops.runs.runbooks import run_spec
 from dflash_ops.spec import EXITED, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.ssh.transport import Transport
@@ -286,3 +288,95 @@ def _try_reconnect(s: Session) -> None:
         s.transport.reconnect()
     except HostUnreachable:
         pass  # the next run() raises again and the backoff continues
+
+
+# -- pull -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pulled:
+    run_id: str
+    what: str
+    to: Path
+    files: tuple[tuple[pull.RemoteFile, Path], ...]
+
+
+PULL_STAGE_DIR = "/var/tmp"     # on a Proxmox host (disk, not tmpfs): one file at a time, removed after it
+
+
+def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool = False,
+               on_file: Callable[[pull.RemoteFile, Path], None] = lambda f, dest: None) -> Pulled:
+    """Bring `what` of `run` to the directory `to` on this machine. The files are listed, with size and SHA-256,
+    where the run lives; each is read there (in a container: `pct pull` into a private directory on the Proxmox
+    host, whose filesystem view is the container's), fetched over SFTP on the same connection (or read, for this
+    machine), checked against its listed size and hash, and only then renamed into place. Refused (exit 5), with
+    nothing written, if a file would be overwritten and not `force`."""
+    listing = s.run(pull.manifest_script(run.run_dir, what), f"listing the {what} of {run.run_id}")
+    manifest = pull.parse_manifest(listing.out)
+    if manifest.missing or not manifest.files:
+        raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} yet",
+                          hint="`dflash-ops tail` shows how far it got; the export is written when training ends"
+                          if what == "export" else None)
+    plan = pull.destinations(manifest, to)
+    there = [dest for _, dest in plan if dest.exists() or dest.is_symlink()]
+    if there and not force:
+        more = f" (and {len(there) - 1} more)" if len(there) > 1 else ""
+        raise Refused(f"{there[0]} exists{more}; nothing was pulled",
+                      hint="pass --force to overwrite, or --to another directory")
+    stage = _pull_stage(s) if s.target.container is not None else None
+    try:
+        for i, (f, dest) in enumerate(plan):
+            source = f"{manifest.root}/{f.rel}"
+            if stage is not None:
+                held = f"{stage}/{i}"
+                _host_run(s, [s.target.host.pct, "pull", s.target.container.ctid, source, held],
+                          f"pct pull of {f.rel}", timeout_s=3600)
+                source = held
+            _fetch_checked(s, source, f, dest)
+            if stage is not None:
+                _host_run(s, ["rm", "-f", "--", source], "removing the staged copy")
+            on_file(f, dest)
+    finally:
+        if stage is not None:
+            try:
+                _host_run(s, ["rm", "-rf", "--", stage], "removing the staging directory")
+            except OpsError:
+                pass    # the pull's own error (a dropped connection) is the one to show
+    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan))
+
+
+def _fetch_checked(s: Session, source: str, f: pull.RemoteFile, dest: Path) -> None:
+    """Fetch into a hidden temp file beside `dest`, check size and SHA-256, then rename it into place."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OpsError(f"cannot create {dest.parent}: {exc.strerror or exc}") from None
+    part = dest.with_name(f".{dest.name}.dflash-pull")
+    try:
+        got = s.transport.fetch(source, part, f.size)
+        if got != f.sha256:
+            raise RemoteFailed(f"{f.rel}: SHA-256 {got} of the bytes fetched is not the listed {f.sha256} "
+                               "(it changed while being pulled?); nothing kept", hint="pull it again")
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _pull_stage(s: Session) -> str:
+    """A private (0700) directory on the Proxmox host that `pct pull` writes into."""
+    done = _host_run(s, ["mktemp", "-d", "-p", PULL_STAGE_DIR, "dflash-pull.XXXXXXXX"], "making a staging directory")
+    stage = done.out.strip()
+    if not re.fullmatch(re.escape(PULL_STAGE_DIR) + r"/dflash-pull\.[A-Za-z0-9]{8}", stage):
+        raise RemoteFailed(f"mktemp on {s.target.host.name} printed {stage[:100]!r}")
+    return stage
+
+
+def _host_run(s: Session, argv: list[str], what: str, *, timeout_s: float = 60.0) -> Completed:
+    """`argv` on the host itself (for a container: the Proxmox host, not inside the container)."""
+    try:
+        done = s.transport.run(argv, timeout_s=timeout_s)
+    except HostUnreachable as exc:
+        raise s._hinted(exc) from None
+    if done.exit_code != 0:
+        last = "\n".join((done.err + done.out).strip().splitlines()[-LAST_LINES:])
+        raise RemoteFailed(f"{what} on {s.target.host.name} failed with exit code {done.exit_code}",
+                           detail=last or None)
+    return done

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from dflash_ops.errors import AuthFailed, HostUnreachable, UsageError
+from dflash_ops.errors import AuthFailed, HostUnreachable, OpsError, RemoteFailed, UsageError
 from dflash_ops.runs.shellcmd import command_string
 from dflash_ops.spec import LOCAL, Completed, Host
 from dflash_ops.ssh import routing
@@ -41,9 +41,47 @@ class Transport(Protocol):
 
     def connect(self) -> None: ...
 
+    def fetch(self, remote: str, local: Path, size: int) -> str: ...
+
     def reconnect(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+FETCH_CHUNK = 1 << 20
+
+
+def _open_local(local: Path):
+    try:
+        return open(local, "wb")  # noqa: SIM115 -- the caller's with closes it
+    except OSError as exc:
+        raise OpsError(f"cannot write {local}: {exc.strerror or exc}") from None
+
+
+class _SourceLost(Exception):
+    """Reading the source failed mid-copy (for SSH: the connection dropped)."""
+
+
+def _copy_hashed(src, dst, size: int, what: str, local: Path) -> str:
+    """Copy exactly `size` bytes from `src` to `dst`; their SHA-256 (hex). A shorter source is RemoteFailed, a
+    failed read _SourceLost, a failed local write one OpsError line (a full disk here)."""
+    import hashlib
+
+    digest, left = hashlib.sha256(), size
+    while left > 0:
+        try:
+            chunk = src.read(min(left, FETCH_CHUNK))
+        except Exception as exc:  # noqa: BLE001 - paramiko raises several kinds; the caller says which it was
+            raise _SourceLost(str(exc) or type(exc).__name__) from exc
+        if not chunk:
+            raise RemoteFailed(f"{what} is shorter than listed ({size - left} of {size} bytes); nothing kept")
+        try:
+            dst.write(chunk)
+        except OSError as exc:
+            raise OpsError(f"cannot write {local}: {exc.strerror or exc}") from None
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.hexdigest()
 
 
 class LocalTransport:
@@ -74,6 +112,18 @@ class LocalTransport:
 
     def connect(self) -> None:
         return None
+
+    def fetch(self, remote: str, local: Path, size: int) -> str:
+        """The first `size` bytes of the file `remote` (on this machine) into `local`; their SHA-256."""
+        try:
+            src = open(remote, "rb")  # noqa: SIM115 -- closed by the with below
+        except OSError as exc:
+            raise RemoteFailed(f"cannot read {remote}: {exc.strerror or exc}") from None
+        try:
+            with src, _open_local(local) as dst:
+                return _copy_hashed(src, dst, size, remote, local)
+        except _SourceLost as exc:
+            raise RemoteFailed(f"reading {remote} failed: {exc}") from None
 
     def reconnect(self) -> None:
         return None
@@ -124,6 +174,7 @@ class SshTransport:
         self._client = None
         self._hops: list = []      # connected jump hosts, first first: each carries the next one's channel
         self._proxy = None         # the running proxy command, if the route has one
+        self._sftp = None          # an SFTP session on the same connection, opened by the first fetch
         self._endpoint = resolve_endpoint(host)
         self.route = resolve_route(host, self._endpoint)
 
@@ -221,19 +272,42 @@ class SshTransport:
         if self._client is None:
             self._connect()
 
+    def fetch(self, remote: str, local: Path, size: int) -> str:
+        """The first `size` bytes of `remote` into `local` over SFTP on this same connection (its host key was
+        checked when it was made); their SHA-256."""
+        import paramiko
+
+        client = self._client or self._connect()
+        try:
+            if self._sftp is None:
+                self._sftp = client.open_sftp()
+            src = self._sftp.open(remote, "rb")
+        except (paramiko.SSHException, EOFError, socket.timeout) as exc:
+            self.close()
+            raise HostUnreachable(f"SFTP to {self.label} failed: {exc or type(exc).__name__}") from None
+        except OSError as exc:  # the server's answer (no such file, permission denied)
+            raise RemoteFailed(f"cannot read {remote} on {self.label}: {exc.strerror or exc}") from None
+        try:
+            with src, _open_local(local) as dst:
+                src.prefetch(size)  # pipelined reads: SFTP's round trips would otherwise bound the rate
+                return _copy_hashed(src, dst, size, f"{remote} on {self.label}", local)
+        except _SourceLost as exc:
+            self.close()
+            raise HostUnreachable(f"connection to {self.label} lost while pulling {remote}: {exc}") from None
+
     def reconnect(self) -> None:
         self.close()
         self._connect()
 
     def close(self) -> None:
         # target first, then the hops from the last one back: each carries the connection after it
-        for c in (self._client, *reversed(self._hops), self._proxy):
+        for c in (self._sftp, self._client, *reversed(self._hops), self._proxy):
             if c is not None:
                 try:
                     c.close()
                 except Exception:  # noqa: BLE001 - closing a dead connection must never mask the real error
                     pass
-        self._client, self._hops, self._proxy = None, [], None
+        self._sftp, self._client, self._hops, self._proxy = None, None, [], None
 
 
 @functools.cache
