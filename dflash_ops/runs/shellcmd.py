@@ -59,6 +59,7 @@ dflash_procs() {
     esac
   done < <(grep -Hazx -e 'DFLASH_OPS_RUN_ID=.*' -e 'DFLASH_OPS_RUN_DIR=.*' /proc/[0-9]*/environ 2>/dev/null \
            | tr '\0' '\n')
+  [ "${#id[@]}" -gt 0 ] || return 0    # bash < 4.4 calls an empty "${!id[@]}" unbound under set -u
   for pid in "${!id[@]}"; do
     if [ -n "${dir[$pid]-}" ]; then [ "${dir[$pid]}" = "$RUNS/${id[$pid]}" ] || continue
     else [ -d "$RUNS/${id[$pid]}" ] || continue; fi
