@@ -63,8 +63,8 @@ class Session:
         error = next((ln.split(" ", 1)[1] for ln in done.out.splitlines() if ln.startswith("DFLASH_ERROR ")), None)
         if error is not None:   # one of our scripts said what failed
             raise RemoteFailed(f"{what} on {self.target.label} failed: {error}",
-                               hint=f"check the runs dir {self.target.runs_dir} (free space, permissions); "
-                                    "a failed launch leaves nothing behind")
+                               hint="check free space and permissions there; a launch that fails leaves no run "
+                                    "dir behind")
         last = "\n".join((done.err + done.out).strip().splitlines()[-LAST_LINES:])
         raise RemoteFailed(f"{what} on {self.target.label} failed with exit code {done.exit_code}",
                            hint="check the host, the container (`pct status CT`) and the runs dir",
