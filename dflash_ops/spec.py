@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,12 @@ class Target:
     @property
     def label(self) -> str:
         return self.host.name if self.container is None else f"{self.host.name}/ct{self.container.ctid}"
+
+    @property
+    def cli_args(self) -> str:
+        """`--host H [--ct N]`, as a hint's command line names this target (a shell could paste it)."""
+        args = ["--host", self.host.name] + (["--ct", self.container.ctid] if self.container else [])
+        return shlex.join(args)
 
     @property
     def runs_dir(self) -> str:
@@ -156,10 +163,22 @@ class RunStatus:
     runbook: str = ""
     argv: tuple[str, ...] = ()
     log_size: int = 0
+    procs: int = 0                  # live processes carrying the run's marker (the wrapper, its children, ...)
+    dir_missing: bool = False       # found by its processes' marker only: its run directory is gone
 
     @property
     def log_path(self) -> str:
         return f"{self.run_dir}/output.log"
+
+    @property
+    def leftovers(self) -> int:
+        """Live processes of a run that is not running (it exited, was killed or lost its wrapper)."""
+        return 0 if self.state == RUNNING else self.procs
+
+    @property
+    def holds_on(self) -> bool:
+        """Anything of it still lives: a launch of its name, or a cache clear, must wait."""
+        return self.state == RUNNING or self.procs > 0
 
     @property
     def duration_s(self) -> float | None:
@@ -171,10 +190,16 @@ class RunStatus:
     @property
     def state_text(self) -> str:
         if self.state == EXITED:
-            return f"exited {self.exit_code}"
-        if self.state == KILLED and self.exit_code is not None:
-            return f"killed ({self.exit_code})"
-        return self.state
+            text = f"exited {self.exit_code}"
+        elif self.state == KILLED and self.exit_code is not None:
+            text = f"killed ({self.exit_code})"
+        else:
+            text = self.state
+        if self.dir_missing:
+            text += " (run dir gone)"
+        if self.leftovers:
+            text += f", {self.leftovers} leftover{'s' if self.leftovers > 1 else ''}"
+        return text
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Root Typer app: global options, then one module per command (launch, tail, stop, runs, trust-host)."""
+"""Root Typer app: global options, then one module per command (launch, tail, stop, runs, trust-host, status,
+gpu-reset, pull)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli import gpu_reset, launch, runs, status, stop, tail, trust
+from dflash_ops.cli import gpu_reset, launch, pull, runs, status, stop, tail, trust
 from dflash_ops.cli._common import Settings
 
 app = typer.Typer(
@@ -42,6 +43,7 @@ app.command("runs")(runs.runs)
 app.command("trust-host")(trust.trust_host)
 app.command("status")(status.status)
 app.command("gpu-reset")(gpu_reset.gpu_reset)
+app.command("pull")(pull.pull)
 
 
 def main() -> None:

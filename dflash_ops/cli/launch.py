@@ -27,7 +27,7 @@ def launch(
 ) -> None:
     """Launch RUNBOOK detached (survives the connection closing) and prove it alive.
 
-    Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set steps=100
+    Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set optim.max_steps=100
     """
     from dflash_ops import names
     from dflash_ops.cli import render
@@ -53,13 +53,16 @@ def launch(
 
 
 def _launch(session, spec, *, force: bool, wait_s: float | None):
-    """lifecycle.launch, saying first what it waits for; Ctrl-C exits 130 and leaves the run alone."""
+    """lifecycle.launch, saying what it waits for once the job has started; Ctrl-C exits 130 and leaves the run
+    alone."""
     from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle
 
-    render.launching(spec, session.target.label, wait_s)
     try:
-        return lifecycle.launch(session, spec, force=force, wait_s=wait_s)
+        return lifecycle.launch(session, spec, force=force, wait_s=wait_s,
+                                on_started=lambda pid: render.started(spec, session.target.label, pid, wait_s))
     except KeyboardInterrupt:
-        render.info(f"interrupted; if {spec.run_id} started it goes on (`dflash-ops runs`, `dflash-ops stop`)")
+        where = session.target.cli_args
+        render.info(f"interrupted; if {spec.run_id} started it goes on "
+                    f"(`dflash-ops runs {where}`, `dflash-ops stop {spec.run_id} {where}`)")
         raise typer.Exit(130) from None

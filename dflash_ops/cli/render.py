@@ -39,15 +39,17 @@ def info(text: str) -> None:
 
 def status_dict(s: RunStatus) -> dict:
     d = asdict(s)
-    d.update(state_text=s.state_text, duration_s=s.duration_s, log_path=s.log_path, argv=list(s.argv))
+    d.update(state_text=s.state_text, duration_s=s.duration_s, log_path=s.log_path, argv=list(s.argv),
+             leftovers=s.leftovers)
     return d
 
 
-def launching(spec, target: str, wait_s: float | None) -> None:
+def started(spec, target: str, pid: int, wait_s: float | None) -> None:
     live = spec.liveness
     wait = live.wait_s if wait_s is None else wait_s
     upto = f" (up to {live.timeout_s:g} s)" if live.timeout_s else ""
-    _err(f"launching {spec.run_id} on {target}; proving it alive: wait {wait:g} s, then /{live.pattern}/ in the log{upto}")
+    _err(f"started {spec.run_id} on {target} (pid {pid}); proving it alive: wait {wait:g} s, "
+         f"then /{live.pattern}/ in the log{upto}")
 
 
 def launched(l: Launched, *, json_out: bool) -> None:
@@ -70,11 +72,26 @@ def launched(l: Launched, *, json_out: bool) -> None:
         _out(f"  matched   {l.matched_line[:200]}")
 
 
+def argv_summary(argv, limit: int = 120) -> str:
+    """PURE: the argv as a shell would read it (shlex.join), whole tokens only: the tokens that fit in `limit`
+    characters, then " …" when some are left out (the first token always shows, however long)."""
+    import shlex
+
+    words = [shlex.quote(a) for a in argv]
+    shown, used = [], 0
+    for word in words:
+        if shown and used + 1 + len(word) > limit:
+            return " ".join(shown) + " …"
+        shown.append(word)
+        used += len(word) + (1 if len(shown) > 1 else 0)
+    return " ".join(shown)
+
+
 def dry_run(spec, command: str, *, json_out: bool) -> None:
     if json_out:
         _out(json.dumps({"run_id": spec.run_id, "run_dir": spec.run_dir, "argv": list(spec.argv), "command": command}))
         return
-    _err(f"# dry run: would launch {spec.run_id} ({' '.join(spec.argv)[:120]}); nothing was run")
+    _err(f"# dry run: would launch {spec.run_id} ({argv_summary(spec.argv)}); nothing was run")
     _out(command)
 
 
@@ -113,6 +130,13 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
     if not console.is_terminal:
         console = Console(width=250)  # piped: never squeeze ids and times into 80 columns
     console.print(table)
+    for r in runs:
+        if r.leftovers:
+            _err(f"{r.run_id} {r.state} but {r.leftovers} of its processes live on: "
+                 f"`dflash-ops stop {r.run_id}` ends them")
+        elif r.dir_missing:
+            _err(f"{r.run_id}: its run dir is gone but {r.procs} of its processes live on: "
+                 f"`dflash-ops stop {r.run_id}` ends them")
 
 
 def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None:
@@ -127,3 +151,25 @@ def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None
             _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
         else:
             _out(f"stopped {run_id} with {signal}; state: {status.state_text}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def pulled_file(f, dest) -> None:
+    _out(f"{dest}  {_size(f.size)}  sha256 {f.sha256}")
+
+
+def pulled(p, *, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps({"run_id": p.run_id, "what": p.what, "to": str(p.to),
+                         "files": [{"path": f.rel, "dest": str(dest), "size": f.size, "sha256": f.sha256}
+                                   for f, dest in p.files]}))
+        return
+    total = sum(f.size for f, _ in p.files)
+    _err(f"pulled the {p.what} of {p.run_id}: {len(p.files)} file(s), {_size(total)}, into {p.to} "
+         "(sizes and SHA-256 checked)")

@@ -18,7 +18,7 @@ def no_gpu(host: str, reason: str, *, json_out: bool) -> None:
     if json_out:
         sys.stdout.write(json.dumps({"host": host, "gpu": {"available": False, "reason": reason}}) + "\n")
     else:
-        sys.stdout.write(f"{host}: no GPU ({reason}); nothing to reset\n")
+        sys.stdout.write(f"{host}: no GPU: {reason}; nothing to reset\n")
 
 
 def _where(h: facts.Holder) -> str:

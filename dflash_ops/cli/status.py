@@ -77,7 +77,9 @@ def _print(outcomes: list, elapsed: float, json_out: bool) -> None:
         return
     from rich.console import Console
 
-    Console(soft_wrap=True).print(status_view.report_renderable(outcomes, elapsed))
+    # the width is the terminal's, else $COLUMNS, else 80 (a pipe); status_view wraps between values, never in one
+    console = Console(soft_wrap=True)
+    console.print(status_view.report_renderable(outcomes, elapsed, console.width))
 
 
 def _watch(pairs: list, interval: float, timeout: float, json_out: bool) -> None:
@@ -92,9 +94,10 @@ def _watch(pairs: list, interval: float, timeout: float, json_out: bool) -> None
         from rich.console import Console
         from rich.live import Live
 
-        with Live(console=Console(), auto_refresh=False, transient=False) as live:
+        console = Console(soft_wrap=True)
+        with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
-                live.update(status_view.report_renderable(*collect(pairs, timeout)), refresh=True)
+                live.update(status_view.report_renderable(*collect(pairs, timeout), console.width), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         return

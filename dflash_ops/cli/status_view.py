@@ -39,7 +39,8 @@ def _run_dict(row: RunRow) -> dict:
     r = row.status
     return {"run_id": r.run_id, "name": r.name, "state": r.state, "state_text": r.state_text, "pid": r.pid,
             "uptime_s": r.duration_s, "exit_code": r.exit_code, "started_at": r.started_at, "log": r.log_path,
-            "gpus": list(row.gpu_indices), "metrics": row.metrics.as_dict() if row.metrics else None}
+            "gpus": list(row.gpu_indices), "leftovers": r.leftovers, "dir_missing": r.dir_missing,
+            "metrics": row.metrics.as_dict() if row.metrics else None}
 
 
 def host_dict(o: Outcome) -> dict:
@@ -64,78 +65,128 @@ def report_dict(outcomes: list[Outcome], elapsed_s: float) -> dict:
     return {"hosts": [host_dict(o) for o in outcomes], "elapsed_s": round(elapsed_s, 3)}
 
 
-# --------------------------------------------------------------------------- Rich
-
-def gpu_table(snap: facts.GpuSnapshot, holders: tuple[facts.Holder, ...], runs: dict[int, str], *, title: str):
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for col in ("gpu", "uuid", "memory", "util", "held by"):
-        table.add_column(col, no_wrap=col != "held by")
-    for g in snap.gpus:
-        held = [h for h in holders if g.index in h.gpu_indices]
-        who = "\n".join(_holder_text(h, runs.get(h.pid)) for h in held) or "-"
-        mem = f"{g.mem_used_mib} / {g.mem_total_mib} MiB"
-        table.add_row(str(g.index), g.uuid, f"[yellow]{mem}[/]" if g.mem_used_mib else mem,
-                      _num(g.util_pct, "d") + ("%" if g.util_pct is not None else ""), who)
-    return table
+# --------------------------------------------------------------------------- text
+# A block per host and a few short lines per run, so that 80 columns (a laptop terminal, a pipe) show every figure.
+# A line is a list of cells ("pid 42", "up 1h02m"); `wrap` breaks lines between cells only, so a value is never
+# cut, folded or replaced by "…" (ids are copied into other commands).
+Cell = tuple[str, str]                       # (text, rich style)
+STATE_COLORS = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
+GAP = "  "
 
 
-def _holder_text(h: facts.Holder, run_id: str | None) -> str:
+def wrap(cells: list[Cell], width: int, indent: int, hang: int) -> list[tuple[int, list[Cell]]]:
+    """PURE: `cells` as lines of at most `width` columns, first at `indent`, continuations at `hang`, broken only
+    between cells (a cell wider than the line gets a line of its own)."""
+    lines: list[tuple[int, list[Cell]]] = [(indent, [])]
+    used = indent
+    for cell in cells:
+        pad, row = lines[-1]
+        need = len(cell[0]) + (len(GAP) if row else 0)
+        if row and used + need > width:
+            lines.append((hang, [cell]))
+            used = hang + len(cell[0])
+            continue
+        row.append(cell)
+        used += need
+    return lines
+
+
+def _state_style(r) -> str:
+    return "red" if r.state == "exited" and r.exit_code else STATE_COLORS.get(r.state, "")
+
+
+def run_cells(row: RunRow) -> tuple[list[Cell], list[Cell]]:
+    """PURE: one run as `<run id>  <state>  pid N  up T  gpus G`, then its latest metrics (empty without any)."""
+    r, m = row.status, row.metrics
+    head = [(r.run_id, "bold"), (r.state_text, _state_style(r)), (f"pid {r.pid or '-'}", ""),
+            (f"up {_duration(r.duration_s)}", "")]
+    if row.gpu_indices:
+        head.append(("gpus " + ",".join(map(str, row.gpu_indices)), ""))
+    if m is None:
+        return head, []
+    figures = [f"step {m.step}" + (" done" if m.done else ""), f"loss {_num(m.loss, '.4f')}"]
+    figures += [f"tok/s {_num(m.tokens_per_s, ',.0f')}"] if m.tokens_per_s is not None else []
+    figures += [f"acc {_num(m.acc, '.3f')}"] if m.acc is not None else []
+    return head, [(f, "") for f in figures]
+
+
+def _holder_cells(h: facts.Holder, run_id: str | None) -> list[Cell]:
     where = f"ct{h.ctid}:{h.ct_pid}" if h.ctid is not None and h.ct_pid is not None else (
         f"ct{h.ctid}" if h.ctid is not None else "host")
     mem = f"{h.used_mib} MiB" if h.is_compute_app else "fd only"
-    return f"pid {h.pid} ({where}) {h.comm} {mem}" + (f" run {run_id}" if run_id else "")
+    return [(f"pid {h.pid} ({where})", ""), (h.comm, ""), (mem, "")] + ([(f"run {run_id}", "")] if run_id else [])
 
 
-def runs_table(hs: HostStatus):
-    from rich.table import Table
+def gpu_lines(snap: facts.GpuSnapshot, holders: tuple[facts.Holder, ...], runs: dict[int, str], width: int):
+    """PURE: a line per GPU (index, memory, utilization; UUIDs are in `--json`), then a line per holder."""
+    mems = [f"{g.mem_used_mib} / {g.mem_total_mib} MiB" for g in snap.gpus]
+    mem_w = max(map(len, mems), default=0)
+    idx_w = max((len(str(g.index)) for g in snap.gpus), default=1)
+    out = []
+    for g, mem in zip(snap.gpus, mems):
+        util = _num(g.util_pct, "d") + ("%" if g.util_pct is not None else "")
+        out += wrap([(f"gpu {g.index:>{idx_w}}", ""), (mem.rjust(mem_w), "yellow" if g.mem_used_mib else ""),
+                     (util.rjust(4), "")], width, 2, 6)
+        for h in holders:
+            if g.index in h.gpu_indices:
+                out += wrap(_holder_cells(h, runs.get(h.pid)), width, 6, 8)
+    return out
 
-    table = Table(title=f"runs on {hs.host}", title_justify="left")
-    ids = [row.status.run_id for t in hs.targets for row in t.runs]
-    labels = [t.label for t in hs.targets]
-    # ids and targets are copied into other commands: never fold or ellipsize them
-    widths = {"run id": max(map(len, ids), default=None), "target": max(map(len, labels), default=None)}
-    for col in ("target", "name", "run id", "state", "pid", "uptime", "step", "loss", "tok/s", "acc", "gpus"):
-        table.add_column(col, no_wrap=True, min_width=widths.get(col))
-    colors = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
+
+def runs_lines(hs: HostStatus, width: int):
+    """PURE: per target its label, then per run its two lines (see run_cells), or why there is nothing."""
+    out = []
     if not hs.targets:
-        table.add_row(hs.host, "-", "(no containers listed for this host in the inventory)", *[""] * 8)
+        out += wrap([("(no containers listed for this host in the inventory)", "")], width, 2, 2)
     for t in hs.targets:
         if t.error:
-            table.add_row(t.label, "[red]unreachable[/]", t.error, *[""] * 8)
+            out += wrap([(f"{t.label}:", "bold"), ("unreachable:", "red"), (t.error, "")], width, 2, 4)
         elif not t.runs:
-            table.add_row(t.label, "-", "(no runs)", *[""] * 8)
+            out += wrap([(f"{t.label}:", "bold"), ("no runs", "")], width, 2, 4)
+        else:
+            out += wrap([(t.label, "bold")], width, 2, 4)
         for row in t.runs:
-            r, m = row.status, row.metrics
-            color = "red" if r.state == "exited" and r.exit_code else colors.get(r.state, "white")
-            table.add_row(t.label, r.name, r.run_id, f"[{color}]{r.state_text}[/]", str(r.pid or "-"),
-                          _duration(r.duration_s), str(m.step) + (" done" if m.done else "") if m else "-",
-                          _num(m and m.loss, ".4f"), _num(m and m.tokens_per_s, ",.0f"), _num(m and m.acc, ".3f"),
-                          ",".join(map(str, row.gpu_indices)) or "-")
-    return table
+            head, figures = run_cells(row)
+            out += wrap(head, width, 4, 8)
+            if figures:
+                out += wrap(figures, width, 6, 8)
+    return out
 
 
-def report_renderable(outcomes: list[Outcome], elapsed_s: float):
-    from rich.console import Group
-    from rich.text import Text
-
-    parts = []
+def report_lines(outcomes: list[Outcome], elapsed_s: float, width: int) -> list[tuple[int, list[Cell]]]:
+    """PURE: the whole report as lines of cells (see `wrap`)."""
+    out: list[tuple[int, list[Cell]]] = []
     for o in outcomes:
-        host = o.key
         if not o.ok:
-            err = o.error
-            code = getattr(err, "code", "error")
-            parts.append(Text(f"{host.name}: UNREACHABLE ({code}) {err}", style="bold red"))
+            code = getattr(o.error, "code", "error")
+            out += wrap([(f"{o.key.name}: UNREACHABLE ({code})", "bold red"), (str(o.error), "red")], width, 0, 2)
             continue
         hs: HostStatus = o.value
         if hs.snapshot is None or hs.snapshot.no_gpu_reason:
-            parts.append(Text(f"{hs.host}: no GPU ({hs.gpu_error or hs.snapshot.no_gpu_reason})", style="bold"))
+            out += wrap([(f"{hs.host}: no GPU: {hs.gpu_error or hs.snapshot.no_gpu_reason}", "bold")], width, 0, 2)
         else:
-            parts.append(gpu_table(hs.snapshot, hs.holders, dict(hs.holder_runs), title=f"GPUs on {hs.host}"))
-        parts.append(runs_table(hs))
-    parts.append(Text(f"{len(outcomes)} host(s) in {elapsed_s:.2f} s", style="dim"))
-    return Group(*parts)
+            held = sum(1 for g in hs.snapshot.gpus if any(g.index in h.gpu_indices for h in hs.holders))
+            out += wrap([(f"GPUs on {hs.host}: {len(hs.snapshot.gpus)}, {held} held", "bold")], width, 0, 2)
+            out += gpu_lines(hs.snapshot, hs.holders, dict(hs.holder_runs), width)
+        out += wrap([(f"runs on {hs.host}", "bold")], width, 0, 2)
+        out += runs_lines(hs, width)
+    out += wrap([(f"{len(outcomes)} host(s) in {elapsed_s:.2f} s", "dim")], width, 0, 2)
+    return out
+
+
+def report_renderable(outcomes: list[Outcome], elapsed_s: float, width: int):
+    """The report as Rich text for a console `width` columns wide (already wrapped: print it with soft_wrap)."""
+    from rich.text import Text
+
+    text = Text()
+    for pad, cells in report_lines(outcomes, elapsed_s, width):
+        text.append(" " * pad)
+        for i, (cell, style) in enumerate(cells):
+            text.append(GAP if i else "")
+            text.append(cell, style=style or None)
+        text.append("\n")
+    text.rstrip()
+    return text
 
 
 def exit_code(outcomes: list[Outcome]) -> int:

@@ -1,4 +1,4 @@
-"""`dflash-ops stop RUN`: SIGTERM the run's process group, wait, SIGKILL what is left."""
+"""`dflash-ops stop RUN`: SIGTERM every process of the run, wait, SIGKILL what is left."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ def stop(
     grace: Annotated[float, typer.Option("--grace", min=0, help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Stop a run: SIGTERM its process group, wait --grace seconds, SIGKILL what is left.
+    """Stop a run: SIGTERM every process of it, wait --grace seconds, SIGKILL what is left.
 
-    Only a process group that carries the run's marker (DFLASH_OPS_RUN_ID) is signalled, so a reused pid is never
-    hit. Stopping a run that is not running is a no-op (exit 0).
+    A run's processes are those carrying its marker (DFLASH_OPS_RUN_ID) in their environment, wherever their
+    process group or session, and also when the run's directory is gone; a reused pid is never hit. Stopping a
+    run with nothing left is a no-op (exit 0).
     """
     from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle

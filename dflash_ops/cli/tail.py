@@ -17,34 +17,46 @@ def tail(
     ct: CtOpt = None,
     lines: Annotated[int, typer.Option("-n", "--lines", min=0, help="Start with the last N lines.")] = 20,
     follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Keep following until the run ends.")] = True,
+    raw: Annotated[bool, typer.Option("--raw", help="The log's exact bytes, machine lines (DFLASH_METRICS ...) "
+                                                     "included.")] = False,
 ) -> None:
     """Print a run's log and follow it until the run ends.
 
-    Following ends by itself when the run ends (exit 0 if it exited 0, else 4); it survives dropped connections.
-    Ctrl-C stops tailing only (exit 130); the run goes on.
+    Shows the human lines: the trainer's machine lines (DFLASH_METRICS, DFLASH_EVAL) are hidden and DFLASH_DONE
+    is said in words; --raw prints the exact bytes. Following ends by itself when the run ends; it survives
+    dropped connections. Ctrl-C stops tailing only (exit 130); the run goes on.
+
+    Exit, with or without --follow: once the run has ended, its verdict (0 if it exited 0, else 4);
+    --no-follow on a run still running: 0.
     """
+    from dflash_ops import logview
     from dflash_ops.runs import lifecycle
 
     with rendered_errors():
         session = open_session(ctx, host, ct)
         try:
             status = lifecycle.find_run(session, run)
-            start = lifecycle.tail_start(session, status, lines, follow=follow)
-            follow_run(session, status, start=start, keep_following=follow)
+            start = lifecycle.tail_start(session, status, lines, follow=follow,
+                                         hidden_ere=None if raw else logview.HIDDEN_ERE)
+            follow_run(session, status, start=start, keep_following=follow, raw=raw)
         finally:
             session.transport.close()
 
 
-def follow_run(session, status, *, start: int, keep_following: bool = True) -> None:
-    """Stream the log to stdout; exits the program with the run's verdict when following ends."""
+def follow_run(session, status, *, start: int, keep_following: bool = True, raw: bool = False) -> None:
+    """Stream the log to stdout (its human view unless `raw`); exits the program with the run's verdict when
+    following ends."""
+    from dflash_ops import logview
     from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle
 
     out = sys.stdout.buffer
 
     def emit(line: bytes) -> None:
-        out.write(line)
-        out.flush()
+        shown = line if raw else logview.human_line(line)
+        if shown is not None:
+            out.write(shown)
+            out.flush()
 
     try:
         final = lifecycle.follow(session, status, start=start, emit=emit, keep_following=keep_following,

@@ -13,10 +13,14 @@ def trust_host(
     ctx: typer.Context,
     host: Annotated[str, typer.Argument(help="Inventory name or bare address ([user@]host[:port]).")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask; trust the key shown.")] = False,
+    new_key_type: Annotated[bool, typer.Option(
+        "--accept-new-key-type",
+        help="Add a key of a type not yet pinned for HOST beside the pinned one(s).")] = False,
 ) -> None:
     """Fetch HOST's SSH key, show its SHA256 fingerprint, and append it to known_hosts after confirmation.
 
-    Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first.
+    Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first; and
+    when keys of other types are pinned for it but not this one (pass --accept-new-key-type if that is expected).
     A host with jump hosts is reached through them (their keys must already be trusted), a ProxyCommand through it.
     """
     from dflash_ops.cli import render
@@ -41,6 +45,13 @@ def trust_host(
         if state == "changed":
             raise AuthFailed(f"{entry} presents {key.get_name()} {fingerprint}, but {path} records a DIFFERENT key",
                              hint=f"if you know why it changed: ssh-keygen -R '{entry}' -f {path}, then retry")
+        if state == "other_type":
+            pinned = ", ".join(f"{name} {fp}" for name, fp in transport.known_keys(path, entry))
+            if not new_key_type:
+                raise AuthFailed(f"{entry} presents a {key.get_name()} key ({fingerprint}), but {path} pins a key "
+                                 f"of another type for it ({pinned}); nothing written",
+                                 hint="if the host really has this key too, pass --accept-new-key-type to add it")
+            render.info(f"warning: {path} pins {pinned} for {entry}; adding a {key.get_name()} key beside it")
         render.info(f"{entry} presents {key.get_name()} key {fingerprint}{via}")
         if not yes and not typer.confirm(f"trust it and add it to {path}?", default=False, err=True):
             raise UsageError("not trusted; nothing written")

@@ -23,7 +23,7 @@ done
 _PROBE_BODY = r"""
 echo "@@SELF$chain"; echo "@@SELFPG$chain_pg"
 if ! command -v "$smi" >/dev/null 2>&1; then
-  echo "@@NOGPU nvidia-smi not found ($smi)"
+  case $smi in */*) echo "@@NOGPU $smi not found";; *) echo "@@NOGPU $smi not found on PATH";; esac
 elif ! gpus=$("$smi" "$gq" "$fmt" 2>&1); then
   echo "@@NOGPU $(printf '%s' "$gpus" | head -n 1)"
 else

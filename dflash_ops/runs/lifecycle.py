@@ -5,14 +5,16 @@ Every function takes a Session (a Target and the Transport that reaches it), ret
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_ops import names
-from dflash_ops.errors import HostUnreachable, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
-from dflash_ops.runs import parse, shellcmd
+from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
+from dflash_ops.runs import parse, pull, shellcmd
 from dflash_ops.runs.runbooks import run_spec
 from dflash_ops.spec import EXITED, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.ssh.transport import Transport
@@ -31,9 +33,26 @@ class Session:
     def argv(self, script: str) -> list[str]:
         return shellcmd.target_argv(self.target, script)
 
-    def run(self, script: str, what: str, *, timeout_s: float = 60.0, ok: tuple[int, ...] = (0,)) -> Completed:
+    def connect(self) -> None:
+        """Reach the target now (a no-op for this machine), so that an unreachable host fails before any script."""
+        try:
+            self.transport.connect()
+        except HostUnreachable as exc:
+            raise self._hinted(exc) from None
+
+    def _hinted(self, exc: HostUnreachable) -> HostUnreachable:
+        if exc.hint is None:
+            exc.hint = f"check that {self.target.host.name} is up and accepts SSH, then retry with {self.target.cli_args}"
+        return exc
+
+    def run(self, script: str, what: str, *, timeout_s: float = 60.0, ok: tuple[int, ...] = (0,),
+            on_stdout: Callable[[bytes], None] | None = None) -> Completed:
         """Run `script` on the target; an exit code outside `ok` (and not a known refusal) is RemoteFailed."""
-        done = self.transport.run(self.argv(script), timeout_s=timeout_s)
+        kwargs = {"on_stdout": on_stdout} if on_stdout is not None else {}
+        try:
+            done = self.transport.run(self.argv(script), timeout_s=timeout_s, **kwargs)
+        except HostUnreachable as exc:
+            raise self._hinted(exc) from None
         if done.exit_code in ok:
             return done
         if done.exit_code == 3 and "DFLASH_MISSING" in done.out:
@@ -41,6 +60,11 @@ class Session:
         refused = parse.tagged(done.out, "DFLASH_REFUSED")
         if done.exit_code == 5 and refused:
             raise _refusal(refused, self.target)
+        error = next((ln.split(" ", 1)[1] for ln in done.out.splitlines() if ln.startswith("DFLASH_ERROR ")), None)
+        if error is not None:   # one of our scripts said what failed
+            raise RemoteFailed(f"{what} on {self.target.label} failed: {error}",
+                               hint="check free space and permissions there; a launch that fails leaves no run "
+                                    "dir behind")
         last = "\n".join((done.err + done.out).strip().splitlines()[-LAST_LINES:])
         raise RemoteFailed(f"{what} on {self.target.label} failed with exit code {done.exit_code}",
                            hint="check the host, the container (`pct status CT`) and the runs dir",
@@ -49,12 +73,13 @@ class Session:
 
 def _refusal(words: list[str], target: Target) -> Refused:
     kind, run = (words + ["-", "-"])[:2]
+    where = target.cli_args
     if kind == "alive":
         return Refused(f"run {run} of that name is alive on {target.label}",
-                       hint=f"stop it (`dflash-ops stop {run}`) or pass --force, or choose another --name")
+                       hint=f"stop it (`dflash-ops stop {run} {where}`) or pass --force, or choose another --name")
     if kind == "cache":
         return Refused(f"not clearing the inductor cache: run {run} is alive on {target.label}",
-                       hint=f"wait for it or `dflash-ops stop {run}` first")
+                       hint=f"wait for it or `dflash-ops stop {run} {where}` first")
     return Refused(f"another launch holds the lock on {target.label}", hint="retry in a few seconds")
 
 
@@ -74,7 +99,7 @@ def find_run(s: Session, ref: str | None) -> RunStatus:
     if not runs:
         what = f"run {ref!r}" if ref else "any run"
         raise RunNotFound(f"no {what} on {s.target.label} (runs dir {s.target.runs_dir})",
-                          hint="`dflash-ops runs` lists the runs of a host/container")
+                          hint=f"`dflash-ops runs {s.target.cli_args}` lists its runs")
     return runs[-1]
 
 
@@ -92,9 +117,11 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
                     extra_env=extra_env)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")
-    if any(k == shellcmd.MARKER_VAR for k, _ in spec.env):
-        # The marker `stop` checks before it kills: a job that could overwrite it could not be stopped.
-        raise UsageError(f"{shellcmd.MARKER_VAR} is set by dflash-ops itself; it cannot be given in an environment")
+    for key in (shellcmd.MARKER_VAR, shellcmd.RUN_DIR_VAR):
+        if any(k == key for k, _ in spec.env):
+            # What `stop` and the refusals find a run's processes by: a job that could overwrite it could not be
+            # stopped, and its name could be launched twice.
+            raise UsageError(f"{key} is set by dflash-ops itself; it cannot be given in an environment")
     return spec
 
 
@@ -104,22 +131,29 @@ def dry_run(s: Session, spec: RunSpec, *, wait_s: float | None = None) -> DryRun
 
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
-           grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep) -> Launched:
+           grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep,
+           on_started: Callable[[int], None] = lambda pid: None) -> Launched:
     """Start `spec` detached and prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
-    unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call."""
+    unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call;
+    `on_started(pid)` is called as soon as that call reports the job started (never for a refused launch)."""
+    s.connect()                # unreachable: nothing was sent (the hint names --host/--ct)
     stopped: tuple[str, ...] = ()
     if force:
-        alive = [r for r in list_runs(s) if r.name == spec.name and r.state == "running"]
+        alive = [r for r in list_runs(s) if r.name == spec.name and r.holds_on]
         for r in alive:
             stop(s, r, grace_s=grace_s)
         stopped = tuple(r.run_id for r in alive)
     wait = spec.liveness.wait_s if wait_s is None else wait_s
+    seen = _StartWatch(on_started)
     t0 = time.monotonic()
     try:
         done = s.run(shellcmd.launch_script(spec, probe_after_s=wait), f"launching {spec.run_id}",
-                     timeout_s=wait + 60)
-    except HostUnreachable as exc:  # the connection may have dropped after the job started
-        raise HostUnreachable(exc.message, hint=f"{spec.run_id} may have started: check `dflash-ops runs`") from None
+                     timeout_s=wait + 60, on_stdout=seen.feed)
+    except HostUnreachable as exc:  # the connection dropped while the launch script ran
+        where = s.target.cli_args
+        hint = (f"{spec.run_id} started (pid {seen.pid}) and goes on: `dflash-ops tail {spec.run_id} {where}`"
+                if seen.pid is not None else f"{spec.run_id} may have started: check `dflash-ops runs {where}`")
+        raise HostUnreachable(exc.message, hint=hint) from None
     words = parse.tagged(done.out, "DFLASH_LAUNCHED")
     if not words or not words[0].isdigit():
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
@@ -127,6 +161,25 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
     status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep)
     return Launched(spec=spec, target=s.target.label, pid=int(words[0]), status=status,
                     matched_line=line, verified_after_s=time.monotonic() - t0, stopped_first=stopped)
+
+
+class _StartWatch:
+    """Watches the launch script's stdout for its `DFLASH_LAUNCHED <pid>` line and reports it once."""
+
+    def __init__(self, on_started: Callable[[int], None]) -> None:
+        self.on_started, self.pid, self._buf = on_started, None, b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.pid is not None:
+            return
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        for line in lines:
+            words = line.decode("utf-8", "replace").split()
+            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and words[1].isdigit():
+                self.pid = int(words[1])
+                self.on_started(self.pid)
+                return
 
 
 def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: float,
@@ -148,9 +201,11 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
         if matched is not None:
             return status, matched
         if time.monotonic() >= deadline:
+            where = s.target.cli_args
             raise RunFailed(f"run {spec.run_id} is alive (pid {status.pid}) but no log line matched "
                             f"/{spec.liveness.pattern}/ in time",
-                            hint=f"it goes on; `dflash-ops tail {spec.run_id}` or `dflash-ops stop {spec.run_id}`",
+                            hint=f"it goes on; `dflash-ops tail {spec.run_id} {where}` or "
+                                 f"`dflash-ops stop {spec.run_id} {where}`",
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         sleep(POLL_S)
         probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run").stdout)
@@ -164,18 +219,24 @@ class Stopped:
 
 
 def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
-    done = s.run(shellcmd.stop_script(run.run_dir, grace_s), f"stopping {run.run_id}", timeout_s=grace_s + 30)
+    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script)."""
+    done = s.run(shellcmd.stop_script(s.target.runs_dir, run.run_id, grace_s), f"stopping {run.run_id}",
+                 timeout_s=grace_s + 30)
     how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
+    left = parse.tagged(done.out, "DFLASH_LEFT") or []
     raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
-    return Stopped(how=how, status=parse.updated(run, raw, time.time()) if raw else run)
+    procs = int(left[0]) if left and left[0].isdigit() else None
+    return Stopped(how=how, status=parse.updated(run, raw, time.time(), procs) if raw else run)
 
 
 # -- tail -----------------------------------------------------------------------------------------------------
-def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True) -> int:
-    """Byte offset of the last `lines` lines. `lines == 0` while following a running run starts at the line being
-    written (if any), so it comes out whole; otherwise 0 lines start at the end of the log."""
+def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True, hidden_ere: str | None = None) -> int:
+    """Byte offset of the last `lines` lines (not counting lines matching `hidden_ere`, which the view hides).
+    `lines == 0` while following a running run starts at the line being written (if any), so it comes out whole;
+    otherwise 0 lines start at the end of the log."""
     whole = follow and run.state == RUNNING
-    done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole), f"reading {run.run_id}'s log")
+    done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
+                 f"reading {run.run_id}'s log")
     words = parse.tagged(done.out, "DFLASH_START")
     return int(words[0]) if words and words[0].lstrip("-").isdigit() else 0
 
@@ -227,3 +288,95 @@ def _try_reconnect(s: Session) -> None:
         s.transport.reconnect()
     except HostUnreachable:
         pass  # the next run() raises again and the backoff continues
+
+
+# -- pull -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pulled:
+    run_id: str
+    what: str
+    to: Path
+    files: tuple[tuple[pull.RemoteFile, Path], ...]
+
+
+PULL_STAGE_DIR = "/var/tmp"     # on a Proxmox host (disk, not tmpfs): one file at a time, removed after it
+
+
+def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool = False,
+               on_file: Callable[[pull.RemoteFile, Path], None] = lambda f, dest: None) -> Pulled:
+    """Bring `what` of `run` to the directory `to` on this machine. The files are listed, with size and SHA-256,
+    where the run lives; each is read there (in a container: `pct pull` into a private directory on the Proxmox
+    host, whose filesystem view is the container's), fetched over SFTP on the same connection (or read, for this
+    machine), checked against its listed size and hash, and only then renamed into place. Refused (exit 5), with
+    nothing written, if a file would be overwritten and not `force`."""
+    listing = s.run(pull.manifest_script(run.run_dir, what), f"listing the {what} of {run.run_id}")
+    manifest = pull.parse_manifest(listing.out)
+    if manifest.missing or not manifest.files:
+        raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} yet",
+                          hint="`dflash-ops tail` shows how far it got; the export is written when training ends"
+                          if what == "export" else None)
+    plan = pull.destinations(manifest, to)
+    there = [dest for _, dest in plan if dest.exists() or dest.is_symlink()]
+    if there and not force:
+        more = f" (and {len(there) - 1} more)" if len(there) > 1 else ""
+        raise Refused(f"{there[0]} exists{more}; nothing was pulled",
+                      hint="pass --force to overwrite, or --to another directory")
+    stage = _pull_stage(s) if s.target.container is not None else None
+    try:
+        for i, (f, dest) in enumerate(plan):
+            source = f"{manifest.root}/{f.rel}"
+            if stage is not None:
+                held = f"{stage}/{i}"
+                _host_run(s, [s.target.host.pct, "pull", s.target.container.ctid, source, held],
+                          f"pct pull of {f.rel}", timeout_s=3600)
+                source = held
+            _fetch_checked(s, source, f, dest)
+            if stage is not None:
+                _host_run(s, ["rm", "-f", "--", source], "removing the staged copy")
+            on_file(f, dest)
+    finally:
+        if stage is not None:
+            try:
+                _host_run(s, ["rm", "-rf", "--", stage], "removing the staging directory")
+            except OpsError:
+                pass    # the pull's own error (a dropped connection) is the one to show
+    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan))
+
+
+def _fetch_checked(s: Session, source: str, f: pull.RemoteFile, dest: Path) -> None:
+    """Fetch into a hidden temp file beside `dest`, check size and SHA-256, then rename it into place."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OpsError(f"cannot create {dest.parent}: {exc.strerror or exc}") from None
+    part = dest.with_name(f".{dest.name}.dflash-pull")
+    try:
+        got = s.transport.fetch(source, part, f.size)
+        if got != f.sha256:
+            raise RemoteFailed(f"{f.rel}: SHA-256 {got} of the bytes fetched is not the listed {f.sha256} "
+                               "(it changed while being pulled?); nothing kept", hint="pull it again")
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _pull_stage(s: Session) -> str:
+    """A private (0700) directory on the Proxmox host that `pct pull` writes into."""
+    done = _host_run(s, ["mktemp", "-d", "-p", PULL_STAGE_DIR, "dflash-pull.XXXXXXXX"], "making a staging directory")
+    stage = done.out.strip()
+    if not re.fullmatch(re.escape(PULL_STAGE_DIR) + r"/dflash-pull\.[A-Za-z0-9]{8}", stage):
+        raise RemoteFailed(f"mktemp on {s.target.host.name} printed {stage[:100]!r}")
+    return stage
+
+
+def _host_run(s: Session, argv: list[str], what: str, *, timeout_s: float = 60.0) -> Completed:
+    """`argv` on the host itself (for a container: the Proxmox host, not inside the container)."""
+    try:
+        done = s.transport.run(argv, timeout_s=timeout_s)
+    except HostUnreachable as exc:
+        raise s._hinted(exc) from None
+    if done.exit_code != 0:
+        last = "\n".join((done.err + done.out).strip().splitlines()[-LAST_LINES:])
+        raise RemoteFailed(f"{what} on {s.target.host.name} failed with exit code {done.exit_code}",
+                           detail=last or None)
+    return done

@@ -60,10 +60,12 @@ def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
         argv=tuple(str(a) for a in argv) if isinstance(argv, list) else (), log_size=raw.log_size)
 
 
-def updated(run: RunStatus, raw: RawState, now: float) -> RunStatus:
-    """`run` with the state read in `raw` (identity, argv and start time kept)."""
-    return replace(run, state=state_of(raw), pid=raw.pid, exit_code=raw.exit_code, ended_at=raw.ended_at, now=now,
-                   log_size=raw.log_size)
+def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None) -> RunStatus:
+    """`run` with the state read in `raw` (identity, argv and start time kept), and its count of live marked
+    processes when known."""
+    return replace(run, state=state_of(raw), pid=raw.pid if not run.dir_missing else run.pid,
+                   exit_code=raw.exit_code, ended_at=raw.ended_at, now=now, log_size=raw.log_size,
+                   procs=run.procs if procs is None else procs)
 
 
 def now_line(text: str) -> float | None:
@@ -76,9 +78,31 @@ def now_line(text: str) -> float | None:
     return None
 
 
+def proc_lines(text: str) -> dict[str, list[tuple[int, int]]]:
+    """`DFLASH_PROC <pid> <run id> <sid>` lines (the marked processes, dflash_procs) -> run id -> [(pid, sid)]."""
+    procs: dict[str, list[tuple[int, int]]] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if (len(words) == 4 and words[0] == "DFLASH_PROC" and words[1].isdigit() and words[3].isdigit()
+                and names.is_run_id(words[2])):
+            procs.setdefault(words[2], []).append((int(words[1]), int(words[3])))
+    return procs
+
+
+def orphan(run_id: str, procs: list[tuple[int, int]], now: float, runs_dir: str) -> RunStatus:
+    """A run known only by its live processes (its directory is gone). Its pid is the session leader among them
+    (the wrapper started with setsid), else the lowest."""
+    leaders = sorted(p for p, sid in procs if p == sid)
+    return RunStatus(run_id=run_id, name=names.RUN_ID_RE.fullmatch(run_id).group("name"), state=RUNNING,
+                     pid=(leaders or sorted(p for p, _ in procs))[0], exit_code=None, started_at=None,
+                     ended_at=None, now=now, run_dir=f"{runs_dir}/{run_id}", procs=len(procs), dir_missing=True)
+
+
 def run_list(text: str, runs_dir: str) -> list[RunStatus]:
-    """Output of `list_script` -> statuses, oldest first (run ids sort by their UTC stamp)."""
+    """Output of `list_script` -> statuses, oldest first (run ids sort by their UTC stamp); runs whose directory
+    is gone but whose processes live are listed too (see `orphan`)."""
     now = now_line(text) or 0.0
+    procs = proc_lines(text)
     out: list[RunStatus] = []
     pending: RawState | None = None
     for line in text.splitlines():
@@ -90,8 +114,10 @@ def run_list(text: str, runs_dir: str) -> list[RunStatus]:
                 meta = json.loads(line[len("DFLASH_JSON"):].strip() or "{}")
             except json.JSONDecodeError:
                 meta = {}
-            out.append(status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir))
+            found = status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir)
+            out.append(replace(found, procs=len(procs.pop(found.run_id, []))))
             pending = None
+    out += [orphan(run_id, ps, now, runs_dir) for run_id, ps in procs.items()]
     return sorted(out, key=lambda s: (names.RUN_ID_RE.fullmatch(s.run_id).group("stamp"), s.started_at or 0, s.run_id))
 
 

@@ -21,14 +21,16 @@ from dflash_ops.spec import CT_BASE_ENV, RunSpec, Target
 
 q = shlex.quote
 MARKER_VAR = "DFLASH_OPS_RUN_ID"
+RUN_DIR_VAR = "DFLASH_OPS_RUN_DIR"      # "$RUNS/<run id>": finds a run's processes when its directory is gone
 RUN_ID_GLOB = "-" + "[0-9]" * 8 + "T" + "[0-9]" * 6 + "-" + "[0-9a-f]" * 4
 LOG_TAIL_BYTES = 65536
 CHUNK_BYTES = 1 << 20
 
 # Shared helpers. A run is alive when its recorded pid (the wrapper: group leader) is not a zombie and carries
 # DFLASH_OPS_RUN_ID=<run id> in /proc/<pid>/environ: a reused pid never matches (zombies have no environ).
-# `stop` targets the whole group: it acts while ANY member carries the marker, so stragglers that outlive the
-# wrapper (a leaked child) are still killed.
+# Every process that carries the marker belongs to the run, whatever its group or session (a child that called
+# setsid keeps it): `dflash_procs` finds them all, also for a run whose directory was deleted; `stop` signals
+# them and the wrapper's group, and launches are refused while any lives.
 PRELUDE = r"""set -u
 dflash_marked() { grep -qzxF -- "DFLASH_OPS_RUN_ID=$2" "/proc/$1/environ" 2>/dev/null; }
 dflash_group_alive() {
@@ -43,8 +45,31 @@ dflash_group_alive() {
   done
   return 1
 }
+# "PID RUN_ID SID" for every live process of a run of "$RUNS" (see above). A process belongs to "$RUNS" when its
+# DFLASH_OPS_RUN_DIR is "$RUNS/<its run id>", or, for a run started without that variable, when that directory
+# exists. One grep reads every environ; zombies and kernel threads have none.
+dflash_procs() {
+  local line pid kv f
+  local -A id=() dir=()
+  while IFS= read -r line; do
+    pid=${line#/proc/}; pid=${pid%%/*}; kv=${line#*/environ:}
+    case $kv in
+      DFLASH_OPS_RUN_ID=*) id[$pid]=${kv#DFLASH_OPS_RUN_ID=} ;;
+      DFLASH_OPS_RUN_DIR=*) dir[$pid]=${kv#DFLASH_OPS_RUN_DIR=} ;;
+    esac
+  done < <(grep -Hazx -e 'DFLASH_OPS_RUN_ID=.*' -e 'DFLASH_OPS_RUN_DIR=.*' /proc/[0-9]*/environ 2>/dev/null \
+           | tr '\0' '\n')
+  [ "${#id[@]}" -gt 0 ] || return 0    # bash < 4.4 calls an empty "${!id[@]}" unbound under set -u
+  for pid in "${!id[@]}"; do
+    if [ -n "${dir[$pid]-}" ]; then [ "${dir[$pid]}" = "$RUNS/${id[$pid]}" ] || continue
+    else [ -d "$RUNS/${id[$pid]}" ] || continue; fi
+    read -r line < "/proc/$pid/stat" 2>/dev/null || continue
+    read -r -a f <<< "${line##*) }"
+    [ "${f[0]}" = Z ] && continue
+    printf '%s %s %s\n' "$pid" "${id[$pid]}" "${f[3]}"
+  done
+}
 dflash_pid() { local p=; [ -r "$1/pid" ] && read -r p < "$1/pid"; case $p in ''|*[!0-9]*) echo -;; *) echo "$p";; esac; }
-dflash_alive_dir() { local p; p=$(dflash_pid "$1"); [ "$p" != - ] && dflash_marked "$p" "${1##*/}"; }
 dflash_state() {
   local d=$1 pid alive=0 ex=- st=0 ended=- size
   pid=$(dflash_pid "$d")
@@ -109,24 +134,45 @@ def wrapper_script(spec: RunSpec) -> str:
     workdir = word(spec.workdir) if spec.run_dir in spec.workdir else path_word(spec.workdir)
     lines = ["trap : TERM INT"]
     lines += [f"export {k}={word(v)}" for k, v in spec.env]
-    lines += [f"cd -- {workdir} && {' '.join(map(word, spec.argv))}", "rc=$?",
-              f"printf '%s\\n' \"$rc\" > {rd}/exit_code.tmp && mv -f -- {rd}/exit_code.tmp {rd}/exit_code",
+    lines += [f"cd -- {workdir} && {' '.join(map(word, spec.argv))}", "rc=$?", KEEP_RC,
+              f'until dflash_keep_rc {rd} || [ ! -d {rd} ]; do sleep {RC_RETRY_S}; done',
+              f"rm -f -- {rd}/{RC_RESERVE}",
               'exit "$rc"']
     return "\n".join(lines) + "\n"
 
 
-def _alive_loop(glob_prefix: str, tag: str) -> str:
-    return (f"for d in {glob_prefix}{RUN_ID_GLOB}; do\n"
-            f"  [ -d \"$d\" ] || continue\n"
-            f"  if dflash_alive_dir \"$d\"; then printf 'DFLASH_REFUSED {tag} %s\\n' \"${{d##*/}}\"; exit 5; fi\n"
-            f"done\n")
+RC_RESERVE = ".exit_code.reserve"
+RC_RESERVE_BYTES = 32
+RC_RETRY_S = 5
+# The exit status is a few bytes, and it must survive a full disk: first the usual tmp + rename; if that cannot be
+# written, the bytes reserved at launch are overwritten in place (`1<>`: no new block to allocate), cut to size
+# and renamed into place; if even that fails, the wrapper keeps the status in memory and retries (above).
+KEEP_RC = (
+    "dflash_keep_rc() {\n"
+    """  { printf '%s\\n' "$rc" > "$1"/exit_code.tmp && mv -f -- "$1"/exit_code.tmp "$1"/exit_code; } 2>/dev/null"""
+    " && return 0\n"
+    '  rm -f -- "$1"/exit_code.tmp\n'
+    f"""  {{ printf '%s\\n' "$rc" 1<> "$1"/{RC_RESERVE} && truncate -s $(( ${{#rc}} + 1 )) -- "$1"/{RC_RESERVE}"""
+    f""" && mv -f -- "$1"/{RC_RESERVE} "$1"/exit_code; }} 2>/dev/null\n"""
+    "}")
+
+
+def _alive_loop(name: str | None, tag: str) -> str:
+    """Refuse (exit 5, `DFLASH_REFUSED <tag> <run id>`) while a process of a run of "$RUNS" lives: of any run, or
+    of the runs named `name`. A process counts whether it is the run's wrapper or a leftover of a run that exited,
+    and whether or not the run's directory still exists (dflash_procs)."""
+    match = ("" if name is None else
+             f'  n=${{i%{RUN_ID_GLOB}}}; [ "$n" != "$i" ] && [ "$n" = {q(name)} ] || continue\n')
+    return ("while read -r p i s; do\n" + match +
+            f"  printf 'DFLASH_REFUSED {tag} %s\\n' \"$i\"; exit 5\n"
+            "done < <(dflash_procs)\n")
 
 
 def clear_cache_step(spec: RunSpec) -> str:
-    """Refused while any run in this runs dir is alive; honours the runbook's TORCHINDUCTOR_CACHE_DIR."""
+    """Refused while any process of a run in this runs dir lives; honours the runbook's TORCHINDUCTOR_CACHE_DIR."""
     env = dict(spec.env)
     set_dir = f"TORCHINDUCTOR_CACHE_DIR={q(env['TORCHINDUCTOR_CACHE_DIR'])}\n" if "TORCHINDUCTOR_CACHE_DIR" in env else ""
-    return (_alive_loop('"$RUNS"/*', "cache") + set_dir +
+    return (_alive_loop(None, "cache") + set_dir +
             'cache=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}\n'
             'rm -rf -- "$cache" || { printf \'DFLASH_ERROR cannot clear %s\\n\' "$cache"; exit 1; }\n'
             "printf 'DFLASH_PRE clear_inductor_cache %s\\n' \"$cache\"\n")
@@ -152,19 +198,29 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         'if command -v flock >/dev/null 2>&1; then\n'
         '  exec 9>>"$RUNS/.launch.lock" && flock -w 15 9 || { echo "DFLASH_REFUSED lock -"; exit 5; }\n'
         'fi\n',
-        _alive_loop(f'"$RUNS"/{q(spec.name)}', "alive"),
+        _alive_loop(spec.name, "alive"),
         *(PRE_BUILDERS[step](spec) for step in spec.pre),
-        f"mkdir -- {rd} || exit 1\n",
-        f"printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
-        f" && mv -f -- {rd}/run.json.tmp {rd}/run.json || exit 1\n",
-        f"cd -- {rd} || exit 1\n",
-        f"{MARKER_VAR}={q(spec.run_id)} nohup setsid bash -c {q(wrapper_script(spec))} dflash-run \"$PWD\""
+        f"mkdir -- {rd} || {{ printf 'DFLASH_ERROR cannot create %s\\n' {rd}; exit 1; }}\n",
+        # from here on a failure (a full disk) removes what this launch created: no phantom run is left behind
+        f"dflash_fail() {{ rm -rf -- {rd}; printf 'DFLASH_ERROR %s\\n' \"$1\"; exit 1; }}\n",
+        f"err=$({{ printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
+        f" && mv -f -- {rd}/run.json.tmp {rd}/run.json; }} 2>&1) || dflash_fail \"cannot write run.json: ${{err##*: }}\"\n",
+        f"err=$({{ printf '\\n%.0s' {{1..{RC_RESERVE_BYTES}}} > {rd}/{RC_RESERVE}; }} 2>&1)"
+        f" || dflash_fail \"cannot reserve room for the exit status: ${{err##*: }}\"\n",
+        f"cd -- {rd} || dflash_fail 'cannot enter the run dir'\n",
+        f"{MARKER_VAR}={q(spec.run_id)} {RUN_DIR_VAR}=\"$RUNS\"/{q(spec.run_id)}"
+        f" nohup setsid bash -c {q(wrapper_script(spec))} dflash-run \"$PWD\""
         " >>output.log 2>&1 </dev/null 9>&- &\n",
         "pid=$!\n",
         # between fork and exec the child's environ lacks the marker: hold the lock until it shows (<= 2 s)
         f"i=0; while [ $i -lt 200 ] && kill -0 \"$pid\" 2>/dev/null && ! dflash_marked \"$pid\" {q(spec.run_id)};"
         " do sleep 0.01; i=$((i+1)); done\n",
-        "printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid\n",
+        # a job whose pid cannot be recorded could not be told from a stranger later: end it (ours, just started)
+        "if ! err=$({ printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid; } 2>&1); then\n"
+        '  kill -KILL -- "-$pid" 2>/dev/null\n'
+        f'  while read -r p i s; do [ "$i" = {q(spec.run_id)} ] && kill -KILL "$p" 2>/dev/null; done < <(dflash_procs)\n'
+        '  dflash_fail "cannot write the pid file: ${err##*: }"\n'
+        "fi\n",
         "printf 'DFLASH_LAUNCHED %s\\n' \"$pid\"\n",
     ]
     if probe_after_s is not None:
@@ -176,6 +232,7 @@ def list_script(runs_dir: str) -> str:
     """Every run dir under `runs_dir`: a DFLASH_RUN state line followed by a DFLASH_JSON line (run.json)."""
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\n"
             "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
+            "dflash_procs | sed 's/^/DFLASH_PROC /'\n"
             '[ -d "$RUNS" ] || exit 0\n'
             f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
             '  [ -d "$d" ] || continue\n'
@@ -198,18 +255,26 @@ def _probe_body(run_dir: str, tail_bytes: int) -> str:
             f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')
 
 
-def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False) -> str:
+def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False, hidden_ere: str | None = None) -> str:
     """Byte offset where the last `lines` lines of the log begin (a trailing partial line counts as one).
 
     With `lines == 0` that is the end of the log, or with `whole_partial` the start of a trailing partial line,
-    so a follower never starts in the middle of the line being written.
+    so a follower never starts in the middle of the line being written. With `hidden_ere`, lines matching it are
+    not counted (the view will not show them), so `-n N` shows N lines of what is shown.
     """
     n = int(lines)
-    count = f'n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n {n} | wc -c)\n'
+    log = 'head -c "$size" -- "$D/output.log" 2>/dev/null'
+    count = f'n=$({log} | tail -n {n} | wc -c)\n'
+    if n > 0 and hidden_ere is not None:
+        # the line number of the Nth shown line from the end; the bytes before it are skipped
+        count = (f'first=$({log} | grep -a -n -v -E -e {q(hidden_ere)} | tail -n {n} | head -n 1 | cut -d: -f1)\n'
+                 'if [ -z "$first" ]; then n=0; else\n'
+                 f'  n=$((size - $({log} | head -n $((first - 1)) | wc -c)))\n'
+                 'fi\n')
     if n == 0 and whole_partial:
         # the last byte is a newline (or the log is empty): start at the end; else at the partial line's start
-        count = ('nl=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -c 1 | wc -l)\n'
-                 'n=0; [ "$nl" = 1 ] || n=$(head -c "$size" -- "$D/output.log" 2>/dev/null | tail -n 1 | wc -c)\n')
+        count = (f'nl=$({log} | tail -c 1 | wc -l)\n'
+                 f'n=0; [ "$nl" = 1 ] || n=$({log} | tail -n 1 | wc -c)\n')
     return (f"D={path_word(run_dir)}\n"
             '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'size=$(stat -c %s -- "$D/output.log" 2>/dev/null || echo 0)\n'
@@ -229,27 +294,39 @@ def tail_chunk_script(run_dir: str, offset: int, max_bytes: int = CHUNK_BYTES) -
             f'tail -c +{int(offset) + 1} -- "$D/output.log" 2>/dev/null | head -c {int(max_bytes)}\n')
 
 
-def stop_script(run_dir: str, grace_s: float) -> str:
-    """SIGTERM the run's process group, wait up to `grace_s`, SIGKILL what is left.
+def stop_script(runs_dir: str, run_id: str, grace_s: float) -> str:
+    """SIGTERM every process of the run, wait up to `grace_s`, SIGKILL what is left.
 
-    Only a group that still carries the run's marker is signalled; `stopped` is written before the first signal
-    unless the run already has an exit code (then only its leftover group members are killed).
+    The run's processes are those that carry its marker (dflash_procs: wherever their group or session, and also
+    when the run's directory is gone), plus the wrapper's process group while one of its members carries the
+    marker. `stopped` is written before the first signal unless the run already has an exit code (then only its
+    leftover processes are killed). Ends with `DFLASH_STOP <how>`, `DFLASH_LEFT <count still alive>` and the
+    run's state line.
     """
     tenths = max(0, int(round(grace_s * 10)))
-    return (PRELUDE + f"D={path_word(run_dir)}\n"
-            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
-            'ID=${D##*/}; pid=$(dflash_pid "$D")\n'
-            'if [ "$pid" = - ] || ! dflash_group_alive "$pid" "$ID"; then\n'
-            '  echo "DFLASH_STOP not_running"; dflash_state "$D"; exit 0\n'
-            'fi\n'
+    return (PRELUDE + f"RUNS={path_word(runs_dir)}\nID={q(run_id)}\nD=\"$RUNS/$ID\"\n"
+            'mine() { local p i s; dflash_procs | while read -r p i s; do [ "$i" = "$ID" ] && echo "$p"; done; }\n'
+            'state() { if [ -d "$D" ]; then dflash_state "$D"; else printf \'DFLASH_RUN %s 0 - - 1 - 0\\n\' "$ID"; fi; }\n'
+            'left=$(mine)\n'
+            '[ -d "$D" ] || [ -n "$left" ] || { echo DFLASH_MISSING; exit 3; }\n'
+            'pid=$(dflash_pid "$D")\n'
+            'if [ -z "$left" ]; then echo "DFLASH_STOP not_running"; echo "DFLASH_LEFT 0"; state; exit 0; fi\n'
             '# a run that already exited keeps its state; only its leftover processes are signalled\n'
-            '[ -e "$D/exit_code" ] || { date +%s > "$D/stopped.tmp" && mv -f -- "$D/stopped.tmp" "$D/stopped"; }\n'
-            'kill -TERM -- "-$pid" 2>/dev/null\n'
-            f'i=0; while [ $i -lt {tenths} ] && dflash_group_alive "$pid" "$ID"; do sleep 0.1; i=$((i+1)); done\n'
+            'if [ -d "$D" ] && [ ! -e "$D/exit_code" ]; then\n'
+            '  date +%s > "$D/stopped.tmp" && mv -f -- "$D/stopped.tmp" "$D/stopped"\n'
+            'fi\n'
+            'sig() {\n'
+            '  local p\n'
+            '  [ "$pid" != - ] && dflash_group_alive "$pid" "$ID" && kill -"$1" -- "-$pid" 2>/dev/null\n'
+            '  for p in $(mine); do kill -"$1" "$p" 2>/dev/null; done\n'
+            '}\n'
+            'sig TERM\n'
+            f'i=0; while [ $i -lt {tenths} ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
             'how=terminated\n'
-            'if dflash_group_alive "$pid" "$ID"; then\n'
-            '  how=killed; kill -KILL -- "-$pid" 2>/dev/null\n'
-            '  i=0; while [ $i -lt 50 ] && dflash_group_alive "$pid" "$ID"; do sleep 0.1; i=$((i+1)); done\n'
+            'if [ -n "$(mine)" ]; then\n'
+            '  how=killed; sig KILL\n'
+            '  i=0; while [ $i -lt 50 ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
             'fi\n'
             'echo "DFLASH_STOP $how"\n'
-            'dflash_state "$D"\n')
+            'printf \'DFLASH_LEFT %s\\n\' "$(mine | wc -l)"\n'
+            'state\n')

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import functools
 import os
+import selectors
 import shlex
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from dflash_ops.errors import AuthFailed, HostUnreachable, UsageError
+from dflash_ops.errors import AuthFailed, HostUnreachable, OpsError, RemoteFailed, UsageError
 from dflash_ops.runs.shellcmd import command_string
 from dflash_ops.spec import LOCAL, Completed, Host
 from dflash_ops.ssh import routing
@@ -27,16 +28,60 @@ from dflash_ops.ssh.routing import Endpoint, Route
 DEFAULT_TIMEOUT_S = 60.0
 
 
+OnStdout = Callable[[bytes], None]   # sees the command's stdout as it arrives, chunk by chunk
+
+
 class Transport(Protocol):
     label: str
 
-    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Completed: ...
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+            on_stdout: OnStdout | None = None) -> Completed: ...
 
     def describe(self, argv: Sequence[str]) -> str: ...
+
+    def connect(self) -> None: ...
+
+    def fetch(self, remote: str, local: Path, size: int) -> str: ...
 
     def reconnect(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+FETCH_CHUNK = 1 << 20
+
+
+def _open_local(local: Path):
+    try:
+        return open(local, "wb")  # noqa: SIM115 -- the caller's with closes it
+    except OSError as exc:
+        raise OpsError(f"cannot write {local}: {exc.strerror or exc}") from None
+
+
+class _SourceLost(Exception):
+    """Reading the source failed mid-copy (for SSH: the connection dropped)."""
+
+
+def _copy_hashed(src, dst, size: int, what: str, local: Path) -> str:
+    """Copy exactly `size` bytes from `src` to `dst`; their SHA-256 (hex). A shorter source is RemoteFailed, a
+    failed read _SourceLost, a failed local write one OpsError line (a full disk here)."""
+    import hashlib
+
+    digest, left = hashlib.sha256(), size
+    while left > 0:
+        try:
+            chunk = src.read(min(left, FETCH_CHUNK))
+        except Exception as exc:  # noqa: BLE001 - paramiko raises several kinds; the caller says which it was
+            raise _SourceLost(str(exc) or type(exc).__name__) from exc
+        if not chunk:
+            raise RemoteFailed(f"{what} is shorter than listed ({size - left} of {size} bytes); nothing kept")
+        try:
+            dst.write(chunk)
+        except OSError as exc:
+            raise OpsError(f"cannot write {local}: {exc.strerror or exc}") from None
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.hexdigest()
 
 
 class LocalTransport:
@@ -45,26 +90,69 @@ class LocalTransport:
     def __init__(self, label: str = "local") -> None:
         self.label = label
 
-    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Completed:
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+            on_stdout: OnStdout | None = None) -> Completed:
         try:
-            proc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s,
-                                  check=False)
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
         except FileNotFoundError as exc:
             raise UsageError(f"cannot run {argv[0]!r} on this machine: {exc.strerror}",
                              hint="check the `pct:` path of this host in the inventory") from None
-        except subprocess.TimeoutExpired:
-            raise HostUnreachable(f"local command timed out after {timeout_s} s") from None
-        return Completed(command=command_string(argv), exit_code=proc.returncode, stdout=proc.stdout,
-                         stderr=proc.stderr)
+        with proc:
+            try:
+                out, err = _read_both(proc, timeout_s, on_stdout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise HostUnreachable(f"local command timed out after {timeout_s} s") from None
+        return Completed(command=command_string(argv), exit_code=proc.returncode, stdout=out, stderr=err)
 
     def describe(self, argv: Sequence[str]) -> str:
         return command_string(argv)
+
+    def connect(self) -> None:
+        return None
+
+    def fetch(self, remote: str, local: Path, size: int) -> str:
+        """The first `size` bytes of the file `remote` (on this machine) into `local`; their SHA-256."""
+        try:
+            src = open(remote, "rb")  # noqa: SIM115 -- closed by the with below
+        except OSError as exc:
+            raise RemoteFailed(f"cannot read {remote}: {exc.strerror or exc}") from None
+        try:
+            with src, _open_local(local) as dst:
+                return _copy_hashed(src, dst, size, remote, local)
+        except _SourceLost as exc:
+            raise RemoteFailed(f"reading {remote} failed: {exc}") from None
 
     def reconnect(self) -> None:
         return None
 
     def close(self) -> None:
         return None
+
+
+def _read_both(proc: subprocess.Popen, timeout_s: float | None, on_stdout: OnStdout | None) -> tuple[bytes, bytes]:
+    """stdout and stderr of `proc` until both close and it exits (stdout chunks to `on_stdout` as they come)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    got = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    with selectors.DefaultSelector() as sel:
+        for stream in got:
+            sel.register(stream, selectors.EVENT_READ)
+        while sel.get_map():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout_s)
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                got[key.fileobj] += chunk
+                if key.fileobj is proc.stdout and on_stdout is not None:
+                    on_stdout(chunk)
+    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return bytes(got[proc.stdout]), bytes(got[proc.stderr])
 
 
 def known_hosts_path(host: Host) -> Path:
@@ -86,6 +174,7 @@ class SshTransport:
         self._client = None
         self._hops: list = []      # connected jump hosts, first first: each carries the next one's channel
         self._proxy = None         # the running proxy command, if the route has one
+        self._sftp = None          # an SFTP session on the same connection, opened by the first fetch
         self._endpoint = resolve_endpoint(host)
         self.route = resolve_route(host, self._endpoint)
 
@@ -156,7 +245,8 @@ class SshTransport:
                                   hint="run that command by hand: it must connect its stdin/stdout to the "
                                        "host's sshd") from None
 
-    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Completed:
+    def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+            on_stdout: OnStdout | None = None) -> Completed:
         import paramiko
 
         command = command_string(argv)
@@ -164,7 +254,7 @@ class SshTransport:
         try:
             chan = client.get_transport().open_session(timeout=self.host.connect_timeout_s)
             chan.exec_command(command)  # no get_pty, no agent forwarding, no env= (never user values)
-            out, err, code = _drain(chan, timeout_s)
+            out, err, code = _drain(chan, timeout_s, on_stdout)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self.close()
             raise HostUnreachable(f"connection to {self.label} lost: {exc or type(exc).__name__}",
@@ -177,19 +267,47 @@ class SshTransport:
         via = f" (via {route})" if route else ""
         return f"ssh {user}@{address}:{port}{via}: {command_string(argv)}"
 
+    def connect(self) -> None:
+        """Connect now (else the first `run` does): a host that cannot be reached fails before anything is sent."""
+        if self._client is None:
+            self._connect()
+
+    def fetch(self, remote: str, local: Path, size: int) -> str:
+        """The first `size` bytes of `remote` into `local` over SFTP on this same connection (its host key was
+        checked when it was made); their SHA-256."""
+        import paramiko
+
+        client = self._client or self._connect()
+        try:
+            if self._sftp is None:
+                self._sftp = client.open_sftp()
+            src = self._sftp.open(remote, "rb")
+        except (paramiko.SSHException, EOFError, socket.timeout) as exc:
+            self.close()
+            raise HostUnreachable(f"SFTP to {self.label} failed: {exc or type(exc).__name__}") from None
+        except OSError as exc:  # the server's answer (no such file, permission denied)
+            raise RemoteFailed(f"cannot read {remote} on {self.label}: {exc.strerror or exc}") from None
+        try:
+            with src, _open_local(local) as dst:
+                src.prefetch(size)  # pipelined reads: SFTP's round trips would otherwise bound the rate
+                return _copy_hashed(src, dst, size, f"{remote} on {self.label}", local)
+        except _SourceLost as exc:
+            self.close()
+            raise HostUnreachable(f"connection to {self.label} lost while pulling {remote}: {exc}") from None
+
     def reconnect(self) -> None:
         self.close()
         self._connect()
 
     def close(self) -> None:
         # target first, then the hops from the last one back: each carries the connection after it
-        for c in (self._client, *reversed(self._hops), self._proxy):
+        for c in (self._sftp, self._client, *reversed(self._hops), self._proxy):
             if c is not None:
                 try:
                     c.close()
                 except Exception:  # noqa: BLE001 - closing a dead connection must never mask the real error
                     pass
-        self._client, self._hops, self._proxy = None, [], None
+        self._sftp, self._client, self._hops, self._proxy = None, None, [], None
 
 
 @functools.cache
@@ -339,15 +457,22 @@ def _hop_trust_hint(host: Host, changed: bool = False, *, before: Sequence[Endpo
             f"then dflash-ops trust-host {host.name}")
 
 
-def _drain(chan, timeout_s: float | None) -> tuple[bytes, bytes, int]:
+def _drain(chan, timeout_s: float | None, on_stdout: OnStdout | None = None) -> tuple[bytes, bytes, int]:
     """Read stdout and stderr together until the command exits (no deadlock on a full stderr window)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     out, err = bytearray(), bytearray()
     chan.settimeout(0.05)
+
+    def take() -> None:
+        chunk = chan.recv(65536)
+        out.extend(chunk)
+        if on_stdout is not None and chunk:
+            on_stdout(chunk)
+
     while True:
         got = False
         while chan.recv_ready():
-            out += chan.recv(65536)
+            take()
             got = True
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(65536)
@@ -365,7 +490,7 @@ def _drain(chan, timeout_s: float | None) -> tuple[bytes, bytes, int]:
             time.sleep(0.005)
     # the exit status can arrive before the last data: drain once more
     while chan.recv_ready():
-        out += chan.recv(65536)
+        take()
     while chan.recv_stderr_ready():
         err += chan.recv_stderr(65536)
     code = chan.recv_exit_status()
@@ -408,15 +533,26 @@ def key_fingerprint(key) -> str:
 
 
 def known_key_status(path: Path, entry: str, key) -> str:
-    """'same' (already trusted), 'changed' (a different key of that type is recorded) or 'new'."""
+    """'same' (already trusted), 'changed' (a different key of that type is recorded), 'other_type' (keys of
+    other types are recorded for the host, none of this type: OpenSSH warns here) or 'new'."""
     import paramiko
 
     if not path.is_file():
         return "new"
     recorded = paramiko.HostKeys(str(path)).lookup(entry)
-    if recorded is None or key.get_name() not in recorded:
+    if not recorded:
         return "new"
+    if key.get_name() not in recorded:
+        return "other_type"
     return "same" if recorded[key.get_name()] == key else "changed"
+
+
+def known_keys(path: Path, entry: str) -> list[tuple[str, str]]:
+    """(type, SHA256 fingerprint) of every key `path` records for `entry`."""
+    import paramiko
+
+    recorded = paramiko.HostKeys(str(path)).lookup(entry) if path.is_file() else None
+    return [(name, key_fingerprint(recorded[name])) for name in (recorded or {})]
 
 
 def append_known_host(path: Path, entry: str, key) -> None:

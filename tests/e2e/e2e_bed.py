@@ -7,7 +7,11 @@ against the session's real sshd and emulated Proxmox containers reached through 
   and TORCHINDUCTOR_CACHE_DIR=`bed.cache_dir`). Containers are stopped when the module ends (that ends every job
   inside them, as stopping a real container does).
 - JOB flags: `--gate FILE` (after `job started`, wait until FILE exists), `--lines N` `--every S` (print
-  `line I` N times), `--child FILE` (spawn `sleep 300` in the job's group, write its container pid),
+  `line I` N times), `--metrics N` (N intervals as the trainer prints them: a `DFLASH_METRICS` line, then a
+  human line `step I loss L`), `--child FILE` (spawn `sleep 300` in the job's group, write its container pid),
+  `--setsid-child FILE` (the same in a session and group of its own: only its environment's marker ties it to the run),
+  `--export KIB` (write export/, metrics.jsonl, ckpt/step_2 and ckpt/step_10 into the run dir, as the trainer does,
+  plus an awkwardly named file and a symlink `export/leak` to `--leak PATH`),
   `--argv FILE` (write the job's argv as NUL-joined bytes), `--env FILE` (write $HOSTILE's bytes), `--echo` (print
   every argument after `--echo` raw, one per line), `--rc N` (exit status). Files are written via tmp+rename.
 """
@@ -53,11 +57,30 @@ if "--echo" in args:
 if opt("--child"):
     child = subprocess.Popen(["sleep", "300"])
     put(opt("--child"), str(child.pid).encode())
+if opt("--export"):   # what the trainer leaves in its run dir (cwd), with awkward names and a symlink out
+    os.makedirs("export", exist_ok=True)
+    put("export/config.json", b'{"architectures": ["DFlashDraftModel"]}\n')
+    put("export/model.safetensors", os.urandom(1024 * int(opt("--export"))))
+    put("export/it's \"odd\" $(touch x).bin", b"odd\n")
+    os.symlink(opt("--leak", "/etc/hostname"), "export/leak")
+    put("metrics.jsonl", b'{"step": 2, "loss": 3.0}\n{"step": 10, "loss": 2.5}\n')
+    for step in (2, 10):
+        os.makedirs(f"ckpt/step_{step}", exist_ok=True)
+        put(f"ckpt/step_{step}/drafter.pt", b"weights at step %d\n" % step)
+    print("exported", flush=True)
+if opt("--setsid-child"):
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    put(opt("--setsid-child"), str(child.pid).encode())
 gate, deadline = opt("--gate"), time.monotonic() + 120
 while gate and not os.path.exists(gate) and time.monotonic() < deadline:
     time.sleep(0.02)
 for i in range(int(opt("--lines", "0"))):
     print(f"line {i}", flush=True)
+    time.sleep(float(opt("--every", "0.02")))
+for i in range(1, int(opt("--metrics", "0")) + 1):   # as the trainer prints an interval: machine line, human line
+    print('DFLASH_METRICS {"step": %d, "loss": %.1f, "acc_by_pos": [%s]}' % (i, 4 - i / 10, ", ".join(["0.5"] * 15)),
+          flush=True)
+    print(f"step {i} loss {4 - i / 10:.1f}", flush=True)
     time.sleep(float(opt("--every", "0.02")))
 sys.exit(int(opt("--rc", "0")))
 '''

@@ -165,3 +165,30 @@ def test_trust_host_goes_through_the_jump_host_whose_key_must_be_trusted_first(b
     assert error_line(refused.stderr).startswith(f"error: host key of jump host {jump} is unknown")
     assert f"hint: record the jump host's key in {untrusted} first".encode() in refused.stderr
     assert untrusted.read_text() == ""
+
+
+def test_trust_host_yes_will_not_add_a_key_of_a_new_type_beside_a_pinned_one_unless_told(bed):
+    """known_hosts pins an ecdsa key for the host, which presents ed25519: OpenSSH warns here, so trust-host
+    refuses (77) with one line naming the flag, writes nothing, and with the flag adds the key beside the pin."""
+    sshd = bed.tb.sshd
+    pinned = bed.work / "pinned_ecdsa"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(pinned)], check=True)
+    key_type, key_b64 = pinned.with_suffix(".pub").read_text().split()[:2]
+    known = bed.work / "other_type_known_hosts"
+    known.write_text(f"[{sshd.host}]:{sshd.port} {key_type} {key_b64}\n")
+    recorded = known.read_bytes()
+    inv = bed.inventory_with("other-type", known_hosts=known)
+
+    refused = bed.cli("trust-host", bed.tb.host, "--yes", inventory=inv)
+    assert refused.returncode == 77, refused.stderr
+    err = refused.stderr.decode()
+    assert error_line(refused.stderr).startswith(f"error: [{sshd.host}]:{sshd.port} presents a ssh-ed25519 key")
+    assert f"pins a key of another type for it ({key_type} {fingerprint(str(pinned.with_suffix('.pub')))})" in err
+    assert "hint: if the host really has this key too, pass --accept-new-key-type to add it" in err.splitlines()
+    assert known.read_bytes() == recorded
+
+    added = bed.cli("trust-host", bed.tb.host, "--yes", "--accept-new-key-type", inventory=inv)
+    assert added.returncode == 0, added.stderr
+    assert b"warning: " in added.stderr
+    assert known.read_text() == recorded.decode() + sshd.host_key_line + "\n"
+    assert bed.cli("runs", *bed.target(bed.ct(0)), inventory=inv).returncode == 0

@@ -150,6 +150,30 @@ def test_tail_reconnects_after_sshd_restarts_and_loses_nothing(bed):
     assert b"reconnecting" in err and f"run {doc['run_id']} exited 0".encode() in err
 
 
+def test_tail_human_view_across_sshd_restarts_shows_every_human_line_once(bed):
+    ctid, gate = bed.ct(2), bed.gate("view")
+    doc = bed.launch(ctid, "--gate", str(gate), "--metrics", "60", "--every", "0.02", name="view")
+    proc = subprocess.Popen(bed.argv("tail", doc["run_id"], *bed.target(ctid), "-n", "1000"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=bed.env(), cwd=bed.work)
+    try:
+        reader = LineReader(proc)
+        reader.until(b"job started\n")
+        bed.tb.sshd.restart()       # while tail waits on a silent run
+        gate.touch()
+        reader.until(b"step 10 loss 3.0\n")
+        bed.tb.sshd.restart()       # while lines are flowing
+        assert proc.wait(timeout=120) == 0
+        out = reader.rest()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out == b"job started\n" + b"".join(b"step %d loss %.1f\n" % (i, 4 - i / 10) for i in range(1, 61))
+    log = (bed.tb.runs_dirs[ctid] / doc["run_id"] / "output.log").read_bytes()
+    assert log.count(b"DFLASH_METRICS {") == 60
+    assert bed.proc("tail", doc["run_id"], *bed.target(ctid), "-n", "1000", "--raw").stdout == log
+
+
 def test_inductor_cache_is_cleared_in_the_container_and_refused_while_a_run_is_alive(bed):
     ctid, cache = bed.ct(3), bed.cache_dir
     (cache / "triton").mkdir(parents=True)

@@ -15,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The job the test runbooks launch. Flags: --out FILE (argv + env as JSON), --lines N, --every S, --child FILE
+# The job the test runbooks launch. Flags: --out FILE (argv + env as JSON), --lines N, --every S, --metrics N (N
+# intervals as the trainer prints them: a DFLASH_METRICS line, then a human line; then DFLASH_DONE), --child FILE
 # (spawn `sleep` in the same process group, write its pid), --rc N, --hold (sleep until killed), then
 # --partial TEXT (write TEXT with no newline), --gate FILE (wait until FILE exists), --then TEXT (write TEXT raw).
 JOB = r'''
@@ -39,6 +40,13 @@ if child:
 for i in range(int(opt("--lines", "0"))):
     print(f"step {i} " + "x" * (i % 7), flush=True)
     time.sleep(float(opt("--every", "0.05")))
+for i in range(1, int(opt("--metrics", "0")) + 1):   # as the trainer prints an interval: machine line, human line
+    print("DFLASH_METRICS " + json.dumps({"step": 10 * i, "loss": 4 - i / 10, "acc_by_pos": [0.5] * 15}), flush=True)
+    print(f"step {10 * i}/? loss {4 - i / 10:.4f}", flush=True)
+    time.sleep(float(opt("--every", "0.05")))
+if opt("--metrics"):
+    print("DFLASH_DONE " + json.dumps({"step": 10 * int(opt("--metrics")), "export": opt("--run-dir") + "/export",
+                                       "replica_sha256": ["0" * 64]}), flush=True)
 if "--hold" in args:
     time.sleep(300)
 if opt("--partial"):

@@ -146,7 +146,9 @@ def test_a_run_whose_child_outlives_it_is_exited_and_stop_cleans_the_leftover(op
     tail = ops_env.sub("tail", run_id)  # ends when the job's main process ends, not when its leftovers do
     assert tail.returncode == 0, tail.stderr
     child = int(child_file.read_text())
-    assert ops_env.pid_alive(child) and _wait_state(ops_env, run_id, "exited 0")["state"] == "exited"
+    assert ops_env.pid_alive(child)
+    run = _wait_state(ops_env, run_id, "exited 0, 1 leftover")
+    assert (run["state"], run["leftovers"]) == ("exited", 1)
     stop = ops_env.sub("stop", run_id, "--grace", "2")
     assert stop.returncode == 0 and "leftover" in stop.stdout
     assert not ops_env.pid_alive(child)

@@ -81,6 +81,7 @@ def test_launch_env_reaches_the_job_verbatim_and_replaces_the_runbooks_value(ops
     ("1BAD=x", "invalid environment variable name"),
     ("A B=x", "invalid environment variable name"),
     ("DFLASH_OPS_RUN_ID=x", "set by dflash-ops itself"),
+    ("DFLASH_OPS_RUN_DIR=/elsewhere", "set by dflash-ops itself"),
 ])
 def test_launch_env_refuses_bad_items_in_one_line(ops_env, item, message):
     done = ops_env.sub("launch", "job", "--env", item)

@@ -162,3 +162,43 @@ def test_tail_n0_of_a_running_run_does_not_cut_the_line_being_written(ops_env, t
     final = lifecycle.follow(s, status, start=start, emit=got.append, poll_s=0.02)
     assert got == [b"half and done\n", b"last\n"]
     assert final.state == "exited" and final.exit_code == 0
+
+
+def _human_view(log: str, run_dir: str, steps: int) -> str:
+    """What a person is shown of the --metrics job's log: every line but the machine lines, DFLASH_DONE in words."""
+    kept = [line for line in log.splitlines(keepends=True) if not line.startswith("DFLASH_METRICS ")]
+    assert kept[-1].startswith("DFLASH_DONE ")
+    return "".join(kept[:-1]) + f"done at step {steps}; export {run_dir}/export\n"
+
+
+def test_tail_shows_the_human_lines_by_default_and_raw_the_exact_bytes(ops_env):
+    run = _launch(ops_env, "--lines", "2", "--every", "0.01", "--metrics", "6")
+    _ended(ops_env, run["run_id"])
+    log = (ops_env.run_dirs()[-1] / "output.log").read_text()
+    assert log.count("DFLASH_METRICS ") == 6 and log.count("\nstep 60/? loss 3.4000\n") == 1
+    view = _human_view(log, run["run_dir"], 60)
+    for mode in ("--follow", "--no-follow"):
+        shown = ops_env.sub("tail", run["run_id"], "-n", "1000", mode)
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout == view and "DFLASH_" not in shown.stdout, mode
+        raw = ops_env.sub("tail", run["run_id"], "-n", "1000", "--raw", mode)
+        assert raw.stdout == log, mode
+        # -n counts the lines shown: the last 3 of the view, not 3 raw lines (of which 1 or 2 are hidden)
+        last = ops_env.sub("tail", run["run_id"], "-n", "3", mode)
+        assert last.stdout == "".join(view.splitlines(keepends=True)[-3:]), mode
+        assert ops_env.sub("tail", run["run_id"], "-n", "2", "--raw", mode).stdout == \
+            "".join(log.splitlines(keepends=True)[-2:]), mode
+
+
+def test_the_human_view_loses_and_repeats_no_line_across_drops(ops_env, capsysbinary):
+    """The CLI's default view over a connection that drops on every other call, half the time after the command
+    ran: every human line once, in order."""
+    from dflash_ops.cli import tail as tail_cli
+
+    run = _launch(ops_env, "--metrics", "40", "--every", "0.02")
+    s, status = _session_and_status(run["run_id"])
+    flaky = FlakyTransport()
+    tail_cli.follow_run(lifecycle.Session(s.target, flaky), status, start=0)   # returns: the run exited 0
+    assert flaky.reconnects >= 2
+    log = (ops_env.run_dirs()[-1] / "output.log").read_text()
+    assert capsysbinary.readouterr().out.decode() == _human_view(log, run["run_dir"], 400)

@@ -82,8 +82,8 @@ def test_pid_namespace_maps_holders_when_the_cgroup_names_no_container():
 
 
 def test_no_gpu_and_truncated_output():
-    snap = facts.parse_probe("@@SELF 5\n@@NOGPU nvidia-smi not found (nvidia-smi)\n@@FDS\n@@PROCS\n@@END\n")
-    assert snap.no_gpu_reason == "nvidia-smi not found (nvidia-smi)" and snap.gpus == ()
+    snap = facts.parse_probe("@@SELF 5\n@@NOGPU nvidia-smi not found on PATH\n@@FDS\n@@PROCS\n@@END\n")
+    assert snap.no_gpu_reason == "nvidia-smi not found on PATH" and snap.gpus == ()
     assert facts.parse_probe(PROBE).no_gpu_reason is None
     try:
         facts.parse_probe("@@SELF 5\n@@GPUS\n0, GPU-a, 1")

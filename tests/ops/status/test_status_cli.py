@@ -48,12 +48,20 @@ def test_local_status_shows_run_metrics_and_gpu_holders(tmp_path, gpu_env):
 
 
 def test_no_gpu_is_said_plainly(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_OPS_NVIDIA_SMI", str(tmp_path / "no-such-nvidia-smi"))
+    """Once, in words: no nested parentheses repeating the command's name."""
+    missing = tmp_path / "no-such-nvidia-smi"
+    monkeypatch.setenv("DFLASH_OPS_NVIDIA_SMI", str(missing))
     res = cli("status", "--host", "local")
-    assert res.exit_code == 0 and "local: no GPU (nvidia-smi not found" in res.stdout
+    assert res.exit_code == 0 and res.stdout.splitlines()[0] == f"local: no GPU: {missing} not found"
     data = json.loads(cli("status", "--host", "local", "--json").stdout)
-    assert data["hosts"][0]["gpu"] == {"available": False, "gpus": [],
-                                       "reason": f"nvidia-smi not found ({tmp_path / 'no-such-nvidia-smi'})"}
+    assert data["hosts"][0]["gpu"] == {"available": False, "gpus": [], "reason": f"{missing} not found"}
+    # the default: nvidia-smi looked up on PATH (an empty PATH directory here)
+    monkeypatch.setenv("DFLASH_OPS_NVIDIA_SMI", "nvidia-smi")
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    res = cli("status", "--host", "local")
+    assert res.stdout.splitlines()[0] == "local: no GPU: nvidia-smi not found on PATH", res.stdout
+    reset = cli("gpu-reset", "--host", "local", "--yes")
+    assert reset.exit_code == 0 and reset.stdout == "local: no GPU: nvidia-smi not found on PATH; nothing to reset\n"
 
 
 def test_unknown_host_is_a_usage_error():
@@ -152,3 +160,44 @@ def test_watch_json_prints_one_document_per_refresh_until_ctrl_c(tmp_path, gpu_e
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=30)
     assert rc == 0 and all(d["hosts"][0]["host"] == "local" and d["hosts"][0]["gpu"]["available"] for d in docs)
+
+
+@pytest.mark.parametrize("columns", ["80", "120", "200", None])
+def test_status_is_readable_at_80_120_and_200_columns_and_piped(tmp_path, gpu_env, columns):
+    """Every figure of a run (pid, uptime, step, loss, tok/s, acc, gpus) and its whole id are on screen at any
+    width; nothing is cut to "…". A real process with its stdout piped; None: no COLUMNS (a pipe reads as 80)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "runs_dir": str(tmp_path / "runs")}}}))
+    book = trainer_runbook(tmp_path / "runbooks", gpu_env, gpu=2, mib=2048, child_mib=4096)
+    launched = cli("--inventory", str(inv), "--runbooks", str(tmp_path / "runbooks"), "launch", book,
+                   "--name", "drafter-qwen3-8b-long-run-name", "--json")
+    assert launched.exit_code == 0, launched.output
+    run = json.loads(launched.stdout)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env.update(PYTHONPATH=str(REPO), **({"COLUMNS": columns} if columns else {}))
+    width = int(columns or 80)
+    try:
+        done = subprocess.run([sys.executable, "-m", "dflash_ops", "--inventory", str(inv), "status"],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert "…" not in done.stdout and all(len(line) <= width for line in lines), done.stdout
+        [first] = [i for i, line in enumerate(lines) if line.lstrip().startswith(run["run_id"])]
+        block = lines[first:first + 4]        # the run's lines: wrapped at 80 columns, whole at 200
+        assert block[0].split()[:2] == [run["run_id"], "running"], done.stdout
+        # each figure is its label and value side by side on one line (a wrap falls between figures only)
+        figures = {words[i]: words[i + 1] for words in map(str.split, block) for i in range(len(words) - 1)}
+        assert figures["pid"] == str(run["pid"]) and figures["gpus"] == "2", done.stdout
+        assert figures["up"].startswith("0m") and figures["step"].isdigit(), done.stdout
+        assert figures["tok/s"] == "51,234" and 0 < float(figures["acc"]) < float(figures["loss"]) < 4, done.stdout
+        if width >= 120:
+            assert len([line for line in block if "pid" in line or "step" in line]) == 2, done.stdout
+        assert "6144 / 143771 MiB" in done.stdout and f"run {run['run_id']}" in done.stdout
+    finally:
+        _stop(inv, "local", run["run_id"])

@@ -34,6 +34,16 @@ def test_new_then_same_then_changed(tmp_path):
     assert paramiko.HostKeys(str(kh)).lookup("[h]:2222")["ssh-ed25519"] == key
 
 
+def test_a_key_of_a_type_not_pinned_beside_a_pinned_one_is_its_own_status(tmp_path):
+    kh = tmp_path / "known_hosts"
+    pinned = _key(tmp_path, "ed")
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(tmp_path / "ec")], check=True)
+    ecdsa = paramiko.ECDSAKey.from_private_key_file(str(tmp_path / "ec"))
+    transport.append_known_host(kh, "[h]:2222", pinned)
+    assert transport.known_key_status(kh, "[h]:2222", ecdsa) == "other_type"
+    assert transport.known_keys(kh, "[h]:2222") == [("ssh-ed25519", transport.key_fingerprint(pinned))]
+
+
 def test_fingerprint_matches_ssh_keygen(tmp_path):
     key = _key(tmp_path, "k")
     want = subprocess.run(["ssh-keygen", "-l", "-E", "sha256", "-f", str(tmp_path / "k.pub")], check=True,

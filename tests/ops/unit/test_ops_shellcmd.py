@@ -30,9 +30,10 @@ def _launch_command(script: str) -> str:
 
 def _wrapped(script: str) -> str:
     words = shlex.split(_launch_command(script))
-    assert words[:5] == ["DFLASH_OPS_RUN_ID=r1-20260101T000000-abcd", "nohup", "setsid", "bash", "-c"]
-    assert words[6:] == ["dflash-run", "$PWD", ">>output.log", "2>&1", "</dev/null", "9>&-", "&"]  # $1: the run dir
-    return words[5]
+    assert words[:6] == ["DFLASH_OPS_RUN_ID=r1-20260101T000000-abcd", "DFLASH_OPS_RUN_DIR=$RUNS/r1-20260101T000000-abcd",
+                         "nohup", "setsid", "bash", "-c"]
+    assert words[7:] == ["dflash-run", "$PWD", ">>output.log", "2>&1", "</dev/null", "9>&-", "&"]  # $1: the run dir
+    return words[6]
 
 
 def test_two_parses_give_back_the_pct_argv_and_the_script():
@@ -64,7 +65,7 @@ def test_trap_ordering_nohup_line_is_alone():
     command = _launch_command(script)
     start = script.index(command)
     assert script[start - 1] == "\n" and script[start + len(command)] == "\n"
-    assert script[:start].rstrip().endswith("|| exit 1")  # the cd before it is its own list
+    assert script[:start].rstrip().endswith("|| dflash_fail 'cannot enter the run dir'")  # the cd: its own list
 
 
 def test_run_json_prefix_is_json_once_closed():
@@ -91,7 +92,7 @@ def test_clear_cache_uses_the_runbooks_cache_dir_quoted():
     lambda: shellcmd.probe_script("/r/x-20260101T000000-abcd"),
     lambda: shellcmd.tail_start_script("/r/x", 5),
     lambda: shellcmd.tail_chunk_script("/r/x", 10),
-    lambda: shellcmd.stop_script("/r/x", 2.5),
+    lambda: shellcmd.stop_script("/r", "x-20260101T000000-abcd", 2.5),
 ])
 def test_every_script_is_valid_bash(build):
     done = subprocess.run(["bash", "-n", "-c", build()], capture_output=True, text=True)
@@ -99,7 +100,7 @@ def test_every_script_is_valid_bash(build):
 
 
 def test_stop_script_grace_is_in_tenths():
-    assert "[ $i -lt 25 ]" in shellcmd.stop_script("/r/x", 2.5)
+    assert "[ $i -lt 25 ]" in shellcmd.stop_script("/r", "x-20260101T000000-abcd", 2.5)
 
 
 def test_home_relative_paths_expand_on_the_remote_side_in_quoted_pieces():
