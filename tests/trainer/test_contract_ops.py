@@ -23,7 +23,8 @@ def test_ops_cli_launches_the_trainer_and_parses_what_it_writes(tiny_target_dir)
     extra = [a for o in overrides for a in ("--set", o)]
     launched = ops("launch", "smoke", "--host", "local", "--name", "contract", "--follow", "--", *extra)
     assert launched.returncode == 0, launched.stdout + launched.stderr
-    assert "DFLASH_DONE" in launched.stdout          # --follow streamed the trainer's log to its end
+    # --follow streamed the trainer's log to its end, in the human view: the DFLASH_DONE line as words.
+    assert "done at step 4; export " in launched.stdout and "step 4/4 epoch 0 loss " in launched.stdout
 
     runs = json.loads(ops("runs", "--host", "local", "--json").stdout)
     (run,) = [r for r in runs if r["name"] == "contract"]

@@ -68,7 +68,7 @@ def test_two_nodes_train_one_model_and_resume_from_the_node_that_kept_the_checkp
     shipped = yaml.safe_load((REPO / "runbooks" / "graphwarm-nodes.yaml").read_text())
     # The shipped runbook with what a CPU box can run: one process per node, the smoke recipe, no graphs.
     command = list(shipped["command"])
-    assert command[-2:] == ["--set", "step.mode=graph"]
+    assert command[-2:] == ["--set", "step.mode=compile+graph"]
     command = command[:-2]
     command[command.index("--nproc-per-node") + 1] = "1"
     command[command.index("--recipe") + 1] = "smoke"
