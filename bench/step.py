@@ -114,6 +114,15 @@ def parse(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
     return cfg, modes, child
 
 
+def cpu_refusal(cfg: BenchConfig, cuda: bool) -> str | None:
+    """Pure: why this bench cannot run here, or None. On a CPU only the `tiny` shape (or a --target DIR) finishes:
+    the others take minutes per step there and tell nothing about the GPU step they model."""
+    if cuda or cfg.target or cfg.shape == "tiny":
+        return None
+    return (f"--shape {cfg.shape} is a GPU shape and this machine has no CUDA GPU; on a CPU use --shape tiny "
+            f"(or --target DIR)")
+
+
 def run_child(cfg: BenchConfig, mode: str) -> int:
     """One mode in this process: BENCH_RESULT <json> on success; BENCH_ERROR <one line> (exit 2) for a refusal."""
     from trainer.errors import TrainerError
@@ -166,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg, modes, child = parse(argv)
     if child is not None:
         return run_child(cfg, child)
+    if cfg.shape != "tiny" and not cfg.target:
+        import torch
+
+        refusal = cpu_refusal(cfg, torch.cuda.is_available())
+        if refusal:
+            raise SystemExit(refusal)
     main_rank = int(os.environ.get("RANK", "0")) == 0
     say = print if main_rank else (lambda *a, **k: None)
     say("config", json.dumps(asdict(cfg)), flush=True)

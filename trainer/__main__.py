@@ -10,20 +10,35 @@ replica per rank; see trainer/train.py).
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
-from trainer.errors import TrainerError, run_cli
+_T0 = time.perf_counter()  # the console's clock starts with the program
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from trainer.errors import TrainerError, run_cli  # noqa: E402
+
+
+def _recipe_help() -> str:
+    from trainer.config import PIPELINE_COMMAND, bundled_recipes
+
+    kinds = bundled_recipes()
+    train = ", ".join(n for n, k in kinds.items() if k == "train")
+    pipeline = ", ".join(n for n, k in kinds.items() if k == "pipeline")
+    text = f"a bundled trainer recipe ({train}) or a PATH.yaml"
+    if pipeline:
+        text += f"; {pipeline}: quality-pipeline recipes, for {PIPELINE_COMMAND}"
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a drafter")
-    t.add_argument("--recipe", required=True, help="bundled recipe name (smoke, gpu) or a PATH.yaml")
+    t.add_argument("--recipe", required=True, help=_recipe_help())
     t.add_argument("--run-dir", default=None, help="run directory (default: runs/<recipe>-<utc time>)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config leaf, e.g. --set optim.lr=3e-4 (repeatable)")
@@ -61,14 +76,41 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
+    """Everything about a start that needs neither torch nor a tokenizer: the empty-target rule and the target
+    directory, the run directory (checkpoints, a resumed config), every data file (exists, readable, each line
+    UTF-8 JSON in one of the formats, the malformed-line limit). Raises ConfigError / DataError -> a summary."""
+    from trainer import rundir
+    from trainer.config import check_target_dir
+    from trainer.data.source import BadLineFile, scan
+    from trainer.placement import dist_env
+
+    check_target_dir(cfg)
+    env = dist_env(os.environ)
+    if env.is_main:
+        rundir.check_start(rundir.with_target(cfg, run_dir), run_dir, resume, env.world)
+    bad_file = BadLineFile(rundir.bad_lines_path(run_dir)) if env.is_main else None
+    counts = [scan(paths, cfg.data.max_bad_fraction, bad_file).lines
+              for paths in (cfg.data.paths, cfg.data.eval_paths) if paths]
+    files = len(cfg.data.paths) + len(cfg.data.eval_paths)
+    return f"{sum(counts)} data lines in {files} file(s)"
+
+
 def cmd_train(args) -> int:
     from trainer.config import load_config
-    from trainer.train import train
+    from trainer.errors import secondary_rank
+    from trainer.metrics import Console
 
-    cfg = load_config(args.recipe, args.overrides)
+    console = Console(quiet=secondary_rank(), t0=_T0)
     name = Path(args.recipe).stem
     run_dir = Path(args.run_dir or f"runs/{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
-    result = train(cfg, run_dir, resume=args.resume)
+    with console.phase(f"checking the config (recipe {args.recipe}) and the data") as notes:
+        cfg = load_config(args.recipe, args.overrides)
+        notes.append(check_before_torch(cfg, run_dir, args.resume))
+    with console.phase("loading torch and transformers"):
+        _quiet_libraries()
+        from trainer.train import train
+    result = train(cfg, run_dir, resume=args.resume, console=console)
     if result["world"] > 1:
         _exit_rank_now()
     return 0
@@ -156,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
     def command() -> int:
-        _quiet_libraries()
+        if args.command != "train":  # train checks its config and data first (cmd_train)
+            _quiet_libraries()
         return COMMANDS[args.command](args)
 
     return run_cli(command)

@@ -1,4 +1,10 @@
-"""Build a training session from a config: placement, target, data, drafter + optimizer, and the step driver.
+"""Build a training session from a config: placement, data, target, drafter + optimizer, and the step driver.
+
+Start-up order: what is cheap and can refuse comes first, so a bad config or bad data fails in seconds and creates
+nothing -- placement and device support, the empty-target rule and the run directory's checks, then the tokenizer
+alone and the whole data set (tokenized and packed), and only then the run directory, the target, the drafter, and
+compilation / capture. A start that fails before training removes what it created (bad_lines.txt stays: its error
+names it). Each phase is a line on the console (trainer/metrics.py).
 
 Everything that compiles or captures happens here, in the main thread, before any worker thread issues CUDA work:
 the sequential runner (`make_runner`) or the threaded pipeline (`make_pipeline`) is fully warmed up and captured when
@@ -8,6 +14,7 @@ state); the training loop (trainer/loop.py) only drives it.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +25,12 @@ from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.checkpoint import Cursor
-from trainer.config import TrainCfg
+from trainer.config import TrainCfg, cuda_only
 from trainer.data.batching import EpochBatches, StaticBatch
 from trainer.data.dataset import Datasets, build_datasets
-from trainer.errors import ConfigError
-from trainer.metrics import MetricsSink, QuietSink
+from trainer.data.source import BadLineFile
+from trainer.errors import ConfigError, DataError
+from trainer.metrics import Console, MetricsSink, QuietSink
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.model.target import Target, load_target
 from trainer.step.step import EagerRunner, TrainState, build_optimizer
@@ -44,6 +52,7 @@ class Session:
     sink: MetricsSink
     runner: EagerRunner | None = None
     pipe: object | None = None  # trainer.pipeline.train_pipe.PipelinedSteps
+    console: Console = dataclasses.field(default_factory=lambda: Console(quiet=True))
 
 
 def resolve_placement(cfg: TrainCfg, env: place.DistEnv) -> place.Placement:
@@ -52,15 +61,32 @@ def resolve_placement(cfg: TrainCfg, env: place.DistEnv) -> place.Placement:
 
 
 def resolve_target(cfg: TrainCfg, run_dir: Path) -> TrainCfg:
-    """model.target "" -> build (or reuse) the tiny target in <run_dir>/tiny_target; the path goes into the config."""
-    if cfg.model.target:
-        return cfg
-    from trainer.tiny import build_tiny_target
+    """model.target, or <run_dir>/tiny_target where the tiny test target is allowed (rundir.with_target: the
+    empty-target rule); `build` fills (or reuses) the tiny one. Pure."""
+    return rundir.with_target(cfg, run_dir)
 
-    path = rundir.tiny_target_dir(run_dir)
+
+def uses_tiny_target(cfg: TrainCfg, run_dir: Path) -> bool:
+    return cfg.model.allow_tiny_target and Path(cfg.model.target) == rundir.tiny_target_dir(Path(run_dir).resolve())
+
+
+def load_tokenizer(cfg: TrainCfg, tiny: bool):
+    """The target's tokenizer alone (light: no weights) -> (tokenizer, vocabulary rows of the target's embedding).
+    A tiny target not built yet: the tokenizer it will be saved with (trainer/tiny.py: one row per token)."""
+    path = Path(cfg.model.target)
+    if tiny and not (path / "config.json").is_file():
+        from trainer.tiny import build_tokenizer
+
+        tokenizer = build_tokenizer()
+        return tokenizer, len(tokenizer)
     if not (path / "config.json").is_file():
-        build_tiny_target(path, seed=cfg.seed)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=str(path.resolve())))
+        raise ConfigError(f"model.target={path}: no config.json there",
+                          hint="set model.target to a local Hugging Face model directory")
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return AutoTokenizer.from_pretrained(path, local_files_only=True), int(text.vocab_size)
 
 
 def target_attn(device: torch.device) -> str:
@@ -97,19 +123,16 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
 
 
 def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
-    """Graph step modes and the flex backend are CUDA-only: say so before anything is built. (compile runs on CPU
-    too, through Inductor's C++ backend.)"""
-    if device.type == "cuda":
+    """Graph step modes, the flex backend and the pipeline are CUDA-only (config.cuda_only): say so before anything
+    is built."""
+    found = cuda_only(cfg) if device.type != "cuda" else []
+    if not found:
         return
-    if cfg.step.captures:
-        raise ConfigError(f"step.mode={cfg.step.mode} needs a CUDA device (this run is on {device})",
-                          hint="use --set step.mode=eager on CPU")
-    if cfg.step.attn != "sdpa":
-        raise ConfigError(f"step.attn={cfg.step.attn} needs a CUDA device (this run is on {device})",
-                          hint="use --set step.attn=sdpa on CPU")
-    if cfg.pipeline.enabled:
-        raise ConfigError(f"pipeline.enabled needs a CUDA device (this run is on {device})",
-                          hint="use --set pipeline.enabled=false on CPU")
+    setting, alternative = found[0]
+    # device=auto found no GPU: this is a GPU recipe, and running it on the CPU is not the likely fix.
+    where = ("no CUDA GPU here (device=auto chose the cpu): run this recipe on a GPU machine, or on a CPU use"
+             if cfg.device == "auto" else "on a CPU use")
+    raise ConfigError(f"{setting} needs a CUDA device (this run is on {device})", hint=f"{where} --set {alternative}")
 
 
 def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device, grad_sync=None):
@@ -136,36 +159,87 @@ def make_pipeline(cfg: TrainCfg, state: TrainState, batches: EpochBatches, targe
 
 
 def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout, *,
-          env: place.DistEnv = place.DistEnv(0, 1, 0), placement: place.Placement | None = None) -> Session:
+          env: place.DistEnv = place.DistEnv(0, 1, 0), placement: place.Placement | None = None,
+          console: Console | None = None) -> Session:
     """Build everything, capture in the main thread. Under torchrun the process group must already exist."""
+    console = console or Console(stream, quiet=not env.is_main)
     run_dir = Path(run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    created = not run_dir.exists()
+    made: list[Path] = []  # what this start created, removed again if it fails before training
+    try:
+        return _build(cfg, run_dir, resume, stream, env, placement, console, made)
+    except BaseException:  # a config or data error, or Ctrl-C during start-up
+        if env.is_main:
+            _remove_created(run_dir, created, made)
+        raise
+
+
+def _remove_created(run_dir: Path, created: bool, made: list[Path]) -> None:
+    """Remove what a failed start made: its tiny target, and the run directory it created when nothing else is in
+    it (a bad_lines.txt stays: the error names it). Nothing that was there before is touched."""
+    for path in reversed(made):
+        shutil.rmtree(path, ignore_errors=True)
+    if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
+def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEnv,
+           placement: place.Placement | None, console: Console, made: list[Path]) -> Session:
     placement = placement or resolve_placement(cfg, env)
     device, target_device = torch.device(placement.drafter), torch.device(placement.target)
     check_device_support(cfg, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if env.is_main:  # rank 0 builds the tiny target and writes (or checks) config.json; the others then read
-        cfg = resolve_target(cfg, run_dir)
-        rundir.write_or_check_config(cfg, run_dir, resume)
-    ddp.barrier()
-    if not env.is_main:
-        cfg = resolve_target(cfg, run_dir)
-    target = load_run_target(cfg, target_device, truncate=True, attn=target_attn(target_device))
-    vocab = target.embed_tokens.weight.shape[0]
-    datasets = build_datasets(cfg.data, target.tokenizer, vocab, cfg.seed)
+    cfg = resolve_target(cfg, run_dir)
+    tiny = uses_tiny_target(cfg, run_dir)
+    if env.is_main:  # rank 0 owns the run directory (on several nodes, the others may not even have it)
+        rundir.check_start(cfg, run_dir, resume, env.world)
+
+    with console.phase("loading the tokenizer" + (" of the tiny target" if tiny else f" of {cfg.model.target}")):
+        tokenizer, vocab = load_tokenizer(cfg, tiny)
+    bad_file = BadLineFile(rundir.bad_lines_path(run_dir)) if env.is_main else None
+    with console.phase(f"reading and tokenizing the data ({len(cfg.data.paths) + len(cfg.data.eval_paths)} "
+                       f"file(s))") as notes:
+        datasets = build_datasets(cfg.data, tokenizer, vocab, cfg.seed, bad_file=bad_file,
+                                  progress=console.bytes_bar("tokenizing"))
+        notes.append(f"{datasets.num_train_samples} training samples in {datasets.train.num_rows} rows of "
+                     f"{cfg.data.seq_len} tokens, {datasets.num_eval_samples} held out")
+    if bad_file is not None:
+        bad_file.finish()
     _warn_data(datasets, cfg, env)
+
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if tiny and not (Path(cfg.model.target) / "config.json").is_file():
+            from trainer.tiny import build_tiny_target
+
+            with console.phase(f"building the tiny target into {cfg.model.target}"):
+                made.append(Path(cfg.model.target))
+                build_tiny_target(cfg.model.target, seed=cfg.seed)
+    ddp.barrier()  # the tiny target exists for every rank
+    with console.phase(f"loading the target {cfg.model.target} on {target_device}") as notes:
+        target = load_run_target(cfg, target_device, truncate=True, attn=target_attn(target_device))
+        notes.append(f"{target.num_layers} layers, taps {list(target.layer_ids)}, "
+                     f"{str(target.embed_tokens.weight.dtype).replace('torch.', '')}")
+    rows = target.embed_tokens.weight.shape[0]
+    if rows < vocab:
+        _check_ids_fit(datasets, rows)
     pad_id = target.tokenizer.pad_token_id or 0
     batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed, pad_id,
                            rank=env.rank, world_size=env.world)
-    state = build_state(cfg, target, device)
+    with console.phase(f"building the drafter and its optimizer on {device}") as notes:
+        state = build_state(cfg, target, device)
+        notes.append(f"{sum(p.numel() for p in state.drafter.parameters()) / 1e6:.1f}M parameters, "
+                     f"{cfg.model.num_draft_layers} layers")
     per_epoch_steps = max(1, batches.per_epoch // cfg.optim.accum_steps)
     planned = cfg.optim.max_steps or cfg.optim.epochs * per_epoch_steps
     start = Cursor(step=0, micro=0, world=env.world)
     if resume:
-        # Under torchrun on several nodes, only the node that held rank 0 has the checkpoints: it sends them.
-        start = checkpoint.restore(checkpoint.read_latest_any_rank(run_dir), state.drafter, state.optimizer,
-                                   state.lr_)
+        with console.phase("restoring the newest checkpoint") as notes:
+            # Under torchrun on several nodes, only the node that held rank 0 has the checkpoints: it sends them.
+            start = checkpoint.restore(checkpoint.read_latest_any_rank(run_dir), state.drafter, state.optimizer,
+                                       state.lr_)
+            notes.append(f"{start.step} optimizer steps done")
         if start.world != env.world:
             raise ConfigError(f"--resume with {env.world} data-parallel rank(s); the run was checkpointed with "
                               f"{start.world} (its data cursor counts per-rank micro-batches)",
@@ -174,18 +248,41 @@ def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout,
     grad_sync = ddp.make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], env.world)
     runner, pipe = None, None
     if cfg.pipeline.enabled:
-        pipe = make_pipeline(cfg, state, batches, target_device, device, grad_sync)
+        with console.phase(f"warming up and capturing the threaded pipeline (step.mode={cfg.step.mode})"):
+            pipe = make_pipeline(cfg, state, batches, target_device, device, grad_sync)
     else:
         batch_dev = batches.batch(0).to(device)  # static device buffers; contents replaced every micro-step
-        runner = make_runner(cfg, state, batch_dev, device, grad_sync)
-    sink = (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream)
+        if cfg.step.captures:
+            what = "compiling, warming up and capturing" if cfg.step.compiles else "warming up and capturing"
+            with console.phase(f"{what} the CUDA graph (step.mode={cfg.step.mode})"):
+                runner = make_runner(cfg, state, batch_dev, device, grad_sync)
+        else:
+            runner = make_runner(cfg, state, batch_dev, device, grad_sync)
+            if cfg.step.compiles:
+                console.say("step.mode=compile: torch.compile compiles during the first optimizer steps")
+    if env.is_main:
+        rundir.write_config(cfg, run_dir, resume)
+    resume_step = start.step if resume else None
     if env.is_main and cfg.track.backends:
         from trainer.config import to_dict
         from trainer.tracking import TrackedSink, Tracker
 
-        sink = TrackedSink(run_dir / "metrics.jsonl", stream, Tracker(cfg.track, run_dir, to_dict(cfg), start.step))
+        sink = TrackedSink(run_dir / "metrics.jsonl", stream, Tracker(cfg.track, run_dir, to_dict(cfg), start.step),
+                           resume_step=resume_step)
+    else:
+        sink = (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream, resume_step=resume_step)
+    console.say(f"training: {planned - start.step} of {planned} optimizer steps to go, in {run_dir}")
     return Session(cfg=cfg, run_dir=run_dir, env=env, device=device, state=state, datasets=datasets,
-                   batches=batches, planned_steps=planned, start=start, sink=sink, runner=runner, pipe=pipe)
+                   batches=batches, planned_steps=planned, start=start, sink=sink, runner=runner, pipe=pipe,
+                   console=console)
+
+
+def _check_ids_fit(datasets: Datasets, rows: int) -> None:
+    """Token ids were checked against the config's vocab_size; an embedding with fewer rows must still hold them."""
+    for name, packed in (("data.paths", datasets.train), ("data.eval_paths", datasets.eval)):
+        if packed is not None and int(packed.input_ids.max()) >= rows:
+            raise DataError(f"{name}: token id {int(packed.input_ids.max())} is not a row of the target's "
+                            f"embedding (0..{rows - 1})")
 
 
 def _warn_data(datasets: Datasets, cfg: TrainCfg, env: place.DistEnv) -> None:

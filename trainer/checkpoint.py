@@ -2,6 +2,8 @@
 
 Contents: drafter.pt (state_dict), optimizer.pt, rng.pt (torch CPU/CUDA, python random), trainer.json (step, micro-batch
 cursor). The data order and anchors are pure functions of (seed, micro-batch cursor), so the cursor restores them.
+
+torch is imported by the functions that need it: the CLI lists and reads checkpoints before torch is loaded.
 """
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -45,6 +49,8 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _rng_state() -> dict:
+    import torch
+
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -52,6 +58,8 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -60,6 +68,8 @@ def _set_rng_state(state: dict) -> None:
 
 def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
          keep: int) -> Path:
+    import torch
+
     root = ckpt_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{cursor.step}"
@@ -79,6 +89,15 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
 
 
 CKPT_FILES = ("drafter.pt", "optimizer.pt", "rng.pt", "trainer.json")
+
+
+def newest_cursor(run_dir: Path) -> Cursor | None:
+    """The newest complete checkpoint's cursor (its trainer.json alone), None when there is none."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None
+    meta = json.loads((found[-1][1] / "trainer.json").read_text())
+    return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
 
 
 def newest_step(run_dir: Path) -> int:
@@ -124,6 +143,8 @@ def restore(files: dict[str, bytes], drafter: torch.nn.Module, optimizer: torch.
             lr_: torch.Tensor) -> Cursor:
     """Load a checkpoint's files (`read_latest`) into the drafter, optimizer and RNGs in place -> its cursor."""
     import io
+
+    import torch
 
     device = next(drafter.parameters()).device
     drafter.load_state_dict(torch.load(io.BytesIO(files["drafter.pt"]), map_location=device))

@@ -32,7 +32,10 @@ def _check(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelCfg:
-    target: str = ""  # local HF directory; "" = build a tiny Qwen3 target into <run_dir>/tiny_target
+    target: str = ""  # local HF directory; "" is refused unless allow_tiny_target
+    # True (the smoke recipe, tests): an empty target means "build the tiny test target into <run_dir>/tiny_target".
+    # Off everywhere else, so that a forgotten model.target is one clear error, not a run on a toy model.
+    allow_tiny_target: bool = False
     num_draft_layers: int = 5
     block_size: int = 16
     target_layer_ids: tuple[int, ...] | None = None  # None = DFlash spacing over [1, L-3]
@@ -250,6 +253,19 @@ class TrainCfg:
                "pipeline.target_device=same")
 
 
+def cuda_only(cfg: TrainCfg) -> list[tuple[str, str]]:
+    """Pure: the settings of `cfg` that only run on a CUDA device, each with its CPU alternative. (compile runs on
+    CPU too, through Inductor's C++ backend.)"""
+    found = []
+    if cfg.step.captures:
+        found.append((f"step.mode={cfg.step.mode}", "step.mode=eager"))
+    if cfg.step.attn != "sdpa":
+        found.append((f"step.attn={cfg.step.attn}", "step.attn=sdpa"))
+    if cfg.pipeline.enabled:
+        found.append(("pipeline.enabled", "pipeline.enabled=false"))
+    return found
+
+
 # ---------------------------------------------------------------- building from dicts / YAML / --set
 
 def _resolved_hints(cls: type) -> dict[str, Any]:
@@ -400,7 +416,59 @@ def recipe_tree(recipe: str) -> tuple[str, dict[str, Any]]:
     return source, tree
 
 
+# A recipe with this section is a quality-pipeline recipe: trainer/quality/config.py nests a whole TrainCfg under it.
+PIPELINE_SECTION = "drafter"
+PIPELINE_COMMAND = "python -m trainer.quality.pipeline"
+
+
+def recipe_kind(tree: dict[str, Any]) -> str:
+    """Pure: "train" (every top-level key is a TrainCfg field), "pipeline" (it has the pipeline's `drafter` section),
+    or "unknown"."""
+    if PIPELINE_SECTION in tree:
+        return "pipeline"
+    names = {f.name for f in dataclasses.fields(TrainCfg)}
+    return "train" if set(tree) <= names else "unknown"
+
+
+def bundled_recipes() -> dict[str, str]:
+    """Every bundled recipe name -> its `recipe_kind` (a recipe that does not parse counts as "unknown")."""
+    out = {}
+    for res in sorted((resources.files("trainer") / "recipes").iterdir(), key=lambda r: r.name):
+        if not res.name.endswith(".yaml"):
+            continue
+        try:
+            tree = yaml.safe_load(res.read_text()) or {}
+        except yaml.YAMLError:
+            tree = None
+        out[res.name[:-5]] = recipe_kind(tree) if isinstance(tree, dict) else "unknown"
+    return out
+
+
+def pipeline_recipe_error(recipe: str) -> ConfigError:
+    return ConfigError(f"{recipe} is a quality-pipeline recipe, not a trainer recipe: run "
+                       f"{PIPELINE_COMMAND} --recipe {recipe} --out DIR")
+
+
 def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
-    """Recipe (bundled name or YAML path) + `a.b=v` overrides -> validated TrainCfg."""
+    """Recipe (bundled name or YAML path) + `a.b=v` overrides -> validated TrainCfg. A quality-pipeline recipe is
+    refused in one line that names the pipeline's command."""
     _source, tree = recipe_tree(recipe)
+    if recipe_kind(tree) == "pipeline":
+        raise pipeline_recipe_error(recipe)
     return from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg))
+
+
+def check_target(cfg: TrainCfg) -> None:
+    """The empty-target rule: model.target names a local HF directory, or is empty where the tiny test target is
+    allowed (model.allow_tiny_target). Pure (the directory itself is checked by `check_target_dir`)."""
+    if not cfg.model.target and not cfg.model.allow_tiny_target:
+        raise ConfigError("model.target is empty: set model.target=DIR (a local Hugging Face model directory)",
+                          hint="e.g. --set model.target=/models/Qwen3-8B")
+
+
+def check_target_dir(cfg: TrainCfg) -> None:
+    """model.target, when set, must be a directory with a config.json (read before anything is loaded)."""
+    check_target(cfg)
+    if cfg.model.target and not (Path(cfg.model.target) / "config.json").is_file():
+        raise ConfigError(f"model.target={cfg.model.target}: no config.json there",
+                          hint="set model.target to a local Hugging Face model directory")

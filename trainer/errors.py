@@ -1,8 +1,9 @@
 """Domain errors of the trainer: each carries an exit code and a hint; `__main__` renders them in one place."""
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
 class TrainerError(Exception):
@@ -36,16 +37,32 @@ class ReplicaDrift(TrainerError):
     exit_code = 4
 
 
+def secondary_rank(environ: Mapping[str, str] = os.environ) -> bool:
+    """A torchrun rank other than 0 (RANK and WORLD_SIZE set and consistent). Malformed values are not: such a
+    process is one the user must hear from."""
+    try:
+        rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return False
+    return 0 < rank < world
+
+
 def run_cli(command: Callable[[], int]) -> int:
     """The one error boundary of the trainer's entry points: a TrainerError becomes `error:` + `hint:` lines on stderr
-    and its exit code; Ctrl-C exits 130. Anything else is a bug and keeps its traceback."""
+    and its exit code; Ctrl-C exits 130. Anything else is a bug and keeps its traceback.
+
+    Under torchrun every rank meets the same config or data error (they read the same config and files, and
+    placement is checked for every local rank at once): rank 0 alone says it, every rank exits with its code."""
+    quiet = secondary_rank()
     try:
         return command()
     except TrainerError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            if e.hint:
+                print(f"hint: {e.hint}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
+        if not quiet:
+            print("interrupted", file=sys.stderr, flush=True)
         return 130

@@ -1,29 +1,123 @@
-"""Device-side metric accumulation and the log-cadence sync. The ONLY trainer module that calls .item()/.tolist().
+"""What a run reports: device-side metric accumulation and the log-cadence sync (the ONLY trainer module that calls
+.item()/.tolist()), the metrics sink (metrics.jsonl + the contract lines), and the human console lines.
 
-Between log intervals everything stays on the device: the step never waits for the host.
+Between log intervals everything stays on the device: the step never waits for the host. torch is imported where it
+is used: the console speaks before torch is loaded.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from trainer.step.step import StepOut
+    from trainer.step.step import StepOut
 
 METRICS_PREFIX = "DFLASH_METRICS "
 DONE_PREFIX = "DFLASH_DONE "
 EVAL_PREFIX = "DFLASH_EVAL "
 
 
+def _bar(done: float, total: float, label: str, width: int = 30) -> str:
+    filled = int(width * min(1.0, done / total)) if total > 0 else width
+    return f"\r[{'#' * filled}{'.' * (width - filled)}] {label}"
+
+
+class Console:
+    """The run's human lines on stdout, from the first second: each phase when it begins and, with its time, when
+    it ends (`[  12.3s] loading the target ...`, `[  15.0s] loading the target: 2.7s (...)`); the seconds count
+    from the program's start. On a TTY (stderr) a progress bar follows long phases. No line matches a runbook's
+    liveness pattern (`DFLASH_METRICS|step `, tests/trainer/test_cli.py): only training proves a run alive.
+    quiet: a data-parallel rank other than 0 (rank 0 speaks for the job)."""
+
+    def __init__(self, stream: TextIO | None = None, *, quiet: bool = False, t0: float | None = None) -> None:
+        self.stream = stream
+        self.quiet = quiet
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.tty = not quiet and sys.stderr.isatty()
+        self._bar_shown = False
+
+    def say(self, text: str) -> None:
+        if self.quiet:
+            return
+        self._clear_bar()
+        stream = self.stream or sys.stdout
+        stream.write(f"[{time.perf_counter() - self.t0:7.1f}s] {text}\n")
+        stream.flush()
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[list[str]]:
+        """`with console.phase("loading the target X") as notes: ...; notes.append("36 layers")`."""
+        notes: list[str] = []
+        self.say(f"{what} ...")
+        t = time.perf_counter()
+        yield notes
+        self._clear_bar()
+        self.say(f"{what}: {time.perf_counter() - t:.1f}s" + (f" ({'; '.join(notes)})" if notes else ""))
+
+    def bar(self, done: float, total: float, label: str) -> None:
+        """A one-line bar on stderr, only on a TTY (logs stay clean)."""
+        if not self.tty:
+            return
+        sys.stderr.write(_bar(done, total, label))
+        sys.stderr.flush()
+        self._bar_shown = True
+
+    def bytes_bar(self, label: str) -> Callable[[int, int], None]:
+        return lambda done, total: self.bar(done, total, f"{label} {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+
+    def _clear_bar(self) -> None:
+        if self._bar_shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self._bar_shown = False
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Resume: keep metrics.jsonl's records up to the checkpoint's `step`, drop those after it (the resumed run logs
+    those steps again). The kept lines are written to a temp file that then replaces the log (a crash leaves one
+    or the other, never a cut log). A torn last line (killed mid-write) goes too; any other line that is not a
+    record is kept as it is. -> lines dropped."""
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    torn = lines.pop() if lines else b""  # the bytes after the last newline ("" for a complete log)
+    kept, dropped = [], 1 if torn.strip() else 0
+    for line in lines:
+        try:
+            record = json.loads(line)
+            late = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+        except ValueError:
+            late = False
+        if late:
+            dropped += 1
+        else:
+            kept.append(line + b"\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 class DeviceMetrics:
     """Running sums over micro-steps since the last flush, plus a sticky non-finite flag (never reset)."""
 
     def __init__(self, block_size: int, device: torch.device) -> None:
+        import torch
+
         self.loss_sum_ = torch.zeros((), dtype=torch.float32, device=device)
         self.correct_ = torch.zeros(block_size, dtype=torch.float32, device=device)
         self.valid_ = torch.zeros(block_size, dtype=torch.float32, device=device)
@@ -31,6 +125,8 @@ class DeviceMetrics:
         self.micro_steps = 0  # host counter, no sync
 
     def add(self, out: StepOut) -> None:
+        import torch
+
         self.loss_sum_ += out.loss_
         self.correct_ += out.correct_by_pos_
         self.valid_ += out.valid_by_pos_
@@ -39,6 +135,8 @@ class DeviceMetrics:
 
     def nonfinite(self, reduce_sum_: Callable[[list[torch.Tensor]], None] | None = None) -> bool:
         """SYNC: one bool from the device. reduce_sum_ (data parallel): True if any rank saw a non-finite loss."""
+        import torch
+
         flag = self.nonfinite_.to(torch.int32)
         if reduce_sum_ is not None:
             reduce_sum_([flag])
@@ -49,6 +147,8 @@ class DeviceMetrics:
 
         reduce_sum_ (data parallel): sums the device sums and the micro-step count over ranks first, so every rank
         returns the global figures."""
+        import torch
+
         count = torch.tensor([float(self.micro_steps)], device=self.loss_sum_.device)
         if reduce_sum_ is not None:
             reduce_sum_([self.loss_sum_, self.correct_, self.valid_, count])
@@ -68,20 +168,29 @@ class DeviceMetrics:
 def peak_mem_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
 
 
 class MetricsSink:
-    """Writes one JSON object per interval to metrics.jsonl and prints the contract line + a human line, flushed."""
+    """Writes one JSON object per interval to metrics.jsonl and prints the contract line + a human line, flushed.
 
-    def __init__(self, path: Path, stream: TextIO = sys.stdout) -> None:
+    resume_step (a resumed run): before the first new record, the records after that step (the checkpoint's) are
+    dropped from metrics.jsonl, so that each step is logged once."""
+
+    def __init__(self, path: Path, stream: TextIO = sys.stdout, resume_step: int | None = None) -> None:
         self.path = path
         self.stream = stream
         self.progress = sys.stderr.isatty()
+        self.resume_step = resume_step
 
     def emit(self, record: dict) -> None:
         record = {k: v for k, v in record.items() if v is not None}
         line = json.dumps(record, separators=(", ", ": "))
+        if self.resume_step is not None:
+            drop_records_after(self.path, self.resume_step)
+            self.resume_step = None
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         human = (f"step {record['step']}/{record.get('total_steps', '?')} epoch {record.get('epoch', '?')} "
@@ -96,14 +205,26 @@ class MetricsSink:
         """A one-line bar on stderr, only when stderr is a TTY (logs stay clean)."""
         if not self.progress:
             return
-        width = 30
-        filled = int(width * step / max(1, total))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total}")
+        sys.stderr.write(_bar(step, total, f"{step}/{total}"))
         sys.stderr.flush()
 
     def done(self, record: dict) -> None:
-        self.stream.write(f"{DONE_PREFIX}{json.dumps(record)}\n")
+        """The contract line, then the same facts for a person: where the export is, and tau."""
+        if self.progress:
+            sys.stderr.write("\r\033[K")
+        self.stream.write(f"{DONE_PREFIX}{json.dumps(record)}\n{done_line(record)}\n")
         self.stream.flush()
+
+
+def done_line(record: dict) -> str:
+    """Pure: the human end-of-run line of a DFLASH_DONE record."""
+    ev = record.get("eval") or {}
+    if isinstance(ev.get("tau"), (int, float)):
+        tau = f"simulated tau {ev['tau']:.2f} (on {ev.get('blocks', '?')} held-out blocks)"
+    else:
+        tau = ("tau not evaluated (eval_at_end=false or no held-out data; "
+               f"python -m trainer eval --run-dir {record.get('run_dir', 'D')})")
+    return f"run finished after {record.get('step', '?')} optimizer steps: export {record.get('export', '?')}, {tau}"
 
 
 class QuietSink(MetricsSink):

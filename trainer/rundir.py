@@ -1,18 +1,24 @@
 """The run directory: what a run leaves on disk and how it is read back.
 
-    <run_dir>/config.json    the resolved TrainCfg (written at start; a resume must match it)
+    <run_dir>/config.json    the resolved TrainCfg (written once the run is built; a resume must match it)
     <run_dir>/metrics.jsonl  one record per log interval (trainer/metrics.py)
+    <run_dir>/bad_lines.txt  every malformed data line (`path:line: reason`), when there is one
     <run_dir>/ckpt/step_N/   full training state (trainer/checkpoint.py)
     <run_dir>/export/        the drafter as serving stacks load it (trainer/export.py)
-    <run_dir>/tiny_target/   only when model.target is empty: the tiny test target built for the run
+    <run_dir>/tiny_target/   only with model.allow_tiny_target and an empty model.target: the tiny test target
+
+A start that fails on its config or data creates nothing here, except bad_lines.txt, which its error names.
+No torch import: the CLI checks a run directory before torch is loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from pathlib import Path
 
 from trainer import checkpoint
-from trainer.config import TrainCfg, from_dict, to_dict
+from trainer.config import TrainCfg, check_target, from_dict, to_dict
 from trainer.errors import ConfigError
 
 
@@ -28,27 +34,67 @@ def tiny_target_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "tiny_target"
 
 
-def write_or_check_config(cfg: TrainCfg, run_dir: Path, resume: bool) -> None:
-    """Fresh run: write config.json. Resume: refuse a config that differs from the one the run started with."""
+def bad_lines_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "bad_lines.txt"
+
+
+def with_target(cfg: TrainCfg, run_dir: Path) -> TrainCfg:
+    """The empty-target rule (config.check_target), then the target the run uses: model.target, or, where the tiny
+    test target is allowed, <run_dir>/tiny_target (absolute). Pure."""
+    check_target(cfg)
+    if cfg.model.target:
+        return cfg
+    path = tiny_target_dir(Path(run_dir).resolve())
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=str(path)))
+
+
+def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> None:
+    """Before anything is built (rank 0): a fresh run refuses a directory that holds checkpoints; a resume must
+    keep the config it started with and, in one process, needs a checkpoint made by one process. (Under torchrun
+    the newest checkpoint may be on another node: `checkpoint.read_latest_any_rank` checks it collectively.)"""
+    run_dir = Path(run_dir)
+    if not resume:
+        if checkpoint.list_checkpoints(run_dir):
+            raise ConfigError(f"{run_dir} already holds checkpoints",
+                              hint="pass --resume to continue it, or use a new --run-dir")
+        return
     path = config_path(run_dir)
-    current = to_dict(cfg)
-    if resume and path.is_file():
-        diffs = config_diff(json.loads(path.read_text()), current)
+    if path.is_file():
+        diffs = config_diff(json.loads(path.read_text()), to_dict(cfg))
         if diffs:
             raise ConfigError(f"--resume with a different config: {', '.join(diffs)}",
                               hint="resume with the same recipe and --set values as the original run")
+    if world > 1:
         return
-    if not resume and checkpoint.list_checkpoints(run_dir):
-        raise ConfigError(f"{run_dir} already holds checkpoints",
-                          hint="pass --resume to continue it, or use a new --run-dir")
-    path.write_text(json.dumps(current, indent=2) + "\n")
+    cursor = checkpoint.newest_cursor(run_dir)
+    if cursor is None:
+        raise ConfigError(f"--resume: no complete checkpoint under {checkpoint.ckpt_root(run_dir)}",
+                          hint="start without --resume, or point --run-dir at the run to continue")
+    if cursor.world != world:
+        raise ConfigError(f"--resume with {world} data-parallel rank(s); the run was checkpointed with "
+                          f"{cursor.world} (its data cursor counts per-rank micro-batches)",
+                          hint=f"relaunch with --nproc-per-node {cursor.world}")
+
+
+def write_config(cfg: TrainCfg, run_dir: Path, resume: bool) -> None:
+    """config.json, atomically; a resumed run keeps the one it started with."""
+    path = config_path(run_dir)
+    if resume and path.is_file():
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def config_diff(a, b, prefix: str = "") -> list[str]:
-    """Pure: the leaves where two config dicts differ, as `key (old -> new)`."""
+    """Pure: the leaves where a recorded config `a` and a new one `b` differ, as `key (old -> new)`. A key the
+    recorded config does not have (added to the trainer after that run started) is not a difference: old runs stay
+    resumable."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
+            if k not in a:
+                continue
             out += config_diff(a.get(k), b.get(k), f"{prefix}{k}.")
         return out
     return [] if a == b else [f"{prefix[:-1]} ({a!r} -> {b!r})"]

@@ -148,8 +148,8 @@ class _MLflow:
 class TrackedSink(MetricsSink):
     """The metrics sink that also feeds a Tracker: every interval's record, and the run's result at the end."""
 
-    def __init__(self, path: Path, stream, tracker: Tracker) -> None:
-        super().__init__(path, stream)
+    def __init__(self, path: Path, stream, tracker: Tracker, **sink_options) -> None:
+        super().__init__(path, stream, **sink_options)
         self.tracker = tracker
 
     def emit(self, record: dict) -> None:

@@ -18,28 +18,47 @@ import torch
 from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
-from trainer.build import Session, build, build_state, load_run_target, resolve_placement
+from trainer.build import Session, build, build_state, check_device_support, load_run_target, resolve_placement
 from trainer.config import TrainCfg
 from trainer.errors import ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
 from trainer.loop import StopRule, TrainLoop
+from trainer.metrics import Console
 
 
-def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop: StopRule = StopRule()) -> dict:
+def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop: StopRule = StopRule(),
+          console: Console | None = None) -> dict:
     """The whole run, as one process or as one rank of a torchrun job (process group joined and left here)."""
     random.seed(cfg.seed)
-    env = place.dist_env(os.environ if environ is None else environ)
-    placement = resolve_placement(cfg, env)
+    environ = os.environ if environ is None else environ
+    env = place.dist_env(environ)
+    console = console or Console(quiet=not env.is_main)
+    placement = check_placement(cfg, env, environ)
     if placement.backend is not None:
         ddp.die_with_launcher()
-        ddp.init_group(placement.backend, torch.device(placement.drafter))
+        with console.phase(f"joining the {env.world}-process group ({placement.backend})"):
+            ddp.init_group(placement.backend, torch.device(placement.drafter))
     try:
-        session = build(cfg, run_dir, resume, env=env, placement=placement)
+        session = build(cfg, run_dir, resume, env=env, placement=placement, console=console)
         loop = TrainLoop(session)
         loop.run(stop)
         return finish(session, loop)
     finally:
         ddp.shutdown()
+
+
+def check_placement(cfg: TrainCfg, env: place.DistEnv, environ) -> place.Placement:
+    """This rank's placement, refused before the process group is joined when any rank of this node could not run:
+    every rank resolves every local rank's devices (LOCAL_WORLD_SIZE of them), so all fail alike and rank 0's one
+    line speaks for them (trainer/errors.py). -> this rank's Placement."""
+    try:
+        local_world = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local_world = 1
+    for local_rank in range(max(local_world, env.local_rank + 1)):  # this rank's own among them
+        other = place.DistEnv(rank=env.rank - env.local_rank + local_rank, world=env.world, local_rank=local_rank)
+        check_device_support(cfg, torch.device(resolve_placement(cfg, other).drafter))
+    return resolve_placement(cfg, env)
 
 
 def finish(session: Session, loop: TrainLoop) -> dict:
@@ -57,11 +76,12 @@ def finish(session: Session, loop: TrainLoop) -> dict:
                            f"(sha256 per rank: {[d[:12] for d in digests]})",
                            hint="a bug: gradients were not averaged identically; report it with the run directory")
     if s.env.is_main:
-        found = checkpoint.list_checkpoints(s.run_dir)
-        if not found or found[-1][0] != cursor.step:
-            loop.save()
-        export_drafter(rundir.export_dir(s.run_dir), s.state.drafter,
-                       ExportConfig.of(s.state.drafter.cfg, s.state.target, s.cfg.model.block_size))
+        with s.console.phase(f"writing the last checkpoint and the export {rundir.export_dir(s.run_dir)}"):
+            found = checkpoint.list_checkpoints(s.run_dir)
+            if not found or found[-1][0] != cursor.step:
+                loop.save()
+            export_drafter(rundir.export_dir(s.run_dir), s.state.drafter,
+                           ExportConfig.of(s.state.drafter.cfg, s.state.target, s.cfg.model.block_size))
     ddp.barrier()
     ddp.shutdown()
     if not s.env.is_main:
@@ -71,7 +91,8 @@ def finish(session: Session, loop: TrainLoop) -> dict:
     if s.cfg.eval_at_end and s.datasets.eval is not None:
         from trainer.eval import evaluate_run
 
-        result["eval"] = evaluate_run(s.run_dir, rows=s.datasets.eval, stream=s.sink.stream)
+        with s.console.phase("evaluating the simulated tau on the held-out rows"):
+            result["eval"] = evaluate_run(s.run_dir, rows=s.datasets.eval, stream=s.sink.stream)
     s.sink.done(result)
     return result
 

@@ -1,18 +1,43 @@
 """The CLI end to end in subprocesses, as the runbooks call it."""
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.trainer.conftest import REPO_ROOT
 
+PHASE = re.compile(r"^\[ *\d+\.\ds\] ")  # a console line (trainer/metrics.py Console)
 
-def run_cli(*args, cwd=None):
+
+def run_cli(*args, cwd=None, flags=()):
+    """`python [flags] -m trainer args`, waited for until it exits (the session's pytest timeout guards hangs)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd or REPO_ROOT, timeout=280)
+    return subprocess.run([sys.executable, *flags, "-m", "trainer", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd or REPO_ROOT)
+
+
+def imported(stderr: str) -> set[str]:
+    """Top-level packages a `python -X importtime` run imported (its `import time: self | cumulative | name` lines)."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+def trainer_liveness_patterns() -> dict[str, re.Pattern]:
+    """The liveness pattern of every shipped runbook that runs `trainer train`."""
+    out = {}
+    for path in sorted((REPO_ROOT / "runbooks").glob("*.yaml")):
+        book = yaml.safe_load(path.read_text())
+        command = book["command"]
+        if "trainer" in command and "train" in command:
+            out[path.stem] = re.compile(book["liveness"]["pattern"])
+    return out
 
 
 @pytest.mark.slow
@@ -29,6 +54,27 @@ def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
     assert any(ln.startswith("step 2/6 ") for ln in p.stdout.splitlines())  # the human line
     done = [ln for ln in p.stdout.splitlines() if ln.startswith("DFLASH_DONE ")]
     assert len(done) == 1 and json.loads(done[0][len("DFLASH_DONE "):])["step"] == 6
+    # The console says what the run does from its first line on, each phase with its time ...
+    out = p.stdout.splitlines()
+    assert PHASE.match(out[0]) and float(out[0][1:out[0].index("s]")]) < 3.0, out[:3]  # 0.0s on an idle box
+    phases = [ln for ln in out if PHASE.match(ln)]
+    for what in ("checking the config", "loading torch", "loading the tokenizer", "reading and tokenizing the data",
+                 "loading the target", "building the drafter", "writing the last checkpoint and the export",
+                 "evaluating the simulated tau"):
+        begun = [ln for ln in phases if what in ln and ln.endswith(" ...")]
+        ended = [ln for ln in phases if what in ln and re.search(r": \d+\.\ds( \(.*\))?$", ln)]
+        assert len(begun) == len(ended) == 1, (what, phases)
+    assert out.index(next(ln for ln in phases if "reading and tokenizing" in ln)) < \
+        out.index(next(ln for ln in phases if "loading the target" in ln))  # data before the model
+    # ... and none of its lines can pass for training in a runbook's liveness check.
+    patterns = trainer_liveness_patterns()
+    assert {"smoke", "graphwarm", "eager"} <= set(patterns)
+    for line in phases:
+        assert not [name for name, pat in patterns.items() if pat.search(line)], line
+    # The end names the export and tau plainly.
+    tau = json.loads(next(ln for ln in out if ln.startswith("DFLASH_EVAL "))[len("DFLASH_EVAL "):])["tau"]
+    assert out[-1] == (f"run finished after 6 optimizer steps: export {run_dir / 'export'}, simulated tau {tau:.2f} "
+                       f"(on {json.loads(done[0][len('DFLASH_DONE '):])['eval']['blocks']} held-out blocks)")
     assert json.loads((run_dir / "config.json").read_text())["model"]["target"] == str(tiny_target_dir)
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6]
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_3", "step_6"]
@@ -56,17 +102,114 @@ def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
     assert "DFLASH_EVAL " in ev2.stdout
 
 
-def test_bad_set_is_one_clear_line_and_exit_2(tmp_path):
-    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), "--set", "optim.lrr=1")
+def test_bad_set_is_one_clear_line_and_exit_2_before_torch_is_imported(tmp_path):
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), "--set", "optim.lrr=1",
+                flags=("-X", "importtime"))
     assert p.returncode == 2
-    assert p.stderr.splitlines()[0].startswith("error: unknown config key 'optim.lrr'; valid keys here: lr,")
+    errors = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
+    assert len(errors) == 1 and errors[0].startswith("error: unknown config key 'optim.lrr'; valid keys here: lr,")
+    modules = imported(p.stderr)
+    assert {"trainer", "yaml"} <= modules and "torch" not in modules and "transformers" not in modules
     assert not (tmp_path / "r").exists()
 
 
-def test_bad_data_exits_3_with_line_numbers(tmp_path, tiny_target_dir):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("{oops\n" * 3)
+def test_the_import_check_sees_torch_when_the_cli_loads_it(tmp_path, tiny_target_dir):
+    """The control for the test above: a refusal that needs torch (is there a GPU?) shows torch in the same check."""
     p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), "--set",
-                f"model.target={tiny_target_dir}", "--set", f"data.paths=[{bad}]")
+                f"model.target={tiny_target_dir}", "--set", "step.mode=graph", flags=("-X", "importtime"))
+    assert p.returncode == 2 and "error: step.mode=graph needs a CUDA device (this run is on cpu)" in p.stderr
+    assert "torch" in imported(p.stderr)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (("data.paths=[/nonexistent/x.jsonl]",), "error: data file not found: /nonexistent/x.jsonl"),
+    (("model.target=/nonexistent/target",), "error: model.target=/nonexistent/target: no config.json there"),
+])
+def test_missing_files_are_refused_before_torch(tmp_path, sets, message):
+    args = [x for s in sets for x in ("--set", s)]
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), *args, flags=("-X", "importtime"))
+    assert p.returncode == (3 if "data" in message else 2), p.stderr[-2000:]
+    assert message in p.stderr and "torch" not in imported(p.stderr)
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_empty_target_is_refused_outside_the_smoke_recipe(tmp_path):
+    p = run_cli("train", "--recipe", "gpu", "--run-dir", str(tmp_path / "r"), flags=("-X", "importtime"))
+    assert p.returncode == 2
+    errors = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
+    assert errors[0] == "error: model.target is empty: set model.target=DIR (a local Hugging Face model directory)"
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+def test_a_pipeline_recipe_is_refused_in_one_line_naming_the_pipeline(tmp_path):
+    p = run_cli("train", "--recipe", "quality_gpu", "--run-dir", str(tmp_path / "r"))
+    assert p.returncode == 2
+    assert p.stderr.splitlines() == ["error: quality_gpu is a quality-pipeline recipe, not a trainer recipe: run "
+                                     "python -m trainer.quality.pipeline --recipe quality_gpu --out DIR"]
+
+
+def test_train_help_lists_the_recipes_train_accepts():
+    from trainer.config import bundled_recipes, load_config
+
+    p = run_cli("train", "--help")
+    assert p.returncode == 0
+    text = " ".join(p.stdout.split())
+    kinds = bundled_recipes()
+    train = [n for n, k in kinds.items() if k == "train"]
+    pipeline = [n for n, k in kinds.items() if k == "pipeline"]
+    assert {"smoke", "gpu"} <= set(train) and {"quality_cpu", "quality_gpu"} <= set(pipeline)
+    assert f"a bundled trainer recipe ({', '.join(train)}) or a PATH.yaml" in text
+    assert f"{', '.join(pipeline)}: quality-pipeline recipes, for python -m trainer.quality.pipeline" in text
+    for name in train:
+        load_config(name)  # every recipe the help offers is one train accepts
+
+
+def test_bad_data_exits_3_with_line_numbers_before_torch_and_lists_every_line(tmp_path, tiny_target_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n" * 3 + "\n".join(["{oops"] * 11) + "\n")
+    run_dir = tmp_path / "r"
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run_dir), "--set",
+                f"model.target={tiny_target_dir}", "--set", f"data.paths=[{bad}]", flags=("-X", "importtime"))
     assert p.returncode == 3, p.stderr
-    assert "bad.jsonl:1 (invalid JSON" in p.stderr and "bad.jsonl:3" in p.stderr
+    assert "bad.jsonl:1 (invalid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1))" \
+        in p.stderr and "bad.jsonl:3" in p.stderr
+    assert f"and 4 more (every one listed in {run_dir / 'bad_lines.txt'})" in p.stderr
+    assert "torch" not in imported(p.stderr)
+    listed = (run_dir / "bad_lines.txt").read_text().splitlines()
+    assert [ln.split(":")[1] for ln in listed] == [str(i) for i in range(1, 15)]
+    assert sorted(x.name for x in run_dir.iterdir()) == ["bad_lines.txt"]  # nothing else of a failed start
+
+
+def test_a_line_of_invalid_utf8_is_a_malformed_line_with_its_number(tmp_path, tiny_target_dir):
+    good = (REPO_ROOT / "trainer" / "assets" / "smoke.jsonl").read_bytes().split(b"\n")[:5]
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b"\n".join(good[:2] + [b'{"conversations": "\xff\xfe"}'] + good[2:]) + b"\n")
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), "--set",
+                f"model.target={tiny_target_dir}", "--set", f"data.paths=[{data}]")
+    assert p.returncode == 3, p.stderr
+    assert "Traceback" not in p.stderr
+    assert f"{data}:3 (invalid UTF-8 at byte 20 of the line (invalid start byte))" in p.stderr
+
+
+def test_a_failed_start_leaves_nothing_behind_and_keeps_what_was_there(tmp_path, tiny_target_dir):
+    """Data the tokenizer refuses (no assistant turn) is found before any model is built; a target the config does
+    not fit (5 draft layers on 6 target layers: no tap spacing) is found after, and what that start made goes."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}) + "\n")
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "fresh"), "--set",
+                f"data.paths=[{data}]")
+    assert p.returncode == 3 and "d.jsonl:1 (no assistant tokens)" in p.stderr, p.stderr
+    assert "building the tiny target" not in p.stdout
+    assert sorted(x.name for x in (tmp_path / "fresh").iterdir()) == ["bad_lines.txt"]
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "taps"), "--set",
+                f"model.target={tiny_target_dir}", "--set", "model.num_draft_layers=5")
+    assert p.returncode == 2 and "the default tap spacing for 6 target layers" in p.stderr, p.stderr
+    assert not (tmp_path / "taps").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(mine), "--set", "model.num_draft_layers=5")
+    assert p.returncode == 2 and "the default tap spacing" in p.stderr, p.stderr
+    assert sorted(x.name for x in mine.iterdir()) == ["notes.txt"]  # its tiny target went, the user's file stayed
+    assert (mine / "notes.txt").read_text() == "keep me"

@@ -154,3 +154,84 @@ def test_ranks_take_disjoint_rows_of_the_same_permutation(target):
             assert batch.signature() == single.batch(0).signature()
             seen += [tuple(r.tolist()) for r, d in zip(batch.input_ids, batch.doc_ids) if (d >= 0).any()]
     assert len(seen) == rows.num_rows == len(set(seen))  # every row exactly once per epoch, across ranks
+
+
+def test_a_carriage_return_inside_a_line_does_not_shift_later_line_numbers(tmp_path, target):
+    bad_cr = '{"conversations": [{"role": "user", "content": "a\rb"}]}'  # a raw CR: invalid inside a JSON string
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes("\n".join([GOOD, bad_cr, GOOD, "{broken", GOOD]).encode() + b"\r\n")
+    samples, report = load_samples([str(path)], target.tokenizer, VOCAB, max_bad_fraction=0.5)
+    assert len(samples) == 3 and report.lines == 5
+    assert [b.line_no for b in report.bad] == [2, 4]
+    # The whole JSON error, position included.
+    at = bad_cr.index("\r")
+    assert report.bad[0].reason == f"invalid JSON: Invalid control character at: line 1 column {at + 1} (char {at})"
+
+
+def test_json_true_is_not_a_token_id(tmp_path, target):
+    lines = [json.dumps({"input_ids": [5, True, 7], "loss_mask": [0, 1, 1]}),
+             json.dumps({"input_ids": [5, 6.0, 7], "loss_mask": [0, 1, 1]}),
+             json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 1.0, 1]}),
+             json.dumps({"input_ids": [5, 6, VOCAB], "loss_mask": [0, 1, 1]}),
+             json.dumps({"input_ids": [5, 6, 7], "loss_mask": [False, True, 1]})]
+    path = write_lines(tmp_path / "p.jsonl", lines)
+    samples, report = load_samples([path], target.tokenizer, VOCAB, max_bad_fraction=1.0)
+    assert [b.line_no for b in report.bad] == [1, 2, 3, 4]
+    assert "not true/false" in report.bad[0].reason and f"below the vocabulary size {VOCAB}" in report.bad[3].reason
+    assert len(samples) == 1 and samples[0].loss_mask.tolist() == [False, True, True]
+
+
+def test_scan_checks_every_file_without_a_tokenizer_and_lists_every_bad_line(tmp_path):
+    from trainer.data.source import BadLineFile, scan
+
+    path = write_lines(tmp_path / "d.jsonl", [GOOD] * 5 + ["[1, 2]"] * 12 + ["", GOOD])
+    listing = BadLineFile(tmp_path / "run" / "bad_lines.txt")
+    assert scan([path], max_bad_fraction=0.9, bad_file=listing).lines == 18
+    assert not listing.path.exists()  # within the limit: the full load writes the list
+    with pytest.raises(DataError) as e:
+        scan([path], max_bad_fraction=0.5, bad_file=listing)
+    assert "12 of 18 lines malformed" in str(e.value) and f"d.jsonl:6 (not a JSON object)" in str(e.value)
+    assert f"and 2 more (every one listed in {listing.path})" in str(e.value)
+    assert listing.path.read_text().splitlines() == [f"{path}:{n}: not a JSON object" for n in range(6, 18)]
+    with pytest.raises(DataError, match="data file not found: .*nope.jsonl"):
+        scan([str(tmp_path / "nope.jsonl")], 0.5)
+    with pytest.raises(DataError, match="data path is not a file"):
+        scan([str(tmp_path)], 0.5)
+
+
+def test_a_clean_start_removes_an_earlier_starts_bad_line_list(tmp_path, target):
+    from trainer.data.source import BadLineFile
+
+    listing = BadLineFile(tmp_path / "bad_lines.txt")
+    listing.path.write_text("d.jsonl:3: from an earlier start\n")
+    load_samples([write_lines(tmp_path / "ok.jsonl", [GOOD])], target.tokenizer, VOCAB, 0.0, bad_file=listing)
+    listing.finish()
+    assert not listing.path.exists()
+
+
+def test_loading_reports_its_progress_and_the_console_draws_it_only_on_a_tty(tmp_path, target, monkeypatch):
+    import io
+    import sys
+
+    from trainer.metrics import Console
+
+    path = write_lines(tmp_path / "d.jsonl", [GOOD] * 600)
+    calls = []
+    load_samples([path], target.tokenizer, VOCAB, 0.0, progress=lambda done, total: calls.append((done, total)))
+    size = (tmp_path / "d.jsonl").stat().st_size
+    assert [c[0] for c in calls] == [256 * (len(GOOD) + 1), 512 * (len(GOOD) + 1), size] and {c[1] for c in calls} == {size}
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for tty, drawn in ((io.StringIO(), False), (Tty(), True)):
+        monkeypatch.setattr(sys, "stderr", tty)
+        out = io.StringIO()
+        console = Console(out)
+        with console.phase("reading and tokenizing the data"):
+            console.bytes_bar("tokenizing")(2**20, 2**21)
+        assert ("[###############...............] tokenizing 1.0/2.0 MiB" in tty.getvalue()) == drawn
+        assert tty.getvalue().endswith("\r\033[K") == drawn  # the bar is wiped before the next line
+        lines = out.getvalue().splitlines()
+        assert lines[0].endswith("] reading and tokenizing the data ...") and ": 0.0s" in lines[1]

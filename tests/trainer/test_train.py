@@ -24,19 +24,28 @@ def test_overfit_loss_falls_clearly(tmp_path, tiny_target_dir):
     assert got[40] < 0.7 * got[5], got
 
 
+def logged_steps(run_dir):
+    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
 @pytest.mark.slow
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_target_dir):
+def test_resume_reproduces_the_uninterrupted_run_and_logs_each_step_once(tmp_path, tiny_target_dir):
     sets = ("optim.max_steps=8", "ckpt.every=4", "optim.accum_steps=2", "data.rows_per_step=2")
     full = build(small_cfg(tiny_target_dir, *sets), tmp_path / "full")
     TrainLoop(full).run()
     first = build(small_cfg(tiny_target_dir, *sets), tmp_path / "split")
-    TrainLoop(first).run(StopRule(steps=4))
+    TrainLoop(first).run(StopRule(steps=6))  # killed after step 6: steps 5 and 6 are logged, not checkpointed
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "split")] == [4]
+    with (tmp_path / "split" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "lo')  # and torn in the middle of a record
     del first
     torch.manual_seed(12345)  # resume must not depend on the process's RNG state
     second = build(small_cfg(tiny_target_dir, *sets), tmp_path / "split", resume=True)
     assert second.start.step == 4 and second.start.micro == 8
+    kept = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in kept[:6]] == [1, 2, 3, 4, 5, 6]  # nothing dropped before training goes on
     TrainLoop(second).run()
+    assert logged_steps(tmp_path / "split") == logged_steps(tmp_path / "full") == list(range(1, 9))
     a, b = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert [b[s] for s in range(1, 9)] == [a[s] for s in range(1, 9)]  # bit-exact on CPU
     pa = dict(full.state.drafter.named_parameters())
@@ -104,3 +113,41 @@ def test_evaluation_of_a_flex_run_uses_the_dense_reference_mask(tmp_path, tiny_t
     (tmp_path / "run" / "config.json").write_text(json.dumps(config))
     result = evaluate_run(tmp_path / "run", rows=run.datasets.eval)
     assert result["blocks"] > 0 and 1.0 <= result["tau"] <= cfg.model.block_size
+
+
+def test_dropping_the_records_after_a_checkpoint_keeps_every_earlier_line(tmp_path):
+    from trainer.metrics import drop_records_after
+
+    log = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)] + ["not a record"] + \
+        [json.dumps({"step": s, "loss": 1.0}) for s in (5, 6)]
+    log.write_text("\n".join(lines) + "\n" + '{"step": 7, "lo')
+    assert drop_records_after(log, 4) == 3
+    assert log.read_text() == "\n".join(lines[:5]) + "\n"
+    assert drop_records_after(log, 4) == 0 and not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert drop_records_after(tmp_path / "none.jsonl", 4) == 0 and not (tmp_path / "none.jsonl").exists()
+
+
+def test_an_empty_target_is_refused_unless_the_config_allows_the_tiny_one(tmp_path, tiny_target_dir):
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    gpu_on_cpu = load_config("gpu", ["device=cpu", "step.attn=sdpa"])
+    assert not gpu_on_cpu.model.allow_tiny_target and load_config("smoke").model.allow_tiny_target
+    with pytest.raises(ConfigError, match=r"^model.target is empty: set model.target=DIR"):
+        build(gpu_on_cpu, tmp_path / "r")
+    with pytest.raises(ConfigError, match="model.target is empty"):
+        build(load_config("smoke", ["model.allow_tiny_target=false"]), tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_resume_of_a_run_recorded_before_a_config_key_existed_is_not_refused(tmp_path, tiny_target_dir):
+    from trainer import rundir
+
+    cfg = small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2")
+    TrainLoop(build(cfg, tmp_path / "r")).run()
+    recorded = json.loads((tmp_path / "r" / "config.json").read_text())
+    del recorded["model"]["allow_tiny_target"]  # as an older trainer wrote it
+    (tmp_path / "r" / "config.json").write_text(json.dumps(recorded))
+    rundir.check_start(cfg, tmp_path / "r", resume=True)
+    assert rundir.config_diff(recorded, {**recorded, "seed": 1}) == ["seed (0 -> 1)"]

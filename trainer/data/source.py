@@ -3,20 +3,32 @@
 Accepted line formats:
   {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}   (chat; tokenized with the
       target tokenizer's chat template; loss mask = the tokens of every assistant turn's content + its end marker)
-  {"input_ids": [...], "loss_mask": [...]}                                              (pre-tokenized)
+  {"input_ids": [...], "loss_mask": [...]}   (pre-tokenized: ids are non-negative integers below the target's
+      vocabulary size, never true/false; the mask holds 0/1 or true/false)
+
+Lines are split on b"\n" only, so a line number is what `sed -n Np` shows, whatever carriage returns a line holds.
+A line that is not UTF-8, not one JSON object, or not one of the formats is malformed, as is one the tokenizer cannot
+supervise. Two passes share these rules: `scan` (no tokenizer, no torch: the CLI runs it before anything heavy) and
+`load_samples` (then tokenization). Every malformed line goes to a `BadLineFile` (the run's bad_lines.txt) when one
+is given; messages number the first ten.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.errors import DataError
 
+if TYPE_CHECKING:
+    import torch
+
 ROLES = ("system", "user", "assistant", "tool")
+_BOM = b"\xef\xbb\xbf"
+_PROGRESS_EVERY = 256  # lines between progress callbacks
 
 
 @dataclass(frozen=True)
@@ -31,11 +43,15 @@ class BadLine:
     line_no: int  # 1-based
     reason: str
 
+    def render(self) -> str:
+        return f"{self.path}:{self.line_no}: {self.reason}"
+
 
 @dataclass(frozen=True)
 class LoadReport:
     lines: int
     bad: tuple[BadLine, ...] = field(default_factory=tuple)
+    listed_in: str = ""  # the file holding every bad line ("" = none written)
 
     @property
     def bad_fraction(self) -> float:
@@ -44,7 +60,30 @@ class LoadReport:
     def summary(self, limit: int = 10) -> str:
         head = ", ".join(f"{b.path}:{b.line_no} ({b.reason})" for b in self.bad[:limit])
         more = f" and {len(self.bad) - limit} more" if len(self.bad) > limit else ""
-        return f"{len(self.bad)} of {self.lines} lines malformed: {head}{more}"
+        where = f" (every one listed in {self.listed_in})" if self.listed_in else ""
+        return f"{len(self.bad)} of {self.lines} lines malformed: {head}{more}{where}"
+
+
+class BadLineFile:
+    """Every malformed line of one start, `path:line: reason` per line. The first write of a start replaces what an
+    earlier start left; `finish` removes an earlier start's file when this one found nothing."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.written = False
+
+    def write(self, bad: tuple[BadLine, ...] | list[BadLine]) -> str:
+        if not bad:
+            return str(self.path) if self.written else ""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a" if self.written else "w", encoding="utf-8") as f:
+            f.writelines(b.render() + "\n" for b in bad)
+        self.written = True
+        return str(self.path)
+
+    def finish(self) -> None:
+        if not self.written and self.path.is_file():
+            self.path.unlink()
 
 
 class _Bad(Exception):
@@ -56,6 +95,95 @@ def resolve_path(path: str) -> Path:
     if path.startswith("bundled:"):
         return Path(str(resources.files("trainer") / "assets" / path.split(":", 1)[1]))
     return Path(path)
+
+
+def _open(raw: str):
+    path = resolve_path(raw)
+    if not path.is_file():
+        raise DataError(f"data file not found: {raw}" if not path.exists() else f"data path is not a file: {raw}",
+                        hint="check data.paths / data.eval_paths")
+    try:
+        return path.open("rb")
+    except OSError as e:
+        raise DataError(f"cannot read data file {raw}: {e.strerror}", hint="check the file's permissions") from None
+
+
+def _lines(raw: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based number, bytes) of every line of one file, split on b"\n" only (binary mode)."""
+    with _open(raw) as f:
+        try:
+            for line_no, line in enumerate(f, start=1):
+                yield line_no, (line[len(_BOM):] if line_no == 1 and line.startswith(_BOM) else line)
+        except OSError as e:
+            raise DataError(f"cannot read data file {raw}: {e.strerror}") from None
+
+
+def parse_record(line: bytes) -> dict:
+    """One non-blank line -> its JSON object, checked against the formats (everything but tokenization)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Bad(f"invalid UTF-8 at byte {e.start + 1} of the line ({e.reason})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _Bad(f"invalid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise _Bad("not a JSON object")
+    if "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list) or not turns:
+            raise _Bad("'conversations' must be a non-empty list")
+        for t in turns:
+            if not isinstance(t, dict) or t.get("role") not in ROLES or not isinstance(t.get("content"), str):
+                raise _Bad(f"each turn needs role in {ROLES} and string content")
+        return obj
+    if "input_ids" in obj and "loss_mask" in obj:
+        ids, mask = obj["input_ids"], obj["loss_mask"]
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask) or not ids:
+            raise _Bad("'input_ids' and 'loss_mask' must be non-empty lists of equal length")
+        # bool is an int in Python: `true` must not pass as token id 1.
+        if not all(type(i) is int and i >= 0 for i in ids):
+            raise _Bad("'input_ids' must hold non-negative integers (not true/false, not floats)")
+        if not all(type(m) in (int, bool) and m in (0, 1) for m in mask):
+            raise _Bad("'loss_mask' must hold 0/1 or true/false")
+        return obj
+    raise _Bad("expected 'conversations' or 'input_ids' + 'loss_mask'")
+
+
+def _enforce(paths, lines: int, bad: list[BadLine], max_bad_fraction: float, bad_file: BadLineFile | None, *,
+             write_always: bool = True) -> LoadReport:
+    """Write the bad lines (always, or only when refusing), then refuse no data or more malformed lines than
+    allowed."""
+    failing = lines == 0 or len(bad) / lines > max_bad_fraction
+    listed = bad_file.write(bad) if bad_file is not None and bad and (write_always or failing) else ""
+    report = LoadReport(lines=lines, bad=tuple(bad), listed_in=listed)
+    if lines == 0:
+        raise DataError(f"no data lines in {list(paths)}", hint="check data.paths / data.eval_paths")
+    if failing:
+        raise DataError(f"too many malformed lines ({report.bad_fraction:.1%} > data.max_bad_fraction="
+                        f"{max_bad_fraction}): {report.summary()}", hint="fix the lines or raise data.max_bad_fraction")
+    return report
+
+
+def scan(paths: list[str] | tuple[str, ...], max_bad_fraction: float,
+         bad_file: BadLineFile | None = None) -> LoadReport:
+    """Every file exists and is readable; every line is UTF-8, JSON, one of the formats. Raise DataError (missing
+    file, no lines, more malformed lines than allowed: a tokenizer could only find more) -> the report.
+    No tokenizer, no torch: what the CLI checks before it loads either. The bad lines are written only when it
+    refuses (otherwise the full load that follows writes them)."""
+    bad: list[BadLine] = []
+    lines = 0
+    for raw in paths:
+        for line_no, line in _lines(raw):
+            if not line.strip():
+                continue
+            lines += 1
+            try:
+                parse_record(line)
+            except _Bad as e:
+                bad.append(BadLine(str(raw), line_no, str(e)))
+    return _enforce(paths, lines, bad, max_bad_fraction, bad_file, write_always=False)
 
 
 def _render(tokenizer, turns: list[dict]) -> str:
@@ -101,61 +229,52 @@ def tokenize_conversation(tokenizer, turns: list[dict], end_marker: str | None =
     mask = [any(a < s_end and b > s_start for s_start, s_end in spans) for a, b in enc["offset_mapping"]]
     if not any(mask):
         raise _Bad("no assistant tokens")
+    import torch
+
     return Sample(torch.tensor(enc["input_ids"], dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
 
 
-def parse_line(line: str, tokenizer, vocab_size: int, end_marker: str = "") -> Sample:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise _Bad(f"invalid JSON: {e.msg}") from None
-    if not isinstance(obj, dict):
-        raise _Bad("not a JSON object")
+def to_sample(obj: dict, tokenizer, vocab_size: int, end_marker: str = "") -> Sample:
+    """A record `parse_record` accepted -> Sample (token ids are checked against the vocabulary here)."""
+    import torch
+
     if "conversations" in obj:
-        turns = obj["conversations"]
-        if not isinstance(turns, list) or not turns:
-            raise _Bad("'conversations' must be a non-empty list")
-        for t in turns:
-            if not isinstance(t, dict) or t.get("role") not in ROLES or not isinstance(t.get("content"), str):
-                raise _Bad(f"each turn needs role in {ROLES} and string content")
-        return tokenize_conversation(tokenizer, [{"role": t["role"], "content": t["content"]} for t in turns],
-                                     end_marker)
-    if "input_ids" in obj and "loss_mask" in obj:
-        ids, mask = obj["input_ids"], obj["loss_mask"]
-        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask) or not ids:
-            raise _Bad("'input_ids' and 'loss_mask' must be non-empty lists of equal length")
-        if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
-            raise _Bad(f"'input_ids' must be integers in [0, {vocab_size})")
-        if not all(m in (0, 1, True, False) for m in mask):
-            raise _Bad("'loss_mask' must hold 0/1")
-        return Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
-    raise _Bad("expected 'conversations' or 'input_ids' + 'loss_mask'")
+        return tokenize_conversation(tokenizer, [{"role": t["role"], "content": t["content"]}
+                                                 for t in obj["conversations"]], end_marker)
+    ids, mask = obj["input_ids"], obj["loss_mask"]
+    if max(ids) >= vocab_size:
+        raise _Bad(f"'input_ids' must be below the vocabulary size {vocab_size} (found {max(ids)})")
+    return Sample(torch.tensor(ids, dtype=torch.long), torch.tensor([bool(m) for m in mask], dtype=torch.bool))
 
 
-def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
-                 max_bad_fraction: float) -> tuple[list[Sample], LoadReport]:
-    """Read every file; raise DataError when a file is missing or the bad fraction exceeds max_bad_fraction."""
+def parse_line(line: str | bytes, tokenizer, vocab_size: int, end_marker: str = "") -> Sample:
+    raw = line.encode("utf-8") if isinstance(line, str) else line
+    return to_sample(parse_record(raw), tokenizer, vocab_size, end_marker)
+
+
+def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int, max_bad_fraction: float, *,
+                 bad_file: BadLineFile | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> tuple[list[Sample], LoadReport]:
+    """Read and tokenize every file; raise DataError when a file is missing or unreadable, or the bad fraction
+    exceeds max_bad_fraction. progress(bytes read, bytes in all files) is called as lines are tokenized."""
     marker = turn_end_marker(tokenizer)
     samples: list[Sample] = []
     bad: list[BadLine] = []
     lines = 0
+    total = sum(resolve_path(raw).stat().st_size for raw in paths if resolve_path(raw).is_file())
+    done = 0
     for raw in paths:
-        path = resolve_path(raw)
-        if not path.is_file():
-            raise DataError(f"data file not found: {raw}", hint="check data.paths / data.eval_paths")
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                lines += 1
-                try:
-                    samples.append(parse_line(line, tokenizer, vocab_size, marker))
-                except _Bad as e:
-                    bad.append(BadLine(str(raw), line_no, str(e)))
-    report = LoadReport(lines=lines, bad=tuple(bad))
-    if lines == 0:
-        raise DataError(f"no data lines in {list(paths)}")
-    if report.bad_fraction > max_bad_fraction:
-        raise DataError(f"too many malformed lines ({report.bad_fraction:.1%} > data.max_bad_fraction="
-                        f"{max_bad_fraction}): {report.summary()}", hint="fix the lines or raise data.max_bad_fraction")
-    return samples, report
+        for line_no, line in _lines(raw):
+            done += len(line)
+            if progress is not None and line_no % _PROGRESS_EVERY == 0:
+                progress(done, total)
+            if not line.strip():
+                continue
+            lines += 1
+            try:
+                samples.append(to_sample(parse_record(line), tokenizer, vocab_size, marker))
+            except _Bad as e:
+                bad.append(BadLine(str(raw), line_no, str(e)))
+    if progress is not None:
+        progress(done, total)
+    return samples, _enforce(paths, lines, bad, max_bad_fraction, bad_file)

@@ -47,6 +47,22 @@ def drafter_train_cfg(q, target_dir: Path, regen, device):
         device=str(device), data=dataclasses.replace(d.data, paths=(regen.train_path,), eval_paths=(regen.eval_path,)))
 
 
+def check_device_fits(q, recipe: str, device_type: str) -> None:
+    """Before any stage: refuse a recipe whose drafter has no way to train on this device (quality_gpu on a machine
+    without a GPU), in one line, instead of pretraining and regenerating on the CPU first. The graph step modes fall
+    back to eager (drafter_train_cfg), so only the settings without a fallback count. Pure."""
+    from trainer.config import cuda_only
+
+    if device_type == "cuda":
+        return
+    d = q.drafter
+    found = cuda_only(dataclasses.replace(d, step=dataclasses.replace(d.step, mode="eager")))
+    if found:
+        raise ConfigError(f"recipe {recipe} needs a CUDA GPU: drafter.{found[0][0]} has no CPU path, and this run is "
+                          f"on the {device_type}",
+                          hint="run it on a GPU machine; on a CPU the tiny variant is --recipe quality_cpu")
+
+
 def drafter_budget(q, elapsed_s: float) -> float:
     """The drafter's wall-clock budget: `drafter_budget_s`, or less when `total_budget_s` is set and the stages so
     far leave less (never below 0: a drafter with no time trains no step and says so). Pure."""
@@ -144,22 +160,27 @@ def reused_stages(earlier: Path, out: Path):
 
 
 def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path | None = None) -> dict:
+    from trainer.quality.config import load_recipe
+
+    # What can refuse comes before torch, and the device check before anything is written.
+    q = load_recipe(recipe_name, overrides)
+    check_out_dir(out)
+    reused = reused_stages(reuse, out) if reuse is not None else None
     import torch
+    from transformers.utils import logging as hf_logging
 
     from trainer.config import to_dict
     from trainer.eval import evaluate_run
     from trainer.export import load_pair
     from trainer.placement import local_device
-    from trainer.quality.config import load_recipe
     from trainer.quality.evaluate import decode_benchmark, heldout_prompts
     from trainer.quality.pretrain import make_target
     from trainer.quality.regenerate import regenerate
 
-    q = load_recipe(recipe_name, overrides)
-    check_out_dir(out)
-    reused = reused_stages(reuse, out) if reuse is not None else None
-    out.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
     device = local_device(q.device)
+    check_device_fits(q, recipe_name, device.type)
+    out.mkdir(parents=True, exist_ok=True)
     if q.threads:
         torch.set_num_threads(q.threads)
     (out / "recipe.json").write_text(json.dumps({"recipe": recipe_name, "overrides": overrides,
@@ -248,9 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     def command() -> int:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
         run_pipeline(args.recipe, Path(args.out), args.overrides, args.reuse)
         return 0
 

@@ -172,10 +172,11 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-def check_variants(recipe: str, variants: list[Variant]) -> None:
-    """Every variant's overrides applied to the recipe before anything starts: a typo is one line now, not a failed
-    run later."""
+def check_variants(recipe: str, variants: list[Variant], slots: list[str] = ()) -> None:
+    """Every variant's overrides applied to the recipe before anything starts: a typo, or a GPU recipe given CPU
+    slots, is one line now, not a failed run later."""
     from trainer.quality.config import load_recipe
+    from trainer.quality.pipeline import check_device_fits
 
     names = [v.name for v in variants]
     if not variants or len(set(names)) != len(names):
@@ -183,14 +184,16 @@ def check_variants(recipe: str, variants: list[Variant]) -> None:
     load_recipe(recipe)
     for v in variants:
         try:
-            load_recipe(recipe, list(v.overrides))
+            q = load_recipe(recipe, list(v.overrides))
+            if "cpu" in slots:
+                check_device_fits(q, recipe, "cpu")
         except ConfigError as exc:
             raise ConfigError(f"--variant {v.name}: {exc}", hint=exc.hint) from None
 
 
 def run_sweep(recipe: str, out: Path, variants: list[Variant], slots: list[str], independent: bool = False,
               poll_s: float = 1.0) -> list[dict]:
-    check_variants(recipe, variants)
+    check_variants(recipe, variants, slots)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not empty; nothing was changed there")
     shared = not independent and len(variants) > 1 and shares_target(variants)

@@ -159,8 +159,7 @@ def test_kernels_compile_for_the_h200(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(repo)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True,
-                         timeout=240)
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     compiled = json.loads(run.stdout.split("COMPILED ", 1)[1])
     assert set(compiled) == {"attention_bf16", "attention_fp32", "rms_norm_bf16", "rms_norm_fp32"}

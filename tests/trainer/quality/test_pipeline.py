@@ -12,11 +12,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
-    """`python -m module args...` from the repository root, as a user runs it (also when not pip-installed)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+def run_module(module: str, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
+    """`python -m module args...` from the repository root, as a user runs it (also when not pip-installed), waited
+    for until it exits (the session's pytest timeout guards hangs)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", **env_extra}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
+                          text=True)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -57,7 +58,7 @@ def test_quality_cpu_pipeline_end_to_end(tmp_path):
     again = subprocess.run([sys.executable, "-m", "bench.speculative", "--drafter", str(out / "drafter/export"),
                             "--target", str(out / "target"), "--data", str(out / "data/eval.jsonl"), "--prompts", "2",
                             "--max-new", "9", "--device", "cpu"], cwd=REPO_ROOT, env=env, capture_output=True,
-                           text=True, timeout=120)
+                           text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     line = [x for x in again.stdout.splitlines() if x.startswith("DFLASH_DECODE ")][-1]
     rerun = json.loads(line.split(" ", 1)[1])
@@ -71,6 +72,18 @@ def test_refuses_a_non_empty_out_dir_and_keeps_it(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 2 and "not empty" in proc.stderr and "hint:" in proc.stderr
     assert keep.read_text() == '{"precious": true}\n'
+
+
+def test_a_gpu_recipe_without_a_gpu_is_refused_before_any_stage(tmp_path):
+    """quality_gpu on a machine without CUDA (here: none visible) used to pretrain on the CPU until the kernel killed
+    it; now one line, exit 2, nothing written."""
+    proc = run_module("trainer.quality.pipeline", "--recipe", "quality_gpu", "--out", str(tmp_path / "q"),
+                      CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: recipe quality_gpu needs a CUDA GPU: drafter.step.attn=flex has no CPU path, and this run is on the cpu",
+        "hint: run it on a GPU machine; on a CPU the tiny variant is --recipe quality_cpu"]
+    assert proc.stdout == "" and not (tmp_path / "q").exists()
 
 
 def test_bad_override_is_one_clear_line(tmp_path):
