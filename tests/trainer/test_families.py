@@ -119,3 +119,20 @@ def test_an_unknown_model_type_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "no-such-family", "num_hidden_layers": 2}')
     with pytest.raises(ConfigError, match="transformers cannot read its config.json"):
         load_target(tmp_path, num_draft_layers=1)
+
+
+def test_chat_data_without_a_chat_template_is_one_line_and_token_data_needs_none(tmp_path):
+    from trainer.data.source import load_samples
+    from trainer.errors import DataError
+    from trainer.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = None  # a base model's tokenizer
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    with pytest.raises(DataError, match="needs the target tokenizer's chat template"):
+        load_samples([str(chat)], tok, len(tok), 0.0)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}\n')
+    samples, _report = load_samples([str(ids)], tok, len(tok), 0.0)
+    assert samples[0].input_ids.tolist() == [5, 6, 7]

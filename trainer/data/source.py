@@ -187,6 +187,11 @@ def scan(paths: list[str] | tuple[str, ...], max_bad_fraction: float,
 
 
 def _render(tokenizer, turns: list[dict]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        # Every chat line would fail the same way: one line for the run, not one malformed line each.
+        raise DataError("chat data needs the target tokenizer's chat template, and this tokenizer has none",
+                        hint="use a chat (instruct) target, add a chat_template to its tokenizer_config.json, or "
+                             "give pre-tokenized input_ids + loss_mask lines")
     return tokenizer.apply_chat_template(turns, tokenize=False)
 
 
@@ -257,7 +262,7 @@ def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
                  progress: Callable[[int, int], None] | None = None) -> tuple[list[Sample], LoadReport]:
     """Read and tokenize every file; raise DataError when a file is missing or unreadable, or the bad fraction
     exceeds max_bad_fraction. progress(bytes read, bytes in all files) is called as lines are tokenized."""
-    marker = turn_end_marker(tokenizer)
+    marker: str | None = None  # found on the first chat line: pre-tokenized data needs no chat template
     samples: list[Sample] = []
     bad: list[BadLine] = []
     lines = 0
@@ -272,7 +277,10 @@ def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
                 continue
             lines += 1
             try:
-                samples.append(to_sample(parse_record(line), tokenizer, vocab_size, marker))
+                record = parse_record(line)
+                if marker is None and "conversations" in record:
+                    marker = turn_end_marker(tokenizer)
+                samples.append(to_sample(record, tokenizer, vocab_size, marker or ""))
             except _Bad as e:
                 bad.append(BadLine(str(raw), line_no, str(e)))
     if progress is not None:
