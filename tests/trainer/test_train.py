@@ -132,7 +132,7 @@ def test_an_empty_target_is_refused_unless_the_config_allows_the_tiny_one(tmp_pa
     from trainer.config import load_config
     from trainer.errors import ConfigError
 
-    gpu_on_cpu = load_config("gpu", ["device=cpu", "step.attn=sdpa"])
+    gpu_on_cpu = load_config("gpu", ["device=cpu", "step.attn=sdpa", "step.mode=eager"])
     assert not gpu_on_cpu.model.allow_tiny_target and load_config("smoke").model.allow_tiny_target
     with pytest.raises(ConfigError, match=r"^model.target is empty: set model.target=DIR"):
         build(gpu_on_cpu, tmp_path / "r")
