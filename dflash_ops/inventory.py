@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ops import names
-from dflash_ops.errors import ConfigError, UsageError
+from dflash_ops.errors import UsageError
 from dflash_ops.spec import DEFAULT_CT_RUNS_DIR, DEFAULT_PCT, LOCAL, PROXMOX, SSH, TRANSPORTS, Container, Host, Target
 from dflash_ops.yamlsrc import Fields, Node, load
 
