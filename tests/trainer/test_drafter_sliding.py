@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.trainer.test_traps import two_doc_batch
+from tests.trainer.tiles import assert_tiles_match
 from trainer.decode.reference import DraftContextCache, draft_block_hidden
 from trainer.decode.static_draft import StaticDFlashProposer
 from trainer.export import ExportConfig, export_drafter, load_exported
@@ -56,23 +57,12 @@ def test_flex_tables_and_mask_mod_follow_the_sliding_rule(window):
     ctx_lo[0, 8:] = 129
     valid = torch.ones_like(anchor, dtype=torch.bool)
     valid[0, 3] = False
-    dense = flex_dense_mask(anchor, ctx_lo, valid, shape.ctx_len, shape.block_size, window)[0, 0]
-    partial, full = tile_states(anchor, ctx_lo, valid, shape, window)
-    t = shape.tile
-    for q in range(shape.q_len // t):
-        for k in range(shape.kv_len // t):
-            tile = dense[q * t:(q + 1) * t, k * t:(k + 1) * t]
-            assert not (partial[0, 0, q, k] and full[0, 0, q, k])
-            if full[0, 0, q, k]:
-                assert tile.all(), (q, k)
-            elif partial[0, 0, q, k]:
-                assert tile.any(), (q, k)
-            else:
-                assert not tile.any(), (q, k)
+    dense = flex_dense_mask(anchor, ctx_lo, valid, shape.ctx_len, shape.block_size, window)[:, 0]
+    assert_tiles_match(*tile_states(anchor, ctx_lo, valid, shape, window), dense, shape.tile)
     fbm = FlexBlockMask(shape, "cpu", window)
     fbm.update_(anchor, ctx_lo, valid)
     b, qi, kv = torch.meshgrid(torch.arange(1), torch.arange(shape.q_len), torch.arange(shape.kv_len), indexing="ij")
-    assert torch.equal(fbm.block_mask.mask_mod(b, None, qi, kv), dense[None])
+    assert torch.equal(fbm.block_mask.mask_mod(b, None, qi, kv), dense)
 
 
 def test_the_layout_carries_one_mask_per_kind_and_each_layer_takes_its_own(target):

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from tests.trainer.tiles import assert_tiles_match
 from trainer.model.doc_attention import DocCausalMask, doc_tile_states
 from trainer.model.target import load_target, packed_causal_mask
 
@@ -34,19 +35,7 @@ def test_tile_tables_never_drop_a_visible_pair_and_skip_only_invisible_tiles(win
     doc, _ = packed_doc_ids(ROWS, 384)
     partial, full = doc_tile_states(doc, TILE, window)
     dense = packed_causal_mask(doc, window)[:, 0]  # [R, S, S]
-    n = 384 // TILE
-    tiles = dense.view(len(ROWS), n, TILE, n, TILE)
-    for r in range(len(ROWS)):
-        for q in range(n):
-            for k in range(n):
-                t = tiles[r, q, :, k, :]
-                assert not (partial[r, 0, q, k] and full[r, 0, q, k])
-                if full[r, 0, q, k]:
-                    assert t.all(), (r, q, k)
-                elif partial[r, 0, q, k]:
-                    assert t.any(), (r, q, k)
-                else:
-                    assert not t.any(), (r, q, k)
+    assert_tiles_match(partial, full, dense, TILE)
     if window is None:
         assert full[0, 0].sum() == 3 and partial[0, 0].sum() == 3  # one document: causal tiles only
 

@@ -293,6 +293,7 @@ def test_anchors_are_resampled_every_epoch_for_the_same_row():
 def test_flex_tile_tables_at_tile_edges_match_the_dense_rule(edge):
     """Anchors and document starts exactly at, one before and one after tile edges: a context tile is full only
     when every key of it is visible (a tile marked full one position early would attend to the anchor itself)."""
+    from tests.trainer.tiles import assert_tiles_match
     from trainer.model.flex import BlockLayoutShape, dense_block_mask, tile_states
 
     shape = BlockLayoutShape(batch=1, ctx_len=384, num_anchors=16, block_size=16)
@@ -303,14 +304,5 @@ def test_flex_tile_tables_at_tile_edges_match_the_dense_rule(edge):
     ctx_lo = torch.minimum(ctx_lo, anchor - 1)
     valid = torch.ones_like(anchor, dtype=torch.bool)
     partial, full = tile_states(anchor, ctx_lo, valid, shape)
-    dense = dense_block_mask(anchor, ctx_lo, valid, shape.ctx_len, shape.block_size)[0, 0]
-    t = shape.tile
-    for q in range(shape.q_len // t):
-        for k in range(shape.kv_len // t):
-            tile = dense[q * t:(q + 1) * t, k * t:(k + 1) * t]
-            if full[0, 0, q, k]:
-                assert tile.all(), (q, k)
-            elif partial[0, 0, q, k]:
-                assert tile.any(), (q, k)
-            else:
-                assert not tile.any(), (q, k)
+    dense = dense_block_mask(anchor, ctx_lo, valid, shape.ctx_len, shape.block_size)[:, 0]
+    assert_tiles_match(partial, full, dense, shape.tile)
