@@ -137,15 +137,10 @@ def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
 
 def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device, grad_sync=None):
     """Main thread. grad_sync: the data-parallel gradient average (None in one process)."""
+    from trainer.step.graph import make_runner as step_runner  # eager, compiled and captured runners
+
     check_device_support(cfg, device)
-    if cfg.step.eager:
-        return EagerRunner(state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
-    try:
-        from trainer.step.graph import make_runner as make_graph_runner  # GPU branch: compile / graph runners
-    except ImportError as e:
-        raise ConfigError(f"step.mode={cfg.step.mode} is not available in this build ({e})",
-                          hint="use --set step.mode=eager") from None
-    return make_graph_runner(cfg.step, state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
+    return step_runner(cfg.step, state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
 
 
 def make_pipeline(cfg: TrainCfg, state: TrainState, batches: EpochBatches, target_device: torch.device,

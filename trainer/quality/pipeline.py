@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import random
 import sys
@@ -30,16 +29,12 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def graph_mode_available(device) -> bool:
-    return device.type == "cuda" and importlib.util.find_spec("trainer.step.graph") is not None
-
-
 def drafter_train_cfg(q, target_dir: Path, regen, device):
-    """The recipe's drafter config + this pipeline's target and data -> TrainCfg. Graph modes fall back to eager
-    where they cannot run (no CUDA, or a build without trainer.step.graph), with a printed note."""
+    """The recipe's drafter config + this pipeline's target and data -> TrainCfg. Compiled and captured modes
+    fall back to eager off CUDA, with a printed note."""
     d = q.drafter
     step = d.step
-    if not step.eager and not graph_mode_available(device):
+    if not step.eager and device.type != "cuda":
         log(f"drafter: step.mode={step.mode} is not available here ({device}); training eagerly")
         step = dataclasses.replace(step, mode="eager")
     return dataclasses.replace(

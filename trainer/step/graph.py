@@ -337,8 +337,8 @@ class GraphRunner:
 
 
 def make_runner(step_cfg, state, batch_dev, accum_steps: int, *, grad_sync=None):
-    """The runner for step.mode in {compile, graph, compile+graph} (trainer/build.py). Main thread, before any
-    worker."""
+    """The runner for the step mode (trainer/build.py): EagerRunner, compiled first when the mode compiles, or a
+    GraphRunner when it captures. Main thread, before any worker."""
     from trainer.step.step import EagerRunner
 
     if step_cfg.compiles:
