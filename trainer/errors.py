@@ -37,6 +37,9 @@ class ReplicaDrift(TrainerError):
     exit_code = 4
 
 
+QUIET_RANK_LINGER_S = 5.0
+
+
 def secondary_rank(environ: Mapping[str, str] = os.environ) -> bool:
     """A torchrun rank other than 0 (RANK and WORLD_SIZE set and consistent). Malformed values are not: such a
     process is one the user must hear from."""
@@ -61,6 +64,12 @@ def run_cli(command: Callable[[], int]) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
             if e.hint:
                 print(f"hint: {e.hint}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every rank as soon as one exits non-zero: a quiet rank that got there first would
+            # silence rank 0 before it said the error they share. Lingering lets rank 0 speak first.
+            import time
+
+            time.sleep(QUIET_RANK_LINGER_S)
         return e.exit_code
     except KeyboardInterrupt:
         if not quiet:
