@@ -88,4 +88,8 @@ def useful_flops(s: FlopShape, c: StepCounts) -> dict[str, float]:
                  + 4 * b.head_dim * b.heads * c.draft_pairs)
     drafter = 3 * s.draft_layers * per_layer + 2 * (2 * t * s.taps * b.hidden * b.hidden)
     head = 2 * (2 * c.rows * c.anchors * (c.block - 1) * a.hidden * s.vocab)
-    return {"target": target, "drafter": drafter, "lm_head": head, "total": target + drafter + head}
+    attention = (s.target_layers_run * 4 * a.head_dim * a.heads * c.target_pairs
+                 + 3 * s.draft_layers * 4 * b.head_dim * b.heads * c.draft_pairs)
+    total = target + drafter + head
+    # matmul: what GEMM kernels compute (total less the attention pairs), the profile's GEMM-rate numerator
+    return {"target": target, "drafter": drafter, "lm_head": head, "total": total, "matmul": total - attention}

@@ -10,6 +10,7 @@ mask builder), `trainer.build.make_runner` (EagerRunner / compile / GraphRunner)
 from __future__ import annotations
 
 import json
+import statistics
 
 import torch
 
@@ -93,7 +94,8 @@ def run_mode(cfg, mode: str) -> dict:
         timed = time_steps(lambda k: runner.step(steps_in[k % 2])[0].loss_, cfg.steps, device=dev,
                            interval=cfg.interval, label=mode)
         if cfg.profile and cuda:
-            print_profile(lambda: runner.step(steps_in[0]), cfg.profile, mode)
+            step_ms = 1e3 * statistics.median(timed.step_s)
+            print_profile(lambda: runner.step(steps_in[0]), cfg.profile, mode, step_ms, flops["matmul"])
     result = figures(cfg, mode, timed, flops, dev, info.world) | {"attn": attn, "target_attn": target.attn}
     if cuda:
         torch.cuda.synchronize(dev)
@@ -139,8 +141,6 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
 
 
 def figures(cfg, mode: str, timed: Timed, flops: dict, dev: torch.device, world: int) -> dict:
-    import statistics
-
     from bench.shapes import PEAK_FLOPS
 
     tokens = cfg.accum * cfg.batch * cfg.seq

@@ -7,6 +7,7 @@ synchronous). MEM lines: allocator counters on CUDA (host-side bookkeeping, no s
 from __future__ import annotations
 
 import json
+import re
 import resource
 import time
 from collections.abc import Callable
@@ -93,8 +94,54 @@ def profile_lines(kernels: list[tuple[str, float, int]], n: int, label: str, top
     return lines + [f"PROF {label} total device time {total / n / 1e3:.1f} ms/step"]
 
 
-def print_profile(step: Callable[[], object], n: int, label: str) -> None:
-    """Top device kernels over `n` steps, as PROF lines (`profile_lines`). CUDA only."""
+# Kernel name -> category, first match wins: flex attention is an Inductor template, cuBLAS names its GEMMs nvjet /
+# sm90_xmma, the LM-head CE is one Inductor reduction (online softmax + argmax), then the optimizer's foreach/fused
+# kernels, Inductor's other pointwise/reduction/persistent kernels, and plain copies.
+KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("attention", r"flash|fmha|flex_attention|attention"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|triton_tem_fused_(mm|addmm|bmm)|matmul|splitk"),
+    ("lm-head softmax/CE", r"softmax|logsumexp|argmax|cross_entropy|nll_loss"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("communication", r"nccl|allreduce|all_reduce"),
+    ("fused elementwise/reduction", r"triton_(poi|red|per)_"),
+    ("copy/fill", r"memcpy|memset|copy|fill|cat|index"),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, pattern in KERNEL_CATEGORIES:
+        if re.search(pattern, low):
+            return category
+    return "other elementwise"
+
+
+def profile_summary(kernels: list[tuple[str, float, int]], n: int, label: str, step_ms: float,
+                    matmul_flops: float) -> list[str]:
+    """Pure: the same kernels as `profile_lines`, summed by `kernel_category` -> PROFSUM lines: ms per step, share
+    of the step, kernels per step; the GEMM kernels' achieved TFLOP/s (`matmul_flops`: the step's useful matmul
+    FLOPs outside attention); and the step time no kernel covers (launch gaps, host work, syncs)."""
+    by: dict[str, list[float]] = {}
+    for name, us, calls in kernels:
+        acc = by.setdefault(kernel_category(name), [0.0, 0])
+        acc[0] += us / n / 1e3
+        acc[1] += calls / n
+    busy = sum(ms for ms, _ in by.values())
+    step_ms = max(step_ms, busy) or 1.0
+    lines = [f"PROFSUM {label} {cat:<28} {ms:8.2f} ms {100 * ms / step_ms:5.1f}% x{calls:.0f}"
+             for cat, (ms, calls) in sorted(by.items(), key=lambda kv: -kv[1][0])]
+    lines.append(f"PROFSUM {label} {'no kernel running':<28} {step_ms - busy:8.2f} ms {100 * (step_ms - busy) / step_ms:5.1f}%")
+    gemm_ms = by.get("gemm", [0.0])[0]
+    if gemm_ms:
+        lines.append(f"PROFSUM {label} gemm rate {matmul_flops / (gemm_ms / 1e3) / 1e12:.0f} TFLOP/s "
+                     f"({matmul_flops / 1e12:.1f} TFLOP in {gemm_ms:.1f} ms)")
+    return lines
+
+
+def print_profile(step: Callable[[], object], n: int, label: str, step_ms: float = 0.0,
+                  matmul_flops: float = 0.0) -> None:
+    """Top device kernels over `n` steps, as PROF lines (`profile_lines`), then the PROFSUM summary by kernel
+    category (`profile_summary`; `step_ms`: the timed median step). CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -103,5 +150,5 @@ def print_profile(step: Callable[[], object], n: int, label: str) -> None:
         torch.cuda.synchronize()
     rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
             if e.device_type == torch.autograd.DeviceType.CUDA]
-    for line in profile_lines(rows, n, label):
+    for line in profile_lines(rows, n, label) + profile_summary(rows, n, label, step_ms, matmul_flops):
         print(line, flush=True)

@@ -14,3 +14,19 @@ def test_prof_lines_are_slowest_first_per_step_with_full_names_and_a_total():
 
 def test_no_kernels_gives_just_a_zero_total():
     assert profile_lines([], n=1, label="eager") == ["PROF eager total device time 0.0 ms/step"]
+
+
+def test_the_summary_sums_by_category_and_says_the_uncovered_time_and_the_gemm_rate():
+    kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 6000.0, 20),
+               ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN", 2000.0, 4),
+               ("triton_tem_fused_flex_attention_0", 4000.0, 10), ("triton_poi_fused_add_mul_0", 1000.0, 30),
+               ("void at::native::multi_tensor_apply_kernel<FusedAdam>", 500.0, 2), ("Memcpy DtoD", 500.0, 2),
+               ("triton_red_fused__to_copy_add_arange_argmax_eq_exp_log_mul_prepare_softmax_online_sub_0", 0.0, 8)]
+    from bench.timing import kernel_category, profile_summary
+
+    assert [kernel_category(k[0]) for k in kernels] == ["gemm", "gemm", "attention", "fused elementwise/reduction",
+                                                        "optimizer", "copy/fill", "lm-head softmax/CE"]
+    lines = profile_summary(kernels, n=2, label="graph", step_ms=10.0, matmul_flops=4e12)
+    assert lines[0].split()[2:5] == ["gemm", "4.00", "ms"] and "40.0%" in lines[0] and lines[0].endswith("x12")
+    assert "no kernel running" in lines[-2] and lines[-2].split()[-3:] == ["3.00", "ms", "30.0%"]  # 10 - 7 ms
+    assert lines[-1] == "PROFSUM graph gemm rate 1000 TFLOP/s (4.0 TFLOP in 4.0 ms)"
