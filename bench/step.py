@@ -55,6 +55,7 @@ class BenchConfig:
     attn: str = "auto"  # the drafter's block attention: auto = flex on CUDA, sdpa on CPU
     interval: int = 5
     ce_chunk: int = 4096
+    ce: str = "auto"  # step.ce: the CE chunk kernel (auto, torch, triton)
     profile: int = 0  # >0: after timing, profile this many steps and print the top kernels (PROF lines; CUDA)
     pipeline: int = 0  # 1: run the steps through the loader/producer/consumer threads (CUDA)
 
@@ -62,8 +63,12 @@ class BenchConfig:
         """Raise SystemExit with one line naming the fix."""
         from bench.shapes import check_shape
 
+        from trainer.config import CE_KERNELS
+
         if self.attn not in ATTNS:
             raise SystemExit(f"unknown --attn {self.attn!r}; choose one of {list(ATTNS)}")
+        if self.ce not in CE_KERNELS:
+            raise SystemExit(f"unknown --ce {self.ce!r}; choose one of {list(CE_KERNELS)}")
         if self.target and not os.path.isfile(os.path.join(self.target, "config.json")):
             raise SystemExit(f"--target {self.target}: no config.json there (a local Hugging Face model directory)")
         if not self.target:
@@ -92,6 +97,7 @@ HELP = {
     "attn": "the drafter's block attention: auto (flex on CUDA, sdpa on CPU), flex, sdpa",
     "interval": "steps between MEM lines",
     "ce_chunk": "positions per LM-head / cross-entropy chunk",
+    "ce": "the CE chunk kernel (step.ce): auto, torch, triton",
     "profile": "after timing, profile this many steps and print the top kernels (PROF lines; CUDA)",
     "pipeline": "1: run the steps through the loader / producer / consumer threads (CUDA)",
 }

@@ -24,7 +24,7 @@ def train_config(cfg, mode: str, attn: str) -> TrainCfg:
     """The TrainCfg the bench's step corresponds to (only the fields build_state / make_runner read matter)."""
     return TrainCfg(model=ModelCfg(target=cfg.target, num_draft_layers=cfg.draft_layers, block_size=cfg.block),
                     data=DataCfg(seq_len=cfg.seq, rows_per_step=cfg.batch, num_anchors=cfg.anchors),
-                    step=StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk),
+                    step=StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce),
                     optim=OptimCfg(accum_steps=cfg.accum), pipeline=PipelineCfg(enabled=bool(cfg.pipeline)))
 
 
@@ -113,7 +113,7 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
     if dev.type != "cuda":
         raise ConfigError("--pipeline 1 needs a CUDA device (this run is on cpu)")
     pc = PipelineCfg()
-    built = train_pipe.build(state, steps_in[0], step=StepCfg(mode=mode), target_device=dev, drafter_device=dev,
+    built = train_pipe.build(state, steps_in[0], step=StepCfg(mode=mode, ce=cfg.ce), target_device=dev, drafter_device=dev,
                              grad_sync=sync, slots=pc.slots, prefetch=pc.prefetch)
     inputs = [encode(s) for s in steps_in]
 

@@ -19,6 +19,7 @@ from trainer.errors import ConfigError
 
 STEP_MODES = ("eager", "compile", "graph", "compile+graph")
 ATTN_BACKENDS = ("sdpa", "flex")
+CE_KERNELS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 # Paper (DFlash App. A.1): gamma = 7 / 5 / 4 for block sizes 16 / 10 / 8.
@@ -97,9 +98,13 @@ class StepCfg:
     mode: str = "eager"  # eager | compile | graph | compile+graph (non-eager modes need CUDA)
     attn: str = "sdpa"  # drafter block attention backend
     loss_chunk: int = 4096  # positions per LM-head/CE chunk (bounds the [chunk, vocab] logits)
+    # The CE chunk's softmax/argmax/dlogits math: triton = one kernel per chunk (trainer/model/ce_kernel.py, CUDA),
+    # torch = PyTorch ops (Inductor-fused in the compile modes), auto = triton where it runs unless step.mode=eager.
+    ce: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.mode in STEP_MODES, f"step.mode must be one of {STEP_MODES}, got {self.mode!r}")
+        _check(self.ce in CE_KERNELS, f"step.ce must be one of {CE_KERNELS}, got {self.ce!r}")
         _check(self.attn in ATTN_BACKENDS, f"step.attn must be one of {ATTN_BACKENDS}, got {self.attn!r}")
         _check(self.loss_chunk >= 1, "step.loss_chunk must be >= 1")
 

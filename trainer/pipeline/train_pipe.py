@@ -111,13 +111,12 @@ def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, step: Ste
     Warm-up never trains: the drafter's parameters and optimizer state are put back afterwards (StepGraph's restore
     policy for the graph modes, the same snapshot/restore around the eager warm-up step).
     """
-    from trainer.step.graph import (EagerStep, StepGraph, compile_step, restore_training_state, slot_step,
+    from trainer.step.graph import (EagerStep, StepGraph, prepare_step, restore_training_state, slot_step,
                                     snapshot_training_state)
 
     accum = len(sample_batches)
     cpu = encode(sample_batches)
-    if step.compiles:
-        compile_step(state)  # before the target's warm-up / capture below: both sides run compiled
+    prepare_step(step, state, drafter_device)  # before the target's warm-up / capture below: both sides compiled
     target_fn = TargetFeatures(state.target, {k: cpu[k].to(target_device) for k in target_keys(accum)}, accum,
                                capture=step.captures)
     with torch.no_grad():

@@ -336,13 +336,29 @@ class GraphRunner:
         return decode_outs(self.graph.step(encode(micro_batches)), self.accum)
 
 
+def prepare_step(step_cfg, state, device: torch.device) -> None:
+    """What every runner does first, in the main thread: compile (the compile modes), then choose the CE chunk
+    kernel (`step.ce`; auto: the Triton kernel in the compile and graph modes where it runs, the eager mode stays the
+    PyTorch reference). Raises ConfigError where step.ce=triton cannot run on `device`."""
+    from trainer.errors import ConfigError
+    from trainer.model import ce_kernel
+
+    if step_cfg.compiles:
+        compile_step(state)
+    usable = ce_kernel.usable_on(device)
+    if step_cfg.ce == "triton" and not usable:
+        raise ConfigError(f"step.ce=triton needs a CUDA device and Triton (this step runs on {device.type})",
+                          hint="--set step.ce=auto")
+    if step_cfg.ce == "triton" or (step_cfg.ce == "auto" and usable and not step_cfg.eager):
+        state.ce_chunk_fn = ce_kernel.ce_chunk_triton
+
+
 def make_runner(step_cfg, state, batch_dev, accum_steps: int, *, grad_sync=None):
     """The runner for the step mode (trainer/build.py): EagerRunner, compiled first when the mode compiles, or a
     GraphRunner when it captures. Main thread, before any worker."""
     from trainer.step.step import EagerRunner
 
-    if step_cfg.compiles:
-        compile_step(state)
+    prepare_step(step_cfg, state, batch_dev.input_ids.device)
     if step_cfg.captures:
         return GraphRunner(state, batch_dev, accum_steps, grad_sync=grad_sync)
     return EagerRunner(state, batch_dev, accum_steps, grad_sync=grad_sync)

@@ -47,8 +47,8 @@ class TrainState:
     # GPU (pipeline placement); None = use the target's own.
     embed: torch.nn.Module | None = None
     head: torch.nn.Module | None = None
-    # The LM-head CE chunk math (trainer.model.loss.ce_chunk contract); None = eager. The compile modes set a
-    # torch.compile'd copy (trainer.step.graph.compile_step).
+    # The LM-head CE chunk math (trainer.model.loss.ce_chunk contract); None = eager. trainer.step.graph.prepare_step
+    # sets the Triton kernel (step.ce) or, in the compile modes, a torch.compile'd copy.
     ce_chunk_fn: Callable | None = None
 
     @property
