@@ -29,6 +29,16 @@ def train_config(cfg, mode: str, attn: str) -> TrainCfg:
 
 
 def bench_target(cfg, device: torch.device):
+    """`_bench_target`, with the target's linears in FP8 under --target-fp8 1 (trainer.build.to_fp8)."""
+    target = _bench_target(cfg, device)
+    if cfg.target_fp8:
+        from trainer.build import to_fp8
+
+        to_fp8(target)
+    return target
+
+
+def _bench_target(cfg, device: torch.device):
     """--target DIR: load_target. Else a random-init Qwen3ForCausalLM of the named shape, built on `device` in the
     target dtype and prepared by the same `prepare_target` (bf16 on CUDA, fp32 on CPU, as model.dtype=auto)."""
     from trainer.model.target import load_target, pick_dtype, prepare_target

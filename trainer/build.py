@@ -105,6 +105,17 @@ def load_run_target(cfg: TrainCfg, device: torch.device | str, *, truncate: bool
                        attn=attn)
 
 
+def to_fp8(target: Target) -> int:
+    """model.target_fp8: the target's decoder-layer linears to FP8, in place (trainer/model/fp8.py) -> how many."""
+    from trainer.model.fp8 import fp8_supported, quantize_target_layers
+
+    device = target.embed_tokens.weight.device
+    if not fp8_supported(device):
+        raise ConfigError(f"model.target_fp8 needs FP8 tensor cores (CUDA compute capability 9.0+); the target is on "
+                          f"{device}", hint="--set model.target_fp8=false")
+    return quantize_target_layers(target.model.model.layers)
+
+
 def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainState:
     torch.manual_seed(cfg.seed)
     m = cfg.model
@@ -216,6 +227,8 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
         target = load_run_target(cfg, target_device, truncate=True, attn=target_attn(target_device))
         notes.append(f"{target.num_layers} layers, taps {list(target.layer_ids)}, "
                      f"{str(target.embed_tokens.weight.dtype).replace('torch.', '')}")
+        if cfg.model.target_fp8:
+            notes.append(f"{to_fp8(target)} linears in FP8")
     rows = target.embed_tokens.weight.shape[0]
     if rows < vocab:
         _check_ids_fit(datasets, rows)

@@ -43,6 +43,9 @@ class ModelCfg:
     mask_token_id: int | None = None  # None = tokenizer.mask_token_id, else the `<|MASK|>` token
     gamma: float | None = None  # loss decay; None = paper value for the block size
     dtype: str = "auto"  # target dtype: auto = bf16 on CUDA, fp32 on CPU
+    # Opt-in: the target's decoder-layer linears in FP8 (e4m3, per-channel weight / per-token input scales; Hopper or
+    # newer; trainer/model/fp8.py). Faster, and different features: measure acceptance before relying on it.
+    target_fp8: bool = False
     # The drafter's layers: full_attention | sliding_attention each (None: all full). A sliding layer's query sees
     # the `draft_sliding_window` positions ending at itself (causal inside its block).
     draft_layer_types: tuple[str, ...] | None = None
@@ -268,6 +271,8 @@ def cuda_only(cfg: TrainCfg) -> list[tuple[str, str]]:
         found.append((f"step.attn={cfg.step.attn}", "step.attn=sdpa"))
     if cfg.pipeline.enabled:
         found.append(("pipeline.enabled", "pipeline.enabled=false"))
+    if cfg.model.target_fp8:
+        found.append(("model.target_fp8", "model.target_fp8=false"))
     return found
 
 

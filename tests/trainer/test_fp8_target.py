@@ -1,0 +1,52 @@
+"""model.target_fp8 (trainer/model/fp8.py): what the FP8 linears compute, on CPU from the same quantized values the
+H200's FP8 tensor cores multiply, and the refusal where no FP8 tensor cores are."""
+import subprocess
+import sys
+
+import torch
+
+from trainer.model.fp8 import E4M3, Fp8Linear, quantize_rows, quantize_target_layers
+from trainer.model.target import load_target
+
+
+def test_rows_are_scaled_to_the_e4m3_range_and_come_back_within_its_precision():
+    x = torch.randn(8, 64) * torch.logspace(-3, 3, 8)[:, None]  # rows six decades apart: one scale each
+    q, scale = quantize_rows(x)
+    assert q.dtype == E4M3 and scale.shape == (8, 1)
+    assert torch.allclose(q.float().abs().amax(-1), torch.full((8,), 448.0))
+    back = q.float() * scale
+    assert ((back - x).abs() <= x.abs() * 2 ** -3 + scale * 2 ** -6).all()  # e4m3: 3 mantissa bits
+
+
+def test_fp8_linear_is_close_to_the_linear_it_replaces_and_drops_its_weight():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 96, bias=False)
+    x = torch.randn(2, 5, 128)
+    fp8 = Fp8Linear(lin)
+    with torch.no_grad():
+        out, ref = fp8(x), lin(x)
+    assert out.shape == ref.shape == (2, 5, 96) and not hasattr(fp8, "weight") and not list(fp8.parameters())
+    rel = float((out - ref).norm() / ref.norm())
+    assert 1e-4 < rel < 0.06, rel  # quantized (not equal), yet close
+
+
+def test_the_target_layers_run_in_fp8_with_features_close_to_the_original(tiny_target_dir):
+    target = load_target(tiny_target_dir, num_draft_layers=2, device="cpu", dtype="float32")
+    ids = torch.randint(10, target.embed_tokens.weight.shape[0], (1, 24))
+    pos, docs = torch.arange(24)[None], torch.zeros(1, 24, dtype=torch.long)
+    before = target.features(ids, pos, docs)
+    n_layers = len(target.model.model.layers)
+    assert quantize_target_layers(target.model.model.layers) == 7 * n_layers
+    assert not any(isinstance(m, torch.nn.Linear) for layer in target.model.model.layers for m in layer.modules())
+    after = target.features(ids, pos, docs)
+    assert after.shape == before.shape and not torch.equal(after, before)
+    cos = torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0)
+    assert float(cos) > 0.99, float(cos)
+
+
+def test_on_a_cpu_the_option_is_one_line_and_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainer", "train", "--recipe", "smoke", "--run-dir",
+                           str(tmp_path / "run"), "--set", "model.target_fp8=true"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.target_fp8 needs a CUDA device" in proc.stderr and "model.target_fp8=false" in proc.stderr
