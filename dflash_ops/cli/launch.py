@@ -34,8 +34,9 @@ def launch(
     """Launch RUNBOOK detached (survives the connection closing) and prove it alive; with --node, on every node
     at once as one run (torchrun's rendezvous wired: rank 0 on the first node), or on none.
 
-    Examples: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set optim.max_steps=100
-              dflash-ops launch graphwarm-nodes --node pve1:200 --node pve2:200
+    Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set optim.max_steps=100
+
+    Two nodes: dflash-ops launch graphwarm-nodes --node pve1:200 --node pve2:200
     """
     from dflash_ops import names
     from dflash_ops.cli import render

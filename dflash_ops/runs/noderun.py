@@ -120,24 +120,23 @@ def _loopback(address: str) -> bool:
         return False
 
 
-def rendezvous_address(targets: Sequence[Target], ssh_addresses: Sequence[str | None]) -> str:
+def rendezvous_address(targets: Sequence[Target], ssh_endpoints: Sequence[tuple[str, int] | None]) -> str:
     """Rank 0's address as the other nodes reach it: its inventory `rdzv_address`, else the address dflash-ops
-    reaches its host by (`ssh_addresses[i]`: the SSH address of node i's host, None for this machine). A loopback
-    address (or this machine) serves only when every node is on that same machine."""
+    reaches its host by (`ssh_endpoints[i]`: node i's host as (address, port), None for this machine). A
+    loopback address (or this machine) serves only when every node is on that one machine (one SSH endpoint)."""
     first = targets[0]
-    machines = {a if t.host.transport != LOCAL else None for t, a in zip(targets, ssh_addresses)}
     if first.rdzv_address:
         return first.rdzv_address
-    address = ssh_addresses[0] if first.host.transport != LOCAL else None
-    one_machine = len(machines) == 1
+    one_machine = len({None if t.host.transport == LOCAL else e for t, e in zip(targets, ssh_endpoints)}) == 1
+    address = ssh_endpoints[0][0] if first.host.transport != LOCAL and ssh_endpoints[0] else None
     if address is None and one_machine:
         return "127.0.0.1"
     if address is None or (_loopback(address) and not one_machine):
         shown = address or "this machine"
+        where = f"hosts.{first.host.name}" + (f".containers.{first.container.ctid}" if first.container else "")
         raise UsageError(f"rank 0's node {first.label} is reached at {shown}, which the other nodes cannot reach",
-                         hint=f"give {first.label} its address on the nodes' network: `rdzv_address:` under "
-                              f"hosts.{first.host.name}" + (f".containers.{first.container.ctid}"
-                                                            if first.container else "") + " in the inventory")
+                         hint=f"give it its address on the nodes' network: `rdzv_address:` under {where} in the "
+                              "inventory")
     try:
         return names.rdzv_address(address)
     except UsageError:

@@ -30,16 +30,13 @@ SLACK_S = 90.0       # beyond each node's own timeouts: a node still busy past t
 
 
 # -- which nodes ----------------------------------------------------------------------------------------------
-def _ssh_address(host: Host) -> str | None:
-    """The address dflash-ops reaches `host` by (ssh config's HostName for an alias); None for this machine."""
-    return None if host.transport == LOCAL else transport.resolve_endpoint(host)[0]
-
-
-def _machine(host: Host) -> tuple:
+def _endpoint(host: Host) -> tuple[str, int] | None:
+    """(address, port) dflash-ops reaches `host` at (ssh config's HostName and Port for an alias): what tells
+    machines apart; None for this machine."""
     if host.transport == LOCAL:
-        return (LOCAL,)
+        return None
     address, port, _user, _key = transport.resolve_endpoint(host)
-    return (address, port)
+    return address, port
 
 
 def resolve(inv: inventory.Inventory, specs: Sequence[str]) -> tuple[tuple[nodespec.NodeRef, ...], tuple[Target, ...]]:
@@ -59,7 +56,7 @@ def resolve(inv: inventory.Inventory, specs: Sequence[str]) -> tuple[tuple[nodes
             raise UsageError(f"node {ref.spec}: {exc.message}", hint=exc.hint) from None
     seen: dict[tuple, str] = {}
     for ref, t in zip(refs, targets):
-        key = (_machine(t.host), t.container.ctid if t.container else None)
+        key = (_endpoint(t.host), t.container.ctid if t.container else None)
         if key in seen:
             raise UsageError(f"nodes {seen[key]} and {ref.spec} are the same {'container' if t.container else 'host'}")
         seen[key] = ref.spec
@@ -116,7 +113,7 @@ def plan(inv: inventory.Inventory, book: Runbook, specs: Sequence[str], *, name:
     noderun.check_runbook(book)
     noderun.check_env(extra_env)
     refs, targets = resolve(inv, specs)
-    address = noderun.rendezvous_address(targets, [_ssh_address(t.host) for t in targets])
+    address = noderun.rendezvous_address(targets, [_endpoint(t.host) for t in targets])
     name = names.run_name(book.name if name is None else name)
     rng = secrets.SystemRandom()
     p = NodePlan(book=book, refs=refs, sessions=tuple(Session(t, transport.for_host(t.host)) for t in targets),
