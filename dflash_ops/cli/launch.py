@@ -107,7 +107,7 @@ def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env,
         except KeyboardInterrupt:
             render.info(f"interrupted; the nodes of {p.run_id} that started go on (`dflash-ops stop {p.run_id}`)")
             raise typer.Exit(130) from None
-        render.nodes_launched(done, labels, json_out=json_out)
+        render.nodes_launched(done, json_out=json_out)
         if follow:
             from dflash_ops.cli.tail import follow_run
 

@@ -40,7 +40,7 @@ def info(text: str) -> None:
 def status_dict(s: RunStatus) -> dict:
     d = asdict(s)
     d.update(state_text=s.state_text, duration_s=s.duration_s, log_path=s.log_path, argv=list(s.argv),
-             leftovers=s.leftovers)
+             leftovers=s.leftovers, multinode=s.multinode.as_dict() if s.multinode else None)
     return d
 
 
@@ -85,7 +85,7 @@ def _rendezvous_text(run) -> str:
     return f"rendezvous {r.endpoint} ({r.backend}, id {r.rdzv_id}, timeout {r.timeout_s} s)"
 
 
-def nodes_launched(done, labels, *, json_out: bool) -> None:
+def nodes_launched(done, *, json_out: bool) -> None:
     """A multi-node launch (runs/nodes.NodesLaunched): the run, then a line per node."""
     run = done.run
     if json_out:
@@ -96,10 +96,10 @@ def nodes_launched(done, labels, *, json_out: bool) -> None:
         for rid in l.stopped_first:
             _err(f"stopped {rid} first on node {i} (--force)")
     _out(f"launched {run.run_id} on {len(run.nodes)} node(s), {_rendezvous_text(run)}")
-    width = max(map(len, labels))
-    for i, (l, label) in enumerate(zip(done.launched, labels)):
+    width = max(len(l.target) for l in done.launched)
+    for i, l in enumerate(done.launched):
         state = l.status.state_text if l.status else "?"
-        _out(f"  node {i}  {label:<{width}}  pid {l.pid}  {state} after {l.verified_after_s or 0:.1f} s  "
+        _out(f"  node {i}  {l.target:<{width}}  pid {l.pid}  {state} after {l.verified_after_s or 0:.1f} s  "
              f"log {l.spec.log_path}")
 
 

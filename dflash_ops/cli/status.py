@@ -123,24 +123,23 @@ def _run_status(loc, watch: bool, interval: float, timeout: float, json_out: boo
 
     gpu = hoststatus.GpuSettings.from_env()
 
-    def report():
+    def report() -> tuple:
         t0 = time.monotonic()
         rows = nodes.status_rows(loc, gpu, timeout_s=timeout)
         return loc.run_id, noderun.overall([r.state for r in rows]), rows, time.monotonic() - t0
 
-    def show(args, live=None, console=None) -> None:
-        if json_out:
-            import json
+    if json_out:
+        import json
 
+        def show(args) -> None:
             typer.echo(json.dumps(status_view.node_report_dict(*args)))
-        elif live is not None:
-            live.update(status_view.node_report_renderable(*args, console.width), refresh=True)
-        else:
-            from rich.console import Console
+    else:
+        from rich.console import Console
 
-            console = Console(soft_wrap=True)
+        console = Console(soft_wrap=True)
+
+        def show(args) -> None:
             console.print(status_view.node_report_renderable(*args, console.width))
-
     if not watch:
         args = report()
         show(args)
@@ -150,13 +149,11 @@ def _run_status(loc, watch: bool, interval: float, timeout: float, json_out: boo
             while True:
                 show(report())
                 time.sleep(interval)
-        from rich.console import Console
         from rich.live import Live
 
-        console = Console(soft_wrap=True)
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
-                show(report(), live, console)
+                live.update(status_view.node_report_renderable(*report(), console.width), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         return

@@ -58,7 +58,8 @@ def resolve(inv: inventory.Inventory, specs: Sequence[str]) -> tuple[tuple[nodes
     for ref, t in zip(refs, targets):
         key = (_endpoint(t.host), t.container.ctid if t.container else None)
         if key in seen:
-            raise UsageError(f"nodes {seen[key]} and {ref.spec} are the same {'container' if t.container else 'host'}")
+            same = "container" if t.container else "host"
+            raise UsageError(f"nodes {seen[key]} and {ref.spec} are the same {same}")
         seen[key] = ref.spec
     return refs, tuple(targets)
 
@@ -171,12 +172,12 @@ class NodesLaunched:
     launched: tuple[Launched, ...]         # by rank
 
 
-def _fan(p_sessions: Sequence[Session], fn: Callable[[int], object], deadline_s: float) -> list[Outcome]:
-    outcomes = fan_out(list(range(len(p_sessions))), fn, deadline_s=deadline_s,
-                       describe=lambda i: f"node {i} ({p_sessions[i].target.label})")
+def _together(keys: Sequence, fn: Callable, *, deadline_s: float, describe: Callable[[object], str]) -> list[Outcome]:
+    """fan_out, with an error that is not an OpsError (a bug) raised with its traceback."""
+    outcomes = fan_out(list(keys), fn, deadline_s=deadline_s, describe=describe)
     for o in outcomes:
         if o.error is not None and not isinstance(o.error, OpsError):
-            raise o.error            # a bug: keep its traceback
+            raise o.error
     return outcomes
 
 
@@ -195,9 +196,14 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
     lifecycle.launch's checks (duplicate refusal, pre steps, liveness). If any node fails, every node that may
     have started is stopped and the error names the node that failed (the lowest rank of those that did) and
     says what became of the others. `on_started(rank, pid)` as each node's job starts."""
-    n = len(p.sessions)
+    ranks = range(len(p.sessions))
+
+    def describe(i: int) -> str:
+        return f"node {i} ({p.sessions[i].target.label})"
+
     connect_s = max(s.target.host.connect_timeout_s for s in p.sessions) * 3 + SLACK_S
-    failed = [o for o in _fan(p.sessions, lambda i: p.sessions[i].connect(), connect_s) if not o.ok]
+    failed = [o for o in _together(ranks, lambda i: p.sessions[i].connect(), deadline_s=connect_s,
+                                   describe=describe) if not o.ok]
     if failed:
         raise _node_error(p, failed[0], "nothing was launched")
     run = p.run(free_port(p.sessions[0], p.port_candidates))
@@ -214,7 +220,8 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
 
     live = specs[0].liveness
     wait = live.wait_s if wait_s is None else wait_s
-    outcomes = _fan(p.sessions, one, max(wait, live.timeout_s or 0.0) + (grace_s + 30 if force else 0) + 60 + SLACK_S)
+    deadline = max(wait, live.timeout_s or 0.0) + (grace_s + 30 if force else 0) + 60 + SLACK_S   # past its own
+    outcomes = _together(ranks, one, deadline_s=deadline, describe=describe)
     failed = [o for o in outcomes if not o.ok]
     if not failed:
         return NodesLaunched(run=run, launched=tuple(o.value for o in outcomes))
@@ -230,12 +237,13 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
 def _node_error(p: NodePlan, o: Outcome, aftermath: str, *, keep_hint: bool = True) -> OpsError:
     """The failed node's error, of its class (so its exit code), saying which node it was and what was done."""
     err: OpsError = o.error
-    label = p.sessions[o.key].target.label
-    hint = err.hint if keep_hint and not isinstance(err, HostUnreachable) else None
+    target = p.sessions[o.key].target
     if isinstance(err, HostUnreachable):
-        hint = f"check that {p.sessions[o.key].target.host.name} is up and accepts SSH, then launch again"
+        hint = f"check that {target.host.name} is up and accepts SSH, then launch again"
+    else:
+        hint = err.hint if keep_hint else None
     detail = "\n".join(x for x in (err.detail, aftermath) if x)
-    return type(err)(f"node {o.key} ({label}) of {p.run_id}: {err.message}", hint=hint, detail=detail)
+    return type(err)(f"node {o.key} ({target.label}) of {p.run_id}: {err.message}", hint=hint, detail=detail)
 
 
 # -- read and stop --------------------------------------------------------------------------------------------
@@ -285,11 +293,7 @@ def _each(loc: Located, fn: Callable[[Session], object], *, ranks: Sequence[int]
         finally:
             s.transport.close()
 
-    outcomes = fan_out(keys, work, deadline_s=deadline_s, describe=lambda i: f"node {i} ({loc.targets[i].label})")
-    for o in outcomes:
-        if o.error is not None and not isinstance(o.error, OpsError):
-            raise o.error
-    return outcomes
+    return _together(keys, work, deadline_s=deadline_s, describe=lambda i: f"node {i} ({loc.targets[i].label})")
 
 
 def _state(loc: Located, rank: int, status=None, error: OpsError | None = None) -> NodeState:
@@ -317,13 +321,11 @@ def status_rows(loc: Located, gpu: hoststatus.GpuSettings, *, timeout_s: float) 
         by_host.setdefault(t.host.name, []).append(i)
     hosts = {t.host.name: t.host for t in loc.targets}
     part = max(1, int(timeout_s) - 3)
-    outcomes = fan_out(list(by_host), lambda h: hoststatus.query_host(
+    outcomes = _together(by_host, lambda h: hoststatus.query_host(
         hosts[h], [loc.targets[i] for i in by_host[h]], gpu, part_timeout_s=part),
         deadline_s=timeout_s, describe=lambda h: f"host {h}")
     rows: dict[int, NodeRow] = {}
     for o in outcomes:
-        if o.error is not None and not isinstance(o.error, OpsError):
-            raise o.error
         for j, i in enumerate(by_host[o.key]):
             if not o.ok:
                 rows[i] = NodeRow(_state(loc, i, error=o.error))
