@@ -141,6 +141,11 @@ def test_a_launch_that_fails_on_one_node_leaves_nothing_running(nodes_bed, tmp_p
     assert f"stopped the others: node 0 ({bed.tb.host}/ct{bed.ct(0)}) stopped with SIGTERM" in err
     assert bed.cli("stop", single["run_id"], *bed.target(bed.ct(1))).returncode == 0
 
+    # Once nothing is in the way, the same launch succeeds; --follow follows rank 0 to its end.
+    done = bed.cli("launch", "nodesjob", *node_args(bed), "--name", "dup", "--follow", "--", "--lines", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith(b"job started\nline 0\nline 1\n"), done.stdout
+
 
 def sshd_free_port() -> int:
     from support.sshd import free_port
