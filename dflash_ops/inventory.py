@@ -3,6 +3,8 @@
 Resolution order for `--host H`: an inventory name; the built-in `local`; a bare address
 (`[user@]host[:port]`, an IP or dotted name, or an ~/.ssh/config alias): a Proxmox host with `--ct`, a plain
 SSH host without. Anything else is an unknown host (exit 2).
+
+`groups:` names ordered lists of nodes (`HOST[:CT]`, nodespec.py) that `launch --node GROUP` spans.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from dflash_ops.spec import DEFAULT_CT_RUNS_DIR, DEFAULT_PCT, LOCAL, PROXMOX, SS
 from dflash_ops.yamlsrc import Fields, Node, load
 
 HOST_KEYS = {"transport", "address", "user", "port", "identity_file", "known_hosts", "jump", "pct", "runs_dir",
-             "python", "env", "containers", "connect_timeout_s", "keepalive_s"}
-CONTAINER_KEYS = {"runs_dir", "python", "env"}
+             "python", "env", "containers", "connect_timeout_s", "keepalive_s", "rdzv_address"}
+CONTAINER_KEYS = {"runs_dir", "python", "env", "rdzv_address"}
 LOCAL_HOST = Host(name="local", transport=LOCAL, pct="pct")
 
 
@@ -28,9 +30,13 @@ class Inventory:
     hosts: tuple[Host, ...] = (LOCAL_HOST,)
     default_host: str = "local"
     source: str = "(built-in)"
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = ()    # (name, node specs in rank order)
 
     def host(self, name: str) -> Host | None:
         return next((h for h in self.hosts if h.name == name), None)
+
+    def group_map(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.groups)
 
 
 def default_path() -> Path | None:
@@ -50,7 +56,7 @@ def load_inventory(path: Path | None) -> Inventory:
     if not path.is_file():
         raise UsageError(f"inventory file not found: {path}")
     top = Fields.of(load(path), "inventory")
-    top.check_keys({"default_host", "hosts"})
+    top.check_keys({"default_host", "hosts", "groups"})
     hosts_node = top.get("hosts")
     hosts: list[Host] = []
     if hosts_node is not None:
@@ -62,7 +68,39 @@ def load_inventory(path: Path | None) -> Inventory:
     default = top.str("default_host", "local")
     if not any(h.name == default for h in hosts):
         raise top.require("default_host").fail(f"default_host {default!r} is not a host of this inventory")
-    return Inventory(hosts=tuple(hosts), default_host=default, source=str(path))
+    return Inventory(hosts=tuple(hosts), default_host=default, source=str(path), groups=_groups(top, hosts))
+
+
+def _groups(top: Fields, hosts: list[Host]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`groups: {name: [HOST[:CT], ...]}`: each entry a valid node spec, no group named like a host."""
+    from dflash_ops import nodespec
+
+    node = top.get("groups")
+    if node is None:
+        return ()
+    if not isinstance(node.value, dict):
+        raise node.fail("inventory: 'groups' must be a mapping of name: [HOST[:CT], ...]")
+    out = []
+    for name, gnode in node.value.items():
+        name = str(name)
+        if not names.HOST_NAME_RE.fullmatch(name):
+            raise gnode.fail(f"invalid group name {name!r}")
+        if any(h.name == name for h in hosts):
+            raise gnode.fail(f"group {name!r} has the name of a host (`--node {name}` would mean both)")
+        if not isinstance(gnode.value, list) or not gnode.value:
+            raise gnode.fail(f"group {name!r} must be a non-empty list of HOST[:CT]")
+        for item in gnode.value:
+            if not isinstance(item.value, str):
+                raise item.fail(f"group {name!r}: each node is a string HOST[:CT] (quote it)")
+            try:
+                nodespec.parse_node(item.value)
+            except UsageError as exc:
+                raise item.fail(f"group {name!r}: {exc.message}") from None
+        items = tuple(item.value for item in gnode.value)
+        if len(set(items)) != len(items):
+            raise gnode.fail(f"group {name!r} names a node twice")
+        out.append((name, items))
+    return tuple(out)
 
 
 def _host(name: str, node: Node) -> Host:
@@ -86,7 +124,18 @@ def _host(name: str, node: Node) -> Host:
         runs_dir=_abs_dir(f, "runs_dir"), python=f.str("python"), env=f.str_map("env"),
         containers=_containers(f), containers_listed=f.get("containers") is not None,
         connect_timeout_s=f.number("connect_timeout_s", 10.0), keepalive_s=int(f.number("keepalive_s", 15.0)),
+        rdzv_address=_rdzv(f),
     )
+
+
+def _rdzv(f: Fields) -> str | None:
+    value = f.str("rdzv_address")
+    if value is None:
+        return None
+    try:
+        return names.rdzv_address(value)
+    except UsageError as exc:
+        raise f.require("rdzv_address").fail(f"{f.what}: {exc.message} (a DNS name or IP address, no port)") from None
 
 
 def _jump(f: Fields) -> str | None:
@@ -124,7 +173,7 @@ def _containers(f: Fields) -> tuple[Container, ...]:
                        f"container {ctid}")
         cf.check_keys(CONTAINER_KEYS)
         out.append(Container(ctid=str(ctid), runs_dir=_abs_dir(cf, "runs_dir") or DEFAULT_CT_RUNS_DIR,
-                             python=cf.str("python", "python3"), env=cf.str_map("env")))
+                             python=cf.str("python", "python3"), env=cf.str_map("env"), rdzv_address=_rdzv(cf)))
     return tuple(out)
 
 

@@ -20,6 +20,24 @@ ADDRESS_RE = re.compile(
     r"(?::(?P<port>[0-9]{1,5}))?"
 )
 
+# A rendezvous address other nodes connect to: a DNS name, IPv4 or IPv6 (bare or in brackets); no user, no port.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+RDZV_NAME_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+
+
+def rdzv_address(value: str) -> str:
+    """`value` as a rendezvous host (IPv6 without brackets), else UsageError."""
+    import ipaddress
+
+    bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if bare == value and len(value) <= 253 and RDZV_NAME_RE.fullmatch(value):   # brackets only around an IP
+        return value
+    raise UsageError(f"invalid rendezvous address {value!r}", hint="a DNS name or an IP address, without a port")
+
 
 def run_name(value: str) -> str:
     """Return `value` if it is a valid run name, else raise UsageError."""

@@ -7,6 +7,10 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_ops.runs.noderun import NodeRun
 
 LOCAL, SSH, PROXMOX = "local", "ssh", "proxmox"
 TRANSPORTS = (LOCAL, SSH, PROXMOX)
@@ -18,10 +22,15 @@ DEFAULT_HOST_RUNS_DIR = "~/dflash-runs"
 CT_BASE_ENV = (("HOME", "/root"), ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"))
 
 
+def local_state_dir() -> Path:
+    """`$XDG_STATE_HOME/dflash-ops`, default `~/.local/state/dflash-ops`: what dflash-ops keeps on this machine."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "dflash-ops"
+
+
 def local_runs_dir() -> str:
     """`$XDG_STATE_HOME/dflash-ops/runs`, default `~/.local/state/dflash-ops/runs`."""
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return str(Path(state) / "dflash-ops" / "runs")
+    return str(local_state_dir() / "runs")
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class Container:
     runs_dir: str = DEFAULT_CT_RUNS_DIR
     python: str = "python3"
     env: tuple[tuple[str, str], ...] = ()
+    rdzv_address: str | None = None      # its own address on the nodes' network (a bridged container's IP)
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class Host:
     containers_listed: bool = False      # True: --ct must name one of `containers`
     connect_timeout_s: float = 10.0
     keepalive_s: int = 15
+    rdzv_address: str | None = None      # as the other nodes of a multi-node run reach it (NAT, jump hosts)
 
     def container(self, ctid: str) -> Container | None:
         return next((c for c in self.containers if c.ctid == ctid), None)
@@ -99,6 +110,12 @@ class Target:
     def env(self) -> tuple[tuple[str, str], ...]:
         return self.host.env + (self.container.env if self.container else ())
 
+    @property
+    def rdzv_address(self) -> str | None:
+        """The address other nodes reach this target by, when the inventory says it (else its SSH address)."""
+        own = self.container.rdzv_address if self.container is not None else None
+        return own or self.host.rdzv_address
+
 
 @dataclass(frozen=True)
 class Liveness:
@@ -117,6 +134,7 @@ class Runbook:
     pre: tuple[str, ...] = ()
     liveness: Liveness = field(default_factory=Liveness)
     source: str = ""
+    nodes: bool = False      # one node of a multi-node run: its command reads torchrun's PET_* rendezvous variables
 
 
 @dataclass(frozen=True)
@@ -134,6 +152,8 @@ class RunSpec:
     host: str
     ct: str | None
     liveness: Liveness
+    multinode: NodeRun | None = None     # one node of this multi-node run, of rank `node_rank`
+    node_rank: int | None = None
 
     @property
     def run_dir(self) -> str:
@@ -165,6 +185,9 @@ class RunStatus:
     log_size: int = 0
     procs: int = 0                  # live processes carrying the run's marker (the wrapper, its children, ...)
     dir_missing: bool = False       # found by its processes' marker only: its run directory is gone
+    stopped: bool = False           # `dflash-ops stop` ended it (its `stopped` file)
+    multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (runs/noderun.py)
+    node_rank: int | None = None
 
     @property
     def log_path(self) -> str:

@@ -110,6 +110,14 @@ class Fields:
             raise found.fail(f"{self.what}: {key!r} must be a string")
         return str(found.value)
 
+    def bool(self, key: str, default: bool = False) -> bool:
+        found = self.get(key)
+        if found is None:
+            return default
+        if not isinstance(found.value, bool):
+            raise found.fail(f"{self.what}: {key!r} must be true or false")
+        return found.value
+
     def number(self, key: str, default: float | None = None) -> float | None:
         found = self.get(key)
         if found is None:

@@ -22,6 +22,10 @@ class Settings:
 HostOpt = Annotated[Optional[str], typer.Option(
     "--host", "-H", help="Inventory name, `local`, or a bare address ([user@]host[:port], ~/.ssh/config alias).")]
 CtOpt = Annotated[Optional[str], typer.Option("--ct", help="Proxmox container id: run inside it via `pct exec`.")]
+# `tail --node` (and `launch --node`, which names every node of a new run)
+NodeOpt = Annotated[Optional[str], typer.Option(
+    "--node", metavar="RANK|HOST[:CT]", help="For a multi-node run: this node (its rank, or as launched) "
+                                             "[default: rank 0].")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout (errors too).")]
 
 
@@ -29,7 +33,7 @@ def settings(ctx: typer.Context) -> Settings:
     return ctx.obj if isinstance(ctx.obj, Settings) else Settings()
 
 
-def _inventory(ctx: typer.Context):
+def inventory_of(ctx: typer.Context):
     from dflash_ops import inventory
 
     return inventory.load_inventory(settings(ctx).inventory or inventory.default_path())
@@ -41,15 +45,49 @@ def open_session(ctx: typer.Context, host: str | None, ct: str | None):
     from dflash_ops.runs.lifecycle import Session
     from dflash_ops.ssh import transport
 
-    target = inventory.resolve_target(_inventory(ctx), host, ct)
+    target = inventory.resolve_target(inventory_of(ctx), host, ct)
     return Session(target=target, transport=transport.for_host(target.host))
+
+
+def session_of(target):
+    """A Session for a Target already resolved (a node of a multi-node run); no connection is made yet."""
+    from dflash_ops.runs.lifecycle import Session
+    from dflash_ops.ssh import transport
+
+    return Session(target=target, transport=transport.for_host(target.host))
+
+
+def locate(ctx: typer.Context, ref: str | None, host: str | None, ct: str | None):
+    """The run `ref` names (a run id or name; None: the latest run of the target) -> (Located, session, status).
+
+    A run id with neither --host nor --ct is first looked up among the multi-node runs launched from this
+    machine; otherwise the run is found on --host/--ct as always, and if it is a node of a multi-node run, the
+    whole run is meant. For a multi-node run session and status are None; else they are the run's target's (the
+    caller closes the session)."""
+    from dflash_ops import names
+    from dflash_ops.runs import lifecycle, nodes
+
+    if host is None and ct is None and ref is not None and names.is_run_id(ref):
+        record = nodes.load_record(ref)
+        if record is not None:
+            return nodes.Located.of(inventory_of(ctx), record), None, None
+    session = open_session(ctx, host, ct)
+    try:
+        status = lifecycle.find_run(session, ref)
+    except BaseException:
+        session.transport.close()
+        raise
+    if status.multinode is not None:
+        session.transport.close()
+        return nodes.Located.of(inventory_of(ctx), status.multinode), None, None
+    return nodes.Located.single(status.run_id, session.target), session, status
 
 
 def resolve_host(ctx: typer.Context, host: str):
     """--host alone (no container) -> Host, through the inventory."""
     from dflash_ops import inventory
 
-    return inventory.resolve_host(_inventory(ctx), host, with_ct=False)
+    return inventory.resolve_host(inventory_of(ctx), host, with_ct=False)
 
 
 def runbooks_dir(ctx: typer.Context) -> Path:

@@ -23,11 +23,20 @@ def launch(
     env: Annotated[Optional[list[str]], typer.Option(
         "--env", "-e", metavar="KEY=VALUE",
         help="Set a variable in the job's environment (repeatable; replaces the runbook's or inventory's value).")] = None,
+    node: Annotated[Optional[list[str]], typer.Option(
+        "--node", metavar="HOST[:CT]",
+        help="A node of a multi-node run, in rank order (repeat it), or an inventory group of them; the runbook "
+             "must say `nodes: true`. Not with --host/--ct.")] = None,
+    rdzv_timeout: Annotated[int, typer.Option(
+        "--rdzv-timeout", min=1, help="With --node: seconds the nodes wait for each other at the rendezvous.")] = 600,
     json_out: JsonOpt = False,
 ) -> None:
-    """Launch RUNBOOK detached (survives the connection closing) and prove it alive.
+    """Launch RUNBOOK detached (survives the connection closing) and prove it alive; with --node, on every node
+    at once as one run (torchrun's rendezvous wired: rank 0 on the first node), or on none.
 
     Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set optim.max_steps=100
+
+    Two nodes: dflash-ops launch graphwarm-nodes --node pve1:200 --node pve2:200
     """
     from dflash_ops import names
     from dflash_ops.cli import render
@@ -35,6 +44,15 @@ def launch(
 
     with rendered_errors(json_out):
         extra_env = tuple(names.env_assignment(item) for item in env or ())
+        if node:
+            if host is not None or ct is not None:
+                from dflash_ops.errors import UsageError
+
+                raise UsageError("--node names every node: not with --host/--ct")
+            _launch_nodes(ctx, runbook, node, name=name, args=tuple(args or ()), extra_env=extra_env,
+                          rdzv_timeout=rdzv_timeout, follow=follow, dry_run=dry_run, force=force, wait=wait,
+                          json_out=json_out)
+            return
         session = open_session(ctx, host, ct)
         book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
         spec = lifecycle.plan(session, book, name=name, extra_args=tuple(args or ()), extra_env=extra_env)
@@ -66,3 +84,33 @@ def _launch(session, spec, *, force: bool, wait_s: float | None):
         render.info(f"interrupted; if {spec.run_id} started it goes on "
                     f"(`dflash-ops runs {where}`, `dflash-ops stop {spec.run_id} {where}`)")
         raise typer.Exit(130) from None
+
+
+def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env, rdzv_timeout: int, follow: bool,
+                  dry_run: bool, force: bool, wait: float | None, json_out: bool) -> None:
+    """The multi-node launch (runs/nodes.py); Ctrl-C exits 130 and names the `stop` for the nodes that started."""
+    from dflash_ops.cli import render
+    from dflash_ops.cli._common import inventory_of
+    from dflash_ops.runs import nodes, runbooks
+
+    book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
+    p = nodes.plan(inventory_of(ctx), book, specs, name=name, extra_args=args, extra_env=extra_env,
+                   rdzv_timeout_s=rdzv_timeout)
+    try:
+        if dry_run:
+            render.nodes_dry_run(*nodes.dry_run(p, wait_s=wait), json_out=json_out)
+            return
+        labels = [s.target.label for s in p.sessions]
+        try:
+            done = nodes.launch(p, force=force, wait_s=wait,
+                                on_started=lambda rank, pid: render.node_started(p.run_id, rank, labels[rank], pid))
+        except KeyboardInterrupt:
+            render.info(f"interrupted; the nodes of {p.run_id} that started go on (`dflash-ops stop {p.run_id}`)")
+            raise typer.Exit(130) from None
+        render.nodes_launched(done, json_out=json_out)
+        if follow:
+            from dflash_ops.cli.tail import follow_run
+
+            follow_run(p.sessions[0], done.launched[0].status, start=0)
+    finally:
+        p.close()

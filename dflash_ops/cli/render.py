@@ -40,7 +40,7 @@ def info(text: str) -> None:
 def status_dict(s: RunStatus) -> dict:
     d = asdict(s)
     d.update(state_text=s.state_text, duration_s=s.duration_s, log_path=s.log_path, argv=list(s.argv),
-             leftovers=s.leftovers)
+             leftovers=s.leftovers, multinode=s.multinode.as_dict() if s.multinode else None)
     return d
 
 
@@ -52,13 +52,17 @@ def started(spec, target: str, pid: int, wait_s: float | None) -> None:
          f"then /{live.pattern}/ in the log{upto}")
 
 
+def _launched_dict(l: Launched) -> dict:
+    return {"run_id": l.spec.run_id, "name": l.spec.name, "runbook": l.spec.runbook, "host": l.spec.host,
+            "ct": l.spec.ct, "target": l.target, "pid": l.pid, "run_dir": l.spec.run_dir,
+            "log": l.spec.log_path, "state": l.status.state_text if l.status else None,
+            "matched_line": l.matched_line, "verified_after_s": l.verified_after_s,
+            "stopped_first": list(l.stopped_first)}
+
+
 def launched(l: Launched, *, json_out: bool) -> None:
     if json_out:
-        _out(json.dumps({"run_id": l.spec.run_id, "name": l.spec.name, "runbook": l.spec.runbook, "host": l.spec.host,
-                         "ct": l.spec.ct, "target": l.target, "pid": l.pid, "run_dir": l.spec.run_dir,
-                         "log": l.spec.log_path, "state": l.status.state_text if l.status else None,
-                         "matched_line": l.matched_line, "verified_after_s": l.verified_after_s,
-                         "stopped_first": list(l.stopped_first)}))
+        _out(json.dumps(_launched_dict(l)))
         return
     for rid in l.stopped_first:
         _err(f"stopped {rid} first (--force)")
@@ -70,6 +74,52 @@ def launched(l: Launched, *, json_out: bool) -> None:
     _out(f"  state     {state} after {l.verified_after_s or 0:.1f} s")
     if l.matched_line is not None:
         _out(f"  matched   {l.matched_line[:200]}")
+
+
+def node_started(run_id: str, rank: int, target: str, pid: int) -> None:
+    _err(f"started node {rank} of {run_id} on {target} (pid {pid})")
+
+
+def _rendezvous_text(run) -> str:
+    r = run.rendezvous
+    return f"rendezvous {r.endpoint} ({r.backend}, id {r.rdzv_id}, timeout {r.timeout_s} s)"
+
+
+def nodes_launched(done, *, json_out: bool) -> None:
+    """A multi-node launch (runs/nodes.NodesLaunched): the run, then a line per node."""
+    run = done.run
+    if json_out:
+        _out(json.dumps({"run_id": run.run_id, "multinode": run.as_dict(),
+                         "nodes": [dict(_launched_dict(l), rank=i) for i, l in enumerate(done.launched)]}))
+        return
+    for i, l in enumerate(done.launched):
+        for rid in l.stopped_first:
+            _err(f"stopped {rid} first on node {i} (--force)")
+    _out(f"launched {run.run_id} on {len(run.nodes)} node(s), {_rendezvous_text(run)}")
+    width = max(len(l.target) for l in done.launched)
+    for i, l in enumerate(done.launched):
+        state = l.status.state_text if l.status else "?"
+        _out(f"  node {i}  {l.target:<{width}}  pid {l.pid}  {state} after {l.verified_after_s or 0:.1f} s  "
+             f"log {l.spec.log_path}")
+
+
+def nodes_dry_run(run, dry_runs, *, json_out: bool) -> None:
+    if json_out:
+        _out(json.dumps({"run_id": run.run_id, "multinode": run.as_dict(),
+                         "nodes": [{"rank": i, "target": _where(d.spec), "run_dir": d.spec.run_dir,
+                                    "argv": list(d.spec.argv), "command": d.command}
+                                   for i, d in enumerate(dry_runs)]}))
+        return
+    _err(f"# dry run: would launch {run.run_id} on {len(run.nodes)} node(s) "
+         f"({argv_summary(dry_runs[0].spec.argv)}), {_rendezvous_text(run)}; the port is not checked (a launch "
+         "checks it on rank 0's node); nothing was run")
+    for i, d in enumerate(dry_runs):
+        _out(f"# node {i}: {_where(d.spec)}")
+        _out(d.command)
+
+
+def _where(spec) -> str:
+    return spec.host + (f"/ct{spec.ct}" if spec.ct else "")
 
 
 def argv_summary(argv, limit: int = 120) -> str:
@@ -137,6 +187,46 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
         elif r.dir_missing:
             _err(f"{r.run_id}: its run dir is gone but {r.procs} of its processes live on: "
                  f"`dflash-ops stop {r.run_id}` ends them")
+
+
+def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
+    """`runs RUN`: a row per node (noderun.NodeState), then the run's overall state."""
+    if json_out:
+        _out(json.dumps({"run_id": run_id, "state": overall.state, "state_text": overall.text,
+                         "nodes": [{"rank": s.node.rank, "target": s.label, "error": s.error,
+                                    "status": status_dict(s.status) if s.status else None} for s in states]}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{run_id}: {overall.text}", title_justify="left")
+    for col in ("node", "target", "state", "pid", "started", "duration"):
+        table.add_column(col, no_wrap=True)
+    for s in states:
+        r = s.status
+        if r is None:
+            table.add_row(str(s.node.rank), s.label, f"[red]{s.error}[/]", "-", "-", "-")
+        else:
+            table.add_row(str(s.node.rank), s.label, r.state_text, str(r.pid or "-"), _when(r.started_at),
+                          _duration(r.duration_s))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=250)
+    console.print(table)
+
+
+def nodes_stopped(run_id: str, results, *, json_out: bool) -> None:
+    """`stop` of a multi-node run: a line per node (runs/nodes.NodeStopped)."""
+    if json_out:
+        _out(json.dumps({"run_id": run_id, "nodes": [
+            {"rank": r.node.rank, "target": r.label, "action": r.how,
+             "status": status_dict(r.stopped.status) if r.stopped else None,
+             "error": None if r.error is None else {"code": r.error.code, "exit_code": r.error.exit_code,
+                                                    "message": r.error.message}} for r in results]}))
+        return
+    _out(f"stopping {run_id} on {len(results)} node(s):")
+    for r in results:
+        _out(f"  node {r.node.rank} ({r.label}) {r.text}")
 
 
 def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None:

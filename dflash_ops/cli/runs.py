@@ -1,18 +1,36 @@
-"""`dflash-ops runs`: the runs of a host/container with state, start and duration."""
+"""`dflash-ops runs [RUN]`: the runs of a host/container with state, start and duration; or one run, a row per node."""
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, open_session, rendered_errors
+from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, open_session, rendered_errors
 
 
-def runs(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, json_out: JsonOpt = False) -> None:
-    """List runs: name, run id, state (running, exited N, killed, lost), pid, start, duration."""
+def runs(ctx: typer.Context,
+         run: Annotated[Optional[str], typer.Argument(
+             help="A run id or name: that run alone, a row per node of a multi-node run.")] = None,
+         host: HostOpt = None, ct: CtOpt = None, json_out: JsonOpt = False) -> None:
+    """List runs: name, run id, state (running, exited N, killed, lost), pid, start, duration.
+
+    With RUN: that run, a row per node (a multi-node run: every node, read at once, and the run's state); exit 0
+    when every node answered, else the first failed node's code.
+    """
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle
+    from dflash_ops.runs import lifecycle, nodes, noderun
 
     with rendered_errors(json_out):
+        if run is not None:
+            loc, session, status = locate(ctx, run, host, ct)
+            if session is not None:
+                session.transport.close()
+                states = [noderun.NodeState(node=loc.nodes[0], label=loc.targets[0].label, status=status)]
+            else:
+                states = nodes.read_states(loc)
+            render.node_runs(loc.run_id, states, noderun.overall(states), json_out=json_out)
+            raise typer.Exit(next((s.exit_code for s in states if s.status is None), 0))
         session = open_session(ctx, host, ct)
         try:
             render.runs_table(lifecycle.list_runs(session), target=session.target.label, json_out=json_out)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, rendered_errors, settings
+from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, rendered_errors, settings
 
 WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until Ctrl-C.")]
 IntervalOpt = Annotated[float, typer.Option("--interval", min=0.2, help="Seconds between refreshes with --watch.")]
@@ -50,12 +50,24 @@ def _is_ops_error(exc: BaseException) -> bool:
     return isinstance(exc, OpsError)
 
 
-def status(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, watch: WatchOpt = False,
+def status(ctx: typer.Context,
+           run: Annotated[Optional[str], typer.Argument(
+               help="A run id or name: that run alone, a row per node of a multi-node run.")] = None,
+           host: HostOpt = None, ct: CtOpt = None, watch: WatchOpt = False,
            interval: IntervalOpt = 2.0, json_out: JsonOpt = False, timeout: TimeoutOpt = 15.0) -> None:
     """Runs (state, pid, uptime, exit code, latest step/loss/tokens/s/acc) and GPUs (memory, utilization,
     holders mapped to runs) of every host and container in scope. Exit 0 when every host answered, else the
-    first failed host's code (69 unreachable, 77 host key/auth)."""
+    first failed host's code (69 unreachable, 77 host key/auth).
+
+    With RUN: that run, a row per node (state, pid, uptime, GPUs; rank 0's metrics) and the run's state
+    (running, exited 0, stopped, failed: the node that failed first, unknown); exit as above, per node."""
     with rendered_errors(json_out):
+        if run is not None:
+            loc, session, _ = locate(ctx, run, host, ct)
+            if session is not None:
+                session.transport.close()
+            _run_status(loc, watch, interval, timeout, json_out)
+            return
         pairs = scope(ctx, host, ct)
         if watch:
             _watch(pairs, interval, timeout, json_out)
@@ -98,6 +110,50 @@ def _watch(pairs: list, interval: float, timeout: float, json_out: bool) -> None
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
                 live.update(status_view.report_renderable(*collect(pairs, timeout), console.width), refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
+def _run_status(loc, watch: bool, interval: float, timeout: float, json_out: bool) -> None:
+    """`status RUN`: a row per node, once or (--watch) until Ctrl-C."""
+    from dflash_ops import hoststatus
+    from dflash_ops.cli import status_view
+    from dflash_ops.runs import noderun, nodes
+
+    gpu = hoststatus.GpuSettings.from_env()
+
+    def report() -> tuple:
+        t0 = time.monotonic()
+        rows = nodes.status_rows(loc, gpu, timeout_s=timeout)
+        return loc.run_id, noderun.overall([r.state for r in rows]), rows, time.monotonic() - t0
+
+    if json_out:
+        import json
+
+        def show(args) -> None:
+            typer.echo(json.dumps(status_view.node_report_dict(*args)))
+    else:
+        from rich.console import Console
+
+        console = Console(soft_wrap=True)
+
+        def show(args) -> None:
+            console.print(status_view.node_report_renderable(*args, console.width))
+    if not watch:
+        args = report()
+        show(args)
+        raise typer.Exit(next((r.state.exit_code for r in args[2] if r.state.status is None), 0))
+    try:
+        if json_out:
+            while True:
+                show(report())
+                time.sleep(interval)
+        from rich.live import Live
+
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                live.update(status_view.node_report_renderable(*report(), console.width), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         return

@@ -174,12 +174,41 @@ def report_lines(outcomes: list[Outcome], elapsed_s: float, width: int) -> list[
     return out
 
 
-def report_renderable(outcomes: list[Outcome], elapsed_s: float, width: int):
-    """The report as Rich text for a console `width` columns wide (already wrapped: print it with soft_wrap)."""
+# --------------------------------------------------------------------------- one run, a row per node
+
+def node_report_dict(run_id: str, overall, rows, elapsed_s: float) -> dict:
+    """`status RUN --json`: the run's state and a row per node (runs/nodes.NodeRow)."""
+    first = overall.first
+    return {"run_id": run_id, "state": overall.state, "state_text": overall.text,
+            "first_failed": None if first is None else {"rank": first.node.rank, "target": first.label},
+            "nodes": [{"rank": r.state.node.rank, "target": r.state.label, "error": r.state.error,
+                       "run": _run_dict(r.row) if r.row else None} for r in rows],
+            "elapsed_s": round(elapsed_s, 3)}
+
+
+def node_report_lines(run_id: str, overall, rows, elapsed_s: float, width: int) -> list[tuple[int, list[Cell]]]:
+    """PURE: `<run id>  <overall state>`, then per node `node R  <target>  <state>  pid N  up T  gpus G` and its
+    latest metrics (rank 0 prints them), or why it could not be read."""
+    style = "green" if overall.state == "running" else "red" if overall.state in ("failed", "unknown") else "cyan"
+    out = wrap([(run_id, "bold"), (overall.text, style)], width, 0, 2)
+    for r in rows:
+        where = [(f"node {r.state.node.rank}", "bold"), (r.state.label, "")]
+        if r.row is None:
+            out += wrap(where + [(r.state.error or "?", "red")], width, 2, 6)
+            continue
+        head, figures = run_cells(r.row)
+        out += wrap(where + head[1:], width, 2, 6)
+        if figures:
+            out += wrap(figures, width, 4, 6)
+    out += wrap([(f"{len(rows)} node(s) in {elapsed_s:.2f} s", "dim")], width, 0, 2)
+    return out
+
+
+def _text(lines):
     from rich.text import Text
 
     text = Text()
-    for pad, cells in report_lines(outcomes, elapsed_s, width):
+    for pad, cells in lines:
         text.append(" " * pad)
         for i, (cell, style) in enumerate(cells):
             text.append(GAP if i else "")
@@ -187,6 +216,15 @@ def report_renderable(outcomes: list[Outcome], elapsed_s: float, width: int):
         text.append("\n")
     text.rstrip()
     return text
+
+
+def node_report_renderable(run_id: str, overall, rows, elapsed_s: float, width: int):
+    return _text(node_report_lines(run_id, overall, rows, elapsed_s, width))
+
+
+def report_renderable(outcomes: list[Outcome], elapsed_s: float, width: int):
+    """The report as Rich text for a console `width` columns wide (already wrapped: print it with soft_wrap)."""
+    return _text(report_lines(outcomes, elapsed_s, width))
 
 
 def exit_code(outcomes: list[Outcome]) -> int:

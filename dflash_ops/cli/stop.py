@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, open_session, rendered_errors
+from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, rendered_errors
 
 
 def stop(
@@ -22,14 +22,20 @@ def stop(
     A run's processes are those carrying its marker (DFLASH_OPS_RUN_ID) in their environment, wherever their
     process group or session, and also when the run's directory is gone; a reused pid is never hit. Stopping a
     run with nothing left is a no-op (exit 0).
+
+    A multi-node run: every node at once, each reported; exit 0 when every node answered, else the first
+    failed node's code.
     """
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle
+    from dflash_ops.runs import lifecycle, nodes
 
     with rendered_errors(json_out):
-        session = open_session(ctx, host, ct)
+        loc, session, status = locate(ctx, run, host, ct)
+        if session is None:
+            results = nodes.stop(loc, grace_s=grace)
+            render.nodes_stopped(loc.run_id, results, json_out=json_out)
+            raise typer.Exit(next((r.error.exit_code for r in results if r.error is not None), 0))
         try:
-            status = lifecycle.find_run(session, run)
             result = lifecycle.stop(session, status, grace_s=grace)
             render.stopped(status.run_id, result.how, result.status, json_out=json_out)
         finally:

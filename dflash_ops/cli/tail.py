@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, open_session, rendered_errors
+from dflash_ops.cli._common import CtOpt, HostOpt, NodeOpt, locate, rendered_errors, session_of
 
 
 def tail(
@@ -19,6 +19,7 @@ def tail(
     follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Keep following until the run ends.")] = True,
     raw: Annotated[bool, typer.Option("--raw", help="The log's exact bytes, machine lines (DFLASH_METRICS ...) "
                                                      "included.")] = False,
+    node: NodeOpt = None,
 ) -> None:
     """Print a run's log and follow it until the run ends.
 
@@ -26,21 +27,29 @@ def tail(
     is said in words; --raw prints the exact bytes. Following ends by itself when the run ends; it survives
     dropped connections. Ctrl-C stops tailing only (exit 130); the run goes on.
 
+    A multi-node run: rank 0's log, or that of --node.
+
     Exit, with or without --follow: once the run has ended, its verdict (0 if it exited 0, else 4);
     --no-follow on a run still running: 0.
     """
     from dflash_ops import logview
+    from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle
 
     with rendered_errors():
-        session = open_session(ctx, host, ct)
+        loc, session, status = locate(ctx, run, host, ct)
         try:
-            status = lifecycle.find_run(session, run)
+            rank = loc.pick(node)
+            if session is None:
+                session = session_of(loc.targets[rank])
+                status = lifecycle.find_run(session, loc.run_id)
+                render.info(f"node {rank} of {loc.run_id} ({loc.targets[rank].label}):")
             start = lifecycle.tail_start(session, status, lines, follow=follow,
                                          hidden_ere=None if raw else logview.HIDDEN_ERE)
             follow_run(session, status, start=start, keep_following=follow, raw=raw)
         finally:
-            session.transport.close()
+            if session is not None:
+                session.transport.close()
 
 
 def follow_run(session, status, *, start: int, keep_following: bool = True, raw: bool = False) -> None:

@@ -111,9 +111,10 @@ class DryRun:
 
 
 def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, ...] = (),
-         extra_env: tuple[tuple[str, str], ...] = ()) -> RunSpec:
+         extra_env: tuple[tuple[str, str], ...] = (), run_id: str | None = None) -> RunSpec:
+    """The run `book` makes on the target; `run_id` is new unless given (the nodes of a multi-node run share one)."""
     name = names.run_name(book.name if name is None else name)
-    spec = run_spec(book, s.target, name=name, run_id=names.new_run_id(name), extra_args=extra_args,
+    spec = run_spec(book, s.target, name=name, run_id=run_id or names.new_run_id(name), extra_args=extra_args,
                     extra_env=extra_env)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")

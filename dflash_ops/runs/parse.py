@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from dflash_ops import names
+from dflash_ops.runs import noderun
 from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, RunStatus
 
 
@@ -52,12 +53,23 @@ def state_of(raw: RawState) -> str:
 def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
     argv = meta.get("argv")
     started = meta.get("started_at")
+    group, rank = _multinode(meta, raw.run_id)
     return RunStatus(
         run_id=raw.run_id, name=str(meta.get("name") or names.RUN_ID_RE.fullmatch(raw.run_id).group("name")),
         state=state_of(raw), pid=raw.pid, exit_code=raw.exit_code,
         started_at=float(started) if isinstance(started, (int, float)) else None, ended_at=raw.ended_at, now=now,
         run_dir=f"{runs_dir}/{raw.run_id}", runbook=str(meta.get("runbook") or ""),
-        argv=tuple(str(a) for a in argv) if isinstance(argv, list) else (), log_size=raw.log_size)
+        argv=tuple(str(a) for a in argv) if isinstance(argv, list) else (), log_size=raw.log_size,
+        stopped=raw.stopped, multinode=group, node_rank=rank)
+
+
+def _multinode(meta: dict, run_id: str):
+    """run.json's multi-node record and this node's rank in it; (None, None) for a one-node run, or when the
+    record is not a valid one of this run."""
+    group, rank = noderun.from_dict(meta.get("multinode")), meta.get("node_rank")
+    if group is None or group.run_id != run_id or type(rank) is not int or not 0 <= rank < len(group.nodes):
+        return None, None
+    return group, rank
 
 
 def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None) -> RunStatus:
@@ -65,7 +77,7 @@ def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None)
     processes when known."""
     return replace(run, state=state_of(raw), pid=raw.pid if not run.dir_missing else run.pid,
                    exit_code=raw.exit_code, ended_at=raw.ended_at, now=now, log_size=raw.log_size,
-                   procs=run.procs if procs is None else procs)
+                   procs=run.procs if procs is None else procs, stopped=raw.stopped)
 
 
 def now_line(text: str) -> float | None:

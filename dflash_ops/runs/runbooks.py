@@ -11,7 +11,7 @@ from dflash_ops.errors import UsageError
 from dflash_ops.spec import Liveness, Runbook, RunSpec, Target
 from dflash_ops.yamlsrc import Fields, load
 
-RUNBOOK_KEYS = {"description", "command", "workdir", "env", "pre", "liveness"}
+RUNBOOK_KEYS = {"description", "command", "workdir", "env", "pre", "liveness", "nodes"}
 LIVENESS_KEYS = {"wait_s", "pattern", "timeout_s"}
 PRE_STEPS = ("clear_inductor_cache",)
 PLACEHOLDER_RE = re.compile(r"\{(python|run_dir|run_id|name)\}")
@@ -48,7 +48,7 @@ def load_runbook(directory: Path, name: str) -> Runbook:
             raise node.fail(f"runbook {name!r}: unknown pre step {step!r} (known: {', '.join(PRE_STEPS)})")
     return Runbook(name=name, command=command, description=f.str("description", "") or "",
                    workdir=f.str("workdir", "{run_dir}") or "{run_dir}", env=f.str_map("env"), pre=pre,
-                   liveness=_liveness(f, name), source=str(path))
+                   liveness=_liveness(f, name), source=str(path), nodes=f.bool("nodes"))
 
 
 def _liveness(f: Fields, name: str) -> Liveness:

@@ -121,6 +121,8 @@ def run_json_prefix(spec: RunSpec) -> str:
     """run.json without its closing brace; the script appends `"started_at": <remote epoch>}`."""
     body = {"run_id": spec.run_id, "name": spec.name, "runbook": spec.runbook, "argv": list(spec.argv),
             "workdir": spec.workdir, "env_keys": [k for k, _ in spec.env], "host": spec.host, "ct": spec.ct}
+    if spec.multinode is not None:
+        body.update(node_rank=spec.node_rank, multinode=spec.multinode.as_dict())
     return json.dumps(body, ensure_ascii=True)[:-1] + ', "started_at": '
 
 
@@ -330,3 +332,18 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float) -> str:
             'echo "DFLASH_STOP $how"\n'
             'printf \'DFLASH_LEFT %s\\n\' "$(mine | wc -l)"\n'
             'state\n')
+
+
+def free_port_script(candidates: Sequence[int]) -> str:
+    """`DFLASH_PORT <p>`: the first of `candidates` that no TCP socket of this network namespace uses as its
+    local port (listening, connected or closing: /proc/net/tcp and tcp6), else `DFLASH_ERROR no free port`."""
+    ports = " ".join(str(int(p)) for p in candidates)
+    return ("used=' '\n"
+            "while read -r _ local _; do\n"
+            '  case $local in *:*) used+="$((16#${local##*:})) " ;; esac\n'
+            "done < <(cat /proc/net/tcp /proc/net/tcp6 2>/dev/null)\n"
+            f"for p in {ports}; do\n"
+            '  case $used in *" $p "*) continue ;; esac\n'
+            "  printf 'DFLASH_PORT %s\\n' \"$p\"; exit 0\n"
+            "done\n"
+            "echo 'DFLASH_ERROR no free port'; exit 1\n")

@@ -83,6 +83,7 @@ def test_bundled_runbooks_are_valid():
     nodes = runbooks.load_runbook(runbooks.BUNDLED, "graphwarm-nodes")
     assert "--standalone" not in nodes.command and nodes.command[3:5] == ("--nproc-per-node", "gpu")
     assert ("LOGLEVEL", "INFO") in nodes.env and "Starting elastic_operator" in nodes.liveness.pattern
+    assert nodes.nodes and not any(book.nodes for name, book in books.items() if name != "graphwarm-nodes")
     assert runbooks.load_runbook(runbooks.BUNDLED, "graphwarm").pre == ("clear_inductor_cache",)
     assert runbooks.load_runbook(runbooks.BUNDLED, "smoke").liveness.pattern == "DFLASH_METRICS|step "
 
