@@ -119,7 +119,8 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
         from trainer.model.flex import build_block_mask as mask_fn
     return TrainState(target=target, drafter=drafter, optimizer=optimizer, lr_=lr_, block_size=cfg.model.block_size,
                       gamma=cfg.model.loss_gamma, loss_chunk=cfg.step.loss_chunk, clip=o.clip, attn=cfg.step.attn,
-                      mask_fn=mask_fn)
+                      mask_fn=mask_fn, loss_kind=cfg.loss.kind, dpace_alpha=cfg.loss.dpace_alpha,
+                      dpace_norm=cfg.loss.dpace_norm)
 
 
 def check_device_support(cfg: TrainCfg, device: torch.device) -> None:

@@ -92,6 +92,28 @@ class DataCfg:
         return self.rows_per_step * self.seq_len
 
 
+LOSS_KINDS = ("dflash", "dpace")  # trainer/model/loss.py
+DPACE_NORMS = ("rows", "positions")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossCfg:
+    """The training objective over block positions k = 1..B-1 (trainer/model/loss.py).
+
+    dflash: CE weighted by exp(-(k-1)/gamma) (model.gamma), the weighted mean. dpace: D-PACE (arXiv 2605.18810),
+    CE weighted by detached weights from the drafter's own confidence: dpace_alpha smooths it (the paper's 0.5),
+    dpace_norm divides by the rows holding a valid position (the paper's) or by the valid positions (speculators')."""
+
+    kind: str = "dflash"
+    dpace_alpha: float = 0.5
+    dpace_norm: str = "rows"
+
+    def __post_init__(self) -> None:
+        _check(self.kind in LOSS_KINDS, f"loss.kind must be one of {LOSS_KINDS}, got {self.kind!r}")
+        _check(0.0 <= self.dpace_alpha <= 1.0, "loss.dpace_alpha must be in [0, 1]")
+        _check(self.dpace_norm in DPACE_NORMS, f"loss.dpace_norm must be one of {DPACE_NORMS}, got {self.dpace_norm!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepCfg:
     mode: str = "eager"  # eager | compile | graph | compile+graph (non-eager modes need CUDA)
@@ -226,6 +248,7 @@ class TrainCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
     step: StepCfg = field(default_factory=StepCfg)
+    loss: LossCfg = field(default_factory=LossCfg)
     optim: OptimCfg = field(default_factory=OptimCfg)
     ckpt: CkptCfg = field(default_factory=CkptCfg)
     log: LogCfg = field(default_factory=LogCfg)
