@@ -222,7 +222,7 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
         _check_ids_fit(datasets, rows)
     pad_id = target.tokenizer.pad_token_id or 0
     batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed, pad_id,
-                           rank=env.rank, world_size=env.world)
+                           rank=env.rank, world_size=env.world, anchor_fraction=cfg.data.anchor_fraction)
     with console.phase(f"building the drafter and its optimizer on {device}") as notes:
         state = build_state(cfg, target, device)
         notes.append(f"{sum(p.numel() for p in state.drafter.parameters()) / 1e6:.1f}M parameters, "

@@ -75,7 +75,10 @@ class DataCfg:
     eval_fraction: float = 0.05
     seq_len: int = 3072  # tokens per packed row
     rows_per_step: int = 16  # token budget per micro-step = rows_per_step * seq_len
-    num_anchors: int = 512  # anchors per row (padded with masked-out anchors)
+    num_anchors: int = 512  # anchor slots per row (the anchor tensor's size; unused slots masked out)
+    # None: num_anchors anchors per packed row. f in (0, 1]: ceil(f * the row's supervised tokens), at most
+    # num_anchors, so every supervised token is anchored with about the same chance f however rows were packed.
+    anchor_fraction: float | None = None
     max_bad_fraction: float = 0.01  # fail when more than this fraction of lines is malformed
     max_eval_rows: int = 64
 
@@ -85,6 +88,8 @@ class DataCfg:
         _check(self.seq_len >= 8, "data.seq_len must be >= 8")
         _check(self.rows_per_step >= 1, "data.rows_per_step must be >= 1")
         _check(1 <= self.num_anchors < self.seq_len, "data.num_anchors must be in [1, seq_len)")
+        _check(self.anchor_fraction is None or 0.0 < self.anchor_fraction <= 1.0,
+               "data.anchor_fraction must be in (0, 1] (or null: data.num_anchors per row)")
         _check(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
 
     @property
