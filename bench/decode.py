@@ -76,7 +76,7 @@ def measure(engine: str, target, drafter, block_size: int, prompt: list[int], ne
     from trainer.decode.decoders import capacity_for, decoders
 
     t0 = time.perf_counter()
-    target_only, speculative, compiled, attention = decoders(
+    target_only, speculative, compiled, attention, _norms = decoders(
         target, drafter, block_size, capacity_for([prompt], new_tokens), engine="hf" if engine == "hf" else "static",
         compile=ENGINES[engine], invariant=invariant)
     target_only(prompt, new_tokens)  # warm-up (and, compiled, the compilation)

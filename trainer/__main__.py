@@ -157,6 +157,7 @@ def eval_prompts(args) -> int:
             print(f"warning: {ps.name}: {len(ps.bad_lines)} unreadable lines skipped (lines "
                   f"{', '.join(map(str, ps.bad_lines[:10]))}{', ...' if len(ps.bad_lines) > 10 else ''})",
                   file=sys.stderr, flush=True)
+    from trainer.decode.lossless import describe
     from trainer.export import load_pair
     from trainer.placement import local_device
     from trainer.quality.config import EvalCfg
@@ -168,12 +169,13 @@ def eval_prompts(args) -> int:
     for ps in sets:
         r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None)
         keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
-                "speculative_tok_s", "engine", "attention", "device")
+                "speculative_tok_s", "engine", "attention", "norms", "device", "lossless")
         record = {"set": ps.name, "formats": list(ps.formats), **{k: r[k] for k in keep}}
         print("DFLASH_EVAL " + json.dumps(record), flush=True)
         print(f"eval {ps.name}: tau {r['tau']}, speedup {r['speedup']}x at batch 1 ({r['target_tok_s']} -> "
               f"{r['speculative_tok_s']} tokens/s), {r['identical']}/{r['prompts']} outputs equal the target's",
               flush=True)
+        print(f"eval {ps.name}: {describe(r['lossless'])}", flush=True)
     return 0
 
 

@@ -130,7 +130,8 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
         from trainer.model.flex import build_block_mask as mask_fn
     return TrainState(target=target, drafter=drafter, optimizer=optimizer, lr_=lr_, block_size=cfg.model.block_size,
                       gamma=cfg.model.loss_gamma, loss_chunk=cfg.step.loss_chunk, clip=o.clip, attn=cfg.step.attn,
-                      mask_fn=mask_fn)
+                      mask_fn=mask_fn, loss_kind=cfg.loss.kind, dpace_alpha=cfg.loss.dpace_alpha,
+                      dpace_norm=cfg.loss.dpace_norm)
 
 
 def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
@@ -234,7 +235,7 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
         _check_ids_fit(datasets, rows)
     pad_id = target.tokenizer.pad_token_id or 0
     batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed, pad_id,
-                           rank=env.rank, world_size=env.world)
+                           rank=env.rank, world_size=env.world, anchor_fraction=cfg.data.anchor_fraction)
     with console.phase(f"building the drafter and its optimizer on {device}") as notes:
         state = build_state(cfg, target, device)
         notes.append(f"{sum(p.numel() for p in state.drafter.parameters()) / 1e6:.1f}M parameters, "

@@ -79,7 +79,10 @@ class DataCfg:
     eval_fraction: float = 0.05
     seq_len: int = 3072  # tokens per packed row
     rows_per_step: int = 16  # token budget per micro-step = rows_per_step * seq_len
-    num_anchors: int = 512  # anchors per row (padded with masked-out anchors)
+    num_anchors: int = 512  # anchor slots per row (the anchor tensor's size; unused slots masked out)
+    # None: num_anchors anchors per packed row. f in (0, 1]: ceil(f * the row's supervised tokens), at most
+    # num_anchors, so every supervised token is anchored with about the same chance f however rows were packed.
+    anchor_fraction: float | None = None
     max_bad_fraction: float = 0.01  # fail when more than this fraction of lines is malformed
     max_eval_rows: int = 64
 
@@ -89,11 +92,35 @@ class DataCfg:
         _check(self.seq_len >= 8, "data.seq_len must be >= 8")
         _check(self.rows_per_step >= 1, "data.rows_per_step must be >= 1")
         _check(1 <= self.num_anchors < self.seq_len, "data.num_anchors must be in [1, seq_len)")
+        _check(self.anchor_fraction is None or 0.0 < self.anchor_fraction <= 1.0,
+               "data.anchor_fraction must be in (0, 1] (or null: data.num_anchors per row)")
         _check(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
 
     @property
     def tokens_per_step(self) -> int:
         return self.rows_per_step * self.seq_len
+
+
+LOSS_KINDS = ("dflash", "dpace")  # trainer/model/loss.py
+DPACE_NORMS = ("rows", "positions")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossCfg:
+    """The training objective over block positions k = 1..B-1 (trainer/model/loss.py).
+
+    dflash: CE weighted by exp(-(k-1)/gamma) (model.gamma), the weighted mean. dpace: D-PACE (arXiv 2605.18810),
+    CE weighted by detached weights from the drafter's own confidence: dpace_alpha smooths it (the paper's 0.5),
+    dpace_norm divides by the rows holding a valid position (the paper's) or by the valid positions (speculators')."""
+
+    kind: str = "dflash"
+    dpace_alpha: float = 0.5
+    dpace_norm: str = "rows"
+
+    def __post_init__(self) -> None:
+        _check(self.kind in LOSS_KINDS, f"loss.kind must be one of {LOSS_KINDS}, got {self.kind!r}")
+        _check(0.0 <= self.dpace_alpha <= 1.0, "loss.dpace_alpha must be in [0, 1]")
+        _check(self.dpace_norm in DPACE_NORMS, f"loss.dpace_norm must be one of {DPACE_NORMS}, got {self.dpace_norm!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +261,7 @@ class TrainCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
     step: StepCfg = field(default_factory=StepCfg)
+    loss: LossCfg = field(default_factory=LossCfg)
     optim: OptimCfg = field(default_factory=OptimCfg)
     ckpt: CkptCfg = field(default_factory=CkptCfg)
     log: LogCfg = field(default_factory=LogCfg)

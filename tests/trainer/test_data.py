@@ -119,6 +119,43 @@ def test_anchors_valid_first_sorted_and_only_candidates():
     assert valid.all() and pos[0].tolist() == sorted(pos[0].tolist()) and set(pos[0].tolist()) <= {2, 3, 6}
 
 
+def test_anchor_fraction_scales_each_rows_anchors_with_its_supervised_tokens():
+    # row 0: 12 supervised tokens in one document (11 candidates); row 1: 3 (2 candidates); row 2: padding
+    lm = torch.zeros(3, 16, dtype=torch.bool)
+    lm[0, 2:14] = True
+    lm[1, 5:8] = True
+    doc = torch.where(lm, 0, -1)
+    doc[0, :2] = 0
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    per_row = sample_anchors(lm, doc, 8, gen())
+    assert per_row[1].sum(1).tolist() == [8, 2, 0]  # as many as the slots or the candidates allow
+    pos, valid = sample_anchors(lm, doc, 8, gen(), fraction=0.25)
+    assert pos.shape == valid.shape == (3, 8)  # the slots stay: one captured shape
+    assert valid.sum(1).tolist() == [3, 1, 0]  # ceil(0.25 x 12), ceil(0.25 x 3)
+    cand = anchor_candidates(lm, doc)
+    for r in range(2):
+        got = pos[r][valid[r]].tolist()
+        assert got == sorted(got) and all(cand[r, p] for p in got) and not valid[r, len(got):].any()
+    assert sample_anchors(lm, doc, 8, gen(), fraction=1.0)[1].sum(1).tolist() == [8, 2, 0]  # capped by the slots
+    # the kept anchors are a uniform draw: over many draws every candidate of row 0 is taken about 3/11 of the time
+    hits = torch.zeros(16)
+    for seed in range(400):
+        p, v = sample_anchors(lm, doc, 8, torch.Generator().manual_seed(seed), fraction=0.25)
+        hits.index_add_(0, p[0][v[0]], torch.ones(int(v[0].sum())))
+    share = hits[cand[0]] / 400
+    assert share.min() > 0.18 and share.max() < 0.37, share
+
+
+def test_epoch_batches_apply_the_anchor_fraction():
+    rows = pack([sample(20), sample(6), sample(30)], seq_len=32, pad_id=0)
+    batch = EpochBatches(rows, 3, 16, seed=0, pad_id=0, anchor_fraction=0.5).batch(0)
+    got = batch.anchor_valid.sum(1)
+    want = torch.ceil(batch.loss_mask.sum(1) / 2).clamp(max=16)
+    assert torch.equal(got, want.long()) and sorted(got.tolist()) == [0, 13, 15]  # ceil(26 / 2), ceil(30 / 2), padding
+    with pytest.raises(Exception, match="anchor_fraction"):
+        DataCfg(anchor_fraction=0.0)
+
+
 def test_every_batch_has_identical_shapes_and_is_reproducible(target):
     cfg = DataCfg(seq_len=128, rows_per_step=3, num_anchors=16, eval_fraction=0.1)
     ds = build_datasets(cfg, target.tokenizer, VOCAB, seed=0)

@@ -73,12 +73,13 @@ class EpochBatches:
     """
 
     def __init__(self, rows, rows_per_step: int, num_anchors: int, seed: int, pad_id: int, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, anchor_fraction: float | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.rows = rows
         self.R = rows_per_step
         self.N = num_anchors
+        self.anchor_fraction = anchor_fraction  # None: N per row; f: ceil(f * supervised) per row, at most N
         self.seed = seed
         self.pad_id = pad_id
         self.rank = rank
@@ -102,6 +103,6 @@ class EpochBatches:
 
         loss_mask, doc_ids = pick("loss_mask"), pick("doc_ids")
         anchor_gen = _generator(self.seed, epoch, index * self.world + self.rank)
-        anchor_pos, anchor_valid = sample_anchors(loss_mask, doc_ids, self.N, anchor_gen)
+        anchor_pos, anchor_valid = sample_anchors(loss_mask, doc_ids, self.N, anchor_gen, self.anchor_fraction)
         return StaticBatch(input_ids=pick("input_ids"), position_ids=pick("position_ids"), doc_ids=doc_ids,
                            loss_mask=loss_mask, anchor_pos=anchor_pos, anchor_valid=anchor_valid)

@@ -19,6 +19,7 @@ class Decoders(NamedTuple):
     speculative: Callable  # (ids, max_new, eos=None, host_s=None) -> SpecResult
     compile: str  # none | drafter | all
     attention: str  # sdpa | invariant (the static target's Triton kernel) | hf
+    norms: str  # invariant (every RMSNorm through the Triton kernel) | hf (trainer/decode/lossless.py)
 
 
 def capacity_for(prompts: list[list[int]], max_new: int, multiple: int = 64) -> int:
@@ -42,8 +43,10 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
         def speculative(ids, n, eos=None, host_s=None):
             return generate_speculative(target, proposer, ids, n, eos, host_s=host_s)
 
-        return Decoders(lambda ids, n, eos=None: generate_target_only(target, ids, n, eos), speculative, "none", "hf")
+        return Decoders(lambda ids, n, eos=None: generate_target_only(target, ids, n, eos), speculative, "none", "hf",
+                        "hf")
     from trainer.decode.engine import StaticDecoder
+    from trainer.decode.lossless import norm_path
     from trainer.decode.static_draft import StaticDFlashProposer
 
     def build(how: str):
@@ -63,7 +66,8 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     if invariant and attention != "invariant":
         log("note: invariant attention: the Triton kernel cannot run here (no Triton, or not CUDA); decoding with "
             "SDPA")
-    return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention)
+    return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention,
+                    norm_path(decoder.static))
 
 
 def sync(device: torch.device) -> None:

@@ -3,9 +3,14 @@
 Shape legend: R rows, S tokens, N anchors, B block size, M = R*N*B block positions, D hidden, V vocab, C chunk.
 
 Labels are SAME-POSITION: block position k of anchor a predicts token[a + k] (k = 0 is the given anchor token and is
-never trained). Weight w_k = exp(-(k-1)/gamma) for k >= 1. Loss = sum(CE * w) / sum(w) over valid positions.
+never trained). Two loss kinds (config `loss.kind`):
+- dflash: weight w_k = exp(-(k-1)/gamma) for k >= 1; loss = sum(CE * w) / sum(w) over valid positions.
+- dpace: D-PACE's detached, per-block weights from the drafter's own confidence (`dpace_weights`); loss =
+  sum(CE * w) / norm, norm = rows (the paper's per-sequence mean) or valid positions (`dpace_scale`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -14,6 +19,45 @@ def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """[B] float: 0 at k=0, exp(-(k-1)/gamma) for k >= 1."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+
+
+class DPace(NamedTuple):
+    """D-PACE inside one CE chunk: `span` consecutive positions form one block (B - 1: k = 1..B-1), `alpha` smooths
+    the confidence. A Python constant, so a compiled chunk function specializes on it."""
+
+    span: int
+    alpha: float
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights (Wu et al., "D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel Speculative
+    Drafting", https://arxiv.org/abs/2605.18810; the authors' code https://github.com/Lucas-TY/D-PACE,
+    specforge/core/dflash.py, as merged into https://github.com/sgl-project/SpecForge as `loss_type: dpace`).
+
+    ce [..., K] = -log q_k, the drafter's CE at each block position; valid [..., K] bool. With the smoothed
+    confidence c_k = (1 - alpha) q_k + alpha (1 where invalid: a no-op in the products), the weight is
+    w_k = sum_{j >= k, valid} prod_{i <= j} c_i (0 where invalid): the gradient weight of position k in the
+    smoothed expected accepted length. Pure, no grad, no host sync; -> [..., K] in ce's dtype."""
+    with torch.no_grad():
+        q = torch.exp(-ce)
+        smooth = torch.where(valid, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+        prefix = torch.where(valid, torch.cumprod(smooth, dim=-1), torch.zeros_like(q))
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+        return torch.where(valid, suffix, torch.zeros_like(q))
+
+
+def dpace_scale(valid: torch.Tensor, norm: str) -> torch.Tensor:
+    """valid [R, N, B] bool -> the base loss scale [R, N, B] fp32 that D-PACE's weights multiply: valid / the number
+    of rows holding a valid position (norm "rows": the paper's loss, summed over a sequence and averaged over the
+    batch; a packed row here plays the sequence, all-padding rows do not count), or / the number of valid positions
+    (norm "positions": vllm-project/speculators' reduction, src/speculators/losses/utils.py). Device-side, no sync."""
+    if norm == "rows":
+        count = valid.flatten(1).any(dim=1).sum()
+    elif norm == "positions":
+        count = valid.sum()
+    else:
+        raise ValueError(f"D-PACE norm must be rows or positions, got {norm!r}")
+    return valid.float() / count.clamp_min(1).float()
 
 
 def block_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor, loss_mask: torch.Tensor, anchor_pos: torch.Tensor,
@@ -42,15 +86,27 @@ def block_input_ids(input_ids: torch.Tensor, anchor_pos: torch.Tensor, block_siz
     return block.flatten(1)
 
 
-def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool):
+def _reweighted(ce: torch.Tensor, s: torch.Tensor, dpace: DPace | None) -> torch.Tensor:
+    """The chunk's loss scale: s itself, or s times the D-PACE weights of the chunk's whole blocks (s > 0 = valid)."""
+    if dpace is None:
+        return s
+    shape = (-1, dpace.span)
+    return s * dpace_weights(ce.view(shape), (s > 0).view(shape), dpace.alpha).flatten()
+
+
+def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool, dpace: DPace | None = None):
     """One chunk's CE math from raw logits [C, V] (any float dtype), labels y [C], loss scale s [C] (w / sum w)
     -> (sum(ce * s) fp32 scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None). Pure; computed
-    in fp32; torch.compile-able into a few fused passes (step.mode compile: trainer.step.graph.compile_step)."""
+    in fp32; torch.compile-able into a few fused passes (step.mode compile: trainer.step.graph.compile_step).
+    dpace: s is first multiplied by the D-PACE weights computed from this chunk's own CE (C a multiple of
+    dpace.span, each span one block); the weights are constants to the gradient, as in the paper."""
     dtype = logits.dtype
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, y[:, None])[:, 0]
-    loss = ((lse - picked) * s).sum()
+    ce = lse - picked
+    s = _reweighted(ce, s, dpace)
+    loss = (ce * s).sum()
     correct = logits.argmax(dim=-1) == y
     if not want_grad:
         return loss, correct, None
@@ -59,7 +115,8 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: 
     return loss, correct, g.mul_(s[:, None]).to(dtype)
 
 
-def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool):
+def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool,
+                   dpace: DPace | None = None):
     """`ce_chunk`'s contract and math, written for Inductor (the form `compile_step` compiles): one reduction pass
     over the logits (max, sum of exp, argmax, the label's logit) and one pass that writes dlogits in the logits' dtype
     (softmax as exp(x - lse): equal to ce_chunk's up to fp32 rounding).
@@ -74,7 +131,9 @@ def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_
     m = x.amax(dim=-1, keepdim=True)  # [C, 1]
     lse = m + torch.exp(x - m).sum(dim=-1, keepdim=True).log()  # [C, 1]
     picked = x.gather(1, y[:, None])
-    loss = ((lse - picked)[:, 0] * s).sum()
+    ce = (lse - picked)[:, 0]
+    s = _reweighted(ce, s, dpace)
+    loss = (ce * s).sum()
     correct = x.argmax(dim=-1) == y
     if not want_grad:
         return loss, correct, None
@@ -86,27 +145,33 @@ def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_
 
 
 class _ChunkedLMHeadCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T + b, y_i) / sum(w), never holding more than [C, V] logits.
+    """sum_i s_i * CE(h_i @ W^T + b, y_i), never holding more than [C, V] logits; s = w / sum(w) (DFlash), or with
+    `dpace` s = w times each block's D-PACE weights, computed chunk by chunk from the chunk's own CE.
 
     The LM head is frozen, so only dL/dh is needed; it is computed in forward, chunk by chunk, and saved ([M, D]).
     chunk_fn: `ce_chunk` or a compiled copy of it (same contract).
     """
 
     @staticmethod
-    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk):
+    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk, dpace=None):
         M = h_MD.shape[0]
-        wsum = w_M.sum().clamp_min(1e-12)  # device scalar; all-padding micro-batch -> loss 0, grad 0
-        scale_M = w_M / wsum
+        if dpace is None:
+            wsum = w_M.sum().clamp_min(1e-12)  # device scalar; all-padding micro-batch -> loss 0, grad 0
+            scale_M = w_M / wsum
+        else:
+            scale_M = w_M  # already normalized (dpace_scale)
         loss = h_MD.new_zeros((), dtype=torch.float32)
         correct_M = torch.empty(M, dtype=torch.bool, device=h_MD.device)
         want_grad = ctx.needs_input_grad[0]
         grad_MD = torch.empty_like(h_MD) if want_grad else None
+        extra = () if dpace is None else (dpace,)
         for start in range(0, M, chunk):  # static trip count: M and chunk are Python ints
             end = min(start + chunk, M)
             logits = h_MD[start:end] @ weight_VD.t()
             if bias_V is not None:
                 logits = logits.float() + bias_V.float()
-            loss_c, correct_M[start:end], g = chunk_fn(logits, labels_M[start:end], scale_M[start:end], want_grad)
+            loss_c, correct_M[start:end], g = chunk_fn(logits, labels_M[start:end], scale_M[start:end], want_grad,
+                                                       *extra)
             loss = loss + loss_c
             if grad_MD is not None:
                 grad_MD[start:end] = (g.to(weight_VD.dtype) @ weight_VD).to(h_MD.dtype)
@@ -118,15 +183,25 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_correct):
         (grad_MD,) = ctx.saved_tensors
         if grad_MD is None:
-            return None, None, None, None, None, None, None
-        return grad_MD * grad_loss.to(grad_MD.dtype), None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
+        return grad_MD * grad_loss.to(grad_MD.dtype), None, None, None, None, None, None, None
 
 
 def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, labels_M: torch.Tensor,
-                    w_M: torch.Tensor, chunk: int, chunk_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (weighted mean CE: scalar fp32, correct [M] bool = argmax == label). Weights must be 0 where invalid.
+                    w_M: torch.Tensor, chunk: int, chunk_fn=None,
+                    dpace: DPace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (loss: scalar fp32, correct [M] bool = argmax == label). Weights must be 0 where invalid.
+
+    dpace None: the weighted mean CE, sum(CE * w) / sum(w). dpace: sum(CE * w * D-PACE weights), w the normalized
+    base scale (`dpace_scale`); consecutive runs of dpace.span positions are one block each (M a multiple of it), so
+    the chunk is rounded down to whole blocks and every block's weights come from one chunk.
     chunk_fn: None = eager `ce_chunk`; the compile modes pass a compiled copy."""
-    return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), int(chunk), chunk_fn or ce_chunk)
+    chunk = int(chunk)
+    if dpace is not None:
+        if h_MD.shape[0] % dpace.span:
+            raise ValueError(f"D-PACE needs whole blocks: {h_MD.shape[0]} positions, {dpace.span} per block")
+        chunk = max(dpace.span, chunk - chunk % dpace.span)
+    return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), chunk, chunk_fn or ce_chunk, dpace)
 
 
 def naive_lm_loss(h_MD, weight_VD, bias_V, labels_M, w_M) -> torch.Tensor:

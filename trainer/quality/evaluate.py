@@ -3,7 +3,9 @@
 - simulated tau: the trainer's own `evaluate_run` (teacher-forced blocks on the held-out regenerated answers);
 - real speculative decoding at batch size 1: mean tau, acceptance per block position, whether every output equals
   target-only greedy decoding token for token, and the wall-clock speedup over target-only decoding (same prompts,
-  same max_new_tokens, timed back to back after untimed warm-up decodes).
+  same max_new_tokens, timed back to back after untimed warm-up decodes);
+- whether that decoding was lossless by construction (trainer/decode/lossless.py: the kernels, dtype and engine
+  that ran, and the GEMMs' row identity measured here), next to the prompts whose outputs differed.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.decode import lossless
 from trainer.decode.decoders import capacity_for, decoders, sync
 from trainer.decode.reference import generate_target_only
 from trainer.decode.rounds import acceptance_stats, capped_rounds
@@ -78,13 +81,13 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     tok = target.tokenizer
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
     t_setup = time.perf_counter()
-    target_only, speculative, compiled, attention = decoders(
+    target_only, speculative, compiled, attention, norms = decoders(
         target, drafter, block_size, capacity_for(encoded, cfg.max_new_tokens), engine=cfg.engine,
         compile=cfg.compile, invariant=cfg.invariant, log=log)
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
         speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
-    results, decoded, repeats, t_target, t_spec, tokens, identical = [], [], [], 0.0, 0.0, 0, 0
+    results, decoded, repeats, same, t_target, t_spec, tokens = [], [], [], [], 0.0, 0.0, 0
     host_s: dict[str, float] = {}
     first_output = None
     setup_s = time.perf_counter() - t_setup  # graph capture, compilation, warm-up
@@ -102,7 +105,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         t2 = time.perf_counter()
         t_target, t_spec = t_target + t1 - t0, t_spec + t2 - t1
         tokens += len(want)
-        identical += got.tokens == want
+        same.append(got.tokens == want)
         results.append(got)
         decoded.append((ids, want))
         repeats.append(repeated_ngram_fraction(want))
@@ -117,7 +120,11 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     replay = replay_stats(target, drafter, block_size, decoded, results)
     replay_s = time.perf_counter() - t_replay
     timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
-                          speculative_s=round(t_spec, 4), identical=identical)
+                          speculative_s=round(t_spec, 4), identical=sum(same))
+    numerics = lossless.Numerics(engine=cfg.engine, dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
+                                 norms=norms, attention=attention, target_compiled=compiled == "all",
+                                 gemm_rows_identical=lossless.gemm_rows_identical(target.model, block_size))
+    verdict = lossless.verdict(numerics, same)
     stats = acceptance_stats(results, block_size)
     rounds = max(1, sum(r.rounds for r in results))
     # A round's wall time (static: replay + sync; hf: host time split draft / verify / accept) next to one
@@ -128,7 +135,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
            "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": compiled,
-           "attention": attention,
+           "attention": attention, "norms": norms, "lossless": verdict,
            "matches_hf": matches_hf, **replay,
            "round_ms": round_ms, "setup_s": round(setup_s, 1), "replay_s": round(replay_s, 1),
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
@@ -139,4 +146,5 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         f"{sum(round_ms.values()):.2f} ms {round_ms} vs one target step {out['target_step_ms']} ms; replayed in the "
         f"training layout: tau {out['replayed_tau']}, {out['replayed_equal']}/{timing.prompts} prompts round for round; "
         f"set-up {setup_s:.1f}s, timed {t_target + t_spec:.1f}s, replay {replay_s:.1f}s")
+    log(f"decode ({cfg.engine}): {lossless.describe(verdict)}")
     return out

@@ -237,6 +237,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
               "speedup": ev["decode"]["speedup"], "simulated_tau": ev["simulated"]["tau"],
               "replayed_tau": ev["decode"].get("replayed_tau"),
               "identical": f'{ev["decode"]["identical"]}/{ev["decode"]["prompts"]}',
+              "lossless_by_construction": ev["decode"]["lossless"]["guaranteed"],
               "repeated_4gram_frac": ev["decode"]["repeated_4gram_frac"], "eval": ev,
               **({"also": {k: ev["decode_also"][k] for k in ("target_dtype", "tau", "speedup", "identical",
                                                               "target_tok_s", "speculative_tok_s")}}

@@ -23,7 +23,7 @@ import torch
 from trainer.data.batching import StaticBatch
 from trainer.model.attention import BlockLayout, make_layout
 from trainer.model.drafter import Drafter
-from trainer.model.loss import block_input_ids, block_labels, chunked_lm_loss, decay_weights
+from trainer.model.loss import DPace, block_input_ids, block_labels, chunked_lm_loss, decay_weights, dpace_scale
 from trainer.model.target import Target
 
 
@@ -50,6 +50,10 @@ class TrainState:
     # The LM-head CE chunk math (trainer.model.loss.ce_chunk contract); None = eager. trainer.step.graph.prepare_step
     # sets the Triton kernel (step.ce) or, in the compile modes, a torch.compile'd copy.
     ce_chunk_fn: Callable | None = None
+    # The objective (config `loss`): "dflash" (decay weights, gamma) or "dpace" (dpace_alpha, dpace_norm).
+    loss_kind: str = "dflash"
+    dpace_alpha: float = 0.5
+    dpace_norm: str = "rows"
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
@@ -64,7 +68,7 @@ class TrainState:
 class StepOut:
     """Device tensors of one micro-step. No host sync has happened."""
 
-    loss_: torch.Tensor  # 0-d fp32: weighted mean CE of this micro-batch
+    loss_: torch.Tensor  # 0-d fp32: this micro-batch's objective (dflash: weighted mean CE; dpace: D-PACE's sum / norm)
     correct_by_pos_: torch.Tensor  # [B] fp32: valid positions where argmax == label, per block position
     valid_by_pos_: torch.Tensor  # [B] fp32: valid (supervised) positions per block position
 
@@ -128,7 +132,10 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
         hidden = state.drafter(feats, noise_emb, layout)  # [R, N*B, D]
     labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
                                  batch.anchor_valid, B)  # [R, N, B]
-    w = decay_weights(B, state.gamma, device=labels.device) * valid  # [R, N, B]
+    if state.loss_kind == "dpace":
+        w, dpace = dpace_scale(valid, state.dpace_norm), DPace(span=B - 1, alpha=state.dpace_alpha)
+    else:
+        w, dpace = decay_weights(B, state.gamma, device=labels.device) * valid, None  # [R, N, B]
     head = state.lm_head
     R, N = labels.shape[:2]
     # Block position k = 0 holds the given anchor token (weight 0, never trained): only k = 1..B-1 reach the LM head,
@@ -137,7 +144,7 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
     h = hidden.view(R, N, B, -1)[:, :, 1:].to(head.weight.dtype, memory_format=torch.contiguous_format)
     loss, correct = chunked_lm_loss(h.reshape(R * N * (B - 1), -1), head.weight, getattr(head, "bias", None),
                                     labels[:, :, 1:].reshape(-1), w[:, :, 1:].reshape(-1), state.loss_chunk,
-                                    state.ce_chunk_fn)
+                                    state.ce_chunk_fn, dpace)
     validf = valid.float()
     correct = torch.cat([torch.zeros_like(valid[:, :, :1]), correct.view(R, N, B - 1)], dim=2)  # k = 0: never valid
     correct_by_pos = (correct.float() * validf).sum(dim=(0, 1))

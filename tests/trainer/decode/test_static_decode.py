@@ -258,9 +258,9 @@ def test_a_failing_compilation_falls_back_to_the_uncompiled_engine(full_target, 
     monkeypatch.setattr(StaticDFlashProposer, "compile", broken)
     notes: list[str] = []
     ids = _prompt_ids(full_target, PROMPTS[0])
-    target_only, speculative, compiled, attention = decoders(full_target, _drafter(full_target), 4,
-                                                             capacity_for([ids], 9), compile="drafter",
-                                                             log=notes.append)
+    target_only, speculative, compiled, attention, _norms = decoders(full_target, _drafter(full_target), 4,
+                                                                     capacity_for([ids], 9), compile="drafter",
+                                                                     log=notes.append)
     assert compiled == "none" and attention == "sdpa"  # what is reported is what ran
     assert len(notes) == 1 and "compile=drafter failed (RuntimeError: inductor exploded)" in notes[0]
     assert speculative(ids, 9).tokens == target_only(ids, 9) == generate_target_only(full_target, ids, 9)
