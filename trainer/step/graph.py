@@ -338,8 +338,8 @@ class GraphRunner:
 
 def prepare_step(step_cfg, state, device: torch.device) -> None:
     """What every runner does first, in the main thread: compile (the compile modes), then choose the CE chunk
-    kernel (`step.ce`; auto: the Triton kernel in the compile and graph modes where it runs, the eager mode stays the
-    PyTorch reference). Raises ConfigError where step.ce=triton cannot run on `device`."""
+    kernel (`step.ce`; auto: the Triton kernel in the compile and graph modes where it runs and the loss is DFlash's,
+    the eager mode stays the PyTorch reference). Raises ConfigError where step.ce=triton cannot run."""
     from trainer.errors import ConfigError
     from trainer.model import ce_kernel
 
@@ -349,6 +349,11 @@ def prepare_step(step_cfg, state, device: torch.device) -> None:
     if step_cfg.ce == "triton" and not usable:
         raise ConfigError(f"step.ce=triton needs a CUDA device and Triton (this step runs on {device.type})",
                           hint="--set step.ce=auto")
+    if state.loss_kind != "dflash":  # D-PACE reweights each chunk by its own CE before the gradient: torch math only
+        if step_cfg.ce == "triton":
+            raise ConfigError(f"step.ce=triton computes the DFlash loss only, not loss.kind={state.loss_kind}",
+                              hint="--set step.ce=auto")
+        return
     if step_cfg.ce == "triton" or (step_cfg.ce == "auto" and usable and not step_cfg.eager):
         state.ce_chunk_fn = ce_kernel.ce_chunk_triton
 
