@@ -38,14 +38,16 @@ def greedy_step(forward, tok: torch.Tensor, pos: torch.Tensor) -> None:
 
 class GraphProgram:
     """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`, through
-    trainer/capture.py: explicit stream, device guard, warm-up on the capture stream), run eagerly otherwise."""
+    trainer/capture.py: explicit stream, device guard, warm-up on the capture stream), run eagerly otherwise.
+    pool: a memory pool shared with other programs that are never replayed concurrently with this one."""
 
-    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool, warmup: int = 2) -> None:
+    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool, warmup: int = 2,
+                 pool=None) -> None:
         self.fn = fn
         self.graph = None
         if device.type == "cuda" and graphs:
             # warm-up: lazy inits (cuBLAS handles, autocast caches) happen outside the capture
-            self.graph, _ = capture(fn, device, warmup)
+            self.graph, _ = capture(fn, device, warmup, pool)
 
     def __call__(self) -> None:
         if self.graph is not None:
