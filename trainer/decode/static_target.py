@@ -115,6 +115,22 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visi
     return torch.matmul(weights, v).transpose(1, 2)
 
 
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """SDPA for grouped-query attention with a mask, without `enable_gqa`: on CUDA only SDPA's math backend takes
+    a mask together with enable_gqa (it copies the K/V span per group and materializes the scores), while each KV
+    head's G query heads, laid out as G x L query rows of one head, reach the memory-efficient kernel. q [R, H, L,
+    Dh] (head h uses KV head h // G, HF's repeat_kv), k / v [R, Hkv, M, Dh], visible [R or 1, 1, L, M] ->
+    [R, L, H, Dh]."""
+    R, H, L, Dh = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    G = H // Hkv
+    rows = visible.shape[0]
+    mask = visible[:, :, None].expand(rows, 1, G, L, M).reshape(rows, 1, G * L, M)
+    out = F.scaled_dot_product_attention(q.reshape(R, Hkv, G * L, Dh), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(R, H, L, Dh).transpose(1, 2)
+
+
 class StaticTarget:
     """A full (untruncated) `Target` plus its static KV cache of `slots` positions for `rows` sequences that advance
     together (batch-1 decoding: rows = 1; a batch of prompts: rows = R, `padded` when their lengths differ).
@@ -253,6 +269,8 @@ class StaticTarget:
                 keys, values = self.k[i][:, :, :span], self.v[i][:, :, :span]
                 if self.softcap:
                     out = softcapped_attention(q, keys, values, masks[kind], attn.scaling, self.softcap)
+                elif self.padded and H != Hkv:  # the batched generator (the batch-1 decoders keep enable_gqa)
+                    out = grouped_sdpa(q, keys, values, masks[kind], attn.scaling)
                 else:
                     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[kind], scale=attn.scaling,
                                                          enable_gqa=H != Hkv).transpose(1, 2)
