@@ -59,7 +59,8 @@ class GraphProgram:
 def prefill_buckets(slots: int, smallest: int = 16) -> list[int]:
     """Prompt lengths a prefill graph is captured for: powers of two from `smallest`, then `slots` (the cache's
     size) so that every prompt that fits the cache fits a bucket. At most ~2x the prompt's tokens are computed;
-    at batch 1 a prefill of a few hundred tokens costs its kernel launches, not its FLOPs."""
+    at batch 1 a prefill of a few hundred tokens costs its kernel launches, not its FLOPs. (`generate.py` uses the
+    same ladder for the attention spans of its step graphs.)"""
     buckets, size = [], smallest
     while size < slots:
         buckets.append(size)
