@@ -21,9 +21,12 @@ Choosing a token, on the device (no host sync, no value-dependent shape):
     sampled    Gumbel-max: argmax(logits / temperature + g), g = -log(-log(u)), which draws from
                softmax(logits / temperature); with top_p < 1 the logits outside the nucleus (HF's TopPLogitsWarper:
                the smallest set of most likely tokens whose probability reaches top_p) are -inf first.
-u is a counter-based hash of (seed, draw, row, token id): a seeded per-step stream that needs no generator state,
-so a graph replay, an eager run and every device draw the same u for the same seed. A seed gives the same tokens
-on every run of one device and dtype (floating point may differ across devices, so may the tokens).
+u is a counter-based hash of (seed, draw, stream, token id): a seeded per-step stream that needs no generator
+state, so a graph replay, an eager run and every device draw the same u for the same seed. A row's stream is its
+index in the batch unless the caller names one (`streams`, e.g. the prompt's index in its file): a prompt then
+draws the same u whichever batch it lands in (a resumed job's batches differ from the first run's). A seed gives
+the same tokens on every run of one device and dtype (floating point may differ across devices, and the batch's
+padding may move a near-tie; so may the tokens).
 """
 from __future__ import annotations
 
@@ -91,12 +94,13 @@ def seed32(seed: int) -> int:
     return (seed ^ (seed >> 32) ^ (seed >> 64)) & _M32
 
 
-def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, row_ids: torch.Tensor,
+def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, streams: torch.Tensor,
                  vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise [R, V] fp32 for draw number `draw` (0-dim long) of the stream `seed` (0-dim long, 32
-    bits), from a hash of (seed, draw, row, token id): u uniform in (0, 1) on a 2^-24 grid, g = -log(-log(u))."""
+    """Standard Gumbel noise [R, V] fp32 for draw number `draw` (0-dim long) of `seed` (0-dim long, 32 bits), one
+    row per stream id (`streams` [R] long, each < 2^31), from a hash of (seed, draw, stream, token id): u uniform in
+    (0, 1) on a 2^-24 grid, g = -log(-log(u))."""
     step_key = _mix32((seed + draw * 0x9E3779B9) & _M32)
-    row_key = _mix32((step_key + row_ids * 0x85EBCA6B) & _M32)  # [R]
+    row_key = _mix32((step_key + streams * 0x85EBCA6B) & _M32)  # [R]
     bits = _mix32(vocab_ids[None, :] ^ row_key[:, None])  # [R, V]
     u = ((bits >> 8).float() + 0.5) * 2.0 ** -24
     return -torch.log(-torch.log(u))
@@ -140,6 +144,7 @@ class BatchGenerator:
         self.seed, self.draw = zeros(), zeros()
         self.temperature, self.top_p = zeros(dtype=torch.float32), zeros(dtype=torch.float32)
         self.row_ids, self.vocab_ids = torch.arange(rows, device=dev), torch.arange(vocab, device=dev)
+        self.streams = zeros(rows)  # each row's noise stream (see `generate`)
         self.spans = prefill_buckets(max_len, smallest=min(64, max_len))
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
         self.programs: dict[tuple[str, int], GraphProgram] = {}
@@ -154,7 +159,7 @@ class BatchGenerator:
         scores = logits / self.temperature
         if mode == NUCLEUS:
             scores = top_p_filter(scores, self.top_p)
-        noise = gumbel_noise(self.seed, self.draw, self.row_ids, self.vocab_ids)
+        noise = gumbel_noise(self.seed, self.draw, self.streams, self.vocab_ids)
         self.draw.add_(1)
         return (scores + noise).argmax(-1)
 
@@ -195,8 +200,11 @@ class BatchGenerator:
                                             last_only=True, span=b)
         return logits[:, -1]
 
-    def check_fits(self, prompts: list[list[int]], sampling: Sampling) -> None:
+    def check_fits(self, prompts: list[list[int]], sampling: Sampling, streams: Sequence[int] | None = None) -> None:
         """ValueError, in one line, for a batch `generate` cannot take."""
+        if streams is not None and (len(streams) != len(prompts) or not all(0 <= s < 2 ** 31 for s in streams)):
+            raise ValueError(f"streams must be one id in 0..2^31-1 per prompt, got {len(streams)} for "
+                             f"{len(prompts)} prompts")
         if not 1 <= len(prompts) <= self.rows:
             raise ValueError(f"{len(prompts)} prompts do not fit a batch of 1..{self.rows} rows")
         if not all(prompts):
@@ -207,11 +215,13 @@ class BatchGenerator:
                              f"max_len {self.max_len}")
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 streams: Sequence[int] | None = None) -> list[list[int]]:
         """Up to `rows` prompts of varying lengths (prompt + max_new_tokens <= max_len) -> each prompt's new
         tokens through its first stop id (kept); rows that stopped are masked, the batch ends when all stopped or
-        max_new_tokens. One static cache, prefill, then one CUDA-graph replay per token for the whole batch."""
-        self.check_fits(prompts, sampling)
+        max_new_tokens. One static cache, prefill, then one CUDA-graph replay per token for the whole batch.
+        streams: sampling only, each prompt's noise stream id (default: its index in `prompts`)."""
+        self.check_fits(prompts, sampling, streams)
         r, R, mode, n_max = len(prompts), self.rows, sampling.mode, sampling.max_new_tokens
         P = max(map(len, prompts))
         # Every graph this batch replays, captured before its prefill: step k (1 <= k < n_max) reads P + k slots.
@@ -220,6 +230,8 @@ class BatchGenerator:
         rows = list(prompts) + [prompts[0]] * (R - r)  # spare rows: copies of the first prompt, stopped at once
         ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in rows], dtype=torch.long).to(self.device)
         self.static.row_start.copy_(torch.tensor([P - len(p) for p in rows], dtype=torch.long))
+        named = list(streams) if streams is not None else list(range(r))
+        self.streams.copy_(torch.tensor(named + list(range(R - r)), dtype=torch.long))  # spare rows: any stream
         self.seed.fill_(seed32(sampling.seed))
         self.draw.zero_()
         self.temperature.fill_(sampling.temperature or 1.0)

@@ -73,6 +73,10 @@ def test_sampling_is_seeded(family_dirs):
     assert gen.generate(prompts, hot) == first  # same seed, same tokens (after another batch ran)
     assert gen.generate(prompts, Sampling(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=8)) != first
     assert first != greedy and all(len(row) == 16 for row in first)
+    # A named stream follows its prompt into another batch (another padding, another row).
+    mixed = gen.generate(prompts, hot, streams=[40, 41, 42])
+    moved = gen.generate([prompts[2], prompts[0]], hot, streams=[42, 40])  # padded to 7 tokens, not 11
+    assert moved == [mixed[2], mixed[0]] and mixed != first
 
 
 def nucleus_misses(target, prompts, answers, temperature: float, top_p: float) -> int:
@@ -105,10 +109,10 @@ def test_gumbel_max_draws_from_the_softmax():
     """One draw over 4,000 rows (each row its own stream) from fixed logits: each token's frequency is its
     probability (+-0.025, ~5 standard deviations); the next draw of the same rows is another one."""
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    seed, rows, vocab = torch.tensor(12345), torch.arange(4000), torch.arange(4)
+    seed, streams, vocab = torch.tensor(12345), torch.arange(4000), torch.arange(4)
 
     def draw(d: int) -> torch.Tensor:
-        return (probs.log() + gumbel_noise(seed, torch.tensor(d), rows, vocab)).argmax(-1)
+        return (probs.log() + gumbel_noise(seed, torch.tensor(d), streams, vocab)).argmax(-1)
 
     first = draw(0)
     freq = torch.bincount(first, minlength=4).float() / 4000
@@ -126,3 +130,5 @@ def test_bad_settings_and_batches_are_one_line_errors(family_dirs):
                             ([[1] * 6], "exceeds max_len 10")):
         with pytest.raises(ValueError, match=needle):
             gen.generate(prompts, Sampling(max_new_tokens=5))
+    with pytest.raises(ValueError, match="one id in 0..2"):
+        gen.generate([[1], [2]], Sampling(max_new_tokens=5), streams=[3])
