@@ -50,8 +50,9 @@ class Capture:
         return g, out
 
 
-def capture(fn: Callable[[], Any], device: torch.device, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture(fn: Callable[[], Any], device: torch.device, warmup: int = 2,
+            pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm fn up `warmup` times, then capture it: the common case (a pure device function over static buffers)."""
     c = Capture(device)
     c.warm_up(fn, warmup)
-    return c.graph(fn)
+    return c.graph(fn, pool)

@@ -18,7 +18,7 @@ class Decoders(NamedTuple):
     target_only: Callable  # (ids, max_new, eos=None) -> tokens
     speculative: Callable  # (ids, max_new, eos=None, host_s=None) -> SpecResult
     compile: str  # none | drafter | all
-    attention: str  # sdpa | invariant (the static target's Triton kernel) | hf
+    attention: str  # sdpa | eager (soft-capped scores) | invariant (the static target's Triton kernel) | hf
     norms: str  # invariant (every RMSNorm through the Triton kernel) | hf (trainer/decode/lossless.py)
 
 
@@ -31,7 +31,8 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
              invariant: bool = False, log=print) -> Decoders:
     """Target-only and speculative decoding for `engine`. A compilation that fails (torch.compile raises while the
     graphs are captured) falls back to the uncompiled engine, with a note, and the mode used is then "none".
-    `invariant` where the Triton kernel cannot run (no Triton, CPU) decodes with SDPA, with a note. The static
+    `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute the target's attention
+    (sliding windows, soft-capping, Gemma's norms) decodes with SDPA or eager attention, with a note. The static
     engine captures its graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -64,8 +65,8 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
         decoder = build(compile)
     attention = decoder.static.attention
     if invariant and attention != "invariant":
-        log("note: invariant attention: the Triton kernel cannot run here (no Triton, or not CUDA); decoding with "
-            "SDPA")
+        log(f"note: invariant attention: {decoder.static.fallback}; decoding with "
+            f"{'SDPA' if attention == 'sdpa' else 'eager attention'} (a verify is then not bitwise its decode steps)")
     return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention,
                     norm_path(decoder.static))
 

@@ -38,14 +38,16 @@ def greedy_step(forward, tok: torch.Tensor, pos: torch.Tensor) -> None:
 
 class GraphProgram:
     """A device function over static buffers: captured as a CUDA graph on CUDA (when `graphs`, through
-    trainer/capture.py: explicit stream, device guard, warm-up on the capture stream), run eagerly otherwise."""
+    trainer/capture.py: explicit stream, device guard, warm-up on the capture stream), run eagerly otherwise.
+    pool: a memory pool shared with other programs that are never replayed concurrently with this one."""
 
-    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool, warmup: int = 2) -> None:
+    def __init__(self, fn: Callable[[], None], device: torch.device, graphs: bool, warmup: int = 2,
+                 pool=None) -> None:
         self.fn = fn
         self.graph = None
         if device.type == "cuda" and graphs:
             # warm-up: lazy inits (cuBLAS handles, autocast caches) happen outside the capture
-            self.graph, _ = capture(fn, device, warmup)
+            self.graph, _ = capture(fn, device, warmup, pool)
 
     def __call__(self) -> None:
         if self.graph is not None:
@@ -57,7 +59,8 @@ class GraphProgram:
 def prefill_buckets(slots: int, smallest: int = 16) -> list[int]:
     """Prompt lengths a prefill graph is captured for: powers of two from `smallest`, then `slots` (the cache's
     size) so that every prompt that fits the cache fits a bucket. At most ~2x the prompt's tokens are computed;
-    at batch 1 a prefill of a few hundred tokens costs its kernel launches, not its FLOPs."""
+    at batch 1 a prefill of a few hundred tokens costs its kernel launches, not its FLOPs. (`generate.py` uses the
+    same ladder for the attention spans of its step graphs.)"""
     buckets, size = [], smallest
     while size < slots:
         buckets.append(size)

@@ -82,8 +82,8 @@ class RegenCfg:
     continuation_prompt_tokens: int = 96
     continuation_new_tokens: int = 128
     continuation_batch_size: int = 1024
-    # static: continuations through trainer.decode.BatchGreedy (static cache, one CUDA graph replay per token for the
-    # whole batch; falls back to hf with a note if it fails); hf: HF generate.
+    # static: continuations through trainer.decode.generate.BatchGenerator (static cache, one CUDA graph replay per
+    # token for the whole batch; falls back to hf with a note if it fails); hf: HF generate.
     engine: str = "static"
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
 from trainer.quality.corpus import ENDOFTEXT, CorpusSplit, all_units, corpus_split
@@ -76,22 +77,6 @@ def conversation_line(prompt: str, answer: str) -> str:
                                          {"role": "assistant", "content": answer}]}) + "\n"
 
 
-@torch.no_grad()
-def greedy_batch(model, prompts: list[list[int]], max_new: int, eos_id: int, pad_id: int) -> list[list[int]]:
-    """Left-padded batched greedy decoding (HF generate, KV cache) -> new tokens per prompt, through the first EOS
-    (kept); an answer that never reached EOS keeps all max_new tokens."""
-    L = max(len(p) for p in prompts)
-    dev = model.get_input_embeddings().weight.device
-    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=dev)
-    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=eos_id, pad_token_id=pad_id)
-    answers = []
-    for row in out[:, L:].tolist():  # SYNC: once per batch
-        answers.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
-    return answers
-
-
 def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: Path, deadline: float,
                     log=print, as_tokens: bool = False) -> tuple[int, int, int, int]:
     """Answer `prompts` (shortest first, for less padding) into `path` (chat lines, or token lines when
@@ -105,8 +90,9 @@ def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: P
             if time.perf_counter() > deadline:
                 break
             chunk = encoded[i:i + cfg.batch_size]
-            for (ids, prompt), answer in zip(chunk, greedy_batch(model, [c[0] for c in chunk], cfg.max_new_tokens,
-                                                                  eos, pad)):
+            answers = hf_generate(model, [c[0] for c in chunk], Sampling(max_new_tokens=cfg.max_new_tokens), [eos],
+                                  pad)
+            for (ids, prompt), answer in zip(chunk, answers):
                 ended = bool(answer) and answer[-1] == eos
                 text = tokenizer.decode(answer[:-1] if ended else answer, skip_special_tokens=False)
                 tokens += len(answer)
@@ -133,35 +119,34 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
 
 class ContinuationEngine:
     """answer(windows: list of equal-length token lists) -> greedy continuations, each through the first
-    <|endoftext|> (kept). regen.engine "static": `trainer.decode.BatchGreedy` (one static cache, one graph replay per
-    token for the whole batch), built on first use with min(batch size, windows) rows; if it raises, a one-line note
-    and HF `generate` from then on. "hf": HF `generate` (left-padded batches, launch-bound). `used` says which ran."""
+    <|endoftext|> (kept). regen.engine "static": `trainer.decode.generate.BatchGenerator` (one static cache, one graph
+    replay per token for the whole batch), built on first use with min(batch size, windows) rows; if it raises, a
+    one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`: left-padded batches,
+    launch-bound). `used` says which ran."""
 
     def __init__(self, target, cfg: RegenCfg, eot: int, rows: int, log=print) -> None:
         self.target, self.cfg, self.eot, self.rows, self.log = target, cfg, eot, rows, log
         self.gen = None
         self.used = cfg.engine
+        self.sampling = Sampling(max_new_tokens=cfg.continuation_new_tokens)
 
     def _hf(self, chunk):
-        return greedy_batch(self.target.model, chunk, self.cfg.continuation_new_tokens, self.eot, self.eot)
+        return hf_generate(self.target.model, chunk, self.sampling, [self.eot], self.eot)
 
     def __call__(self, chunk):
         if self.used != "static":
             return self._hf(chunk)
         try:
             if self.gen is None:
-                from trainer.decode.batch import BatchGreedy
-
-                self.gen = BatchGreedy(self.target, self.rows, self.cfg.continuation_prompt_tokens,
-                                       self.cfg.continuation_new_tokens)
-            rows = self.gen.generate(torch.tensor(chunk)).tolist()  # SYNC: once per batch
+                self.gen = BatchGenerator(self.target, self.rows, self.cfg.continuation_prompt_tokens
+                                          + self.cfg.continuation_new_tokens, [self.eot])
+            return self.gen.generate(chunk, self.sampling)
         except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
             self.close()
             self.used = "static->hf"
             self.log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                      f"continuing with HF generate")
             return self._hf(chunk)
-        return [row[:row.index(self.eot) + 1] if self.eot in row else row for row in rows]
 
     def close(self) -> None:
         """Free the static cache and its graph now (they hold GBs at the GPU recipe's batch)."""

@@ -66,17 +66,18 @@ def test_compiled_round_equals_reference(cuda_target, compile):
 
 
 def test_batched_continuations_under_graph_replay(cuda_target):
-    """BatchGreedy (the regen stage's continuation engine): one replay per token for the whole batch, each row the
-    target's own greedy continuation (fp32)."""
-    from trainer.decode.batch import BatchGreedy
+    """BatchGenerator on equal-length windows (the regen stage's continuation engine): one replay per token for the
+    whole batch, each row the target's own greedy continuation (fp32); a smaller last batch too."""
+    from trainer.decode.generate import BatchGenerator, Sampling
 
     torch.manual_seed(0)
     vocab = cuda_target.embed_tokens.weight.shape[0]
-    prompts = torch.randint(0, vocab - 1, (6, 10))
-    gen = BatchGreedy(cuda_target, rows=4, prompt_len=10, new_tokens=12)
-    assert gen.step.graph is not None
-    got = torch.cat([gen.generate(prompts[:4]), gen.generate(prompts[4:])]).tolist()
-    for row, prompt in zip(got, prompts.tolist()):
+    prompts = torch.randint(0, vocab - 1, (6, 10)).tolist()
+    gen = BatchGenerator(cuda_target, rows=4, max_len=22, stop_ids=[])
+    twelve = Sampling(max_new_tokens=12)
+    got = gen.generate(prompts[:4], twelve) + gen.generate(prompts[4:], twelve)
+    assert all(p.graph is not None for p in gen.programs.values())
+    for row, prompt in zip(got, prompts):
         assert row == generate_target_only(cuda_target, prompt, 12)
 
 

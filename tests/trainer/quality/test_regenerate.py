@@ -10,7 +10,8 @@ import torch
 from trainer.data.source import load_samples
 from trainer.model.target import load_target
 from trainer.quality.config import load_recipe
-from trainer.quality.regenerate import chat_prompt_ids, greedy_batch, prompt_sets, regenerate
+from trainer.decode.generate import Sampling, hf_generate
+from trainer.quality.regenerate import chat_prompt_ids, prompt_sets, regenerate
 from trainer.decode.reference import generate_target_only
 
 
@@ -59,7 +60,7 @@ def test_answers_are_the_targets_greedy_continuations(made):
     tok = target.tokenizer
     _train, held_out = prompt_sets(q)
     prompts = [chat_prompt_ids(tok, p) for p in held_out]
-    batched = greedy_batch(target.model, prompts, 16, tok.eos_token_id, tok.pad_token_id)
+    batched = hf_generate(target.model, prompts, Sampling(max_new_tokens=16), [tok.eos_token_id], tok.pad_token_id)
     for ids, answer in zip(prompts, batched):
         assert answer == generate_target_only(target, ids, 16, tok.eos_token_id)
     lines = [json.loads(line) for line in open(regen.eval_path)]
@@ -169,7 +170,7 @@ def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path, e
 
 
 def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
-    from trainer.decode import batch
+    from trainer.decode import generate
     from trainer.quality.regenerate import continuation_engine
 
     q, _pre, _regen, out = made
@@ -179,7 +180,7 @@ def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
     def broken(*_a, **_k):
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr(batch.BatchGreedy, "__init__", broken)
+    monkeypatch.setattr(generate.BatchGenerator, "__init__", broken)
     cfg = dataclasses.replace(q.regen, continuation_new_tokens=5, continuation_batch_size=2,
                               continuation_prompt_tokens=6, engine="static")
     notes: list[str] = []
