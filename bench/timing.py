@@ -95,8 +95,8 @@ def profile_lines(kernels: list[tuple[str, float, int]], n: int, label: str, top
 
 
 # Kernel name -> category, first match wins: flex attention is an Inductor template, cuBLAS names its GEMMs nvjet /
-# sm90_xmma, the LM-head CE is one Inductor reduction (online softmax + argmax) or our `ce_rows`, then the optimizer's foreach/fused
-# kernels, Inductor's other pointwise/reduction/persistent kernels, and plain copies.
+# sm90_xmma, the LM-head CE is one Inductor reduction (online softmax + argmax) or the trainer's `ce_rows`, then the
+# optimizer's foreach/fused kernels, Inductor's other pointwise/reduction/persistent kernels, and plain copies.
 KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
     ("attention", r"flash|fmha|flex_attention|attention"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|triton_tem_fused_(mm|addmm|bmm)|matmul|splitk"),
