@@ -29,6 +29,15 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random target of every supported family (tests/trainer/families.py), saved to disk once."""
+    from tests.trainer.families import FAMILIES, build_family_target
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: build_family_target(root / f, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def target(tiny_target_dir):
     """Truncated training target with 2 taps (6 layers -> taps [1, 3])."""
     from trainer.model.target import load_target

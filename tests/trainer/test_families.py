@@ -10,15 +10,9 @@ import pytest
 import torch
 
 from tests.trainer.conftest import small_cfg
-from tests.trainer.families import FAMILIES, build_family_target
+from tests.trainer.families import FAMILIES
 from trainer.errors import ConfigError
 from trainer.model.target import load_target, packed_causal_mask
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: build_family_target(root / f, f) for f in FAMILIES}
 
 
 def packed_row(lengths: list[int], seq: int, vocab: int, seed: int = 0):
