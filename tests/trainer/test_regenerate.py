@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -192,7 +193,11 @@ def test_answers_are_the_targets_own_tokens_and_a_restart_goes_on(tiny_target_di
     prompts = tmp_path / "mixed.jsonl"
     prompts.write_bytes(MIXED)
     out = tmp_path / "data" / "regen.jsonl"
-    common = ["--target", str(tiny_target_dir), "--out", str(out), "--max-new", "12", "--batch", "2",
+    # A target whose generation_config.json would sample, and penalise repeats: only the job's settings apply.
+    target_dir = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    (target_dir / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.01, "top_k": 1, "repetition_penalty": 5.0, "eos_token_id": [0, 2]}))
+    common = ["--target", str(target_dir), "--out", str(out), "--max-new", "12", "--batch", "2",
               "--max-bad-fraction", "0.5"]
     code, lines, _ = regenerate(capsys, "--prompts", str(prompts), "--limit", "2", *common)
     assert code == 0

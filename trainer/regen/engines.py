@@ -78,11 +78,12 @@ def hf_answers(model, prompts: list[list[int]], sampling: SamplingSettings, stop
     ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=dev)
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)
     sample = sampling.temperature > 0
-    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=sample,
-                              temperature=sampling.temperature if sample else None,
-                              top_p=sampling.top_p if sample else None, top_k=None, repetition_penalty=None,
-                              eos_token_id=list(stops), pad_token_id=pad_id)
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    # generate() fills what a passed config leaves unset from model.generation_config (a target's top_k,
+    # repetition_penalty, ...): replacing that one instead leaves nothing but these settings.
+    chosen = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) if sample else {}
+    model.generation_config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=sample, **chosen,
+                                               eos_token_id=list(stops), pad_token_id=pad_id)
+    out = model.generate(input_ids=ids, attention_mask=mask)
     return [cut_at_stop(row, stops) for row in out[:, L:].tolist()]  # SYNC: once per batch
 
 
