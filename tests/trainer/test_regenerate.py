@@ -265,6 +265,7 @@ def test_sampled_continuations_and_the_chain_to_a_drafter(tiny_target_dir, tmp_p
     sets = [f"model.target={tiny_target_dir}", f'data.paths=["{data}"]', "data.seq_len=128", "data.rows_per_step=2",
             "data.num_anchors=8", "optim.max_steps=3", "log.every=3", "ckpt.every=0", "eval_at_end=false"]
     assert main(["train", "--recipe", "smoke", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]]) == 0
+    assert [r["step"] for r in records(run / "metrics.jsonl")] == [3]
     assert main(["export", "--run-dir", str(run)]) == 0
     capsys.readouterr()
     assert main(["eval", "--drafter", str(run / "export"), "--target", str(tiny_target_dir), "--prompts",
