@@ -93,7 +93,12 @@ def template_kwargs(raw: str | None, enable_thinking: str | None) -> dict:
 class Prompt:
     key: str
     turns: tuple[dict, ...]
-    source: str  # "path:line" of its first occurrence
+    path: str  # where it first occurs
+    line_no: int
+
+    @property
+    def source(self) -> str:
+        return f"{self.path}:{self.line_no}"
 
 
 def with_system(turns: tuple[dict, ...], system: str | None) -> tuple[dict, ...]:
@@ -120,7 +125,7 @@ def distinct_prompts(lines: list[PromptLine], system: str | None, limit: int = 0
             repeats += 1
             continue
         seen.add(key)
-        out.append(Prompt(key, turns, f"{line.path}:{line.line_no}"))
+        out.append(Prompt(key, turns, line.path, line.line_no))
         if limit and len(out) == limit:
             break
     return out, repeats

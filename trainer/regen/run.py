@@ -93,14 +93,13 @@ def tokenize(job: Job, tokenizer) -> tuple[dict[str, list[int]], list[BadLine]]:
     ids, bad = {}, []
     limit = job.target.max_positions
     for p in job.prompts:
-        path, _, line_no = p.source.rpartition(":")
         try:
             rendered = render(tokenizer, p.turns, job.settings.chat_template_kwargs)
             if limit is not None and len(rendered) + job.settings.sampling.max_new_tokens > limit:
                 raise MalformedLine(f"{len(rendered)} prompt tokens + --max-new {job.settings.sampling.max_new_tokens}"
                                     f" exceed the target's {limit} positions")
         except MalformedLine as e:
-            bad.append(BadLine(path, int(line_no), str(e)))
+            bad.append(BadLine(p.path, p.line_no, str(e)))
             continue
         ids[p.key] = rendered
     return ids, bad
@@ -179,7 +178,7 @@ def run(job: Job, console) -> dict:
         console.say(f"resuming {job.out}: {done} answers kept{torn}")
     writer = outfile.AnswerWriter(job.out, job.resume.keep_bytes)
     tokens = stopped = answered = 0
-    used = "none"
+    used, rows = "none", 1
     try:
         outfile.write_meta(job.out, meta_record(job, stops, engines, done, total, "running"))
         if todo:
@@ -190,7 +189,7 @@ def run(job: Job, console) -> dict:
         t0 = time.perf_counter()
         progress = JobProgress("regenerate", total, "answers", console, resumed=done)
         progress.update(done, 0)
-        for at in range(0, len(todo), rows if todo else 1):
+        for at in range(0, len(todo), rows):
             chunk = todo[at:at + rows]
             for (p, sample), answer in zip(chunk, engine.answer([ids[p.key] for p, _ in chunk])):
                 ended = bool(answer) and answer[-1] in stops
