@@ -118,6 +118,20 @@ def test_a_torn_last_line_is_dropped_on_resume_and_foreign_files_are_refused(tmp
         outfile.scan_out(foreign)
 
 
+def test_stop_ids_are_eos_the_generation_configs_the_templates_marker_and_known_end_of_turn_tokens():
+    from trainer.data.source import turn_end_marker
+    from trainer.regen.engines import cut_at_stop, stop_ids
+    from trainer.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<end_of_turn>"]})
+    eos, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    eot, end_of_turn = tok.convert_tokens_to_ids(["<|eot_id|>", "<end_of_turn>"])
+    assert turn_end_marker(tok) == "<|im_end|>"
+    assert stop_ids(tok, (7, eos), turn_end_marker(tok)) == (eos, 7, im_end, end_of_turn, eot)
+    assert cut_at_stop([5, 9, eot, 3, eos], (eos, eot)) == [5, 9, eot] and cut_at_stop([5, 9], (eos,)) == [5, 9]
+
+
 # ---------------------------------------------------------------- bad input: one line, before torch
 
 def fake_target(root: Path, config: dict, template: bool = True) -> Path:
@@ -212,6 +226,7 @@ def test_answers_are_the_targets_own_tokens_and_a_restart_goes_on(tiny_target_di
     # 5 distinct prompts of mixed.jsonl + "count from 3 to 9" of gsm8k.jsonl ("add 12 and 30" is there twice)
     assert len(rows) == 6 and len(set(keys)) == 6
     assert any("a torn last line (killed mid-write) dropped" in x and "2 answers kept" in x for x in lines)
+    assert any(f"warning: skipped 4 of 11 lines malformed: {prompts}:7 (invalid UTF-8" in x for x in lines)
     meta = json.loads(outfile.meta_path(out).read_text())
     assert meta["state"] == "done" and meta["answers"] == meta["total"] == 6 and meta["engines"] == ["hf"]
     assert meta["settings"]["sampling"] == {"max_new_tokens": 12, "temperature": 0.0, "top_p": 1.0, "seed": 0}

@@ -112,31 +112,34 @@ def meta_record(job: Job, stops, engines: list[str], answers: int, total: int, s
             "state": state}
 
 
-def prepare(job: Job, tokenizer, console) -> tuple[tuple[int, ...], dict[str, list[int]], list[tuple[Prompt, int]]]:
-    """-> (stop ids, prompt key -> prompt ids, the (prompt, sample) pairs to answer, longest prompt first). The
-    malformed-line rule is applied again with the lines the tokenizer found."""
+def prepare(job: Job, console):
+    """-> (tokenizer, stop ids, prompt key -> prompt ids, the (prompt, sample) pairs to answer, longest prompt
+    first). The malformed-line rule is applied again with the lines the tokenizer found."""
+    from transformers import AutoTokenizer
+
     from trainer.regen.engines import stop_ids
 
     s = job.settings
     with console.phase(f"loading the tokenizer and rendering {len(job.prompts)} prompts") as notes:
+        tokenizer = AutoTokenizer.from_pretrained(job.target.path, local_files_only=True)
         stops = stop_ids(tokenizer, job.target.generation_eos_ids, turn_end_marker(tokenizer))
         ids, token_bad = tokenize(job, tokenizer)
         job.bad_file.write(token_bad)
         bad = list(job.report.bad) + token_bad
-        enforce_bad_lines(job.prompt_files, job.report.lines, bad, s.max_bad_fraction, None, what="prompt",
-                          knob="--max-bad-fraction", hint="check --prompts")
+        report = enforce_bad_lines(job.prompt_files, job.report.lines, bad, s.max_bad_fraction, None, what="prompt",
+                                   knob="--max-bad-fraction", hint="check --prompts")
         job.bad_file.finish()
         todo = [(p, i) for p, i in pending(job.prompts, s.continuations, job.resume.answered) if p.key in ids]
         todo.sort(key=lambda pi: -len(ids[pi[0].key]))  # stable: longest first, file order among equals
         notes.append(f"stop ids {list(stops)}")
-        if bad:
-            notes.append(f"{len(bad)} malformed prompt lines skipped, listed in {job.bad_file.path}")
         if job.repeats:
             notes.append(f"{job.repeats} repeated prompts answered once")
+    if bad:
+        console.say(f"warning: skipped {report.summary()} (every one listed in {job.bad_file.path})")
     if not stops:
         raise ConfigError(f"target {job.target.path}: no stop id (no EOS, no end-of-turn token)",
                           hint="set eos_token_id in its generation_config.json")
-    return stops, ids, todo
+    return tokenizer, stops, ids, todo
 
 
 def build_engine(job: Job, tokenizer, stops, prompt_ids: list[list[int]], console):
@@ -164,12 +167,9 @@ def run(job: Job, console) -> dict:
     """Tokenize, load, answer every pending (prompt, sample) into OUT -> the DFLASH_DONE record."""
     import time
 
-    from transformers import AutoTokenizer
-
     from trainer.metrics import JobProgress
 
-    tokenizer = AutoTokenizer.from_pretrained(job.target.path, local_files_only=True)
-    stops, ids, todo = prepare(job, tokenizer, console)
+    tokenizer, stops, ids, todo = prepare(job, console)
     total = len(ids) * job.settings.continuations
     done = total - len(todo)
     engines = list((job.resume.meta or {}).get("engines", []))
