@@ -7,7 +7,7 @@ listing per target (through `pct exec` for a container), then prints their outpu
     %%DFLASH gpu <rc>                    then the probe's output
     %%DFLASH target <i> <rc>             then target i's listing: shellcmd.list_script, then ours:
         DFLASH_PIDNS pid:[inode]         the target's PID namespace (maps GPU holders when cgroups do not)
-        DFLASH_MLINES <run id>           then "M <log line>" for the last metrics/done lines of that run's log
+        DFLASH_MLINES <run id>           then "M <log line>" for the last metrics/progress/done lines of its log
     %%DFLASH err <i>                     then the last bytes of target i's stderr
 
 One SSH connection per host is what bounds an unreachable host to one connect timeout, not one per container.
@@ -44,7 +44,7 @@ class GpuSettings:
 @dataclass(frozen=True)
 class RunRow:
     status: RunStatus
-    metrics: metrics_line.Metrics | None
+    metrics: metrics_line.Metrics | metrics_line.Progress | None   # training's, or another job's progress
     gpu_indices: tuple[int, ...] = ()        # GPUs its process group holds right now
 
 
@@ -124,7 +124,7 @@ def _rc_text(rc: int, part_timeout_s: int) -> str:
     return f"timed out after {part_timeout_s} s" if rc in (124, 137) else f"exit code {rc}"
 
 
-def _target_runs(body: list[str], runs_dir: str) -> tuple[list[RunStatus], dict[str, metrics_line.Metrics], str]:
+def _target_runs(body: list[str], runs_dir: str) -> tuple[list[RunStatus], dict, str]:
     listing, mlines, pidns, current = [], {}, "", None
     for line in body:
         if line.startswith("DFLASH_PIDNS "):

@@ -1,7 +1,7 @@
 """PURE: what `tail` shows people by default, line by line, from a run's log (`tail --raw` shows the bytes).
 
 The trainer prints each interval twice: a machine line (`DFLASH_METRICS {json}`, for `status`) and a human line
-next to it (docs/contracts.md section 3); the same holds for `DFLASH_EVAL`. The human view drops those machine
+next to it (docs/contracts.md section 3); the same holds for `DFLASH_EVAL` and `DFLASH_PROGRESS`. The human view drops those machine
 lines, turns the one machine line that has no human twin (`DFLASH_DONE {json}`) into a short sentence, and keeps
 every other line as it is. Each line is mapped on its own, with no state, so a view assembled from exactly-once
 lines (parse.LineAssembler, across reconnects) is itself exactly-once.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-HIDDEN_PREFIXES = (b"DFLASH_METRICS ", b"DFLASH_EVAL ")
+HIDDEN_PREFIXES = (b"DFLASH_METRICS ", b"DFLASH_EVAL ", b"DFLASH_PROGRESS ")
 DONE_PREFIX = b"DFLASH_DONE "
 # The same rule as an ERE for the remote `grep -v -E` that counts the shown lines for `tail -n N`.
 HIDDEN_ERE = "^(" + "|".join(p.decode().rstrip() for p in HIDDEN_PREFIXES) + ") "
@@ -30,13 +30,20 @@ def _done(line: bytes) -> bytes | None:
         record = json.loads(line[len(DONE_PREFIX):])
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(record, dict) or "step" not in record:
+    if not isinstance(record, dict):
         return None
+    end = b"\n" if line.endswith(b"\n") else b""
+    if "step" not in record:
+        if not isinstance(record.get("job"), str):
+            return None
+        words = [f"done: {record['job']} {record.get('done', '?')}/{record.get('total', '?')}"]
+        if isinstance(record.get("out"), str):
+            words.append(f"out {record['out']}")
+        return "; ".join(words).encode() + end
     words = [f"done at step {record['step']}"]
     if isinstance(record.get("export"), str):
         words.append(f"export {record['export']}")
     tau = record.get("eval", {}).get("tau") if isinstance(record.get("eval"), dict) else None
     if isinstance(tau, (int, float)):
         words.append(f"tau {tau}")
-    end = b"\n" if line.endswith(b"\n") else b""
     return "; ".join(words).encode() + end

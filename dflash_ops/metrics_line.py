@@ -1,10 +1,12 @@
-"""PURE parser of the trainer's metrics line (docs/contracts.md section 3).
+"""PURE parser of the trainer's metrics and progress lines (docs/contracts.md section 3).
 
-    DFLASH_METRICS {"step": 20, "loss": 3.41, "acc": 0.22, "tokens_per_s": 51234.5, ...}
-    DFLASH_DONE {"step": 200, ...}
+    DFLASH_METRICS {"step": 20, "loss": 3.41, "acc": 0.22, "tokens_per_s": 51234.5, ...}      training
+    DFLASH_PROGRESS {"job": "regenerate", "done": 128, "total": 1000, "unit": "answers", ...}   any other long job
+    DFLASH_DONE {"step": 200, ...} | {"job": "regenerate", ...}                                the job finished
 
-Only these two prefixes are read; any other log line is ignored. `step` and `loss` are required in a metrics
-line (a line without them is not one); every other key is optional and unknown keys are ignored.
+Only these three prefixes are read; any other log line is ignored. `step` and `loss` are required in a metrics
+line, `job` and `done` in a progress line (a line without them is not one); every other key is optional and
+unknown keys are ignored.
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 METRICS_PREFIX = "DFLASH_METRICS "
+PROGRESS_PREFIX = "DFLASH_PROGRESS "
 DONE_PREFIX = "DFLASH_DONE "
 # A remote `tail -c N | grep -a -e PATTERN` keeps only candidate lines; the parser still checks each one.
-GREP_PATTERN = "DFLASH_\\(METRICS\\|DONE\\) {"
+GREP_PATTERN = "DFLASH_\\(METRICS\\|PROGRESS\\|DONE\\) {"
 NON_FINITE = {"nan", "inf", "-inf", "infinity", "-infinity"}
 
 
@@ -32,6 +35,21 @@ class Metrics:
     peak_mem_gib: float | None = None
     elapsed_s: float | None = None
     done: bool = False            # a DFLASH_DONE line followed this metrics line
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Progress:
+    job: str                      # what runs, e.g. "regenerate"
+    done: int                     # units done, of the whole job (an earlier run's included)
+    total: int | None = None
+    unit: str = ""
+    tokens_per_s: float | None = None
+    elapsed_s: float | None = None
+    eta_s: float | None = None
+    finished: bool = False        # a DFLASH_DONE line followed this progress line
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -72,16 +90,34 @@ def parse_metrics_line(line: str) -> Metrics | None:
     return Metrics(step=obj["step"], loss=loss, epoch=epoch if isinstance(epoch, int) else None, **opt)
 
 
-def latest(lines: Iterable[str]) -> Metrics | None:
-    """The last metrics line of `lines`, marked done when a DFLASH_DONE line comes after it."""
-    last: Metrics | None = None
+def _count(obj: dict, key: str) -> int | None:
+    value = obj.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def parse_progress_line(line: str) -> Progress | None:
+    """One log line -> Progress, or None when it is not a well-formed progress line."""
+    obj = _json_after(line.rstrip("\r\n"), PROGRESS_PREFIX)
+    if obj is None or not isinstance(obj.get("job"), str) or _count(obj, "done") is None:
+        return None
+    unit = obj.get("unit")
+    return Progress(job=obj["job"], done=obj["done"], total=_count(obj, "total"),
+                    unit=unit if isinstance(unit, str) else "",
+                    **{k: _number(obj, k) for k in ("tokens_per_s", "elapsed_s", "eta_s")})
+
+
+def latest(lines: Iterable[str]) -> Metrics | Progress | None:
+    """The last metrics or progress line of `lines`, marked done when a DFLASH_DONE line comes after it."""
+    last: Metrics | Progress | None = None
     done = False
     for line in lines:
-        parsed = parse_metrics_line(line)
+        parsed = parse_metrics_line(line) or parse_progress_line(line)
         if parsed is not None:
             last, done = parsed, False
         elif _json_after(line, DONE_PREFIX) is not None:
             done = True
     if last is None:
         return None
+    if isinstance(last, Progress):
+        return Progress(**{**last.__dict__, "finished": done})
     return Metrics(**{**last.__dict__, "done": done})

@@ -3,7 +3,8 @@
   python -m trainer train --recipe NAME|PATH.yaml [--run-dir D] [--set a.b=v]... [--resume]
   python -m trainer eval --run-dir D | --drafter EXPORT_DIR --target T --data F
   python -m trainer export --run-dir D
-  python -m trainer make-tiny-target OUT_DIR
+  python -m trainer regenerate --target DIR --prompts FILE... --out FILE.jsonl [options] (trainer/regen/run.py)
+  python -m trainer make-tiny-target OUT_DIR [--family qwen3|llama] [--hidden H] [--layers L] [--train-steps N]
 
 Data parallel: `python -m torch.distributed.run --standalone --nproc-per-node N -m trainer train ...` (one drafter
 replica per rank; see trainer/train.py).
@@ -60,11 +61,53 @@ def _parser() -> argparse.ArgumentParser:
                    help="static: static caches, CUDA-graph replays; hf: the HF-cache reference (default: static)")
     e.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="the target's dtype while decoding (default: bf16 on CUDA, fp32 on CPU)")
+    _regenerate_parser(sub)
     x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
     x.add_argument("--run-dir", required=True)
-    m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer")
+    m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer",
+                       description="A target + tokenizer (with a chat template) built offline: by default the tiny "
+                                   "Qwen3 the tests use, briefly trained on the bundled chat data.")
     m.add_argument("out_dir")
+    m.add_argument("--family", default="qwen3", choices=("qwen3", "llama"), help="(default: %(default)s)")
+    m.add_argument("--hidden", type=int, default=64, help="hidden size (default: %(default)s)")
+    m.add_argument("--layers", type=int, default=6, help="decoder layers (default: %(default)s)")
+    m.add_argument("--train-steps", type=int, default=100,
+                   help="steps on the bundled chat data; 0 keeps the random weights (default: %(default)s)")
     return p
+
+
+def _regenerate_parser(sub) -> None:
+    r = sub.add_parser("regenerate", help="answer prompt files with the target: the drafter's training data",
+                       description="Answer every prompt of the prompt files with the target itself, into a training "
+                                   "JSONL of token lines (the target's exact tokens, loss on the answer) and a "
+                                   "FILE.meta.json of what made them. A restarted job with the same --out continues "
+                                   "where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
+                                   "MATH-500, HumanEval, MBPP, MT-Bench, plain text lines; a conversation is answered "
+                                   "after its last user turn.")
+    r.add_argument("--target", required=True, help="the target's local Hugging Face directory")
+    r.add_argument("--prompts", required=True, nargs="+", metavar="FILE", help="prompt files")
+    r.add_argument("--out", required=True, help="the training JSONL to write (appended to when it is resumed)")
+    r.add_argument("--max-new", type=int, default=512, help="new tokens per answer at most (default: %(default)s)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s)")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    r.add_argument("--continuations", type=int, default=1, metavar="N",
+                   help="answers per prompt; N > 1 needs --temperature > 0 (default: %(default)s)")
+    r.add_argument("--batch", type=int, default=64, help="prompts generated together (default: %(default)s)")
+    r.add_argument("--limit", type=int, default=0, help="the first N distinct prompts only (default: all)")
+    r.add_argument("--enable-thinking", choices=("on", "off"), default=None,
+                   help="the chat template's enable_thinking (serve the drafter the same way)")
+    r.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="""keyword arguments for the chat template, e.g. '{"enable_thinking": false}'""")
+    r.add_argument("--system", default=None, help="a system turn for the prompts that have none")
+    r.add_argument("--engine", default="static", choices=("static", "hf"),
+                   help="static: static cache, one CUDA graph replay per token (falls back to hf, with a note, "
+                        "where it cannot serve the target); hf: HF generate (default: %(default)s)")
+    r.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the target's dtype (default: bf16 on CUDA, fp32 on CPU)")
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    r.add_argument("--max-bad-fraction", type=float, default=0.01,
+                   help="malformed prompt lines tolerated, as for training data (default: %(default)s)")
 
 
 def _quiet_libraries() -> None:
@@ -165,7 +208,7 @@ def eval_prompts(args) -> int:
 
     target, drafter, ecfg = load_pair(Path(args.drafter), args.target, local_device("auto"), args.target_dtype)
     cfg = EvalCfg(prompts=args.limit, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
-                  engine=args.engine)
+                  engine=static_or_hf(args.engine, target))
     for ps in sets:
         r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None)
         keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
@@ -179,6 +222,36 @@ def eval_prompts(args) -> int:
     return 0
 
 
+def cmd_regenerate(args) -> int:
+    from trainer.metrics import Console
+    from trainer.regen.run import check_before_torch
+
+    console = Console(t0=_T0)
+    with console.phase("checking the target, --out and the prompt files") as notes:
+        job = check_before_torch(args)
+        notes.append(job.summary())
+    with console.phase("loading torch and transformers"):
+        _quiet_libraries()
+        from trainer.regen.run import run
+    run(job, console)
+    return 0
+
+
+def static_or_hf(engine: str, target) -> str:
+    """The engine eval decodes with: the one asked for, except that a target the static engine refuses (its family,
+    sliding windows) is decoded by the hf engine, after one note line."""
+    if engine != "static":
+        return engine
+    from trainer.decode.static_target import check_supported
+
+    try:
+        check_supported(target.hf_config)
+    except TrainerError as e:
+        print(f"note: the static engine cannot serve this target ({e}); decoding with the hf engine", flush=True)
+        return "hf"
+    return engine
+
+
 def cmd_export(args) -> int:
     from trainer.train import export_run
 
@@ -189,18 +262,24 @@ def cmd_export(args) -> int:
 def cmd_tiny(args) -> int:
     from trainer.tiny import build_tiny_target
 
-    print(f"tiny target written to {build_tiny_target(args.out_dir)}", flush=True)
+    if args.hidden < 16 or args.hidden % 16 or args.layers < 4:
+        raise TrainerError("--hidden must be a multiple of 16 and --layers >= 4")
+    path = build_tiny_target(args.out_dir, family=args.family, hidden=args.hidden, num_layers=args.layers,
+                             train_steps=args.train_steps)
+    print(f"tiny target written to {path}", flush=True)
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "make-tiny-target": cmd_tiny}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "regenerate": cmd_regenerate, "export": cmd_export,
+            "make-tiny-target": cmd_tiny}
+CHECK_FIRST = ("train", "regenerate")  # these refuse bad input before torch is imported
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
     def command() -> int:
-        if args.command != "train":  # train checks its config and data first (cmd_train)
+        if args.command not in CHECK_FIRST:  # the others import transformers (and torch) only afterwards
             _quiet_libraries()
         return COMMANDS[args.command](args)
 

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 METRICS_PREFIX = "DFLASH_METRICS "
 DONE_PREFIX = "DFLASH_DONE "
 EVAL_PREFIX = "DFLASH_EVAL "
+PROGRESS_PREFIX = "DFLASH_PROGRESS "
+PROGRESS_EVERY_S = 10.0  # between DFLASH_PROGRESS lines of a long job (the first and the last always print)
 
 
 def _bar(done: float, total: float, label: str, width: int = 30) -> str:
@@ -79,6 +81,66 @@ class Console:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
             self._bar_shown = False
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def progress_human(record: dict) -> str:
+    """Pure: the human twin of a DFLASH_PROGRESS record."""
+    text = f"{record['job']} {record['done']}/{record['total']} {record['unit']}"
+    if record.get("resumed"):
+        text += f" ({record['resumed']} from an earlier run)"
+    if record.get("tokens") is not None:
+        text += f", {record['tokens']:,} new tokens"
+    if record.get("tokens_per_s") is not None:
+        text += f", {record['tokens_per_s']:,.0f} tokens/s"
+    if record.get("eta_s") is not None:
+        text += f", eta {_duration(record['eta_s'])}"
+    return text
+
+
+class JobProgress:
+    """A long job that is not training (regenerate): `DFLASH_PROGRESS {json}` and its human line on stdout, at most
+    every `every_s` seconds (the first and the last update always), and a bar on a TTY for every update.
+
+    done counts units of the whole job, `resumed` of them done by an earlier run; rates and the ETA are this run's."""
+
+    def __init__(self, job: str, total: int, unit: str, console: Console, *, resumed: int = 0,
+                 every_s: float = PROGRESS_EVERY_S, stream: TextIO | None = None) -> None:
+        self.job, self.total, self.unit, self.console = job, total, unit, console
+        self.resumed, self.every_s, self.stream = resumed, every_s, stream
+        self.t0 = time.perf_counter()
+        self.last_print: float | None = None
+        self.record: dict = {}
+
+    def update(self, done: int, tokens: int) -> dict:
+        now = time.perf_counter()
+        elapsed = now - self.t0
+        fresh = done - self.resumed
+        rate = fresh / elapsed if elapsed > 0 else 0.0
+        self.record = {"job": self.job, "done": done, "total": self.total, "unit": self.unit,
+                       "resumed": self.resumed, "tokens": tokens,
+                       "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+                       "elapsed_s": round(elapsed, 1),
+                       "eta_s": round((self.total - done) / rate, 1) if rate > 0 else None}
+        if self.last_print is None or done >= self.total or now - self.last_print >= self.every_s:
+            self.last_print = now
+            self.console._clear_bar()
+            stream = self.stream or sys.stdout
+            stream.write(f"{PROGRESS_PREFIX}{json.dumps(self.record)}\n{progress_human(self.record)}\n")
+            stream.flush()
+        self.console.bar(done, self.total, progress_human(self.record))
+        return self.record
+
+    def done(self, record: dict, human: str) -> None:
+        """DFLASH_DONE {"job": ..., ...} and a human line: the job finished."""
+        self.console._clear_bar()
+        stream = self.stream or sys.stdout
+        stream.write(f"{DONE_PREFIX}{json.dumps({'job': self.job, **record})}\n{human}\n")
+        stream.flush()
 
 
 def drop_records_after(path: Path, step: int) -> int:

@@ -1,15 +1,21 @@
-"""Prompt files in the formats users evaluate drafters on, read into the user turns to decode. Pure but for the file read.
+"""Prompt files in the formats users have, read into conversations to answer. Pure but for the file read.
 
-One file is one prompt set (named by its stem); each line is recognised by its keys:
+Each non-blank line is recognised by its keys:
   GSM8K        {"question": ..., "answer": ...}                        -> question
   MATH-500     {"problem": ..., "solution": ...}                       -> problem
   HumanEval    {"task_id": ..., "prompt": ..., "entry_point": ...}     -> prompt (the function to complete)
   MBPP         {"task_id": ..., "text": ..., "test_list": [...]}       -> text, then its tests
   MT-Bench     {"question_id": ..., "turns": [...]}                    -> the first turn
-  chat         {"conversations": [{"role": "user", "content": ...}]}   -> the first user turn
-  ShareGPT     {"conversations": [{"from": "human", "value": ...}]}    -> the first human turn
-  plain text   any line that is not a JSON object                      -> the line
-Unreadable lines (invalid UTF-8, JSON that is no known format, an empty prompt) are counted with their line numbers.
+  chat         {"conversations" | "messages": [{"role": ..., "content": ...}, ...]}
+  ShareGPT     {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}
+  plain text   any line that does not start with "{"                   -> the line
+The eval formats and plain lines are one user turn. A chat or ShareGPT line is its turns up to and including its
+last user turn: what comes after it (the answer the file holds) is what gets answered anew. `trainer eval` decodes
+the first user turn of each line (`read_prompt_set`); `trainer regenerate` answers the whole conversation
+(`read_prompt_files`, under the training data's malformed-line rule).
+
+Lines are split on b"\\n" only (trainer.data.source.read_lines). A line that is not UTF-8, starts with "{" but is
+not a JSON object of a known format, or holds no non-blank user turn is malformed.
 """
 from __future__ import annotations
 
@@ -17,7 +23,16 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.data.source import (BadLine, BadLineFile, LoadReport, MalformedLine, decode_line, enforce_bad_lines,
+                                 read_lines)
 from trainer.errors import DataError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system",
+                  "tool": "tool", "function": "tool", "observation": "tool"}
+FORMATS_HINT = ("one prompt per line: GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, chat or ShareGPT JSON lines, or "
+                "plain text")
 
 
 @dataclass(frozen=True)
@@ -28,10 +43,18 @@ class PromptSet:
     bad_lines: tuple[int, ...] = field(default=())
 
 
-def prompt_of(obj) -> tuple[str, str] | None:
-    """One parsed JSON line -> (format, user turn), or None when it is no known format."""
-    if not isinstance(obj, dict):
-        return None
+@dataclass(frozen=True)
+class PromptLine:
+    """One good line of a prompt file: the conversation to answer (role/content turns, ending with a user turn)."""
+
+    path: str
+    line_no: int
+    format: str
+    turns: tuple[dict, ...]
+
+
+def _single_turn(obj: dict) -> tuple[str, str] | None:
+    """The eval formats: (format, the user turn), or None when `obj` is none of them."""
     if isinstance(obj.get("question"), str) and "answer" in obj:
         return "gsm8k", obj["question"]
     if isinstance(obj.get("problem"), str):
@@ -43,48 +66,120 @@ def prompt_of(obj) -> tuple[str, str] | None:
         return "mbpp", f"{obj['text']}\nYour code should pass these tests:\n{tests}" if tests else obj["text"]
     if isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
         return "mt-bench", obj["turns"][0]
-    turns = obj.get("conversations")
-    if isinstance(turns, list):
-        for turn in turns:
-            if not isinstance(turn, dict):
-                return None
-            if turn.get("role") == "user" and isinstance(turn.get("content"), str):
-                return "chat", turn["content"]
-            if turn.get("from") in ("human", "user") and isinstance(turn.get("value"), str):
-                return "sharegpt", turn["value"]
     return None
 
 
+def _turn(t, number: int) -> tuple[str, dict]:
+    """One turn of a chat or ShareGPT list -> (format, {"role", "content"})."""
+    if isinstance(t, dict) and t.get("role") in CHAT_ROLES and isinstance(t.get("content"), str):
+        return "chat", {"role": t["role"], "content": t["content"]}
+    if isinstance(t, dict) and "from" in t and isinstance(t.get("value"), str):
+        role = SHAREGPT_ROLES.get(str(t["from"]).lower())
+        if role is None:
+            raise MalformedLine(f"turn {number}: unknown ShareGPT speaker {t['from']!r}")
+        return "sharegpt", {"role": role, "content": t["value"]}
+    raise MalformedLine(f"turn {number}: needs role in {CHAT_ROLES} and string content (chat), or from + string "
+                        "value (ShareGPT)")
+
+
+def conversation_of(obj) -> tuple[str, tuple[dict, ...]]:
+    """One parsed JSON line -> (format, turns through the last user turn). Raises MalformedLine with the reason."""
+    if not isinstance(obj, dict):
+        raise MalformedLine("not a JSON object")
+    single = _single_turn(obj)
+    if single is not None:
+        return single[0], ({"role": "user", "content": single[1]},)
+    key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
+    if key is None:
+        raise MalformedLine("a JSON object of no known prompt format")
+    raw = obj[key]
+    if not isinstance(raw, list) or not raw:
+        raise MalformedLine(f"'{key}' must be a non-empty list of turns")
+    parsed = [_turn(t, i) for i, t in enumerate(raw, start=1)]
+    users = [i for i, (_fmt, t) in enumerate(parsed) if t["role"] == "user"]
+    if not users:
+        raise MalformedLine("no user turn")
+    turns = tuple(t for _fmt, t in parsed[:users[-1] + 1])
+    return parsed[0][0], turns
+
+
+def parse_prompt_line(line: bytes) -> tuple[str, tuple[dict, ...]]:
+    """One non-blank line -> (format, turns). Raises MalformedLine with the reason."""
+    text = decode_line(line).strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MalformedLine(f"invalid JSON: {e}") from None
+        fmt, turns = conversation_of(obj)
+    else:
+        fmt, turns = "text", ({"role": "user", "content": text},)
+    if not turns[-1]["content"].strip():
+        raise MalformedLine("an empty prompt")
+    return fmt, turns
+
+
+def prompt_of(obj) -> tuple[str, str] | None:
+    """One parsed JSON line -> (format, its first user turn), or None when it is no known format (eval)."""
+    try:
+        fmt, turns = conversation_of(obj)
+    except MalformedLine:
+        return None
+    return fmt, next(t["content"] for t in turns if t["role"] == "user")
+
+
 def read_prompt_set(path: str | Path) -> PromptSet:
-    """A prompt file -> its PromptSet; a missing or promptless file is one DataError."""
+    """A prompt file -> its PromptSet of first user turns (eval); a missing or promptless file is one DataError."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"prompt file {path} not found")
     prompts, formats, bad = [], [], []
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+    for number, raw in read_lines(str(path), "prompt", "check --prompts"):
+        if not raw.strip():
+            continue
         try:
-            line = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
+            fmt, turns = parse_prompt_line(raw)
+        except MalformedLine:
             bad.append(number)
             continue
-        if not line:
-            continue
-        found = None
-        if line.startswith("{"):
-            try:
-                found = prompt_of(json.loads(line))
-            except json.JSONDecodeError:
-                found = None
-        else:
-            found = ("text", line)
-        if found is None or not found[1].strip():
+        first = next(t["content"] for t in turns if t["role"] == "user")
+        if not first.strip():
             bad.append(number)
             continue
-        if found[0] not in formats:
-            formats.append(found[0])
-        prompts.append(found[1])
+        if fmt not in formats:
+            formats.append(fmt)
+        prompts.append(first)
     if not prompts:
         raise DataError(f"prompt file {path} holds no prompt" + (f" ({len(bad)} unreadable lines)" if bad else ""),
-                        hint="one prompt per line: GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, chat or ShareGPT JSON "
-                             "lines, or plain text")
+                        hint=FORMATS_HINT)
     return PromptSet(name=path.stem, prompts=tuple(prompts), formats=tuple(formats), bad_lines=tuple(bad))
+
+
+def read_prompt_files(paths: list[str] | tuple[str, ...], max_bad_fraction: float,
+                      bad_file: BadLineFile | None = None) -> tuple[list[PromptLine], LoadReport]:
+    """Every line of every prompt file -> the good lines and the report; malformed lines are skipped under the
+    training data's rule (more than `max_bad_fraction` of them, or none left: DataError, exit 3), and a file with no
+    line at all is refused on its own."""
+    good: list[PromptLine] = []
+    bad: list[BadLine] = []
+    lines = 0
+    for raw_path in paths:
+        in_file = 0
+        for line_no, line in read_lines(raw_path, "prompt", "check --prompts"):
+            if not line.strip():
+                continue
+            in_file += 1
+            try:
+                fmt, turns = parse_prompt_line(line)
+            except MalformedLine as e:
+                bad.append(BadLine(str(raw_path), line_no, str(e)))
+                continue
+            good.append(PromptLine(str(raw_path), line_no, fmt, turns))
+        if not in_file:
+            raise DataError(f"prompt file {raw_path} is empty", hint=FORMATS_HINT)
+        lines += in_file
+    report = enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file, what="prompt",
+                               knob="--max-bad-fraction", hint="check --prompts")
+    if not good:
+        raise DataError(f"no readable prompt in {list(paths)}: {report.summary()}", hint=FORMATS_HINT)
+    return good, report

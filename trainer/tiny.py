@@ -1,7 +1,8 @@
 """Build a tiny Qwen3 target + tokenizer offline (no downloads) and save them with `save_pretrained`.
 
 Used by the tests (session fixture), by the smoke recipe (when model.target is empty) and by
-`python -m trainer make-tiny-target OUT_DIR`.
+`python -m trainer make-tiny-target OUT_DIR [--family llama --hidden 1024 --layers 12 --train-steps 0]` (the last: a
+random Llama 3 target of the small benchmark shape, with the same tokenizer and chat template).
 """
 from __future__ import annotations
 
@@ -32,27 +33,46 @@ def build_tokenizer():
     return fast
 
 
-def build_tiny_target(out_dir: str | Path, *, num_layers: int = 6, hidden: int = 64, seed: int = 0,
-                      tie_word_embeddings: bool = True, train_steps: int = 100) -> Path:
-    """Qwen3ForCausalLM (hidden 64, 4 heads / 2 KV heads) + tokenizer, saved to `out_dir`.
+FAMILIES = ("qwen3", "llama")
 
-    The model is briefly trained on the bundled smoke conversations (`train_steps`, a few seconds on CPU), so its
-    greedy tokens follow the data: a drafter can then reach tau > 1 against it, as with a real target.
+
+def model_config(family: str, vocab: int, num_layers: int, hidden: int, tie_word_embeddings: bool, **ids):
+    """A Qwen3 or Llama 3 config: 64-wide heads from hidden 256 up (at least 4 heads), half as many KV heads,
+    MLP 2x (tiny) or 3x (from hidden 256) hidden; Llama with Llama 3.1's RoPE scaling."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    heads = max(4, hidden // 64)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=(3 if hidden >= 256 else 2) * hidden,
+                  num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                  head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings,
+                  **ids)
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    if family == "llama":
+        return LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+
+
+def build_tiny_target(out_dir: str | Path, *, num_layers: int = 6, hidden: int = 64, seed: int = 0,
+                      tie_word_embeddings: bool = True, train_steps: int = 100, family: str = "qwen3") -> Path:
+    """A causal LM of `family` (default: Qwen3, hidden 64, 4 heads / 2 KV heads) + tokenizer, saved to `out_dir`.
+
+    The model is briefly trained on the bundled smoke conversations (`train_steps`, a few seconds on CPU at the
+    default size), so its greedy tokens follow the data: a drafter can then reach tau > 1 against it, as with a real
+    target. train_steps=0 keeps the random initialisation (a random target of a given shape, e.g. for benchmarks).
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=hidden // 4, max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings,
-                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      bos_token_id=None)
+    cfg = model_config(family, len(tokenizer), num_layers, hidden, tie_word_embeddings,
+                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
         _pretrain(model, tokenizer, train_steps)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

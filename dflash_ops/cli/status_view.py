@@ -5,6 +5,7 @@ from dflash_ops.errors import OpsError
 from dflash_ops.fanout import Outcome
 from dflash_ops.gpus import facts
 from dflash_ops.hoststatus import HostStatus, RunRow
+from dflash_ops.metrics_line import Progress
 
 
 def _duration(seconds: float | None) -> str:
@@ -40,7 +41,8 @@ def _run_dict(row: RunRow) -> dict:
     return {"run_id": r.run_id, "name": r.name, "state": r.state, "state_text": r.state_text, "pid": r.pid,
             "uptime_s": r.duration_s, "exit_code": r.exit_code, "started_at": r.started_at, "log": r.log_path,
             "gpus": list(row.gpu_indices), "leftovers": r.leftovers, "dir_missing": r.dir_missing,
-            "metrics": row.metrics.as_dict() if row.metrics else None}
+            "metrics": row.metrics.as_dict() if row.metrics and not isinstance(row.metrics, Progress) else None,
+            "progress": row.metrics.as_dict() if isinstance(row.metrics, Progress) else None}
 
 
 def host_dict(o: Outcome) -> dict:
@@ -104,10 +106,21 @@ def run_cells(row: RunRow) -> tuple[list[Cell], list[Cell]]:
         head.append(("gpus " + ",".join(map(str, row.gpu_indices)), ""))
     if m is None:
         return head, []
+    if isinstance(m, Progress):
+        return head, [(f, "") for f in progress_figures(m)]
     figures = [f"step {m.step}" + (" done" if m.done else ""), f"loss {_num(m.loss, '.4f')}"]
     figures += [f"tok/s {_num(m.tokens_per_s, ',.0f')}"] if m.tokens_per_s is not None else []
     figures += [f"acc {_num(m.acc, '.3f')}"] if m.acc is not None else []
     return head, [(f, "") for f in figures]
+
+
+def progress_figures(p: Progress) -> list[str]:
+    """PURE: `regenerate 128/1000 answers  tok/s 812  eta 7m10s` (done: `... done`)."""
+    figures = [f"{p.job} {p.done}/{p.total if p.total is not None else '?'}" + (f" {p.unit}" if p.unit else "")
+               + (" done" if p.finished else "")]
+    figures += [f"tok/s {_num(p.tokens_per_s, ',.0f')}"] if p.tokens_per_s is not None else []
+    figures += [f"eta {_duration(p.eta_s)}"] if p.eta_s is not None and not p.finished else []
+    return figures
 
 
 def _holder_cells(h: facts.Holder, run_id: str | None) -> list[Cell]:

@@ -81,3 +81,30 @@ def test_a_bad_prompt_file_is_one_line_before_any_model(tmp_path):
                            str(tmp_path), "--prompts", str(tmp_path / "missing.jsonl")], cwd=REPO_ROOT,
                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True)
     assert proc.returncode == 3 and proc.stderr.splitlines()[0].startswith("error: prompt file ")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral", "gemma3", "gemma2"])
+def test_every_prompt_format_decodes_on_every_family(family, family_dirs, tmp_path, capsys):
+    """`trainer eval --prompts` (in process: the same CLI function) on a tiny random target of each family, every
+    fixture format, one prompt each. The static engine serves the families it supports and says in one line that it
+    hands the others to the hf engine; either way speculative output equals the target's alone."""
+    from tests.trainer.conftest import make_state
+    from trainer.__main__ import main
+    from trainer.decode.static_target import SUPPORTED_MODEL_TYPES
+    from trainer.export import ExportConfig, export_drafter
+    from trainer.model.target import load_target
+
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3))
+    state = make_state(target, block_size=4, seed=1)
+    export_drafter(tmp_path / "export", state.drafter, ExportConfig.of(state.drafter.cfg, target, 4),
+                   dtype=torch.float32)
+    files = [str(FIXTURES / f"{n}.jsonl") for n in ("gsm8k", "math500", "humaneval", "mbpp", "mtbench")]
+    assert main(["eval", "--drafter", str(tmp_path / "export"), "--target", str(family_dirs[family]), "--prompts",
+                 *files, "--limit", "1", "--max-new", "6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    records = [json.loads(x.split(" ", 1)[1]) for x in out if x.startswith("DFLASH_EVAL ")]
+    assert [r["set"] for r in records] == ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]
+    assert all(r["prompts"] == 1 and r["identical"] == 1 and 1.0 <= r["tau"] <= 4 for r in records)
+    notes = [x for x in out if x.startswith("note: the static engine cannot serve this target")]
+    served = family in SUPPORTED_MODEL_TYPES and family != "qwen2"  # the qwen2 fixture has sliding-window layers
+    assert {r["engine"] for r in records} == {"static" if served else "hf"} and len(notes) == (0 if served else 1)

@@ -86,8 +86,8 @@ class BadLineFile:
             self.path.unlink()
 
 
-class _Bad(Exception):
-    pass
+class MalformedLine(Exception):
+    """One line breaks the format rules; its message is the reason reported with path:line."""
 
 
 def resolve_path(path: str) -> Path:
@@ -97,72 +97,80 @@ def resolve_path(path: str) -> Path:
     return Path(path)
 
 
-def _open(raw: str):
+def _open(raw: str, what: str, hint: str):
     path = resolve_path(raw)
     if not path.is_file():
-        raise DataError(f"data file not found: {raw}" if not path.exists() else f"data path is not a file: {raw}",
-                        hint="check data.paths / data.eval_paths")
+        raise DataError(f"{what} file not found: {raw}" if not path.exists() else f"{what} path is not a file: {raw}",
+                        hint=hint)
     try:
         return path.open("rb")
     except OSError as e:
-        raise DataError(f"cannot read data file {raw}: {e.strerror}", hint="check the file's permissions") from None
+        raise DataError(f"cannot read {what} file {raw}: {e.strerror}", hint="check the file's permissions") from None
 
 
-def _lines(raw: str) -> Iterator[tuple[int, bytes]]:
-    """(1-based number, bytes) of every line of one file, split on b"\n" only (binary mode)."""
-    with _open(raw) as f:
+def read_lines(raw: str, what: str = "data",
+               hint: str = "check data.paths / data.eval_paths") -> Iterator[tuple[int, bytes]]:
+    """(1-based number, bytes) of every line of one file, split on b"\n" only (binary mode); a UTF-8 byte-order
+    mark before the first line is dropped. `what` ("data", "prompt") and `hint` word the errors."""
+    with _open(raw, what, hint) as f:
         try:
             for line_no, line in enumerate(f, start=1):
                 yield line_no, (line[len(_BOM):] if line_no == 1 and line.startswith(_BOM) else line)
         except OSError as e:
-            raise DataError(f"cannot read data file {raw}: {e.strerror}") from None
+            raise DataError(f"cannot read {what} file {raw}: {e.strerror}") from None
+
+
+def decode_line(line: bytes) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MalformedLine(f"invalid UTF-8 at byte {e.start + 1} of the line ({e.reason})") from None
 
 
 def parse_record(line: bytes) -> dict:
     """One non-blank line -> its JSON object, checked against the formats (everything but tokenization)."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Bad(f"invalid UTF-8 at byte {e.start + 1} of the line ({e.reason})") from None
+    text = decode_line(line)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise _Bad(f"invalid JSON: {e}") from None
+        raise MalformedLine(f"invalid JSON: {e}") from None
     if not isinstance(obj, dict):
-        raise _Bad("not a JSON object")
+        raise MalformedLine("not a JSON object")
     if "conversations" in obj:
         turns = obj["conversations"]
         if not isinstance(turns, list) or not turns:
-            raise _Bad("'conversations' must be a non-empty list")
+            raise MalformedLine("'conversations' must be a non-empty list")
         for t in turns:
             if not isinstance(t, dict) or t.get("role") not in ROLES or not isinstance(t.get("content"), str):
-                raise _Bad(f"each turn needs role in {ROLES} and string content")
+                raise MalformedLine(f"each turn needs role in {ROLES} and string content")
         return obj
     if "input_ids" in obj and "loss_mask" in obj:
         ids, mask = obj["input_ids"], obj["loss_mask"]
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask) or not ids:
-            raise _Bad("'input_ids' and 'loss_mask' must be non-empty lists of equal length")
+            raise MalformedLine("'input_ids' and 'loss_mask' must be non-empty lists of equal length")
         # bool is an int in Python: `true` must not pass as token id 1.
         if not all(type(i) is int and i >= 0 for i in ids):
-            raise _Bad("'input_ids' must hold non-negative integers (not true/false, not floats)")
+            raise MalformedLine("'input_ids' must hold non-negative integers (not true/false, not floats)")
         if not all(type(m) in (int, bool) and m in (0, 1) for m in mask):
-            raise _Bad("'loss_mask' must hold 0/1 or true/false")
+            raise MalformedLine("'loss_mask' must hold 0/1 or true/false")
         return obj
-    raise _Bad("expected 'conversations' or 'input_ids' + 'loss_mask'")
+    raise MalformedLine("expected 'conversations' or 'input_ids' + 'loss_mask'")
 
 
-def _enforce(paths, lines: int, bad: list[BadLine], max_bad_fraction: float, bad_file: BadLineFile | None, *,
-             write_always: bool = True) -> LoadReport:
-    """Write the bad lines (always, or only when refusing), then refuse no data or more malformed lines than
-    allowed."""
+def enforce_bad_lines(paths, lines: int, bad: list[BadLine], max_bad_fraction: float,
+                      bad_file: BadLineFile | None, *, write_always: bool = True, what: str = "data",
+                      knob: str = "data.max_bad_fraction",
+                      hint: str = "check data.paths / data.eval_paths") -> LoadReport:
+    """Write the bad lines (always, or only when refusing), then refuse no lines or more malformed lines than
+    allowed (the one rule for training data and prompt files; `what`, `knob` and `hint` word the errors)."""
     failing = lines == 0 or len(bad) / lines > max_bad_fraction
     listed = bad_file.write(bad) if bad_file is not None and bad and (write_always or failing) else ""
     report = LoadReport(lines=lines, bad=tuple(bad), listed_in=listed)
     if lines == 0:
-        raise DataError(f"no data lines in {list(paths)}", hint="check data.paths / data.eval_paths")
+        raise DataError(f"no {what} lines in {list(paths)}", hint=hint)
     if failing:
-        raise DataError(f"too many malformed lines ({report.bad_fraction:.1%} > data.max_bad_fraction="
-                        f"{max_bad_fraction}): {report.summary()}", hint="fix the lines or raise data.max_bad_fraction")
+        raise DataError(f"too many malformed lines ({report.bad_fraction:.1%} > {knob}="
+                        f"{max_bad_fraction}): {report.summary()}", hint=f"fix the lines or raise {knob}")
     return report
 
 
@@ -175,15 +183,15 @@ def scan(paths: list[str] | tuple[str, ...], max_bad_fraction: float,
     bad: list[BadLine] = []
     lines = 0
     for raw in paths:
-        for line_no, line in _lines(raw):
+        for line_no, line in read_lines(raw):
             if not line.strip():
                 continue
             lines += 1
             try:
                 parse_record(line)
-            except _Bad as e:
+            except MalformedLine as e:
                 bad.append(BadLine(str(raw), line_no, str(e)))
-    return _enforce(paths, lines, bad, max_bad_fraction, bad_file, write_always=False)
+    return enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file, write_always=False)
 
 
 def _render(tokenizer, turns: list[dict]) -> str:
@@ -224,7 +232,7 @@ def tokenize_conversation(tokenizer, turns: list[dict], end_marker: str | None =
         content = raw if text.find(raw, cursor) >= 0 else raw.strip()
         at = text.find(content, cursor)
         if at < 0:
-            raise _Bad(f"{turn['role']} content not found in the chat-template rendering")
+            raise MalformedLine(f"{turn['role']} content not found in the chat-template rendering")
         cursor = at + len(content)
         if turn["role"] != "assistant":
             continue
@@ -233,7 +241,7 @@ def tokenize_conversation(tokenizer, turns: list[dict], end_marker: str | None =
         spans.append((at, end))
     mask = [any(a < s_end and b > s_start for s_start, s_end in spans) for a, b in enc["offset_mapping"]]
     if not any(mask):
-        raise _Bad("no assistant tokens")
+        raise MalformedLine("no assistant tokens")
     import torch
 
     return Sample(torch.tensor(enc["input_ids"], dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
@@ -248,7 +256,7 @@ def to_sample(obj: dict, tokenizer, vocab_size: int, end_marker: str = "") -> Sa
                                                  for t in obj["conversations"]], end_marker)
     ids, mask = obj["input_ids"], obj["loss_mask"]
     if max(ids) >= vocab_size:
-        raise _Bad(f"'input_ids' must be below the vocabulary size {vocab_size} (found {max(ids)})")
+        raise MalformedLine(f"'input_ids' must be below the vocabulary size {vocab_size} (found {max(ids)})")
     return Sample(torch.tensor(ids, dtype=torch.long), torch.tensor([bool(m) for m in mask], dtype=torch.bool))
 
 
@@ -269,7 +277,7 @@ def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
     total = sum(resolve_path(raw).stat().st_size for raw in paths if resolve_path(raw).is_file())
     done = 0
     for raw in paths:
-        for line_no, line in _lines(raw):
+        for line_no, line in read_lines(raw):
             done += len(line)
             if progress is not None and line_no % _PROGRESS_EVERY == 0:
                 progress(done, total)
@@ -281,8 +289,8 @@ def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
                 if marker is None and "conversations" in record:
                     marker = turn_end_marker(tokenizer)
                 samples.append(to_sample(record, tokenizer, vocab_size, marker or ""))
-            except _Bad as e:
+            except MalformedLine as e:
                 bad.append(BadLine(str(raw), line_no, str(e)))
     if progress is not None:
         progress(done, total)
-    return samples, _enforce(paths, lines, bad, max_bad_fraction, bad_file)
+    return samples, enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file)

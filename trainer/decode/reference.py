@@ -34,9 +34,12 @@ from trainer.model.target import Target
 # ---------------------------------------------------------------- target forward with a KV cache
 
 def new_cache(target: Target):
+    """A DynamicCache of full layers only. Built from the config, transformers 5.24 gives sliding-window layers a
+    cache that drops keys past the window and then refuses `crop` (a rejected draft could not be rolled back); full
+    layers keep every key and HF's sliding mask still hides those outside the window, so the tokens are the same."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=target.hf_config)
+    return DynamicCache()
 
 
 def crop_cache(cache, length: int) -> None:

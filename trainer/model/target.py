@@ -20,12 +20,9 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.model.attention import FULL, SLIDING
+from trainer.targetdir import SOFTMAX_HINT, family_refusal
 
 MASK_TOKEN = "<|MASK|>"
-# Families whose layers include linear attention / state-space mixers: their features come from layers this trainer
-# does not mask per document, so a packed row would leak across documents. (Also caught by `layer_types` values.)
-LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
-                  "granitemoehybrid", "nemotron_h", "lfm2", "minimax", "mamba", "mamba2", "rwkv", "recurrent_gemma")
 
 
 @dataclass(frozen=True)
@@ -47,12 +44,9 @@ def attention_kinds(hf_config) -> AttentionKinds:
     n = hf_config.num_hidden_layers
     types = getattr(hf_config, "layer_types", None)
     window = getattr(hf_config, "sliding_window", None)
-    unsupported = sorted(set(types or ()) - {FULL, SLIDING})
-    if model_type in LINEAR_HYBRIDS or unsupported:
-        what = f" (layer types {unsupported})" if unsupported else ""
-        raise ConfigError(f"target family {model_type!r}{what} mixes in linear-attention or state-space layers, "
-                          "which this trainer cannot mask per document: its features would leak across packed "
-                          "documents", hint="use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma)")
+    refusal = family_refusal(model_type, types)
+    if refusal is not None:
+        raise refusal
     if types is None:  # Mistral-style configs: one window (or none) for every layer
         types = [SLIDING if window else FULL] * n
     types = tuple(types)
@@ -260,7 +254,7 @@ def prepare_target(model: nn.Module, tokenizer, *, num_draft_layers: int, layer_
     plain = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")]
     if plain:
         raise ConfigError(f"target layers {plain[:4]} of {model.config.model_type!r} have no softmax attention",
-                          hint="use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma)")
+                          hint=SOFTMAX_HINT)
     ids = tuple(layer_ids) if layer_ids is not None else tuple(build_target_layer_ids(n_layers, num_draft_layers))
     if not all(0 <= i < n_layers for i in ids) or list(ids) != sorted(set(ids)):
         source = "model.target_layer_ids" if layer_ids is not None else \

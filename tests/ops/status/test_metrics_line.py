@@ -1,7 +1,7 @@
 """The metrics-line contract (docs/contracts.md section 3), parsed from log text as the trainer prints it."""
 import math
 
-from dflash_ops.metrics_line import Metrics, latest, parse_metrics_line
+from dflash_ops.metrics_line import Metrics, Progress, latest, parse_metrics_line, parse_progress_line
 
 LINE = ('DFLASH_METRICS {"step": 20, "epoch": 0, "loss": 3.41, "acc": 0.22, "acc_by_pos": [0.5, 0.1], '
         '"tokens_per_s": 51234.5, "lr": 0.0006, "step_time_s": 0.41, "elapsed_s": 9.8, "future_key": 1}')
@@ -44,3 +44,33 @@ def test_latest_skips_noise_and_marks_done():
     assert latest(log).step == 40 and not latest(log).done
     assert latest(log + ['DFLASH_DONE {"step": 40}']).done
     assert latest(["nothing here"]) is None
+
+
+PROGRESS = ('DFLASH_PROGRESS {"job": "regenerate", "done": 128, "total": 1000, "unit": "answers", "resumed": 28, '
+            '"tokens": 51234, "tokens_per_s": 812.5, "elapsed_s": 63.1, "eta_s": 430.0, "future_key": 1}')
+
+
+def test_progress_line_of_a_job_that_is_not_training():
+    p = parse_progress_line(PROGRESS + "\n")
+    assert p == Progress(job="regenerate", done=128, total=1000, unit="answers", tokens_per_s=812.5, elapsed_s=63.1,
+                         eta_s=430.0)
+    assert parse_progress_line('DFLASH_PROGRESS {"done": 3}') is None                        # no job
+    assert parse_progress_line('DFLASH_PROGRESS {"job": "regenerate", "done": -1}') is None  # not a count
+    assert parse_progress_line('DFLASH_PROGRESS {"job": "regenerate", "done": true}') is None
+    assert parse_progress_line('DFLASH_PROGRESS {"job": "regenerate", "done": 3') is None     # cut mid-write
+    assert parse_metrics_line(PROGRESS) is None and parse_progress_line(LINE) is None
+
+
+def test_latest_is_the_last_line_of_either_kind_and_done_marks_it_finished():
+    log = [LINE, PROGRESS, "regenerate 128/1000 answers"]
+    assert latest(log) == parse_progress_line(PROGRESS) and not latest(log).finished
+    assert latest(log + ['DFLASH_DONE {"job": "regenerate", "done": 1000, "total": 1000}']).finished
+    assert isinstance(latest([PROGRESS, LINE]), Metrics)
+
+
+def test_status_shows_a_progress_line_as_its_figures():
+    from dflash_ops.cli.status_view import progress_figures
+
+    p = parse_progress_line(PROGRESS)
+    assert progress_figures(p) == ["regenerate 128/1000 answers", "tok/s 812", "eta 7m10s"]
+    assert progress_figures(Progress(job="regenerate", done=9, total=9, finished=True)) == ["regenerate 9/9 done"]

@@ -86,6 +86,9 @@ def test_bundled_runbooks_are_valid():
     assert nodes.nodes and not any(book.nodes for name, book in books.items() if name != "graphwarm-nodes")
     assert runbooks.load_runbook(runbooks.BUNDLED, "graphwarm").pre == ("clear_inductor_cache",)
     assert runbooks.load_runbook(runbooks.BUNDLED, "smoke").liveness.pattern == "DFLASH_METRICS|step "
+    regen = books["regenerate"]  # target and prompts come after `--`; a later --out there replaces this one
+    assert regen.command == ("{python}", "-m", "trainer", "regenerate", "--out", "{run_dir}/regen.jsonl")
+    assert regen.liveness.pattern == "DFLASH_PROGRESS"
 
 
 def test_placeholders_are_exact_tokens_and_extra_args_are_verbatim(tmp_path):

@@ -19,6 +19,13 @@ def test_machine_lines_are_hidden_done_is_said_in_words_and_the_rest_is_kept():
     assert logview.human_line(b"\xff\xfe bytes\n") == b"\xff\xfe bytes\n"
 
 
+def test_a_progress_job_is_hidden_the_same_way_and_its_done_said_in_words():
+    assert logview.human_line(b'DFLASH_PROGRESS {"job": "regenerate", "done": 3, "total": 9}\n') is None
+    done = b'DFLASH_DONE {"job": "regenerate", "done": 9, "total": 9, "out": "/d/regen.jsonl"}\n'
+    assert logview.human_line(done) == b"done: regenerate 9/9; out /d/regen.jsonl\n"
+    assert logview.human_line(b'DFLASH_DONE {"other": 1}\n') == b'DFLASH_DONE {"other": 1}\n'
+
+
 def _start(tmp_path, log: bytes, n: int) -> int:
     run = tmp_path / "r-20260101T000000-abcd"
     run.mkdir(exist_ok=True)

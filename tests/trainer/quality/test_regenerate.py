@@ -190,3 +190,22 @@ def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
     assert notes == ["note: regen.engine=static failed (RuntimeError: capture failed); continuing with HF generate"]
     assert got[:2] == got[2:] == [generate_target_only(target, w, 5, eot) for w in windows]
     assert answer.used == "static->hf" and answer.gen is None
+
+
+def test_the_pipelines_prompt_sets_as_files_feed_trainer_regenerate(made, tmp_path, capsys):
+    """The user's path on the quality target starts here: its prompt sets as chat prompt files (the same prompts the
+    pipeline answered), answered again by `trainer regenerate`."""
+    from trainer.__main__ import main
+    from trainer.quality.prompt_files import write_prompt_files
+
+    q, _pre, _regen, out = made
+    counts = write_prompt_files("quality_cpu", tmp_path / "prompts",
+                                ["regen.train_prompts=12", "regen.eval_prompts=4"])
+    train, held_out = prompt_sets(q)
+    files = {n: [json.loads(x)["conversations"][0]["content"]
+                 for x in (tmp_path / "prompts" / f"{n}.jsonl").read_text().splitlines()] for n in ("train", "heldout")}
+    assert files == {"train": train, "heldout": held_out} and counts == {"train": 12, "heldout": 4}
+    assert main(["regenerate", "--engine", "hf", "--target", str(out / "target"), "--prompts",
+                 str(tmp_path / "prompts" / "train.jsonl"), "--out", str(tmp_path / "regen.jsonl"), "--limit", "3",
+                 "--max-new", "8"]) == 0
+    assert len((tmp_path / "regen.jsonl").read_text().splitlines()) == 3 and "DFLASH_DONE " in capsys.readouterr().out

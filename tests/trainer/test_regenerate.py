@@ -1,0 +1,290 @@
+"""`python -m trainer regenerate`: prompt files of every format -> the target's own answers as training lines, with
+their provenance; resumed after a kill; refused in one line before torch on bad input; and the whole chain
+regenerate -> train -> export -> eval on the tiny Qwen3 target (hf engine, CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_ops.metrics_line import latest
+from trainer.data.source import BadLineFile
+from trainer.errors import ConfigError, DataError
+from trainer.prompts import read_prompt_files
+from trainer.regen import outfile
+from trainer.regen.plan import (RegenSettings, SamplingSettings, check_settings, distinct_prompts, prompt_key,
+                                template_kwargs)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SMOKE = REPO_ROOT / "trainer" / "assets" / "smoke.jsonl"
+FIXTURES = Path(__file__).parent / "fixtures" / "prompts"
+
+MIXED = (b'{"conversations": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count from 3 '
+         b'to 9"}, {"role": "assistant", "content": "3 4 5 6 7 8 9 done"}, {"role": "user", "content": "add 12 and '
+         b'30"}, {"role": "assistant", "content": "42"}]}\n'
+         b'{"messages": [{"role": "user", "content": "count from 5 to 8"}]}\n'
+         b'{"conversations": [{"from": "human", "value": "repeat twice : cat dog"}, {"from": "gpt", "value": "x"}]}\n'
+         b"\n"
+         b"count from 1 to 4\n"
+         b'{"question": "add 12 and 30", "answer": "42"}\n'
+         b"\xff\xfe not utf-8\n"
+         b'{"conversations": [{"from": "robot", "value": "hi"}]}\n'
+         b'{"messages": [{"role": "assistant", "content": "no question"}]}\n'
+         b'{"unknown": 1}\n')
+
+
+def test_every_format_becomes_a_conversation_through_its_last_user_turn(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    f.write_bytes(MIXED)
+    listing = BadLineFile(tmp_path / "bad.txt")
+    lines, report = read_prompt_files([str(f)], 0.5, listing)
+    assert [(x.line_no, x.format) for x in lines] == [(1, "chat"), (2, "chat"), (3, "sharegpt"), (5, "text"),
+                                                      (6, "gsm8k")]
+    first = lines[0].turns
+    assert [t["role"] for t in first] == ["system", "user", "assistant", "user"] and first[-1]["content"] == \
+        "add 12 and 30"  # the answer after the last user turn is what gets regenerated
+    assert lines[2].turns == ({"role": "user", "content": "repeat twice : cat dog"},)
+    assert report.lines == 9 and [b.line_no for b in report.bad] == [7, 8, 9, 10]
+    assert listing.path.read_text().splitlines() == [
+        f"{f}:7: invalid UTF-8 at byte 1 of the line (invalid start byte)",
+        f"{f}:8: turn 1: unknown ShareGPT speaker 'robot'", f"{f}:9: no user turn",
+        f"{f}:10: a JSON object of no known prompt format"]
+    with pytest.raises(DataError, match=r"too many malformed lines \(44.4% > --max-bad-fraction=0.01\)") as e:
+        read_prompt_files([str(f)], 0.01)
+    assert f"{f}:7 (invalid UTF-8" in str(e.value)
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(DataError, match="prompt file .*empty.txt is empty"):
+        read_prompt_files([str(f), str(tmp_path / "empty.txt")], 0.5)
+
+
+def test_prompts_are_keyed_by_what_the_target_sees_and_answered_once(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a\nb\na\nc\n")
+    lines, _ = read_prompt_files([str(f)], 0.0)
+    prompts, repeats = distinct_prompts(lines, None)
+    assert [p.turns[-1]["content"] for p in prompts] == ["a", "b", "c"] and repeats == 1
+    assert prompts[0].source == f"{f}:1" and prompts[0].key == prompt_key(({"role": "user", "content": "a"},))
+    with_system, _ = distinct_prompts(lines, "be brief", limit=2)
+    assert len(with_system) == 2 and with_system[0].turns[0] == {"role": "system", "content": "be brief"}
+    assert with_system[0].key != prompts[0].key  # another prompt for the target, another key
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(continuations=2), "needs --temperature > 0"),
+    (dict(sampling=SamplingSettings(top_p=0.0)), "--top-p must be in"),
+    (dict(sampling=SamplingSettings(max_new_tokens=0)), "--max-new must be >= 1"),
+    (dict(batch=0), "--batch must be >= 1"),
+])
+def test_bad_settings_are_refused(change, message):
+    check_settings(RegenSettings(sampling=SamplingSettings(temperature=0.7), continuations=3))
+    with pytest.raises(ConfigError, match=message):
+        check_settings(RegenSettings(**change))
+
+
+def test_chat_template_options():
+    assert template_kwargs(None, "off") == {"enable_thinking": False}
+    assert template_kwargs('{"enable_thinking": true, "x": 1}', "on") == {"enable_thinking": True, "x": 1}
+    for raw, thinking, message in (('{"enable_thinking": true}', "off", "disagree"), ("[1]", None, "JSON object"),
+                                   ("{", None, "not JSON"), ('{"tokenize": true}', None, "regenerate itself")):
+        with pytest.raises(ConfigError, match=message):
+            template_kwargs(raw, thinking)
+
+
+def test_a_torn_last_line_is_dropped_on_resume_and_foreign_files_are_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    outfile.write_meta(out, {"target": {"config_sha256": "abc"}, "settings": {"sampling": {"seed": 0}}})
+    whole = outfile.answer_line([1, 2], [3, 4], "k1", 0, True, "p:1") + outfile.answer_line([1], [5], "k2", 1, False,
+                                                                                            "p:2")
+    out.write_bytes(whole + b'{"input_ids": [1, 2')  # killed mid-write
+    resume = outfile.scan_out(out)
+    assert resume.answered == {("k1", 0), ("k2", 1)} and resume.torn and resume.keep_bytes == len(whole)
+    writer = outfile.AnswerWriter(out, resume.keep_bytes)
+    writer.write(outfile.answer_line([1], [6], "k3", 0, True, "p:3"))
+    writer.close()
+    assert out.read_bytes() == whole + outfile.answer_line([1], [6], "k3", 0, True, "p:3")
+    outfile.check_same_run(resume.meta, {"config_sha256": "abc"}, {"sampling": {"seed": 0}})
+    with pytest.raises(ConfigError, match=r"other settings \(sampling.seed 0 -> 1\)"):
+        outfile.check_same_run(resume.meta, {"config_sha256": "abc"}, {"sampling": {"seed": 1}})
+    with pytest.raises(ConfigError, match="another target"):
+        outfile.check_same_run(resume.meta, {"config_sha256": "def", "path": "/t"}, {"sampling": {"seed": 0}})
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"input_ids": [1], "loss_mask": [1]}\n')
+    with pytest.raises(ConfigError, match="was not written by regenerate"):
+        outfile.scan_out(foreign)
+
+
+def test_stop_ids_are_eos_the_generation_configs_the_templates_marker_and_known_end_of_turn_tokens():
+    from trainer.data.source import turn_end_marker
+    from trainer.regen.engines import cut_at_stop, stop_ids
+    from trainer.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<end_of_turn>"]})
+    eos, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    eot, end_of_turn = tok.convert_tokens_to_ids(["<|eot_id|>", "<end_of_turn>"])
+    assert turn_end_marker(tok) == "<|im_end|>"
+    assert stop_ids(tok, (7, eos), turn_end_marker(tok)) == (eos, 7, im_end, end_of_turn, eot)
+    assert cut_at_stop([5, 9, eot, 3, eos], (eos, eot)) == [5, 9, eot] and cut_at_stop([5, 9], (eos,)) == [5, 9]
+
+
+# ---------------------------------------------------------------- bad input: one line, before torch
+
+def fake_target(root: Path, config: dict, template: bool = True) -> Path:
+    """A target directory as far as the checks before torch read it (config.json, the chat template)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    if template:
+        (root / "chat_template.jinja").write_text("{{ messages }}")
+    return root
+
+
+def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
+    good = fake_target(tmp_path / "good", {"model_type": "qwen3", "num_hidden_layers": 2})
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("count from 1 to 4\n")
+    out = str(tmp_path / "out.jsonl")
+    cases = {
+        "missing target": (["--target", str(tmp_path / "nope")], 2, "error: target directory "),
+        "no chat template": (["--target", str(fake_target(tmp_path / "base", {"model_type": "llama"}, False))], 2,
+                             "error: target "),
+        "unknown family": (["--target", str(fake_target(tmp_path / "odd", {"model_type": "no-such-family"}))], 2,
+                           "error: target "),
+        "linear hybrid": (["--target", str(fake_target(tmp_path / "hyb", {"model_type": "qwen3_next"}))], 2,
+                          "error: target family 'qwen3_next'"),
+        "empty prompt file": (["--prompts", str(tmp_path / "empty.txt")], 3, "error: prompt file "),
+        "invalid UTF-8": (["--prompts", str(tmp_path / "bytes.txt")], 3, "error: too many malformed lines"),
+        "out not writable": (["--out", "/sys/dflash-regen.jsonl"], 2, "error: cannot write --out /sys/"),
+        "greedy continuations": (["--continuations", "2"], 2, "error: --continuations 2 needs --temperature > 0"),
+    }
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bytes.txt").write_bytes(b"\xff one\n\xc3\x28 two\n")
+    extra, code, start = cases[name]
+    args = {"--target": str(good), "--prompts": str(prompts), "--out": out, **dict(zip(extra[::2], extra[1::2]))}
+    return [a for kv in args.items() for a in kv], code, start
+
+
+@pytest.mark.parametrize("name", ["missing target", "no chat template", "unknown family", "linear hybrid",
+                                  "empty prompt file", "invalid UTF-8", "out not writable", "greedy continuations"])
+def test_bad_input_is_one_line_and_an_exit_code_before_torch(tmp_path, name):
+    from tests.trainer.test_cli import imported
+
+    argv, code, start = _case(tmp_path, name)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "trainer", "regenerate", *argv], cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True)
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith(("import time:", "hint:"))]
+    assert proc.returncode == code and len(errors) == 1 and errors[0].startswith(start), proc.stderr[-2000:]
+    assert "torch" not in imported(proc.stderr) and "transformers" not in imported(proc.stderr)
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.meta.json").exists()
+
+
+# ---------------------------------------------------------------- the real thing, on the tiny target
+
+def regenerate(capsys, *args: str) -> tuple[int, list[str], str]:
+    """`python -m trainer regenerate ARGS` in this process (the same CLI function) -> (exit code, stdout lines,
+    stderr)."""
+    from trainer.__main__ import main
+
+    code = main(["regenerate", "--engine", "hf", *args])
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_answers_are_the_targets_own_tokens_and_a_restart_goes_on(tiny_target_dir, full_target, tmp_path, capsys):
+    from trainer.data.source import load_samples
+    from trainer.decode.reference import generate_target_only
+    from trainer.regen.engines import cut_at_stop
+    from trainer.regen.run import render
+
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_bytes(MIXED)
+    out = tmp_path / "data" / "regen.jsonl"
+    # A target whose generation_config.json would sample, and penalise repeats: only the job's settings apply.
+    target_dir = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    (target_dir / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.01, "top_k": 1, "repetition_penalty": 5.0, "eos_token_id": [0, 2]}))
+    common = ["--target", str(target_dir), "--out", str(out), "--max-new", "12", "--batch", "2",
+              "--max-bad-fraction", "0.5"]
+    code, lines, _ = regenerate(capsys, "--prompts", str(prompts), "--limit", "2", *common)
+    assert code == 0
+    first = out.read_bytes()
+    assert len(records(out)) == 2
+    out.write_bytes(first + b'{"input_ids": [1, 2, 3')  # what a kill in the middle of a write leaves
+    code, lines, _ = regenerate(capsys, "--prompts", str(prompts), str(FIXTURES / "gsm8k.jsonl"), *common)
+    assert code == 0
+    assert out.read_bytes().startswith(first)  # earlier answers kept as they were, the torn line gone
+    rows = records(out)
+    keys = [(r["regen"]["key"], r["regen"]["sample"]) for r in rows]
+    # 5 distinct prompts of mixed.jsonl + "count from 3 to 9" of gsm8k.jsonl ("add 12 and 30" is there twice)
+    assert len(rows) == 6 and len(set(keys)) == 6
+    assert any("a torn last line (killed mid-write) dropped" in x and "2 answers kept" in x for x in lines)
+    assert any(f"warning: skipped 4 of 11 lines malformed: {prompts}:7 (invalid UTF-8" in x for x in lines)
+    meta = json.loads(outfile.meta_path(out).read_text())
+    assert meta["state"] == "done" and meta["answers"] == meta["total"] == 6 and meta["engines"] == ["hf"]
+    assert meta["settings"]["sampling"] == {"max_new_tokens": 12, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+    assert meta["target"]["config_sha256"] and meta["stop_ids"] == [0, 2]  # <|endoftext|>, <|im_end|>
+    assert outfile.bad_lines_path(out).read_text().count("\n") == 4
+
+    # Each line: the chat template's rendering of the prompt, then exactly the target's greedy tokens.
+    tok = full_target.tokenizer
+    by_source = {r["regen"]["source"]: r for r in rows}
+    multi = by_source[f"{prompts}:1"]
+    lines_, _ = read_prompt_files([str(prompts)], 0.5)
+    prompt_ids = render(tok, lines_[0].turns, {})
+    assert multi["input_ids"][:len(prompt_ids)] == prompt_ids and sum(multi["loss_mask"]) == \
+        len(multi["input_ids"]) - len(prompt_ids) and "3 4 5 6 7 8 9 done" in tok.decode(prompt_ids)
+    for r in rows:
+        n = len(r["loss_mask"]) - sum(r["loss_mask"])
+        want = cut_at_stop(generate_target_only(full_target, r["input_ids"][:n], 12), meta["stop_ids"])
+        assert r["input_ids"][n:] == want and r["regen"]["stopped"] == (want[-1] in meta["stop_ids"])
+    # The trainer reads the file as it is (`regen` is ignored), every line supervised on its answer only.
+    samples, report = load_samples([str(out)], tok, len(tok), max_bad_fraction=0.0)
+    assert len(samples) == 6 and not report.bad
+
+    # What `dflash-ops status` reads from the log: the last progress line, done.
+    parsed = latest(lines)
+    assert parsed.job == "regenerate" and parsed.done == parsed.total == 6 and parsed.finished
+    # Other settings on the same file are refused; the file is untouched.
+    before = out.read_bytes()
+    code, _, err = regenerate(capsys, "--prompts", str(prompts), *common, "--enable-thinking", "off")
+    assert code == 2 and out.read_bytes() == before
+    assert "error: --out was written with other settings (chat_template_kwargs.enable_thinking None -> False)" in err
+
+
+def test_sampled_continuations_and_the_chain_to_a_drafter(tiny_target_dir, tmp_path, capsys):
+    """N sampled answers per prompt; then regenerate -> train -> export -> eval, the user's whole path, on CPU."""
+    from trainer.__main__ import main
+
+    sampled = tmp_path / "sampled.jsonl"
+    code, _, err = regenerate(capsys, "--target", str(tiny_target_dir), "--prompts", str(FIXTURES / "mtbench.jsonl"),
+                         "--out", str(sampled), "--max-new", "8", "--temperature", "1.5", "--top-p", "0.9",
+                         "--continuations", "3", "--seed", "7")
+    rows = records(sampled)
+    assert code == 0 and sorted((r["regen"]["source"][-1], r["regen"]["sample"]) for r in rows) == \
+        [(n, i) for n in "12" for i in range(3)]
+    assert len({tuple(r["input_ids"]) for r in rows}) > 2  # sampled: not all equal
+
+    data = tmp_path / "regen.jsonl"
+    code, _, err = regenerate(capsys, "--target", str(tiny_target_dir), "--prompts", str(SMOKE), "--limit", "24",
+                         "--out", str(data), "--max-new", "24", "--batch", "8")
+    assert code == 0 and len(records(data)) == 24
+    run = tmp_path / "run"
+    sets = [f"model.target={tiny_target_dir}", f'data.paths=["{data}"]', "data.seq_len=128", "data.rows_per_step=2",
+            "data.num_anchors=8", "optim.max_steps=3", "log.every=3", "ckpt.every=0", "eval_at_end=false"]
+    assert main(["train", "--recipe", "smoke", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]]) == 0
+    assert [r["step"] for r in records(run / "metrics.jsonl")] == [3]
+    assert main(["export", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(run / "export"), "--target", str(tiny_target_dir), "--prompts",
+                 str(FIXTURES / "gsm8k.jsonl"), "--limit", "1", "--max-new", "8"]) == 0
+    evals = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
+             if x.startswith("DFLASH_EVAL ")]
+    assert len(evals) == 1 and evals[0]["identical"] == 1 and evals[0]["tau"] >= 1.0

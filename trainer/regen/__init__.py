@@ -1,0 +1,1 @@
+"""`python -m trainer regenerate`: answer a prompt set with the target itself, into training JSONL (run.py)."""

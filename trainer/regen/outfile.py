@@ -1,0 +1,162 @@
+"""The out file of a regenerate job, its provenance sidecar, and resuming from them. No torch.
+
+OUT holds one training line per answer, in the order answers finish:
+  {"input_ids": prompt + answer, "loss_mask": 0 on the prompt, 1 on the answer,
+   "regen": {"key": prompt key, "sample": i, "stopped": the answer ended on a stop id, "source": "path:line"}}
+The ids are the target's own tokens (its chat template's rendering of the prompt, then exactly what it generated,
+the stop id kept): decoding and re-tokenizing could merge them differently. The trainer reads these lines as
+pre-tokenized data and ignores `regen`.
+
+OUT.meta.json (the sidecar, replaced atomically) records what made them: the target directory and the SHA-256 of
+its config.json, the settings that decide the answers (sampling, continuations, chat-template keyword arguments,
+system turn, dtype), the stop ids, the engines that ran, the prompt files, and the counts. A restarted job checks
+them: the same target and settings continue the file, anything else is refused (a file of mixed settings would
+teach the drafter two distributions).
+
+Each line is written and flushed on its own, so a job killed mid-write loses at most that line; the torn rest it
+leaves after the last newline is cut off when the job resumes. OUT.bad_lines.txt lists every malformed prompt line
+(`path:line: reason`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.errors import ConfigError
+
+META_FORMAT = "dflash-regenerate/1"
+
+
+def meta_path(out: Path) -> Path:
+    return out.with_name(out.name + ".meta.json")
+
+
+def bad_lines_path(out: Path) -> Path:
+    return out.with_name(out.name + ".bad_lines.txt")
+
+
+def check_writable(out: Path) -> None:
+    """--out can be created and appended to (its directories are made), tried for real: ConfigError (exit 2)."""
+    hint = "pass an --out in a directory you can write"
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory", hint="pass a file path, e.g. --out data/regen.jsonl")
+    above = next(p for p in out.parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"cannot write --out {out}: {above} is not a directory", hint=hint)
+    created = [p for p in (out, meta_path(out)) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for path in (out, meta_path(out)):
+            with path.open("ab"):
+                pass
+    except OSError as e:
+        raise ConfigError(f"cannot write --out {out}: {e.strerror or e}", hint=hint) from None
+    finally:
+        for path in created:  # the probe leaves nothing behind
+            if path.is_file() and path.stat().st_size == 0:
+                path.unlink()
+
+
+@dataclass(frozen=True)
+class Resume:
+    answered: frozenset[tuple[str, int]]  # (prompt key, sample) already in OUT
+    keep_bytes: int  # OUT's size without a torn last line
+    torn: bool
+    meta: dict | None  # the sidecar of the earlier run
+
+
+def _line_key(line: bytes, out: Path, number: int) -> tuple[str, int]:
+    try:
+        regen = json.loads(line)["regen"]
+        return str(regen["key"]), int(regen["sample"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{out}:{number} is not a line regenerate writes",
+                          hint="pass a new --out (regenerate appends only to its own files)") from None
+
+
+def scan_out(out: Path) -> Resume:
+    """What an earlier run left in OUT (reads only; nothing is cut here). An OUT with lines but no sidecar is not
+    one of ours: refused."""
+    meta = None
+    if meta_path(out).is_file() and meta_path(out).stat().st_size:
+        try:
+            meta = json.loads(meta_path(out).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {meta_path(out)}: {e}", hint="pass a new --out") from None
+    if not out.is_file() or out.stat().st_size == 0:
+        return Resume(frozenset(), 0, False, meta)
+    if meta is None or meta.get("format") != META_FORMAT:
+        raise ConfigError(f"--out {out} exists and was not written by regenerate (no {meta_path(out).name})",
+                          hint="pass a new --out, or remove the file")
+    answered: set[tuple[str, int]] = set()
+    keep = 0
+    torn = False
+    with out.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                torn = True  # killed mid-write: this line goes
+                break
+            keep += len(line)
+            if line.strip():
+                answered.add(_line_key(line, out, number))
+    return Resume(frozenset(answered), keep, torn, meta)
+
+
+def check_same_run(meta: dict | None, target: dict, settings: dict) -> None:
+    """A resumed OUT continues only with the target and settings that wrote it."""
+    if meta is None:
+        return
+    if meta.get("target", {}).get("config_sha256") != target["config_sha256"]:
+        raise ConfigError(f"--out was written with another target ({meta.get('target', {}).get('path')}, a "
+                          "different config.json)", hint="pass a new --out for this target")
+    was, now = _leaves(meta.get("settings") or {}), _leaves(settings)
+    diff = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    if diff:
+        raise ConfigError(f"--out was written with other settings ({'; '.join(diff)})",
+                          hint="resume with the same settings, or pass a new --out")
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and prefix == "":
+            out.update(_leaves(v, f"{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def write_meta(out: Path, record: dict) -> None:
+    path = meta_path(out)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"format": META_FORMAT, **record, "updated_at": round(time.time(), 1)}, indent=1)
+                   + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def answer_line(prompt_ids: list[int], answer_ids: list[int], key: str, sample: int, stopped: bool,
+                source: str) -> bytes:
+    return (json.dumps({"input_ids": prompt_ids + answer_ids,
+                        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer_ids),
+                        "regen": {"key": key, "sample": sample, "stopped": stopped, "source": source}},
+                       separators=(",", ":")) + "\n").encode("utf-8")
+
+
+class AnswerWriter:
+    """Appends answer lines to OUT, one write + flush each, after cutting a torn last line off."""
+
+    def __init__(self, out: Path, keep_bytes: int) -> None:
+        self.f = out.open("ab")
+        if self.f.tell() != keep_bytes:
+            self.f.truncate(keep_bytes)
+            self.f.seek(keep_bytes)
+
+    def write(self, line: bytes) -> None:
+        self.f.write(line)
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()

@@ -1,0 +1,211 @@
+"""`python -m trainer regenerate`: the target answers a prompt set; the answers become the drafter's training data.
+
+  python -m trainer regenerate --target DIR --prompts FILE [FILE...] --out FILE.jsonl
+      [--max-new N] [--temperature T] [--top-p P] [--seed S] [--continuations N] [--batch R] [--limit N]
+      [--enable-thinking on|off] [--chat-template-kwargs JSON] [--system TEXT] [--engine static|hf]
+      [--dtype auto|float32|bfloat16] [--device auto|cpu|cuda|cuda:N] [--max-bad-fraction F]
+
+Order of work: everything that can refuse without torch (`check_before_torch`: the settings, the target directory,
+--out and an earlier run's sidecar, every prompt line), then the tokenizer (each prompt rendered with the target's
+chat template), then the model and the engine, then batches of --batch prompts, longest first (a shape that does
+not fit fails in the first minute, not the last). Each answer is one line of OUT (trainer.regen.outfile), flushed.
+Progress: `DFLASH_PROGRESS` lines (trainer.metrics.JobProgress) and a bar on a TTY; the end: `DFLASH_DONE`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.data.source import BadLine, BadLineFile, LoadReport, MalformedLine, enforce_bad_lines, turn_end_marker
+from trainer.errors import ConfigError
+from trainer.prompts import read_prompt_files
+from trainer.regen import outfile
+from trainer.regen.plan import (Prompt, RegenSettings, SamplingSettings, check_settings, distinct_prompts, pending,
+                                template_kwargs)
+from trainer.targetdir import TargetDir, read_target_dir
+
+
+@dataclass(frozen=True)
+class Job:
+    settings: RegenSettings
+    target: TargetDir
+    out: Path
+    prompt_files: tuple[str, ...]
+    prompts: list[Prompt]
+    report: LoadReport
+    repeats: int
+    resume: outfile.Resume
+    bad_file: BadLineFile
+
+    def summary(self) -> str:
+        return f"{len(self.prompts)} prompts from {self.report.lines} lines in {len(self.prompt_files)} file(s)"
+
+
+def settings_of(args) -> RegenSettings:
+    s = RegenSettings(
+        sampling=SamplingSettings(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p,
+                                  seed=args.seed),
+        continuations=args.continuations, chat_template_kwargs=template_kwargs(args.chat_template_kwargs,
+                                                                               args.enable_thinking),
+        system=args.system, engine=args.engine, dtype=args.dtype, device=args.device, batch=args.batch,
+        limit=args.limit, max_bad_fraction=args.max_bad_fraction)
+    check_settings(s)
+    return s
+
+
+def target_record(t: TargetDir) -> dict:
+    return {"path": str(t.path.resolve()), "model_type": t.model_type, "config_sha256": t.config_sha256}
+
+
+def check_before_torch(args) -> Job:
+    """Every refusal that needs neither torch nor a tokenizer, in one line each: settings and target (exit 2),
+    --out (exit 2: not writable, not ours, written with another target or other settings), the prompt files
+    (exit 3: missing, empty, more malformed lines than --max-bad-fraction)."""
+    settings = settings_of(args)
+    target = read_target_dir(args.target)
+    if not target.has_chat_template:
+        raise ConfigError(f"target {args.target} has no chat template: regenerate renders each prompt with it",
+                          hint="use a chat (instruct) target, or add a chat_template to its tokenizer_config.json")
+    out = Path(args.out)
+    outfile.check_writable(out)
+    resume = outfile.scan_out(out)
+    outfile.check_same_run(resume.meta, target_record(target), settings.output_settings())
+    bad_file = BadLineFile(outfile.bad_lines_path(out))
+    lines, report = read_prompt_files(args.prompts, settings.max_bad_fraction, bad_file)
+    prompts, repeats = distinct_prompts(lines, settings.system, settings.limit)
+    return Job(settings=settings, target=target, out=out, prompt_files=tuple(args.prompts), prompts=prompts,
+               report=report, repeats=repeats, resume=resume, bad_file=bad_file)
+
+
+def render(tokenizer, turns: tuple[dict, ...], kwargs: dict) -> list[int]:
+    """The prompt as the target sees it: its chat template's rendering with the generation prompt, tokenized as
+    rendered (the template writes any BOS itself)."""
+    try:
+        text = tokenizer.apply_chat_template(list(turns), tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- jinja raises what the template raises (e.g. "system role not supported")
+        raise MalformedLine(f"the chat template refused it ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize(job: Job, tokenizer) -> tuple[dict[str, list[int]], list[BadLine]]:
+    """prompt key -> prompt ids; a prompt the template refuses or that leaves no room for --max-new tokens in the
+    target's positions is a malformed line (the same rule: skipped, counted, listed)."""
+    ids, bad = {}, []
+    limit = job.target.max_positions
+    for p in job.prompts:
+        try:
+            rendered = render(tokenizer, p.turns, job.settings.chat_template_kwargs)
+            if limit is not None and len(rendered) + job.settings.sampling.max_new_tokens > limit:
+                raise MalformedLine(f"{len(rendered)} prompt tokens + --max-new {job.settings.sampling.max_new_tokens}"
+                                    f" exceed the target's {limit} positions")
+        except MalformedLine as e:
+            bad.append(BadLine(p.path, p.line_no, str(e)))
+            continue
+        ids[p.key] = rendered
+    return ids, bad
+
+
+def meta_record(job: Job, stops, engines: list[str], answers: int, total: int, state: str) -> dict:
+    return {"target": target_record(job.target), "settings": job.settings.output_settings(),
+            "stop_ids": list(stops), "engines": engines, "engine_asked": job.settings.engine,
+            "prompts": [str(Path(p).resolve()) for p in job.prompt_files], "answers": answers, "total": total,
+            "state": state}
+
+
+def prepare(job: Job, console):
+    """-> (tokenizer, stop ids, prompt key -> prompt ids, the (prompt, sample) pairs to answer, longest prompt
+    first). The malformed-line rule is applied again with the lines the tokenizer found."""
+    from transformers import AutoTokenizer
+
+    from trainer.regen.engines import stop_ids
+
+    s = job.settings
+    with console.phase(f"loading the tokenizer and rendering {len(job.prompts)} prompts") as notes:
+        tokenizer = AutoTokenizer.from_pretrained(job.target.path, local_files_only=True)
+        stops = stop_ids(tokenizer, job.target.generation_eos_ids, turn_end_marker(tokenizer))
+        ids, token_bad = tokenize(job, tokenizer)
+        job.bad_file.write(token_bad)
+        bad = list(job.report.bad) + token_bad
+        report = enforce_bad_lines(job.prompt_files, job.report.lines, bad, s.max_bad_fraction, None, what="prompt",
+                                   knob="--max-bad-fraction", hint="check --prompts")
+        job.bad_file.finish()
+        todo = [(p, i) for p, i in pending(job.prompts, s.continuations, job.resume.answered) if p.key in ids]
+        todo.sort(key=lambda pi: -len(ids[pi[0].key]))  # stable: longest first, file order among equals
+        notes.append(f"stop ids {list(stops)}")
+        if job.repeats:
+            notes.append(f"{job.repeats} repeated prompts answered once")
+    if bad:
+        console.say(f"warning: skipped {report.summary()} (every one listed in {job.bad_file.path})")
+    if not stops:
+        raise ConfigError(f"target {job.target.path}: no stop id (no EOS, no end-of-turn token)",
+                          hint="set eos_token_id in its generation_config.json")
+    return tokenizer, stops, ids, todo
+
+
+def build_engine(job: Job, tokenizer, stops, prompt_ids: list[list[int]], console):
+    """Load the full target and build the engine for min(--batch, prompts) rows -> Answerer."""
+    from trainer.decode.decoders import capacity_for
+    from trainer.placement import local_device
+    from trainer.regen.engines import answerer, load_generation_target
+
+    s = job.settings
+    device = local_device(s.device)
+    with console.phase(f"loading the target {job.target.path}") as notes:
+        target = load_generation_target(job.target.path, device, s.dtype)
+        notes.append(f"{job.target.model_type}, {target.num_layers} layers, {device}, "
+                     f"{target.embed_tokens.weight.dtype}")
+    rows = min(s.batch, len(prompt_ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    with console.phase(f"building the {s.engine} engine ({rows} rows)") as notes:
+        engine = answerer(s.engine, target, rows=rows, stops=stops, sampling=s.sampling, pad_id=pad,
+                          max_len=capacity_for(prompt_ids, s.sampling.max_new_tokens), log=console.say)
+        notes.append(f"engine {engine.used}")
+    return engine, rows
+
+
+def run(job: Job, console) -> dict:
+    """Tokenize, load, answer every pending (prompt, sample) into OUT -> the DFLASH_DONE record."""
+    import time
+
+    from trainer.metrics import JobProgress
+
+    tokenizer, stops, ids, todo = prepare(job, console)
+    total = len(ids) * job.settings.continuations
+    done = total - len(todo)
+    engines = list((job.resume.meta or {}).get("engines", []))
+    if done:
+        torn = ", a torn last line (killed mid-write) dropped" if job.resume.torn else ""
+        console.say(f"resuming {job.out}: {done} answers kept{torn}")
+    writer = outfile.AnswerWriter(job.out, job.resume.keep_bytes)
+    tokens = stopped = answered = 0
+    used, rows = "none", 1
+    try:
+        outfile.write_meta(job.out, meta_record(job, stops, engines, done, total, "running"))
+        if todo:
+            engine, rows = build_engine(job, tokenizer, stops, [ids[p.key] for p, _ in todo], console)
+            used = engine.used
+            engines += [used] if used not in engines else []
+            outfile.write_meta(job.out, meta_record(job, stops, engines, done, total, "running"))
+        t0 = time.perf_counter()
+        progress = JobProgress("regenerate", total, "answers", console, resumed=done)
+        progress.update(done, 0)
+        for at in range(0, len(todo), rows):
+            chunk = todo[at:at + rows]
+            for (p, sample), answer in zip(chunk, engine.answer([ids[p.key] for p, _ in chunk])):
+                ended = bool(answer) and answer[-1] in stops
+                writer.write(outfile.answer_line(ids[p.key], answer, p.key, sample, ended, p.source))
+                tokens, stopped, answered = tokens + len(answer), stopped + ended, answered + 1
+            done += len(chunk)
+            progress.update(done, tokens)
+    finally:
+        writer.close()
+        outfile.write_meta(job.out, meta_record(job, stops, engines, done, total,
+                                                "done" if done == total else "stopped"))
+    record = {"done": done, "total": total, "new": answered, "out": str(job.out),
+              "meta": str(outfile.meta_path(job.out)), "engine": used, "tokens": tokens,
+              "stopped_frac": round(stopped / answered, 4) if answered else None,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    ended = f", {stopped / answered:.0%} of them ended on a stop id" if answered else ""
+    progress.done(record, f"regenerated {answered} new answers ({done}/{total} in all) into {job.out}{ended}; "
+                          f"provenance in {outfile.meta_path(job.out)}")
+    return record

@@ -1,0 +1,137 @@
+"""What a target directory says about itself, read from its files alone: no torch, no transformers import.
+
+The commands that load a target (`regenerate`, and the family rule of `trainer.model.target`) refuse a directory here,
+in one line, before torch is imported: no directory, no config.json or an unreadable one, a family this trainer
+cannot serve (linear-attention hybrids; a model_type the installed transformers has no causal LM for), no chat
+template. The stop ids a generation config names come from here too.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from trainer.errors import ConfigError
+
+# Families whose layers include linear attention / state-space mixers: their features come from layers this trainer
+# does not mask per document, so a packed row would leak across documents. (Also caught by `layer_types` values.)
+LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
+                  "granitemoehybrid", "nemotron_h", "lfm2", "minimax", "mamba", "mamba2", "rwkv", "recurrent_gemma")
+SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (model.attention FULL, SLIDING)
+SOFTMAX_HINT = "use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma)"
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # transformers >= 4.43 saves the template apart
+
+
+@dataclass(frozen=True)
+class TargetDir:
+    path: Path
+    model_type: str
+    config_sha256: str  # of config.json's bytes: which model answered, for provenance
+    has_chat_template: bool
+    generation_eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id (int or list), else config.json's
+    max_positions: int | None  # max_position_embeddings, where config.json says
+
+
+def family_refusal(model_type: str, layer_types) -> ConfigError | None:
+    """The softmax-attention rule on a config's model_type and layer_types. Pure."""
+    unsupported = sorted(set(layer_types or ()) - set(SOFTMAX_LAYER_TYPES))
+    if model_type in LINEAR_HYBRIDS or unsupported:
+        what = f" (layer types {unsupported})" if unsupported else ""
+        return ConfigError(f"target family {model_type!r}{what} mixes in linear-attention or state-space layers, "
+                           "which this trainer cannot mask per document: its features would leak across packed "
+                           "documents", hint=SOFTMAX_HINT)
+    return None
+
+
+@lru_cache(maxsize=1)
+def causal_lm_families() -> frozenset[str] | None:
+    """The model types the installed transformers has a causal LM class for, read from the source of its auto
+    mapping without importing it (importing transformers imports torch). None when that source cannot be read this
+    way (another layout): the check is then left to loading, which refuses the same directories after torch."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(list(spec.submodule_search_locations)[0]) / "models" / "auto" / "modeling_auto.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                                                    for t in node.targets):
+                return frozenset(k for k, _v in ast.literal_eval(node.value.args[0]))
+    except (OSError, SyntaxError, ValueError, AttributeError, IndexError, TypeError):
+        return None
+    return None
+
+
+def _ids(value) -> tuple[int, ...]:
+    if isinstance(value, bool):
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+    return ()
+
+
+def _json_file(path: Path, what: str) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"target {path.parent}: cannot read its {what} ({str(e).splitlines()[0][:160]})",
+                          hint="point --target at a Hugging Face model directory") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"target {path.parent}: its {what} is not a JSON object")
+    return obj
+
+
+def has_chat_template(path: Path) -> bool:
+    if any((path / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        return True
+    config = path / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    return bool(_json_file(config, "tokenizer_config.json").get("chat_template"))
+
+
+def read_target_dir(path: str | Path) -> TargetDir:
+    """A target directory -> its TargetDir, or one ConfigError naming what is wrong (exit 2)."""
+    path = Path(path)
+    hint = "point --target at a local Hugging Face model directory"
+    if not path.exists():
+        raise ConfigError(f"target directory {path} does not exist", hint=hint)
+    if not path.is_dir():
+        raise ConfigError(f"target {path} is not a directory", hint=hint)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"target directory {path} has no config.json", hint=hint)
+    config = _json_file(config_path, "config.json")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"target {path}: config.json names no model_type (unknown family)", hint=hint)
+    refusal = family_refusal(model_type, config.get("layer_types"))
+    if refusal is not None:
+        raise refusal
+    known = causal_lm_families()
+    if known is not None and model_type not in known:
+        raise ConfigError(f"target {path}: unknown family {model_type!r}: the installed transformers has no causal "
+                          "LM for it", hint="point --target at a causal LM this transformers version supports")
+    gen_path = path / "generation_config.json"
+    eos = _ids(_json_file(gen_path, "generation_config.json").get("eos_token_id")) if gen_path.is_file() else ()
+    return TargetDir(path=path, model_type=model_type,
+                     config_sha256=hashlib.sha256(config_path.read_bytes()).hexdigest(),
+                     has_chat_template=has_chat_template(path),
+                     generation_eos_ids=eos or _ids(config.get("eos_token_id")),
+                     max_positions=_positions(config))
+
+
+def _positions(config: dict) -> int | None:
+    """max_position_embeddings, top level or in a multimodal config's text_config."""
+    for holder in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        value = holder.get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
