@@ -120,7 +120,8 @@ def test_a_torn_last_line_is_dropped_on_resume_and_foreign_files_are_refused(tmp
 
 def test_stop_ids_are_eos_the_generation_configs_the_templates_marker_and_known_end_of_turn_tokens():
     from trainer.data.source import turn_end_marker
-    from trainer.regen.engines import cut_at_stop, stop_ids
+    from trainer.decode.generate import cut_at_stop
+    from trainer.regen.engines import stop_ids
     from trainer.tiny import build_tokenizer
 
     tok = build_tokenizer()
@@ -184,12 +185,12 @@ def test_bad_input_is_one_line_and_an_exit_code_before_torch(tmp_path, name):
 
 # ---------------------------------------------------------------- the real thing, on the tiny target
 
-def regenerate(capsys, *args: str) -> tuple[int, list[str], str]:
-    """`python -m trainer regenerate ARGS` in this process (the same CLI function) -> (exit code, stdout lines,
-    stderr)."""
+def regenerate(capsys, *args: str, engine: str = "hf") -> tuple[int, list[str], str]:
+    """`python -m trainer regenerate --engine ENGINE ARGS` in this process (the same CLI function) -> (exit code,
+    stdout lines, stderr)."""
     from trainer.__main__ import main
 
-    code = main(["regenerate", "--engine", "hf", *args])
+    code = main(["regenerate", "--engine", engine, *args])
     captured = capsys.readouterr()
     return code, captured.out.splitlines(), captured.err
 
@@ -201,7 +202,7 @@ def records(path: Path) -> list[dict]:
 def test_answers_are_the_targets_own_tokens_and_a_restart_goes_on(tiny_target_dir, full_target, tmp_path, capsys):
     from trainer.data.source import load_samples
     from trainer.decode.reference import generate_target_only
-    from trainer.regen.engines import cut_at_stop
+    from trainer.decode.generate import cut_at_stop
     from trainer.regen.run import render
 
     prompts = tmp_path / "mixed.jsonl"
@@ -288,3 +289,32 @@ def test_sampled_continuations_and_the_chain_to_a_drafter(tiny_target_dir, tmp_p
     evals = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
              if x.startswith("DFLASH_EVAL ")]
     assert len(evals) == 1 and evals[0]["identical"] == 1 and evals[0]["tau"] >= 1.0
+
+
+def test_the_static_engine_answers_as_hf_and_a_resumed_sampled_job_draws_the_same_samples(tiny_target_dir, tmp_path,
+                                                                                            capsys):
+    """--engine static (the default) on CPU: greedy answers equal the hf engine's line for line; sampled, a job cut
+    after its first batch and resumed (other batches) writes the samples an uninterrupted job writes."""
+    args = ["--target", str(tiny_target_dir), "--prompts", str(SMOKE), "--limit", "6", "--max-new", "10",
+            "--batch", "4"]
+    outs = {}
+    for engine in ("hf", "static"):
+        outs[engine] = tmp_path / f"{engine}.jsonl"
+        code, lines, _ = regenerate(capsys, *args, "--out", str(outs[engine]), engine=engine)
+        assert code == 0 and not any(x.startswith("note:") for x in lines)
+        assert json.loads(outfile.meta_path(outs[engine]).read_text())["engines"] == [engine]
+    by_key = {e: {r["regen"]["key"]: r["input_ids"] for r in records(o)} for e, o in outs.items()}
+    assert len(by_key["static"]) == 6 and by_key["static"] == by_key["hf"]
+
+    sampled = [*args, "--temperature", "1.5", "--continuations", "2", "--seed", "3"]
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    assert regenerate(capsys, *sampled, "--out", str(whole), engine="static")[0] == 0
+    assert regenerate(capsys, *sampled, "--out", str(cut), engine="static")[0] == 0
+    kept = cut.read_text().splitlines(keepends=True)[:5]  # as if killed after 5 of 12 answers
+    cut.write_text("".join(kept))
+    assert regenerate(capsys, *sampled, "--out", str(cut), engine="static")[0] == 0
+
+    def samples(path):
+        return {(r["regen"]["key"], r["regen"]["sample"]): r["input_ids"] for r in records(path)}
+    assert len(samples(whole)) == 12 and samples(cut) == samples(whole)
+    assert len({tuple(v) for v in samples(whole).values()}) > 6  # sampled: the answers differ

@@ -1,15 +1,16 @@
-"""The engine seam of regenerate: `answerer(...)` -> answer(prompts) -> new tokens per prompt through its first stop
-id (kept; an answer that reaches --max-new without one keeps all its tokens).
+"""The engine seam of regenerate: `answerer(...)` -> answer(prompts, streams) -> new tokens per prompt through its
+first stop id (kept; an answer that reaches --max-new without one keeps all its tokens).
 
   static  trainer.decode.generate.BatchGenerator: one static KV cache for `rows` prompts of varying length, one CUDA
           graph replay per token. Where it refuses the target (a family it does not serve) or cannot be built, one
           note line and the hf engine instead.
-  hf      HF `generate` over left-padded batches (KV cache, launch-bound): the reference.
+  hf      trainer.decode.generate.hf_generate: HF `generate` over left-padded batches (KV cache, launch-bound), the
+          reference.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -44,15 +45,6 @@ def stop_ids(tokenizer, generation_eos: Sequence[int], end_marker: str = "") -> 
     return tuple(found)
 
 
-def cut_at_stop(row: list[int], stops: Sequence[int]) -> list[int]:
-    """Tokens through the first stop id (kept); all of them when none occurs. Pure."""
-    stop_set = set(stops)
-    for i, t in enumerate(row):
-        if t in stop_set:
-            return row[:i + 1]
-    return row
-
-
 def load_generation_target(path, device: torch.device, dtype: str):
     """The full target for generation (trainer.model.target.Target, untruncated). Generation drafts nothing, so the
     drafter's mask token is set to an id that passes the mask rule rather than read from the tokenizer (a target
@@ -66,53 +58,36 @@ def load_generation_target(path, device: torch.device, dtype: str):
     return load_target(path, num_draft_layers=1, device=device, dtype=dtype, truncate=False, mask_token_id=unused)
 
 
-@torch.no_grad()
-def hf_answers(model, prompts: list[list[int]], sampling: SamplingSettings, stops: Sequence[int],
-               pad_id: int) -> list[list[int]]:
-    """HF `generate` on left-padded prompts with exactly these settings (the model's generation_config.json
-    defaults, e.g. a top_k, are not applied) -> new tokens per prompt through its first stop id."""
-    from transformers import GenerationConfig
-
-    L = max(len(p) for p in prompts)
-    dev = model.get_input_embeddings().weight.device
-    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=dev)
-    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)
-    sample = sampling.temperature > 0
-    # generate() fills what a passed config leaves unset from model.generation_config (a target's top_k,
-    # repetition_penalty, ...): replacing that one instead leaves nothing but these settings.
-    chosen = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) if sample else {}
-    model.generation_config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=sample, **chosen,
-                                               eos_token_id=list(stops), pad_token_id=pad_id)
-    out = model.generate(input_ids=ids, attention_mask=mask)
-    return [cut_at_stop(row, stops) for row in out[:, L:].tolist()]  # SYNC: once per batch
-
-
 @dataclass
 class Answerer:
-    answer: Callable[[list[list[int]]], list[list[int]]]
+    # (prompts, streams) -> new tokens per prompt; streams: one id per prompt, the static engine's sampling noise
+    # stream (a prompt's samples do not depend on the batch it lands in)
+    answer: Callable[[list[list[int]], list[int]], list[list[int]]]
     used: str  # the engine that runs: "static" or "hf"
 
 
 def answerer(engine: str, target, *, rows: int, max_len: int, stops: Sequence[int], sampling: SamplingSettings,
              pad_id: int, log=print) -> Answerer:
-    """Build the engine (the static one captures its graphs here, in the calling thread) -> Answerer."""
-    seed = [sampling.seed]
+    """Build the engine (the static one captures its graphs on its first batch, in the calling thread) -> Answerer."""
+    from trainer.decode.generate import Sampling, hf_generate
 
-    def hf(prompts: list[list[int]]) -> list[list[int]]:
-        # One seed per batch, in order: a job's samples are reproducible for the same prompts in the same batches.
-        torch.manual_seed(seed[0])
-        seed[0] += 1
-        return hf_answers(target.model, prompts, sampling, stops, pad_id)
+    engine_sampling = Sampling(**asdict(sampling))
+    batches = [0]
+
+    def hf(prompts: list[list[int]], streams: list[int]) -> list[list[int]]:
+        # HF draws from torch's RNG: one seed per batch, in order (reproducible for the same batches, not per prompt)
+        seeded = replace(engine_sampling, seed=engine_sampling.seed + batches[0])
+        batches[0] += 1
+        return hf_generate(target.model, prompts, seeded, stops, pad_id)
 
     if engine == "hf":
         return Answerer(hf, "hf")
     try:
-        from trainer.decode.generate import BatchGenerator, Sampling
+        from trainer.decode.generate import BatchGenerator
 
         gen = BatchGenerator(target, rows, max_len, list(stops))
-        engine_sampling = Sampling(**asdict(sampling))
-    except Exception as exc:  # noqa: BLE001 -- a refused family, a missing engine, a failed capture: hf is the reference
+    except Exception as exc:  # noqa: BLE001 -- a refused family, a failed build: hf is the reference
         log(f"note: the static engine cannot serve this target ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no message'}); generating with the hf engine")
         return Answerer(hf, "hf")
-    return Answerer(lambda prompts: gen.generate(prompts, engine_sampling), "static")
+    return Answerer(lambda prompts, streams: gen.generate(prompts, engine_sampling, streams=streams), "static")

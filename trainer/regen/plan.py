@@ -131,6 +131,12 @@ def distinct_prompts(lines: list[PromptLine], system: str | None, limit: int = 0
     return out, repeats
 
 
+def stream_of(key: str, sample: int) -> int:
+    """The sampling noise stream of one (prompt, sample), in 0..2^31-1: the static engine draws a prompt's samples
+    from it, so a resumed job (other batches) samples what the first run would have."""
+    return int(hashlib.sha256(f"{key}:{sample}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
 def pending(prompts: list[Prompt], continuations: int, answered: set[tuple[str, int]]) -> list[tuple[Prompt, int]]:
     """(prompt, sample) pairs still to answer."""
     return [(p, i) for p in prompts for i in range(continuations) if (p.key, i) not in answered]

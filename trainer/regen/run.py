@@ -21,7 +21,7 @@ from trainer.errors import ConfigError
 from trainer.prompts import read_prompt_files
 from trainer.regen import outfile
 from trainer.regen.plan import (Prompt, RegenSettings, SamplingSettings, check_settings, distinct_prompts, pending,
-                                template_kwargs)
+                                stream_of, template_kwargs)
 from trainer.targetdir import TargetDir, read_target_dir
 
 
@@ -191,7 +191,8 @@ def run(job: Job, console) -> dict:
         progress.update(done, 0)
         for at in range(0, len(todo), rows):
             chunk = todo[at:at + rows]
-            for (p, sample), answer in zip(chunk, engine.answer([ids[p.key] for p, _ in chunk])):
+            streams = [stream_of(p.key, sample) for p, sample in chunk]
+            for (p, sample), answer in zip(chunk, engine.answer([ids[p.key] for p, _ in chunk], streams)):
                 ended = bool(answer) and answer[-1] in stops
                 writer.write(outfile.answer_line(ids[p.key], answer, p.key, sample, ended, p.source))
                 tokens, stopped, answered = tokens + len(answer), stopped + ended, answered + 1
