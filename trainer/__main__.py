@@ -207,8 +207,10 @@ def eval_prompts(args) -> int:
     from trainer.quality.evaluate import decode_benchmark
 
     target, drafter, ecfg = load_pair(Path(args.drafter), args.target, local_device("auto"), args.target_dtype)
+    # The serving-like configuration the quality recipe measures: the row-invariant attention and norms (lossless by
+    # construction where the family allows it; a note and SDPA where not) and the compiled drafter.
     cfg = EvalCfg(prompts=args.limit, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
-                  engine=static_or_hf(args.engine, target))
+                  engine=static_or_hf(args.engine, target), invariant=True, compile="drafter")
     for ps in sets:
         r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None)
         keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
