@@ -18,7 +18,7 @@ import os
 import shlex
 from dataclasses import dataclass, replace
 
-from dflash_ops import metrics_line
+from dflash_ops import metrics_line, names
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.runs import parse, shellcmd
 from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
@@ -150,13 +150,13 @@ def parse_host(text: str, host: Host, targets: list[Target], *,
     rcs: dict[int, int] = {}
     for head, body in _sections(text):
         if head[0] == "gpu":
-            rc = int(head[1]) if len(head) > 1 and head[1].isdigit() else -1
+            rc = int(head[1]) if len(head) > 1 and names.is_digits(head[1]) else -1
             try:
                 snap, gpu_error = facts.parse_probe("\n".join(body)), None
             except ValueError as exc:
                 gpu_error = f"GPU probe failed ({_rc_text(rc, part_timeout_s)}): {exc}"
         elif head[0] == "target" and len(head) == 3:
-            i, rc = int(head[1]), int(head[2]) if head[2].isdigit() else -1
+            i, rc = int(head[1]), int(head[2]) if names.is_digits(head[2]) else -1
             rcs[i] = rc
             if rc == 0:
                 per_target[i] = _target_runs(body, targets[i].runs_dir)

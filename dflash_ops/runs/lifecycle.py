@@ -156,7 +156,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
                 if seen.pid is not None else f"{spec.run_id} may have started: check `dflash-ops runs {where}`")
         raise HostUnreachable(exc.message, hint=hint) from None
     words = parse.tagged(done.out, "DFLASH_LAUNCHED")
-    if not words or not words[0].isdigit():
+    if not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
     deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
     status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep)
@@ -177,7 +177,7 @@ class _StartWatch:
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
             words = line.decode("utf-8", "replace").split()
-            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and words[1].isdigit():
+            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and names.is_digits(words[1]):
                 self.pid = int(words[1])
                 self.on_started(self.pid)
                 return
@@ -226,7 +226,7 @@ def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
     how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
     left = parse.tagged(done.out, "DFLASH_LEFT") or []
     raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
-    procs = int(left[0]) if left and left[0].isdigit() else None
+    procs = int(left[0]) if left and names.is_digits(left[0]) else None
     return Stopped(how=how, status=parse.updated(run, raw, time.time(), procs) if raw else run)
 
 
@@ -239,7 +239,7 @@ def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True, h
     done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
                  f"reading {run.run_id}'s log")
     words = parse.tagged(done.out, "DFLASH_START")
-    return int(words[0]) if words and words[0].lstrip("-").isdigit() else 0
+    return int(words[0]) if words and names.is_digits(words[0].removeprefix("-")) else 0
 
 
 def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], None], keep_following: bool = True,

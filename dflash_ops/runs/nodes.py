@@ -184,7 +184,7 @@ def _together(keys: Sequence, fn: Callable, *, deadline_s: float, describe: Call
 def free_port(s: Session, candidates: Sequence[int]) -> int:
     done = s.run(shellcmd.free_port_script(candidates), "finding a free port", ok=(0, 1))
     words = parse.tagged(done.out, "DFLASH_PORT")
-    if done.exit_code != 0 or not words or not words[0].isdigit():
+    if done.exit_code != 0 or not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"no free port for the rendezvous on {s.target.label} (tried {len(candidates)} in "
                            f"{noderun.PORT_RANGE[0]}-{noderun.PORT_RANGE[1] - 1})", hint="launch again")
     return int(words[0])
@@ -271,7 +271,7 @@ class Located:
             return 0
         if self.multinode is None:
             raise UsageError(f"--node: {self.run_id} is not a multi-node run")
-        if text.isdigit() and int(text) < len(self.nodes):
+        if names.is_digits(text) and int(text) < len(self.nodes):
             return int(text)
         ref = nodespec.parse_node(text)
         for n in self.nodes:

@@ -95,8 +95,8 @@ def proc_lines(text: str) -> dict[str, list[tuple[int, int]]]:
     procs: dict[str, list[tuple[int, int]]] = {}
     for line in text.splitlines():
         words = line.split()
-        if (len(words) == 4 and words[0] == "DFLASH_PROC" and words[1].isdigit() and words[3].isdigit()
-                and names.is_run_id(words[2])):
+        if (len(words) == 4 and words[0] == "DFLASH_PROC" and names.is_digits(words[1])
+                and names.is_digits(words[3]) and names.is_run_id(words[2])):
             procs.setdefault(words[2], []).append((int(words[1]), int(words[3])))
     return procs
 

@@ -2,6 +2,7 @@
 variables, the runbook checks, the run's overall state, and the free-port script (run by bash for real)."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 
@@ -81,10 +82,11 @@ def test_bad_groups_are_config_errors_with_their_line(tmp_path, bad, line, says)
     assert exc.value.message.startswith(f"{path}:{line}: ") and says in exc.value.message
 
 
-@pytest.mark.parametrize("bad", ["10.0.0.1:29500", "x;y", "[host]", "-a.b", "a..b"])
+@pytest.mark.parametrize("bad", ["10.0.0.1:29500", "x;y", "[host]", "-a.b", "a..b", "fe80::1%eth0", "[fe80::1%1]",
+                                 "10.0.0.256", "h\x07", "h\u00e9", "h\n"])
 def test_a_bad_rdzv_address_is_a_config_error(tmp_path, bad):
     path = tmp_path / "inv.yaml"
-    path.write_text(f"hosts:\n  pve1:\n    address: 10.1.2.6\n    rdzv_address: {bad!r}\n")
+    path.write_text(f"hosts:\n  pve1:\n    address: 10.1.2.6\n    rdzv_address: {json.dumps(bad)}\n")
     with pytest.raises(ConfigError, match=r"inv.yaml:4: host 'pve1': invalid rendezvous address"):
         inventory.load_inventory(path)
 
@@ -200,6 +202,8 @@ def test_tail_node_picks_a_rank_or_a_node_as_launched():
     for bad in ("2", "pve1:201", "pve1"):
         with pytest.raises(UsageError, match=f"--node {bad}: not a node of {RUN_ID}"):
             loc.pick(bad)
+    with pytest.raises(UsageError, match="invalid node '\u00b2'"):     # a digit to str.isdigit, not to int()
+        loc.pick("\u00b2")
     single = nodes.Located.single(RUN_ID, proxmox("pve1"))
     assert single.pick(None) == 0
     with pytest.raises(UsageError, match="is not a multi-node run"):
