@@ -206,17 +206,19 @@ def _join(targets, per_target, errors, holders):
 # --------------------------------------------------------------------------- effect
 
 def query_host(host: Host, targets: list[Target], gpu: GpuSettings, *,
-               part_timeout_s: int = PART_TIMEOUT_S) -> HostStatus:
-    """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails."""
+               part_timeout_s: int = PART_TIMEOUT_S, transport=None) -> HostStatus:
+    """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails.
+    `transport`: an open one to `host` to use (and leave open), else one is made and closed."""
     from dflash_ops.errors import RemoteFailed
     from dflash_ops.ssh.transport import for_host
 
-    t = for_host(host)
+    t = transport or for_host(host)
     try:
         done = t.run(["bash", "-c", host_script(targets, gpu, part_timeout_s=part_timeout_s)],
                      timeout_s=part_timeout_s + 10)
     finally:
-        t.close()
+        if transport is None:
+            t.close()
     if done.exit_code != 0:
         raise RemoteFailed(f"status script on {host.name} failed with exit code {done.exit_code}",
                            detail="\n".join(done.err.strip().splitlines()[-10:]) or None)

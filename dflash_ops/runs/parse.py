@@ -148,6 +148,12 @@ def probe(stdout: bytes) -> Probe:
     return Probe(raw=raw, now=now_line(text) or 0.0, log_tail=log if sep else b"")
 
 
+def joined(stdout: bytes) -> bool:
+    """Output of `joined_script`: its header says DFLASH_JOINED (a log line matched)."""
+    head = stdout.partition(b"DFLASH_LOG\n")[0]
+    return b"DFLASH_JOINED" in head.split(b"\n")
+
+
 def tagged(text: str, tag: str) -> list[str] | None:
     """Words after the first line starting with `tag` (e.g. DFLASH_LAUNCHED), or None."""
     for line in text.splitlines():
