@@ -303,3 +303,18 @@ def test_text_from_hosts_is_never_taken_for_rich_markup(capsys):
     render.runs_table([replace(status("running"), name=hostile)], target="[fd00::5]", json_out=False)
     out = capsys.readouterr().out
     assert out.count(hostile) == 2 and "h0[0]" in out and "runs on [fd00::5]" in out
+
+
+def test_a_shut_transport_sends_nothing_more(tmp_path):
+    """What a rolled-back launch does to each node's connection first: a node's thread still holding it (past
+    its deadline) can run nothing through it, and does not connect again."""
+    from dflash_ops.errors import HostUnreachable
+    from dflash_ops.ssh import transport
+
+    here = transport.LocalTransport()
+    far = transport.SshTransport(Host(name="far", transport="proxmox", address="127.0.0.1", port=9))
+    for t in (here, far):
+        t.shut()
+        with pytest.raises(HostUnreachable, match="connection shut"):
+            t.run(["touch", str(tmp_path / "ran")])
+    assert not (tmp_path / "ran").exists()
