@@ -39,11 +39,9 @@ def help_cold_start(n: int) -> list[float]:
 def _session(args):
     from dflash_ops import inventory
     from dflash_ops.runs.lifecycle import Session
-    from dflash_ops.ssh import transport
 
     inv = inventory.load_inventory(Path(args.inventory) if args.inventory else None)
-    target = inventory.resolve_target(inv, args.host, args.ct)
-    return Session(target=target, transport=transport.for_host(target.host))
+    return Session.of(inventory.resolve_target(inv, args.host, args.ct))
 
 
 def _book(seconds: float, wait_s: float):

@@ -24,6 +24,7 @@ class Outcome(Generic[K, V]):
     value: V | None
     error: BaseException | None     # an OpsError for expected failures; anything else is a bug to re-raise
     elapsed_s: float
+    timed_out: bool = False         # still running at the deadline (its thread goes on, abandoned)
 
     @property
     def ok(self) -> bool:
@@ -53,5 +54,5 @@ def fan_out(keys: Sequence[K], fn: Callable[[K], V], *, deadline_s: float,
         t.join(max(0.0, t0 + deadline_s - time.monotonic()))
     late = HostUnreachable
     return [slots.get(i) or Outcome(k, None, late(f"{describe(k)}: no answer within {deadline_s:g} s"),
-                                    time.monotonic() - t0)
+                                    time.monotonic() - t0, timed_out=True)
             for i, k in enumerate(keys)]

@@ -18,7 +18,7 @@ import os
 import shlex
 from dataclasses import dataclass, replace
 
-from dflash_ops import metrics_line
+from dflash_ops import metrics_line, names
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.runs import parse, shellcmd
 from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
@@ -150,13 +150,13 @@ def parse_host(text: str, host: Host, targets: list[Target], *,
     rcs: dict[int, int] = {}
     for head, body in _sections(text):
         if head[0] == "gpu":
-            rc = int(head[1]) if len(head) > 1 and head[1].isdigit() else -1
+            rc = int(head[1]) if len(head) > 1 and names.is_digits(head[1]) else -1
             try:
                 snap, gpu_error = facts.parse_probe("\n".join(body)), None
             except ValueError as exc:
                 gpu_error = f"GPU probe failed ({_rc_text(rc, part_timeout_s)}): {exc}"
         elif head[0] == "target" and len(head) == 3:
-            i, rc = int(head[1]), int(head[2]) if head[2].isdigit() else -1
+            i, rc = int(head[1]), int(head[2]) if names.is_digits(head[2]) else -1
             rcs[i] = rc
             if rc == 0:
                 per_target[i] = _target_runs(body, targets[i].runs_dir)
@@ -206,17 +206,19 @@ def _join(targets, per_target, errors, holders):
 # --------------------------------------------------------------------------- effect
 
 def query_host(host: Host, targets: list[Target], gpu: GpuSettings, *,
-               part_timeout_s: int = PART_TIMEOUT_S) -> HostStatus:
-    """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails."""
+               part_timeout_s: int = PART_TIMEOUT_S, transport=None) -> HostStatus:
+    """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails.
+    `transport`: an open one to `host` to use (and leave open), else one is made and closed."""
     from dflash_ops.errors import RemoteFailed
     from dflash_ops.ssh.transport import for_host
 
-    t = for_host(host)
+    t = transport or for_host(host)
     try:
         done = t.run(["bash", "-c", host_script(targets, gpu, part_timeout_s=part_timeout_s)],
                      timeout_s=part_timeout_s + 10)
     finally:
-        t.close()
+        if transport is None:
+            t.close()
     if done.exit_code != 0:
         raise RemoteFailed(f"status script on {host.name} failed with exit code {done.exit_code}",
                            detail="\n".join(done.err.strip().splitlines()[-10:]) or None)

@@ -20,21 +20,32 @@ ADDRESS_RE = re.compile(
     r"(?::(?P<port>[0-9]{1,5}))?"
 )
 
-# A rendezvous address other nodes connect to: a DNS name, IPv4 or IPv6 (bare or in brackets); no user, no port.
+# A rendezvous address other nodes connect to: a DNS name, IPv4 or IPv6 (bare or in brackets); no user, no port,
+# no IPv6 scope id (`%eth0`: it names an interface of one machine, and would reach torchrun's endpoint parser).
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 RDZV_NAME_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+_IP_CHARS_RE = re.compile(r"[0-9A-Fa-f:.]+")
+DIGITS_RE = re.compile(r"[0-9]+")
+
+
+def is_digits(value: str) -> bool:
+    """ASCII digits only (str.isdigit also takes "²" and other digits that int() refuses)."""
+    return DIGITS_RE.fullmatch(value) is not None
 
 
 def rdzv_address(value: str) -> str:
-    """`value` as a rendezvous host (IPv6 without brackets), else UsageError."""
+    """`value` as a rendezvous host (IPv6 without brackets), else UsageError: a plain IP address or host name."""
     import ipaddress
 
     bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
-    try:
-        return str(ipaddress.ip_address(bare))
-    except ValueError:
-        pass
-    if bare == value and len(value) <= 253 and RDZV_NAME_RE.fullmatch(value):   # brackets only around an IP
+    if _IP_CHARS_RE.fullmatch(bare):
+        try:
+            return str(ipaddress.ip_address(bare))
+        except ValueError:
+            pass
+    # brackets only around an IP; a name's last label is never all digits (10.0.0.256 is no name)
+    name = bare == value and len(value) <= 253 and RDZV_NAME_RE.fullmatch(value)
+    if name and not is_digits(value.split(".")[-1]):
         return value
     raise UsageError(f"invalid rendezvous address {value!r}", hint="a DNS name or an IP address, without a port")
 

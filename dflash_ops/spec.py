@@ -112,9 +112,9 @@ class Target:
 
     @property
     def rdzv_address(self) -> str | None:
-        """The address other nodes reach this target by, when the inventory says it (else its SSH address)."""
-        own = self.container.rdzv_address if self.container is not None else None
-        return own or self.host.rdzv_address
+        """The address other nodes reach this target by, when the inventory says it: a container's own (it has
+        a network of its own: its host's address is not its), else the host's."""
+        return self.container.rdzv_address if self.container is not None else self.host.rdzv_address
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ and refuses tests not marked `@pytest.mark.ssh`):
 - `host_tools`    factory: `host_tools(name, script_text) -> Path` puts an executable on the PATH of every SSH
                   session of `sshd` (e.g. a fake `nvidia-smi`); removed at teardown
 - `repo_root`     the repository root (pass it as PYTHONPATH to subprocesses, with sys.executable)
+- `tiny_target_dir`  one tiny Qwen3 target + tokenizer built once per session and saved to disk (trainer.tiny),
+                  for the trainer's tests and the end-to-end runs of the real trainer
 On failure, the sshd log and the container init logs are attached to the test report.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ from support.testbed import DEFAULT_HOST_NAME, build_testbed  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIRST_CTID = 200
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 # ------------------------------------------------------------------------------------------------ every test
@@ -64,6 +68,13 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    from trainer.tiny import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"), train_steps=60)
 
 
 # ------------------------------------------------------------------------------------------------ ssh tier

@@ -22,10 +22,13 @@ class Settings:
 HostOpt = Annotated[Optional[str], typer.Option(
     "--host", "-H", help="Inventory name, `local`, or a bare address ([user@]host[:port], ~/.ssh/config alias).")]
 CtOpt = Annotated[Optional[str], typer.Option("--ct", help="Proxmox container id: run inside it via `pct exec`.")]
-# `tail --node` (and `launch --node`, which names every node of a new run)
+# `tail --node`: one node of a run (`launch --node`, which names every node of a new run, is its own option)
 NodeOpt = Annotated[Optional[str], typer.Option(
     "--node", metavar="RANK|HOST[:CT]", help="For a multi-node run: this node (its rank, or as launched) "
                                              "[default: rank 0].")]
+RUN_HELP = ("A run id or a run name (its latest run). A multi-node run's id alone finds it when it was "
+            "launched from this machine; otherwise, and for a name, give --host/--ct [default: the inventory's "
+            "default host]. A multi-node run: a row per node.")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout (errors too).")]
 
 
@@ -43,28 +46,20 @@ def open_session(ctx: typer.Context, host: str | None, ct: str | None):
     """Resolve --host/--ct through the inventory into a Session (no connection is made yet)."""
     from dflash_ops import inventory
     from dflash_ops.runs.lifecycle import Session
-    from dflash_ops.ssh import transport
 
-    target = inventory.resolve_target(inventory_of(ctx), host, ct)
-    return Session(target=target, transport=transport.for_host(target.host))
-
-
-def session_of(target):
-    """A Session for a Target already resolved (a node of a multi-node run); no connection is made yet."""
-    from dflash_ops.runs.lifecycle import Session
-    from dflash_ops.ssh import transport
-
-    return Session(target=target, transport=transport.for_host(target.host))
+    return Session.of(inventory.resolve_target(inventory_of(ctx), host, ct))
 
 
 def locate(ctx: typer.Context, ref: str | None, host: str | None, ct: str | None):
     """The run `ref` names (a run id or name; None: the latest run of the target) -> (Located, session, status).
 
     A run id with neither --host nor --ct is first looked up among the multi-node runs launched from this
-    machine; otherwise the run is found on --host/--ct as always, and if it is a node of a multi-node run, the
-    whole run is meant. For a multi-node run session and status are None; else they are the run's target's (the
-    caller closes the session)."""
+    machine; otherwise the run is found on --host/--ct (a name: its latest run there) as always, and if it is a
+    node of a multi-node run whose record can be followed (nodes.located_from; else a warning line says why
+    not), the whole run is meant. For a multi-node run session and status are None; else they are the run's
+    target's (the caller closes the session)."""
     from dflash_ops import names
+    from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle, nodes
 
     if host is None and ct is None and ref is not None and names.is_run_id(ref):
@@ -74,13 +69,16 @@ def locate(ctx: typer.Context, ref: str | None, host: str | None, ct: str | None
     session = open_session(ctx, host, ct)
     try:
         status = lifecycle.find_run(session, ref)
+        loc, warning = nodes.located_from(inventory_of(ctx), status, session.target)
     except BaseException:
         session.transport.close()
         raise
-    if status.multinode is not None:
+    if warning is not None:
+        render.info(warning)
+    if loc.multinode is not None:
         session.transport.close()
-        return nodes.Located.of(inventory_of(ctx), status.multinode), None, None
-    return nodes.Located.single(status.run_id, session.target), session, status
+        return loc, None, None
+    return loc, session, status
 
 
 def resolve_host(ctx: typer.Context, host: str):

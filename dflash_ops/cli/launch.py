@@ -27,12 +27,15 @@ def launch(
         "--node", metavar="HOST[:CT]",
         help="A node of a multi-node run, in rank order (repeat it), or an inventory group of them; the runbook "
              "must say `nodes: true`. Not with --host/--ct.")] = None,
-    rdzv_timeout: Annotated[int, typer.Option(
-        "--rdzv-timeout", min=1, help="With --node: seconds the nodes wait for each other at the rendezvous.")] = 600,
+    rdzv_timeout: Annotated[Optional[int], typer.Option(
+        "--rdzv-timeout", min=1, show_default=False,
+        help="With --node: seconds the nodes wait for each other at the rendezvous [default: 600, torchrun's]."
+    )] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Launch RUNBOOK detached (survives the connection closing) and prove it alive; with --node, on every node
-    at once as one run (torchrun's rendezvous wired: rank 0 on the first node), or on none.
+    at once as one run (torchrun's rendezvous wired: rank 0 on the first node), or on none: a node that fails,
+    nodes that do not meet at the rendezvous, or Ctrl-C stop every node.
 
     Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set optim.max_steps=100
 
@@ -43,11 +46,13 @@ def launch(
     from dflash_ops.runs import lifecycle, runbooks
 
     with rendered_errors(json_out):
+        from dflash_ops.errors import UsageError
+
         extra_env = tuple(names.env_assignment(item) for item in env or ())
+        if not node and rdzv_timeout is not None:
+            raise UsageError("--rdzv-timeout is for a multi-node launch (--node)")
         if node:
             if host is not None or ct is not None:
-                from dflash_ops.errors import UsageError
-
                 raise UsageError("--node names every node: not with --host/--ct")
             _launch_nodes(ctx, runbook, node, name=name, args=tuple(args or ()), extra_env=extra_env,
                           rdzv_timeout=rdzv_timeout, follow=follow, dry_run=dry_run, force=force, wait=wait,
@@ -86,26 +91,30 @@ def _launch(session, spec, *, force: bool, wait_s: float | None):
         raise typer.Exit(130) from None
 
 
-def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env, rdzv_timeout: int, follow: bool,
-                  dry_run: bool, force: bool, wait: float | None, json_out: bool) -> None:
-    """The multi-node launch (runs/nodes.py); Ctrl-C exits 130 and names the `stop` for the nodes that started."""
+def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env, rdzv_timeout: int | None,
+                  follow: bool, dry_run: bool, force: bool, wait: float | None, json_out: bool) -> None:
+    """The multi-node launch (runs/nodes.py). Ctrl-C stops the nodes that started (a second one leaves them: the
+    line names the `stop`) and exits 130."""
     from dflash_ops.cli import render
     from dflash_ops.cli._common import inventory_of
-    from dflash_ops.runs import nodes, runbooks
+    from dflash_ops.runs import noderun, nodes, runbooks
 
     book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
     p = nodes.plan(inventory_of(ctx), book, specs, name=name, extra_args=args, extra_env=extra_env,
-                   rdzv_timeout_s=rdzv_timeout)
+                   rdzv_timeout_s=noderun.DEFAULT_RDZV_TIMEOUT_S if rdzv_timeout is None else rdzv_timeout)
     try:
         if dry_run:
-            render.nodes_dry_run(*nodes.dry_run(p, wait_s=wait), json_out=json_out)
+            render.nodes_dry_run(*nodes.dry_run(p, wait_s=wait), p.labels, json_out=json_out)
             return
-        labels = [s.target.label for s in p.sessions]
         try:
             done = nodes.launch(p, force=force, wait_s=wait,
-                                on_started=lambda rank, pid: render.node_started(p.run_id, rank, labels[rank], pid))
+                                on_started=lambda rank, pid: render.node_started(p.run_id, rank, p.labels[rank], pid),
+                                on_waiting=render.nodes_waiting)
+        except nodes.LaunchInterrupted as exc:
+            render.nodes_interrupted(exc.run_id, exc.stopped)
+            raise typer.Exit(130) from None
         except KeyboardInterrupt:
-            render.info(f"interrupted; the nodes of {p.run_id} that started go on (`dflash-ops stop {p.run_id}`)")
+            render.info(f"interrupted; if a node of {p.run_id} started it may go on (`dflash-ops stop {p.run_id}`)")
             raise typer.Exit(130) from None
         render.nodes_launched(done, json_out=json_out)
         if follow:

@@ -82,7 +82,19 @@ def node_started(run_id: str, rank: int, target: str, pid: int) -> None:
 
 def _rendezvous_text(run) -> str:
     r = run.rendezvous
-    return f"rendezvous {r.endpoint} ({r.backend}, id {r.rdzv_id}, timeout {r.timeout_s} s)"
+    return f"rendezvous {r.endpoint} ({r.backend}, timeout {r.timeout_s} s)"
+
+
+def nodes_waiting(run) -> None:
+    r = run.rendezvous
+    _err(f"every node of {run.run_id} is up; waiting for them to meet at {r.endpoint} (up to {r.timeout_s} s)")
+
+
+def nodes_interrupted(run_id: str, stopped) -> None:
+    """Ctrl-C during a multi-node launch, after its nodes were stopped (runs/nodes.NodeStopped each)."""
+    _err(f"interrupted; rolled back {run_id}:")
+    for r in stopped:
+        _err(f"  node {r.node.rank} ({r.label}) {r.text}")
 
 
 def nodes_launched(done, *, json_out: bool) -> None:
@@ -103,23 +115,24 @@ def nodes_launched(done, *, json_out: bool) -> None:
              f"log {l.spec.log_path}")
 
 
-def nodes_dry_run(run, dry_runs, *, json_out: bool) -> None:
+def nodes_dry_run(run, dry_runs, labels, *, json_out: bool) -> None:
+    """Every node's command (`labels`: the nodes' targets, by rank)."""
     if json_out:
         _out(json.dumps({"run_id": run.run_id, "multinode": run.as_dict(),
-                         "nodes": [{"rank": i, "target": _where(d.spec), "run_dir": d.spec.run_dir,
+                         "nodes": [{"rank": i, "target": labels[i], "run_dir": d.spec.run_dir,
                                     "argv": list(d.spec.argv), "command": d.command}
                                    for i, d in enumerate(dry_runs)]}))
         return
+    from dflash_ops.runs.nodes import DRY_RUN_ADDRESS
+
+    found = (f"; rank 0's address, {DRY_RUN_ADDRESS} here, is found in its container at launch"
+             if run.rendezvous.address == DRY_RUN_ADDRESS else "")
     _err(f"# dry run: would launch {run.run_id} on {len(run.nodes)} node(s) "
          f"({argv_summary(dry_runs[0].spec.argv)}), {_rendezvous_text(run)}; the port is not checked (a launch "
-         "checks it on rank 0's node); nothing was run")
+         f"checks it on rank 0's node){found}; nothing was run")
     for i, d in enumerate(dry_runs):
-        _out(f"# node {i}: {_where(d.spec)}")
+        _out(f"# node {i}: {labels[i]}")
         _out(d.command)
-
-
-def _where(spec) -> str:
-    return spec.host + (f"/ct{spec.ct}" if spec.ct else "")
 
 
 def argv_summary(argv, limit: int = 120) -> str:
@@ -156,6 +169,36 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+STATE_COLORS = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
+
+
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple], **column_opts):
+    """A Rich table whose every cell is plain text: a value read from a host (a run name, an error, a label
+    with brackets) is never taken for Rich markup. A cell is a str, or (text, style)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text(title), title_justify="left")
+    for col in columns:
+        table.add_column(col, no_wrap=True, **column_opts.get(col, {}))
+    for row in rows:
+        table.add_row(*(Text(c[0], style=c[1] or "") if isinstance(c, tuple) else Text(c) for c in row))
+    return table
+
+
+def _print_table(table) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=250)  # piped: never squeeze ids and times into 80 columns
+    console.print(table)
+
+
+def _state_cell(r: RunStatus) -> tuple[str, str]:
+    return r.state_text, "red" if r.state == "exited" and r.exit_code else STATE_COLORS.get(r.state, "")
+
+
 def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
     if json_out:
         _out(json.dumps([status_dict(r) for r in runs]))
@@ -163,23 +206,12 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
     if not runs:
         _err(f"no runs on {target}")
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"runs on {target}", title_justify="left")
     widest = max(len(r.run_id) for r in runs)
-    for col in ("name", "run id", "state", "pid", "started", "duration"):
-        # ids and times are copied into other commands: never fold or ellipsize them
-        table.add_column(col, no_wrap=True, min_width=widest if col == "run id" else None)
-    colors = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
-    for r in runs:
-        color = "red" if r.state == "exited" and r.exit_code else colors.get(r.state, "")
-        table.add_row(r.name, r.run_id, f"[{color}]{r.state_text}[/]" if color else r.state_text,
-                      str(r.pid or "-"), _when(r.started_at), _duration(r.duration_s))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=250)  # piped: never squeeze ids and times into 80 columns
-    console.print(table)
+    # ids and times are copied into other commands: never fold or ellipsize them
+    _print_table(_table(f"runs on {target}", ("name", "run id", "state", "pid", "started", "duration"),
+                        [(r.name, r.run_id, _state_cell(r), str(r.pid or "-"), _when(r.started_at),
+                          _duration(r.duration_s)) for r in runs],
+                        **{"run id": {"min_width": widest}}))
     for r in runs:
         if r.leftovers:
             _err(f"{r.run_id} {r.state} but {r.leftovers} of its processes live on: "
@@ -196,23 +228,10 @@ def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
                          "nodes": [{"rank": s.node.rank, "target": s.label, "error": s.error,
                                     "status": status_dict(s.status) if s.status else None} for s in states]}))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{run_id}: {overall.text}", title_justify="left")
-    for col in ("node", "target", "state", "pid", "started", "duration"):
-        table.add_column(col, no_wrap=True)
-    for s in states:
-        r = s.status
-        if r is None:
-            table.add_row(str(s.node.rank), s.label, f"[red]{s.error}[/]", "-", "-", "-")
-        else:
-            table.add_row(str(s.node.rank), s.label, r.state_text, str(r.pid or "-"), _when(r.started_at),
-                          _duration(r.duration_s))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=250)
-    console.print(table)
+    rows = [(str(s.node.rank), s.label, (s.error or "?", "red"), "-", "-", "-") if s.status is None else
+            (str(s.node.rank), s.label, _state_cell(s.status), str(s.status.pid or "-"), _when(s.status.started_at),
+             _duration(s.status.duration_s)) for s in states]
+    _print_table(_table(f"{run_id}: {overall.text}", ("node", "target", "state", "pid", "started", "duration"), rows))
 
 
 def nodes_stopped(run_id: str, results, *, json_out: bool) -> None:

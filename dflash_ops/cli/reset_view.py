@@ -9,9 +9,16 @@ from dflash_ops.gpus import facts
 
 
 def _console():
+    """Text from hosts (process names, error messages) is printed as it is, never read as Rich markup."""
     from rich.console import Console
 
-    return Console(soft_wrap=True)
+    return Console(soft_wrap=True, markup=False)
+
+
+def _row(*cells: str):
+    from rich.text import Text
+
+    return [c if isinstance(c, Text) else Text(c) for c in cells]
 
 
 def no_gpu(host: str, reason: str, *, json_out: bool) -> None:
@@ -35,14 +42,14 @@ def plan(host: str, snap: facts.GpuSnapshot, p: facts.KillPlan, scope: facts.Sco
     if not p.targets:
         console.print(f"{host}: no GPU holder in scope ({scope.describe()})")
     else:
-        table = Table(title=f"will kill on {host} ({scope.describe()})", title_justify="left")
+        table = Table(title=_row(f"will kill on {host} ({scope.describe()})")[0], title_justify="left")
         for col in ("pid", "where", "command", "gpus", "memory", "signal"):
             table.add_column(col, no_wrap=True)
         for t in p.targets:
             h = by_pid[t.pid]
-            table.add_row(str(h.pid), _where(h), h.comm, ",".join(map(str, h.gpu_indices)) or "-",
-                          f"{h.used_mib} MiB" if h.is_compute_app else "fd only",
-                          f"process group {t.pgid}" if t.pgid else "this pid only")
+            table.add_row(*_row(str(h.pid), _where(h), h.comm, ",".join(map(str, h.gpu_indices)) or "-",
+                                f"{h.used_mib} MiB" if h.is_compute_app else "fd only",
+                                f"process group {t.pgid}" if t.pgid else "this pid only"))
         console.print(table)
     for h, why in p.spared:
         console.print(f"spared: pid {h.pid} ({h.comm}, {_where(h)}): {why}")
@@ -69,6 +76,7 @@ def result(host: str, r, resets, *, json_out: bool) -> None:
         sys.stdout.write(json.dumps(_result_dict(host, r, resets)) + "\n")
         return
     from rich.table import Table
+    from rich.text import Text
 
     console = _console()
     for n, rd in enumerate(r.rounds, 1):
@@ -78,15 +86,17 @@ def result(host: str, r, resets, *, json_out: bool) -> None:
                       + (f", {len(rep.absent)} already gone" if rep.absent else ""))
     after_holders = facts.find_holders(r.after)
     before = {g.index: g for g in r.before.gpus}
-    table = Table(title=f"GPUs on {host}: before -> after", title_justify="left")
+    table = Table(title=Text(f"GPUs on {host}: before -> after"), title_justify="left")
     for col in ("gpu", "uuid", "before", "after", "state"):
         table.add_column(col, no_wrap=col != "state")
     for g in r.after.gpus:
         b = before.get(g.index)
         held_by = [h for h in after_holders if g.index in h.gpu_indices]
-        state = ("[red]HELD[/] " if g.index in r.held else "") + (
-            ", ".join(f"pid {h.pid} ({_where(h)})" for h in held_by) or ("free" if g.mem_used_mib == 0 else "-"))
-        table.add_row(str(g.index), g.uuid, f"{b.mem_used_mib if b else '?'} MiB", f"{g.mem_used_mib} MiB", state)
+        state = Text("HELD ", style="red") if g.index in r.held else Text()
+        state.append(", ".join(f"pid {h.pid} ({_where(h)})" for h in held_by)
+                     or ("free" if g.mem_used_mib == 0 else "-"))
+        table.add_row(*_row(str(g.index), g.uuid, f"{b.mem_used_mib if b else '?'} MiB", f"{g.mem_used_mib} MiB",
+                            state))
     console.print(table)
     for i, uuid, ok, message in resets:
         console.print(f"nvidia-smi -r GPU {i} ({uuid}): {'ok' if ok else 'NOT reset'}: {message}")

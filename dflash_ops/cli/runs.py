@@ -6,12 +6,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, open_session, rendered_errors
+from dflash_ops.cli._common import RUN_HELP, CtOpt, HostOpt, JsonOpt, locate, open_session, rendered_errors
 
 
 def runs(ctx: typer.Context,
-         run: Annotated[Optional[str], typer.Argument(
-             help="A run id or name: that run alone, a row per node of a multi-node run.")] = None,
+         run: Annotated[Optional[str], typer.Argument(help=RUN_HELP)] = None,
          host: HostOpt = None, ct: CtOpt = None, json_out: JsonOpt = False) -> None:
     """List runs: name, run id, state (running, exited N, killed, lost), pid, start, duration.
 
@@ -30,7 +29,7 @@ def runs(ctx: typer.Context,
             else:
                 states = nodes.read_states(loc)
             render.node_runs(loc.run_id, states, noderun.overall(states), json_out=json_out)
-            raise typer.Exit(next((s.exit_code for s in states if s.status is None), 0))
+            raise typer.Exit(noderun.exit_code(states))
         session = open_session(ctx, host, ct)
         try:
             render.runs_table(lifecycle.list_runs(session), target=session.target.label, json_out=json_out)

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, rendered_errors, settings
+from dflash_ops.cli._common import RUN_HELP, CtOpt, HostOpt, JsonOpt, locate, rendered_errors, settings
 
 WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until Ctrl-C.")]
 IntervalOpt = Annotated[float, typer.Option("--interval", min=0.2, help="Seconds between refreshes with --watch.")]
@@ -51,99 +51,75 @@ def _is_ops_error(exc: BaseException) -> bool:
 
 
 def status(ctx: typer.Context,
-           run: Annotated[Optional[str], typer.Argument(
-               help="A run id or name: that run alone, a row per node of a multi-node run.")] = None,
+           run: Annotated[Optional[str], typer.Argument(help=RUN_HELP)] = None,
            host: HostOpt = None, ct: CtOpt = None, watch: WatchOpt = False,
            interval: IntervalOpt = 2.0, json_out: JsonOpt = False, timeout: TimeoutOpt = 15.0) -> None:
     """Runs (state, pid, uptime, exit code, latest step/loss/tokens/s/acc) and GPUs (memory, utilization,
     holders mapped to runs) of every host and container in scope. Exit 0 when every host answered, else the
     first failed host's code (69 unreachable, 77 host key/auth).
 
-    With RUN: that run, a row per node (state, pid, uptime, GPUs; rank 0's metrics) and the run's state
+    With RUN: that run alone, a row per node (state, pid, uptime, GPUs; rank 0's metrics) and the run's state
     (running, exited 0, stopped, failed: the node that failed first, unknown); exit as above, per node."""
+    from dflash_ops.cli import status_view
+
     with rendered_errors(json_out):
         if run is not None:
             loc, session, _ = locate(ctx, run, host, ct)
-            if session is not None:
-                session.transport.close()
-            _run_status(loc, watch, interval, timeout, json_out)
+            try:
+                report = _run_report(loc, timeout, reuse=session.transport if session is not None else None)
+                last = _show(report, status_view.node_report_dict, status_view.node_report_renderable,
+                             watch=watch, interval=interval, json_out=json_out)
+            finally:
+                if session is not None:
+                    session.transport.close()
+            if last is not None:
+                from dflash_ops.runs import noderun
+
+                raise typer.Exit(noderun.exit_code([r.state for r in last[2]]))
             return
         pairs = scope(ctx, host, ct)
-        if watch:
-            _watch(pairs, interval, timeout, json_out)
-            return
-        outcomes, elapsed = collect(pairs, timeout)
-        _print(outcomes, elapsed, json_out)
-        from dflash_ops.cli.status_view import exit_code
-
-        raise typer.Exit(exit_code(outcomes))
+        last = _show(lambda: collect(pairs, timeout), status_view.report_dict, status_view.report_renderable,
+                     watch=watch, interval=interval, json_out=json_out)
+        if last is not None:
+            raise typer.Exit(status_view.exit_code(last[0]))
 
 
-def _print(outcomes: list, elapsed: float, json_out: bool) -> None:
-    from dflash_ops.cli import status_view
-
-    if json_out:
-        import json
-
-        typer.echo(json.dumps(status_view.report_dict(outcomes, elapsed)))
-        return
-    from rich.console import Console
-
-    # the width is the terminal's, else $COLUMNS, else 80 (a pipe); status_view wraps between values, never in one
-    console = Console(soft_wrap=True)
-    console.print(status_view.report_renderable(outcomes, elapsed, console.width))
-
-
-def _watch(pairs: list, interval: float, timeout: float, json_out: bool) -> None:
-    """Refresh in place (Rich Live) or, with --json, one JSON document per line per refresh. Ctrl-C ends it."""
-    from dflash_ops.cli import status_view
-
-    try:
-        if json_out:
-            while True:
-                _print(*collect(pairs, timeout), json_out=True)
-                time.sleep(interval)
-        from rich.console import Console
-        from rich.live import Live
-
-        console = Console(soft_wrap=True)
-        with Live(console=console, auto_refresh=False, transient=False) as live:
-            while True:
-                live.update(status_view.report_renderable(*collect(pairs, timeout), console.width), refresh=True)
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        return
-
-
-def _run_status(loc, watch: bool, interval: float, timeout: float, json_out: bool) -> None:
-    """`status RUN`: a row per node, once or (--watch) until Ctrl-C."""
+def _run_report(loc, timeout: float, *, reuse=None):
+    """`status RUN`'s report maker: (run id, overall state, a row per node, elapsed s)."""
     from dflash_ops import hoststatus
-    from dflash_ops.cli import status_view
     from dflash_ops.runs import noderun, nodes
 
     gpu = hoststatus.GpuSettings.from_env()
 
     def report() -> tuple:
         t0 = time.monotonic()
-        rows = nodes.status_rows(loc, gpu, timeout_s=timeout)
+        rows = nodes.status_rows(loc, gpu, timeout_s=timeout, reuse=reuse)
         return loc.run_id, noderun.overall([r.state for r in rows]), rows, time.monotonic() - t0
 
-    if json_out:
-        import json
+    return report
 
-        def show(args) -> None:
-            typer.echo(json.dumps(status_view.node_report_dict(*args)))
-    else:
-        from rich.console import Console
 
-        console = Console(soft_wrap=True)
+def _show(report, as_dict, as_renderable, *, watch: bool, interval: float, json_out: bool) -> tuple | None:
+    """Print `report()` once (and return it), or with --watch refresh it until Ctrl-C (Rich Live in place; with
+    --json one document per line per refresh) and return None. `as_dict(*report)` is its JSON,
+    `as_renderable(*report, width)` its text, wrapped to the console's width (the terminal's, else $COLUMNS,
+    else 80 for a pipe; status_view wraps between values, never inside one)."""
+    import json
 
-        def show(args) -> None:
-            console.print(status_view.node_report_renderable(*args, console.width))
+    from rich.console import Console
+
+    console = Console(soft_wrap=True)
+
+    def show(args) -> None:
+        if json_out:
+            typer.echo(json.dumps(as_dict(*args)))
+        else:
+            console.print(as_renderable(*args, console.width))
+
     if not watch:
         args = report()
         show(args)
-        raise typer.Exit(next((r.state.exit_code for r in args[2] if r.state.status is None), 0))
+        return args
     try:
         if json_out:
             while True:
@@ -153,7 +129,7 @@ def _run_status(loc, watch: bool, interval: float, timeout: float, json_out: boo
 
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
-                live.update(status_view.node_report_renderable(*report(), console.width), refresh=True)
+                live.update(as_renderable(*report(), console.width), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
-        return
+        return None

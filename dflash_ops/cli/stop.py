@@ -11,7 +11,8 @@ from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, rendered_err
 
 def stop(
     ctx: typer.Context,
-    run: Annotated[str, typer.Argument(help="Run id, or run name (its latest run).")],
+    run: Annotated[str, typer.Argument(help="Run id, or run name (its latest run on --host/--ct). A multi-node "
+                                            "run's id alone finds it when it was launched from this machine.")],
     host: HostOpt = None,
     ct: CtOpt = None,
     grace: Annotated[float, typer.Option("--grace", min=0, help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
@@ -23,18 +24,20 @@ def stop(
     process group or session, and also when the run's directory is gone; a reused pid is never hit. Stopping a
     run with nothing left is a no-op (exit 0).
 
-    A multi-node run: every node at once, each reported; exit 0 when every node answered, else the first
-    failed node's code.
+    A multi-node run: every node at once, each reported (the run is marked stopped on every node before any is
+    signalled); exit 0 when every node answered, 3 when no node had the run, else the first failed node's code.
     """
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle, nodes
+    from dflash_ops.errors import RunNotFound
+    from dflash_ops.runs import lifecycle, noderun, nodes
 
     with rendered_errors(json_out):
         loc, session, status = locate(ctx, run, host, ct)
         if session is None:
             results = nodes.stop(loc, grace_s=grace)
             render.nodes_stopped(loc.run_id, results, json_out=json_out)
-            raise typer.Exit(next((r.error.exit_code for r in results if r.error is not None), 0))
+            none_there = all(r.how == "not_there" for r in results)
+            raise typer.Exit(RunNotFound.exit_code if none_there else noderun.exit_code(results))
         try:
             result = lifecycle.stop(session, status, grace_s=grace)
             render.stopped(status.run_id, result.how, result.status, json_out=json_out)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, NodeOpt, locate, rendered_errors, session_of
+from dflash_ops.cli._common import CtOpt, HostOpt, NodeOpt, locate, rendered_errors
 
 
 def tail(
@@ -41,7 +41,7 @@ def tail(
         try:
             rank = loc.pick(node)
             if session is None:
-                session = session_of(loc.targets[rank])
+                session = lifecycle.Session.of(loc.targets[rank])
                 status = lifecycle.find_run(session, loc.run_id)
                 render.info(f"node {rank} of {loc.run_id} ({loc.targets[rank].label}):")
             start = lifecycle.tail_start(session, status, lines, follow=follow,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from dflash_ops import names
+
 GPU_QUERY = "--query-gpu=index,uuid,memory.used,memory.total,utilization.gpu"
 APPS_QUERY = "--query-compute-apps=pid,process_name,used_memory,gpu_uuid"
 CSV_FORMAT = "--format=csv,noheader,nounits"
@@ -140,7 +142,7 @@ def parse_compute_apps(text: str) -> tuple[ComputeApp, ...]:
 def parse_nspid(line: str) -> tuple[int, ...]:
     """`NSpid:\t1590\t1` -> (1590, 1); empty for kernels without NSpid."""
     _, _, values = line.partition(":")
-    return tuple(int(v) for v in values.split() if v.isdigit())
+    return tuple(int(v) for v in values.split() if names.is_digits(v))
 
 
 def ctid_from_cgroup(cgroup: str) -> int | None:
@@ -157,7 +159,7 @@ def parse_stat(stat: str) -> tuple[str, str, int, int, int]:
 
 
 def _parse_proc_row(cells: list[str]) -> ProcInfo | None:
-    if len(cells) < 5 or not cells[1].isdigit():
+    if len(cells) < 5 or not names.is_digits(cells[1]):
         return None
     try:
         comm, state, ppid, pgid, start = parse_stat(cells[5])
@@ -183,7 +185,7 @@ def _split_sections(text: str) -> dict[str, list[str]]:
 
 
 def _ints(lines: list[str]) -> tuple[int, ...]:
-    return tuple(int(p) for p in " ".join(lines).split() if p.isdigit())
+    return tuple(int(p) for p in " ".join(lines).split() if names.is_digits(p))
 
 
 def parse_probe(text: str) -> GpuSnapshot:
@@ -196,17 +198,17 @@ def parse_probe(text: str) -> GpuSnapshot:
         cells = line.split("\t", 5)   # stat last: a comm may hold a tab
         if cells[0] == "P" and (proc := _parse_proc_row(cells)):
             procs.append(proc)
-        elif cells[0] == "L" and len(cells) >= 3 and cells[1].isdigit():
+        elif cells[0] == "L" and len(cells) >= 3 and names.is_digits(cells[1]):
             leaders.append((int(cells[1]), parse_nspid(cells[2])))
     ct_pidns = []
     for line in sec.get("CTNS", []):
         ctid, _, ns = line.partition(" ")
-        if ctid.isdigit() and ns.startswith("pid:["):
+        if names.is_digits(ctid) and ns.startswith("pid:["):
             ct_pidns.append((int(ctid), ns.strip()))
     fds = []
     for line in sec.get("FDS", []):
         pid, _, dev = line.partition(" ")
-        if pid.isdigit():
+        if names.is_digits(pid):
             fds.append((int(pid), dev.strip()))
     reason = (" ".join(sec["NOGPU"]).strip() or "nvidia-smi failed") if "NOGPU" in sec else None
     return GpuSnapshot(

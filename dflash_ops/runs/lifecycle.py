@@ -9,7 +9,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dflash_ops import names
@@ -29,6 +29,13 @@ RECONNECT_BUDGET_S = 120.0
 class Session:
     target: Target
     transport: Transport
+
+    @classmethod
+    def of(cls, target: Target) -> "Session":
+        """A Session for `target` through the transport its host needs; no connection is made yet."""
+        from dflash_ops.ssh import transport
+
+        return cls(target, transport.for_host(target.host))
 
     def argv(self, script: str) -> list[str]:
         return shellcmd.target_argv(self.target, script)
@@ -156,7 +163,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
                 if seen.pid is not None else f"{spec.run_id} may have started: check `dflash-ops runs {where}`")
         raise HostUnreachable(exc.message, hint=hint) from None
     words = parse.tagged(done.out, "DFLASH_LAUNCHED")
-    if not words or not words[0].isdigit():
+    if not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
     deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
     status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep)
@@ -177,7 +184,7 @@ class _StartWatch:
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
             words = line.decode("utf-8", "replace").split()
-            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and words[1].isdigit():
+            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and names.is_digits(words[1]):
                 self.pid = int(words[1])
                 self.on_started(self.pid)
                 return
@@ -215,19 +222,38 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
 # -- stop -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stopped:
-    how: str            # terminated | killed | not_running
+    how: str            # terminated | killed | not_running | fenced
     status: RunStatus
+
+
+def _stop_call(s: Session, run_id: str, grace_s: float, fence: bool) -> tuple[str, parse.RawState | None, int | None]:
+    done = s.run(shellcmd.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence), f"stopping {run_id}",
+                 timeout_s=grace_s + (60 if fence else 30))
+    how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
+    left = parse.tagged(done.out, "DFLASH_LEFT") or []
+    raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
+    return how, raw, int(left[0]) if left and names.is_digits(left[0]) else None
 
 
 def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
     """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script)."""
-    done = s.run(shellcmd.stop_script(s.target.runs_dir, run.run_id, grace_s), f"stopping {run.run_id}",
-                 timeout_s=grace_s + 30)
-    how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
-    left = parse.tagged(done.out, "DFLASH_LEFT") or []
-    raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
-    procs = int(left[0]) if left and left[0].isdigit() else None
+    how, raw, procs = _stop_call(s, run.run_id, grace_s, fence=False)
     return Stopped(how=how, status=parse.updated(run, raw, time.time(), procs) if raw else run)
+
+
+def fence(s: Session, run_id: str, *, grace_s: float = 10.0) -> Stopped:
+    """`stop` for a run whose launch may still be on its way to the target (shellcmd.stop_script's `fence`): it
+    is stopped once that launch has started it, or, where it never started, kept from starting (`fenced`)."""
+    how, raw, procs = _stop_call(s, run_id, grace_s, fence=True)
+    if raw is None:
+        raise RemoteFailed(f"stopping {run_id} on {s.target.label} printed no state")
+    status = parse.status(raw, {}, time.time(), s.target.runs_dir)
+    return Stopped(how=how, status=replace(status, procs=procs or 0))
+
+
+def mark_stopped(s: Session, run: RunStatus) -> None:
+    """Mark `run` stopped, if it runs, without signalling it: a multi-node stop's first phase."""
+    s.run(shellcmd.mark_stopped_script(s.target.runs_dir, run.run_id), f"marking {run.run_id} stopped")
 
 
 # -- tail -----------------------------------------------------------------------------------------------------
@@ -239,7 +265,7 @@ def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True, h
     done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
                  f"reading {run.run_id}'s log")
     words = parse.tagged(done.out, "DFLASH_START")
-    return int(words[0]) if words and words[0].lstrip("-").isdigit() else 0
+    return int(words[0]) if words and names.is_digits(words[0].removeprefix("-")) else 0
 
 
 def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], None], keep_following: bool = True,

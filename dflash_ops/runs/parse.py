@@ -95,8 +95,8 @@ def proc_lines(text: str) -> dict[str, list[tuple[int, int]]]:
     procs: dict[str, list[tuple[int, int]]] = {}
     for line in text.splitlines():
         words = line.split()
-        if (len(words) == 4 and words[0] == "DFLASH_PROC" and words[1].isdigit() and words[3].isdigit()
-                and names.is_run_id(words[2])):
+        if (len(words) == 4 and words[0] == "DFLASH_PROC" and names.is_digits(words[1])
+                and names.is_digits(words[3]) and names.is_run_id(words[2])):
             procs.setdefault(words[2], []).append((int(words[1]), int(words[3])))
     return procs
 
@@ -146,6 +146,12 @@ def probe(stdout: bytes) -> Probe:
     text = head.decode("utf-8", "replace")
     raw = next((r for r in map(state_line, text.splitlines()) if r is not None), None)
     return Probe(raw=raw, now=now_line(text) or 0.0, log_tail=log if sep else b"")
+
+
+def joined(stdout: bytes) -> bool:
+    """Output of `joined_script`: its header says DFLASH_JOINED (a log line matched)."""
+    head = stdout.partition(b"DFLASH_LOG\n")[0]
+    return b"DFLASH_JOINED" in head.split(b"\n")
 
 
 def tagged(text: str, tag: str) -> list[str] | None:

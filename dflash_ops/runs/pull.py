@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from dflash_ops import names
 from dflash_ops.errors import RemoteFailed
 from dflash_ops.runs.shellcmd import path_word, q
 
@@ -91,7 +92,7 @@ def parse_manifest(text: str) -> Manifest:
             missing = True
         elif line.startswith("DFLASH_FILE "):
             words = line.split(" ", 3)
-            if len(words) != 4 or not words[1].isdigit() or not re.fullmatch(r"[0-9a-f]{64}", words[2]):
+            if len(words) != 4 or not names.is_digits(words[1]) or not re.fullmatch(r"[0-9a-f]{64}", words[2]):
                 raise RemoteFailed(f"unreadable file listing line {line[:200]!r}")
             files.append(RemoteFile(rel=safe_rel(words[3]), size=int(words[1]), sha256=words[2]))
     if root is None or not root.startswith("/"):

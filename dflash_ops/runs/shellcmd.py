@@ -296,7 +296,22 @@ def tail_chunk_script(run_dir: str, offset: int, max_bytes: int = CHUNK_BYTES) -
             f'tail -c +{int(offset) + 1} -- "$D/output.log" 2>/dev/null | head -c {int(max_bytes)}\n')
 
 
-def stop_script(runs_dir: str, run_id: str, grace_s: float) -> str:
+# Write `stopped` (tmp + rename) unless the run already has an exit status, which it then keeps.
+MARK_STOPPED = ('if [ -d "$D" ] && [ ! -e "$D/exit_code" ]; then\n'
+                '  date +%s > "$D/stopped.tmp" && mv -f -- "$D/stopped.tmp" "$D/stopped"\n'
+                'fi\n')
+
+
+def mark_stopped_script(runs_dir: str, run_id: str) -> str:
+    """The first half of a multi-node `stop`: mark the run stopped on this node, if it runs, before any node is
+    signalled, so a node that fails because another was stopped (its collective lost a peer) reads as stopped,
+    not failed. A run that ended (exited, lost) keeps its state."""
+    return (PRELUDE + f"RUNS={path_word(runs_dir)}\nID={q(run_id)}\nD=\"$RUNS/$ID\"\n"
+            'pid=$(dflash_pid "$D")\n'
+            'if [ "$pid" != - ] && dflash_marked "$pid" "$ID"; then\n' + MARK_STOPPED + "fi\n")
+
+
+def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = False) -> str:
     """SIGTERM every process of the run, wait up to `grace_s`, SIGKILL what is left.
 
     The run's processes are those that carry its marker (dflash_procs: wherever their group or session, and also
@@ -304,19 +319,31 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float) -> str:
     marker. `stopped` is written before the first signal unless the run already has an exit code (then only its
     leftover processes are killed). Ends with `DFLASH_STOP <how>`, `DFLASH_LEFT <count still alive>` and the
     run's state line.
+
+    With `fence` (a launch of this run may still be on its way here: a rolled-back multi-node launch whose node
+    did not answer in time), it first takes the runs dir's launch lock, so a launch script holding it finishes
+    starting its job before the job is looked for; and where the run has no directory it creates one, marked
+    stopped (`DFLASH_STOP fenced`), so that a launch script arriving later cannot create it and start the job.
     """
     tenths = max(0, int(round(grace_s * 10)))
+    fenced = ""
+    if fence:
+        fenced = ('mkdir -p -- "$RUNS" 2>/dev/null\n'
+                  'if command -v flock >/dev/null 2>&1 && exec 9>>"$RUNS/.launch.lock"; then flock -w 30 9; fi\n'
+                  'if [ ! -d "$D" ] && [ -z "$left" ] && mkdir -- "$D" 2>/dev/null; then\n'
+                  '  date +%s > "$D/stopped"; echo "DFLASH_STOP fenced"; echo "DFLASH_LEFT 0"; state; exit 0\n'
+                  'fi\n'
+                  'left=$(mine)\n')
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\nID={q(run_id)}\nD=\"$RUNS/$ID\"\n"
             'mine() { local p i s; dflash_procs | while read -r p i s; do [ "$i" = "$ID" ] && echo "$p"; done; }\n'
             'state() { if [ -d "$D" ]; then dflash_state "$D"; else printf \'DFLASH_RUN %s 0 - - 1 - 0\\n\' "$ID"; fi; }\n'
             'left=$(mine)\n'
+            + fenced +
             '[ -d "$D" ] || [ -n "$left" ] || { echo DFLASH_MISSING; exit 3; }\n'
             'pid=$(dflash_pid "$D")\n'
             'if [ -z "$left" ]; then echo "DFLASH_STOP not_running"; echo "DFLASH_LEFT 0"; state; exit 0; fi\n'
             '# a run that already exited keeps its state; only its leftover processes are signalled\n'
-            'if [ -d "$D" ] && [ ! -e "$D/exit_code" ]; then\n'
-            '  date +%s > "$D/stopped.tmp" && mv -f -- "$D/stopped.tmp" "$D/stopped"\n'
-            'fi\n'
+            + MARK_STOPPED +
             'sig() {\n'
             '  local p\n'
             '  [ "$pid" != - ] && dflash_group_alive "$pid" "$ID" && kill -"$1" -- "-$pid" 2>/dev/null\n'
@@ -334,11 +361,18 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float) -> str:
             'state\n')
 
 
-def free_port_script(candidates: Sequence[int]) -> str:
-    """`DFLASH_PORT <p>`: the first of `candidates` that no TCP socket of this network namespace uses as its
-    local port (listening, connected or closing: /proc/net/tcp and tcp6), else `DFLASH_ERROR no free port`."""
+def rendezvous_script(candidates: Sequence[int], *, find_address: bool = False) -> str:
+    """Rank 0's part of the rendezvous, checked where its torchrun will listen. `DFLASH_PORT <p>`: the first of
+    `candidates` that no TCP socket of this network namespace uses as its local port (listening, connected or
+    closing: /proc/net/tcp and tcp6), else `DFLASH_ERROR no free port` (exit 1). With `find_address`, first its
+    own addresses, for noderun.own_ipv4: `DFLASH_IP4 <line>` per line of `ip -4 -o addr show scope global`, and
+    `DFLASH_HOSTIPS <hostname -I>`."""
     ports = " ".join(str(int(p)) for p in candidates)
-    return ("used=' '\n"
+    found = ("{ ip -4 -o addr show scope global 2>/dev/null || true; } | while IFS= read -r l; do\n"
+             "  printf 'DFLASH_IP4 %s\\n' \"$l\"\n"
+             "done\n"
+             "printf 'DFLASH_HOSTIPS %s\\n' \"$(hostname -I 2>/dev/null)\"\n") if find_address else ""
+    return (found + "used=' '\n"
             "while read -r _ local _; do\n"
             '  case $local in *:*) used+="$((16#${local##*:})) " ;; esac\n'
             "done < <(cat /proc/net/tcp /proc/net/tcp6 2>/dev/null)\n"
@@ -347,3 +381,15 @@ def free_port_script(candidates: Sequence[int]) -> str:
             "  printf 'DFLASH_PORT %s\\n' \"$p\"; exit 0\n"
             "done\n"
             "echo 'DFLASH_ERROR no free port'; exit 1\n")
+
+
+def joined_script(run_dir: str, ere: str, tail_bytes: int = 4096) -> str:
+    """probe_script's state and log tail, with `DFLASH_JOINED` among the header lines once a line of the log
+    matches the extended regex `ere` (read after the state: a run that ended had written that line before)."""
+    return (PRELUDE + f"D={path_word(run_dir)}\n"
+            "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
+            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+            'dflash_state "$D"\n'
+            f'grep -a -q -E -e {q(ere)} -- "$D/output.log" 2>/dev/null && echo DFLASH_JOINED\n'
+            "echo DFLASH_LOG\n"
+            f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')

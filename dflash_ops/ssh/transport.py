@@ -14,6 +14,7 @@ import selectors
 import shlex
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +47,8 @@ class Transport(Protocol):
     def reconnect(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def shut(self) -> None: ...
 
 
 FETCH_CHUNK = 1 << 20
@@ -89,9 +92,12 @@ class LocalTransport:
 
     def __init__(self, label: str = "local") -> None:
         self.label = label
+        self._shut = False
 
     def run(self, argv: Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S,
             on_stdout: OnStdout | None = None) -> Completed:
+        if self._shut:
+            raise _shut_error(self.label)
         try:
             proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE)
@@ -130,6 +136,14 @@ class LocalTransport:
 
     def close(self) -> None:
         return None
+
+    def shut(self) -> None:
+        """Run nothing more (a command already running goes on)."""
+        self._shut = True
+
+
+def _shut_error(label: str) -> HostUnreachable:
+    return HostUnreachable(f"{label}: connection shut (what it was doing is being rolled back)")
 
 
 def _read_both(proc: subprocess.Popen, timeout_s: float | None, on_stdout: OnStdout | None) -> tuple[bytes, bytes]:
@@ -175,6 +189,8 @@ class SshTransport:
         self._hops: list = []      # connected jump hosts, first first: each carries the next one's channel
         self._proxy = None         # the running proxy command, if the route has one
         self._sftp = None          # an SFTP session on the same connection, opened by the first fetch
+        self._shut = False         # shut(): never connect again
+        self._lock = threading.Lock()
         self._endpoint = resolve_endpoint(host)
         self.route = resolve_route(host, self._endpoint)
 
@@ -182,14 +198,21 @@ class SshTransport:
     def _connect(self):
         import paramiko  # lazy: only when a connection is really made
 
+        if self._shut:
+            raise _shut_error(self.label)
         address, port, user, key = self._endpoint
         sock = self.tunnel()
         client = _client(paramiko, self.host)
         self._connect_one(paramiko, client, Endpoint(address, port, user, key, self.host.name), sock,
                             where=f"{user}@{address}:{port}", trust=_target_trust)
         client.get_transport().set_keepalive(self.host.keepalive_s)
-        self._client = client
-        return client
+        with self._lock:       # a shut() while this connected wins: the connection carries nothing
+            if not self._shut:
+                self._client = client
+                return client
+        client.close()
+        self.close()
+        raise _shut_error(self.label)
 
     def tunnel(self):
         """What carries the connection to the host's endpoint: None (direct TCP), the proxy command's pipes, or
@@ -298,6 +321,13 @@ class SshTransport:
     def reconnect(self) -> None:
         self.close()
         self._connect()
+
+    def shut(self) -> None:
+        """Close, and never connect again: whatever another thread was about to send through this transport is
+        not sent (a command already running on the host goes on there)."""
+        with self._lock:
+            self._shut = True
+        self.close()
 
     def close(self) -> None:
         # target first, then the hops from the last one back: each carries the connection after it

@@ -6,9 +6,13 @@ against the session's real sshd and emulated Proxmox containers reached through 
   `job` (the JOB script below, liveness `job started`) and `cachejob` (the same with `pre: [clear_inductor_cache]`
   and TORCHINDUCTOR_CACHE_DIR=`bed.cache_dir`). Containers are stopped when the module ends (that ends every job
   inside them, as stopping a real container does).
-- JOB flags: `--gate FILE` (after `job started`, wait until FILE exists), `--lines N` `--every S` (print
+- JOB flags: `--joined` (then print torchrun's "Rendezvous complete" line: a stand-in for torchrun on a node of a
+  multi-node run), `--gate FILE` (after `job started`, wait until FILE exists), `--lines N` `--every S` (print
   `line I` N times), `--metrics N` (N intervals as the trainer prints them: a `DFLASH_METRICS` line, then a
-  human line `step I loss L`), `--child FILE` (spawn `sleep 300` in the job's group, write its container pid),
+  human line `step I loss L`; as the trainer, only on rank 0 of a multi-node run), `--end-gate FILE` (at the end,
+  wait until FILE exists), `--peers FILE` (as the ranks of a data-parallel run: rank 0 creates FILE when it gets
+  SIGTERM and exits 143; any other rank exits 1 once FILE exists, as if its collective had lost a peer),
+  `--child FILE` (spawn `sleep 300` in the job's group, write its container pid),
   `--setsid-child FILE` (the same in a session and group of its own: only its environment's marker ties it to the run),
   `--export KIB` (write export/, metrics.jsonl, ckpt/step_2 and ckpt/step_10 into the run dir, as the trainer does,
   plus an awkwardly named file and a symlink `export/leak` to `--leak PATH`),
@@ -46,6 +50,9 @@ def put(path, data):
         f.write(data)
     os.replace(path + ".tmp", path)
 print("job started", flush=True)
+rank = os.environ.get("PET_NODE_RANK", "0")
+if "--joined" in args:
+    print("[default] Rendezvous complete for workers. Result:", flush=True)
 if opt("--argv"):
     put(opt("--argv"), b"\0".join(os.fsencode(a) for a in sys.argv[1:]))
 if opt("--env"):
@@ -77,12 +84,24 @@ while gate and not os.path.exists(gate) and time.monotonic() < deadline:
 for i in range(int(opt("--lines", "0"))):
     print(f"line {i}", flush=True)
     time.sleep(float(opt("--every", "0.02")))
-for i in range(1, int(opt("--metrics", "0")) + 1):   # as the trainer prints an interval: machine line, human line
-    print('DFLASH_METRICS {"step": %d, "loss": %.1f, "acc_by_pos": [%s]}' % (i, 4 - i / 10, ", ".join(["0.5"] * 15)),
-          flush=True)
+for i in range(1, int(opt("--metrics", "0")) + 1 if rank == "0" else 0):   # an interval: machine line, human line
+    print('DFLASH_METRICS {"step": %d, "loss": %.1f, "tokens_per_s": %d, "acc_by_pos": [%s]}'
+          % (i, 4 - i / 10, 100 * i, ", ".join(["0.5"] * 15)), flush=True)
     print(f"step {i} loss {4 - i / 10:.1f}", flush=True)
     time.sleep(float(opt("--every", "0.02")))
-sys.exit(int(opt("--rc", "0")))
+if opt("--peers") and rank == "0":
+    import signal
+    def term(*_):
+        put(opt("--peers"), b"rank 0 stopped")
+        os._exit(143)
+    signal.signal(signal.SIGTERM, term)
+    while True:
+        time.sleep(1)
+gate = opt("--end-gate") or (opt("--peers") if rank != "0" else None)
+deadline = time.monotonic() + 120
+while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(1 if opt("--peers") else int(opt("--rc", "0")))
 '''
 
 RUNBOOK = """\
@@ -201,11 +220,12 @@ class E2E:
         return self.work / label
 
 
-def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+def wait_for(predicate, what: str, timeout_s: float = 30.0, poll_s: float = 0.1) -> None:
+    """Poll `predicate` (something cheap: a file, /proc; not the CLI over SSH) every `poll_s` until it holds."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(poll_s)
 
 
 def marked_processes(container: ct_mod.EmulatedContainer, run_id: str) -> list[int]:

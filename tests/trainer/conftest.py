@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny Qwen3 target built once per session, saved to disk, loaded through the real code."""
+"""Shared fixtures: the session's tiny Qwen3 target (tests/conftest.py: `tiny_target_dir`) loaded through the real
+code, one tiny target per supported family, and small configs and states over them."""
 from __future__ import annotations
 
 import os
@@ -8,8 +9,6 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_configure(config):
@@ -19,13 +18,6 @@ def pytest_configure(config):
     cpu_run = "not gpu" in " ".join((config.getoption("markexpr", "") or "").split())
     if cpu_run or not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory) -> Path:
-    from trainer.tiny import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"), train_steps=60)
 
 
 @pytest.fixture(scope="session")

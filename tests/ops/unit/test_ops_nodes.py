@@ -1,16 +1,20 @@
-"""Pure parts of a multi-node run: node specs, inventory groups and rendezvous addresses, the record, the torchrun
-variables, the runbook checks, the run's overall state, and the free-port script (run by bash for real)."""
+"""Pure parts of a multi-node run: node specs, inventory groups and rendezvous addresses (and rank 0's found in its
+container), the record and when a node's copy of it is followed, the torchrun variables, the runbook and
+environment checks, the run's overall state, the rendering of hosts' text; and two scripts run by bash for real:
+the free-port check and the fenced stop."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
+from dataclasses import replace
 
 import pytest
 
 from dflash_ops import inventory, nodespec
 from dflash_ops.errors import ConfigError, UsageError
-from dflash_ops.runs import noderun, nodes, shellcmd
-from dflash_ops.runs.noderun import Node, NodeRun, NodeState, Rendezvous
+from dflash_ops.runs import noderun, nodes, parse, runbooks, shellcmd
+from dflash_ops.runs.noderun import Machine, Node, NodeRun, NodeState, Rendezvous
 from dflash_ops.spec import Container, Host, Liveness, Runbook, RunStatus, Target
 
 RUN_ID = "pair-20260101T120000-ab12"
@@ -62,8 +66,8 @@ def test_inventory_groups_and_rendezvous_addresses(tmp_path):
     inv = inventory.load_inventory(path)
     assert inv.group_map() == {"pair": ("pve1:200", "pve2:200")}
     assert inventory.resolve_target(inv, "pve1", "200").rdzv_address == "fd00::20"   # the container's own
-    assert inventory.resolve_target(inv, "pve1", "201").rdzv_address == "192.168.7.6"
-    assert inventory.resolve_target(inv, "pve2", "200").rdzv_address is None
+    assert inventory.resolve_target(inv, "pve1", "201").rdzv_address is None         # its host's is not its
+    assert Target(inventory.resolve_host(inv, "pve1", with_ct=False)).rdzv_address == "192.168.7.6"
 
 
 @pytest.mark.parametrize("bad, line, says", [
@@ -81,10 +85,11 @@ def test_bad_groups_are_config_errors_with_their_line(tmp_path, bad, line, says)
     assert exc.value.message.startswith(f"{path}:{line}: ") and says in exc.value.message
 
 
-@pytest.mark.parametrize("bad", ["10.0.0.1:29500", "x;y", "[host]", "-a.b", "a..b"])
+@pytest.mark.parametrize("bad", ["10.0.0.1:29500", "x;y", "[host]", "-a.b", "a..b", "fe80::1%eth0", "[fe80::1%1]",
+                                 "10.0.0.256", "h\x07", "h\u00e9", "h\n"])
 def test_a_bad_rdzv_address_is_a_config_error(tmp_path, bad):
     path = tmp_path / "inv.yaml"
-    path.write_text(f"hosts:\n  pve1:\n    address: 10.1.2.6\n    rdzv_address: {bad!r}\n")
+    path.write_text(f"hosts:\n  pve1:\n    address: 10.1.2.6\n    rdzv_address: {json.dumps(bad)}\n")
     with pytest.raises(ConfigError, match=r"inv.yaml:4: host 'pve1': invalid rendezvous address"):
         inventory.load_inventory(path)
 
@@ -93,24 +98,54 @@ def proxmox(name: str, ct: str = "200", **host) -> Target:
     return Target(Host(name=name, transport="proxmox", **host), Container(ct))
 
 
-LOCAL_CT = Target(Host(name="local", transport="local"), Container("200"))
+def bare(name: str, **host) -> Target:
+    return Target(Host(name=name, transport="ssh", **host))
+
+
+A, B, HERE = Machine("10.0.0.1", 22), Machine("10.0.0.2", 22), Machine("127.0.0.1", 2222)
 
 
 def test_the_rendezvous_address_is_rank_0s_as_the_other_nodes_reach_it():
-    two, a, b = [proxmox("a"), proxmox("b")], ("10.0.0.1", 22), ("10.0.0.2", 22)
-    assert noderun.rendezvous_address(two, [a, b]) == "10.0.0.1"
-    assert noderun.rendezvous_address([proxmox("a", rdzv_address="192.168.1.5"), two[1]], [a, b]) == "192.168.1.5"
-    # one machine: its loopback serves (two containers of one host; two local containers)
-    here = ("127.0.0.1", 2222)
-    assert noderun.rendezvous_address([proxmox("a"), proxmox("a", "201")], [here, here]) == "127.0.0.1"
-    assert noderun.rendezvous_address([LOCAL_CT, Target(LOCAL_CT.host, Container("201"))], [None, None]) == "127.0.0.1"
-    for targets, endpoints in (([proxmox("a"), proxmox("b")], [here, b]),
-                               ([proxmox("a"), proxmox("b")], [here, ("127.0.0.1", 2223)]),   # two port forwards
-                               ([LOCAL_CT, proxmox("b")], [None, b]),
-                               ([proxmox("a"), proxmox("b")], [("localhost", 22), b])):
-        with pytest.raises(UsageError, match="which the other nodes cannot reach") as exc:
-            noderun.rendezvous_address(targets, endpoints)
-        assert "rdzv_address:" in exc.value.hint
+    assert noderun.rendezvous_address([bare("a"), bare("b")], [A, B]) == "10.0.0.1"
+    assert noderun.rendezvous_address([bare("a", rdzv_address="192.168.1.5"), bare("b")], [A, B]) == "192.168.1.5"
+    assert noderun.rendezvous_address([bare("a")], [HERE]) == "127.0.0.1"        # a bare host alone: its loopback
+    # A container has a network of its own: its own rdzv_address, else found inside it at launch (None) -- never
+    # its host's address, nor loopback, even with every node on one machine.
+    assert noderun.rendezvous_address([proxmox("a", rdzv_address="192.168.1.5"), proxmox("b")], [A, B]) is None
+    assert noderun.rendezvous_address([proxmox("a"), proxmox("a", "201")], [HERE, HERE]) is None
+    own = Target(Host(name="a", transport="proxmox"), Container("200", rdzv_address="10.5.0.20"))
+    assert noderun.rendezvous_address([own, proxmox("b")], [A, B]) == "10.5.0.20"
+    via = Machine("10.0.0.1", 22, route="ops@bastion:22")
+    for targets, machines, says in (
+            ([bare("a"), bare("b")], [HERE, B], "is reached at 127.0.0.1, which the other nodes cannot reach"),
+            ([bare("a"), bare("b")], [HERE, Machine("127.0.0.1", 2223)], "cannot reach"),   # two port forwards
+            ([bare("a"), proxmox("a")], [HERE, HERE], "cannot reach"),        # a container cannot reach its loopback
+            ([Target(Host(name="local")), bare("b")], [Machine(), B], "is reached at this machine"),
+            ([bare("a"), bare("b")], [via, B], "is reached through ops@bastion:22"),
+            ([proxmox("a"), proxmox("b")], [via, B], "is reached through ops@bastion:22")):
+        with pytest.raises(UsageError, match=says) as exc:
+            noderun.rendezvous_address(targets, machines)
+        assert f"`rdzv_address:` under hosts.{targets[0].host.name}" in exc.value.hint
+    assert noderun.rendezvous_address([bare("a", rdzv_address="10.9.0.1"), bare("b")], [via, B]) == "10.9.0.1"
+
+
+IP_O = ("DFLASH_IP4 1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever\n"
+        "DFLASH_IP4 3: eth1    inet 169.254.3.4/16 brd 169.254.255.255 scope global eth1\\       valid_lft forever\n"
+        "DFLASH_IP4 4: eth0    inet 10.5.0.20/24 brd 10.5.0.255 scope global eth0\\       valid_lft forever\n"
+        "DFLASH_HOSTIPS 10.9.9.9 fd00::2\n")
+
+
+def test_rank_0s_address_in_its_container_is_its_first_global_ipv4_else_the_launch_is_refused():
+    assert noderun.own_ipv4(IP_O) == "10.5.0.20"              # loopback and link-local skipped
+    assert noderun.own_ipv4("DFLASH_HOSTIPS fd00::2 169.254.1.1 10.9.9.9 \n") == "10.9.9.9"   # no `ip`: hostname -I
+    for none in ("", "DFLASH_HOSTIPS \n", "DFLASH_IP4 2: eth0 inet 300.1.1.1/24 scope global eth0\n",
+                 "DFLASH_HOSTIPS 010.1.1.1 1.2.3.4;id ::1\n", "DFLASH_PORT 20001\n"):
+        assert noderun.own_ipv4(none) is None, none
+    ct = proxmox("pve1")
+    assert noderun.found_address(IP_O, ct) == "10.5.0.20"
+    with pytest.raises(ConfigError, match=r"rank 0's node pve1/ct200 has no global IPv4 address in its container") as e:
+        noderun.found_address("DFLASH_HOSTIPS \n", ct)
+    assert e.value.exit_code == 78 and "`rdzv_address:` under hosts.pve1.containers.200" in e.value.hint
 
 
 RUN = NodeRun(RUN_ID, (Node(0, "pve1", "200"), Node(1, "root@10.1.2.7", "200")),
@@ -121,7 +156,8 @@ def test_each_node_gets_torchruns_rendezvous_variables():
     assert dict(RUN.node_env(1)) == {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_RDZV_BACKEND": "static",
                                      "PET_RDZV_ENDPOINT": "[fd00::5]:29511", "PET_RDZV_ID": RUN_ID,
                                      "PET_RDZV_CONF": "timeout=120"}
-    assert {k for k, _ in RUN.node_env(0)} == set(noderun.RDZV_ENV)
+    assert {k for k, _ in RUN.node_env(0)} < set(noderun.RDZV_ENV)
+    assert {"PET_STANDALONE", "PET_MASTER_ADDR", "PET_MASTER_PORT"} < set(noderun.RDZV_ENV)
 
 
 def test_the_record_round_trips_and_a_tampered_one_is_not_a_record():
@@ -143,14 +179,28 @@ def book(command=("{python}", "-m", "torch.distributed.run", "-m", "trainer"), n
 
 
 def test_only_a_nodes_runbook_without_rendezvous_flags_spans_nodes():
-    noderun.check_runbook(book())
+    noderun.check_runbook(book(command=("{python}", "-m", "torch.distributed.run", "--nproc-per-node", "gpu",
+                                        "--no-python", "-m", "trainer", "--recipe", "x", "--run-dir", "d", "--set")))
     with pytest.raises(UsageError, match="runs on one node: --node needs a runbook with `nodes: true`"):
         noderun.check_runbook(book(nodes=False))
-    for flag in ("--standalone", "--nnodes=2", "--rdzv_endpoint", "--master-addr"):
+    # the flags, and the abbreviations torchrun's argparse expands to them
+    for flag in ("--standalone", "--nnodes=2", "--rdzv_endpoint", "--master-addr", "--nnode", "--stand", "--rdzv",
+                 "--node_r", "--master_p=1"):
         with pytest.raises(UsageError, match=f"gives torchrun {flag}"):
             noderun.check_runbook(book(command=("{python}", "-m", "torch.distributed.run", flag)))
-    with pytest.raises(UsageError, match="--env PET_RDZV_ENDPOINT: with --node, dflash-ops sets the rendezvous"):
-        noderun.check_env([("HF_HOME", "/x"), ("PET_RDZV_ENDPOINT", "h:1")])
+
+
+def test_no_environment_a_node_gets_may_set_the_rendezvous_and_torchrun_must_log_it_joining():
+    for key in ("PET_RDZV_ENDPOINT", "PET_STANDALONE", "PET_MASTER_ADDR", "PET_MASTER_PORT"):
+        with pytest.raises(UsageError, match=f"^--env sets {key}: with --node, dflash-ops sets the rendezvous"):
+            noderun.check_env([("HF_HOME", "/x"), (key, "h:1")], "--env")
+    noderun.check_env([("PET_NPROC_PER_NODE", "2")], "--env")
+    b = book()
+    noderun.check_loglevel([("LOGLEVEL", "WARNING"), ("LOGLEVEL", "INFO")], b)     # the last one wins, as exported
+    for env, now in (([], "is not set"), ([("LOGLEVEL", "info")], "is 'info'"), ([("LOGLEVEL", "20")], "is '20'")):
+        with pytest.raises(UsageError, match=f"runbook 'b': LOGLEVEL {now}; a multi-node launch waits") as exc:
+            noderun.check_loglevel(env, b)
+        assert exc.value.hint == "set `LOGLEVEL: INFO` in the runbook's env (graphwarm-nodes does)"
 
 
 def status(state: str, exit_code=None, ended=None, stopped=False) -> RunStatus:
@@ -185,13 +235,28 @@ def test_the_free_port_script_skips_ports_in_use():
         held.bind(("127.0.0.1", 0))
         held.listen()
         busy = held.getsockname()[1]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            free = probe.getsockname()[1]
-        found = subprocess.run(["bash", "-c", shellcmd.free_port_script([busy, free])], capture_output=True, text=True)
-        assert (found.returncode, found.stdout) == (0, f"DFLASH_PORT {free}\n"), found.stderr
-        none = subprocess.run(["bash", "-c", shellcmd.free_port_script([busy])], capture_output=True, text=True)
+        others = [p for p in range(*noderun.PORT_RANGE)][:8]     # whatever this machine does with them meanwhile
+        found = subprocess.run(["bash", "-c", shellcmd.rendezvous_script([busy, *others])], capture_output=True,
+                               text=True)
+        assert found.returncode in (0, 1) and f"DFLASH_PORT {busy}\n" not in found.stdout, found.stderr
+        none = subprocess.run(["bash", "-c", shellcmd.rendezvous_script([busy])], capture_output=True, text=True)
         assert (none.returncode, none.stdout) == (1, "DFLASH_ERROR no free port\n")
+
+
+def test_a_fenced_stop_keeps_a_late_launch_from_starting_its_job(tmp_path):
+    """Rolling back a launch whose node did not answer in time: the run dir the late launch script would create
+    is made first, marked stopped, so that script cannot start the job."""
+    target = Target(Host(name="local", transport="local", runs_dir=str(tmp_path / "runs")))
+    spec = runbooks.run_spec(Runbook(name="late", command=("touch", str(tmp_path / "started")), liveness=Liveness()),
+                             target, name="late", run_id=RUN_ID)
+    fenced = subprocess.run(["bash", "-c", shellcmd.stop_script(target.runs_dir, RUN_ID, 1, fence=True)],
+                            capture_output=True, text=True)
+    assert fenced.returncode == 0 and "DFLASH_STOP fenced\n" in fenced.stdout, fenced.stderr
+    late = subprocess.run(["bash", "-c", shellcmd.launch_script(spec)], capture_output=True, text=True)
+    assert late.returncode == 1 and "DFLASH_ERROR" in late.stdout and "DFLASH_LAUNCHED" not in late.stdout
+    assert not (tmp_path / "started").exists() and (tmp_path / "runs" / RUN_ID / "stopped").is_file()
+    state = parse.state_line(next(ln for ln in fenced.stdout.splitlines() if ln.startswith("DFLASH_RUN ")))
+    assert parse.state_of(state) == "killed" and state.stopped
 
 
 def test_tail_node_picks_a_rank_or_a_node_as_launched():
@@ -200,7 +265,56 @@ def test_tail_node_picks_a_rank_or_a_node_as_launched():
     for bad in ("2", "pve1:201", "pve1"):
         with pytest.raises(UsageError, match=f"--node {bad}: not a node of {RUN_ID}"):
             loc.pick(bad)
+    with pytest.raises(UsageError, match="invalid node '\u00b2'"):     # a digit to str.isdigit, not to int()
+        loc.pick("\u00b2")
     single = nodes.Located.single(RUN_ID, proxmox("pve1"))
     assert single.pick(None) == 0
     with pytest.raises(UsageError, match="is not a multi-node run"):
         single.pick("1")
+
+
+def test_a_record_read_from_a_node_is_followed_only_when_it_names_that_node_and_inventory_hosts(tmp_path):
+    path = tmp_path / "inv.yaml"
+    path.write_text(INVENTORY)
+    inv = inventory.load_inventory(path)
+    here = inventory.resolve_target(inv, "pve2", "200")
+    group = NodeRun(RUN_ID, (Node(0, "pve1", "200"), Node(1, "pve2", "200")), Rendezvous("10.0.0.1", 29511, RUN_ID))
+
+    def read_here(record: NodeRun, rank: int):
+        return nodes.located_from(inv, replace(status("running"), multinode=record, node_rank=rank), here)
+
+    loc, warning = read_here(group, 1)
+    assert warning is None and loc.multinode == group and [t.label for t in loc.targets] == ["pve1/ct200", "pve2/ct200"]
+    foreign = replace(group, nodes=(Node(0, "root@203.0.113.9", "200"), Node(1, "pve2", "200")))
+    for record, rank, why in ((group, 0, "its node 0 is pve1:200, not pve2/ct200"),
+                              (foreign, 1, "it names root@203.0.113.9:200, not an inventory host")):
+        loc, warning = read_here(record, rank)
+        assert loc.multinode is None and loc.targets == (here,)
+        assert warning == (f"warning: the record of {RUN_ID}'s nodes in its run.json on pve2/ct200 is not followed "
+                           f"({why}); showing pve2/ct200 alone")
+
+
+def test_text_from_hosts_is_never_taken_for_rich_markup(capsys):
+    from dflash_ops.cli import render
+
+    hostile = "[bold]x[/bold] [link=file:///etc/passwd]y[/link] [/]"
+    failed = [NodeState(Node(0, "h0"), "h0[0]", None, hostile, 1)]
+    render.node_runs(RUN_ID, failed, noderun.overall(failed), json_out=False)
+    render.runs_table([replace(status("running"), name=hostile)], target="[fd00::5]", json_out=False)
+    out = capsys.readouterr().out
+    assert out.count(hostile) == 2 and "h0[0]" in out and "runs on [fd00::5]" in out
+
+
+def test_a_shut_transport_sends_nothing_more(tmp_path):
+    """What a rolled-back launch does to each node's connection first: a node's thread still holding it (past
+    its deadline) can run nothing through it, and does not connect again."""
+    from dflash_ops.errors import HostUnreachable
+    from dflash_ops.ssh import transport
+
+    here = transport.LocalTransport()
+    far = transport.SshTransport(Host(name="far", transport="proxmox", address="127.0.0.1", port=9))
+    for t in (here, far):
+        t.shut()
+        with pytest.raises(HostUnreachable, match="connection shut"):
+            t.run(["touch", str(tmp_path / "ran")])
+    assert not (tmp_path / "ran").exists()
