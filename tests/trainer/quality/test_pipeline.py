@@ -25,9 +25,16 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_quality_cpu_pipeline_end_to_end(tmp_path):
-    out = tmp_path / "q"
-    proc = _run("--recipe", "quality_cpu", "--out", str(out))
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One `quality_cpu` pipeline run (its directory, its process), shared by the tests that read it; none writes
+    into it (the --reuse test checks that it is never written)."""
+    out = tmp_path_factory.mktemp("quality") / "q"
+    return out, _run("--recipe", "quality_cpu", "--out", str(out))
+
+
+def test_quality_cpu_pipeline_end_to_end(cpu_run):
+    out, proc = cpu_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DFLASH_QUALITY ")]
     assert len(lines) == 1
@@ -96,13 +103,11 @@ def test_bad_override_is_one_clear_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(tmp_path):
+def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(cpu_run, tmp_path):
     """--reuse skips pretrain + regenerate, reads the earlier run without writing it, and a run whose regenerate
     stage never finished cannot be reused."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    small = ("--set", "regen.train_prompts=12", "--set", "regen.continuations=4",
-             "--set", "eval.prompts=1")
-    proc = _run("--recipe", "quality_cpu", "--out", str(first), *small)
+    (first, proc), second = cpu_run, tmp_path / "second"
+    small = ("--set", "eval.prompts=1",)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = json.loads((first / "stages.json").read_text())
     assert set(stages) == {"pretrain", "regenerate", "drafter", "eval"}
