@@ -24,7 +24,6 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return run_module("trainer.quality.pipeline", *args)
 
 
-@pytest.mark.slow
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     """One `quality_cpu` pipeline run (its directory, its process), shared by the tests that read it; none writes
@@ -33,6 +32,7 @@ def cpu_run(tmp_path_factory):
     return out, _run("--recipe", "quality_cpu", "--out", str(out))
 
 
+@pytest.mark.slow
 def test_quality_cpu_pipeline_end_to_end(cpu_run):
     out, proc = cpu_run
     assert proc.returncode == 0, proc.stderr[-3000:]
