@@ -103,10 +103,14 @@ def head_dim_supported(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def runs_on(device: torch.device) -> bool:
+    """Triton kernels can run on tensors of `device` here: CUDA, or CPU under the interpreter (the kernel tests)."""
+    return device.type == "cuda" or (device.type == "cpu" and CPU_UNDER_INTERPRETER and interpreting())
+
+
 def usable_for(x: torch.Tensor) -> bool:
     """The kernels can run on `x` here (CUDA, or the interpreter) and are not being traced by torch.compile."""
-    on_cpu = CPU_UNDER_INTERPRETER and interpreting()
-    return (x.is_cuda or on_cpu) and _kernels() is not None and not torch.compiler.is_compiling()
+    return runs_on(x.device) and _kernels() is not None and not torch.compiler.is_compiling()
 
 
 class RowInvariantRMSNorm:

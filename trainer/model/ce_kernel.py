@@ -77,11 +77,9 @@ def available() -> bool:
 
 def usable_on(device: torch.device) -> bool:
     """The kernel can run on tensors of `device`: CUDA with Triton, or CPU under the interpreter (tests)."""
-    from trainer.decode import kernels
+    from trainer.decode.kernels import runs_on
 
-    if not available():
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and kernels.interpreting() and kernels.CPU_UNDER_INTERPRETER)
+    return available() and runs_on(device)
 
 
 BLOCK = 4096  # columns per iteration; 8 warps (a power of two: triton.arange)
@@ -98,13 +96,9 @@ def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want
     loss_rows = torch.empty(C, dtype=torch.float32, device=logits.device)
     correct = torch.empty(C, dtype=torch.int8, device=logits.device)
     grad = torch.empty_like(logits) if want_grad else loss_rows  # a placeholder pointer when unused
+    import triton
+
     kernel[(C,)](logits, y, s.float(), grad, loss_rows, correct, logits.stride(0), V,
-                 WANT_GRAD=want_grad, BLOCK=min(BLOCK, _pow2_at_least(V)), num_warps=8)
+                 WANT_GRAD=want_grad, BLOCK=min(BLOCK, max(16, triton.next_power_of_2(V))), num_warps=8)
     return loss_rows.sum(), correct.bool(), (grad if want_grad else None)
 
-
-def _pow2_at_least(n: int) -> int:
-    p = 16
-    while p < n:
-        p *= 2
-    return p
