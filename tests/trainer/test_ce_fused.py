@@ -41,17 +41,22 @@ def test_fused_chunk_gradient_is_softmax_minus_onehot_scaled():
 
 def test_compiled_fused_chunk_through_the_chunked_loss():
     """What compile_step installs (Inductor, CPU here): the chunked loss gives the eager loss, accuracy and dh."""
+    assert_chunked_loss_equals_eager(torch.compile(ce_chunk_fused, dynamic=False))  # chunks 16, 16, 8: two shapes
+
+
+def assert_chunked_loss_equals_eager(chunk_fn) -> None:
+    """The chunked LM-head loss through `chunk_fn` (ce_chunk's contract) gives the eager chunk's loss, accuracy and
+    dh, over 40 positions in chunks of 16 (the last one partial) with some zero weights."""
     g = torch.Generator().manual_seed(1)
     M, D, V = 40, 16, 131
     h = torch.randn(M, D, generator=g)
     W = torch.randn(V, D, generator=g)
     y = torch.randint(V, (M,), generator=g)
     w = torch.rand(M, generator=g) * (torch.rand(M, generator=g) > 0.2)
-    fn = torch.compile(ce_chunk_fused, dynamic=False)
     results = []
-    for chunk_fn in (None, fn):
+    for fn in (None, chunk_fn):
         h1 = h.clone().requires_grad_()
-        loss, correct = chunked_lm_loss(h1, W, None, y, w, 16, chunk_fn)  # chunks 16, 16, 8: two compiled shapes
+        loss, correct = chunked_lm_loss(h1, W, None, y, w, 16, fn)
         loss.backward()
         results.append((loss.detach(), correct, h1.grad))
     (l0, c0, d0), (l1, c1, d1) = results

@@ -3,23 +3,19 @@ interpreter: the kernel code the H200 compiles."""
 import pytest
 import torch
 
-from tests.trainer.test_ce_fused import chunk_case
-from trainer.decode import kernels
+from tests.trainer.test_ce_fused import assert_chunked_loss_equals_eager, chunk_case
+from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
 from trainer.model import ce_kernel
-from trainer.model.loss import ce_chunk, chunked_lm_loss
+from trainer.model.loss import ce_chunk
 
 
 @pytest.fixture
-def interpreter(monkeypatch):
-    import triton  # noqa: F401 -- a dev dependency: its absence is a failure, not a skip
-
-    assert kernels.interpreting(), "TRITON_INTERPRET=1 must be set before triton is imported (tests/trainer/conftest)"
-    monkeypatch.setattr(kernels, "CPU_UNDER_INTERPRETER", True)
+def small_blocks(interpreter, monkeypatch):  # noqa: F811 -- the decode kernels' fixture, with small column blocks
     monkeypatch.setattr(ce_kernel, "BLOCK", 32)  # V = 97: four column blocks, the last partial
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_the_reference_chunk(interpreter, dtype):
+def test_kernel_equals_the_reference_chunk(small_blocks, dtype):
     assert ce_kernel.usable_on(torch.device("cpu"))
     logits, y, s = chunk_case(dtype)
     logits[5, 40] = logits[5, 70] = logits[5].float().max() + 1  # a tie: the first index is the argmax, as in torch
@@ -35,21 +31,8 @@ def test_kernel_equals_the_reference_chunk(interpreter, dtype):
     assert none is None and torch.equal(loss_n, loss_k) and torch.equal(correct_n, correct_k)
 
 
-def test_kernel_through_the_chunked_loss(interpreter):
-    g = torch.Generator().manual_seed(1)
-    M, D, V = 40, 16, 131
-    h, W = torch.randn(M, D, generator=g), torch.randn(V, D, generator=g)
-    y, w = torch.randint(V, (M,), generator=g), torch.rand(M, generator=g)
-    results = []
-    for chunk_fn in (None, ce_kernel.ce_chunk_triton):
-        h1 = h.clone().requires_grad_()
-        loss, correct = chunked_lm_loss(h1, W, None, y, w, 16, chunk_fn)
-        loss.backward()
-        results.append((loss.detach(), correct, h1.grad))
-    (l0, c0, d0), (l1, c1, d1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(d1, d0, rtol=1e-4, atol=1e-6)
-    assert torch.equal(c1, c0)
+def test_kernel_through_the_chunked_loss(small_blocks):
+    assert_chunked_loss_equals_eager(ce_kernel.ce_chunk_triton)
 
 
 def test_without_the_interpreter_the_kernel_is_not_offered_on_cpu():

@@ -109,23 +109,12 @@ def test_compiled_chunk_gives_the_eager_dpace_loss():
 
 def test_the_step_trains_on_the_dpace_loss_of_its_blocks(target):
     """compute_loss with loss_kind dpace: value and drafter gradients equal the direct formula over its blocks."""
-    from trainer.model.attention import make_layout
-    from trainer.model.loss import block_input_ids, block_labels
-    from trainer.step.step import compute_loss
+    from tests.trainer.test_loss import step_and_its_blocks
 
     state, batch = make_state(target), two_doc_batch()
     state.loss_kind, state.dpace_alpha = "dpace", 0.5
-    out = compute_loss(state, batch)
-    out.loss_.backward()
-    grads = {n: p.grad.clone() for n, p in state.drafter.named_parameters()}
-    state.drafter.zero_grad(set_to_none=True)
+    out, grads, hidden, labels, valid = step_and_its_blocks(state, batch)
     B, t = state.block_size, state.target
-    feats = t.features(batch.input_ids, batch.position_ids, batch.doc_ids)
-    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B)
-    hidden = state.drafter(feats, t.embed_tokens(block_input_ids(batch.input_ids, batch.anchor_pos, B,
-                                                                 t.mask_token_id)), layout)
-    labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
-                                 batch.anchor_valid, B)
     rows = int(valid.flatten(1).any(1).sum())
     h = hidden.view(*valid.shape, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
     kept = valid[:, :, 1:].reshape(-1, B - 1)

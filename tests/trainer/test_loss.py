@@ -105,13 +105,13 @@ def test_state_mask_fn_supplies_the_backend_mask(target):
     assert not torch.equal(compute_loss(state, two_doc_batch()).loss_, ref)
 
 
-def test_step_loss_equals_the_naive_loss_over_every_block_position(target):
-    """compute_loss sends only block positions k >= 1 to the LM head; value, gradients and per-position accuracy must
-    equal the naive loss over all B positions (k = 0 has weight 0 there)."""
+def step_and_its_blocks(state, batch):
+    """compute_loss + backward on `batch` -> (its outputs, the drafter's gradients), then, with the gradients
+    cleared, the same drafter's hidden states [R, N*B, D] and block labels / valid [R, N, B] recomputed outside the
+    step, for a reference loss to be built on."""
     from trainer.model.attention import make_layout
     from trainer.model.loss import block_input_ids, block_labels
 
-    state, batch = make_state(target), two_doc_batch()
     out = compute_loss(state, batch)
     out.loss_.backward()
     grads = {n: p.grad.clone() for n, p in state.drafter.named_parameters()}
@@ -123,6 +123,15 @@ def test_step_loss_equals_the_naive_loss_over_every_block_position(target):
                                                                  t.mask_token_id)), layout)
     labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
                                  batch.anchor_valid, B)
+    return out, grads, hidden, labels, valid
+
+
+def test_step_loss_equals_the_naive_loss_over_every_block_position(target):
+    """compute_loss sends only block positions k >= 1 to the LM head; value, gradients and per-position accuracy must
+    equal the naive loss over all B positions (k = 0 has weight 0 there)."""
+    state, batch = make_state(target), two_doc_batch()
+    out, grads, hidden, labels, valid = step_and_its_blocks(state, batch)
+    B, t = state.block_size, state.target
     w = decay_weights(B, state.gamma) * valid
     h = hidden.reshape(-1, hidden.shape[-1])
     ref = naive_lm_loss(h, t.lm_head.weight, None, labels.reshape(-1), w.reshape(-1))
