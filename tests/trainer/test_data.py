@@ -105,6 +105,30 @@ def test_packing_fixed_rows_doc_ids_positions_and_truncation():
     assert rows.doc_ids[2].tolist() == [0] * 10  # truncated to seq_len
 
 
+def first_fit_by_scan(lengths, seq_len, close_below=2):
+    """First-fit written the plain way (scan every open row in order), the reference for assign_rows."""
+    rows, free = [], []
+    for i, n in enumerate(lengths):
+        n = min(n, seq_len)
+        r = next((r for r in range(len(rows)) if free[r] >= close_below and free[r] >= n), None)
+        if r is None:
+            rows.append([])
+            free.append(seq_len)
+            r = len(rows) - 1
+        rows[r].append(i)
+        free[r] -= n
+    return rows
+
+
+@pytest.mark.parametrize("seq_len, short, long", [(64, 1, 70), (2048, 20, 230), (2048, 900, 2100), (16, 1, 3)])
+def test_packing_is_first_fit_over_the_rows_in_opening_order(seq_len, short, long):
+    """Through the tree's doublings (thousands of rows), rows that close on their last free token, and lengths
+    above seq_len."""
+    gen = torch.Generator().manual_seed(seq_len + short)
+    lengths = torch.randint(short, long + 1, (6000,), generator=gen).tolist()
+    assert assign_rows(lengths, seq_len) == first_fit_by_scan(lengths, seq_len)
+
+
 def test_anchors_valid_first_sorted_and_only_candidates():
     lm = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0, 0]], dtype=torch.bool)
     doc = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1, -1]])

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant", "tool")
 _BOM = b"\xef\xbb\xbf"
+_MASK_TYPES = {int, bool}  # a loss_mask entry: 0/1 or false/true
 _PROGRESS_EVERY = 256  # lines between progress callbacks
 
 
@@ -148,10 +149,11 @@ def parse_record(line: bytes) -> dict:
         ids, mask = obj["input_ids"], obj["loss_mask"]
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask) or not ids:
             raise MalformedLine("'input_ids' and 'loss_mask' must be non-empty lists of equal length")
-        # bool is an int in Python: `true` must not pass as token id 1.
-        if not all(type(i) is int and i >= 0 for i in ids):
+        # bool is an int in Python: `true` must not pass as token id 1 (nor 1.0 as a mask's 1). The checks run over
+        # types and values by builtins, not element by element in Python: a pre-tokenized corpus has millions.
+        if set(map(type, ids)) != {int} or min(ids) < 0:
             raise MalformedLine("'input_ids' must hold non-negative integers (not true/false, not floats)")
-        if not all(type(m) in (int, bool) and m in (0, 1) for m in mask):
+        if not set(map(type, mask)) <= _MASK_TYPES or not set(mask) <= {0, 1}:
             raise MalformedLine("'loss_mask' must hold 0/1 or true/false")
         return obj
     raise MalformedLine("expected 'conversations' or 'input_ids' + 'loss_mask'")
@@ -257,7 +259,7 @@ def to_sample(obj: dict, tokenizer, vocab_size: int, end_marker: str = "") -> Sa
     ids, mask = obj["input_ids"], obj["loss_mask"]
     if max(ids) >= vocab_size:
         raise MalformedLine(f"'input_ids' must be below the vocabulary size {vocab_size} (found {max(ids)})")
-    return Sample(torch.tensor(ids, dtype=torch.long), torch.tensor([bool(m) for m in mask], dtype=torch.bool))
+    return Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
 
 
 def parse_line(line: str | bytes, tokenizer, vocab_size: int, end_marker: str = "") -> Sample:
