@@ -151,3 +151,16 @@ def test_a_resume_of_a_run_recorded_before_a_config_key_existed_is_not_refused(t
     (tmp_path / "r" / "config.json").write_text(json.dumps(recorded))
     rundir.check_start(cfg, tmp_path / "r", resume=True)
     assert rundir.config_diff(recorded, {**recorded, "seed": 1}) == ["seed (0 -> 1)"]
+
+
+def test_a_budgeted_horizon_follows_the_measured_rate_both_ways():
+    from trainer.loop import fitting_horizon
+
+    # 100 steps done in 10 s of a 60 s budget, measured at 10 steps/s: 500 more fit.
+    assert fitting_horizon(100, 10.0, 50, 5.0, 60.0, end=10_000) == 600
+    # The rate doubles later on: the horizon grows again (a shrink-only horizon kept the early, slower estimate).
+    assert fitting_horizon(200, 20.0, 100, 5.0, 60.0, end=10_000) == 200 + 800
+    # Never past the planned end, never fewer than one more step, and the budget spent means one more step.
+    assert fitting_horizon(100, 10.0, 50, 5.0, 1e9, end=1_000) == 1_000
+    assert fitting_horizon(100, 70.0, 50, 5.0, 60.0, end=10_000) == 101
+    assert fitting_horizon(100, 10.0, 0, 0.0, 60.0, end=900) == 900  # nothing measured yet: the plan stands
