@@ -67,9 +67,10 @@ def drafter_budget(q, elapsed_s: float) -> float:
 
 
 def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
-    """The real trainer (build -> loop -> finish/export) inside budget_s: the loop's stop rule shrinks the LR
-    schedule to the steps that fit once the step time is known, so a cut run still anneals. A graph mode that the
-    trainer refuses with a ConfigError (not a crash) falls back to eager, with a note."""
+    """The real trainer (build -> loop -> finish/export) inside budget_s, compilation and capture included: the
+    loop's stop rule shrinks the LR schedule to the steps that fit once the step time is known, so a cut run still
+    anneals. A graph mode that the trainer refuses with a ConfigError (not a crash) falls back to eager, with a
+    note."""
     from trainer.build import build
     from trainer.loop import StopRule, TrainLoop
     from trainer.train import finish
@@ -85,7 +86,8 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
         cfg = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, mode="eager"))
         session = build(cfg, run_dir)
     loop = TrainLoop(session)
-    ran = loop.run(StopRule(budget_s=budget_s))
+    # The budget is the stage's: what compiling and capturing took in build() is not left to the loop.
+    ran = loop.run(StopRule(budget_s=max(0.0, budget_s - (time.perf_counter() - t0))))
     finish(session, loop)
     last = ran.last
     return {"steps": ran.cursor.step, "total_steps": ran.horizon, "mode": cfg.step.mode,
