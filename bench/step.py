@@ -169,11 +169,12 @@ def table(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['mode']:14} FAILED: {r['error']}")
             continue
-        speed = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
+        # Without an eager row there is nothing to compare against: a dash, not "nanx".
+        speed = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:7.2f}x" if base else f"{'-':>8}"
         lines.append(
             f"{r['mode']:14} {r['tokens_per_s_per_gpu']:10.0f} {r['step_s_median'] * 1e3:8.1f} "
             f"{r['step_s_min'] * 1e3:6.1f}-{r['step_s_max'] * 1e3:<6.1f} {r['mfu'] * 100:5.1f}% "
-            f"{r['tflops_per_s']:8.1f} {r['peak_alloc_gib']:8.1f} {r['peak_reserved_gib']:8.1f} {speed:7.2f}x"
+            f"{r['tflops_per_s']:8.1f} {r['peak_alloc_gib']:8.1f} {r['peak_reserved_gib']:8.1f} {speed}"
         )
     return "\n".join(lines)
 

@@ -129,3 +129,14 @@ def test_accum_makes_one_step_of_several_micro_batches():
     r = results(proc.stdout)["eager"]
     assert r["tokens_per_step"] == 2 * 2 * 256  # accum x batch x seq
     assert r["flops"]["lm_head"] == 2 * (2 * (2 * 2) * 16 * 15 * 128 * 1024)
+
+
+def test_the_table_compares_with_eager_only_when_eager_ran():
+    from bench.step import table
+
+    row = dict(tokens_per_s_per_gpu=2000.0, step_s_median=0.5, step_s_min=0.4, step_s_max=0.6, mfu=0.5,
+               tflops_per_s=1.0, peak_alloc_gib=1.0, peak_reserved_gib=2.0)
+    alone = table([dict(row, mode="compile+graph")])
+    assert alone.splitlines()[1].split()[-1] == "-" and "nan" not in alone
+    both = table([dict(row, mode="eager", tokens_per_s_per_gpu=1000.0), dict(row, mode="compile+graph")])
+    assert both.splitlines()[2].split()[-1] == "2.00x"
