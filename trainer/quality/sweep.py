@@ -5,7 +5,8 @@
 
 A variant is a name and `--set` overrides (`"NAME KEY=VALUE ..."`). Each runs `trainer.quality.pipeline` into
 DIR/NAME (its output in DIR/NAME.log) on its own slot: a GPU index (CUDA_VISIBLE_DEVICES), or `cpu`; `--slots cpu:2`
-runs two at a time on the CPU. Default: every visible GPU, else one CPU slot.
+runs two at a time on the CPU. Default: every visible GPU, else one CPU slot. With fewer slots than variants, a
+variant waits for a free slot: `--slots 0` runs them one after another on one GPU.
 
 Shared target: when every variant overrides what builds the target and its data (corpus, target, pretrain, regen) in
 the same way (or not at all), the first variant runs the whole pipeline. The others, once its regenerate stage is
