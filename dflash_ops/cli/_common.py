@@ -55,21 +55,21 @@ def locate(ctx: typer.Context, ref: str | None, host: str | None, ct: str | None
 
     A run id with neither --host nor --ct is first looked up among the multi-node runs launched from this
     machine; otherwise the run is found on --host/--ct (a name: its latest run there) as always, and if it is a
-    node of a multi-node run whose record can be followed (nodes.located_from; else a warning line says why
+    node of a multi-node run whose record can be followed (nodewatch.located_from; else a warning line says why
     not), the whole run is meant. For a multi-node run session and status are None; else they are the run's
     target's (the caller closes the session)."""
     from dflash_ops import names
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle, nodes
+    from dflash_ops.runs import lifecycle, nodes, nodewatch
 
     if host is None and ct is None and ref is not None and names.is_run_id(ref):
         record = nodes.load_record(ref)
         if record is not None:
-            return nodes.Located.of(inventory_of(ctx), record), None, None
+            return nodewatch.Located.of(inventory_of(ctx), record), None, None
     session = open_session(ctx, host, ct)
     try:
         status = lifecycle.find_run(session, ref)
-        loc, warning = nodes.located_from(inventory_of(ctx), status, session.target)
+        loc, warning = nodewatch.located_from(inventory_of(ctx), status, session.target)
     except BaseException:
         session.transport.close()
         raise

@@ -93,11 +93,11 @@ def _launch(session, spec, *, force: bool, wait_s: float | None):
 
 def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env, rdzv_timeout: int | None,
                   follow: bool, dry_run: bool, force: bool, wait: float | None, json_out: bool) -> None:
-    """The multi-node launch (runs/nodes.py). Ctrl-C stops the nodes that started (a second one leaves them: the
-    line names the `stop`) and exits 130."""
+    """The multi-node launch (runs/nodes.py plans it, runs/nodelaunch.py launches it). Ctrl-C stops the nodes that
+    started (a second one leaves them: the line names the `stop`) and exits 130."""
     from dflash_ops.cli import render
     from dflash_ops.cli._common import inventory_of
-    from dflash_ops.runs import noderun, nodes, runbooks
+    from dflash_ops.runs import nodelaunch, noderun, nodes, runbooks
 
     book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
     p = nodes.plan(inventory_of(ctx), book, specs, name=name, extra_args=args, extra_env=extra_env,
@@ -107,10 +107,10 @@ def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env,
             render.nodes_dry_run(*nodes.dry_run(p, wait_s=wait), p.labels, json_out=json_out)
             return
         try:
-            done = nodes.launch(p, force=force, wait_s=wait,
-                                on_started=lambda rank, pid: render.node_started(p.run_id, rank, p.labels[rank], pid),
-                                on_waiting=render.nodes_waiting)
-        except nodes.LaunchInterrupted as exc:
+            done = nodelaunch.launch(
+                p, force=force, wait_s=wait, on_waiting=render.nodes_waiting,
+                on_started=lambda rank, pid: render.node_started(p.run_id, rank, p.labels[rank], pid))
+        except nodelaunch.LaunchInterrupted as exc:
             render.nodes_interrupted(exc.run_id, exc.stopped)
             raise typer.Exit(130) from None
         except KeyboardInterrupt:

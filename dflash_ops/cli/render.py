@@ -91,14 +91,14 @@ def nodes_waiting(run) -> None:
 
 
 def nodes_interrupted(run_id: str, stopped) -> None:
-    """Ctrl-C during a multi-node launch, after its nodes were stopped (runs/nodes.NodeStopped each)."""
+    """Ctrl-C during a multi-node launch, after its nodes were stopped (runs/nodewatch.NodeStopped each)."""
     _err(f"interrupted; rolled back {run_id}:")
     for r in stopped:
         _err(f"  node {r.node.rank} ({r.label}) {r.text}")
 
 
 def nodes_launched(done, *, json_out: bool) -> None:
-    """A multi-node launch (runs/nodes.NodesLaunched): the run, then a line per node."""
+    """A multi-node launch (runs/nodelaunch.NodesLaunched): the run, then a line per node."""
     run = done.run
     if json_out:
         _out(json.dumps({"run_id": run.run_id, "multinode": run.as_dict(),
@@ -235,7 +235,7 @@ def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
 
 
 def nodes_stopped(run_id: str, results, *, json_out: bool) -> None:
-    """`stop` of a multi-node run: a line per node (runs/nodes.NodeStopped)."""
+    """`stop` of a multi-node run: a line per node (runs/nodewatch.NodeStopped)."""
     if json_out:
         _out(json.dumps({"run_id": run_id, "nodes": [
             {"rank": r.node.rank, "target": r.label, "action": r.how,

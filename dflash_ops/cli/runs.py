@@ -18,7 +18,7 @@ def runs(ctx: typer.Context,
     when every node answered, else the first failed node's code.
     """
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle, nodes, noderun
+    from dflash_ops.runs import lifecycle, noderun, nodewatch
 
     with rendered_errors(json_out):
         if run is not None:
@@ -27,7 +27,7 @@ def runs(ctx: typer.Context,
                 session.transport.close()
                 states = [noderun.NodeState(node=loc.nodes[0], label=loc.targets[0].label, status=status)]
             else:
-                states = nodes.read_states(loc)
+                states = nodewatch.read_states(loc)
             render.node_runs(loc.run_id, states, noderun.overall(states), json_out=json_out)
             raise typer.Exit(noderun.exit_code(states))
         session = open_session(ctx, host, ct)

@@ -87,13 +87,13 @@ def status(ctx: typer.Context,
 def _run_report(loc, timeout: float, *, reuse=None):
     """`status RUN`'s report maker: (run id, overall state, a row per node, elapsed s)."""
     from dflash_ops import hoststatus
-    from dflash_ops.runs import noderun, nodes
+    from dflash_ops.runs import noderun, nodewatch
 
     gpu = hoststatus.GpuSettings.from_env()
 
     def report() -> tuple:
         t0 = time.monotonic()
-        rows = nodes.status_rows(loc, gpu, timeout_s=timeout, reuse=reuse)
+        rows = nodewatch.status_rows(loc, gpu, timeout_s=timeout, reuse=reuse)
         return loc.run_id, noderun.overall([r.state for r in rows]), rows, time.monotonic() - t0
 
     return report

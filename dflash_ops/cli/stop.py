@@ -29,12 +29,12 @@ def stop(
     """
     from dflash_ops.cli import render
     from dflash_ops.errors import RunNotFound
-    from dflash_ops.runs import lifecycle, noderun, nodes
+    from dflash_ops.runs import lifecycle, noderun, nodewatch
 
     with rendered_errors(json_out):
         loc, session, status = locate(ctx, run, host, ct)
         if session is None:
-            results = nodes.stop(loc, grace_s=grace)
+            results = nodewatch.stop(loc, grace_s=grace)
             render.nodes_stopped(loc.run_id, results, json_out=json_out)
             none_there = all(r.how == "not_there" for r in results)
             raise typer.Exit(RunNotFound.exit_code if none_there else noderun.exit_code(results))

@@ -271,5 +271,5 @@ def overall(states: Sequence[NodeState]) -> Overall:
 
 def exit_code(items) -> int:
     """`runs`, `status` and `stop` of a multi-node run: 0 when every node answered, else the first failed node's
-    exit code (`items`: NodeState or nodes.NodeStopped, in rank order; each has an `exit_code`)."""
+    exit code (`items`: NodeState or nodewatch.NodeStopped, in rank order; each has an `exit_code`)."""
     return next((x.exit_code for x in items if x.exit_code), 0)

@@ -303,7 +303,7 @@ def test_ctrl_c_or_a_bug_during_a_launch_stops_the_nodes_that_started(nodes_bed)
     # A bug (here: in what the caller does when a node has started) is raised with its traceback, once the nodes
     # that started are stopped.
     from dflash_ops import inventory
-    from dflash_ops.runs import nodes, runbooks
+    from dflash_ops.runs import nodelaunch, nodes, runbooks
 
     def broken(rank: int, pid: int) -> None:
         if rank == 1:
@@ -313,7 +313,7 @@ def test_ctrl_c_or_a_bug_during_a_launch_stops_the_nodes_that_started(nodes_bed)
                    nodes_of(bed), name="bug", extra_args=("--gate", str(bed.gate("bug"))))
     try:
         with pytest.raises(ZeroDivisionError, match="a bug"):
-            nodes.launch(p, on_started=broken)
+            nodelaunch.launch(p, on_started=broken)
     finally:
         p.close()
     nothing_runs(bed, "bug")

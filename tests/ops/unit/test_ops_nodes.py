@@ -13,7 +13,7 @@ import pytest
 
 from dflash_ops import inventory, nodespec
 from dflash_ops.errors import ConfigError, UsageError
-from dflash_ops.runs import noderun, nodes, parse, runbooks, shellcmd
+from dflash_ops.runs import noderun, nodewatch, parse, runbooks, shellcmd
 from dflash_ops.runs.noderun import Machine, Node, NodeRun, NodeState, Rendezvous
 from dflash_ops.spec import Container, Host, Liveness, Runbook, RunStatus, Target
 
@@ -260,14 +260,14 @@ def test_a_fenced_stop_keeps_a_late_launch_from_starting_its_job(tmp_path):
 
 
 def test_tail_node_picks_a_rank_or_a_node_as_launched():
-    loc = nodes.Located(RUN_ID, RUN.nodes, (proxmox("pve1"), proxmox("b")), RUN)
+    loc = nodewatch.Located(RUN_ID, RUN.nodes, (proxmox("pve1"), proxmox("b")), RUN)
     assert [loc.pick(x) for x in (None, "0", "1", "pve1:200", "root@10.1.2.7:200")] == [0, 0, 1, 0, 1]
     for bad in ("2", "pve1:201", "pve1"):
         with pytest.raises(UsageError, match=f"--node {bad}: not a node of {RUN_ID}"):
             loc.pick(bad)
     with pytest.raises(UsageError, match="invalid node '\u00b2'"):     # a digit to str.isdigit, not to int()
         loc.pick("\u00b2")
-    single = nodes.Located.single(RUN_ID, proxmox("pve1"))
+    single = nodewatch.Located.single(RUN_ID, proxmox("pve1"))
     assert single.pick(None) == 0
     with pytest.raises(UsageError, match="is not a multi-node run"):
         single.pick("1")
@@ -281,7 +281,7 @@ def test_a_record_read_from_a_node_is_followed_only_when_it_names_that_node_and_
     group = NodeRun(RUN_ID, (Node(0, "pve1", "200"), Node(1, "pve2", "200")), Rendezvous("10.0.0.1", 29511, RUN_ID))
 
     def read_here(record: NodeRun, rank: int):
-        return nodes.located_from(inv, replace(status("running"), multinode=record, node_rank=rank), here)
+        return nodewatch.located_from(inv, replace(status("running"), multinode=record, node_rank=rank), here)
 
     loc, warning = read_here(group, 1)
     assert warning is None and loc.multinode == group and [t.label for t in loc.targets] == ["pve1/ct200", "pve2/ct200"]
