@@ -5,7 +5,7 @@ Qwen3 target (`transformers.Qwen3ForCausalLM`, random init from a named shape; o
 `load_target`), bf16 on CUDA, frozen, truncated after its last tap, with the doc-causal flex attention path on CUDA;
 the trainer's `Drafter` (5 layers, KV injection, fp32 params under bf16 autocast), its chunked LM-head loss, AdamW
 with a device LR; driven by `trainer.build.make_runner`. Data: synthetic `StaticBatch`es built by trainer.data
-(random ids, 3 packed documents per row, `anchors` sorted anchors per row).
+(random ids, `docs` packed documents per row (3), `anchors` sorted anchors per row).
 
 One step = `accum` micro-steps of `batch` rows x `seq` tokens (target features, no grad; drafter forward + backward)
 + grad clip + AdamW. Each mode runs in its own subprocess (fresh allocator and peak counters; a crash loses one mode):
@@ -48,6 +48,7 @@ class BenchConfig:
     batch: int = 4
     seq: int = 3072
     anchors: int = 512
+    docs: int = 3  # documents per row (random lengths filling it exactly): 1 is the longest context per anchor
     block: int = 16
     accum: int = 1
     steps: int = 30
@@ -74,7 +75,7 @@ class BenchConfig:
             raise SystemExit(f"--target {self.target}: no config.json there (a local Hugging Face model directory)")
         if not self.target:
             check_shape(self.shape)
-        counts = ("draft_layers", "batch", "seq", "anchors", "accum", "steps", "interval", "ce_chunk")
+        counts = ("draft_layers", "batch", "seq", "anchors", "docs", "accum", "steps", "interval", "ce_chunk")
         low = [name for name in counts if getattr(self, name) < 1]
         if low:
             raise SystemExit(f"--{low[0].replace('_', '-')} must be >= 1")
@@ -82,6 +83,8 @@ class BenchConfig:
             raise SystemExit("--pipeline 1 needs --steps >= 2 (its step times are gaps between step ends)")
         if self.block < 2 or self.anchors >= self.seq:
             raise SystemExit("--block must be >= 2 and --anchors < --seq")
+        if self.anchors > self.seq - self.docs:  # a document of L tokens holds L - 1 anchor candidates
+            raise SystemExit("--anchors must be <= --seq - --docs (every anchor needs a candidate position)")
 
 
 HELP = {
@@ -91,6 +94,7 @@ HELP = {
     "batch": "rows per micro-step",
     "seq": "tokens per row",
     "anchors": "anchors (16-token blocks) per row",
+    "docs": "documents per row, of random lengths that fill it (1: one document per row)",
     "block": "block size",
     "accum": "micro-steps per optimizer step",
     "steps": "timed optimizer steps",

@@ -85,7 +85,8 @@ def run_mode(cfg, mode: str) -> dict:
     if cuda:
         torch.cuda.empty_cache()  # the target layers truncation dropped: not part of the footprint
     vocab = target.embed_tokens.weight.shape[0]
-    micro = synthetic_batches(2 * cfg.accum, cfg.batch, cfg.seq, cfg.anchors, vocab, seed=1000 * info.rank)
+    micro = synthetic_batches(2 * cfg.accum, cfg.batch, cfg.seq, cfg.anchors, vocab, seed=1000 * info.rank,
+                              docs_per_row=cfg.docs)
     if cuda:
         micro = [b.pin_memory() for b in micro]  # as the trainer's loop hands them over (async H2D copies)
     steps_in = [micro[:cfg.accum], micro[cfg.accum:]]  # two different optimizer steps, alternated
@@ -106,7 +107,10 @@ def run_mode(cfg, mode: str) -> dict:
         if cfg.profile and cuda:
             step_ms = 1e3 * statistics.median(timed.step_s)
             print_profile(lambda: runner.step(steps_in[0]), cfg.profile, mode, step_ms, flops["matmul"])
-    result = figures(cfg, mode, timed, flops, dev, info.world) | {"attn": attn, "target_attn": target.attn}
+    # Read off the batches the step ran on (doc ids count from 0 in each row), not echoed from --docs.
+    docs = int(steps_in[0][0].doc_ids.max()) + 1
+    result = figures(cfg, mode, timed, flops, dev, info.world) | {"attn": attn, "target_attn": target.attn,
+                                                                  "docs_per_row": docs}
     if cuda:
         torch.cuda.synchronize(dev)
     shutdown()

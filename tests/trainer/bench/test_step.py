@@ -123,12 +123,24 @@ def test_pair_counts_match_the_trainers_dense_masks():
 
 
 @pytest.mark.slow
-def test_accum_makes_one_step_of_several_micro_batches():
-    proc = bench(*TINY, "--accum", "2", "--modes", "eager")
+def test_accum_makes_one_step_of_several_micro_batches_and_docs_sets_the_documents_per_row():
+    proc = bench(*TINY, "--accum", "2", "--docs", "1", "--modes", "eager")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = results(proc.stdout)["eager"]
     assert r["tokens_per_step"] == 2 * 2 * 256  # accum x batch x seq
     assert r["flops"]["lm_head"] == 2 * (2 * (2 * 2) * 16 * 15 * 128 * 1024)
+    assert r["docs_per_row"] == 1
+
+
+def test_one_document_per_row_fills_the_row_and_docs_are_checked():
+    from bench.step import parse
+
+    (batch,) = synthetic_batches(1, 2, 64, 8, 100, seed=0, docs_per_row=1)
+    assert (batch.doc_ids == 0).all() and (batch.position_ids == torch.arange(64)).all()
+    for bad, says in [(["--docs", "0"], "--docs must be >= 1"), (["--seq", "64", "--anchors", "60", "--docs", "5"],
+                                                                  "--anchors must be <= --seq - --docs")]:
+        with pytest.raises(SystemExit, match=says):
+            parse(["--shape", "tiny", *bad])
 
 
 def test_the_table_compares_with_eager_only_when_eager_ran():
