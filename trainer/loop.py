@@ -102,9 +102,8 @@ class TrainLoop:
                 marks.append((time.perf_counter(), self.cursor.step))
                 if len(marks) < 2:  # the first chunk pays for warm-up / capture: measure from its end
                     continue
-                # The rate of the last few chunks: early steps can run slower than the rest (measured on the H200:
-                # 480K tokens/s in the first 100 steps, 640K after), and a horizon fixed by them ended a run with a
-                # quarter of its budget unused.
+                # The rate of the last few chunks, not of the whole run: early steps can run slower than later ones,
+                # and a horizon fixed from them would end the run well inside its budget.
                 (t_from, step_from), (t_to, step_to) = marks[0], marks[-1]
                 self.horizon = fitting_horizon(step_to, t_to - t0, step_to - step_from, t_to - t_from,
                                                stop.budget_s, end)

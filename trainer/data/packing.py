@@ -35,8 +35,7 @@ def assign_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
 
     Each sample goes to the first open row (in the order the rows were opened) with room for it; a row closes once
     fewer than _CLOSE_BELOW tokens are free. The first such row is found in a max-tree over the rows' free tokens, in
-    O(log rows): a scan of the open rows made packing quadratic (rows that keep a few free tokens stay open), 84 s
-    for 115K short samples on a 2-core box."""
+    O(log rows): a scan of the open rows is quadratic, as rows that keep a few free tokens stay open."""
     rows: list[list[int]] = []
     free = _FreeTree()
     for i, n in enumerate(lengths):
