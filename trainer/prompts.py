@@ -23,11 +23,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.data.source import (BadLine, BadLineFile, LoadReport, MalformedLine, decode_line, enforce_bad_lines,
-                                 read_lines)
+from trainer.data.source import (ROLES, BadLine, BadLineFile, LoadReport, MalformedLine, decode_line,
+                                 enforce_bad_lines, read_lines)
 from trainer.errors import DataError
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system",
                   "tool": "tool", "function": "tool", "observation": "tool"}
@@ -71,14 +70,14 @@ def _single_turn(obj: dict) -> tuple[str, str] | None:
 
 def _turn(t, number: int) -> tuple[str, dict]:
     """One turn of a chat or ShareGPT list -> (format, {"role", "content"})."""
-    if isinstance(t, dict) and t.get("role") in CHAT_ROLES and isinstance(t.get("content"), str):
+    if isinstance(t, dict) and t.get("role") in ROLES and isinstance(t.get("content"), str):
         return "chat", {"role": t["role"], "content": t["content"]}
     if isinstance(t, dict) and "from" in t and isinstance(t.get("value"), str):
         role = SHAREGPT_ROLES.get(str(t["from"]).lower())
         if role is None:
             raise MalformedLine(f"turn {number}: unknown ShareGPT speaker {t['from']!r}")
         return "sharegpt", {"role": role, "content": t["value"]}
-    raise MalformedLine(f"turn {number}: needs role in {CHAT_ROLES} and string content (chat), or from + string "
+    raise MalformedLine(f"turn {number}: needs role in {ROLES} and string content (chat), or from + string "
                         "value (ShareGPT)")
 
 
@@ -117,15 +116,6 @@ def parse_prompt_line(line: bytes) -> tuple[str, tuple[dict, ...]]:
     if not turns[-1]["content"].strip():
         raise MalformedLine("an empty prompt")
     return fmt, turns
-
-
-def prompt_of(obj) -> tuple[str, str] | None:
-    """One parsed JSON line -> (format, its first user turn), or None when it is no known format (eval)."""
-    try:
-        fmt, turns = conversation_of(obj)
-    except MalformedLine:
-        return None
-    return fmt, next(t["content"] for t in turns if t["role"] == "user")
 
 
 def read_prompt_set(path: str | Path) -> PromptSet:
