@@ -36,6 +36,8 @@ def _recipe_help() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from trainer.config import DTYPES
+
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a drafter")
@@ -59,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new", type=int, default=256, help="new tokens per prompt (default: %(default)s)")
     e.add_argument("--engine", default="static", choices=("static", "hf"),
                    help="static: static caches, CUDA-graph replays; hf: the HF-cache reference (default: static)")
-    e.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    e.add_argument("--target-dtype", default="auto", choices=DTYPES,
                    help="the target's dtype while decoding (default: bf16 on CUDA, fp32 on CPU)")
     _regenerate_parser(sub)
     x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
@@ -77,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _regenerate_parser(sub) -> None:
+    from trainer.config import DTYPES
+    from trainer.regen.plan import ENGINES
+
     r = sub.add_parser("regenerate", help="answer prompt files with the target: the drafter's training data",
                        description="Answer every prompt of the prompt files with the target itself, into a training "
                                    "JSONL of token lines (the target's exact tokens, loss on the answer) and a "
@@ -100,10 +105,10 @@ def _regenerate_parser(sub) -> None:
     r.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="""keyword arguments for the chat template, e.g. '{"enable_thinking": false}'""")
     r.add_argument("--system", default=None, help="a system turn for the prompts that have none")
-    r.add_argument("--engine", default="static", choices=("static", "hf"),
+    r.add_argument("--engine", default="static", choices=ENGINES,
                    help="static: static cache, one CUDA graph replay per token (falls back to hf, with a note, "
                         "where it cannot serve the target); hf: HF generate (default: %(default)s)")
-    r.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    r.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the target's dtype (default: bf16 on CUDA, fp32 on CPU)")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     r.add_argument("--max-bad-fraction", type=float, default=0.01,

@@ -11,11 +11,11 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
+from trainer.config import DTYPES
 from trainer.errors import ConfigError
 from trainer.prompts import PromptLine
 
 ENGINES = ("static", "hf")
-DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
