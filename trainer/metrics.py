@@ -48,11 +48,15 @@ class Console:
         self._bar_shown = False
 
     def say(self, text: str) -> None:
-        if self.quiet:
-            return
+        if not self.quiet:
+            self.write(f"[{time.perf_counter() - self.t0:7.1f}s] {text}\n")
+
+    def write(self, text: str) -> None:
+        """Text as it is (whole lines, e.g. a contract line and its human twin), after clearing any bar; `quiet`
+        silences `say`, not this."""
         self._clear_bar()
         stream = self.stream or sys.stdout
-        stream.write(f"[{time.perf_counter() - self.t0:7.1f}s] {text}\n")
+        stream.write(text)
         stream.flush()
 
     @contextmanager
@@ -109,9 +113,9 @@ class JobProgress:
     done counts units of the whole job, `resumed` of them done by an earlier run; rates and the ETA are this run's."""
 
     def __init__(self, job: str, total: int, unit: str, console: Console, *, resumed: int = 0,
-                 every_s: float = PROGRESS_EVERY_S, stream: TextIO | None = None) -> None:
+                 every_s: float = PROGRESS_EVERY_S) -> None:
         self.job, self.total, self.unit, self.console = job, total, unit, console
-        self.resumed, self.every_s, self.stream = resumed, every_s, stream
+        self.resumed, self.every_s = resumed, every_s
         self.t0 = time.perf_counter()
         self.last_print: float | None = None
         self.record: dict = {}
@@ -128,19 +132,13 @@ class JobProgress:
                        "eta_s": round((self.total - done) / rate, 1) if rate > 0 else None}
         if self.last_print is None or done >= self.total or now - self.last_print >= self.every_s:
             self.last_print = now
-            self.console._clear_bar()
-            stream = self.stream or sys.stdout
-            stream.write(f"{PROGRESS_PREFIX}{json.dumps(self.record)}\n{progress_human(self.record)}\n")
-            stream.flush()
+            self.console.write(f"{PROGRESS_PREFIX}{json.dumps(self.record)}\n{progress_human(self.record)}\n")
         self.console.bar(done, self.total, progress_human(self.record))
         return self.record
 
     def done(self, record: dict, human: str) -> None:
         """DFLASH_DONE {"job": ..., ...} and a human line: the job finished."""
-        self.console._clear_bar()
-        stream = self.stream or sys.stdout
-        stream.write(f"{DONE_PREFIX}{json.dumps({'job': self.job, **record})}\n{human}\n")
-        stream.flush()
+        self.console.write(f"{DONE_PREFIX}{json.dumps({'job': self.job, **record})}\n{human}\n")
 
 
 def drop_records_after(path: Path, step: int) -> int:
