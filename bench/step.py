@@ -58,6 +58,7 @@ class BenchConfig:
     ce_chunk: int = 4096
     ce: str = "auto"  # step.ce: the CE chunk kernel (auto, torch, triton)
     target_fp8: int = 0  # 1: model.target_fp8 (the target's decoder linears in FP8; Hopper)
+    head_fp8: int = 0  # 1: step.head_fp8 (the LM head's two loss GEMMs in FP8; Hopper)
     profile: int = 0  # >0: after timing, profile this many steps and print the top kernels (PROF lines; CUDA)
     pipeline: int = 0  # 1: run the steps through the loader/producer/consumer threads (CUDA)
 
@@ -104,6 +105,7 @@ HELP = {
     "ce_chunk": "positions per LM-head / cross-entropy chunk",
     "ce": "the CE chunk kernel (step.ce): auto, torch, triton",
     "target_fp8": "1: the target's decoder-layer linears in FP8 (model.target_fp8; CUDA, Hopper)",
+    "head_fp8": "1: the LM head's logits and input-gradient GEMMs in FP8 (step.head_fp8; CUDA, Hopper)",
     "profile": "after timing, profile this many steps and print the top kernels (PROF lines; CUDA)",
     "pipeline": "1: run the steps through the loader / producer / consumer threads (CUDA)",
 }

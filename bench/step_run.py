@@ -24,7 +24,7 @@ def train_config(cfg, mode: str, attn: str) -> TrainCfg:
     """The TrainCfg the bench's step corresponds to (only the fields build_state / make_runner read matter)."""
     return TrainCfg(model=ModelCfg(target=cfg.target, num_draft_layers=cfg.draft_layers, block_size=cfg.block),
                     data=DataCfg(seq_len=cfg.seq, rows_per_step=cfg.batch, num_anchors=cfg.anchors),
-                    step=StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce),
+                    step=StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce, head_fp8=bool(cfg.head_fp8)),
                     optim=OptimCfg(accum_steps=cfg.accum), pipeline=PipelineCfg(enabled=bool(cfg.pipeline)))
 
 

@@ -131,6 +131,10 @@ class StepCfg:
     # The CE chunk's softmax/argmax/dlogits math: triton = one kernel per chunk (trainer/model/ce_kernel.py, CUDA),
     # torch = PyTorch ops (Inductor-fused in the compile modes), auto = triton where it runs unless step.mode=eager.
     ce: str = "auto"
+    # Opt-in: the LM head's two GEMMs in the loss (the logits and the gradient into the drafter) in FP8 e4m3, the
+    # CE chunk writing that gradient in e4m3 (Hopper or newer; trainer/model/fp8.py). Faster, and a different
+    # training signal: measure acceptance before relying on it.
+    head_fp8: bool = False
 
     def __post_init__(self) -> None:
         _check(self.mode in STEP_MODES, f"step.mode must be one of {STEP_MODES}, got {self.mode!r}")
@@ -301,6 +305,8 @@ def cuda_only(cfg: TrainCfg) -> list[tuple[str, str]]:
         found.append(("pipeline.enabled", "pipeline.enabled=false"))
     if cfg.model.target_fp8:
         found.append(("model.target_fp8", "model.target_fp8=false"))
+    if cfg.step.head_fp8:
+        found.append(("step.head_fp8", "step.head_fp8=false"))
     return found
 
 

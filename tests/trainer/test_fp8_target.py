@@ -1,8 +1,9 @@
 """model.target_fp8 (trainer/model/fp8.py): what the FP8 linears compute, on CPU from the same quantized values the
-H200's FP8 tensor cores multiply, and the refusal where no FP8 tensor cores are."""
+H200's FP8 tensor cores multiply, and the refusal (of it and of step.head_fp8) where no FP8 tensor cores are."""
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from trainer.model.fp8 import E4M3, Fp8Linear, quantize_rows, quantize_target_layers
@@ -44,9 +45,11 @@ def test_the_target_layers_run_in_fp8_with_features_close_to_the_original(tiny_t
     assert float(cos) > 0.99, float(cos)
 
 
-def test_on_a_cpu_the_option_is_one_line_and_exit_2(tmp_path):
+@pytest.mark.parametrize("key", ["model.target_fp8", "step.head_fp8"])
+def test_on_a_cpu_the_option_is_one_line_and_exit_2(tmp_path, key):
     proc = subprocess.run([sys.executable, "-m", "trainer", "train", "--recipe", "smoke", "--run-dir",
-                           str(tmp_path / "run"), "--set", "model.target_fp8=true"],
+                           str(tmp_path / "run"), "--set", f"{key}=true"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "model.target_fp8 needs a CUDA device" in proc.stderr and "model.target_fp8=false" in proc.stderr
+    assert f"{key} needs a CUDA device" in proc.stderr and f"{key}=false" in proc.stderr
+    assert not (tmp_path / "run").exists()

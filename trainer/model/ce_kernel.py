@@ -1,6 +1,8 @@
 """The LM-head CE chunk (`trainer.model.loss.ce_chunk`'s contract) as one Triton kernel: one program per row of the
 [C, V] logits, a first loop for the row's statistics (online max and sum of exp, first argmax, the label's logit),
-a second that writes dlogits = (softmax - onehot) * s in the logits' dtype.
+a second that writes dlogits = (softmax - onehot) * s in the logits' dtype, or (step.head_fp8) in e4m3 with one
+scale per row (`trainer.model.fp8.dlogits_scale`), so the gradient GEMM reads one byte per logit and nothing writes
+the bf16 gradient.
 
 Why a kernel of our own: under Inductor the same math (`ce_chunk_fused`) became one reduction that ran at about half
 the memory bandwidth on the H200 (`python3 -m bench.step --profile`, category "lm-head softmax/CE": 12.9 of 88 ms
@@ -27,8 +29,8 @@ def _kernel():
         return None
 
     @triton.jit
-    def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, loss_ptr, correct_ptr, stride, n_cols: tl.constexpr,
-                WANT_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, gs_ptr, loss_ptr, correct_ptr, stride, n_cols: tl.constexpr,
+                WANT_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         lanes = tl.arange(0, BLOCK)
@@ -59,11 +61,18 @@ def _kernel():
         tl.store(correct_ptr + row, (argmax == y).to(tl.int8))
         if WANT_GRAD:
             g_base = g_ptr + row * n_cols
+            mult = s
+            if FP8_GRAD:  # the row's largest |dlogit| is s * (1 - p_label): map it to e4m3's maximum (448)
+                g_scale = tl.maximum(s * (1.0 - tl.exp(picked - lse)), 1e-30) / 448.0
+                tl.store(gs_ptr + row, g_scale)
+                mult = s / g_scale
             for start in range(0, n_cols, BLOCK):
                 cols = start + lanes
                 inside = cols < n_cols
                 x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-                g = (tl.exp(x - lse) - (cols == y).to(tl.float32)) * s
+                g = (tl.exp(x - lse) - (cols == y).to(tl.float32)) * mult
+                if FP8_GRAD:
+                    g = tl.minimum(tl.maximum(g, -448.0), 448.0)
                 tl.store(g_base + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
 
     return ce_rows
@@ -84,20 +93,31 @@ def usable_on(device: torch.device) -> bool:
 BLOCK = 4096  # columns per iteration; 8 warps (a power of two: triton.arange)
 
 
-def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool):
-    """`trainer.model.loss.ce_chunk`'s contract: logits [C, V], labels y [C], loss scale s [C] -> (sum(ce * s) fp32
-    scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None). Row losses are summed by torch, in a
-    fixed order: the loss is deterministic."""
+def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool,
+                    grad_fp8: bool = False):
+    """`trainer.model.loss.ce_chunk`'s contract (DFlash's loss: no D-PACE): logits [C, V], labels y [C], loss scale
+    s [C] -> (sum(ce * s) fp32 scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None; grad_fp8:
+    (dlogits in e4m3, row scales [C, 1])). Row losses are summed by torch, in a fixed order: the loss is
+    deterministic."""
+    from trainer.model.fp8 import E4M3
+
     kernel = _kernel()
     C, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     loss_rows = torch.empty(C, dtype=torch.float32, device=logits.device)
     correct = torch.empty(C, dtype=torch.int8, device=logits.device)
-    grad = torch.empty_like(logits) if want_grad else loss_rows  # a placeholder pointer when unused
+    fp8 = want_grad and grad_fp8
+    if want_grad:
+        grad = torch.empty_like(logits, dtype=E4M3 if fp8 else logits.dtype)
+    else:
+        grad = loss_rows  # a placeholder pointer when unused
+    grad_scale = torch.empty(C, 1, dtype=torch.float32, device=logits.device) if fp8 else loss_rows
     import triton
 
-    kernel[(C,)](logits, y, s.float(), grad, loss_rows, correct, logits.stride(0), V,
-                 WANT_GRAD=want_grad, BLOCK=min(BLOCK, max(16, triton.next_power_of_2(V))), num_warps=8)
-    return loss_rows.sum(), correct.bool(), (grad if want_grad else None)
+    kernel[(C,)](logits, y, s.float(), grad, grad_scale, loss_rows, correct, logits.stride(0), V,
+                 WANT_GRAD=want_grad, FP8_GRAD=fp8, BLOCK=min(BLOCK, max(16, triton.next_power_of_2(V))), num_warps=8)
+    if not want_grad:
+        return loss_rows.sum(), correct.bool(), None
+    return loss_rows.sum(), correct.bool(), ((grad, grad_scale) if fp8 else grad)
 

@@ -1,10 +1,16 @@
-"""An opt-in FP8 forward for the frozen target's decoder-layer linears (`model.target_precision: fp8`).
+"""Opt-in FP8 products with the frozen target's weights, on the FP8 tensor cores (`torch._scaled_mm`, row-wise
+scales, bf16 out). The target never trains, so each weight is quantized once to float8 e4m3; activations are
+quantized per row (token) at each product.
 
-The target never trains, so its weights are quantized once, per output channel, to float8 e4m3; each forward
-quantizes its input per row (token) and multiplies on the FP8 tensor cores (`torch._scaled_mm` with row-wise scales,
-bf16 out). The embedding, the final norm and the LM head stay in the target's dtype: the drafter trains through the
-LM head and reads the embedding. The target's features then differ from the bf16 target's (by the quantization error
-of every linear), which is why this is opt-in: what it does to acceptance is a quality-pipeline question.
+- `model.target_fp8`: the target's decoder-layer linears (`Fp8Linear`). The target's features then differ from the
+  bf16 target's by the quantization error of every linear.
+- `step.head_fp8`: the LM head's two GEMMs in the drafter's loss (`Fp8Head`): the logits, and the gradient into the
+  drafter's hidden states (the head is frozen, so no weight gradient). The CE chunk writes that gradient in e4m3
+  directly (`dlogits_scale` gives the exact row maximum), so it is never held in bf16.
+
+Both are opt-in because they change what the drafter learns from: what they do to acceptance is a quality-pipeline
+question. The embedding and the final norm stay in the target's dtype, and the exported drafter and every decode use
+the bf16 head.
 
 Shape legend: M rows (tokens), K input features, N output features.
 """
@@ -22,6 +28,28 @@ def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x_MK.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
     scale = amax / E4M3_MAX
     return (x_MK.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def dlogits_scale(s: torch.Tensor, p_label: torch.Tensor) -> torch.Tensor:
+    """Per-row e4m3 scale of dlogits = (softmax - onehot) * s, from the label's probability: the row's largest
+    magnitude is exactly s * (1 - p_label) (the label's entry; every other probability is at most the rest of the
+    mass). Floored so that a row of zeros (s = 0, or p_label = 1) divides by a finite scale. [C] -> [C] fp32."""
+    return (s.float() * (1.0 - p_label.float())).clamp_min(1e-30) / E4M3_MAX
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x already divided by its scale -> e4m3, saturated (the cast alone would make out-of-range values NaN)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """(a_q * a_scale) @ (b_q * b_scale): a_q [M, K] e4m3 row-major with a_scale [M, 1], b_q [K, N] e4m3
+    column-major with b_scale [1, N]. On CUDA the FP8 tensor cores (K and N multiples of 16); elsewhere (tests) the
+    same function in fp32 from the same quantized values."""
+    if a_q.device.type == "cuda":
+        return torch._scaled_mm(a_q, b_q, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    return ((a_q.float() * a_scale) @ (b_q.float() * b_scale)).to(out_dtype)
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -47,11 +75,7 @@ class Fp8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x_q, x_scale = quantize_rows(x.reshape(-1, self.in_features))
-        if x.device.type == "cuda":
-            out = torch._scaled_mm(x_q, self.weight_q.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                                   out_dtype=self.out_dtype)
-        else:
-            out = ((x_q.float() * x_scale) @ (self.weight_q.float() * self.weight_scale.t()).t()).to(self.out_dtype)
+        out = scaled_mm(x_q, x_scale, self.weight_q.t(), self.weight_scale, self.out_dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
@@ -71,3 +95,27 @@ def quantize_target_layers(layers) -> int:
                     setattr(parent, name, Fp8Linear(child))
                     replaced += 1
     return replaced
+
+
+class Fp8Head:
+    """The frozen LM head's weight W [V, D] in e4m3, twice: per vocab row for the logits h @ W^T, and per hidden
+    column for the input gradient dlogits @ W (a scale must run along the output dimension of its product). Two
+    one-byte copies: the footprint of one more bf16 head. Built once, before capture; never trained or saved."""
+
+    def __init__(self, weight_VD: torch.Tensor) -> None:
+        w = weight_VD.detach()
+        self.vocab, self.hidden = w.shape
+        self.out_dtype = w.dtype
+        rows_q, rows_scale = quantize_rows(w)  # [V, D], [V, 1]
+        self.rows_q, self.rows_scale = rows_q, rows_scale.t().contiguous()  # [1, V]
+        cols_q, cols_scale = quantize_rows(w.t().contiguous())  # [D, V], [D, 1]
+        self.cols_q, self.cols_scale = cols_q, cols_scale.t().contiguous()  # [1, D]
+
+    def logits(self, h_CD: torch.Tensor) -> torch.Tensor:
+        """[C, D] -> [C, V] logits in the head's dtype."""
+        h_q, h_scale = quantize_rows(h_CD)
+        return scaled_mm(h_q, h_scale, self.rows_q.t(), self.rows_scale, self.out_dtype)
+
+    def input_grad(self, g_q_CV: torch.Tensor, g_scale_C1: torch.Tensor) -> torch.Tensor:
+        """dlogits in e4m3 [C, V] with its row scales [C, 1] -> dL/dh [C, D] in the head's dtype."""
+        return scaled_mm(g_q_CV, g_scale_C1, self.cols_q.t(), self.cols_scale, self.out_dtype)

@@ -94,12 +94,14 @@ def _reweighted(ce: torch.Tensor, s: torch.Tensor, dpace: DPace | None) -> torch
     return s * dpace_weights(ce.view(shape), (s > 0).view(shape), dpace.alpha).flatten()
 
 
-def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool, dpace: DPace | None = None):
+def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool, dpace: DPace | None = None,
+             grad_fp8: bool = False):
     """One chunk's CE math from raw logits [C, V] (any float dtype), labels y [C], loss scale s [C] (w / sum w)
     -> (sum(ce * s) fp32 scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None). Pure; computed
     in fp32; torch.compile-able into a few fused passes (step.mode compile: trainer.step.graph.compile_step).
     dpace: s is first multiplied by the D-PACE weights computed from this chunk's own CE (C a multiple of
-    dpace.span, each span one block); the weights are constants to the gradient, as in the paper."""
+    dpace.span, each span one block); the weights are constants to the gradient, as in the paper.
+    grad_fp8 (step.head_fp8): dlogits comes as (e4m3 [C, V], row scales [C, 1]) for `Fp8Head.input_grad`."""
     dtype = logits.dtype
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
@@ -112,11 +114,21 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: 
         return loss, correct, None
     g = torch.softmax(logits, dim=-1)
     g.scatter_add_(1, y[:, None], torch.full_like(picked[:, None], -1.0))
+    if grad_fp8:
+        return loss, correct, _e4m3_rows(g, s, picked[:, None] - lse[:, None])
     return loss, correct, g.mul_(s[:, None]).to(dtype)
 
 
+def _e4m3_rows(unscaled: torch.Tensor, s: torch.Tensor, log_p_label: torch.Tensor):
+    """softmax - onehot [C, V] fp32 and the loss scale s [C] -> (dlogits / row scale in e4m3, row scale [C, 1])."""
+    from trainer.model.fp8 import dlogits_scale, to_e4m3
+
+    scale = dlogits_scale(s, torch.exp(log_p_label[:, 0]))[:, None]
+    return to_e4m3(unscaled * (s[:, None] / scale)), scale
+
+
 def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool,
-                   dpace: DPace | None = None):
+                   dpace: DPace | None = None, grad_fp8: bool = False):
     """`ce_chunk`'s contract and math, written for Inductor (the form `compile_step` compiles): one reduction pass
     over the logits (max, sum of exp, argmax, the label's logit) and one pass that writes dlogits in the logits' dtype
     (softmax as exp(x - lse): equal to ce_chunk's up to fp32 rounding).
@@ -140,6 +152,8 @@ def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_
     # softmax - onehot, scaled. exp(x - lse) rather than reusing exp(x - m): a value used by both a reduction and the
     # pointwise output would be stored as a [C, V] fp32 buffer; this way each pass only reads the logits.
     is_label = torch.arange(x.shape[-1], device=x.device) == y[:, None]  # [C, V] bool, an index compare when fused
+    if grad_fp8:
+        return loss, correct, _e4m3_rows(torch.exp(x - lse) - is_label.float(), s, picked - lse)
     g = (torch.exp(x - lse) - is_label.float()) * s[:, None]
     return loss, correct, g.to(dtype)
 
@@ -149,11 +163,12 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     `dpace` s = w times each block's D-PACE weights, computed chunk by chunk from the chunk's own CE.
 
     The LM head is frozen, so only dL/dh is needed; it is computed in forward, chunk by chunk, and saved ([M, D]).
-    chunk_fn: `ce_chunk` or a compiled copy of it (same contract).
+    chunk_fn: `ce_chunk` or a compiled copy of it (same contract). head8: an `Fp8Head` of the same weight
+    (step.head_fp8): both of the chunk's GEMMs run in FP8, and chunk_fn hands dlogits over in e4m3.
     """
 
     @staticmethod
-    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk, dpace=None):
+    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk, dpace=None, head8=None):
         M = h_MD.shape[0]
         if dpace is None:
             wsum = w_M.sum().clamp_min(1e-12)  # device scalar; all-padding micro-batch -> loss 0, grad 0
@@ -164,17 +179,21 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         correct_M = torch.empty(M, dtype=torch.bool, device=h_MD.device)
         want_grad = ctx.needs_input_grad[0]
         grad_MD = torch.empty_like(h_MD) if want_grad else None
-        extra = () if dpace is None else (dpace,)
+        extra = {} if dpace is None else {"dpace": dpace}
+        if head8 is not None:
+            extra["grad_fp8"] = True
         for start in range(0, M, chunk):  # static trip count: M and chunk are Python ints
             end = min(start + chunk, M)
-            logits = h_MD[start:end] @ weight_VD.t()
+            h = h_MD[start:end]
+            logits = h @ weight_VD.t() if head8 is None else head8.logits(h)
             if bias_V is not None:
                 logits = logits.float() + bias_V.float()
             loss_c, correct_M[start:end], g = chunk_fn(logits, labels_M[start:end], scale_M[start:end], want_grad,
-                                                       *extra)
+                                                       **extra)
             loss = loss + loss_c
             if grad_MD is not None:
-                grad_MD[start:end] = (g.to(weight_VD.dtype) @ weight_VD).to(h_MD.dtype)
+                g_MD = g.to(weight_VD.dtype) @ weight_VD if head8 is None else head8.input_grad(*g)
+                grad_MD[start:end] = g_MD.to(h_MD.dtype)
         ctx.save_for_backward(grad_MD)
         ctx.mark_non_differentiable(correct_M)
         return loss, correct_M
@@ -182,26 +201,27 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad_MD,) = ctx.saved_tensors
-        if grad_MD is None:
-            return None, None, None, None, None, None, None, None
-        return grad_MD * grad_loss.to(grad_MD.dtype), None, None, None, None, None, None, None
+        grad_h = None if grad_MD is None else grad_MD * grad_loss.to(grad_MD.dtype)
+        return grad_h, None, None, None, None, None, None, None, None
 
 
 def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, labels_M: torch.Tensor,
-                    w_M: torch.Tensor, chunk: int, chunk_fn=None,
-                    dpace: DPace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    w_M: torch.Tensor, chunk: int, chunk_fn=None, dpace: DPace | None = None,
+                    head8=None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (loss: scalar fp32, correct [M] bool = argmax == label). Weights must be 0 where invalid.
 
     dpace None: the weighted mean CE, sum(CE * w) / sum(w). dpace: sum(CE * w * D-PACE weights), w the normalized
     base scale (`dpace_scale`); consecutive runs of dpace.span positions are one block each (M a multiple of it), so
     the chunk is rounded down to whole blocks and every block's weights come from one chunk.
-    chunk_fn: None = eager `ce_chunk`; the compile modes pass a compiled copy."""
+    chunk_fn: None = eager `ce_chunk`; the compile modes pass a compiled copy. head8: the head's `Fp8Head`
+    (step.head_fp8), or None for the GEMMs in the head's dtype."""
     chunk = int(chunk)
     if dpace is not None:
         if h_MD.shape[0] % dpace.span:
             raise ValueError(f"D-PACE needs whole blocks: {h_MD.shape[0]} positions, {dpace.span} per block")
         chunk = max(dpace.span, chunk - chunk % dpace.span)
-    return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), chunk, chunk_fn or ce_chunk, dpace)
+    return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), chunk, chunk_fn or ce_chunk, dpace,
+                                  head8)
 
 
 def naive_lm_loss(h_MD, weight_VD, bias_V, labels_M, w_M) -> torch.Tensor:

@@ -336,15 +336,35 @@ class GraphRunner:
         return decode_outs(self.graph.step(encode(micro_batches)), self.accum)
 
 
+def fp8_head(head: torch.nn.Module, device: torch.device):
+    """step.head_fp8: the frozen LM head's `Fp8Head`, or ConfigError where the FP8 tensor cores cannot run it."""
+    from trainer.errors import ConfigError
+    from trainer.model.fp8 import Fp8Head, fp8_supported
+
+    vocab, hidden = head.weight.shape
+    if vocab % 16 or hidden % 16:
+        raise ConfigError(f"step.head_fp8 needs the LM head's vocabulary and hidden size divisible by 16 (FP8 "
+                          f"tensor cores); this target's are {vocab} and {hidden}", hint="--set step.head_fp8=false")
+    if not fp8_supported(device):
+        raise ConfigError(f"step.head_fp8 needs FP8 tensor cores (CUDA compute capability 9.0+); the step runs on "
+                          f"{device}", hint="--set step.head_fp8=false")
+    # On the step's device: with the target on another GPU (pipeline placement), prepare_step runs before the
+    # drafter side gets its own copy of the head.
+    return Fp8Head(head.weight.detach().to(device))
+
+
 def prepare_step(step_cfg, state, device: torch.device) -> None:
-    """What every runner does first, in the main thread: compile (the compile modes), then choose the CE chunk
-    kernel (`step.ce`; auto: the Triton kernel in the compile and graph modes where it runs and the loss is DFlash's,
-    the eager mode stays the PyTorch reference). Raises ConfigError where step.ce=triton cannot run."""
+    """What every runner does first, in the main thread: compile (the compile modes), build the FP8 head copies
+    (step.head_fp8), then choose the CE chunk kernel (`step.ce`; auto: the Triton kernel in the compile and graph
+    modes where it runs and the loss is DFlash's, the eager mode stays the PyTorch reference). Raises ConfigError
+    where step.ce=triton or step.head_fp8 cannot run."""
     from trainer.errors import ConfigError
     from trainer.model import ce_kernel
 
     if step_cfg.compiles:
         compile_step(state)
+    if step_cfg.head_fp8:
+        state.head_fp8 = fp8_head(state.lm_head, device)
     usable = ce_kernel.usable_on(device)
     if step_cfg.ce == "triton" and not usable:
         raise ConfigError(f"step.ce=triton needs a CUDA device and Triton (this step runs on {device.type})",

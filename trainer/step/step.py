@@ -50,6 +50,8 @@ class TrainState:
     # The LM-head CE chunk math (trainer.model.loss.ce_chunk contract); None = eager. trainer.step.graph.prepare_step
     # sets the Triton kernel (step.ce) or, in the compile modes, a torch.compile'd copy.
     ce_chunk_fn: Callable | None = None
+    # step.head_fp8: the LM head's FP8 copies (trainer.model.fp8.Fp8Head), set by prepare_step; None = its dtype.
+    head_fp8: Any = None
     # The objective (config `loss`): "dflash" (decay weights, gamma) or "dpace" (dpace_alpha, dpace_norm).
     loss_kind: str = "dflash"
     dpace_alpha: float = 0.5
@@ -144,7 +146,7 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
     h = hidden.view(R, N, B, -1)[:, :, 1:].to(head.weight.dtype, memory_format=torch.contiguous_format)
     loss, correct = chunked_lm_loss(h.reshape(R * N * (B - 1), -1), head.weight, getattr(head, "bias", None),
                                     labels[:, :, 1:].reshape(-1), w[:, :, 1:].reshape(-1), state.loss_chunk,
-                                    state.ce_chunk_fn, dpace)
+                                    state.ce_chunk_fn, dpace, state.head_fp8)
     validf = valid.float()
     correct = torch.cat([torch.zeros_like(valid[:, :, :1]), correct.view(R, N, B - 1)], dim=2)  # k = 0: never valid
     correct_by_pos = (correct.float() * validf).sum(dim=(0, 1))

@@ -1,0 +1,133 @@
+"""step.head_fp8 (trainer/model/fp8.py `Fp8Head`, the e4m3 dlogits of the CE chunk): the row scale is the exact
+row maximum, every CE form (eager, Inductor-shaped, the Triton kernel under the interpreter) hands over the same
+e4m3 gradient, and the chunked loss through the FP8 head stays close to the loss through the head's own dtype.
+On CPU the FP8 products are computed in fp32 from the same quantized values the H200 multiplies
+(tests/trainer/gpu/test_fp8_gpu.py checks that the tensor cores agree)."""
+import pytest
+import torch
+
+from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
+from tests.trainer.test_ce_fused import chunk_case
+from trainer.errors import ConfigError
+from trainer.model import ce_kernel
+from trainer.model.fp8 import E4M3, Fp8Head, dlogits_scale
+from trainer.model.loss import ce_chunk, ce_chunk_fused, chunked_lm_loss
+from trainer.step.graph import fp8_head
+
+
+@pytest.fixture
+def hardware_fp8_casts(interpreter, monkeypatch):  # noqa: F811
+    """Triton's interpreter casts fp32 to e4m3 without carrying a rounded-up mantissa into the exponent (0.0309
+    comes out 2^-6, not 0.03125); the H200 rounds to nearest even, as torch's cast does. Cast as the hardware does,
+    so that the kernel's own arithmetic is what is compared."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as tri
+
+    convert = tri._convert_float
+
+    def cast(values, from_dtype, to_dtype, rounding_mode):
+        if from_dtype == tl.float32 and to_dtype == tl.float8e4nv:
+            as_torch = torch.from_numpy(np.ascontiguousarray(values).view(np.float32))
+            return as_torch.to(E4M3).view(torch.uint8).numpy()
+        return convert(values, from_dtype, to_dtype, rounding_mode)
+
+    monkeypatch.setattr(tri, "_convert_float", cast)
+
+
+def _dlogits(logits, y, s):
+    """(softmax - onehot) * s in fp64, independent of the code under test."""
+    p = torch.softmax(logits.double(), dim=-1)
+    p[torch.arange(len(y)), y] -= 1
+    return p * s.double()[:, None]
+
+
+def _assert_e4m3_close(q, scale, want):
+    """q * scale is want within e4m3's precision: 3 mantissa bits, subnormals below 2^-6 of the scale's unit."""
+    assert q.dtype == E4M3 and scale.shape == (q.shape[0], 1) and scale.dtype == torch.float32
+    back = q.double() * scale.double()
+    assert ((back - want).abs() <= want.abs() * 2 ** -4 + scale.double() * 2 ** -9 + 1e-30).all()
+
+
+def test_the_scale_is_the_exact_row_maximum_and_zero_rows_stay_finite():
+    logits, y, s = chunk_case(torch.float32)
+    want = _dlogits(logits, y, s).abs().amax(dim=-1)
+    p_label = torch.softmax(logits.double(), dim=-1)[torch.arange(len(y)), y]
+    scale = dlogits_scale(s, p_label)
+    live = s > 0
+    assert live.any() and (~live).any()
+    torch.testing.assert_close(scale[live].double() * 448, want[live], rtol=1e-6, atol=0)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_ce_form_hands_over_the_same_e4m3_gradient(hardware_fp8_casts, monkeypatch, dtype):
+    monkeypatch.setattr(ce_kernel, "BLOCK", 32)  # V = 97: four column blocks, the last partial
+    logits, y, s = chunk_case(dtype)
+    want = _dlogits(logits, y, s)
+    loss_ref, correct_ref, g_ref = ce_chunk(logits, y, s, True)
+    outs = {"eager": ce_chunk(logits, y, s, True, grad_fp8=True),
+            "fused": ce_chunk_fused(logits, y, s, True, grad_fp8=True),
+            "triton": ce_kernel.ce_chunk_triton(logits, y, s, True, grad_fp8=True)}
+    for name, (loss, correct, (q, scale)) in outs.items():
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-7, msg=name)
+        assert torch.equal(correct, correct_ref), name
+        _assert_e4m3_close(q, scale, want)
+        live = s > 0  # each live row reaches e4m3's maximum exactly once: at its label
+        assert (q[live].float().abs().amax(-1) == 448).all(), name
+        assert (q[~live].float() == 0).all(), name
+    q0, s0 = outs["eager"][2]
+    for name in ("fused", "triton"):  # the same values up to an fp32 ulp of the softmax, i.e. one e4m3 step
+        q, scale = outs[name][2]
+        torch.testing.assert_close(scale, s0, rtol=1e-5, atol=0)
+        torch.testing.assert_close(q.float() * scale, q0.float() * s0, rtol=2 ** -3, atol=float(s0.max()) * 2 ** -9)
+
+
+def test_the_fp8_head_computes_the_products_of_its_quantized_copies():
+    torch.manual_seed(0)
+    W = torch.randn(160, 64) * 0.05
+    h = torch.randn(24, 64)
+    head = Fp8Head(W)
+    assert head.rows_q.shape == (160, 64) and head.cols_q.shape == (64, 160)
+    assert head.rows_scale.shape == (1, 160) and head.cols_scale.shape == (1, 64)
+    logits = head.logits(h)
+    rel = float((logits - h @ W.t()).norm() / (h @ W.t()).norm())
+    assert 1e-4 < rel < 0.06, rel  # quantized (not equal), yet close
+    g = torch.randn(24, 160)
+    gs = g.abs().amax(-1, keepdim=True) / 448
+    q = (g / gs).to(E4M3)
+    grad = head.input_grad(q, gs)
+    ref = (q.float() * gs) @ W
+    rel = float((grad - ref).norm() / ref.norm())
+    assert 1e-4 < rel < 0.06, rel
+
+
+def test_the_chunked_loss_through_the_fp8_head_stays_close_to_the_full_precision_one():
+    g = torch.Generator().manual_seed(1)
+    M, D, V = 40, 32, 144
+    h = torch.randn(M, D, generator=g)
+    W = torch.randn(V, D, generator=g) * 0.3
+    y = torch.randint(V, (M,), generator=g)
+    w = torch.rand(M, generator=g) * (torch.rand(M, generator=g) > 0.2)
+    results = []
+    for head8 in (None, Fp8Head(W)):
+        h1 = h.clone().requires_grad_()
+        loss, correct = chunked_lm_loss(h1, W, None, y, w, 16, None, None, head8)
+        loss.backward()
+        results.append((loss.detach(), correct, h1.grad))
+    (l0, c0, d0), (l1, c1, d1) = results
+    assert not torch.equal(d1, d0)  # the FP8 path ran
+    torch.testing.assert_close(l1, l0, rtol=0.03, atol=0)
+    cos = torch.nn.functional.cosine_similarity(d1.flatten(), d0.flatten(), dim=0)
+    assert float(cos) > 0.99, float(cos)
+    assert float((c1 == c0).float().mean()) >= 0.9
+
+
+def test_a_head_the_tensor_cores_cannot_take_is_refused_with_the_way_out():
+    odd = torch.nn.Linear(40, 97, bias=False)  # vocabulary 97: not a multiple of 16
+    with pytest.raises(ConfigError) as err:
+        fp8_head(odd, torch.device("cpu"))
+    assert "divisible by 16" in str(err.value) and "97" in str(err.value)
+    assert "step.head_fp8=false" in err.value.hint
+    with pytest.raises(ConfigError, match="FP8 tensor cores"):
+        fp8_head(torch.nn.Linear(64, 160, bias=False), torch.device("cpu"))
