@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 
 MODES = ("eager", "compile", "graph", "compile+graph")
 ATTNS = ("auto", "flex", "sdpa")
+HEAD_FP8 = {"auto": "auto", "1": True, "0": False}  # --head-fp8 -> step.head_fp8
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class BenchConfig:
     ce_chunk: int = 4096
     ce: str = "auto"  # step.ce: the CE chunk kernel (auto, torch, triton)
     target_fp8: int = 0  # 1: model.target_fp8 (the target's decoder linears in FP8; Hopper)
-    head_fp8: int = 0  # 1: step.head_fp8 (the LM head's two loss GEMMs in FP8; Hopper)
+    head_fp8: str = "auto"  # step.head_fp8: auto (the trainer's default), 1 (on or refuse) or 0 (off)
     profile: int = 0  # >0: after timing, profile this many steps and print the top kernels (PROF lines; CUDA)
     pipeline: int = 0  # 1: run the steps through the loader/producer/consumer threads (CUDA)
 
@@ -72,6 +73,8 @@ class BenchConfig:
             raise SystemExit(f"unknown --attn {self.attn!r}; choose one of {list(ATTNS)}")
         if self.ce not in CE_KERNELS:
             raise SystemExit(f"unknown --ce {self.ce!r}; choose one of {list(CE_KERNELS)}")
+        if self.head_fp8 not in HEAD_FP8:
+            raise SystemExit(f"unknown --head-fp8 {self.head_fp8!r}; choose one of {list(HEAD_FP8)}")
         if self.target and not os.path.isfile(os.path.join(self.target, "config.json")):
             raise SystemExit(f"--target {self.target}: no config.json there (a local Hugging Face model directory)")
         if not self.target:
@@ -105,7 +108,8 @@ HELP = {
     "ce_chunk": "positions per LM-head / cross-entropy chunk",
     "ce": "the CE chunk kernel (step.ce): auto, torch, triton",
     "target_fp8": "1: the target's decoder-layer linears in FP8 (model.target_fp8; CUDA, Hopper)",
-    "head_fp8": "1: the LM head's logits and input-gradient GEMMs in FP8 (step.head_fp8; CUDA, Hopper)",
+    "head_fp8": "the LM head's logits and input-gradient GEMMs in FP8 (step.head_fp8): auto = on in the compile "
+                "and graph modes where FP8 tensor cores run it, as the trainer; 1 = on or refuse; 0 = off",
     "profile": "after timing, profile this many steps and print the top kernels (PROF lines; CUDA)",
     "pipeline": "1: run the steps through the loader / producer / consumer threads (CUDA)",
 }

@@ -24,8 +24,15 @@ def train_config(cfg, mode: str, attn: str) -> TrainCfg:
     """The TrainCfg the bench's step corresponds to (only the fields build_state / make_runner read matter)."""
     return TrainCfg(model=ModelCfg(target=cfg.target, num_draft_layers=cfg.draft_layers, block_size=cfg.block),
                     data=DataCfg(seq_len=cfg.seq, rows_per_step=cfg.batch, num_anchors=cfg.anchors),
-                    step=StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce, head_fp8=bool(cfg.head_fp8)),
+                    step=step_config(cfg, mode, attn),
                     optim=OptimCfg(accum_steps=cfg.accum), pipeline=PipelineCfg(enabled=bool(cfg.pipeline)))
+
+
+def step_config(cfg, mode: str, attn: str) -> StepCfg:
+    """The trainer's StepCfg for this bench run and mode (--ce, --ce-chunk, --head-fp8)."""
+    from bench.step import HEAD_FP8
+
+    return StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce, head_fp8=HEAD_FP8[cfg.head_fp8])
 
 
 def bench_target(cfg, device: torch.device):
@@ -110,7 +117,8 @@ def run_mode(cfg, mode: str) -> dict:
     # Read off the batches the step ran on (doc ids count from 0 in each row), not echoed from --docs.
     docs = int(steps_in[0][0].doc_ids.max()) + 1
     result = figures(cfg, mode, timed, flops, dev, info.world) | {"attn": attn, "target_attn": target.attn,
-                                                                  "docs_per_row": docs}
+                                                                  "docs_per_row": docs,
+                                                                  "head_fp8": state.head_fp8 is not None}
     if cuda:
         torch.cuda.synchronize(dev)
     shutdown()
@@ -127,8 +135,8 @@ def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Ti
     if dev.type != "cuda":
         raise ConfigError("--pipeline 1 needs a CUDA device (this run is on cpu)")
     pc = PipelineCfg()
-    built = train_pipe.build(state, steps_in[0], step=StepCfg(mode=mode, ce=cfg.ce), target_device=dev, drafter_device=dev,
-                             grad_sync=sync, slots=pc.slots, prefetch=pc.prefetch)
+    built = train_pipe.build(state, steps_in[0], step=step_config(cfg, mode, state.attn), target_device=dev,
+                             drafter_device=dev, grad_sync=sync, slots=pc.slots, prefetch=pc.prefetch)
     inputs = [encode(s) for s in steps_in]
 
     def feed():  # loader thread: CPU dicts (it pins them)

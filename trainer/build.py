@@ -269,6 +269,8 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
             runner = make_runner(cfg, state, batch_dev, device, grad_sync)
             if cfg.step.compiles:
                 console.say("step.mode=compile: torch.compile compiles during the first optimizer steps")
+    if state.head_fp8 is not None:
+        console.say(f"step.head_fp8={cfg.step.head_fp8}: the LM head's loss GEMMs run on the FP8 tensor cores")
     if env.is_main:
         rundir.write_config(cfg, run_dir, resume)
     resume_step = start.step if resume else None

@@ -131,14 +131,17 @@ class StepCfg:
     # The CE chunk's softmax/argmax/dlogits math: triton = one kernel per chunk (trainer/model/ce_kernel.py, CUDA),
     # torch = PyTorch ops (Inductor-fused in the compile modes), auto = triton where it runs unless step.mode=eager.
     ce: str = "auto"
-    # Opt-in: the LM head's two GEMMs in the loss (the logits and the gradient into the drafter) in FP8 e4m3, the
-    # CE chunk writing that gradient in e4m3 (Hopper or newer; trainer/model/fp8.py). Faster, and a different
-    # training signal: measure acceptance before relying on it.
-    head_fp8: bool = False
+    # The LM head's two GEMMs in the loss (the logits and the gradient into the drafter) in FP8 e4m3, the CE chunk
+    # writing that gradient in e4m3 (trainer/model/fp8.py). auto = on in the compile and graph modes where the FP8
+    # tensor cores run it (CUDA compute capability 9.0+, vocabulary and hidden size multiples of 16), else off;
+    # true = on or refuse. Acceptance at equal GPU time: docs/quality.md.
+    head_fp8: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.mode in STEP_MODES, f"step.mode must be one of {STEP_MODES}, got {self.mode!r}")
         _check(self.ce in CE_KERNELS, f"step.ce must be one of {CE_KERNELS}, got {self.ce!r}")
+        _check(self.head_fp8 in (True, False, "auto"), f"step.head_fp8 must be auto, true or false, got "
+               f"{self.head_fp8!r}")
         _check(self.attn in ATTN_BACKENDS, f"step.attn must be one of {ATTN_BACKENDS}, got {self.attn!r}")
         _check(self.loss_chunk >= 1, "step.loss_chunk must be >= 1")
 
@@ -305,7 +308,7 @@ def cuda_only(cfg: TrainCfg) -> list[tuple[str, str]]:
         found.append(("pipeline.enabled", "pipeline.enabled=false"))
     if cfg.model.target_fp8:
         found.append(("model.target_fp8", "model.target_fp8=false"))
-    if cfg.step.head_fp8:
+    if cfg.step.head_fp8 is True:  # auto turns itself off where it cannot run
         found.append(("step.head_fp8", "step.head_fp8=false"))
     return found
 

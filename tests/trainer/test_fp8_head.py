@@ -12,7 +12,8 @@ from trainer.errors import ConfigError
 from trainer.model import ce_kernel
 from trainer.model.fp8 import E4M3, Fp8Head, dlogits_scale
 from trainer.model.loss import ce_chunk, ce_chunk_fused, chunked_lm_loss
-from trainer.step.graph import fp8_head
+from trainer.config import StepCfg, cuda_only, load_config
+from trainer.step.graph import fp8_head, fp8_head_unmet
 
 
 @pytest.fixture
@@ -123,11 +124,33 @@ def test_the_chunked_loss_through_the_fp8_head_stays_close_to_the_full_precision
     assert float((c1 == c0).float().mean()) >= 0.9
 
 
-def test_a_head_the_tensor_cores_cannot_take_is_refused_with_the_way_out():
+def test_true_refuses_a_head_the_tensor_cores_cannot_take_with_the_way_out():
+    on = StepCfg(mode="compile+graph", head_fp8=True)
     odd = torch.nn.Linear(40, 97, bias=False)  # vocabulary 97: not a multiple of 16
     with pytest.raises(ConfigError) as err:
-        fp8_head(odd, torch.device("cpu"))
+        fp8_head(on, odd, torch.device("cpu"))
     assert "divisible by 16" in str(err.value) and "97" in str(err.value)
     assert "step.head_fp8=false" in err.value.hint
     with pytest.raises(ConfigError, match="FP8 tensor cores"):
-        fp8_head(torch.nn.Linear(64, 160, bias=False), torch.device("cpu"))
+        fp8_head(on, torch.nn.Linear(64, 160, bias=False), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile", "compile+graph"])
+def test_auto_and_false_stay_off_where_it_cannot_run_or_is_not_wanted(mode):
+    head = torch.nn.Linear(64, 160, bias=False)
+    for value in ("auto", False):
+        assert fp8_head(StepCfg(mode=mode, head_fp8=value), head, torch.device("cpu")) is None
+    assert fp8_head_unmet(head, torch.device("cpu")).startswith("FP8 tensor cores")
+    assert fp8_head_unmet(torch.nn.Linear(64, 97, bias=False), torch.device("cpu")).startswith("the LM head's")
+
+
+def test_the_setting_takes_auto_true_or_false_and_only_true_is_cuda_only():
+    def cfg(*sets):
+        return load_config("smoke", list(sets))
+
+    assert cfg().step.head_fp8 == "auto" and not cuda_only(cfg())
+    assert cfg("step.head_fp8=true").step.head_fp8 is True
+    assert ("step.head_fp8", "step.head_fp8=false") in cuda_only(cfg("step.head_fp8=true"))
+    assert cfg("step.head_fp8=false").step.head_fp8 is False
+    with pytest.raises(ConfigError, match="step.head_fp8 must be auto, true or false"):
+        cfg("step.head_fp8=yes please")

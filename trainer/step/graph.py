@@ -336,18 +336,33 @@ class GraphRunner:
         return decode_outs(self.graph.step(encode(micro_batches)), self.accum)
 
 
-def fp8_head(head: torch.nn.Module, device: torch.device):
-    """step.head_fp8: the frozen LM head's `Fp8Head`, or ConfigError where the FP8 tensor cores cannot run it."""
-    from trainer.errors import ConfigError
-    from trainer.model.fp8 import Fp8Head, fp8_supported
+def fp8_head_unmet(head: torch.nn.Module, device: torch.device) -> str | None:
+    """Why the FP8 tensor cores cannot run this LM head's GEMMs on `device`, or None when they can."""
+    from trainer.model.fp8 import fp8_supported
 
     vocab, hidden = head.weight.shape
     if vocab % 16 or hidden % 16:
-        raise ConfigError(f"step.head_fp8 needs the LM head's vocabulary and hidden size divisible by 16 (FP8 "
-                          f"tensor cores); this target's are {vocab} and {hidden}", hint="--set step.head_fp8=false")
+        return (f"the LM head's vocabulary and hidden size divisible by 16 (FP8 tensor cores); this target's are "
+                f"{vocab} and {hidden}")
     if not fp8_supported(device):
-        raise ConfigError(f"step.head_fp8 needs FP8 tensor cores (CUDA compute capability 9.0+); the step runs on "
-                          f"{device}", hint="--set step.head_fp8=false")
+        return f"FP8 tensor cores (CUDA compute capability 9.0+); the step runs on {device}"
+    return None
+
+
+def fp8_head(step_cfg, head: torch.nn.Module, device: torch.device):
+    """step.head_fp8 -> the frozen LM head's `Fp8Head`, or None: auto where it can run (not in the eager reference
+    mode), true or ConfigError."""
+    from trainer.errors import ConfigError
+    from trainer.model.fp8 import Fp8Head
+
+    wanted = step_cfg.head_fp8
+    if wanted is False or (wanted == "auto" and step_cfg.eager):
+        return None
+    unmet = fp8_head_unmet(head, device)
+    if unmet is not None:
+        if wanted == "auto":
+            return None
+        raise ConfigError(f"step.head_fp8 needs {unmet}", hint="--set step.head_fp8=false")
     # On the step's device: with the target on another GPU (pipeline placement), prepare_step runs before the
     # drafter side gets its own copy of the head.
     return Fp8Head(head.weight.detach().to(device))
@@ -363,8 +378,7 @@ def prepare_step(step_cfg, state, device: torch.device) -> None:
 
     if step_cfg.compiles:
         compile_step(state)
-    if step_cfg.head_fp8:
-        state.head_fp8 = fp8_head(state.lm_head, device)
+    state.head_fp8 = fp8_head(step_cfg, state.lm_head, device)
     usable = ce_kernel.usable_on(device)
     if step_cfg.ce == "triton" and not usable:
         raise ConfigError(f"step.ce=triton needs a CUDA device and Triton (this step runs on {device.type})",
