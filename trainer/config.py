@@ -140,8 +140,8 @@ class StepCfg:
     def __post_init__(self) -> None:
         _check(self.mode in STEP_MODES, f"step.mode must be one of {STEP_MODES}, got {self.mode!r}")
         _check(self.ce in CE_KERNELS, f"step.ce must be one of {CE_KERNELS}, got {self.ce!r}")
-        _check(self.head_fp8 in (True, False, "auto"), f"step.head_fp8 must be auto, true or false, got "
-               f"{self.head_fp8!r}")
+        _check(type(self.head_fp8) is bool or self.head_fp8 == "auto",
+               f"step.head_fp8 must be auto, true or false, got {self.head_fp8!r}")
         _check(self.attn in ATTN_BACKENDS, f"step.attn must be one of {ATTN_BACKENDS}, got {self.attn!r}")
         _check(self.loss_chunk >= 1, "step.loss_chunk must be >= 1")
 

@@ -1,8 +1,8 @@
 """The LM-head CE chunk (`trainer.model.loss.ce_chunk`'s contract) as one Triton kernel: one program per row of the
 [C, V] logits, a first loop for the row's statistics (online max and sum of exp, first argmax, the label's logit),
 a second that writes dlogits = (softmax - onehot) * s in the logits' dtype, or (step.head_fp8) in e4m3 with one
-scale per row (`trainer.model.fp8.dlogits_scale`), so the gradient GEMM reads one byte per logit and nothing writes
-the bf16 gradient.
+scale per row (`trainer.model.fp8.dlogits_scale`, from the probability mass off the label, summed in the first
+loop), so the gradient GEMM reads one byte per logit and nothing writes the bf16 gradient.
 
 Why a kernel of our own: under Inductor the same math (`ce_chunk_fused`) became one reduction that ran at about half
 the memory bandwidth on the H200 (`python3 -m bench.step --profile`, category "lm-head softmax/CE": 12.9 of 88 ms
@@ -39,8 +39,12 @@ def _kernel():
         # cross-lane max cost more than the second exp). One exp per element: with d = x - m, exp(-|d|) is either
         # the new term (d <= 0) or the old sum's rescale (d > 0, the new term then being exactly 1). The running max
         # starts finite, so d is never -inf - -inf.
+        y = tl.load(y_ptr + row)
         m = tl.full([BLOCK], -1e30, tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
+        # FP8_GRAD: the same sum without the label's term, so that 1 - p_label = rest / total never cancels (a
+        # confident row's p_label rounds to 1 in fp32, its 1 - p_label to 0).
+        others = tl.zeros([BLOCK], tl.float32)
         best_at = tl.zeros([BLOCK], tl.int32)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
@@ -49,12 +53,16 @@ def _kernel():
             e = tl.exp(-tl.abs(d))
             up = d > 0  # strict: a lane keeps its first maximum (lanes visit columns in increasing order)
             total = tl.where(up, total * e + 1.0, total + e)
+            if FP8_GRAD:
+                not_label = (cols != y).to(tl.float32)
+                others = tl.where(up, others * e + not_label, others + e * not_label)
             m = tl.where(up, x, m)
             best_at = tl.where(up, cols, best_at)
         row_max = tl.max(m, axis=0)
-        lse = row_max + tl.log(tl.sum(total * tl.exp(m - row_max), axis=0))
+        lane_w = tl.exp(m - row_max)
+        sum_exp = tl.sum(total * lane_w, axis=0)
+        lse = row_max + tl.log(sum_exp)
         argmax = tl.min(tl.where(m == row_max, best_at, n_cols), axis=0)  # torch.argmax: the first index of the max
-        y = tl.load(y_ptr + row)
         s = tl.load(s_ptr + row)
         picked = tl.load(base + y).to(tl.float32)
         tl.store(loss_ptr + row, (lse - picked) * s)
@@ -62,17 +70,21 @@ def _kernel():
         if WANT_GRAD:
             g_base = g_ptr + row * n_cols
             mult = s
-            if FP8_GRAD:  # the row's largest |dlogit| is s * (1 - p_label): map it to e4m3's maximum (448)
-                g_scale = tl.maximum(s * (1.0 - tl.exp(picked - lse)), 1e-30) / 448.0
+            rest = 0.0
+            if FP8_GRAD:  # the row's largest |dlogit| is the label's, s * (1 - p_label): map it to e4m3's 448
+                rest = tl.sum(others * lane_w, axis=0) / sum_exp
+                g_scale = tl.maximum(s * rest, 1e-30) / 448.0
                 tl.store(gs_ptr + row, g_scale)
                 mult = s / g_scale
             for start in range(0, n_cols, BLOCK):
                 cols = start + lanes
                 inside = cols < n_cols
                 x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-                g = (tl.exp(x - lse) - (cols == y).to(tl.float32)) * mult
-                if FP8_GRAD:
+                if FP8_GRAD:  # the label's entry p_label - 1 as -rest: exact where p_label rounds to 1
+                    g = tl.where(cols == y, -rest, tl.exp(x - lse)) * mult
                     g = tl.minimum(tl.maximum(g, -448.0), 448.0)
+                else:
+                    g = (tl.exp(x - lse) - (cols == y).to(tl.float32)) * mult
                 tl.store(g_base + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
 
     return ce_rows

@@ -6,7 +6,7 @@ quantized per row (token) at each product.
   bf16 target's by the quantization error of every linear.
 - `step.head_fp8`: the LM head's two GEMMs in the drafter's loss (`Fp8Head`): the logits, and the gradient into the
   drafter's hidden states (the head is frozen, so no weight gradient). The CE chunk writes that gradient in e4m3
-  directly (`dlogits_scale` gives the exact row maximum), so it is never held in bf16.
+  directly (`dlogits_scale`: the row's maximum, known before the row is written), so it is never held in bf16.
 
 Both are opt-in because they change what the drafter learns from: what they do to acceptance is a quality-pipeline
 question. The embedding and the final norm stay in the target's dtype, and the exported drafter and every decode use
@@ -30,11 +30,12 @@ def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x_MK.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def dlogits_scale(s: torch.Tensor, p_label: torch.Tensor) -> torch.Tensor:
-    """Per-row e4m3 scale of dlogits = (softmax - onehot) * s, from the label's probability: the row's largest
-    magnitude is exactly s * (1 - p_label) (the label's entry; every other probability is at most the rest of the
-    mass). Floored so that a row of zeros (s = 0, or p_label = 1) divides by a finite scale. [C] -> [C] fp32."""
-    return (s.float() * (1.0 - p_label.float())).clamp_min(1e-30) / E4M3_MAX
+def dlogits_scale(s: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """Per-row e4m3 scale of dlogits = (softmax - onehot) * s, from rest = 1 - p_label, the probability mass off the
+    label: the row's largest magnitude is s * rest, the label's entry (every other probability is a part of rest).
+    rest must be summed over the other entries, not taken as 1 - p_label, which cancels to 0 in a confident row.
+    Floored so that a row of zeros (s = 0, or no mass off the label) divides by a finite scale. [C] -> [C] fp32."""
+    return (s.float() * rest.float()).clamp_min(1e-30) / E4M3_MAX
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +56,18 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
 def fp8_supported(device: torch.device) -> bool:
     """FP8 tensor cores with row-wise scaled matmuls: CUDA compute capability 9.0 (Hopper) or newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def rowwise_matmul_error(device: torch.device) -> str | None:
+    """Run one tiny row-wise scaled e4m3 matmul with bf16 output on `device`: None, or the first line of why this
+    build of torch cannot (its row-wise kernels exist for some GPU generations only)."""
+    a = torch.zeros(16, 16, device=device, dtype=E4M3)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t().contiguous(), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return (str(e).strip().splitlines() or ["unknown error"])[0]
+    return None
 
 
 class Fp8Linear(torch.nn.Module):

@@ -113,17 +113,19 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: 
     if not want_grad:
         return loss, correct, None
     g = torch.softmax(logits, dim=-1)
-    g.scatter_add_(1, y[:, None], torch.full_like(picked[:, None], -1.0))
     if grad_fp8:
-        return loss, correct, _e4m3_rows(g, s, picked[:, None] - lse[:, None])
+        rest = g.scatter(1, y[:, None], 0.0).sum(dim=-1)  # 1 - p_label, summed: it never cancels
+        return loss, correct, _e4m3_rows(g.scatter_(1, y[:, None], -rest[:, None]), s, rest)
+    g.scatter_add_(1, y[:, None], torch.full_like(picked[:, None], -1.0))
     return loss, correct, g.mul_(s[:, None]).to(dtype)
 
 
-def _e4m3_rows(unscaled: torch.Tensor, s: torch.Tensor, log_p_label: torch.Tensor):
-    """softmax - onehot [C, V] fp32 and the loss scale s [C] -> (dlogits / row scale in e4m3, row scale [C, 1])."""
+def _e4m3_rows(unscaled: torch.Tensor, s: torch.Tensor, rest: torch.Tensor):
+    """softmax - onehot [C, V] fp32 (the label's entry as -rest), the loss scale s [C] and rest = 1 - p_label [C]
+    -> (dlogits / row scale in e4m3, row scale [C, 1])."""
     from trainer.model.fp8 import dlogits_scale, to_e4m3
 
-    scale = dlogits_scale(s, torch.exp(log_p_label[:, 0]))[:, None]
+    scale = dlogits_scale(s, rest)[:, None]
     return to_e4m3(unscaled * (s[:, None] / scale)), scale
 
 
@@ -153,7 +155,9 @@ def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_
     # pointwise output would be stored as a [C, V] fp32 buffer; this way each pass only reads the logits.
     is_label = torch.arange(x.shape[-1], device=x.device) == y[:, None]  # [C, V] bool, an index compare when fused
     if grad_fp8:
-        return loss, correct, _e4m3_rows(torch.exp(x - lse) - is_label.float(), s, picked - lse)
+        p = torch.exp(x - lse)
+        rest = torch.where(is_label, 0.0, p).sum(dim=-1)  # 1 - p_label, summed: it never cancels
+        return loss, correct, _e4m3_rows(torch.where(is_label, -rest[:, None], p), s, rest)
     g = (torch.exp(x - lse) - is_label.float()) * s[:, None]
     return loss, correct, g.to(dtype)
 

@@ -337,15 +337,22 @@ class GraphRunner:
 
 
 def fp8_head_unmet(head: torch.nn.Module, device: torch.device) -> str | None:
-    """Why the FP8 tensor cores cannot run this LM head's GEMMs on `device`, or None when they can."""
-    from trainer.model.fp8 import fp8_supported
+    """Why the FP8 tensor cores cannot run this LM head's GEMMs on `device`, or None when they can (the last check
+    runs one tiny FP8 matmul there)."""
+    from trainer.model import fp8
 
     vocab, hidden = head.weight.shape
     if vocab % 16 or hidden % 16:
         return (f"the LM head's vocabulary and hidden size divisible by 16 (FP8 tensor cores); this target's are "
                 f"{vocab} and {hidden}")
-    if not fp8_supported(device):
+    if head.weight.dtype != torch.bfloat16:
+        return (f"a bf16 LM head (model.dtype=bfloat16; the FP8 products write bf16); this one is "
+                f"{str(head.weight.dtype).replace('torch.', '')}")
+    if not fp8.fp8_supported(device):
         return f"FP8 tensor cores (CUDA compute capability 9.0+); the step runs on {device}"
+    error = fp8.rowwise_matmul_error(device)
+    if error is not None:
+        return f"row-wise FP8 matmuls, which this torch cannot run on {device}: {error}"
     return None
 
 
