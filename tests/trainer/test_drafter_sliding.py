@@ -48,7 +48,7 @@ def test_the_dense_rule_is_specforges():
     assert not torch.equal(dense_block_mask(layout), theirs)  # the window matters here
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 100, 128, 129, 300])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 100, 128, 129, 300])  # None: the full-attention rule
 def test_flex_tables_and_mask_mod_follow_the_sliding_rule(window):
     shape = BlockLayoutShape(batch=1, ctx_len=384, num_anchors=16, block_size=16)
     base = [127, 128, 129, 130, 200, 250, 255, 256, 257, 260, 300, 320, 340, 360, 380, 383]
@@ -63,6 +63,10 @@ def test_flex_tables_and_mask_mod_follow_the_sliding_rule(window):
     fbm.update_(anchor, ctx_lo, valid)
     b, qi, kv = torch.meshgrid(torch.arange(1), torch.arange(shape.q_len), torch.arange(shape.kv_len), indexing="ij")
     assert torch.equal(fbm.block_mask.mask_mod(b, None, qi, kv), dense)
+    fbm.update_(anchor, ctx_lo, torch.ones_like(valid))  # the same buffers, rewritten: block 3 sees its context again
+    again = flex_dense_mask(anchor, ctx_lo, torch.ones_like(valid), shape.ctx_len, shape.block_size, window)[:, 0]
+    assert torch.equal(fbm.block_mask.mask_mod(b, None, qi, kv), again)
+    assert window == 1 or not torch.equal(again, dense)  # a window of 1 shows no block any context
 
 
 def test_the_layout_carries_one_mask_per_kind_and_each_layer_takes_its_own(target):

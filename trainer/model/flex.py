@@ -158,6 +158,9 @@ class FlexBlockMask:
         self.anchor = spread.contiguous().to(torch.int32)
         self.ctx_lo = torch.zeros(shape.batch, n, dtype=torch.int32, device=dev)
         self.valid = torch.ones(shape.batch, n, dtype=torch.bool, device=dev)
+        # What mask_mod reads: each block's visible context range [ctx_start, ctx_end), empty for an invalid block.
+        # One range instead of anchor, ctx_lo and valid: fewer operations per element of every partial tile.
+        self.ctx_start, self.ctx_end = self.ctx_lo.clone(), self.anchor.clone()
         tensors = block_mask_tensors(*tile_states(self.anchor, self.ctx_lo, self.valid, shape, window))
         self.block_mask = BlockMask.from_kv_blocks(
             tensors["kv_num_blocks"],
@@ -171,21 +174,22 @@ class FlexBlockMask:
         self._copy_tables(tensors)
 
     def _mask_mod(self):
-        anchor, ctx_lo, valid = self.anchor, self.ctx_lo, self.valid  # the static buffers, read at kernel time
+        start, end = self.ctx_start, self.ctx_end  # the static buffers, read at kernel time
         s, bs, w = self.shape.ctx_len, self.shape.block_size, self.window
 
+        # Per row (query) the block j, its context range and its own keys [first, first + bs); per element only
+        # compares. An anchor lies inside the context (end <= ctx_len), so the two ranges never overlap.
         def mask_mod(b, h, q_idx, kv_idx):
             j = q_idx // bs
-            in_ctx = (kv_idx < s) & (kv_idx >= ctx_lo[b, j]) & (kv_idx < anchor[b, j]) & valid[b, j]
-            in_blk = (kv_idx >= s) & ((kv_idx - s) // bs == j)
-            return in_ctx | in_blk
+            first = s + j * bs
+            in_ctx = (kv_idx >= start[b, j]) & (kv_idx < end[b, j])
+            return in_ctx | ((kv_idx >= first) & (kv_idx < first + bs))
 
         def sliding_mask_mod(b, h, q_idx, kv_idx):
             j, k = q_idx // bs, q_idx % bs
-            in_ctx = (kv_idx < s) & (kv_idx >= ctx_lo[b, j]) & (kv_idx < anchor[b, j]) & valid[b, j] \
-                & (kv_idx >= anchor[b, j] + k - (w - 1))
-            in_blk = (kv_idx >= s) & ((kv_idx - s) // bs == j) & ((kv_idx - s) % bs <= k)
-            return in_ctx | in_blk
+            first = s + j * bs
+            in_ctx = (kv_idx >= start[b, j]) & (kv_idx >= end[b, j] + k - (w - 1)) & (kv_idx < end[b, j])
+            return in_ctx | ((kv_idx >= first) & (kv_idx <= first + k))
 
         return mask_mod if w is None else sliding_mask_mod
 
@@ -206,6 +210,8 @@ class FlexBlockMask:
         self.anchor.copy_(anchor)
         self.ctx_lo.copy_(ctx_lo)
         self.valid.copy_(valid)
+        self.ctx_start.copy_(torch.where(self.valid, self.ctx_lo, 0))
+        self.ctx_end.copy_(torch.where(self.valid, self.anchor, 0))
         self._copy_tables(block_mask_tensors(*tile_states(self.anchor, self.ctx_lo, self.valid, self.shape,
                                                           self.window)))
 
