@@ -113,8 +113,8 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: 
     if not want_grad:
         return loss, correct, None
     g = torch.softmax(logits, dim=-1)
-    if grad_fp8:
-        rest = g.scatter(1, y[:, None], 0.0).sum(dim=-1)  # 1 - p_label, summed: it never cancels
+    if grad_fp8:  # in place: no second [C, V] fp32 buffer
+        rest = g.scatter_(1, y[:, None], 0.0).sum(dim=-1)  # 1 - p_label, summed: it never cancels
         return loss, correct, _e4m3_rows(g.scatter_(1, y[:, None], -rest[:, None]), s, rest)
     g.scatter_add_(1, y[:, None], torch.full_like(picked[:, None], -1.0))
     return loss, correct, g.mul_(s[:, None]).to(dtype)
@@ -143,7 +143,8 @@ def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_
     dtype = logits.dtype
     x = logits.float()
     m = x.amax(dim=-1, keepdim=True)  # [C, 1]
-    lse = m + torch.exp(x - m).sum(dim=-1, keepdim=True).log()  # [C, 1]
+    sum_exp = torch.exp(x - m).sum(dim=-1, keepdim=True)  # [C, 1]
+    lse = m + sum_exp.log()
     picked = x.gather(1, y[:, None])
     ce = (lse - picked)[:, 0]
     s = _reweighted(ce, s, dpace)
@@ -155,8 +156,9 @@ def ce_chunk_fused(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_
     # pointwise output would be stored as a [C, V] fp32 buffer; this way each pass only reads the logits.
     is_label = torch.arange(x.shape[-1], device=x.device) == y[:, None]  # [C, V] bool, an index compare when fused
     if grad_fp8:
+        # 1 - p_label as the mass off the label (it never cancels), in the pass that sums exp(x - m)
+        rest = (torch.where(is_label, 0.0, torch.exp(x - m)).sum(dim=-1, keepdim=True) / sum_exp)[:, 0]
         p = torch.exp(x - lse)
-        rest = torch.where(is_label, 0.0, p).sum(dim=-1)  # 1 - p_label, summed: it never cancels
         return loss, correct, _e4m3_rows(torch.where(is_label, -rest[:, None], p), s, rest)
     g = (torch.exp(x - lse) - is_label.float()) * s[:, None]
     return loss, correct, g.to(dtype)
