@@ -1,4 +1,4 @@
-"""Opt-in FP8 products with the frozen target's weights, on the FP8 tensor cores (`torch._scaled_mm`, row-wise
+"""FP8 products with the frozen target's weights, on the FP8 tensor cores (`torch._scaled_mm`, row-wise
 scales, bf16 out). The target never trains, so each weight is quantized once to float8 e4m3; activations are
 quantized per row (token) at each product.
 
@@ -8,9 +8,9 @@ quantized per row (token) at each product.
   drafter's hidden states (the head is frozen, so no weight gradient). The CE chunk writes that gradient in e4m3
   directly (`dlogits_scale`: the row's maximum, known before the row is written), so it is never held in bf16.
 
-Both are opt-in because they change what the drafter learns from: what they do to acceptance is a quality-pipeline
-question. The embedding and the final norm stay in the target's dtype, and the exported drafter and every decode use
-the bf16 head.
+Both change what the drafter learns from, so their effect on acceptance is measured on the quality pipeline
+(docs/quality.md): the head's is `auto` (on where the FP8 tensor cores run it), the target's stays opt-in. The
+embedding and the final norm stay in the target's dtype, and the exported drafter and every decode use the bf16 head.
 
 Shape legend: M rows (tokens), K input features, N output features.
 """
