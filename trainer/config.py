@@ -133,8 +133,8 @@ class StepCfg:
     ce: str = "auto"
     # The LM head's two GEMMs in the loss (the logits and the gradient into the drafter) in FP8 e4m3, the CE chunk
     # writing that gradient in e4m3 (trainer/model/fp8.py). auto = on in the compile and graph modes where the FP8
-    # tensor cores run it (CUDA compute capability 9.0+, vocabulary and hidden size multiples of 16), else off;
-    # true = on or refuse. Acceptance at equal GPU time: docs/quality.md.
+    # tensor cores run it (CUDA compute capability 9.0+, a bf16 head, vocabulary and hidden size multiples of 16, a
+    # test matmul that runs), else off; true = on or refuse. Acceptance at equal GPU time: docs/quality.md.
     head_fp8: bool | str = "auto"
 
     def __post_init__(self) -> None:
