@@ -57,6 +57,7 @@ def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
     assert res["compile"]["loss_first_last"][0] == pytest.approx(res["eager"]["loss_first_last"][0], rel=1e-3)
     # LM-head FLOPs from the HF config: rows * anchors * (block - 1) positions, forward + input grad.
     assert res["eager"]["flops"]["lm_head"] == 2 * (2 * 2 * 16 * 15 * 128 * 1024)
+    assert res["eager"]["head_fp8"] is False and res["compile"]["head_fp8"] is False  # auto: no FP8 cores on a CPU
 
 
 def test_graph_modes_and_pipeline_refuse_clearly_on_cpu():
@@ -141,6 +142,18 @@ def test_one_document_per_row_fills_the_row_and_docs_are_checked():
                                                                   "--anchors must be <= --seq - --docs")]:
         with pytest.raises(SystemExit, match=says):
             parse(["--shape", "tiny", *bad])
+
+
+def test_head_fp8_takes_the_trainers_auto_or_1_or_0():
+    from bench.step import parse
+    from bench.step_run import step_config
+
+    for flag, want in (("auto", "auto"), ("1", True), ("0", False)):
+        cfg = parse(["--shape", "tiny", "--head-fp8", flag])[0]
+        assert step_config(cfg, "compile+graph", "flex").head_fp8 == want
+    assert parse(["--shape", "tiny"])[0].head_fp8 == "auto"
+    with pytest.raises(SystemExit, match=r"unknown --head-fp8 'true'; choose one of \['auto', '1', '0'\]"):
+        parse(["--shape", "tiny", "--head-fp8", "true"])
 
 
 def test_the_table_compares_with_eager_only_when_eager_ran():
