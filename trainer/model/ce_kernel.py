@@ -30,7 +30,7 @@ def _kernel():
 
     @triton.jit
     def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, gs_ptr, loss_ptr, correct_ptr, stride, n_cols: tl.constexpr,
-                WANT_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+                WANT_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         lanes = tl.arange(0, BLOCK)
@@ -42,7 +42,7 @@ def _kernel():
         y = tl.load(y_ptr + row)
         m = tl.full([BLOCK], -1e30, tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
-        # FP8_GRAD: the same sum without the label's term, so that 1 - p_label = rest / total never cancels (a
+        # FP8_GRAD: the same sum without the label's term, so that 1 - p_label = others / total never cancels (a
         # confident row's p_label rounds to 1 in fp32, its 1 - p_label to 0).
         others = tl.zeros([BLOCK], tl.float32)
         best_at = tl.zeros([BLOCK], tl.int32)
@@ -71,9 +71,9 @@ def _kernel():
             g_base = g_ptr + row * n_cols
             mult = s
             rest = 0.0
-            if FP8_GRAD:  # the row's largest |dlogit| is the label's, s * (1 - p_label): map it to e4m3's 448
+            if FP8_GRAD:  # the row's largest |dlogit| is the label's, s * (1 - p_label): map it to e4m3's maximum
                 rest = tl.sum(others * lane_w, axis=0) / sum_exp
-                g_scale = tl.maximum(s * rest, 1e-30) / 448.0
+                g_scale = tl.maximum(s * rest, 1e-30) / FP8_MAX  # trainer.model.fp8.dlogits_scale
                 tl.store(gs_ptr + row, g_scale)
                 mult = s / g_scale
             for start in range(0, n_cols, BLOCK):
@@ -82,7 +82,7 @@ def _kernel():
                 x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
                 if FP8_GRAD:  # the label's entry p_label - 1 as -rest: exact where p_label rounds to 1
                     g = tl.where(cols == y, -rest, tl.exp(x - lse)) * mult
-                    g = tl.minimum(tl.maximum(g, -448.0), 448.0)
+                    g = tl.minimum(tl.maximum(g, -FP8_MAX), FP8_MAX)
                 else:
                     g = (tl.exp(x - lse) - (cols == y).to(tl.float32)) * mult
                 tl.store(g_base + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
@@ -111,7 +111,7 @@ def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want
     s [C] -> (sum(ce * s) fp32 scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None; grad_fp8:
     (dlogits in e4m3, row scales [C, 1])). Row losses are summed by torch, in a fixed order: the loss is
     deterministic."""
-    from trainer.model.fp8 import E4M3
+    from trainer.model.fp8 import E4M3, E4M3_MAX
 
     kernel = _kernel()
     C, V = logits.shape
@@ -128,7 +128,8 @@ def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want
     import triton
 
     kernel[(C,)](logits, y, s.float(), grad, grad_scale, loss_rows, correct, logits.stride(0), V,
-                 WANT_GRAD=want_grad, FP8_GRAD=fp8, BLOCK=min(BLOCK, max(16, triton.next_power_of_2(V))), num_warps=8)
+                 WANT_GRAD=want_grad, FP8_GRAD=fp8, FP8_MAX=E4M3_MAX,
+                 BLOCK=min(BLOCK, max(16, triton.next_power_of_2(V))), num_warps=8)
     if not want_grad:
         return loss_rows.sum(), correct.bool(), None
     return loss_rows.sum(), correct.bool(), ((grad, grad_scale) if fp8 else grad)

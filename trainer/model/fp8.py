@@ -23,11 +23,16 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x already divided by its scale -> e4m3, saturated (the cast alone would make out-of-range values NaN)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
 def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (x / scale in e4m3 [M, K], scale [M, 1] fp32) with each row's absolute max mapped to the e4m3 maximum."""
     amax = x_MK.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
     scale = amax / E4M3_MAX
-    return (x_MK.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    return to_e4m3(x_MK.float() / scale), scale
 
 
 def dlogits_scale(s: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
@@ -36,11 +41,6 @@ def dlogits_scale(s: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
     rest must be summed over the other entries, not taken as 1 - p_label, which cancels to 0 in a confident row.
     Floored so that a row of zeros (s = 0, or no mass off the label) divides by a finite scale. [C] -> [C] fp32."""
     return (s.float() * rest.float()).clamp_min(1e-30) / E4M3_MAX
-
-
-def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x already divided by its scale -> e4m3, saturated (the cast alone would make out-of-range values NaN)."""
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
@@ -117,7 +117,6 @@ class Fp8Head:
 
     def __init__(self, weight_VD: torch.Tensor) -> None:
         w = weight_VD.detach()
-        self.vocab, self.hidden = w.shape
         self.out_dtype = w.dtype
         rows_q, rows_scale = quantize_rows(w)  # [V, D], [V, 1]
         self.rows_q, self.rows_scale = rows_q, rows_scale.t().contiguous()  # [1, V]

@@ -69,8 +69,8 @@ def drafter_budget(q, elapsed_s: float) -> float:
 def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
     """The real trainer (build -> loop -> finish/export) inside budget_s, reading the data, compilation and capture
     included: the loop's stop rule sets the LR schedule's length to the steps that fit, at every log interval once
-    the step time is known, so a cut run still anneals. A graph mode that the trainer refuses with a ConfigError (not a crash) falls back to eager, with a
-    note."""
+    the step time is known, so a cut run still anneals. A graph mode that the trainer refuses with a ConfigError (not
+    a crash) falls back to eager, with a note."""
     from trainer.build import build
     from trainer.loop import StopRule, TrainLoop
     from trainer.train import finish
