@@ -205,7 +205,7 @@ def profile_pieces(target, drafter, block_size: int, rows: int = 12) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default="hf,static,static+compile",
                    help=f"comma list of {' | '.join(ENGINES)}")
     p.add_argument("--target", default="", help="target HF directory (default: random quality-shaped target)")

@@ -34,7 +34,7 @@ ENGINES = ("static", "hf")
 def parse(argv: list[str]) -> argparse.Namespace:
     from bench.shapes import SHAPES
 
-    p = argparse.ArgumentParser(prog="python -m bench.generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="small", help=f"named target shape: {', '.join(SHAPES)} (default: small)")
     p.add_argument("--engines", default="static,hf", help="comma list of static, hf (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="prompts per batch (default: %(default)s)")

@@ -84,7 +84,7 @@ def count(dtype: torch.dtype, device: torch.device, blocks: int) -> dict[str, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.invariance", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.invariance", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--blocks", type=int, default=8, help="blocks of 16 tokens (1..20)")

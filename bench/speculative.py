@@ -18,7 +18,7 @@ from trainer.quality.config import EvalCfg
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", required=True, help="drafter export directory (config.json + model.safetensors)")
     p.add_argument("--target", required=True, help="target HF model directory")
     p.add_argument("--data", required=True, help="chat JSONL whose user turns are the prompts")

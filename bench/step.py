@@ -116,7 +116,7 @@ HELP = {
 
 
 def parse(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
-    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
     for field, default in asdict(BenchConfig()).items():
         p.add_argument("--" + field.replace("_", "-"), type=type(default), default=default,
                        help=f"{HELP[field]} (default: {default!r})")

@@ -252,7 +252,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.quality.pipeline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.quality.pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", required=True, help="quality_gpu, quality_cpu, or a PATH.yaml")
     p.add_argument("--out", required=True, help="output directory (must be new or empty)")
     p.add_argument("--reuse", type=Path, default=None, metavar="EARLIER_DIR",

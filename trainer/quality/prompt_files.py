@@ -1,5 +1,5 @@
 """The quality pipeline's prompt sets as prompt files, for the user's path on its target (regenerate -> train ->
-export -> eval; docs/quality.md, "The user's path"):
+export -> eval; docs/quality.md, "The user's path").
 
   python -m trainer.quality.prompt_files --recipe quality_gpu|quality_cpu|PATH.yaml --out DIR [--set a.b=v]...
 
@@ -37,7 +37,7 @@ def write_prompt_files(recipe: str, out: Path, overrides: list[str] = ()) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.quality.prompt_files", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.quality.prompt_files", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", required=True, help="quality_gpu, quality_cpu, or a PATH.yaml")
     p.add_argument("--out", required=True, help="output directory (must be new or empty)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -242,7 +242,7 @@ def run_sweep(recipe: str, out: Path, variants: list[Variant], slots: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.quality.sweep", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.quality.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", required=True, help="quality_gpu, quality_cpu, or a PATH.yaml")
     p.add_argument("--out", required=True, help="output directory (must be new or empty)")
     p.add_argument("--variant", action="append", default=[], metavar='"NAME KEY=VALUE ..."',
