@@ -91,6 +91,10 @@ class SshConfig:
             found = dict(paramiko.SSHConfig.from_text(self.text()).lookup(alias))
         except paramiko.ssh_exception.ConfigParseError as exc:
             raise ConfigError(f"{self.source} (with its includes): {exc}") from None
+        except ImportError:  # paramiko runs `Match exec` through invoke, an optional package of its own
+            raise ConfigError(f"{self.source} (with its includes) has a `Match exec` block, and paramiko evaluates "
+                              "it with the Python package invoke, which is not installed",
+                              hint="pip install invoke, or move that host out of the Match exec block") from None
         first = {key: _decode(found.pop(private, None)) for key, private in _PROXY_KEYS.items()}
         winner = _proxy_winner(first["proxyjump"], first["proxycommand"])
         if winner is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pwd
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -242,3 +243,19 @@ def test_a_broken_system_include_names_the_system_file(home, tmp_path, monkeypat
     monkeypatch.setenv("DFLASH_OPS_SSH_SYSTEM_CONFIG", str(system))
     with pytest.raises(ConfigError, match=f"^{etc}/loop.conf:1: ssh config Include cycle: {system} -> "):
         config.read()
+
+
+def test_match_exec_without_invoke_is_one_config_error_naming_the_fix(home):
+    """paramiko evaluates `Match exec` with the optional package invoke; where it is missing (here: made unimportable
+    before paramiko loads), a lookup is one ConfigError naming the fix, not an ImportError's traceback."""
+    _write(home / ".ssh" / "config", 'Match exec "test -e /"\n  User someone\nHost pve1\n  HostName 10.1.2.6\n')
+    probe = ("import sys; sys.modules['invoke'] = None\n"
+             "from dflash_ops.errors import ConfigError\n"
+             "from dflash_ops.ssh import config\n"
+             "try:\n    config.read().lookup('pve1')\n"
+             "except ConfigError as e:\n    print(e.exit_code, e.message, '|', e.hint)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": str(home)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("78 ") and "has a `Match exec` block" in done.stdout, done.stdout
+    assert "| pip install invoke, or move that host out of the Match exec block" in done.stdout
