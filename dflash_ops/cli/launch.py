@@ -51,6 +51,9 @@ def launch(
         extra_env = tuple(names.env_assignment(item) for item in env or ())
         if not node and rdzv_timeout is not None:
             raise UsageError("--rdzv-timeout is for a multi-node launch (--node)")
+        if json_out and follow and not dry_run:  # --json promises one document on stdout; a followed log is not one
+            raise UsageError("--json and --follow do not go together: --json prints one document",
+                             hint="drop --follow and run `dflash-ops tail NAME` after, or drop --json")
         if node:
             if host is not None or ct is not None:
                 raise UsageError("--node names every node: not with --host/--ct")

@@ -28,6 +28,14 @@ def test_launch_follow_streams_to_the_end(ops_env):
     assert done.stdout.endswith(log) and "step 29" in log and "exited 2" in done.stderr
 
 
+def test_json_with_follow_is_refused_before_anything_starts(ops_env):
+    done = ops_env.sub("launch", "job", "--json", "--follow")
+    assert done.returncode == 2, done.stderr
+    err = json.loads(done.stdout)["error"]
+    assert err["code"] == "usage" and err["message"].startswith("--json and --follow do not go together")
+    assert ops_env.run_dirs() == []
+
+
 def _cache_runbook(env, cache) -> None:
     (env.runbooks / "cached.yaml").write_text(
         (env.runbooks / "job.yaml").read_text().replace(
