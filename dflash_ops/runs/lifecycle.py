@@ -306,8 +306,20 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
         if not keep_following or not raw.alive:
             for line in asm.flush():
                 emit(line)
-            return parse.updated(run, raw, time.time())
+            # the count read when tailing began would outlive the processes it counted
+            procs = run.procs if raw.alive else _marked_procs(s, run.run_id)
+            return parse.updated(run, raw, time.time(), procs)
         sleep(poll_s)
+
+
+def _marked_procs(s: Session, run_id: str) -> int:
+    """How many live processes carry `run_id`'s marker now; 0 where the host cannot be asked (the log is all
+    emitted by then: a lost connection must not turn a finished tail into an error)."""
+    try:
+        done = s.run(shellcmd.procs_script(), f"counting {run_id}'s processes", timeout_s=30.0)
+    except (HostUnreachable, RemoteFailed):
+        return 0
+    return len(parse.proc_lines(done.out).get(run_id, []))
 
 
 def _try_reconnect(s: Session) -> None:

@@ -230,11 +230,19 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
     return "".join(parts)
 
 
+PROC_LINES = "dflash_procs | sed 's/^/DFLASH_PROC /'\n"  # every live marked process (parse.proc_lines)
+
+
+def procs_script() -> str:
+    """`DFLASH_PROC <pid> <run id> <sid>` for every live process that carries a run's marker."""
+    return PRELUDE + PROC_LINES
+
+
 def list_script(runs_dir: str) -> str:
     """Every run dir under `runs_dir`: a DFLASH_RUN state line followed by a DFLASH_JSON line (run.json)."""
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\n"
             "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
-            "dflash_procs | sed 's/^/DFLASH_PROC /'\n"
+            + PROC_LINES +
             '[ -d "$RUNS" ] || exit 0\n'
             f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
             '  [ -d "$d" ] || continue\n'
