@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -199,7 +200,8 @@ def _state_cell(r: RunStatus) -> tuple[str, str]:
     return r.state_text, "red" if r.state == "exited" and r.exit_code else STATE_COLORS.get(r.state, "")
 
 
-def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
+def runs_table(runs: list[RunStatus], *, target: str, json_out: bool, where: str = "") -> None:
+    """where: the target's `--host H [--ct N]`, so that a hint's command runs against it when pasted."""
     if json_out:
         _out(json.dumps([status_dict(r) for r in runs]))
         return
@@ -213,12 +215,11 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool) -> None:
                           _duration(r.duration_s)) for r in runs],
                         **{"run id": {"min_width": widest}}))
     for r in runs:
+        stop = shlex.join(["dflash-ops", "stop", r.run_id]) + (f" {where}" if where else "")
         if r.leftovers:
-            _err(f"{r.run_id} {r.state} but {r.leftovers} of its processes live on: "
-                 f"`dflash-ops stop {r.run_id}` ends them")
+            _err(f"{r.run_id} {r.state} but {r.leftovers} of its processes live on: `{stop}` ends them")
         elif r.dir_missing:
-            _err(f"{r.run_id}: its run dir is gone but {r.procs} of its processes live on: "
-                 f"`dflash-ops stop {r.run_id}` ends them")
+            _err(f"{r.run_id}: its run dir is gone but {r.procs} of its processes live on: `{stop}` ends them")
 
 
 def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:

@@ -32,6 +32,7 @@ def runs(ctx: typer.Context,
             raise typer.Exit(noderun.exit_code(states))
         session = open_session(ctx, host, ct)
         try:
-            render.runs_table(lifecycle.list_runs(session), target=session.target.label, json_out=json_out)
+            render.runs_table(lifecycle.list_runs(session), target=session.target.label, json_out=json_out,
+                              where=session.target.cli_args)
         finally:
             session.transport.close()

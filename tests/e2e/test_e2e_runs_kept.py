@@ -8,6 +8,7 @@ dir)."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 
 import pytest
@@ -50,12 +51,13 @@ def test_a_run_that_exited_but_left_a_setsid_child_holds_its_name_until_stopped(
     run = one_run(bed, ctid, doc["run_id"])
     assert (run["state_text"], run["leftovers"], run["procs"]) == ("exited 0, 1 leftover", 1, 1)
     table = bed.cli("runs", *bed.target(ctid))
-    assert f"{doc['run_id']} exited but 1 of its processes live on".encode() in table.stderr
+    hint = f"{doc['run_id']} exited but 1 of its processes live on: `dflash-ops stop {doc['run_id']} "
+    assert f"{hint}{shlex.join(bed.target(ctid))}` ends them".encode() in table.stderr, table.stderr  # pasteable
     dup = bed.cli("launch", "job", *bed.target(ctid), "--name", "leftover")
     assert dup.returncode == 5 and f"run {doc['run_id']} of that name is alive".encode() in dup.stderr
     assert [p.name for p in bed.run_dirs(ctid, "leftover")] == [doc["run_id"]]
 
-    stop = bed.cli("stop", doc["run_id"], *bed.target(ctid), "--grace", "5")
+    stop = bed.cli("stop", doc["run_id"], *bed.target(ctid), "--grace", "5")  # the hint's command
     assert stop.returncode == 0 and b"killed leftover processes" in stop.stdout, stop.stdout
     assert not procfs.is_alive(child)
     assert one_run(bed, ctid, doc["run_id"])["state_text"] == "exited 0"     # its own status is kept
