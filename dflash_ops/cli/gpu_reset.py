@@ -38,7 +38,8 @@ def gpu_reset(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, yes: Y
             plan = facts.plan_kill(before, scope)
             if not json_out:
                 reset_view.plan(hg.host.name, before, plan, scope)
-            if plan.targets and not yes and not typer.confirm(f"Kill {len(plan.targets)} process(es)?"):
+            also = f" and the {len(plan.bystanders)} in their process groups" if plan.bystanders else ""
+            if plan.targets and not yes and not typer.confirm(f"Kill {len(plan.targets)} process(es){also}?"):
                 raise typer.Exit(1)
             result = reset.reset(hg, before, plan, scope, grace_s=grace, wait_s=wait, threshold_mib=threshold_mib)
             resets = _hard_resets(hg, result, yes) if hard and not result.held else ()

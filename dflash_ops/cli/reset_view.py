@@ -51,8 +51,11 @@ def plan(host: str, snap: facts.GpuSnapshot, p: facts.KillPlan, scope: facts.Sco
                                 f"{h.used_mib} MiB" if h.is_compute_app else "fd only",
                                 f"process group {t.pgid}" if t.pgid else "this pid only"))
         console.print(table)
+    for pgid in sorted({g for g, _, _ in p.bystanders}):
+        who = ", ".join(f"{pid} ({comm})" for g, pid, comm in p.bystanders if g == pgid)
+        console.print(_row(f"process group {pgid} also holds, with no GPU: {who}: they are signalled with it")[0])
     for h, why in p.spared:
-        console.print(f"spared: pid {h.pid} ({h.comm}, {_where(h)}): {why}")
+        console.print(_row(f"spared: pid {h.pid} ({h.comm}, {_where(h)}): {why}")[0])
 
 
 def _result_dict(host: str, r, resets) -> dict:
@@ -65,6 +68,7 @@ def _result_dict(host: str, r, resets) -> dict:
     return {"host": host, "ok": not r.held, "held": list(r.held), "watched": list(r.watched),
             "waited_s": round(r.waited_s, 3), "before": gpu_rows(r.before), "after": gpu_rows(r.after),
             "rounds": [{"targets": [{"pid": t.pid, "pgid": t.pgid} for t in rd.plan.targets],
+                        "group_members": [{"pgid": g, "pid": pid, "comm": comm} for g, pid, comm in rd.plan.bystanders],
                         "spared": [{"pid": h.pid, "comm": h.comm, "reason": why} for h, why in rd.plan.spared],
                         "absent": list(rd.report.absent), "died_on_term": list(rd.report.died_on_term),
                         "gone": list(rd.report.gone), "alive": list(rd.report.alive)} for rd in r.rounds],

@@ -10,6 +10,7 @@ container, because a container may not see host PIDs. It prints sections:
     @@CTNS                           "<ctid> pid:[<inode>]" per container asked about (its PID namespace)
     @@PROCS                          "P\t<pid>\t<NSpid line>\t<cgroup lines joined by |>\t<pid ns>\t<stat>"
                                      "L\t<pgid>\t<NSpid line of the group leader>" per candidate's group
+    @@GROUPS                         "M\t<stat>" for every other process in a candidate's process group
     @@END
 
 `parse_probe` turns that into a `GpuSnapshot`; `find_holders` joins it into `Holder`s, mapped to containers by
@@ -77,6 +78,7 @@ class GpuSnapshot:
     self_pids: tuple[int, ...] = ()
     self_pgids: tuple[int, ...] = ()
     ct_pidns: tuple[tuple[int, str], ...] = ()      # (ctid, its PID namespace) for the containers asked about
+    members: tuple[ProcInfo, ...] = ()    # the other processes of the candidates' process groups (stat facts only)
     no_gpu_reason: str | None = None
 
     def proc(self, pid: int) -> ProcInfo | None:
@@ -210,11 +212,23 @@ def parse_probe(text: str) -> GpuSnapshot:
         pid, _, dev = line.partition(" ")
         if names.is_digits(pid):
             fds.append((int(pid), dev.strip()))
+    members = []
+    for line in sec.get("GROUPS", []):
+        tag, _, stat = line.partition("\t")
+        pid = stat.split(" ", 1)[0]
+        if tag != "M" or not names.is_digits(pid):
+            continue
+        try:
+            comm, state, ppid, pgid, start = parse_stat(stat)
+        except (IndexError, ValueError):
+            continue
+        members.append(ProcInfo(pid=int(pid), comm=comm, state=state, ppid=ppid, pgid=pgid, starttime=start,
+                                nspid=(), ctid=None))
     reason = (" ".join(sec["NOGPU"]).strip() or "nvidia-smi failed") if "NOGPU" in sec else None
     return GpuSnapshot(
         gpus=parse_query_gpu("\n".join(sec.get("GPUS", []))),
         apps=parse_compute_apps("\n".join(sec.get("APPS", []))),
-        fds=tuple(fds), procs=tuple(procs), leaders=tuple(leaders), ct_pidns=tuple(ct_pidns),
+        fds=tuple(fds), procs=tuple(procs), leaders=tuple(leaders), ct_pidns=tuple(ct_pidns), members=tuple(members),
         self_pids=_ints(sec.get("SELF", [])), self_pgids=_ints(sec.get("SELFPG", [])),
         no_gpu_reason=reason)
 
@@ -278,6 +292,9 @@ class KillTarget:
 class KillPlan:
     targets: tuple[KillTarget, ...]
     spared: tuple[tuple[Holder, str], ...]      # (holder, why it is not killed)
+    # Processes holding no GPU that a target's group signal reaches too (the job's launcher, its shells, its other
+    # children), as (pgid, pid, comm): shown before anything is signalled.
+    bystanders: tuple[tuple[int, int, str], ...] = ()
 
 
 def _spare_reason(h: Holder, snap: GpuSnapshot, scope: Scope) -> str | None:
@@ -304,12 +321,14 @@ def _spare_reason(h: Holder, snap: GpuSnapshot, scope: Scope) -> str | None:
 def plan_kill(snap: GpuSnapshot, scope: Scope) -> KillPlan:
     """Decide, per holder, whether to signal its process group, the pid alone, or nothing.
 
-    A group is signalled only when no process we must keep (our session, system daemons, spared holders) is in it;
-    otherwise the holder's pid alone is signalled.
+    A group is signalled only when no process we must keep (our session, system daemons, a namespace's init,
+    spared holders) is in it; otherwise the holder's pid alone is signalled. The group's other members, which hold
+    no GPU, are the plan's bystanders.
     """
     targets, spared = [], []
     holders = find_holders(snap)
-    keep_groups = {p.pgid for p in snap.procs if p.comm in SYSTEM_COMMS}
+    keep_groups = {p.pgid for p in (*snap.procs, *snap.members)
+                   if p.comm in SYSTEM_COMMS or p.pid == 1 or p.pid in snap.self_pids}
     keep_groups |= {0, 1} | set(snap.self_pids) | set(snap.self_pgids)
     decided = [(h, _spare_reason(h, snap, scope)) for h in holders]
     keep_groups |= {h.pgid for h, why in decided if why}
@@ -319,4 +338,7 @@ def plan_kill(snap: GpuSnapshot, scope: Scope) -> KillPlan:
         else:
             targets.append(KillTarget(pid=h.pid, starttime=h.starttime,
                                       pgid=None if h.pgid in keep_groups else h.pgid))
-    return KillPlan(targets=tuple(targets), spared=tuple(spared))
+    signalled = {t.pgid for t in targets if t.pgid is not None}
+    bystanders = tuple((m.pgid, m.pid, m.comm) for m in sorted(snap.members, key=lambda m: (m.pgid, m.pid))
+                       if m.pgid in signalled and m.state != "Z")
+    return KillPlan(targets=tuple(targets), spared=tuple(spared), bystanders=bystanders)

@@ -110,7 +110,10 @@ def reset(hg: HostGpus, before: facts.GpuSnapshot, plan: facts.KillPlan, scope: 
         killed |= {t.pid for t in plan.targets}
         snap = hg.probe()
         fresh = facts.plan_kill(snap, scope)
-        plan = facts.KillPlan(targets=tuple(t for t in fresh.targets if t.pid not in killed), spared=fresh.spared)
+        targets = tuple(t for t in fresh.targets if t.pid not in killed)
+        groups = {t.pgid for t in targets}
+        plan = facts.KillPlan(targets=targets, spared=fresh.spared,
+                              bystanders=tuple(b for b in fresh.bystanders if b[0] in groups))
         watched |= set(watched_gpus(snap, plan, scope))
     t0 = time.monotonic()
     while True:

@@ -39,6 +39,7 @@ fds=$(find /proc/[0-9]*/fd -maxdepth 1 \( -lname "$glob" -o -lname "$glob2" \) -
 echo "@@PROCS"
 pids=$({ printf '%s\n' "${apps:-}" | cut -d, -f1; printf '%s\n' "$fds" | cut -d' ' -f1; } \
        | tr -d ' ' | grep -E '^[0-9]+$' | sort -un)
+pgs=" "; cands=" $(printf '%s ' $pids)"
 for pid in $pids; do
   stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
   nspid=$(grep -m1 '^NSpid:' "/proc/$pid/status" 2>/dev/null | tr '\t' ' ')
@@ -46,7 +47,18 @@ for pid in $pids; do
   printf 'P\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$nspid" "$cg" "$(readlink "/proc/$pid/ns/pid" 2>/dev/null)" "$stat"
   rest=${stat##*) }; set -- $rest
   printf 'L\t%s\t%s\n' "$3" "$(grep -m1 '^NSpid:' "/proc/$3/status" 2>/dev/null | tr '\t' ' ')"
+  pgs="$pgs$3 "
 done
+# every other process of those groups: a group's signal reaches them too, so the plan must name them
+echo "@@GROUPS"
+if [ "$pgs" != " " ]; then
+  for f in /proc/[0-9]*/stat; do
+    read -r stat 2>/dev/null < "$f" || continue
+    rest=${stat##*) }; set -- $rest
+    pid=${f#/proc/}; pid=${pid%/stat}
+    [[ "$pgs" == *" $3 "* && "$cands" != *" $pid "* ]] && printf 'M\t%s\n' "$stat"
+  done
+fi
 echo "@@END"
 """
 

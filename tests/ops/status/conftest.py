@@ -71,7 +71,7 @@ class Holders:
         self.count = 0
 
     def start(self, gpu: int, mib: int, *, child: str | None = None, ignore_term: bool = False,
-              ctid: int | None = None, new_session: bool = True) -> int:
+              ctid: int | None = None, new_session: bool = True, bystander: Path | None = None) -> int:
         """Start a holder; returns its host PID once it (and its child) hold. ctid: inside an emulated CT."""
         self.count += 1
         ready = self.tmp / f"holder{self.count}.ready"
@@ -79,6 +79,7 @@ class Holders:
                 "--dev", self.gpus.dev(f"nvidia{gpu}"), "--dev", self.gpus.dev("nvidiactl")]
         argv += ["--child", self.gpus.hold(*map(int, child.split(":")))] if child else []
         argv += ["--ignore-term"] if ignore_term else []
+        argv += ["--bystander", str(bystander)] if bystander else []
         env = {k: v for k, v in os.environ.items() if k != "FAKE_NVIDIA_HOLD"}
         if ctid is not None:
             cg = _ct_cgroup_dir(ctid)

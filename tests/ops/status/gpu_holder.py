@@ -3,6 +3,10 @@ device nodes open. Optionally starts a child in its own process group (a DataLoa
 holding more, and optionally ignores SIGTERM (a stuck holder the ladder must SIGKILL).
 
     python gpu_holder.py --hold GPU:MIB --ready FILE [--dev PATH]... [--child GPU:MIB] [--ignore-term]
+                         [--bystander PIDFILE]
+
+--bystander: also start a `sleep` in the same process group that holds no GPU (a launcher's shell, a logger), and
+write its pid to PIDFILE.
 """
 import argparse
 import os
@@ -19,6 +23,7 @@ def main() -> None:
     ap.add_argument("--dev", action="append", default=[])
     ap.add_argument("--child")
     ap.add_argument("--ignore-term", action="store_true")
+    ap.add_argument("--bystander")
     args = ap.parse_args()
     if os.environ.get("FAKE_NVIDIA_HOLD") != args.hold:
         # re-exec so that only this process (not the shells that started it) carries the marker
@@ -26,6 +31,11 @@ def main() -> None:
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     held = [open(path, "rb") for path in args.dev]  # noqa: SIM115 -- kept open on purpose: that is the holding
+    if args.bystander:
+        env = {k: v for k, v in os.environ.items() if k != "FAKE_NVIDIA_HOLD"}
+        sleeper = subprocess.Popen(["sleep", "3600"], env=env, pass_fds=())
+        with open(args.bystander, "w") as f:
+            f.write(str(sleeper.pid))
     if args.child:
         argv = [sys.executable, __file__, "--hold", args.child, "--ready", args.ready + ".child"]
         # same process group: the worker dies with its trainer's group

@@ -47,13 +47,17 @@ def test_local_reset_kills_run_group_child_and_stubborn_holder(tmp_path, gpu_env
 
 
 def test_asks_first_and_declining_kills_nothing(tmp_path, gpu_env, holders):
-    pid = holders.start(gpu=3, mib=500)
+    pid = holders.start(gpu=3, mib=500, bystander=tmp_path / "bystander.pid")
+    sleeper = int((tmp_path / "bystander.pid").read_text())
     res = cli("gpu-reset", "--host", "local", "--grace", "0.2", input="n\n")
-    assert res.exit_code == 1 and alive(pid)
+    assert res.exit_code == 1 and alive(pid) and alive(sleeper)
     assert "will kill on local" in res.stdout and str(pid) in res.stdout and "process group" in res.stdout
+    # what the group signal reaches beyond the GPU holders is named before the question, and in it
+    assert f"process group {pid} also holds, with no GPU: {sleeper} (sleep)" in res.stdout
+    assert "Kill 1 process(es) and the 1 in their process groups?" in res.stdout
     res = cli("gpu-reset", "--host", "local", "--grace", "0.2", input="y\n")
     assert res.exit_code == 0, res.output
-    assert not alive(pid)
+    assert not alive(pid) and not alive(sleeper)
     assert "before -> after" in res.stdout
 
 

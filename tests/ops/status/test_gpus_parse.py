@@ -99,3 +99,14 @@ def test_scripts_quote_every_value():
     assert "glob2='/nvidia*'" in scripts.probe_script()     # a CT's bind-mounted node as the host may read it
     kill = scripts.kill_script((facts.KillTarget(pid=10, starttime=99, pgid=None),), grace_s=1.5)
     assert "targets=10:99:0" in kill and "grace_us=1500000" in kill
+
+
+def test_group_members_without_a_gpu_are_named_and_a_group_holding_sshd_is_not_signalled():
+    launcher = "1500 (bash) S 1400 1500 1500 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 424000 1 1"
+    probe = PROBE.replace("@@END", f"@@GROUPS\nM\t{launcher}\n@@END")
+    plan = facts.plan_kill(facts.parse_probe(probe), facts.Scope(ctid=200))
+    assert [(t.pid, t.pgid) for t in plan.targets] == [(1585, 1500), (1601, 1500)]
+    assert plan.bystanders == ((1500, 1500, "bash"),)
+    sshd = "1450 (sshd) S 1 1500 1500 0 -1 4194560 1 0 0 0 10 1 0 0 20 0 3 0 400000 1 1"
+    guarded = facts.plan_kill(facts.parse_probe(probe.replace("@@END", f"M\t{sshd}\n@@END")), facts.Scope(ctid=200))
+    assert [(t.pid, t.pgid) for t in guarded.targets] == [(1585, None), (1601, None)] and guarded.bystanders == ()
