@@ -15,7 +15,9 @@ RUNBOOK_KEYS = {"description", "command", "workdir", "env", "pre", "liveness", "
 LIVENESS_KEYS = {"wait_s", "pattern", "timeout_s"}
 PRE_STEPS = ("clear_inductor_cache",)
 PLACEHOLDER_RE = re.compile(r"\{(python|run_dir|run_id|name)\}")
-BUNDLED = Path(__file__).resolve().parents[2] / "runbooks"   # the repository's runbooks/, beside dflash_ops/
+# The runbooks shipped with the package: dflash_ops/runbooks links to the repository's runbooks/ in a checkout, and is
+# a directory of the installed package in a wheel (pyproject.toml's package-data).
+BUNDLED = Path(__file__).resolve().parents[1] / "runbooks"
 
 
 def default_dir() -> Path:
