@@ -138,6 +138,12 @@ def dry_run(s: Session, spec: RunSpec, *, wait_s: float | None = None) -> DryRun
     return DryRun(spec=spec, command=s.transport.describe(s.argv(script)))
 
 
+def check_launch(s: Session, spec: RunSpec) -> None:
+    """Raise the Refused (exit 5) that launching `spec` would meet now, changing nothing (a multi-node launch asks
+    every node before it starts any)."""
+    s.run(shellcmd.launch_check_script(spec), f"checking {spec.run_id} can start")
+
+
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
            grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep,
            on_started: Callable[[int], None] = lambda pid: None) -> Launched:

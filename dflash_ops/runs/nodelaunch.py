@@ -73,6 +73,11 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
         raise _node_error(p, failed[0], "nothing was launched")
     run = rendezvous(p)
     specs = p.specs(run)
+    if not force:  # a node that would refuse (a live run of the name, the cache in use) refuses before any starts
+        refused = [o for o in together(ranks, lambda i: lifecycle.check_launch(p.sessions[i], specs[i]),
+                                       deadline_s=connect_s(targets), describe=describe) if not o.ok]
+        if refused:
+            raise _node_error(p, refused[0], "nothing was launched")
     save_record(run)
 
     def one(i: int) -> Launched:

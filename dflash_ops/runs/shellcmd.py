@@ -181,6 +181,16 @@ def clear_cache_step(spec: RunSpec) -> str:
 
 
 PRE_BUILDERS = {"clear_inductor_cache": clear_cache_step}
+# What each pre step refuses on, read-only (launch_check_script): the refusal without the effect.
+PRE_CHECKS = {"clear_inductor_cache": lambda spec: _alive_loop(None, "cache")}
+
+
+def launch_check_script(spec: RunSpec) -> str:
+    """The launch script's refusals, read-only: exit 5 (`DFLASH_REFUSED ...`) where `launch_script` would refuse --
+    a live run of the name, a pre step's condition -- else print `DFLASH_OK`. For a launch of several nodes, which
+    checks every node before any of them starts; the launch itself still checks, under its lock."""
+    return (PRELUDE + f"RUNS={path_word(spec.runs_dir)}\n" + _alive_loop(spec.name, "alive")
+            + "".join(PRE_CHECKS[step](spec) for step in spec.pre) + "echo DFLASH_OK\n")
 
 
 def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
