@@ -278,9 +278,12 @@ class MetricsSink:
 
 def done_line(record: dict) -> str:
     """Pure: the human end-of-run line of a DFLASH_DONE record."""
-    ev = record.get("eval") or {}
-    if isinstance(ev.get("tau"), (int, float)):
+    ev = record.get("eval")
+    if isinstance(ev, dict) and isinstance(ev.get("tau"), (int, float)):
         tau = f"simulated tau {ev['tau']:.2f} (on {ev.get('blocks', '?')} held-out blocks)"
+    elif isinstance(ev, dict):  # the eval ran; its rows held no block to draft (no two supervised tokens in a row)
+        tau = ("no simulated tau: the held-out rows hold no block to evaluate (0 blocks: no two consecutive "
+               "supervised tokens; check data.eval_paths / data.eval_fraction)")
     else:
         tau = ("tau not evaluated (eval_at_end=false or no held-out data; "
                f"python -m trainer eval --run-dir {record.get('run_dir', 'D')})")

@@ -8,6 +8,7 @@
     <run_dir>/tiny_target/   only with model.allow_tiny_target and an empty model.target: the tiny test target
 
 A start that fails on its config or data creates nothing here, except bad_lines.txt, which its error names.
+A fresh start (no --resume) refuses a directory holding anything but dflash-ops's launch files and bad_lines.txt.
 No torch import: the CLI checks a run directory before torch is loaded.
 """
 from __future__ import annotations
@@ -48,15 +49,47 @@ def with_target(cfg: TrainCfg, run_dir: Path) -> TrainCfg:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=str(path)))
 
 
+# What dflash-ops has written into a run directory when the job it launches there starts (launch_script in
+# dflash_ops/runs/shellcmd.py; the runbooks pass that directory as --run-dir): run.json and the exit status's reserve
+# before the job, output.log as its redirection, pid (through pid.tmp) while it starts. exit_code and stopped come
+# only after the job ends or is being stopped, so they never meet a starting trainer.
+OPS_LAUNCH_FILES = frozenset({"run.json", ".exit_code.reserve", "output.log", "pid", "pid.tmp"})
+# A start refused for bad data leaves bad_lines.txt (its error names it); the next start rewrites or removes it.
+FRESH_START_KEEPS = OPS_LAUNCH_FILES | {"bad_lines.txt"}
+
+
+def check_fresh(run_dir: Path) -> None:
+    """A fresh start (no --resume) takes an empty or missing directory, or a dflash-ops run directory as launched:
+    anything else there (an earlier run's config.json, metrics.jsonl, export/, ckpt/, or files of the user's) would
+    be overwritten, appended to or deleted by the run."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is not a directory", hint="use a new or empty --run-dir")
+    try:
+        found = sorted(p.name for p in run_dir.iterdir() if p.name not in FRESH_START_KEEPS)
+    except OSError as e:
+        raise ConfigError(f"cannot read --run-dir {run_dir}: {e.strerror}",
+                          hint="use a new or empty --run-dir") from None
+    if not found:
+        return
+    if checkpoint.list_checkpoints(run_dir):
+        raise ConfigError(f"{run_dir} already holds checkpoints",
+                          hint="pass --resume to continue it, or use a new or empty --run-dir")
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    raise ConfigError(f"{run_dir} is not empty ({shown}): a fresh start would overwrite what is there",
+                      hint="use a new or empty --run-dir (it holds no checkpoint to --resume from)")
+
+
 def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> None:
-    """Before anything is built (rank 0): a fresh run refuses a directory that holds checkpoints; a resume must
-    keep the config it started with and, in one process, needs a checkpoint made by one process. (Under torchrun
-    the newest checkpoint may be on another node: `checkpoint.read_latest_any_rank` checks it collectively.)"""
+    """Before anything is built (rank 0): a fresh run needs a directory with nothing it could overwrite
+    (check_fresh); a resume must keep the config it started with and, in one process, needs a checkpoint made by
+    one process. (Under torchrun the newest checkpoint may be on another node: `checkpoint.read_latest_any_rank`
+    checks it collectively.)"""
     run_dir = Path(run_dir)
     if not resume:
-        if checkpoint.list_checkpoints(run_dir):
-            raise ConfigError(f"{run_dir} already holds checkpoints",
-                              hint="pass --resume to continue it, or use a new --run-dir")
+        check_fresh(run_dir)
         return
     path = config_path(run_dir)
     if path.is_file():

@@ -296,3 +296,45 @@ def test_loading_reports_its_progress_and_the_console_draws_it_only_on_a_tty(tmp
         assert tty.getvalue().endswith("\r\033[K") == drawn  # the bar is wiped before the next line
         lines = out.getvalue().splitlines()
         assert lines[0].endswith("] reading and tokenizing the data ...") and ": 0.0s" in lines[1]
+
+
+def test_a_pretokenized_line_with_no_supervised_token_is_malformed(tmp_path, target):
+    from trainer.data.source import scan
+
+    good = json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]})
+    lines = [good, json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 0, 0]}), good,
+             json.dumps({"input_ids": [5, 6], "loss_mask": [False, False]})]
+    path = write_lines(tmp_path / "p.jsonl", lines)
+    samples, report = load_samples([path], target.tokenizer, VOCAB, max_bad_fraction=0.5)
+    assert len(samples) == 2 and [b.line_no for b in report.bad] == [2, 4]
+    assert {b.reason for b in report.bad} == {"no supervised token ('loss_mask' holds no 1)"}
+    assert [b.line_no for b in scan([path], 0.5).bad] == [2, 4]  # found before torch too
+    for check in (lambda: scan([path], 0.4), lambda: load_samples([path], target.tokenizer, VOCAB, 0.4)):
+        with pytest.raises(DataError, match=r"too many malformed lines .*p.jsonl:2 \(no supervised token"):
+            check()
+
+
+def pretokenized(tmp_path, masks):
+    return (write_lines(tmp_path / "p.jsonl", [json.dumps({"input_ids": [5 + i for i in range(len(m))],
+                                                           "loss_mask": m}) for m in masks]),)
+
+
+def test_data_whose_supervised_tokens_are_all_truncated_away_is_refused(tmp_path, target):
+    paths = pretokenized(tmp_path, [[0] * 10 + [1, 1]] * 4)  # every answer past the first 8 tokens
+    with pytest.raises(DataError) as e:
+        build_datasets(DataCfg(paths=paths, seq_len=8, num_anchors=4, eval_fraction=0.0), target.tokenizer, VOCAB, 0)
+    assert str(e.value) == ("no supervised token left in the training data after packing (4 samples truncated to "
+                            "data.seq_len=8)") and "raise data.seq_len" in e.value.hint
+    ds = build_datasets(DataCfg(paths=paths, seq_len=16, num_anchors=4, eval_fraction=0.0), target.tokenizer, VOCAB, 0)
+    assert int(ds.train.loss_mask.sum()) == 8
+
+
+def test_data_with_no_two_consecutive_supervised_tokens_is_refused(tmp_path, target):
+    """Such data has supervised tokens, but no block: an anchor and its first label are both supervised."""
+    cfg = DataCfg(paths=pretokenized(tmp_path, [[0, 1, 0, 1, 0, 1]] * 3), seq_len=32, num_anchors=4, eval_fraction=0.0)
+    with pytest.raises(DataError, match="^no block to train: no two consecutive supervised tokens in any training "
+                                        "sample$"):
+        build_datasets(cfg, target.tokenizer, VOCAB, 0)
+    cfg = DataCfg(paths=pretokenized(tmp_path, [[0, 1, 0, 1, 0, 1]] * 2 + [[0, 0, 1, 1]]), seq_len=32, num_anchors=4,
+                  eval_fraction=0.0)
+    assert build_datasets(cfg, target.tokenizer, VOCAB, 0).train.num_rows == 1

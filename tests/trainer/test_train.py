@@ -164,3 +164,26 @@ def test_a_budgeted_horizon_follows_the_measured_rate_both_ways():
     assert fitting_horizon(100, 10.0, 50, 5.0, 1e9, end=1_000) == 1_000
     assert fitting_horizon(100, 70.0, 50, 5.0, 60.0, end=10_000) == 101
     assert fitting_horizon(100, 10.0, 0, 0.0, 60.0, end=900) == 900  # nothing measured yet: the plan stands
+
+
+def test_the_closing_line_says_when_the_eval_ran_but_found_no_block(tmp_path, tiny_target_dir):
+    """Held-out lines with no two consecutive supervised tokens: the eval runs and finds 0 blocks. The closing line
+    says so, not that the eval was switched off or had no data."""
+    import io
+
+    from trainer.metrics import done_line
+
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"input_ids": list(range(3, 11)), "loss_mask": [0, 1] * 4}) + "\n"
+                            for _ in range(4)))
+    out = io.StringIO()
+    run = build(small_cfg(tiny_target_dir, "optim.max_steps=1", "eval_at_end=true", f"data.eval_paths=[{held}]"),
+                tmp_path / "r", stream=out)
+    loop = TrainLoop(run)
+    loop.run()
+    result = finish(run, loop)
+    assert result["eval"]["blocks"] == 0 and result["eval"]["tau"] is None
+    last = out.getvalue().splitlines()[-1]
+    assert last.endswith("no simulated tau: the held-out rows hold no block to evaluate (0 blocks: no two consecutive "
+                         "supervised tokens; check data.eval_paths / data.eval_fraction)"), last
+    assert "eval_at_end=false" in done_line({"step": 1, "run_dir": "R"})  # never evaluated: that wording stays

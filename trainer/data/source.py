@@ -7,10 +7,11 @@ Accepted line formats:
       vocabulary size, never true/false; the mask holds 0/1 or true/false)
 
 Lines are split on b"\n" only, so a line number is what `sed -n Np` shows, whatever carriage returns a line holds.
-A line that is not UTF-8, not one JSON object, or not one of the formats is malformed, as is one the tokenizer cannot
-supervise. Two passes share these rules: `scan` (no tokenizer, no torch: the CLI runs it before anything heavy) and
-`load_samples` (then tokenization). Every malformed line goes to a `BadLineFile` (the run's bad_lines.txt) when one
-is given; messages number the first ten.
+A line that is not UTF-8, not one JSON object, or not one of the formats is malformed, as is one with no supervised
+token (a loss_mask without a 1, a conversation the tokenizer finds no assistant token in). Two passes share these
+rules: `scan` (no tokenizer, no torch: the CLI runs it before anything heavy) and `load_samples` (then
+tokenization). Every malformed line goes to a `BadLineFile` (the run's bad_lines.txt) when one is given; messages
+number the first ten.
 """
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def parse_record(line: bytes) -> dict:
             raise MalformedLine("'input_ids' must hold non-negative integers (not true/false, not floats)")
         if not set(map(type, mask)) <= _MASK_TYPES or not set(mask) <= {0, 1}:
             raise MalformedLine("'loss_mask' must hold 0/1 or true/false")
+        if 1 not in mask:  # True == 1: a mask of false/0 only would train nothing
+            raise MalformedLine("no supervised token ('loss_mask' holds no 1)")
         return obj
     raise MalformedLine("expected 'conversations' or 'input_ids' + 'loss_mask'")
 
