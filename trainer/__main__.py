@@ -20,7 +20,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from trainer.errors import TrainerError, run_cli  # noqa: E402
+from trainer.errors import ConfigError, TrainerError, run_cli  # noqa: E402
 
 
 def _recipe_help() -> str:
@@ -33,6 +33,11 @@ def _recipe_help() -> str:
     if pipeline:
         text += f"; {pipeline}: quality-pipeline recipes, for {PIPELINE_COMMAND}"
     return text
+
+
+PROMPT_DEFAULTS = {"limit": 64, "max_new": 256, "engine": "static", "target_dtype": "auto"}
+PROMPT_OPTIONS = ("--limit", "--max-new", "--engine", "--target-dtype")  # eval --prompts only
+EVAL_USAGE = "eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --data F or --prompts FILE..."
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,12 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--target", default=None, help="the target's HF directory")
     e.add_argument("--data", default=None, help="a training-format JSONL (simulated tau)")
     e.add_argument("--prompts", nargs="+", default=None, metavar="FILE", help="prompt files (real decoding)")
-    e.add_argument("--limit", type=int, default=64, help="prompts per file (default: %(default)s)")
-    e.add_argument("--max-new", type=int, default=256, help="new tokens per prompt (default: %(default)s)")
-    e.add_argument("--engine", default="static", choices=("static", "hf"),
-                   help="static: static caches, CUDA-graph replays; hf: the HF-cache reference (default: static)")
-    e.add_argument("--target-dtype", default="auto", choices=DTYPES,
-                   help="the target's dtype while decoding (default: bf16 on CUDA, fp32 on CPU)")
+    # Defaults of the --prompts options are applied in eval_prompts (PROMPT_DEFAULTS): None here tells a flag the user
+    # gave, which the other forms refuse, from one they did not.
+    e.add_argument("--limit", type=int, default=None,
+                   help=f"with --prompts: prompts per file (default: {PROMPT_DEFAULTS['limit']})")
+    e.add_argument("--max-new", type=int, default=None,
+                   help=f"with --prompts: new tokens per prompt (default: {PROMPT_DEFAULTS['max_new']})")
+    e.add_argument("--engine", default=None, choices=("static", "hf"),
+                   help="with --prompts: static: static caches, CUDA-graph replays; hf: the HF-cache reference "
+                        "(default: static)")
+    e.add_argument("--target-dtype", default=None, choices=DTYPES,
+                   help="with --prompts: the target's dtype while decoding (default: bf16 on CUDA, fp32 on CPU)")
     _regenerate_parser(sub)
     x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
     x.add_argument("--run-dir", required=True)
@@ -125,23 +135,39 @@ def _quiet_libraries() -> None:
 
 
 def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
-    """Everything about a start that needs neither torch nor a tokenizer: the empty-target rule and the target
-    directory, the run directory (checkpoints, a resumed config), every data file (exists, readable, each line
-    UTF-8 JSON in one of the formats, the malformed-line limit). Raises ConfigError / DataError -> a summary."""
+    """Everything about a start that needs neither torch nor a tokenizer: the empty-target and empty-data rules, the
+    target directory (its config.json: the taps and the mask id fit it), the tracking backends' packages, the run
+    directory (not a file, checkpoints, a resumed config), every data file (exists, readable, each line UTF-8 JSON
+    in one of the formats, the malformed-line limit). Raises ConfigError / DataError -> a summary."""
     from trainer import rundir
     from trainer.config import check_target_dir
     from trainer.data.source import BadLineFile, scan
     from trainer.placement import dist_env
+    from trainer.tracking import check_installed
 
     check_target_dir(cfg)
+    check_installed(cfg.track)
     env = dist_env(os.environ)
     if env.is_main:
+        check_run_dir_path(run_dir)
         rundir.check_start(rundir.with_target(cfg, run_dir), run_dir, resume, env.world)
     bad_file = BadLineFile(rundir.bad_lines_path(run_dir)) if env.is_main else None
     counts = [scan(paths, cfg.data.max_bad_fraction, bad_file).lines
               for paths in (cfg.data.paths, cfg.data.eval_paths) if paths]
     files = len(cfg.data.paths) + len(cfg.data.eval_paths)
     return f"{sum(counts)} data lines in {files} file(s)"
+
+
+def check_run_dir_path(run_dir: Path) -> None:
+    """--run-dir, or the nearest of its parents that exists, must be a directory: the run creates it (after the data
+    is tokenized) with mkdir, which a file in the way fails with a traceback."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                where = "is" if path == run_dir else f"is inside {path}, which is"
+                raise ConfigError(f"--run-dir {run_dir} {where} an existing file, not a directory: choose another "
+                                  "--run-dir")
+            return
 
 
 def cmd_train(args) -> int:
@@ -176,35 +202,76 @@ def _exit_rank_now() -> None:
     os._exit(0)
 
 
+def eval_form(args) -> str:
+    """Which eval the flags ask for (--run-dir, --data or --prompts), or one ConfigError naming the flags that do
+    not fit it: a flag that is dropped silently would run an eval the user did not ask for. Pure, before torch."""
+    given = {flag for flag, value in (("--run-dir", args.run_dir), ("--drafter", args.drafter),
+                                      ("--target", args.target), ("--data", args.data), ("--prompts", args.prompts),
+                                      ("--limit", args.limit), ("--max-new", args.max_new),
+                                      ("--engine", args.engine), ("--target-dtype", args.target_dtype))
+             if value is not None}
+    forms = [f for f in ("--run-dir", "--data", "--prompts") if f in given]
+    if not forms:
+        raise ConfigError(EVAL_USAGE)
+    if len(forms) > 1:
+        raise ConfigError(f"eval takes one of --run-dir, --data and --prompts, not {' and '.join(forms)} together: "
+                          f"{EVAL_USAGE}")
+    form = forms[0]
+    extra = [f for f in PROMPT_OPTIONS if f in given]
+    if form != "--prompts" and extra:
+        raise ConfigError(f"{', '.join(extra)} {'applies' if len(extra) == 1 else 'apply'} only to eval --prompts, "
+                          f"not to eval {form}")
+    pair = [f for f in ("--drafter", "--target") if f in given]
+    if form == "--run-dir" and pair:
+        raise ConfigError(f"eval --run-dir evaluates the run's own export against the run's own target: drop "
+                          f"{' and '.join(pair)}, or evaluate an export with --drafter EXPORT_DIR --target T --data F")
+    missing = [f for f in ("--drafter", "--target") if f not in given]
+    if form != "--run-dir" and missing:
+        raise ConfigError(f"eval {form} needs {' and '.join(missing)}: eval --drafter EXPORT_DIR --target T {form} "
+                          f"{'F' if form == '--data' else 'FILE...'}")
+    if form == "--prompts":
+        for flag, value in (("--limit", args.limit), ("--max-new", args.max_new)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+    return form
+
+
 def cmd_eval(args) -> int:
-    if args.prompts and args.drafter and args.target and not (args.run_dir or args.data):
+    form = eval_form(args)
+    if form == "--prompts":
         return eval_prompts(args)
+    if form == "--data":
+        from trainer.config import DataCfg
+        from trainer.data.source import scan
+
+        scan([args.data], DataCfg().max_bad_fraction)  # a missing or malformed file, before torch
+    _quiet_libraries()
     from trainer.eval import evaluate_export, evaluate_run
 
-    if args.run_dir and not args.drafter:
+    if form == "--run-dir":
         evaluate_run(args.run_dir)
-        return 0
-    if args.drafter and args.target and args.data and not args.run_dir:
+    else:
         evaluate_export(args.drafter, args.target, args.data)
-        return 0
-    raise TrainerError("eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --data F or --prompts FILE...")
+    return 0
 
 
 def eval_prompts(args) -> int:
     """Real decoding of each prompt file: one DFLASH_EVAL line and one human line per set. The prompt files are read
-    before any model is loaded."""
+    before torch is imported."""
     import json
 
     from trainer.prompts import read_prompt_set
 
-    if args.limit < 1 or args.max_new < 1:
-        raise TrainerError("--limit and --max-new must be >= 1")
+    for key, value in PROMPT_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     sets = [read_prompt_set(p) for p in args.prompts]
     for ps in sets:
         if ps.bad_lines:
             print(f"warning: {ps.name}: {len(ps.bad_lines)} unreadable lines skipped (lines "
                   f"{', '.join(map(str, ps.bad_lines[:10]))}{', ...' if len(ps.bad_lines) > 10 else ''})",
                   file=sys.stderr, flush=True)
+    _quiet_libraries()
     from trainer.decode.lossless import describe
     from trainer.export import load_pair
     from trainer.placement import local_device
@@ -279,7 +346,7 @@ def cmd_tiny(args) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "regenerate": cmd_regenerate, "export": cmd_export,
             "make-tiny-target": cmd_tiny}
-CHECK_FIRST = ("train", "regenerate")  # these refuse bad input before torch is imported
+CHECK_FIRST = ("train", "regenerate", "eval")  # these refuse bad input before torch is imported
 
 
 def main(argv: list[str] | None = None) -> int:

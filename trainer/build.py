@@ -185,7 +185,10 @@ def _remove_created(run_dir: Path, created: bool, made: list[Path]) -> None:
     """Remove what a failed start made: its tiny target, and the run directory it created when nothing else is in
     it (a bad_lines.txt stays: the error names it). Nothing that was there before is touched."""
     for path in reversed(made):
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     if created and run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
 
@@ -272,11 +275,16 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
     if state.head_fp8 is not None:
         console.say(f"step.head_fp8={cfg.step.head_fp8}: the LM head's loss GEMMs run on the FP8 tensor cores")
     if env.is_main:
+        if not (resume and rundir.config_path(run_dir).is_file()):
+            made.append(rundir.config_path(run_dir))  # a start that fails after this (a tracker's login) keeps none
         rundir.write_config(cfg, run_dir, resume)
     resume_step = start.step if resume else None
     if env.is_main and cfg.track.backends:
         from trainer.config import to_dict
-        from trainer.tracking import TrackedSink, Tracker
+        from trainer.tracking import TrackedSink, Tracker, tracking_dir
+
+        if not tracking_dir(cfg.track, run_dir).exists():
+            made.append(tracking_dir(cfg.track, run_dir))
 
         sink = TrackedSink(run_dir / "metrics.jsonl", stream, Tracker(cfg.track, run_dir, to_dict(cfg), start.step),
                            resume_step=resume_step)

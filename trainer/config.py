@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -74,7 +75,9 @@ class ModelCfg:
 
 @dataclass(frozen=True, kw_only=True)
 class DataCfg:
-    paths: tuple[str, ...] = ("bundled:smoke.jsonl",)  # JSONL files; "bundled:NAME" = trainer/assets/NAME
+    # JSONL files; "bundled:NAME" = trainer/assets/NAME. Empty (the gpu recipe) is refused at start (check_target),
+    # not here, so that such a recipe still loads and the user is told which --set to add.
+    paths: tuple[str, ...] = ("bundled:smoke.jsonl",)
     eval_paths: tuple[str, ...] = ()  # held-out files; empty = hold out eval_fraction of `paths`
     eval_fraction: float = 0.05
     seq_len: int = 3072  # tokens per packed row
@@ -87,7 +90,6 @@ class DataCfg:
     max_eval_rows: int = 64
 
     def __post_init__(self) -> None:
-        _check(len(self.paths) >= 1, "data.paths must list at least one JSONL file")
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)")
         _check(self.seq_len >= 8, "data.seq_len must be >= 8")
         _check(self.rows_per_step >= 1, "data.rows_per_step must be >= 1")
@@ -176,8 +178,13 @@ class OptimCfg:
     max_steps: int = 0  # > 0 = run length in optimizer steps (overrides epochs); 0 = epochs * steps_per_epoch
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "optim.lr must be > 0")
+        _check(self.lr > 0 and math.isfinite(self.lr), "optim.lr must be a finite number > 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas must be two floats in [0, 1)")
+        # torch.optim refuses these only when the optimizer is built, after the target has loaded; nan/inf it
+        # accepts, and the first step turns every weight into nan.
+        _check(self.eps > 0 and math.isfinite(self.eps), f"optim.eps must be a finite number > 0, got {self.eps!r}")
+        _check(self.weight_decay >= 0 and math.isfinite(self.weight_decay),
+               f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         _check(0.0 <= self.warmup_ratio < 1.0, "optim.warmup_ratio must be in [0, 1)")
         _check(self.schedule in ("cosine", "constant"), "optim.schedule must be 'cosine' or 'constant'")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]")
@@ -294,6 +301,11 @@ class TrainCfg:
                f"pipeline.target_device={self.pipeline.target_device} places the target apart from the drafter, "
                "which only the threaded pipeline supports; add --set pipeline.enabled=true or use "
                "pipeline.target_device=same")
+        # Anchors sit at 0..seq_len-2 (data/anchors.py: an anchor and its first label in the row), so a longer block
+        # always runs past the row's end: positions that are never labels, yet drafted, attended and decoded.
+        _check(self.model.block_size <= self.data.seq_len,
+               f"model.block_size={self.model.block_size} does not fit in a row of data.seq_len={self.data.seq_len} "
+               "tokens; use --set model.block_size=N with N <= data.seq_len (or raise data.seq_len)")
 
 
 def cuda_only(cfg: TrainCfg) -> list[tuple[str, str]]:
@@ -311,6 +323,16 @@ def cuda_only(cfg: TrainCfg) -> list[tuple[str, str]]:
     if cfg.step.head_fp8 is True:  # auto turns itself off where it cannot run
         found.append(("step.head_fp8", "step.head_fp8=false"))
     return found
+
+
+def on_cpu(cfg: TrainCfg) -> TrainCfg:
+    """Pure: `cfg` with device=cpu and every CUDA-only setting (`cuda_only`, the pipeline's placement, an nccl
+    backend) at its CPU alternative: the config a CPU-side rebuild of a GPU run (the export) validates and builds."""
+    items = [alternative for _setting, alternative in cuda_only(cfg)]
+    items += ["pipeline.enabled=false", "pipeline.target_device=same", "device=cpu"]
+    if cfg.dist.backend == "nccl":
+        items.append("dist.backend=gloo")
+    return from_dict(TrainCfg, apply_overrides(to_dict(cfg), items, TrainCfg))
 
 
 # ---------------------------------------------------------------- building from dicts / YAML / --set
@@ -398,12 +420,19 @@ def set_override(tree: dict[str, Any], dotted: str, raw: str, root: type) -> Non
     node = tree
     parts = dotted.split(".")
     cls: type = root
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hint = _resolved_hints(cls).get(part)
         if part not in fields or not dataclasses.is_dataclass(hint):
+            path = ".".join(parts[:depth + 1])
+            if part in fields:
+                raise ConfigError(f"--set {dotted}: {path!r} is a value, not a section; set it with --set {path}=...")
             sections = [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(_resolved_hints(cls)[f.name])]
-            raise ConfigError(f"unknown config section {part!r} in --set {dotted}; valid sections: {', '.join(sections)}")
+            if sections:
+                raise ConfigError(f"unknown config section {part!r} in --set {dotted}; valid sections: "
+                                  f"{', '.join(sections)}")
+            raise ConfigError(f"unknown config key {path!r} in --set {dotted}; {'.'.join(parts[:depth])} has no "
+                              f"sections; valid keys here: {', '.join(fields)}")
         if not isinstance(node.get(part, {}), dict):
             raise ConfigError(f"--set {dotted}: {part!r} is not a mapping in this recipe")
         node = node.setdefault(part, {})
@@ -506,16 +535,27 @@ def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
 
 
 def check_target(cfg: TrainCfg) -> None:
-    """The empty-target rule: model.target names a local HF directory, or is empty where the tiny test target is
-    allowed (model.allow_tiny_target). Pure (the directory itself is checked by `check_target_dir`)."""
+    """The empty-input rules, target first: model.target names a local HF directory, or is empty where the tiny
+    test target is allowed (model.allow_tiny_target); data.paths lists the training data (the gpu recipe leaves it
+    empty: a forgotten --set must not train a real target on the bundled toy set). Pure (the directory itself is
+    checked by `check_target_dir`, the files by the data scan)."""
     if not cfg.model.target and not cfg.model.allow_tiny_target:
         raise ConfigError("model.target is empty: set model.target=DIR (a local Hugging Face model directory)",
                           hint="e.g. --set model.target=/models/Qwen3-8B")
+    if not cfg.data.paths:
+        raise ConfigError("data.paths is empty: name the training JSONL files with --set 'data.paths=[...]'")
 
 
 def check_target_dir(cfg: TrainCfg) -> None:
-    """model.target, when set, must be a directory with a config.json (read before anything is loaded)."""
+    """model.target, when set, must be a directory with a config.json that the taps and model.mask_token_id fit
+    (its layer count and vocabulary: read before anything is loaded)."""
     check_target(cfg)
     if cfg.model.target and not (Path(cfg.model.target) / "config.json").is_file():
         raise ConfigError(f"model.target={cfg.model.target}: no config.json there",
                           hint="set model.target to a local Hugging Face model directory")
+    if cfg.model.target:
+        from trainer.targetdir import check_model_fits, read_shape
+
+        m = cfg.model
+        check_model_fits(read_shape(m.target), num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
+                         mask_token_id=m.mask_token_id)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from trainer import rundir
+from trainer.config import DataCfg
 from trainer.data.batching import EpochBatches, StaticBatch
 from trainer.decode.rounds import leading_matches
 from trainer.errors import ConfigError
@@ -139,7 +140,9 @@ def evaluate_export(drafter_dir, target_dir, data_path, *, seq_len: int = 2048, 
 
     device = local_device("auto")
     target, drafter, ecfg = load_pair(Path(drafter_dir), target_dir, device)
-    samples, _report = load_samples([str(data_path)], target.tokenizer, target.embed_tokens.weight.shape[0], 1.0)
+    # The training limit on malformed lines: with none, a file of nothing but bad lines gave tau None and exit 0.
+    samples, _report = load_samples([str(data_path)], target.tokenizer, target.embed_tokens.weight.shape[0],
+                                    DataCfg().max_bad_fraction)
     pad_id = target.tokenizer.pad_token_id or 0
     rows = pack(samples, seq_len, pad_id)
     result = evaluate(target, drafter, rows, block_size=ecfg.block_size, num_anchors=min(num_anchors, seq_len - 1),

@@ -190,6 +190,24 @@ def load_pair(export_dir: Path, target_dir: str | Path, device: torch.device | s
     from trainer.model.target import load_target
 
     drafter, ecfg = load_exported(export_dir, device, backend=backend)
+    check_same_target(ecfg, export_dir, target_dir)
     target = load_target(target_dir, num_draft_layers=ecfg.drafter.num_layers, layer_ids=ecfg.target_layer_ids,
                          mask_token_id=ecfg.mask_token_id, device=device, dtype=dtype, truncate=False)
     return target, drafter, ecfg
+
+
+def check_same_target(ecfg: ExportConfig, export_dir: Path, target_dir: str | Path) -> None:
+    """The target's config.json against what the export recorded of the target it was trained on (layers, hidden
+    size, vocabulary), before its weights load: another target would load, tapped at the export's layer ids, and
+    give a tau near 1 or an index error deep in the first forward. An export that did not record a fact (another
+    tool's: num_target_layers 0) is not checked on it."""
+    from trainer.targetdir import TargetShape, read_shape
+
+    have = read_shape(target_dir)
+    want = TargetShape(num_layers=ecfg.num_target_layers or None, hidden_size=ecfg.drafter.hidden_size,
+                       vocab_size=ecfg.vocab_size)
+    pairs = zip((want.num_layers, want.hidden_size, want.vocab_size),
+                (have.num_layers, have.hidden_size, have.vocab_size))
+    if any(w is not None and h is not None and w != h for w, h in pairs):
+        raise ConfigError(f"the drafter {export_dir} was trained on a target of {want.describe()}, but the target "
+                          f"{target_dir} has {have.describe()}: evaluate it with the target it was trained on")

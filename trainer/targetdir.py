@@ -3,7 +3,8 @@
 The commands that load a target (`regenerate`, and the family rule of `trainer.model.target`) refuse a directory here,
 in one line, before torch is imported: no directory, no config.json or an unreadable one, a family this trainer
 cannot serve (linear-attention hybrids; a model_type the installed transformers has no causal LM for), no chat
-template. The stop ids a generation config names come from here too.
+template. The stop ids a generation config names come from here too, and the shape facts (layers, hidden size,
+vocabulary) that the train command checks its taps and mask id against, and eval checks an export against.
 """
 from __future__ import annotations
 
@@ -135,3 +136,71 @@ def _positions(config: dict) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What config.json says of the target's shape; None where it does not say."""
+
+    num_layers: int | None
+    hidden_size: int | None
+    vocab_size: int | None  # the embedding's rows (HF keeps vocab_size equal to them, resize included)
+
+    def describe(self) -> str:
+        def say(value):
+            return "?" if value is None else value
+
+        return f"{say(self.num_layers)} layers, hidden size {say(self.hidden_size)}, vocabulary {say(self.vocab_size)}"
+
+
+def _positive_int(holder: dict, key: str) -> int | None:
+    value = holder.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def read_shape(path: str | Path) -> TargetShape:
+    """A target directory's TargetShape from its config.json (a multimodal config's text_config where the top
+    level does not say), or one ConfigError when config.json is missing or unreadable."""
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"target directory {path} has no config.json",
+                          hint="point it at a local Hugging Face model directory")
+    config = _json_file(config_path, "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+    def fact(key: str) -> int | None:
+        top = _positive_int(config, key)
+        return top if top is not None else _positive_int(text, key)
+
+    return TargetShape(num_layers=fact("num_hidden_layers"), hidden_size=fact("hidden_size"),
+                       vocab_size=fact("vocab_size"))
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash spacing (z-lab `build_target_layer_ids`): one layer -> [L // 2]; else round(linspace(1, L-3, n)).
+    Here, without torch, so that the taps are checked before anything loads; trainer.model.target uses it too."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def check_model_fits(shape: TargetShape, *, num_draft_layers: int, layer_ids: tuple[int, ...] | None,
+                     mask_token_id: int | None) -> None:
+    """The taps and an explicit mask id against the target's layer count and vocabulary, with the messages that
+    loading the target (trainer.model.target.prepare_target, resolve_mask_token_id) gives. Pure. What config.json
+    does not say is left to loading."""
+    n = shape.num_layers
+    if n is not None:
+        ids = tuple(layer_ids) if layer_ids is not None else tuple(default_layer_ids(n, num_draft_layers))
+        if not all(0 <= i < n for i in ids) or list(ids) != sorted(set(ids)):
+            source = "model.target_layer_ids" if layer_ids is not None else \
+                f"the default tap spacing for {n} target layers and {num_draft_layers} draft layers"
+            raise ConfigError(f"{source} gives {list(ids)}; taps must be distinct, ascending and within 0..{n - 1}",
+                              hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
+    rows = shape.vocab_size
+    if mask_token_id is not None and rows is not None and not 0 <= mask_token_id < rows:
+        raise ConfigError(f"mask token id {mask_token_id} (model.mask_token_id) is not a row of the target embedding "
+                          f"(0..{rows - 1})", hint="set model.mask_token_id to a reserved row inside the embedding")

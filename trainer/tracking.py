@@ -8,6 +8,7 @@ at the end, the simulated acceptance length tau and the acceptance per position.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +17,21 @@ from trainer.errors import ConfigError
 from trainer.metrics import MetricsSink
 
 SCALARS = ("loss", "acc", "tokens_per_s", "step_time_s", "peak_mem_gib", "lr", "epoch")
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # backend -> the module it imports
+
+
+def not_installed(backend: str) -> ConfigError:
+    module = PACKAGES[backend]
+    return ConfigError(f"track.backends names {backend}, but the {module} package is not installed: pip install "
+                       f"{module}, or drop {backend} from track.backends")
+
+
+def check_installed(cfg: TrackCfg) -> None:
+    """Every backend's package can be imported (found, not imported: no torch, no start-up cost), so that a missing
+    one is refused before the run is built rather than when its tracker opens, after the build."""
+    for name in cfg.backends:
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            raise not_installed(name)
 
 
 def scalars(record: dict, prefix: str = "train/") -> dict[str, float]:
@@ -31,16 +47,27 @@ def scalars(record: dict, prefix: str = "train/") -> dict[str, float]:
     return out
 
 
+def tracking_dir(cfg: TrackCfg, run_dir: Path) -> Path:
+    """Where the backends write: track.dir, or <run_dir>/tracking."""
+    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "tracking"
+
+
 class Tracker:
     """Fan-out to the configured backends. `log` per interval, `finish` with the run's result, then closed."""
 
     def __init__(self, cfg: TrackCfg, run_dir: Path, config: dict, start_step: int) -> None:
-        self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "tracking"
+        self.dir = tracking_dir(cfg, run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ids_path = self.dir / "runs.json"
         ids = json.loads(self.ids_path.read_text()) if self.ids_path.is_file() else {}
-        self.backends = [_open(name, cfg, self.dir, Path(run_dir).name, config, start_step, ids)
-                         for name in cfg.backends]
+        self.backends = []
+        try:
+            for name in cfg.backends:
+                self.backends.append(_open(name, cfg, self.dir, Path(run_dir).name, config, start_step, ids))
+        except BaseException:  # the ones already open would keep writing (W&B: a background process) after the error
+            for b in self.backends:
+                b.close()
+            raise
         self.ids_path.write_text(json.dumps({b.name: b.run_id for b in self.backends if b.run_id}) + "\n")
 
     def log(self, record: dict) -> None:
@@ -68,21 +95,20 @@ def _open(name: str, cfg: TrackCfg, root: Path, run_name: str, config: dict, sta
     raise ConfigError(f"unknown tracking backend {name!r}", hint="use tensorboard, wandb or mlflow")
 
 
-def _need(module: str, extra: str):
+def _need(backend: str):
     import importlib
 
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(PACKAGES[backend])
     except ImportError:
-        raise ConfigError(f"track.backends names {extra}, but the {module} package is not installed",
-                          hint=f"pip install {module}, or drop {extra} from track.backends") from None
+        raise not_installed(backend) from None
 
 
 class _TensorBoard:
     name, run_id = "tensorboard", None
 
     def __init__(self, root: Path, start_step: int) -> None:
-        _need("tensorboard", "tensorboard")
+        _need("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: a resumed run re-trains the steps after its checkpoint; their old events are dropped.
@@ -101,9 +127,15 @@ class _WandB:
     name = "wandb"
 
     def __init__(self, root: Path, project: str, run_name: str, config: dict, run_id: str | None) -> None:
-        wandb = _need("wandb", "wandb")
-        self.run = wandb.init(project=project, name=run_name, dir=str(root), config=config, id=run_id,
-                              resume="allow", reinit="create_new")
+        wandb = _need("wandb")
+        try:
+            self.run = wandb.init(project=project, name=run_name, dir=str(root), config=config, id=run_id,
+                                  resume="allow", reinit="create_new")
+        except wandb.errors.Error as e:  # no API key, a refused login, an unreachable server: the user's to fix
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"track.backends: wandb could not start a run ({reason}); log in (wandb login, or "
+                              "WANDB_API_KEY), or run offline with WANDB_MODE=offline, or drop wandb from "
+                              "track.backends") from None
         self.run_id = self.run.id
 
     def log(self, values: dict, step: int) -> None:
@@ -119,7 +151,7 @@ class _MLflow:
     def __init__(self, root: Path, project: str, run_name: str, config: dict, run_id: str | None) -> None:
         import os
 
-        mlflow = _need("mlflow", "mlflow")
+        mlflow = _need("mlflow")
         # MLFLOW_TRACKING_URI (a server, a database) wins; else a local file store beside the run, which MLflow 3
         # keeps working but refuses unless asked for (the database store needs SQLAlchemy, not in mlflow-skinny).
         uri = os.environ.get("MLFLOW_TRACKING_URI")

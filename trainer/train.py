@@ -8,7 +8,6 @@ process without torchrun.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 from pathlib import Path
@@ -19,7 +18,7 @@ from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.build import Session, build, build_state, check_device_support, load_run_target, resolve_placement
-from trainer.config import TrainCfg
+from trainer.config import TrainCfg, on_cpu
 from trainer.errors import ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
 from trainer.loop import StopRule, TrainLoop
@@ -98,8 +97,10 @@ def finish(session: Session, loop: TrainLoop) -> dict:
 
 
 def export_run(run_dir: Path) -> Path:
-    """Rewrite <run_dir>/export from the newest complete checkpoint (CPU; the target supplies dims and ids)."""
-    cfg = dataclasses.replace(rundir.load_run_config(run_dir), device="cpu")
+    """Rewrite <run_dir>/export from the newest complete checkpoint (CPU; the target supplies dims and ids). A run
+    trained with CUDA-only settings (pipeline, nccl, graph modes, flex) is rebuilt with their CPU alternatives: none
+    of them changes the drafter's parameters."""
+    cfg = on_cpu(rundir.load_run_config(run_dir))
     newest = rundir.newest_checkpoint(run_dir)
     target = load_run_target(cfg, "cpu", truncate=True, dtype="float32")
     state = build_state(cfg, target, torch.device("cpu"))

@@ -206,10 +206,220 @@ def test_a_failed_start_leaves_nothing_behind_and_keeps_what_was_there(tmp_path,
                 f"model.target={tiny_target_dir}", "--set", "model.num_draft_layers=5")
     assert p.returncode == 2 and "the default tap spacing for 6 target layers" in p.stderr, p.stderr
     assert not (tmp_path / "taps").exists()
-    mine = tmp_path / "mine"
+    mine = tmp_path / "mine"  # a directory as dflash-ops launches the trainer in it (a fresh start takes no other)
     mine.mkdir()
-    (mine / "notes.txt").write_text("keep me")
+    (mine / "run.json").write_text("keep me")
+    (mine / "output.log").write_text("and me")
     p = run_cli("train", "--recipe", "smoke", "--run-dir", str(mine), "--set", "model.num_draft_layers=5")
     assert p.returncode == 2 and "the default tap spacing" in p.stderr, p.stderr
-    assert sorted(x.name for x in mine.iterdir()) == ["notes.txt"]  # its tiny target went, the user's file stayed
-    assert (mine / "notes.txt").read_text() == "keep me"
+    assert sorted(x.name for x in mine.iterdir()) == ["output.log", "run.json"]  # its tiny target went, they stayed
+    assert (mine / "run.json").read_text() == "keep me" and (mine / "output.log").read_text() == "and me"
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def error_lines(stderr):
+    return [ln for ln in stderr.splitlines() if not ln.startswith("import time:")]
+
+
+def _target_copy(tmp_path, tiny_target_dir):
+    import shutil
+
+    return shutil.copytree(tiny_target_dir, tmp_path / "ttcopy"), []
+
+
+def _interrupted_run(tmp_path, tiny_target_dir):
+    """Ctrl-C before the first checkpoint: the config and the first metrics records, no ckpt/."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"seed": 0}\n')
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 3.2}\n{"step": 20, "loss": 2.9}\n')
+    return run, ["--set", f"model.target={tiny_target_dir}"]
+
+
+def _an_export(tmp_path, tiny_target_dir):
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "config.json").write_text("{}\n")
+    return run, ["--set", f"model.target={tiny_target_dir}"]
+
+
+def _a_users_file(tmp_path, tiny_target_dir):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("keep me")
+    return run, ["--set", f"model.target={tiny_target_dir}"]
+
+
+@pytest.mark.parametrize("setup, listed", [
+    (_target_copy, None), (_interrupted_run, "config.json, metrics.jsonl"), (_an_export, "export"),
+    (_a_users_file, "notes.txt")])
+def test_a_fresh_start_refuses_a_run_dir_it_would_overwrite_before_torch(tmp_path, tiny_target_dir, setup, listed):
+    """The run would overwrite config.json, append to metrics.jsonl and replace export/: a fresh start takes only an
+    empty directory (or one as dflash-ops launches it). Here also the review's case: --run-dir = the target."""
+    run, sets = setup(tmp_path, tiny_target_dir)
+    if not sets:  # the target itself as the run directory
+        sets = ["--set", f"model.target={run}"]
+        names = sorted(x.name for x in run.iterdir())
+        assert "config.json" in names and len(names) > 5
+        listed = ", ".join(names[:5]) + f" and {len(names) - 5} more"
+    before = snapshot(run)
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets, flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = error_lines(p.stderr)
+    assert errors[0].startswith(f"error: {run} is not empty ({listed}") and errors[0].endswith(
+        "): a fresh start would overwrite what is there"), errors
+    assert errors[1:] == ["hint: use a new or empty --run-dir (it holds no checkpoint to --resume from)"]
+    assert "torch" not in imported(p.stderr)
+    assert snapshot(run) == before
+
+
+def test_a_fresh_start_into_a_run_dir_as_dflash_ops_launches_it_is_not_refused(tmp_path, tiny_target_dir):
+    """The runbooks start the trainer with --run-dir = the ops run dir, which already holds the launcher's files
+    (run.json, the exit-status reserve, output.log, pid): launched through the real launch script, the trainer gets
+    past the run-directory check and stops at the (deliberately bad) data, exit 3."""
+    import time
+
+    from dflash_ops.runs import shellcmd
+    from dflash_ops.spec import Liveness, RunSpec
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    runs, rid = tmp_path / "runs", "smoke-20260101T000000-abcd"
+    argv = (sys.executable, "-m", "trainer", "train", "--recipe", "smoke", "--run-dir", "{run_dir}", "--set",
+            f"model.target={tiny_target_dir}", "--set", f"data.paths=[{bad}]")
+    spec = RunSpec(run_id=rid, name="smoke", runbook="smoke", argv=tuple(a.replace("{run_dir}", str(runs / rid))
+                                                                        for a in argv),
+                   workdir=str(runs / rid), env=(("PYTHONPATH", str(REPO_ROOT)),), pre=(), runs_dir=str(runs),
+                   host="local", ct=None, liveness=Liveness())
+    launched = subprocess.run(["bash", "-c", shellcmd.launch_script(spec)], capture_output=True, text=True)
+    assert "DFLASH_LAUNCHED" in launched.stdout, launched
+    deadline = time.monotonic() + 120
+    while not (runs / rid / "exit_code").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = (runs / rid / "output.log").read_text()
+    assert (runs / rid / "exit_code").read_text().strip() == "3", log
+    assert "error: too many malformed lines" in log and "not empty" not in log
+    assert (runs / rid / "run.json").is_file() and (runs / rid / "pid").is_file()
+
+
+def test_a_rerun_after_ctrl_c_before_any_checkpoint_keeps_the_metrics(tmp_path, tiny_target_dir):
+    """The review's repro with the real trainer: a run stopped before its first checkpoint left config.json and
+    metrics.jsonl; the same command again refused, the records are not doubled."""
+    run = tmp_path / "run"
+    sets = ["--set", f"model.target={tiny_target_dir}", "--set", "optim.max_steps=2", "--set", "log.every=1",
+            "--set", "data.seq_len=128", "--set", "eval_at_end=false"]
+    assert run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets).returncode == 0
+    import shutil
+
+    shutil.rmtree(run / "ckpt")  # as if stopped before its first checkpoint
+    shutil.rmtree(run / "export")
+    records = (run / "metrics.jsonl").read_text()
+    assert len(records.splitlines()) == 2
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets)
+    assert p.returncode == 2 and f"error: {run} is not empty (config.json, metrics.jsonl)" in p.stderr, p.stderr
+    assert (run / "metrics.jsonl").read_text() == records
+
+
+def test_data_with_no_supervised_token_exits_3(tmp_path, tiny_target_dir):
+    """Lines without a 1 in their loss_mask are malformed (found before torch); lines whose supervised tokens all
+    lie past data.seq_len leave nothing to train: one line, exit 3, before any model is built."""
+    unsupervised = tmp_path / "u.jsonl"
+    unsupervised.write_text(json.dumps({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 0, 0]}) + "\n")
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "u"), "--set",
+                f"model.target={tiny_target_dir}", "--set", f"data.paths=[{unsupervised}]", flags=("-X", "importtime"))
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert f"{unsupervised}:1 (no supervised token ('loss_mask' holds no 1))" in p.stderr
+    assert "torch" not in imported(p.stderr)
+    late = tmp_path / "late.jsonl"
+    late.write_text("".join(json.dumps({"input_ids": list(range(3, 23)), "loss_mask": [0] * 16 + [1] * 4}) + "\n"
+                            for _ in range(8)))
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "late"), "--set",
+                f"model.target={tiny_target_dir}", "--set", f"data.paths=[{late}]", "--set", "data.seq_len=16",
+                "--set", "data.num_anchors=4")
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert p.stderr.splitlines()[0] == ("error: no supervised token left in the training data after packing (8 "
+                                        "samples truncated to data.seq_len=16)"), p.stderr
+    assert "loading the target" not in p.stdout and not (tmp_path / "late").exists()
+
+
+def test_the_gpu_recipe_without_data_is_refused_in_one_line_before_torch(tmp_path, tiny_target_dir):
+    """The gpu recipe has no data of its own: a forgotten data.paths must not train a real target on the toy set."""
+    p = run_cli("train", "--recipe", "gpu", "--run-dir", str(tmp_path / "r"), "--set",
+                f"model.target={tiny_target_dir}", flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr) == ["error: data.paths is empty: name the training JSONL files with "
+                                     "--set 'data.paths=[...]'"]
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["optim.eps=-1"], "error: optim.eps must be a finite number > 0, got -1.0"),
+    (["optim.weight_decay=nan"], "error: optim.weight_decay must be a finite number >= 0, got nan"),
+    (["model.block_size=300", "data.seq_len=128"], "error: model.block_size=300 does not fit in a row of "
+                                                   "data.seq_len=128 tokens; use --set model.block_size=N with N <= "
+                                                   "data.seq_len (or raise data.seq_len)"),
+])
+def test_config_values_torch_or_the_data_would_trip_on_are_refused_before_torch(tmp_path, tiny_target_dir, sets,
+                                                                                 message):
+    args = [x for s in [f"model.target={tiny_target_dir}", *sets] for x in ("--set", s)]
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), *args, flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr) == [message]
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("where, resume", [("", False), ("", True), ("sub/run", False)])
+def test_a_run_dir_that_is_or_lies_in_a_file_is_refused_before_torch(tmp_path, tiny_target_dir, where, resume):
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    run_dir = path / where if where else path
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run_dir), "--set", f"model.target={tiny_target_dir}",
+                *(["--resume"] if resume else []), flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    inside = "" if run_dir == path else f"inside {path}, which is "
+    assert error_lines(p.stderr) == [f"error: --run-dir {run_dir} is {inside}an existing file, not a directory: "
+                                     "choose another --run-dir"]
+    assert "torch" not in imported(p.stderr) and path.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["model.target_layer_ids=[1, 6]"], "error: model.target_layer_ids gives [1, 6]; taps must be distinct, "
+                                        "ascending and within 0..5"),
+    (["model.mask_token_id=100000"], "error: mask token id 100000 (model.mask_token_id) is not a row of the target "
+                                     "embedding (0..VOCAB)"),
+])
+def test_taps_and_a_mask_id_the_target_cannot_have_are_refused_before_torch(tmp_path, tiny_target_dir, sets, message):
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    args = [x for s in [f"model.target={tiny_target_dir}", *sets] for x in ("--set", s)]
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), *args, flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr)[0] == message.replace("VOCAB", str(vocab - 1))
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+USAGE = "eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --data F or --prompts FILE..."
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run-dir", "D", "--prompts", "p.jsonl", "--limit", "0"],
+     f"eval takes one of --run-dir, --data and --prompts, not --run-dir and --prompts together: {USAGE}"),
+    (["--run-dir", "D", "--limit", "5", "--engine", "hf"],
+     "--limit, --engine apply only to eval --prompts, not to eval --run-dir"),
+    (["--drafter", "X", "--target", "T", "--data", "f.jsonl", "--max-new", "9"],
+     "--max-new applies only to eval --prompts, not to eval --data"),
+    (["--run-dir", "D", "--target", "T"],
+     "eval --run-dir evaluates the run's own export against the run's own target: drop --target, or evaluate an "
+     "export with --drafter EXPORT_DIR --target T --data F"),
+    (["--drafter", "X", "--data", "f.jsonl"],
+     "eval --data needs --target: eval --drafter EXPORT_DIR --target T --data F"),
+    (["--drafter", "X", "--target", "T", "--prompts", "p.jsonl", "--limit", "0"], "--limit must be >= 1, got 0"),
+    (["--target", "T"], USAGE),
+])
+def test_eval_refuses_flags_that_do_not_fit_in_one_line_before_torch(tmp_path, args, message):
+    p = run_cli("eval", *args, cwd=tmp_path, flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr) == [f"error: {message}"]
+    assert "torch" not in imported(p.stderr)

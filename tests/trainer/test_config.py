@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -52,3 +53,78 @@ def test_non_eager_mode_on_cpu_is_a_clear_error(tmp_path, tiny_target_dir):
     with pytest.raises(ConfigError, match="step.attn=flex needs a CUDA device"):
         build(small_cfg(tiny_target_dir, "step.attn=flex"), tmp_path / "run")
     assert not (tmp_path / "run" / "config.json").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("optim.eps=-1", "optim.eps must be a finite number > 0, got -1.0"),
+    ("optim.eps=0", "optim.eps must be a finite number > 0"),
+    ("optim.eps=.inf", "optim.eps must be a finite number > 0, got inf"),
+    ("optim.weight_decay=nan", "optim.weight_decay must be a finite number >= 0, got nan"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be a finite number >= 0"),
+    ("optim.lr=.inf", "optim.lr must be a finite number > 0"),
+])
+def test_optimizer_numbers_torch_would_refuse_or_turn_into_nan_are_config_errors(item, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [item])
+    assert needle in str(e.value)
+
+
+def test_a_block_longer_than_a_row_is_refused():
+    with pytest.raises(ConfigError, match=r"model.block_size=300 does not fit in a row of data.seq_len=128 tokens"):
+        load_config("smoke", ["model.block_size=300", "data.seq_len=128"])
+    assert load_config("smoke", ["model.block_size=128", "data.seq_len=128"]).model.block_size == 128
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("optim.foo.bar=1", "unknown config key 'optim.foo' in --set optim.foo.bar; optim has no sections; "
+                        "valid keys here: lr, betas, eps,"),
+    ("optim.lr.x=1", "--set optim.lr.x: 'optim.lr' is a value, not a section; set it with --set optim.lr=..."),
+])
+def test_a_path_through_a_section_without_sections_names_its_keys(item, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [item])
+    assert needle in str(e.value) and "valid sections: ;" not in str(e.value) + ";"
+
+
+def test_on_cpu_resets_every_cuda_only_setting_and_nothing_else():
+    from trainer.config import cuda_only, on_cpu
+
+    gpu = load_config("gpu", ["pipeline.enabled=true", "pipeline.target_device=cuda:local", "dist.backend=nccl",
+                              "step.head_fp8=true", "model.target_fp8=true"])
+    assert len(cuda_only(gpu)) == 5
+    cpu = on_cpu(gpu)
+    assert cuda_only(cpu) == [] and cpu.device == "cpu" and cpu.dist.backend == "gloo"
+    assert (cpu.pipeline.enabled, cpu.pipeline.target_device, cpu.step.mode, cpu.step.attn) == \
+        (False, "same", "eager", "sdpa")
+    assert (cpu.model, cpu.data, cpu.optim, cpu.loss) == (
+        dataclasses.replace(gpu.model, target_fp8=False), gpu.data, gpu.optim, gpu.loss)
+
+
+def test_the_gpu_recipe_has_no_data_and_a_start_without_it_is_refused():
+    from trainer.config import check_target
+
+    gpu = load_config("gpu", ["model.target=/models/x"])
+    assert gpu.data.paths == ()
+    with pytest.raises(ConfigError, match=r"^data.paths is empty: name the training JSONL files with "
+                                          r"--set 'data.paths=\[...\]'$"):
+        check_target(gpu)
+    check_target(load_config("gpu", ["model.target=/models/x", "data.paths=[a.jsonl]"]))
+
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["model.target_layer_ids=[1, 6]"], "model.target_layer_ids gives [1, 6]; taps must be distinct, ascending and "
+                                        "within 0..5"),
+    (["model.num_draft_layers=5"], "the default tap spacing for 6 target layers and 5 draft layers gives"),
+    (["model.mask_token_id=100000"], "mask token id 100000 (model.mask_token_id) is not a row of the target "
+                                     "embedding (0..176)"),
+])
+def test_taps_and_mask_id_are_checked_against_the_targets_config_json(tiny_target_dir, sets, needle):
+    from trainer.config import check_target_dir
+
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    with pytest.raises(ConfigError) as e:
+        check_target_dir(load_config("smoke", [f"model.target={tiny_target_dir}", *sets]))
+    assert needle.replace("176", str(vocab - 1)) in str(e.value)
+    check_target_dir(load_config("smoke", [f"model.target={tiny_target_dir}", "model.target_layer_ids=[1, 5]",
+                                           f"model.mask_token_id={vocab - 1}"]))

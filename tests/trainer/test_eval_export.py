@@ -135,3 +135,62 @@ def test_static_buffers_and_grads_keep_their_storage(target):
         assert now == grad_ptrs
     assert [t.data_ptr() for t in batch_dev.tensors().values()] == ptrs
     assert torch.equal(batch_dev.input_ids, two_doc_batch(seed=2).input_ids)
+
+
+def _export_of(target, out):
+    state = make_state(target, block_size=4)
+    return export_drafter(out, state.drafter, ExportConfig.of(state.drafter.cfg, target, 4), dtype=torch.float32)
+
+
+def test_an_export_is_refused_against_a_target_of_another_shape(tmp_path, target, tiny_target_dir):
+    from trainer.errors import ConfigError
+    from trainer.export import load_pair
+    from trainer.tiny import build_tiny_target
+
+    export = _export_of(target, tmp_path / "export")
+    deeper = build_tiny_target(tmp_path / "deeper", num_layers=8, train_steps=0)
+    vocab = target.embed_tokens.weight.shape[0]
+    with pytest.raises(ConfigError) as e:
+        load_pair(export, deeper, "cpu")
+    assert str(e.value) == (f"the drafter {export} was trained on a target of 6 layers, hidden size 64, vocabulary "
+                            f"{vocab}, but the target {deeper} has 8 layers, hidden size 64, vocabulary {vocab}: "
+                            "evaluate it with the target it was trained on")
+    _target, _drafter, ecfg = load_pair(export, tiny_target_dir, "cpu")  # the one it was trained on
+    assert ecfg.num_target_layers == 6
+
+
+def test_eval_on_a_file_of_malformed_lines_is_a_data_error_not_tau_none(tmp_path, target, tiny_target_dir):
+    from tests.trainer.test_cli import imported, run_cli
+    from trainer.errors import DataError
+    from trainer.eval import evaluate_export
+
+    export = _export_of(target, tmp_path / "export")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n" * 5)
+    with pytest.raises(DataError, match="bad.jsonl"):
+        evaluate_export(export, tiny_target_dir, bad)
+    p = run_cli("eval", "--drafter", str(export), "--target", str(tiny_target_dir), "--data", str(bad),
+                flags=("-X", "importtime"))
+    assert p.returncode == 3 and "tau" not in p.stdout and "torch" not in imported(p.stderr), p.stderr[-2000:]
+
+
+def test_export_of_a_run_trained_with_cuda_only_settings_runs_on_the_cpu(tmp_path, tiny_target_dir):
+    """`trainer export` rebuilds the drafter on the CPU: a run recorded with the pipeline, nccl, a captured step
+    and flex attention (what a GPU run's config.json says) exports the same bytes its training wrote."""
+    import json
+
+    from tests.trainer.conftest import small_cfg
+    from trainer.train import export_run, train
+
+    run = tmp_path / "run"
+    train(small_cfg(tiny_target_dir, "optim.max_steps=2"), run, environ={})
+    written = (run / "export" / "model.safetensors").read_bytes()
+    recorded = json.loads((run / "config.json").read_text())
+    recorded.update(device="auto", pipeline={**recorded["pipeline"], "enabled": True, "target_device": "cuda:local"},
+                    dist={"backend": "nccl"})
+    recorded["step"].update(mode="compile+graph", attn="flex", head_fp8=True)
+    recorded["model"]["target_fp8"] = True
+    (run / "config.json").write_text(json.dumps(recorded))
+    (run / "export" / "model.safetensors").unlink()
+    assert export_run(run) == run / "export"
+    assert (run / "export" / "model.safetensors").read_bytes() == written

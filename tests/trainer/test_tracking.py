@@ -72,3 +72,45 @@ def test_an_unknown_backend_is_refused_by_the_config():
 
     with pytest.raises(ConfigError, match="track.backends: unknown"):
         load_config("smoke", ["track.backends=[comet]"])
+
+
+def test_a_backend_whose_package_is_absent_is_refused_before_torch(tmp_path, tiny_target_dir):
+    """The package made unimportable the way a missing one is (sys.modules[name] = None: find_spec gives None,
+    import raises ImportError), before the trainer starts."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.trainer.conftest import REPO_ROOT
+    from tests.trainer.test_cli import error_lines, imported
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), str(REPO_ROOT)])}
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "trainer", "train", "--recipe", "smoke", "--run-dir",
+                        str(tmp_path / "r"), "--set", f"model.target={tiny_target_dir}", "--set",
+                        "track.backends=[tensorboard, wandb]"], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr) == ["error: track.backends names wandb, but the wandb package is not installed: pip "
+                                     "install wandb, or drop wandb from track.backends"]
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+def test_wandb_without_a_login_is_one_config_error_not_a_traceback(tmp_path, tiny_target_dir, monkeypatch):
+    """No WANDB_MODE, no API key, a HOME without a .netrc (tests/conftest.py): wandb.init refuses at once, offline."""
+    from tests.trainer.test_cli import error_lines, run_cli
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED", "WANDB_OFFLINE", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    sets = [f"model.target={tiny_target_dir}", "track.backends=[wandb]", "data.seq_len=96", "data.rows_per_step=2",
+            "data.num_anchors=8", "optim.max_steps=1", "ckpt.every=0", "eval_at_end=false"]
+    args = [x for s in sets for x in ("--set", s)]
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), *args)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert error_lines(p.stderr)[-1:] == ["error: track.backends: wandb could not start a run (No API key configured. "
+                                          "Use `wandb login` to log in.); log in (wandb login, or WANDB_API_KEY), or "
+                                          "run offline with WANDB_MODE=offline, or drop wandb from track.backends"]
+    # the failed start took back what it wrote (config.json, tracking/), so the same command may run again
+    assert not (tmp_path / "r").exists()

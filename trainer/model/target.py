@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.model.attention import FULL, SLIDING
-from trainer.targetdir import SOFTMAX_HINT, family_refusal
+from trainer.targetdir import SOFTMAX_HINT, default_layer_ids, family_refusal
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -59,13 +59,8 @@ def attention_kinds(hf_config) -> AttentionKinds:
     return AttentionKinds(layer_types=types, window=window if SLIDING in types else None)
 
 
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash spacing (z-lab `build_target_layer_ids`): one layer -> [L // 2]; else round(linspace(1, L-3, n))."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+# DFlash's tap spacing has its torch-free home beside the other config.json facts (checked before torch loads)
+build_target_layer_ids = default_layer_ids
 
 
 def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None, log=None) -> int:
