@@ -58,13 +58,18 @@ def dist_env(environ: Mapping[str, str]) -> DistEnv:
     return env
 
 
-def resolve_device(spec: str, local_rank: int, cuda_available: bool, device_count: int) -> str:
-    """One device spec (see the module docstring) -> a concrete 'cpu' or 'cuda:N' for this rank."""
+def resolve_device(spec: str, local_rank: int, cuda_available: bool, device_count: int,
+                   cpu_hint: str = "use --set device=cpu (or auto)") -> str:
+    """One device spec (see the module docstring) -> a concrete 'cpu' or 'cuda:N' for this rank. cpu_hint: the fix
+    when CUDA is missing, as the calling command takes it (`--device cpu` for regenerate and the benches)."""
+    from trainer.config import device_spec_ok  # config imports nothing of this module's; a lazy import keeps it so
+
+    if not device_spec_ok(spec):
+        raise ConfigError(f"device {spec!r} is not a device: use auto, cpu, cuda, cuda:N or cuda:local+K")
     if spec == "cpu" or (spec == "auto" and not cuda_available):
         return "cpu"
     if not cuda_available:
-        raise ConfigError(f"device {spec} needs CUDA, which is not available here",
-                          hint="use --set device=cpu (or auto)")
+        raise ConfigError(f"device {spec} needs CUDA, which is not available here", hint=cpu_hint)
     if spec in ("auto", "cuda", "cuda:local"):
         index = local_rank
     elif spec.startswith("cuda:local+"):
@@ -77,11 +82,12 @@ def resolve_device(spec: str, local_rank: int, cuda_available: bool, device_coun
     return f"cuda:{index}"
 
 
-def local_device(spec: str):
-    """A device spec -> torch.device for a one-process use (evaluation, the quality pipeline, benchmarks)."""
+def local_device(spec: str, cpu_hint: str = "use --device cpu (or auto)"):
+    """A device spec -> torch.device for a one-process use (evaluation, regenerate, the quality pipeline,
+    benchmarks). cpu_hint: as in resolve_device."""
     import torch
 
-    return torch.device(resolve_device(spec, 0, torch.cuda.is_available(), torch.cuda.device_count()))
+    return torch.device(resolve_device(spec, 0, torch.cuda.is_available(), torch.cuda.device_count(), cpu_hint))
 
 
 def resolve_placement(device: str, target_device: str, backend: str, env: DistEnv, cuda_available: bool,

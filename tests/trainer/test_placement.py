@@ -32,6 +32,16 @@ def test_device_specs_without_cuda():
         resolve_device("cuda:local+2", 0, False, 0)
     with pytest.raises(ConfigError, match="resolves to cuda:8 on local rank 6, but this host has 8 GPU"):
         resolve_device("cuda:local+2", 6, True, 8)
+    with pytest.raises(ConfigError) as e:
+        resolve_device("cuda:0", 0, False, 0, cpu_hint="use --device cpu (or auto)")
+    assert e.value.hint == "use --device cpu (or auto)"
+
+
+@pytest.mark.parametrize("spec", ["gpu", "mps", "cuda:1x", "cuda:-1", ""])
+def test_a_spec_that_names_no_device_is_one_config_error(spec):
+    for cuda in (True, False):  # not a ValueError's traceback on a GPU host
+        with pytest.raises(ConfigError, match=f"device {spec!r} is not a device"):
+            resolve_device(spec, 0, cuda, 8)
 
 
 def test_seed_placement_targets_on_0_to_5_drafters_on_2_to_7():

@@ -79,6 +79,7 @@ def test_prompts_are_keyed_by_what_the_target_sees_and_answered_once(tmp_path):
     (dict(sampling=SamplingSettings(top_p=0.0)), "--top-p must be in"),
     (dict(sampling=SamplingSettings(max_new_tokens=0)), "--max-new must be >= 1"),
     (dict(batch=0), "--batch must be >= 1"),
+    (dict(device="gpu"), "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
 ])
 def test_bad_settings_are_refused(change, message):
     check_settings(RegenSettings(sampling=SamplingSettings(temperature=0.7), continuations=3))
@@ -116,6 +117,18 @@ def test_a_torn_last_line_is_dropped_on_resume_and_foreign_files_are_refused(tmp
     foreign.write_text('{"input_ids": [1], "loss_mask": [1]}\n')
     with pytest.raises(ConfigError, match="was not written by regenerate"):
         outfile.scan_out(foreign)
+
+
+def test_a_sidecar_beside_no_answer_binds_no_setting(tmp_path):
+    """A start that failed before its first answer (no GPU, say) left its sidecar: the next start, with other
+    settings, is not refused."""
+    out = tmp_path / "out.jsonl"
+    outfile.write_meta(out, {"format": outfile.META_FORMAT, "target": {"config_sha256": "abc"},
+                             "settings": {"sampling": {"max_new_tokens": 512}}})
+    out.touch()
+    resume = outfile.scan_out(out)
+    assert resume.answered == frozenset() and resume.meta is None
+    outfile.check_same_run(resume.meta, {"config_sha256": "abc"}, {"sampling": {"max_new_tokens": 16}})
 
 
 def test_stop_ids_are_eos_the_generation_configs_the_templates_marker_and_known_end_of_turn_tokens():

@@ -175,7 +175,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     from trainer.quality.regenerate import regenerate
 
     hf_logging.disable_progress_bar()
-    device = local_device(q.device)
+    device = local_device(q.device, cpu_hint="use --set device=cpu (or auto)")
     check_device_fits(q, recipe_name, device.type)
     out.mkdir(parents=True, exist_ok=True)
     if q.threads:

@@ -79,15 +79,16 @@ def _line_key(line: bytes, out: Path, number: int) -> tuple[str, int]:
 
 def scan_out(out: Path) -> Resume:
     """What an earlier run left in OUT (reads only; nothing is cut here). An OUT with lines but no sidecar is not
-    one of ours: refused."""
+    one of ours: refused. A sidecar beside no answer (a start that failed before its first) binds nothing: it is
+    ignored, so the next start may change any setting."""
+    if not out.is_file() or out.stat().st_size == 0:
+        return Resume(frozenset(), 0, False, None)
     meta = None
     if meta_path(out).is_file() and meta_path(out).stat().st_size:
         try:
             meta = json.loads(meta_path(out).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read {meta_path(out)}: {e}", hint="pass a new --out") from None
-    if not out.is_file() or out.stat().st_size == 0:
-        return Resume(frozenset(), 0, False, meta)
     if meta is None or meta.get("format") != META_FORMAT:
         raise ConfigError(f"--out {out} exists and was not written by regenerate (no {meta_path(out).name})",
                           hint="pass a new --out, or remove the file")

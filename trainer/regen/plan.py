@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from trainer.config import DTYPES
+from trainer.config import DTYPES, device_spec_ok
 from trainer.errors import ConfigError
 from trainer.prompts import PromptLine
 
@@ -62,6 +62,7 @@ def check_settings(s: RegenSettings) -> None:
         (0.0 <= s.max_bad_fraction <= 1.0, "--max-bad-fraction must be in [0, 1]"),
         (s.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}"),
         (s.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}"),
+        (device_spec_ok(s.device), f"--device must be auto, cpu, cuda or cuda:N, got {s.device!r}"),
     ]
     for ok, message in rules:
         if not ok:
