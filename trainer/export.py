@@ -161,9 +161,14 @@ def export_drafter(out_dir: Path, drafter: Drafter, config: ExportConfig, dtype:
     tmp.chmod(0o755)
     for f in tmp.iterdir():
         f.chmod(0o644)
+    # The old export is moved aside, not deleted, until the new one is in place: a process killed between the two
+    # renames leaves export.old, never no export at all.
+    old = out_dir.with_name(out_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
-        shutil.rmtree(out_dir)
+        os.replace(out_dir, old)
     os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
