@@ -75,7 +75,8 @@ def run_mode(mode: str, target: Path, data: Path, run_dir: Path, steps: int, eve
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="small", help="named target shape (bench/shapes.py) (default: %(default)s)")
-    p.add_argument("--modes", default="graph,compile+graph", help=f"comma list of {', '.join(MODES)} (default: %(default)s)")
+    p.add_argument("--modes", default="graph,compile+graph",
+                   help=f"comma list of {', '.join(MODES)} (default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per mode (default: %(default)s)")
     p.add_argument("--every", type=int, default=5, help="steps per logged interval (default: %(default)s)")
     p.add_argument("--seq", type=int, default=3072, help="tokens per row (default: the gpu recipe's %(default)s)")

@@ -187,19 +187,27 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def tap_ids(num_layers: int, num_draft_layers: int, layer_ids: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The tapped layers (model.target_layer_ids, else the default spacing) of a target of `num_layers` layers, or
+    one ConfigError: taps are distinct, ascending and inside the target. Pure; before torch (check_model_fits) and
+    when the target loads (trainer.model.target.prepare_target)."""
+    ids = tuple(layer_ids) if layer_ids is not None else tuple(default_layer_ids(num_layers, num_draft_layers))
+    if not all(0 <= i < num_layers for i in ids) or list(ids) != sorted(set(ids)):
+        source = "model.target_layer_ids" if layer_ids is not None else \
+            f"the default tap spacing for {num_layers} target layers and {num_draft_layers} draft layers"
+        raise ConfigError(f"{source} gives {list(ids)}; taps must be distinct, ascending and within "
+                          f"0..{num_layers - 1}",
+                          hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
+    return ids
+
+
 def check_model_fits(shape: TargetShape, *, num_draft_layers: int, layer_ids: tuple[int, ...] | None,
                      mask_token_id: int | None) -> None:
     """The taps and an explicit mask id against the target's layer count and vocabulary, with the messages that
     loading the target (trainer.model.target.prepare_target, resolve_mask_token_id) gives. Pure. What config.json
     does not say is left to loading."""
-    n = shape.num_layers
-    if n is not None:
-        ids = tuple(layer_ids) if layer_ids is not None else tuple(default_layer_ids(n, num_draft_layers))
-        if not all(0 <= i < n for i in ids) or list(ids) != sorted(set(ids)):
-            source = "model.target_layer_ids" if layer_ids is not None else \
-                f"the default tap spacing for {n} target layers and {num_draft_layers} draft layers"
-            raise ConfigError(f"{source} gives {list(ids)}; taps must be distinct, ascending and within 0..{n - 1}",
-                              hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
+    if shape.num_layers is not None:
+        tap_ids(shape.num_layers, num_draft_layers, layer_ids)
     rows = shape.vocab_size
     if mask_token_id is not None and rows is not None and not 0 <= mask_token_id < rows:
         raise ConfigError(f"mask token id {mask_token_id} (model.mask_token_id) is not a row of the target embedding "

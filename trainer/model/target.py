@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.model.attention import FULL, SLIDING
-from trainer.targetdir import SOFTMAX_HINT, default_layer_ids, family_refusal
+from trainer.targetdir import SOFTMAX_HINT, default_layer_ids, family_refusal, tap_ids
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -250,12 +250,7 @@ def prepare_target(model: nn.Module, tokenizer, *, num_draft_layers: int, layer_
     if plain:
         raise ConfigError(f"target layers {plain[:4]} of {model.config.model_type!r} have no softmax attention",
                           hint=SOFTMAX_HINT)
-    ids = tuple(layer_ids) if layer_ids is not None else tuple(build_target_layer_ids(n_layers, num_draft_layers))
-    if not all(0 <= i < n_layers for i in ids) or list(ids) != sorted(set(ids)):
-        source = "model.target_layer_ids" if layer_ids is not None else \
-            f"the default tap spacing for {n_layers} target layers and {num_draft_layers} draft layers"
-        raise ConfigError(f"{source} gives {list(ids)}; taps must be distinct, ascending and within 0..{n_layers - 1}",
-                          hint="set model.target_layer_ids explicitly (or use fewer draft layers)")
+    ids = tap_ids(n_layers, num_draft_layers, layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, model.get_input_embeddings().weight.shape[0], mask_token_id)
     if attn == "flex":
         from trainer.model.doc_attention import use_doc_causal_attention
