@@ -47,4 +47,28 @@ app.command("pull")(pull.pull)
 
 
 def main() -> None:
+    import sys
+
+    if "--json" in sys.argv[1:]:
+        _usage_errors_as_json()
     app()
+
+
+def _usage_errors_as_json() -> None:
+    """With --json, the command line's own usage errors (an unknown option, --wait -1) keep their exit code 2 but
+    print as the JSON error document on stdout, as every other error does. They are click's UsageError: typer's
+    copy of click where it vendors one, click's own otherwise."""
+    import importlib
+
+    from dflash_ops.cli import render
+    from dflash_ops.errors import UsageError
+
+    def show(self, file=None) -> None:
+        hint = f"{self.ctx.command_path} --help" if self.ctx is not None else None
+        render.error(UsageError(self.format_message(), hint=hint), json_out=True)
+
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            importlib.import_module(module).UsageError.show = show
+        except ImportError:
+            continue

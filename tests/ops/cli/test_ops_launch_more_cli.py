@@ -36,6 +36,18 @@ def test_json_with_follow_is_refused_before_anything_starts(ops_env):
     assert ops_env.run_dirs() == []
 
 
+def test_json_makes_the_command_lines_own_usage_errors_json_too(ops_env):
+    for args, says in ((("launch", "job", "--wait", "-1"), "Invalid value for '--wait'"),
+                       (("runs", "--bogus"), "No such option: --bogus")):
+        done = ops_env.sub(*args, "--json")
+        assert done.returncode == 2, done.stderr
+        err = json.loads(done.stdout)["error"]
+        assert err["code"] == "usage" and err["message"].startswith(says), err
+        assert err["hint"].endswith(f" {args[0]} --help") and done.stderr == ""  # `python -m dflash_ops` here
+    plain = ops_env.sub("runs", "--bogus")
+    assert plain.returncode == 2 and plain.stdout == "" and "No such option: --bogus" in plain.stderr
+
+
 def _cache_runbook(env, cache) -> None:
     (env.runbooks / "cached.yaml").write_text(
         (env.runbooks / "job.yaml").read_text().replace(
