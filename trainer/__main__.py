@@ -149,25 +149,12 @@ def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
     check_installed(cfg.track)
     env = dist_env(os.environ)
     if env.is_main:
-        check_run_dir_path(run_dir)
         rundir.check_start(rundir.with_target(cfg, run_dir), run_dir, resume, env.world)
     bad_file = BadLineFile(rundir.bad_lines_path(run_dir)) if env.is_main else None
     counts = [scan(paths, cfg.data.max_bad_fraction, bad_file).lines
               for paths in (cfg.data.paths, cfg.data.eval_paths) if paths]
     files = len(cfg.data.paths) + len(cfg.data.eval_paths)
     return f"{sum(counts)} data lines in {files} file(s)"
-
-
-def check_run_dir_path(run_dir: Path) -> None:
-    """--run-dir, or the nearest of its parents that exists, must be a directory: the run creates it (after the data
-    is tokenized) with mkdir, which a file in the way fails with a traceback."""
-    for path in (run_dir, *run_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                where = "is" if path == run_dir else f"is inside {path}, which is"
-                raise ConfigError(f"--run-dir {run_dir} {where} an existing file, not a directory: choose another "
-                                  "--run-dir")
-            return
 
 
 def cmd_train(args) -> int:

@@ -58,6 +58,18 @@ OPS_LAUNCH_FILES = frozenset({"run.json", ".exit_code.reserve", "output.log", "p
 FRESH_START_KEEPS = OPS_LAUNCH_FILES | {"bad_lines.txt"}
 
 
+def check_location(run_dir: Path) -> None:
+    """--run-dir, or the nearest of its parents that exists, must be a directory: the run creates it (after the data
+    is tokenized) with mkdir, which a file in the way fails with a traceback."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                where = "is" if path == run_dir else f"is inside {path}, which is"
+                raise ConfigError(f"--run-dir {run_dir} {where} an existing file, not a directory: choose another "
+                                  "--run-dir")
+            return
+
+
 def check_fresh(run_dir: Path) -> None:
     """A fresh start (no --resume) takes an empty or missing directory, or a dflash-ops run directory as launched:
     anything else there (an earlier run's config.json, metrics.jsonl, export/, ckpt/, or files of the user's) would
@@ -65,8 +77,6 @@ def check_fresh(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     if not run_dir.exists():
         return
-    if not run_dir.is_dir():
-        raise ConfigError(f"--run-dir {run_dir} is not a directory", hint="use a new or empty --run-dir")
     try:
         found = sorted(p.name for p in run_dir.iterdir() if p.name not in FRESH_START_KEEPS)
     except OSError as e:
@@ -83,11 +93,12 @@ def check_fresh(run_dir: Path) -> None:
 
 
 def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> None:
-    """Before anything is built (rank 0): a fresh run needs a directory with nothing it could overwrite
-    (check_fresh); a resume must keep the config it started with and, in one process, needs a checkpoint made by
+    """Before anything is built (rank 0): the run directory is one, or can be made (check_location); a fresh run
+    needs one with nothing it could overwrite (check_fresh); a resume must keep the config it started with and, in one process, needs a checkpoint made by
     one process. (Under torchrun the newest checkpoint may be on another node: `checkpoint.read_latest_any_rank`
     checks it collectively.)"""
     run_dir = Path(run_dir)
+    check_location(run_dir)
     if not resume:
         check_fresh(run_dir)
         return
