@@ -170,11 +170,16 @@ def _alive_loop(name: str | None, tag: str) -> str:
             "done < <(dflash_procs)\n")
 
 
+def cache_in_use_check(spec: RunSpec) -> str:
+    """clear_cache_step's refusal alone: while any process of a run in this runs dir lives (exit 5)."""
+    return _alive_loop(None, "cache")
+
+
 def clear_cache_step(spec: RunSpec) -> str:
     """Refused while any process of a run in this runs dir lives; honours the runbook's TORCHINDUCTOR_CACHE_DIR."""
     env = dict(spec.env)
     set_dir = f"TORCHINDUCTOR_CACHE_DIR={q(env['TORCHINDUCTOR_CACHE_DIR'])}\n" if "TORCHINDUCTOR_CACHE_DIR" in env else ""
-    return (_alive_loop(None, "cache") + set_dir +
+    return (cache_in_use_check(spec) + set_dir +
             'cache=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}\n'
             'rm -rf -- "$cache" || { printf \'DFLASH_ERROR cannot clear %s\\n\' "$cache"; exit 1; }\n'
             "printf 'DFLASH_PRE clear_inductor_cache %s\\n' \"$cache\"\n")
@@ -182,7 +187,7 @@ def clear_cache_step(spec: RunSpec) -> str:
 
 PRE_BUILDERS = {"clear_inductor_cache": clear_cache_step}
 # What each pre step refuses on, read-only (launch_check_script): the refusal without the effect.
-PRE_CHECKS = {"clear_inductor_cache": lambda spec: _alive_loop(None, "cache")}
+PRE_CHECKS = {"clear_inductor_cache": cache_in_use_check}
 
 
 def launch_check_script(spec: RunSpec) -> str:
