@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from trainer.config import device_spec_ok
 from trainer.errors import ConfigError
 
 
@@ -62,8 +63,6 @@ def resolve_device(spec: str, local_rank: int, cuda_available: bool, device_coun
                    cpu_hint: str = "use --set device=cpu (or auto)") -> str:
     """One device spec (see the module docstring) -> a concrete 'cpu' or 'cuda:N' for this rank. cpu_hint: the fix
     when CUDA is missing, as the calling command takes it (`--device cpu` for regenerate and the benches)."""
-    from trainer.config import device_spec_ok  # config imports nothing of this module's; a lazy import keeps it so
-
     if not device_spec_ok(spec):
         raise ConfigError(f"device {spec!r} is not a device: use auto, cpu, cuda, cuda:N or cuda:local+K")
     if spec == "cpu" or (spec == "auto" and not cuda_available):

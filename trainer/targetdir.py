@@ -208,7 +208,13 @@ def check_model_fits(shape: TargetShape, *, num_draft_layers: int, layer_ids: tu
     does not say is left to loading."""
     if shape.num_layers is not None:
         tap_ids(shape.num_layers, num_draft_layers, layer_ids)
-    rows = shape.vocab_size
-    if mask_token_id is not None and rows is not None and not 0 <= mask_token_id < rows:
-        raise ConfigError(f"mask token id {mask_token_id} (model.mask_token_id) is not a row of the target embedding "
-                          f"(0..{rows - 1})", hint="set model.mask_token_id to a reserved row inside the embedding")
+    if mask_token_id is not None and shape.vocab_size is not None:
+        check_mask_row(mask_token_id, "model.mask_token_id", shape.vocab_size)
+
+
+def check_mask_row(mask_id: int, source: str, rows: int) -> None:
+    """The mask id must be a row of the target's embedding of `rows` rows; `source` says where the id came from.
+    Before torch (check_model_fits) and when the target loads (trainer.model.target.resolve_mask_token_id)."""
+    if not 0 <= mask_id < rows:
+        raise ConfigError(f"mask token id {mask_id} ({source}) is not a row of the target embedding (0..{rows - 1})",
+                          hint="set model.mask_token_id to a reserved row inside the embedding")

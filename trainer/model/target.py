@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.model.attention import FULL, SLIDING
-from trainer.targetdir import SOFTMAX_HINT, default_layer_ids, family_refusal, tap_ids
+from trainer.targetdir import SOFTMAX_HINT, check_mask_row, default_layer_ids, family_refusal, tap_ids
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -86,9 +86,7 @@ def resolve_mask_token_id(tokenizer, vocab_rows: int, requested: int | None, log
             mask_id, source = spare, "the first embedding row past the tokenizer's vocabulary"
             (log or print)(f"mask token: id {mask_id}, {source} (the tokenizer has no mask token; "
                            f"--set model.mask_token_id=N to choose another)")
-    if not 0 <= mask_id < vocab_rows:
-        raise ConfigError(f"mask token id {mask_id} ({source}) is not a row of the target embedding (0..{vocab_rows - 1})",
-                          hint="set model.mask_token_id to a reserved row inside the embedding")
+    check_mask_row(mask_id, source, vocab_rows)
     hits = [name for name, tok_id in (("pad", tokenizer.pad_token_id), ("eos", tokenizer.eos_token_id))
             if tok_id is not None and mask_id == tok_id]
     if hits:
