@@ -26,21 +26,55 @@ from trainer.model.target import Target
 from trainer.placement import local_device
 
 
+# Attention-score and logit elements one drafter call may hold (2^28: 1 GiB in fp32). Evaluation runs the dense
+# sdpa mask, whose scores are [rows, H, N*B, S + N*B]: at 1,024 anchors of 16 on 2,048-token rows, 4 rows and 16
+# heads, that is 72 GiB in one call. A block attends to its own context and to itself alone, so anchors can be
+# evaluated a few at a time with the same result.
+EVAL_ELEMENTS = 1 << 28
+
+
+def eval_chunks(rows: int, anchors: int, seq_len: int, block_size: int, heads: int, vocab: int,
+                budget: int = EVAL_ELEMENTS) -> tuple[int, int]:
+    """-> (rows, anchors) per drafter call: the most anchors of one row whose scores [H, n*B, S + n*B] and logits
+    [n*B, V] fit `budget` elements (at least one), and when a whole row fits, as many whole rows as fit."""
+    def cost(n: int) -> int:
+        q = n * block_size
+        return q * (heads * (seq_len + q) + vocab)
+
+    lo, hi = 1, anchors
+    while lo < hi:  # the largest n in [1, anchors] with cost(n) <= budget (or 1)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
+    if lo < anchors:
+        return 1, lo
+    return max(1, min(rows, budget // max(1, cost(anchors)))), max(1, anchors)
+
+
 @torch.no_grad()
 def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block_size: int,
-                     attn: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
-    """-> accepted [R, N] long (leading matches, 0..B-1) and block_valid [R, N] bool. `target` must be untruncated."""
+                     attn: str = "sdpa", elements: int = EVAL_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> accepted [R, N] long (leading matches, 0..B-1) and block_valid [R, N] bool. `target` must be untruncated.
+    The drafter runs on `eval_chunks` pieces of the batch, so memory stays bounded however many anchors a row has."""
     B = block_size
     feats, greedy = target.features_and_greedy(batch.input_ids, batch.position_ids, batch.doc_ids)
-    layout = make_layout(batch.position_ids, batch.doc_ids, batch.anchor_pos, batch.anchor_valid, B, attn,
-                         window=drafter.cfg.window)
-    noise = target.embed_tokens(block_input_ids(batch.input_ids, batch.anchor_pos, B, target.mask_token_id))
-    hidden = drafter(feats, noise, layout)  # [R, N*B, D]
-    logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))
-    drafted = logits.argmax(-1).view(*batch.anchor_pos.shape, B)  # [R, N, B]
+    R, N = batch.anchor_pos.shape
+    S = batch.input_ids.shape[1]
+    rows_per, anchors_per = eval_chunks(R, N, S, B, drafter.cfg.num_attention_heads,
+                                        target.embed_tokens.weight.shape[0], elements)
+    drafted = torch.empty(R, N, B, dtype=torch.long, device=batch.anchor_pos.device)
+    for r0 in range(0, R, rows_per):
+        rows = slice(r0, r0 + rows_per)
+        for a0 in range(0, N, anchors_per):
+            anchors = slice(a0, a0 + anchors_per)
+            anchor_pos = batch.anchor_pos[rows, anchors]
+            layout = make_layout(batch.position_ids[rows], batch.doc_ids[rows], anchor_pos,
+                                 batch.anchor_valid[rows, anchors], B, attn, window=drafter.cfg.window)
+            noise = target.embed_tokens(block_input_ids(batch.input_ids[rows], anchor_pos, B, target.mask_token_id))
+            hidden = drafter(feats[rows], noise, layout)  # [r, n*B, D]
+            logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))
+            drafted[rows, anchors] = logits.argmax(-1).view(*anchor_pos.shape, B)
     _labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
                                   batch.anchor_valid, B)
-    S = batch.input_ids.shape[1]
     prev = (batch.anchor_pos[:, :, None] + torch.arange(B, device=drafted.device) - 1).clamp(0, S - 1)  # a+k-1
     reference = greedy.gather(1, prev.flatten(1)).view_as(drafted)
     return leading_matches(drafted, reference, valid), batch.anchor_valid

@@ -6,7 +6,7 @@ import torch
 from tests.trainer.conftest import make_state
 from tests.trainer.test_traps import drafter_hidden, two_doc_batch
 from trainer.decode.rounds import capped_rounds, leading_matches
-from trainer.eval import block_acceptance, replayed_rounds
+from trainer.eval import block_acceptance, eval_chunks, replayed_rounds
 from trainer.export import ExportConfig, export_drafter, load_exported
 from trainer.model.target import packed_causal_mask
 from trainer.step.step import EagerRunner
@@ -27,7 +27,8 @@ class OracleDrafter(torch.nn.Module):
 
     def __init__(self, target, batch):
         super().__init__()
-        self.cfg = types.SimpleNamespace(window=None)  # what evaluation reads of a drafter's config: no sliding layers
+        # What evaluation reads of a drafter's config: no sliding layers, and a head count for its chunking.
+        self.cfg = types.SimpleNamespace(window=None, num_attention_heads=1)
         self.last = target.model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                        attention_mask=packed_causal_mask(batch.doc_ids)).last_hidden_state
 
@@ -67,6 +68,56 @@ def test_perfect_drafter_gets_full_acceptance_and_tau_counts_the_bonus(full_targ
     with torch.no_grad():
         none, _ = block_acceptance(full_target, make_state(full_target, block_size=4).drafter, batch, 4)
     assert none[0, :4].tolist() != [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("rows,anchors,seq,heads,vocab,budget", [
+    (4, 1024, 2048, 16, 151_936, 1 << 28),  # the quality recipe at 1,024 anchors: 72 GiB in one call before
+    (4, 512, 3072, 32, 151_936, 1 << 28),
+    (4, 8, 64, 4, 1000, 1 << 28),           # small rows: every row in one call
+    (2, 5, 40, 2, 40, 1),                   # nothing fits: one anchor of one row per call
+])
+def test_eval_chunks_are_the_largest_pieces_that_fit_the_budget(rows, anchors, seq, heads, vocab, budget):
+    B = 16
+
+    def cost(r, n):
+        return r * n * B * (heads * (seq + n * B) + vocab)
+
+    r, n = eval_chunks(rows, anchors, seq, B, heads, vocab, budget)
+    assert 1 <= r <= rows and 1 <= n <= anchors
+    assert cost(r, n) <= budget or (r, n) == (1, 1)
+    if n < anchors:
+        assert r == 1 and cost(1, n + 1) > budget  # one more anchor would not fit
+    elif r < rows:
+        assert cost(r + 1, n) > budget
+
+
+def test_the_drafter_sees_each_block_apart_so_evaluation_may_split_the_anchors(target):
+    """What evaluating a few anchors at a time rests on: a block's output depends on its own context and block
+    only, so the outputs of a subset of anchors equal those rows of the whole batch's output."""
+    from trainer.model.attention import make_layout
+    from trainer.model.loss import block_input_ids
+
+    state = make_state(target, block_size=4, seed=3)
+    batch = two_doc_batch()
+    whole = drafter_hidden(state, batch)  # [N, B, D]
+    feats = target.features(batch.input_ids, batch.position_ids, batch.doc_ids)
+    for keep in ([2], [0, 3], [1, 2, 4]):
+        ap, av = batch.anchor_pos[:, keep], batch.anchor_valid[:, keep]
+        noise = target.embed_tokens(block_input_ids(batch.input_ids, ap, 4, target.mask_token_id))
+        with torch.no_grad():
+            part = state.drafter(feats, noise, make_layout(batch.position_ids, batch.doc_ids, ap, av, 4))
+        torch.testing.assert_close(part.view(len(keep), 4, -1), whole[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_in_one_anchor_pieces_gives_the_same_acceptance(full_target):
+    batch = two_doc_batch()
+    state = make_state(full_target, block_size=4, seed=5)
+    with torch.no_grad():
+        whole, valid = block_acceptance(full_target, state.drafter, batch, 4)
+        pieces, valid_p = block_acceptance(full_target, state.drafter, batch, 4, elements=1)
+        oracle, _ = block_acceptance(full_target, OracleDrafter(full_target, batch), batch, 4, elements=1)
+    assert torch.equal(pieces, whole) and torch.equal(valid_p, valid)
+    assert oracle[0, :4].tolist() == [3, 3, 3, 3]  # each piece lands in its own anchors' places
 
 
 def test_an_export_config_missing_a_field_is_one_clear_error():
