@@ -1,8 +1,7 @@
 """The LM-head CE chunk (`trainer.model.loss.ce_chunk`'s contract) as one Triton kernel: one program per row of the
 [C, V] logits, a first loop for the row's statistics (online max and sum of exp, first argmax, the label's logit),
 a second that writes dlogits = (softmax - onehot) * s in the logits' dtype, or (step.head_fp8) in e4m3 with one
-scale per row (`trainer.model.fp8.dlogits_scale`, from the probability mass off the label, summed in the first
-loop), so the gradient GEMM reads one byte per logit and nothing writes the bf16 gradient.
+scale per row (`trainer.model.fp8.dlogits_scale`, from the probability mass off the label), so the gradient GEMM reads one byte per logit and nothing writes the bf16 gradient.
 
 Why a kernel of our own: under Inductor the same math (`ce_chunk_fused`) became one reduction that ran at about half
 the memory bandwidth on the H200 (`python3 -m bench.step --profile`, category "lm-head softmax/CE": 12.9 of 88 ms
@@ -30,7 +29,8 @@ def _kernel():
 
     @triton.jit
     def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, gs_ptr, loss_ptr, correct_ptr, stride, n_cols: tl.constexpr,
-                WANT_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                WANT_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                LANE_STEPS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         lanes = tl.arange(0, BLOCK)
@@ -42,9 +42,6 @@ def _kernel():
         y = tl.load(y_ptr + row)
         m = tl.full([BLOCK], -1e30, tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
-        # FP8_GRAD: the same sum without the label's term, so that 1 - p_label = others / total never cancels (a
-        # confident row's p_label rounds to 1 in fp32, its 1 - p_label to 0).
-        others = tl.zeros([BLOCK], tl.float32)
         best_at = tl.zeros([BLOCK], tl.int32)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
@@ -53,9 +50,6 @@ def _kernel():
             e = tl.exp(-tl.abs(d))
             up = d > 0  # strict: a lane keeps its first maximum (lanes visit columns in increasing order)
             total = tl.where(up, total * e + 1.0, total + e)
-            if FP8_GRAD:
-                not_label = (cols != y).to(tl.float32)
-                others = tl.where(up, others * e + not_label, others + e * not_label)
             m = tl.where(up, x, m)
             best_at = tl.where(up, cols, best_at)
         row_max = tl.max(m, axis=0)
@@ -72,7 +66,15 @@ def _kernel():
             mult = s
             rest = 0.0
             if FP8_GRAD:  # the row's largest |dlogit| is the label's, s * (1 - p_label): map it to e4m3's maximum
-                rest = tl.sum(others * lane_w, axis=0) / sum_exp
+                # 1 - p_label as the mass off the label, summed, never as a difference: a confident row's p_label
+                # rounds to 1 in fp32, its 1 - p_label to 0. Every lane but the label's holds no label term; the
+                # label's lane (its n_cols / BLOCK columns) is summed again here without it, which keeps the first
+                # loop's per-element work that of the bf16 gradient.
+                label_lane = y % BLOCK
+                rest = tl.sum(tl.where(lanes == label_lane, 0.0, total * lane_w), axis=0)
+                lane_cols = label_lane + tl.arange(0, LANE_STEPS) * BLOCK
+                xl = tl.load(base + lane_cols, mask=(lane_cols < n_cols) & (lane_cols != y), other=float("-inf"))
+                rest = (rest + tl.sum(tl.exp(xl.to(tl.float32) - row_max), axis=0)) / sum_exp
                 g_scale = tl.maximum(s * rest, 1e-30) / FP8_MAX  # trainer.model.fp8.dlogits_scale
                 tl.store(gs_ptr + row, g_scale)
                 mult = s / g_scale
@@ -127,9 +129,10 @@ def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want
     grad_scale = torch.empty(C, 1, dtype=torch.float32, device=logits.device) if fp8 else loss_rows
     import triton
 
+    block = min(BLOCK, max(16, triton.next_power_of_2(V)))
     kernel[(C,)](logits, y, s.float(), grad, grad_scale, loss_rows, correct, logits.stride(0), V,
-                 WANT_GRAD=want_grad, FP8_GRAD=fp8, FP8_MAX=E4M3_MAX,
-                 BLOCK=min(BLOCK, max(16, triton.next_power_of_2(V))), num_warps=8)
+                 WANT_GRAD=want_grad, FP8_GRAD=fp8, FP8_MAX=E4M3_MAX, BLOCK=block,
+                 LANE_STEPS=triton.next_power_of_2(triton.cdiv(V, block)), num_warps=8)
     if not want_grad:
         return loss_rows.sum(), correct.bool(), None
     return loss_rows.sum(), correct.bool(), ((grad, grad_scale) if fp8 else grad)
