@@ -46,12 +46,35 @@ app.command("gpu-reset")(gpu_reset.gpu_reset)
 app.command("pull")(pull.pull)
 
 
+# The shell's code for a writer killed by SIGPIPE (128 + 13): what `cat`, `grep` or `tail` exit with under `| head`.
+EXIT_READER_GONE = 141
+
+
 def main() -> None:
     import sys
 
     if "--json" in sys.argv[1:]:
         _usage_errors_as_json()
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        # click turns EPIPE on stdout into exit 1. A reader that went away (`tail | head`) is no failure of the
+        # command, and the run goes on: say so with the pipe's own code, as the coreutils do.
+        if done.code == 1 and _stdout_reader_gone():
+            raise SystemExit(EXIT_READER_GONE) from None
+        raise
+
+
+def _stdout_reader_gone() -> bool:
+    """stdout is a pipe whose reading end is closed (poll reports POLLERR on its writing end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(1, select.POLLOUT)
+        return any(events & select.POLLERR for _fd, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _usage_errors_as_json() -> None:

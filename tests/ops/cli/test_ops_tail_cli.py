@@ -203,3 +203,19 @@ def test_the_human_view_loses_and_repeats_no_line_across_drops(ops_env, capsysbi
     assert flaky.reconnects >= 2
     log = (ops_env.run_dirs()[-1] / "output.log").read_text()
     assert capsysbinary.readouterr().out.decode() == _human_view(log, run["run_dir"], 400)
+
+
+def test_a_reader_that_goes_away_ends_tail_with_the_pipes_code_and_the_run_goes_on(ops_env):
+    """`dflash-ops tail run | head -1`: the write after the reader closed fails with EPIPE; tail exits 141 (the
+    shell's code for a writer to a closed pipe) without a traceback, and the run is untouched."""
+    run = _launch(ops_env, "--lines", "100000", "--every", "0.01")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "tail", run["run_id"], "-n", "0"], env=ops_env.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"step ")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert ops_env.pid_alive(run["pid"])
+    assert ops_env.runs_json()[-1]["state"] == "running"
+    assert ops_env.sub("stop", run["run_id"]).returncode == 0
