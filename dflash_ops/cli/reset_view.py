@@ -71,7 +71,9 @@ def _result_dict(host: str, r, resets) -> dict:
                         "group_members": [{"pgid": g, "pid": pid, "comm": comm} for g, pid, comm in rd.plan.bystanders],
                         "spared": [{"pid": h.pid, "comm": h.comm, "reason": why} for h, why in rd.plan.spared],
                         "absent": list(rd.report.absent), "died_on_term": list(rd.report.died_on_term),
-                        "gone": list(rd.report.gone), "alive": list(rd.report.alive)} for rd in r.rounds],
+                        "gone": list(rd.report.gone), "alive": list(rd.report.alive),
+                        "marked_stopped": [{"where": m.where, "run_ids": list(m.run_ids), "error": m.error}
+                                           for m in rd.marked]} for rd in r.rounds],
             "resets": [{"index": i, "uuid": u, "ok": ok, "message": m} for i, u, ok, m in resets]}
 
 
@@ -88,6 +90,11 @@ def result(host: str, r, resets, *, json_out: bool) -> None:
         console.print(f"round {n}: {len(rd.plan.targets)} targeted, {len(rep.died_on_term)} ended on SIGTERM, "
                       f"{len(rep.gone) - len(rep.died_on_term)} needed SIGKILL, {len(rep.alive)} survived"
                       + (f", {len(rep.absent)} already gone" if rep.absent else ""))
+        for m in rd.marked:
+            if m.run_ids:
+                console.print(f"  marked stopped ({m.where}): {', '.join(m.run_ids)}")
+            if m.error:
+                console.print(f"  could not mark runs stopped ({m.where}): {m.error}")
     after_holders = facts.find_holders(r.after)
     before = {g.index: g for g in r.before.gpus}
     table = Table(title=Text(f"GPUs on {host}: before -> after"), title_justify="left")

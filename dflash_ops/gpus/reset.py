@@ -1,11 +1,14 @@
 """`gpu-reset` use case: find GPU holders on the GPU-owning machine, kill them by process group, re-scan, verify.
 
-Effects go through one Transport to the host (never into a container: a container may not see the PIDs that hold
-its GPUs). Decisions are pure and live in `facts` (plan_kill) and `scripts` (kill_script); this module sequences
-them:
+Effects go through one Transport to the host: the probe and the kill ladder run there (a container may not see
+the PIDs that hold its GPUs). Only marking runs stopped goes into a container, by `pct exec`, as `stop` does: the
+run directory is the container's, and a path read from a container process's environment is resolved by the
+container alone. Decisions are pure and live in `facts` (plan_kill) and `scripts` (kill_script); this module
+sequences them:
 
-    probe -> plan -> [caller confirms] -> kill ladder -> re-scan (new holders in scope: kill them too, at most
-    MAX_ROUNDS) -> poll until nothing in scope holds a GPU and its memory is back to ~0 (bounded) -> result.
+    probe -> plan -> [caller confirms] -> mark the targets' runs stopped -> kill ladder -> re-scan (new holders in
+    scope: mark and kill them too, at most MAX_ROUNDS) -> poll until nothing in scope holds a GPU and its memory is
+    back to ~0 (bounded) -> result.
 """
 from __future__ import annotations
 
@@ -13,10 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ops.errors import OpsError, RemoteFailed
+from dflash_ops.errors import HostUnreachable, OpsError, RemoteFailed
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.hoststatus import GpuSettings
-from dflash_ops.spec import Host
+from dflash_ops.runs import shellcmd
+from dflash_ops.spec import PROXMOX, Container, Host, Target
 
 MAX_ROUNDS = 3
 POLL_S = 0.5
@@ -29,9 +33,18 @@ class GpuStillHeld(OpsError):
 
 
 @dataclass(frozen=True)
+class Marked:
+    """The runs of one machine or container that were marked stopped before their holders were signalled."""
+    where: str                      # "host" or "ct<ctid>"
+    run_ids: tuple[str, ...]
+    error: str | None = None        # marking failed there (the kill went ahead: freeing the GPUs comes first)
+
+
+@dataclass(frozen=True)
 class Round:
     plan: facts.KillPlan
     report: scripts.KillReport
+    marked: tuple[Marked, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,36 @@ class HostGpus:
         script = scripts.probe_script(nvidia_smi=self.settings.nvidia_smi, dev_glob=self.settings.dev_glob,
                                       pct=self.host.pct, ctids=self.ctids)
         return facts.parse_probe(self._run(script, "GPU probe", 60).out)
+
+    def mark_runs_stopped(self, snap: facts.GpuSnapshot, targets: tuple[facts.KillTarget, ...]) -> tuple[Marked, ...]:
+        """Mark stopped the dflash-ops runs the targets belong to, where each runs: in its container (by its PID
+        there), or on a host without containers. Holders on a Proxmox host itself run no dflash-ops job."""
+        by_pid = {h.pid: h for h in facts.find_holders(snap)}
+        where: dict[int | None, list[int]] = {}
+        for t in targets:
+            h = by_pid.get(t.pid)
+            if h is None:
+                continue
+            if self.host.transport != PROXMOX:
+                where.setdefault(None, []).append(h.pid)
+            elif h.ctid is not None and h.ct_pid is not None:
+                where.setdefault(h.ctid, []).append(h.ct_pid)
+        return tuple(self._mark(ctid, tuple(pids)) for ctid, pids in sorted(where.items(), key=lambda kv: kv[0] or 0))
+
+    def _mark(self, ctid: int | None, pids: tuple[int, ...]) -> Marked:
+        container = None if ctid is None else (self.host.container(str(ctid)) or Container(ctid=str(ctid)))
+        target = Target(self.host, container)
+        label = "host" if ctid is None else f"ct{ctid}"
+        script = shellcmd.mark_stopped_holders_script(target.runs_dir, pids)
+        try:
+            done = self.transport.run(shellcmd.target_argv(target, script), timeout_s=60)
+        except HostUnreachable as exc:
+            return Marked(label, (), error=str(exc))
+        ids = tuple(line.split(" ", 1)[1] for line in done.out.splitlines() if line.startswith("DFLASH_MARKED "))
+        if done.exit_code != 0:
+            lines = done.err.strip().splitlines()
+            return Marked(label, ids, error=lines[-1] if lines else f"exit code {done.exit_code}")
+        return Marked(label, ids)
 
     def kill(self, targets: tuple[facts.KillTarget, ...], grace_s: float) -> scripts.KillReport:
         return scripts.parse_kill_report(self._run(scripts.kill_script(targets, grace_s=grace_s), "kill ladder",
@@ -105,8 +148,10 @@ def reset(hg: HostGpus, before: facts.GpuSnapshot, plan: facts.KillPlan, scope: 
     rounds: list[Round] = []
     killed: set[int] = set()
     watched = set(watched_gpus(before, plan, scope))
+    snap = before
     while plan.targets and len(rounds) < MAX_ROUNDS:
-        rounds.append(Round(plan=plan, report=hg.kill(plan.targets, grace_s)))
+        marked = hg.mark_runs_stopped(snap, plan.targets)
+        rounds.append(Round(plan=plan, report=hg.kill(plan.targets, grace_s), marked=marked))
         killed |= {t.pid for t in plan.targets}
         snap = hg.probe()
         fresh = facts.plan_kill(snap, scope)

@@ -334,6 +334,26 @@ def mark_stopped_script(runs_dir: str, run_id: str) -> str:
             'if [ "$pid" != - ] && dflash_marked "$pid" "$ID"; then\n' + MARK_STOPPED + "fi\n")
 
 
+def mark_stopped_holders_script(runs_dir: str, pids: Sequence[int]) -> str:
+    """gpu-reset's step before it signals: mark stopped each live run of "$RUNS" that one of `pids` (GPU holders
+    about to be signalled, numbered as this machine or container sees them) belongs to, so that the run reads
+    `killed` whichever signal ends it (a SIGKILLed wrapper writes no exit code). A run id comes from a process's
+    environment, so only a plain name is used (no `/`, no leading dot): a run directory directly under "$RUNS".
+    Prints `DFLASH_MARKED <run id>` for each run marked."""
+    return (PRELUDE + f"RUNS={path_word(runs_dir)}\nPIDS={q(' '.join(str(int(p)) for p in pids))}\n"
+            'seen=" "\n'
+            'while read -r p ID _sid; do\n'
+            '  case " $PIDS " in *" $p "*) ;; *) continue;; esac\n'
+            '  case $ID in [A-Za-z0-9]*) ;; *) continue;; esac\n'
+            '  case $ID in *[!A-Za-z0-9._-]*) continue;; esac\n'
+            '  case $seen in *" $ID "*) continue;; esac\n'
+            '  seen="$seen$ID "; D="$RUNS/$ID"; pid=$(dflash_pid "$D")\n'
+            '  if [ "$pid" != - ] && dflash_marked "$pid" "$ID" && [ ! -e "$D/exit_code" ]; then\n' + MARK_STOPPED +
+            '    echo "DFLASH_MARKED $ID"\n'
+            '  fi\n'
+            'done < <(dflash_procs)\n')
+
+
 def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = False) -> str:
     """SIGTERM every process of the run, wait up to `grace_s`, SIGKILL what is left.
 

@@ -152,13 +152,15 @@ TRAINER = HERE / "fake_trainer.py"
 
 
 def trainer_runbook(runbooks: Path, fake: FakeGpus, *, gpu: int, mib: int, child_mib: int | None = None,
-                    name: str = "ft") -> str:
-    """A runbook whose job is fake_trainer.py holding `mib` MiB of GPU `gpu` (and a child holding `child_mib`)."""
+                    name: str = "ft", ignore_term: bool = False) -> str:
+    """A runbook whose job is fake_trainer.py holding `mib` MiB of GPU `gpu` (and a child holding `child_mib`);
+    with `ignore_term` the job outlives SIGTERM, so only SIGKILL ends it and its wrapper."""
     import json
 
     runbooks.mkdir(parents=True, exist_ok=True)
     command = ["{python}", str(TRAINER), "--dev", fake.dev(f"nvidia{gpu}"), "--dev", fake.dev("nvidiactl")]
     command += ["--child", fake.hold(gpu, child_mib)] if child_mib else []
+    command += ["--ignore-term"] if ignore_term else []
     (runbooks / f"{name}.yaml").write_text(
         f"description: fake trainer\ncommand: {json.dumps(command)}\n"
         f"env:\n  PYTHONUNBUFFERED: \"1\"\n  FAKE_NVIDIA_HOLD: \"{fake.hold(gpu, mib)}\"\n"

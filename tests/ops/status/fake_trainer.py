@@ -2,11 +2,12 @@
 section 3) with a human line next to each, keeps fake nvidia device nodes open, optionally starts a DataLoader-like
 child holding more GPU memory, and runs until killed (or for --steps intervals, then prints DFLASH_DONE).
 
-    python fake_trainer.py [--dev PATH]... [--child GPU:MIB] [--steps N] [--interval S]
+    python fake_trainer.py [--dev PATH]... [--child GPU:MIB] [--steps N] [--interval S] [--ignore-term]
 GPU memory comes from FAKE_NVIDIA_HOLD in its environment (see tests/support/fake_nvidia_smi.py).
 """
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,10 @@ def main() -> None:
     ap.add_argument("--child")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--interval", type=float, default=0.2)
+    ap.add_argument("--ignore-term", action="store_true", help="only SIGKILL ends it (a job stuck in a collective)")
     args = ap.parse_args()
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     held = [open(p, "rb") for p in args.dev]  # noqa: SIM115 -- held open on purpose
     if args.child:
         holder = Path(__file__).with_name("gpu_holder.py")

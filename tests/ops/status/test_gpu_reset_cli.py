@@ -42,8 +42,26 @@ def test_local_reset_kills_run_group_child_and_stubborn_holder(tmp_path, gpu_env
     first = out["rounds"][0]
     assert {t["pgid"] for t in first["targets"]} == {run["pid"], stubborn}
     assert stubborn in first["gone"] and stubborn not in first["died_on_term"]
+    assert first["marked_stopped"] == [{"where": "host", "run_ids": [run["run_id"]], "error": None}]
     runs = json.loads(cli("--inventory", str(inv), "runs", "--json").stdout)
-    assert runs[0]["state"] != "running"
+    assert runs[0]["state"] == "killed" and runs[0]["stopped"]
+
+
+def test_a_run_that_only_sigkill_ends_reads_killed_not_lost(tmp_path, gpu_env):
+    """SIGKILL ends the wrapper before it can write an exit code: the run was marked stopped before the first
+    signal, so it reads `killed`, as after `stop`, not `lost`."""
+    inv = local_inventory(tmp_path)
+    book = trainer_runbook(tmp_path / "runbooks", gpu_env, gpu=2, mib=1000, ignore_term=True, name="stuck")
+    launched = cli("--inventory", str(inv), "--runbooks", str(tmp_path / "runbooks"), "launch", book, "--json")
+    assert launched.exit_code == 0, launched.output
+    run = json.loads(launched.stdout)
+    res = cli("--inventory", str(inv), "gpu-reset", "--host", "local", "--yes", "--grace", "0.3")
+    assert res.exit_code == 0, res.output
+    assert f"marked stopped (host): {run['run_id']}" in res.stdout and "needed SIGKILL" in res.stdout
+    assert not alive(run["pid"])
+    (state,) = json.loads(cli("--inventory", str(inv), "runs", "--json").stdout)
+    assert state["run_id"] == run["run_id"] and state["state"] == "killed" and state["stopped"]
+    assert state["exit_code"] is None  # no exit code was written: without the mark this read `lost`
 
 
 def test_asks_first_and_declining_kills_nothing(tmp_path, gpu_env, holders):
@@ -106,6 +124,9 @@ def test_proxmox_reset_is_scoped_to_the_container_then_all_then_hard(testbed, ho
     assert {t["pid"] for t in rd["targets"]} == held_by_a and len(held_by_a) == 2
     assert {s["reason"] for s in rd["spared"]} == {f"belongs to container {b.ctid}, not container {a.ctid} "
                                                    "(use --all-containers)"}
+    assert rd["marked_stopped"] == [{"where": f"ct{a.ctid}", "run_ids": [runs[a.ctid]["run_id"]], "error": None}]
+    listed = json.loads(cli(*base, "runs", "--host", tb.host, "--ct", str(a.ctid), "--json").stdout)
+    assert [(r["run_id"], r["state"], r["stopped"]) for r in listed] == [(runs[a.ctid]["run_id"], "killed", True)]
     after = {g["index"]: g for g in out["after"]}
     assert after[1]["memory_used_mib"] == 0 and after[2]["memory_used_mib"] == 3000
     assert out["watched"] == [1] and {h["ct"] for h in after[2]["holders"]} == {str(b.ctid)}

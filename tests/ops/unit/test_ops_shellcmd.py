@@ -93,6 +93,7 @@ def test_clear_cache_uses_the_runbooks_cache_dir_quoted():
     lambda: shellcmd.tail_start_script("/r/x", 5),
     lambda: shellcmd.tail_chunk_script("/r/x", 10),
     lambda: shellcmd.stop_script("/r", "x-20260101T000000-abcd", 2.5),
+    lambda: shellcmd.mark_stopped_holders_script("~/r", [12, 34]),
 ])
 def test_every_script_is_valid_bash(build):
     done = subprocess.run(["bash", "-n", "-c", build()], capture_output=True, text=True)
@@ -126,3 +127,40 @@ def test_a_home_relative_run_dir_reaches_the_job_as_the_wrappers_first_argument(
                          capture_output=True, check=True).stdout.split(b"\0")[:-1]
     assert got == [b"python3", b"--out=/abs/run dir/x y", b"~/runs"]   # only the run dir itself is replaced
     assert 'printf \'%s\\n\' "$rc" > "$1"/exit_code.tmp' in wrapped
+
+
+def test_gpu_resets_mark_takes_only_the_holders_runs_by_a_plain_name(tmp_path):
+    """mark_stopped_holders_script, run for real: it marks the live run a listed holder carries the marker of, not
+    a run whose process is not listed, and not a directory a process names through a crafted run id."""
+    import os
+    import sys
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+
+    def process(run_id: str, run_dir: str) -> subprocess.Popen:
+        env = {**os.environ, "DFLASH_OPS_RUN_ID": run_id, "DFLASH_OPS_RUN_DIR": run_dir}
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+
+    procs = {}
+    for name in ("held-20260101T000000-abcd", "other-20260101T000000-abcd"):
+        procs[name] = process(name, f"{runs}/{name}")
+        (runs / name).mkdir()
+        (runs / name / "pid").write_text(f"{procs[name].pid}\n")
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    procs["evil"] = process("../evil", f"{runs}/../evil")
+    (evil / "pid").write_text(f"{procs['evil'].pid}\n")
+    try:
+        listed = [procs["held-20260101T000000-abcd"].pid, procs["evil"].pid]
+        done = subprocess.run(["bash", "-c", shellcmd.mark_stopped_holders_script(str(runs), listed)],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["DFLASH_MARKED held-20260101T000000-abcd"]
+    assert (runs / "held-20260101T000000-abcd" / "stopped").is_file()
+    assert not (runs / "other-20260101T000000-abcd" / "stopped").exists()
+    assert sorted(p.name for p in evil.iterdir()) == ["pid"]
