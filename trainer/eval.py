@@ -51,15 +51,13 @@ def eval_chunks(rows: int, anchors: int, seq_len: int, block_size: int, heads: i
 
 
 @torch.no_grad()
-def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block_size: int,
-                     attn: str = "sdpa", elements: int = EVAL_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> accepted [R, N] long (leading matches, 0..B-1) and block_valid [R, N] bool. `target` must be untruncated.
-    The drafter runs on `eval_chunks` pieces of the batch, so memory stays bounded however many anchors a row has."""
+def drafted_tokens(target: Target, drafter: Drafter, batch: StaticBatch, feats: torch.Tensor, block_size: int,
+                   attn: str = "sdpa", elements: int = EVAL_ELEMENTS) -> torch.Tensor:
+    """-> [R, N, B] long: the LM head's argmax at every block position, the drafter run on `eval_chunks` pieces of
+    the batch, so memory stays bounded however many anchors a row has."""
     B = block_size
-    feats, greedy = target.features_and_greedy(batch.input_ids, batch.position_ids, batch.doc_ids)
     R, N = batch.anchor_pos.shape
-    S = batch.input_ids.shape[1]
-    rows_per, anchors_per = eval_chunks(R, N, S, B, drafter.cfg.num_attention_heads,
+    rows_per, anchors_per = eval_chunks(R, N, batch.input_ids.shape[1], B, drafter.cfg.num_attention_heads,
                                         target.embed_tokens.weight.shape[0], elements)
     drafted = torch.empty(R, N, B, dtype=torch.long, device=batch.anchor_pos.device)
     for r0 in range(0, R, rows_per):
@@ -73,8 +71,19 @@ def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block
             hidden = drafter(feats[rows], noise, layout)  # [r, n*B, D]
             logits = target.lm_head(hidden.to(target.lm_head.weight.dtype))
             drafted[rows, anchors] = logits.argmax(-1).view(*anchor_pos.shape, B)
+    return drafted
+
+
+@torch.no_grad()
+def block_acceptance(target: Target, drafter: Drafter, batch: StaticBatch, block_size: int,
+                     attn: str = "sdpa", elements: int = EVAL_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> accepted [R, N] long (leading matches, 0..B-1) and block_valid [R, N] bool. `target` must be untruncated."""
+    B = block_size
+    feats, greedy = target.features_and_greedy(batch.input_ids, batch.position_ids, batch.doc_ids)
+    drafted = drafted_tokens(target, drafter, batch, feats, B, attn, elements)
     _labels, valid = block_labels(batch.input_ids, batch.doc_ids, batch.loss_mask, batch.anchor_pos,
                                   batch.anchor_valid, B)
+    S = batch.input_ids.shape[1]
     prev = (batch.anchor_pos[:, :, None] + torch.arange(B, device=drafted.device) - 1).clamp(0, S - 1)  # a+k-1
     reference = greedy.gather(1, prev.flatten(1)).view_as(drafted)
     return leading_matches(drafted, reference, valid), batch.anchor_valid

@@ -6,7 +6,7 @@ import torch
 from tests.trainer.conftest import make_state
 from tests.trainer.test_traps import drafter_hidden, two_doc_batch
 from trainer.decode.rounds import capped_rounds, leading_matches
-from trainer.eval import block_acceptance, eval_chunks, replayed_rounds
+from trainer.eval import block_acceptance, drafted_tokens, eval_chunks, replayed_rounds
 from trainer.export import ExportConfig, export_drafter, load_exported
 from trainer.model.target import packed_causal_mask
 from trainer.step.step import EagerRunner
@@ -107,6 +107,27 @@ def test_the_drafter_sees_each_block_apart_so_evaluation_may_split_the_anchors(t
         with torch.no_grad():
             part = state.drafter(feats, noise, make_layout(batch.position_ids, batch.doc_ids, ap, av, 4))
         torch.testing.assert_close(part.view(len(keep), 4, -1), whole[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_every_piece_size_drafts_the_same_tokens_in_their_places(full_target):
+    """Rows and anchors split unevenly (3 rows of 5 anchors: pieces of one anchor, of 2 + 2 + 1 anchors, of 2 + 1
+    whole rows) draft exactly what the whole batch drafts."""
+    from trainer.data.batching import StaticBatch
+
+    parts = [two_doc_batch(seed=s) for s in (0, 1, 2)]
+    batch = StaticBatch(**{f: torch.cat([getattr(b, f) for b in parts]) for f in StaticBatch.__dataclass_fields__})
+    state = make_state(full_target, block_size=4, seed=5)
+    feats, _ = full_target.features_and_greedy(batch.input_ids, batch.position_ids, batch.doc_ids)
+    H, V, S = state.drafter.cfg.num_attention_heads, full_target.embed_tokens.weight.shape[0], batch.input_ids.shape[1]
+
+    def cost(rows, n):
+        return rows * n * 4 * (H * (S + n * 4) + V)
+
+    whole = drafted_tokens(full_target, state.drafter, batch, feats, 4)
+    assert eval_chunks(3, 5, S, 4, H, V) == (3, 5) and len(set(whole.flatten().tolist())) > 3
+    for elements, pieces in ((1, (1, 1)), (cost(1, 2), (1, 2)), (cost(2, 5), (2, 5))):
+        assert eval_chunks(3, 5, S, 4, H, V, elements) == pieces
+        assert torch.equal(drafted_tokens(full_target, state.drafter, batch, feats, 4, elements=elements), whole)
 
 
 def test_evaluation_in_one_anchor_pieces_gives_the_same_acceptance(full_target):
