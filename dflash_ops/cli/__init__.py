@@ -55,26 +55,43 @@ def main() -> None:
 
     if "--json" in sys.argv[1:]:
         _usage_errors_as_json()
+    pipe = _stdout_pipe()
     try:
         app()
     except SystemExit as done:
-        # click turns EPIPE on stdout into exit 1. A reader that went away (`tail | head`) is no failure of the
-        # command, and the run goes on: say so with the pipe's own code, as the coreutils do.
-        if done.code == 1 and _stdout_reader_gone():
+        # A write to stdout after its reader went away (`tail RUN | head`) ends the command with exit 1, by click's
+        # rule or Rich's. That is no failure of the command, and the run goes on: say so with the pipe's own code,
+        # as the coreutils do. Any other exit 1 (a GPU still held, a remote failure) stays 1.
+        if done.code == 1 and pipe is not None and _broke_on(pipe):
             raise SystemExit(EXIT_READER_GONE) from None
         raise
 
 
-def _stdout_reader_gone() -> bool:
-    """stdout is a pipe whose reading end is closed (poll reports POLLERR on its writing end)."""
-    import select
+def _stdout_pipe() -> tuple[int, int] | None:
+    """(device, inode) of stdout when it is a pipe, else None."""
+    import os
+    import stat
 
     try:
-        poller = select.poll()
-        poller.register(1, select.POLLOUT)
-        return any(events & select.POLLERR for _fd, events in poller.poll(0))
-    except (OSError, ValueError):
-        return False
+        st = os.fstat(1)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISFIFO(st.st_mode) else None
+
+
+def _broke_on(pipe: tuple[int, int]) -> bool:
+    """A write to the stdout pipe failed with EPIPE: click then wraps sys.stdout in its PacifyFlushWrapper (typer
+    vendors click, so by name), and Rich's Console points fd 1 at /dev/null."""
+    import os
+    import sys
+
+    if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+        return True
+    try:
+        st = os.fstat(1)
+    except OSError:
+        return True
+    return (st.st_dev, st.st_ino) != pipe
 
 
 def _usage_errors_as_json() -> None:

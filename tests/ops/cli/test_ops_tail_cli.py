@@ -219,3 +219,29 @@ def test_a_reader_that_goes_away_ends_tail_with_the_pipes_code_and_the_run_goes_
     assert ops_env.pid_alive(run["pid"])
     assert ops_env.runs_json()[-1]["state"] == "running"
     assert ops_env.sub("stop", run["run_id"]).returncode == 0
+
+
+def test_a_closed_pipe_is_141_through_rich_output_too_and_a_real_failure_keeps_its_code(ops_env):
+    """`runs` prints through Rich, whose broken-pipe rule is exit 1 too. A command that fails without writing to
+    the closed stdout keeps its code: `tail` of an unknown run 3, and an exit 1 stays 1 (a command added to the real
+    app for the test, run through the real main())."""
+    import os
+
+    _launch(ops_env, "--lines", "1", "--every", "0.01")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write
+    try:
+        listed = subprocess.run([sys.executable, "-m", "dflash_ops", "runs"], env=ops_env.env, stdout=write,
+                                stderr=subprocess.PIPE, timeout=60)
+        missing = subprocess.run([sys.executable, "-m", "dflash_ops", "tail", "nosuch-20260101T000000-abcd"],
+                                 env=ops_env.env, stdout=write, stderr=subprocess.PIPE, timeout=60)
+        code = ("import sys; from dflash_ops import cli; cli.app.command('fail')(lambda: sys.exit(1)); "
+                "sys.argv = ['dflash-ops', 'fail']; cli.main()")
+        failed = subprocess.run([sys.executable, "-c", code], env=ops_env.env, stdout=write, stderr=subprocess.PIPE,
+                                timeout=60)
+    finally:
+        os.close(write)
+    assert listed.returncode == 141, listed.stderr
+    assert b"Traceback" not in listed.stderr
+    assert missing.returncode == 3, missing.stderr
+    assert failed.returncode == 1, failed.stderr
