@@ -21,9 +21,9 @@ def gpu_reset(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, yes: Y
               grace: GraceOpt = 10.0, all_containers: AllOpt = False, hard: HardOpt = False,
               wait: WaitOpt = 30.0, threshold_mib: ThresholdOpt = 0, json_out: JsonOpt = False) -> None:
     """Find GPU holders (compute apps and processes with /dev/nvidia* open, DataLoader workers too) on the host,
-    show them, mark their runs stopped, SIGTERM their process groups, SIGKILL after --grace, re-scan, and wait
-    until every GPU in scope is free. Exit 1 if one is still held. Never touches our own SSH session, sshd or GPU
-    daemons."""
+    show them, SIGTERM their process groups, SIGKILL after --grace, mark stopped the runs this ended without an exit
+    code, re-scan, and wait until every GPU in scope is free. Exit 1 if one is still held. Never touches our own SSH
+    session, sshd or GPU daemons."""
     from dflash_ops.cli import reset_view
     from dflash_ops.gpus import reset
 

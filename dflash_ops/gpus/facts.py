@@ -99,8 +99,10 @@ class Holder:
     pgid: int
     starttime: int
     ctid: int | None
-    ct_pid: int | None             # PID inside its container (innermost NSpid), None on the host
-    ct_pgid: int | None = None     # the group leader's PID inside its namespace: the run's `pid` file
+    # PIDs as the container sees them (NSpid's second entry: `pct exec` runs there, also when the process sits in a
+    # namespace nested inside the container, e.g. a Docker container in the LXC); None on the host
+    ct_pid: int | None
+    ct_pgid: int | None = None     # the group leader's: the run's `pid` file
     devices: tuple[str, ...] = field(default=())
 
 
@@ -256,8 +258,8 @@ def find_holders(snap: GpuSnapshot) -> tuple[Holder, ...]:
             pid=pid, comm=proc.comm, gpu_indices=tuple(sorted(indices)),
             used_mib=sum(a.used_mib or 0 for a in apps), is_compute_app=bool(apps),
             pgid=proc.pgid, starttime=proc.starttime, ctid=ctid,
-            ct_pid=proc.nspid[-1] if in_ct else None,
-            ct_pgid=leader[-1] if in_ct and len(leader) > 1 else None, devices=devices))
+            ct_pid=proc.nspid[1] if in_ct else None,
+            ct_pgid=leader[1] if in_ct and len(leader) > 1 else None, devices=devices))
     return tuple(holders)
 
 

@@ -1,14 +1,14 @@
 """`gpu-reset` use case: find GPU holders on the GPU-owning machine, kill them by process group, re-scan, verify.
 
 Effects go through one Transport to the host: the probe and the kill ladder run there (a container may not see
-the PIDs that hold its GPUs). Only marking runs stopped goes into a container, by `pct exec`, as `stop` does: the
-run directory is the container's, and a path read from a container process's environment is resolved by the
+the PIDs that hold its GPUs). Only the runs' bookkeeping goes into a container, by `pct exec`, as `stop` does: the
+run directory is the container's, and a name read from a container process's environment is resolved by the
 container alone. Decisions are pure and live in `facts` (plan_kill) and `scripts` (kill_script); this module
 sequences them:
 
-    probe -> plan -> [caller confirms] -> mark the targets' runs stopped -> kill ladder -> re-scan (new holders in
-    scope: mark and kill them too, at most MAX_ROUNDS) -> poll until nothing in scope holds a GPU and its memory is
-    back to ~0 (bounded) -> result.
+    probe -> plan -> [caller confirms] -> the targets' runs (read-only) -> kill ladder -> those runs that ended
+    without an exit code marked stopped -> re-scan (new holders in scope: the same, at most MAX_ROUNDS) -> poll
+    until nothing in scope holds a GPU and its memory is back to ~0 (bounded) -> result.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ops.errors import HostUnreachable, OpsError, RemoteFailed
+from dflash_ops import names
+from dflash_ops.errors import OpsError, RemoteFailed
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.hoststatus import GpuSettings
 from dflash_ops.runs import shellcmd
@@ -34,10 +35,15 @@ class GpuStillHeld(OpsError):
 
 @dataclass(frozen=True)
 class Marked:
-    """The runs of one machine or container that were marked stopped before their holders were signalled."""
-    where: str                      # "host" or "ct<ctid>"
+    """Runs of one machine or container: those the targets belonged to (before the kill), or those marked
+    stopped (after it)."""
+    ctid: int | None                # None: the host itself (a host without containers)
     run_ids: tuple[str, ...]
-    error: str | None = None        # marking failed there (the kill went ahead: freeing the GPUs comes first)
+    error: str | None = None        # the bookkeeping failed there (the kill went ahead: freeing the GPUs comes first)
+
+    @property
+    def where(self) -> str:
+        return "host" if self.ctid is None else f"ct{self.ctid}"
 
 
 @dataclass(frozen=True)
@@ -71,35 +77,56 @@ class HostGpus:
                                       pct=self.host.pct, ctids=self.ctids)
         return facts.parse_probe(self._run(script, "GPU probe", 60).out)
 
-    def mark_runs_stopped(self, snap: facts.GpuSnapshot, targets: tuple[facts.KillTarget, ...]) -> tuple[Marked, ...]:
-        """Mark stopped the dflash-ops runs the targets belong to, where each runs: in its container (by its PID
-        there), or on a host without containers. Holders on a Proxmox host itself run no dflash-ops job."""
+    def runs_of(self, snap: facts.GpuSnapshot, targets: tuple[facts.KillTarget, ...]) -> tuple[Marked, ...]:
+        """The dflash-ops runs the targets belong to, read where each runs: in its container (by its PID there), or
+        on a host without containers. Holders on a Proxmox host itself run no dflash-ops job; a target signalled
+        alone (its group keeps something we spare) may leave its run going, so its run is not looked for."""
         by_pid = {h.pid: h for h in facts.find_holders(snap)}
-        where: dict[int | None, list[int]] = {}
+        where: dict[int | None, list[tuple[int, int]]] = {}
         for t in targets:
             h = by_pid.get(t.pid)
-            if h is None:
+            if h is None or t.pgid is None:
                 continue
             if self.host.transport != PROXMOX:
-                where.setdefault(None, []).append(h.pid)
+                where.setdefault(None, []).append((h.pid, h.starttime))
             elif h.ctid is not None and h.ct_pid is not None:
-                where.setdefault(h.ctid, []).append(h.ct_pid)
-        return tuple(self._mark(ctid, tuple(pids)) for ctid, pids in sorted(where.items(), key=lambda kv: kv[0] or 0))
+                where.setdefault(h.ctid, []).append((h.ct_pid, h.starttime))
+        found = []
+        for ctid, holders in sorted(where.items(), key=lambda kv: kv[0] or 0):
+            out, error = self._in(ctid, lambda runs_dir: shellcmd.runs_of_holders_script(runs_dir, holders))
+            found.append(Marked(ctid, _tagged_ids(out, "DFLASH_RUNOF"), error))
+        return tuple(found)
 
-    def _mark(self, ctid: int | None, pids: tuple[int, ...]) -> Marked:
+    def mark_ended(self, found: tuple[Marked, ...]) -> tuple[Marked, ...]:
+        """Mark stopped those of `found` that the kill ended without an exit code (so they read `killed`)."""
+        marked = []
+        for runs in found:
+            if not runs.run_ids:
+                if runs.error:
+                    marked.append(runs)
+                continue
+            ids = runs.run_ids
+            out, error = self._in(runs.ctid, lambda runs_dir: shellcmd.mark_ended_stopped_script(runs_dir, ids))
+            failed = _tagged_ids(out, "DFLASH_UNMARKED")
+            if failed and error is None:
+                error = f"could not write stopped for {', '.join(failed)}"
+            done = Marked(runs.ctid, _tagged_ids(out, "DFLASH_MARKED"), error or runs.error)
+            if done.run_ids or done.error:
+                marked.append(done)
+        return tuple(marked)
+
+    def _in(self, ctid: int | None, script_for: Callable[[str], str]) -> tuple[str, str | None]:
+        """Run a runs-dir script in container `ctid` (None: on the host) -> (stdout, error or None); never raises."""
         container = None if ctid is None else (self.host.container(str(ctid)) or Container(ctid=str(ctid)))
         target = Target(self.host, container)
-        label = "host" if ctid is None else f"ct{ctid}"
-        script = shellcmd.mark_stopped_holders_script(target.runs_dir, pids)
         try:
-            done = self.transport.run(shellcmd.target_argv(target, script), timeout_s=60)
-        except HostUnreachable as exc:
-            return Marked(label, (), error=str(exc))
-        ids = tuple(line.split(" ", 1)[1] for line in done.out.splitlines() if line.startswith("DFLASH_MARKED "))
+            done = self.transport.run(shellcmd.target_argv(target, script_for(target.runs_dir)), timeout_s=60)
+        except OpsError as exc:
+            return "", str(exc)
         if done.exit_code != 0:
             lines = done.err.strip().splitlines()
-            return Marked(label, ids, error=lines[-1] if lines else f"exit code {done.exit_code}")
-        return Marked(label, ids)
+            return done.out, lines[-1] if lines else f"exit code {done.exit_code}"
+        return done.out, None
 
     def kill(self, targets: tuple[facts.KillTarget, ...], grace_s: float) -> scripts.KillReport:
         return scripts.parse_kill_report(self._run(scripts.kill_script(targets, grace_s=grace_s), "kill ladder",
@@ -117,6 +144,12 @@ class HostGpus:
             raise RemoteFailed(f"{what} on {self.host.name} failed with exit code {done.exit_code}",
                                detail="\n".join((done.err + done.out).strip().splitlines()[-10:]) or None)
         return done
+
+
+def _tagged_ids(out: str, tag: str) -> tuple[str, ...]:
+    """The run ids of `tag` lines; an id not of dflash-ops' own shape (a hostile container's output) is dropped."""
+    ids = (line[len(tag) + 1:].strip() for line in out.splitlines() if line.startswith(tag + " "))
+    return tuple(i for i in ids if names.RUN_ID_RE.fullmatch(i))
 
 
 def held_in_scope(snap: facts.GpuSnapshot, scope: facts.Scope, watched: tuple[int, ...],
@@ -150,8 +183,9 @@ def reset(hg: HostGpus, before: facts.GpuSnapshot, plan: facts.KillPlan, scope: 
     watched = set(watched_gpus(before, plan, scope))
     snap = before
     while plan.targets and len(rounds) < MAX_ROUNDS:
-        marked = hg.mark_runs_stopped(snap, plan.targets)
-        rounds.append(Round(plan=plan, report=hg.kill(plan.targets, grace_s), marked=marked))
+        runs = hg.runs_of(snap, plan.targets)
+        report = hg.kill(plan.targets, grace_s)
+        rounds.append(Round(plan=plan, report=report, marked=hg.mark_ended(runs)))
         killed |= {t.pid for t in plan.targets}
         snap = hg.probe()
         fresh = facts.plan_kill(snap, scope)

@@ -334,24 +334,40 @@ def mark_stopped_script(runs_dir: str, run_id: str) -> str:
             'if [ "$pid" != - ] && dflash_marked "$pid" "$ID"; then\n' + MARK_STOPPED + "fi\n")
 
 
-def mark_stopped_holders_script(runs_dir: str, pids: Sequence[int]) -> str:
-    """gpu-reset's step before it signals: mark stopped each live run of "$RUNS" that one of `pids` (GPU holders
-    about to be signalled, numbered as this machine or container sees them) belongs to, so that the run reads
-    `killed` whichever signal ends it (a SIGKILLed wrapper writes no exit code). A run id comes from a process's
-    environment, so only a plain name is used (no `/`, no leading dot): a run directory directly under "$RUNS".
-    Prints `DFLASH_MARKED <run id>` for each run marked."""
-    return (PRELUDE + f"RUNS={path_word(runs_dir)}\nPIDS={q(' '.join(str(int(p)) for p in pids))}\n"
+def runs_of_holders_script(runs_dir: str, holders: Sequence[tuple[int, int]]) -> str:
+    """gpu-reset, before it signals (read-only): the live runs of "$RUNS" that GPU holders belong to. `holders`:
+    (pid, start time) as this machine or container numbers them; a pid whose start time differs was reused and is
+    skipped. A run id comes from a process's environment, so only a plain name is kept (no `/`, no leading dot).
+    Prints `DFLASH_RUNOF <run id>` once per run."""
+    pairs = " ".join(f"{int(pid)}:{int(start)}" for pid, start in holders)
+    return (PRELUDE + f"RUNS={path_word(runs_dir)}\nHOLDERS={q(pairs)}\n"
             'seen=" "\n'
             'while read -r p ID _sid; do\n'
-            '  case " $PIDS " in *" $p "*) ;; *) continue;; esac\n'
+            '  want=; for h in $HOLDERS; do [ "${h%%:*}" = "$p" ] && want=${h#*:}; done\n'
+            '  [ -n "$want" ] || continue\n'
+            '  read -r line < "/proc/$p/stat" 2>/dev/null || continue\n'
+            '  read -r -a f <<< "${line##*) }"\n'
+            '  [ "${f[19]:-}" = "$want" ] || continue\n'
             '  case $ID in [A-Za-z0-9]*) ;; *) continue;; esac\n'
             '  case $ID in *[!A-Za-z0-9._-]*) continue;; esac\n'
             '  case $seen in *" $ID "*) continue;; esac\n'
-            '  seen="$seen$ID "; D="$RUNS/$ID"; pid=$(dflash_pid "$D")\n'
-            '  if [ "$pid" != - ] && dflash_marked "$pid" "$ID" && [ ! -e "$D/exit_code" ]; then\n' + MARK_STOPPED +
-            '    echo "DFLASH_MARKED $ID"\n'
-            '  fi\n'
+            '  seen="$seen$ID "; echo "DFLASH_RUNOF $ID"\n'
             'done < <(dflash_procs)\n')
+
+
+def mark_ended_stopped_script(runs_dir: str, run_ids: Sequence[str]) -> str:
+    """gpu-reset, after its kill ladder: mark stopped each of `run_ids` that has ended without an exit code (its
+    wrapper was SIGKILLed), so that it reads `killed`, as after `stop`, not `lost`. A run still alive, or one that
+    wrote its exit code, is left as it is. Prints `DFLASH_MARKED <run id>` for each run marked,
+    `DFLASH_UNMARKED <run id>` where writing `stopped` failed."""
+    return (PRELUDE + f"RUNS={path_word(runs_dir)}\n"
+            f"for ID in {' '.join(q(i) for i in run_ids)}; do\n"
+            '  D="$RUNS/$ID"; pid=$(dflash_pid "$D")\n'
+            '  [ -d "$D" ] && [ ! -e "$D/exit_code" ] && [ ! -e "$D/stopped" ] || continue\n'
+            '  [ "$pid" != - ] && dflash_marked "$pid" "$ID" && continue\n'
+            + MARK_STOPPED +
+            '  if [ -e "$D/stopped" ]; then echo "DFLASH_MARKED $ID"; else echo "DFLASH_UNMARKED $ID"; fi\n'
+            'done\n')
 
 
 def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = False) -> str:

@@ -93,7 +93,8 @@ def test_clear_cache_uses_the_runbooks_cache_dir_quoted():
     lambda: shellcmd.tail_start_script("/r/x", 5),
     lambda: shellcmd.tail_chunk_script("/r/x", 10),
     lambda: shellcmd.stop_script("/r", "x-20260101T000000-abcd", 2.5),
-    lambda: shellcmd.mark_stopped_holders_script("~/r", [12, 34]),
+    lambda: shellcmd.runs_of_holders_script("~/r", [(12, 99), (34, 100)]),
+    lambda: shellcmd.mark_ended_stopped_script("~/r", ["x-20260101T000000-abcd"]),
 ])
 def test_every_script_is_valid_bash(build):
     done = subprocess.run(["bash", "-n", "-c", build()], capture_output=True, text=True)
@@ -129,9 +130,13 @@ def test_a_home_relative_run_dir_reaches_the_job_as_the_wrappers_first_argument(
     assert 'printf \'%s\\n\' "$rc" > "$1"/exit_code.tmp' in wrapped
 
 
-def test_gpu_resets_mark_takes_only_the_holders_runs_by_a_plain_name(tmp_path):
-    """mark_stopped_holders_script, run for real: it marks the live run a listed holder carries the marker of, not
-    a run whose process is not listed, and not a directory a process names through a crafted run id."""
+def _starttime(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+
+
+def test_gpu_resets_runs_of_holders_are_found_by_marker_start_time_and_plain_name(tmp_path):
+    """runs_of_holders_script, run for real: the live run a listed holder carries the marker of, not a run whose
+    process is not listed, not a listed pid whose start time differs (reused), not a crafted run id."""
     import os
     import sys
 
@@ -142,25 +147,49 @@ def test_gpu_resets_mark_takes_only_the_holders_runs_by_a_plain_name(tmp_path):
         env = {**os.environ, "DFLASH_OPS_RUN_ID": run_id, "DFLASH_OPS_RUN_DIR": run_dir}
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
 
-    procs = {}
-    for name in ("held-20260101T000000-abcd", "other-20260101T000000-abcd"):
-        procs[name] = process(name, f"{runs}/{name}")
+    held, other, reused = "held-20260101T000000-abcd", "other-20260101T000000-abcd", "reused-20260101T000000-abcd"
+    procs = {name: process(name, f"{runs}/{name}") for name in (held, other, reused)}
+    procs["evil"] = process("../evil", f"{runs}/../evil")
+    for name in (held, other, reused):
         (runs / name).mkdir()
         (runs / name / "pid").write_text(f"{procs[name].pid}\n")
-    evil = tmp_path / "evil"
-    evil.mkdir()
-    procs["evil"] = process("../evil", f"{runs}/../evil")
-    (evil / "pid").write_text(f"{procs['evil'].pid}\n")
+    (tmp_path / "evil").mkdir()
     try:
-        listed = [procs["held-20260101T000000-abcd"].pid, procs["evil"].pid]
-        done = subprocess.run(["bash", "-c", shellcmd.mark_stopped_holders_script(str(runs), listed)],
+        listed = [(procs[n].pid, _starttime(procs[n].pid)) for n in (held, "evil")]
+        listed.append((procs[reused].pid, _starttime(procs[reused].pid) + 1))
+        done = subprocess.run(["bash", "-c", shellcmd.runs_of_holders_script(str(runs), listed)],
                               capture_output=True, text=True, timeout=60)
     finally:
         for p in procs.values():
             p.kill()
             p.wait()
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["DFLASH_MARKED held-20260101T000000-abcd"]
-    assert (runs / "held-20260101T000000-abcd" / "stopped").is_file()
-    assert not (runs / "other-20260101T000000-abcd" / "stopped").exists()
-    assert sorted(p.name for p in evil.iterdir()) == ["pid"]
+    assert done.stdout.splitlines() == [f"DFLASH_RUNOF {held}"]
+
+
+def test_gpu_reset_marks_only_runs_that_ended_without_an_exit_code(tmp_path):
+    import sys
+
+    runs = tmp_path / "runs"
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={"DFLASH_OPS_RUN_ID": "alive-20260101T000000-abcd"})
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ids = {}
+    for name, pid, exit_code in (("lost", dead.pid, None), ("alive", alive.pid, None), ("exited", dead.pid, "0")):
+        ids[name] = f"{name}-20260101T000000-abcd"
+        d = runs / ids[name]
+        d.mkdir(parents=True)
+        (d / "pid").write_text(f"{pid}\n")
+        if exit_code is not None:
+            (d / "exit_code").write_text(exit_code + "\n")
+    try:
+        done = subprocess.run(["bash", "-c", shellcmd.mark_ended_stopped_script(str(runs), list(ids.values()) +
+                                                                                ["gone-20260101T000000-abcd"])],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        alive.kill()
+        alive.wait()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"DFLASH_MARKED {ids['lost']}"]
+    assert [n for n in ids if (runs / ids[n] / "stopped").exists()] == ["lost"]
