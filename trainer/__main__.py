@@ -41,13 +41,14 @@ EVAL_USAGE = "eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --
 
 
 def _parser() -> argparse.ArgumentParser:
-    from trainer.config import DTYPES
+    from trainer.config import DTYPES, user_path
 
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a drafter")
     t.add_argument("--recipe", required=True, help=_recipe_help())
-    t.add_argument("--run-dir", default=None, help="run directory (default: runs/<recipe>-<utc time>)")
+    t.add_argument("--run-dir", type=user_path, default=None,
+                   help="run directory (default: runs/<recipe>-<utc time>)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config leaf, e.g. --set optim.lr=3e-4 (repeatable)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
@@ -57,11 +58,13 @@ def _parser() -> argparse.ArgumentParser:
                                    "T --prompts FILE...: real batch-1 speculative decoding of each prompt file "
                                    "(GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, chat, ShareGPT or plain lines): "
                                    "tau, acceptance per position, speedup over the target alone, per file.")
-    e.add_argument("--run-dir", default=None)
-    e.add_argument("--drafter", default=None, help="export dir (with --target and --data, or --prompts)")
-    e.add_argument("--target", default=None, help="the target's HF directory")
-    e.add_argument("--data", default=None, help="a training-format JSONL (simulated tau)")
-    e.add_argument("--prompts", nargs="+", default=None, metavar="FILE", help="prompt files (real decoding)")
+    e.add_argument("--run-dir", type=user_path, default=None)
+    e.add_argument("--drafter", type=user_path, default=None,
+                   help="export dir (with --target and --data, or --prompts)")
+    e.add_argument("--target", type=user_path, default=None, help="the target's HF directory")
+    e.add_argument("--data", type=user_path, default=None, help="a training-format JSONL (simulated tau)")
+    e.add_argument("--prompts", type=user_path, nargs="+", default=None, metavar="FILE",
+                   help="prompt files (real decoding)")
     # Defaults of the --prompts options are applied in eval_prompts (PROMPT_DEFAULTS): None here tells a flag the user
     # gave, which the other forms refuse, from one they did not.
     e.add_argument("--limit", type=int, default=None,
@@ -75,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --prompts: the target's dtype while decoding (default: bf16 on CUDA, fp32 on CPU)")
     _regenerate_parser(sub)
     x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
-    x.add_argument("--run-dir", required=True)
+    x.add_argument("--run-dir", type=user_path, required=True)
     m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer",
                        description="A target + tokenizer (with a chat template) built offline: by default the tiny "
                                    "Qwen3 the tests use, briefly trained on the bundled chat data.")
@@ -89,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _regenerate_parser(sub) -> None:
-    from trainer.config import DTYPES
+    from trainer.config import DTYPES, user_path
     from trainer.regen.plan import ENGINES
 
     r = sub.add_parser("regenerate", help="answer prompt files with the target: the drafter's training data",
@@ -99,9 +102,10 @@ def _regenerate_parser(sub) -> None:
                                    "where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
                                    "MATH-500, HumanEval, MBPP, MT-Bench, plain text lines; a conversation is answered "
                                    "after its last user turn.")
-    r.add_argument("--target", required=True, help="the target's local Hugging Face directory")
-    r.add_argument("--prompts", required=True, nargs="+", metavar="FILE", help="prompt files")
-    r.add_argument("--out", required=True, help="the training JSONL to write (appended to when it is resumed)")
+    r.add_argument("--target", type=user_path, required=True, help="the target's local Hugging Face directory")
+    r.add_argument("--prompts", type=user_path, required=True, nargs="+", metavar="FILE", help="prompt files")
+    r.add_argument("--out", type=user_path, required=True,
+                   help="the training JSONL to write (appended to when it is resumed)")
     r.add_argument("--max-new", type=int, default=512, help="new tokens per answer at most (default: %(default)s)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s)")
@@ -136,9 +140,10 @@ def _quiet_libraries() -> None:
 
 def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
     """Everything about a start that needs neither torch nor a tokenizer: the empty-target and empty-data rules, the
-    target directory (its config.json: the taps and the mask id fit it), the tracking backends' packages, the run
-    directory (not a file, checkpoints, a resumed config), every data file (exists, readable, each line UTF-8 JSON
-    in one of the formats, the malformed-line limit). Raises ConfigError / DataError -> a summary."""
+    target directory (its family, weights and tokenizer files; the taps and the mask id fit its config.json), the
+    tracking backends' packages, the run directory (not a file, checkpoints, a resumed config), every data file
+    (exists, readable, each line UTF-8 JSON in one of the formats, the malformed-line limit). Raises ConfigError /
+    DataError -> a summary."""
     from trainer import rundir
     from trainer.config import check_target_dir
     from trainer.data.source import BadLineFile, scan

@@ -32,7 +32,7 @@ from trainer.data.source import BadLineFile
 from trainer.errors import ConfigError, DataError
 from trainer.metrics import Console, MetricsSink, QuietSink
 from trainer.model.drafter import Drafter, DrafterConfig
-from trainer.model.target import Target, load_target
+from trainer.model.target import Target, load_target, resolve_mask_token_id
 from trainer.step.step import EagerRunner, TrainState, build_optimizer
 
 
@@ -207,6 +207,9 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
 
     with console.phase("loading the tokenizer" + (" of the tiny target" if tiny else f" of {cfg.model.target}")):
         tokenizer, vocab = load_tokenizer(cfg, tiny)
+        # the mask id needs only the tokenizer and the embedding's rows: refuse a target without one before the data
+        # is tokenized and the weights load (the target says which id it took when it loads)
+        resolve_mask_token_id(tokenizer, vocab, cfg.model.mask_token_id, log=lambda _line: None)
     bad_file = BadLineFile(rundir.bad_lines_path(run_dir)) if env.is_main else None
     with console.phase(f"reading and tokenizing the data ({len(cfg.data.paths) + len(cfg.data.eval_paths)} "
                        f"file(s))") as notes:

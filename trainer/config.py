@@ -5,6 +5,7 @@ Pure: no torch import. Every `__post_init__` raises `ConfigError` with a message
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 import math
 import types
@@ -531,7 +532,22 @@ def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
     _source, tree = recipe_tree(recipe)
     if recipe_kind(tree) == "pipeline":
         raise pipeline_recipe_error(recipe)
-    return from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg))
+    return with_home_expanded(from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg)))
+
+
+def user_path(path: str) -> str:
+    """`~` and `~user` at the start of a path, expanded as a shell would: in `--set model.target=~/m` or
+    `--out=~/x.jsonl` the shell leaves it alone. Pure but for the home directory."""
+    return os.path.expanduser(path) if path.startswith("~") else path
+
+
+def with_home_expanded(cfg: TrainCfg) -> TrainCfg:
+    """The path settings (model.target, data.paths, data.eval_paths) through `user_path`."""
+    m, d = cfg.model, cfg.data
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(m, target=user_path(m.target)),
+        data=dataclasses.replace(d, paths=tuple(map(user_path, d.paths)),
+                                 eval_paths=tuple(map(user_path, d.eval_paths))))
 
 
 def check_target(cfg: TrainCfg) -> None:
@@ -547,15 +563,17 @@ def check_target(cfg: TrainCfg) -> None:
 
 
 def check_target_dir(cfg: TrainCfg) -> None:
-    """model.target, when set, must be a directory with a config.json that the taps and model.mask_token_id fit
-    (its layer count and vocabulary: read before anything is loaded)."""
+    """model.target, when set, must be a target directory this trainer can load (`targetdir.read_target_dir`: its
+    family, weights and tokenizer files) whose config.json the taps and model.mask_token_id fit (its layer count and
+    vocabulary): read before anything is loaded."""
     check_target(cfg)
     if cfg.model.target and not (Path(cfg.model.target) / "config.json").is_file():
         raise ConfigError(f"model.target={cfg.model.target}: no config.json there",
                           hint="set model.target to a local Hugging Face model directory")
     if cfg.model.target:
-        from trainer.targetdir import check_model_fits, read_shape
+        from trainer.targetdir import check_model_fits, read_shape, read_target_dir
 
         m = cfg.model
+        read_target_dir(m.target)
         check_model_fits(read_shape(m.target), num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
                          mask_token_id=m.mask_token_id)

@@ -1,9 +1,10 @@
 """What a target directory says about itself, read from its files alone: no torch, no transformers import.
 
-The commands that load a target (`regenerate`, and the family rule of `trainer.model.target`) refuse a directory here,
-in one line, before torch is imported: no directory, no config.json or an unreadable one, a family this trainer
-cannot serve (linear-attention hybrids; a model_type the installed transformers has no causal LM for), no chat
-template. The stop ids a generation config names come from here too, and the shape facts (layers, hidden size,
+The commands that load a target (`regenerate`, `train`, and the family rule of `trainer.model.target`) refuse a
+directory here, in one line, before torch is imported: no directory, no config.json or an unreadable one, a family
+this trainer cannot serve (linear-attention hybrids; a multimodal checkpoint; a model_type the installed
+transformers has no causal LM for), no weights or a shard of them missing, no tokenizer files (`regenerate`: no chat
+template). The stop ids a generation config names come from here too, and the shape facts (layers, hidden size,
 vocabulary) that the train command checks its taps and mask id against, and eval checks an export against.
 """
 from __future__ import annotations
@@ -25,6 +26,13 @@ LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "zamba", "zam
 SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (model.attention FULL, SLIDING)
 SOFTMAX_HINT = "use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma)"
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # transformers >= 4.43 saves the template apart
+# What transformers' tokenizers load from (a fast tokenizer's one file; sentencepiece; BPE vocabularies; Mistral's
+# tekken): tokenizer_config.json alone builds an empty tokenizer, and every prompt would tokenize to nothing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json", "spiece.model")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # one file, or its `.index.json` over shards
+# Sub-configs of a multimodal checkpoint: its language model is one part of a larger model (Gemma 3 from 4B up,
+# Mistral 3, Llama 4), whose weights and layers are named apart.
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
 
 
 @dataclass(frozen=True)
@@ -116,10 +124,19 @@ def read_target_dir(path: str | Path) -> TargetDir:
     refusal = family_refusal(model_type, config.get("layer_types"))
     if refusal is not None:
         raise refusal
+    multimodal = [k for k in MULTIMODAL_KEYS if config.get(k)]
+    if multimodal:
+        raise ConfigError(f"target {path}: {model_type!r} is a multimodal checkpoint (config.json has "
+                          f"{multimodal[0]}); this trainer reads a text-only causal LM",
+                          hint="use the text-only model of that family (e.g. Gemma 3 1B, model_type gemma3_text)")
     known = causal_lm_families()
     if known is not None and model_type not in known:
         raise ConfigError(f"target {path}: unknown family {model_type!r}: the installed transformers has no causal "
                           "LM for it", hint="point --target at a causal LM this transformers version supports")
+    check_weights(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"target {path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})",
+                          hint="copy the model's tokenizer files into the directory (save_pretrained writes them)")
     gen_path = path / "generation_config.json"
     eos = _ids(_json_file(gen_path, "generation_config.json").get("eos_token_id")) if gen_path.is_file() else ()
     return TargetDir(path=path, model_type=model_type,
@@ -127,6 +144,60 @@ def read_target_dir(path: str | Path) -> TargetDir:
                      has_chat_template=has_chat_template(path),
                      generation_eos_ids=eos or _ids(config.get("eos_token_id")),
                      max_positions=_positions(config))
+
+
+def check_weights(path: Path) -> None:
+    """The directory holds its weights: one of WEIGHT_FILES, or an index whose every shard is there (a partial
+    download otherwise fails only once the model loads, after torch and the data)."""
+    if any((path / name).is_file() for name in WEIGHT_FILES):
+        return
+    for name in WEIGHT_FILES:
+        index_path = path / f"{name}.index.json"
+        if not index_path.is_file():
+            continue
+        weight_map = _json_file(index_path, index_path.name).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"target {path}: {index_path.name} has no weight_map")
+        missing = sorted({str(f) for f in weight_map.values() if not (path / str(f)).is_file()})
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ConfigError(f"target {path}: shard {missing[0]}{more} of {index_path.name} is missing",
+                              hint="finish the download (e.g. huggingface-cli download) and retry")
+        return
+    raise ConfigError(f"target {path}: no weights ({' or '.join(WEIGHT_FILES)}, or their .index.json)",
+                      hint="point it at a downloaded Hugging Face model directory")
+
+
+FINGERPRINT_SAMPLES = 64  # 4 KiB reads spread over each weight file
+_SAMPLE = 4096
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files `check_weights` accepted: the single file, or every shard its index names."""
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return [path / name]
+    for name in WEIGHT_FILES:
+        index_path = path / f"{name}.index.json"
+        if index_path.is_file():
+            weight_map = _json_file(index_path, index_path.name).get("weight_map") or {}
+            return [path / f for f in sorted({str(v) for v in weight_map.values()})]
+    return []
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """Which weights these are, in milliseconds whatever their size: the sha256 of every weight file's name and size
+    and FINGERPRINT_SAMPLES 4 KiB reads spread evenly through it. Two fine-tunes of one base share config.json and
+    every file size; their values differ in the sampled bytes unless nearly all of them are equal."""
+    digest = hashlib.sha256()
+    for file in weight_files(Path(path)):
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(max(0, size - _SAMPLE) * i // max(1, FINGERPRINT_SAMPLES - 1))
+                digest.update(f.read(_SAMPLE))
+    return digest.hexdigest()
 
 
 def _positions(config: dict) -> int | None:

@@ -134,6 +134,53 @@ def test_missing_files_are_refused_before_torch(tmp_path, sets, message):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_target_dir_that_cannot_load_is_refused_before_torch(tmp_path):
+    """train reads the target directory as regenerate does: its family, weights and tokenizer files."""
+    from tests.trainer.test_regenerate import fake_target
+
+    cases = {
+        fake_target(tmp_path / "odd", {"model_type": "no-such-family"}): "unknown family 'no-such-family'",
+        fake_target(tmp_path / "hyb", {"model_type": "qwen3_next"}): "target family 'qwen3_next'",
+        fake_target(tmp_path / "now", {"model_type": "qwen3", "num_hidden_layers": 8}, weights=False): "no weights",
+    }
+    for target, message in cases.items():
+        p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), "--set", f"model.target={target}",
+                    flags=("-X", "importtime"))
+        errors = [ln for ln in p.stderr.splitlines() if not ln.startswith(("import time:", "hint:"))]
+        assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stderr[-2000:]
+        assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+def test_a_mask_id_the_tokenizer_refuses_stops_the_start_before_the_data_and_the_weights(tmp_path, tiny_target_dir):
+    """The mask id needs the tokenizer and the embedding's rows only: an eos mask id is refused right after the
+    tokenizer loads, before the data is tokenized and the target's weights load."""
+    import json
+
+    eos = json.loads((tiny_target_dir / "config.json").read_text())["eos_token_id"]
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), "--set",
+                f"model.target={tiny_target_dir}", "--set", f"model.mask_token_id={eos}")
+    assert p.returncode == 2 and f"error: mask token id {eos} (model.mask_token_id) is the" in p.stderr, p.stderr
+    assert "loading the tokenizer" in p.stderr + p.stdout
+    assert "tokenizing the data" not in p.stderr + p.stdout and "loading the target" not in p.stderr + p.stdout
+
+
+def test_a_leading_tilde_is_the_home_directory_as_the_shell_would_have_made_it(tmp_path, monkeypatch):
+    """`--set model.target=~/m` and `--target=~/m` reach the trainer with `~` unexpanded: it expands it itself."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r").write_text("a file")
+    cases = [
+        (("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "x"), "--set", "model.target=~/nope"),
+         f"model.target={tmp_path}/nope: no config.json there"),
+        (("train", "--recipe", "smoke", "--run-dir", "~/runs/r"), f"--run-dir {tmp_path}/runs/r is an existing file"),
+        (("regenerate", "--target=~/nope", "--prompts", "p.txt", "--out", str(tmp_path / "o.jsonl")),
+         f"target directory {tmp_path}/nope does not exist"),
+    ]
+    for args, message in cases:
+        p = run_cli(*args)
+        assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
+
+
 def test_an_empty_target_is_refused_outside_the_smoke_recipe(tmp_path):
     p = run_cli("train", "--recipe", "gpu", "--run-dir", str(tmp_path / "r"), flags=("-X", "importtime"))
     assert p.returncode == 2

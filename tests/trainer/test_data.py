@@ -338,3 +338,35 @@ def test_data_with_no_two_consecutive_supervised_tokens_is_refused(tmp_path, tar
     cfg = DataCfg(paths=pretokenized(tmp_path, [[0, 1, 0, 1, 0, 1]] * 2 + [[0, 0, 1, 1]]), seq_len=32, num_anchors=4,
                   eval_fraction=0.0)
     assert build_datasets(cfg, target.tokenizer, VOCAB, 0).train.num_rows == 1
+
+
+@pytest.mark.parametrize("text", [
+    "[" + ", ".join([GOOD] * 3) + "]\n",                                  # a compact dump: one line
+    json.dumps([json.loads(GOOD)] * 3, indent=2) + "\n",                   # pretty-printed: "[" alone first
+    "\n  [\n" + GOOD + "\n]\n",                                         # blank lines before it
+])
+def test_a_json_array_file_is_refused_whole_with_how_to_convert_it(tmp_path, text):
+    from trainer.data.source import scan
+    from trainer.prompts import read_prompt_files
+
+    path = tmp_path / "dump.json"
+    path.write_text(text)
+    for read in (lambda: scan([str(path)], 0.5), lambda: read_prompt_files([str(path)], 0.5)):
+        with pytest.raises(DataError, match="is one JSON array, not one JSON object per line") as e:
+            read()
+        assert "dump.jsonl" in e.value.hint
+
+
+def test_a_plain_text_prompt_that_starts_with_a_bracket_is_still_a_prompt(tmp_path):
+    from trainer.prompts import read_prompt_files
+
+    path = write_lines(tmp_path / "p.txt", ["[INST] count to 3 [/INST]", "[draft] add 2 and 3"])
+    good, _report = read_prompt_files([path], 0.0)
+    assert [line.turns[-1]["content"] for line in good] == ["[INST] count to 3 [/INST]", "[draft] add 2 and 3"]
+
+
+def test_messages_is_read_as_conversations(tmp_path, target):
+    as_messages = json.dumps({"messages": json.loads(GOOD)["conversations"]})
+    a, _ = load_samples([write_lines(tmp_path / "c.jsonl", [GOOD])], target.tokenizer, VOCAB, 0.0)
+    b, _ = load_samples([write_lines(tmp_path / "m.jsonl", [as_messages])], target.tokenizer, VOCAB, 0.0)
+    assert torch.equal(a[0].input_ids, b[0].input_ids) and torch.equal(a[0].loss_mask, b[0].loss_mask)

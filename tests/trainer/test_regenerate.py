@@ -119,6 +119,30 @@ def test_a_torn_last_line_is_dropped_on_resume_and_foreign_files_are_refused(tmp
         outfile.scan_out(foreign)
 
 
+def test_a_resume_with_other_weights_under_the_same_config_is_refused(tmp_path):
+    """A fine-tune shares its base's config.json and file sizes: the sampled-bytes fingerprint tells them apart."""
+    from trainer.targetdir import weights_fingerprint
+
+    base = fake_target(tmp_path / "base", {"model_type": "qwen3"}, weights=False)
+    tuned = fake_target(tmp_path / "tuned", {"model_type": "qwen3"}, weights=False)
+    moved = fake_target(tmp_path / "moved", {"model_type": "qwen3"}, weights=False)
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    (base / "model.safetensors").write_bytes(blob)
+    (moved / "model.safetensors").write_bytes(blob)
+    (tuned / "model.safetensors").write_bytes(blob[:700_000] + b"\x01" + blob[700_001:])  # one byte, mid-file
+    fp = {d.name: weights_fingerprint(d) for d in (base, tuned, moved)}
+    assert fp["base"] == fp["moved"] != fp["tuned"]
+    meta = {"target": {"config_sha256": "abc", "weights_fingerprint": fp["base"], "path": str(base)}}
+    outfile.check_same_run(meta, {"config_sha256": "abc", "weights_fingerprint": fp["moved"]}, {})
+    with pytest.raises(ConfigError, match="other weights"):
+        outfile.check_same_run(meta, {"config_sha256": "abc", "weights_fingerprint": fp["tuned"]}, {})
+    shards = sharded_target(tmp_path / "shards")
+    (shards / "model-00002-of-00002.safetensors").write_bytes(blob)
+    before = weights_fingerprint(shards)
+    (shards / "model-00002-of-00002.safetensors").write_bytes(blob[::-1])  # every shard is read
+    assert weights_fingerprint(shards) != before
+
+
 def test_a_sidecar_beside_no_answer_binds_no_setting(tmp_path):
     """A start that failed before its first answer (no GPU, say) left its sidecar: the next start, with other
     settings, is not refused."""
@@ -148,12 +172,27 @@ def test_stop_ids_are_eos_the_generation_configs_the_templates_marker_and_known_
 
 # ---------------------------------------------------------------- bad input: one line, before torch
 
-def fake_target(root: Path, config: dict, template: bool = True) -> Path:
-    """A target directory as far as the checks before torch read it (config.json, the chat template)."""
+def fake_target(root: Path, config: dict, template: bool = True, weights: bool = True, tokenizer: bool = True) -> Path:
+    """A target directory as far as the checks before torch read it (config.json, the chat template, that weight
+    and tokenizer files are there)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config))
     if template:
         (root / "chat_template.jinja").write_text("{{ messages }}")
+    if weights:
+        (root / "model.safetensors").write_bytes(b"")
+    if tokenizer:
+        (root / "tokenizer.json").write_text("{}")
+    return root
+
+
+def sharded_target(root: Path) -> Path:
+    """Two shards in the index, one of them not downloaded."""
+    fake_target(root, {"model_type": "qwen3"}, weights=False)
+    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                            "b.weight": "model-00002-of-00002.safetensors"}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "model-00001-of-00002.safetensors").write_bytes(b"")
     return root
 
 
@@ -170,10 +209,22 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
                            "error: target "),
         "linear hybrid": (["--target", str(fake_target(tmp_path / "hyb", {"model_type": "qwen3_next"}))], 2,
                           "error: target family 'qwen3_next'"),
+        "multimodal": (["--target", str(fake_target(tmp_path / "mm", {"model_type": "gemma3", "vision_config": {
+            "model_type": "siglip_vision_model"}, "text_config": {"num_hidden_layers": 2}}))], 2,
+                       "error: target " + str(tmp_path / "mm") + ": 'gemma3' is a multimodal checkpoint"),
+        "no weights": (["--target", str(fake_target(tmp_path / "now", {"model_type": "qwen3"}, weights=False))], 2,
+                       "error: target " + str(tmp_path / "now") + ": no weights"),
+        "a shard missing": (["--target", str(sharded_target(tmp_path / "shard"))], 2,
+                            "error: target " + str(tmp_path / "shard") + ": shard model-00002-of-00002.safetensors"),
+        "no tokenizer": (["--target", str(fake_target(tmp_path / "notok", {"model_type": "qwen3"}, tokenizer=False))],
+                         2, "error: target " + str(tmp_path / "notok") + ": no tokenizer files"),
         "empty prompt file": (["--prompts", str(tmp_path / "empty.txt")], 3, "error: prompt file "),
         "invalid UTF-8": (["--prompts", str(tmp_path / "bytes.txt")], 3, "error: too many malformed lines"),
         "out not writable": (["--out", "/sys/dflash-regen.jsonl"], 2, "error: cannot write --out /sys/"),
         "greedy continuations": (["--continuations", "2"], 2, "error: --continuations 2 needs --temperature > 0"),
+        "max-new past the positions": (["--target", str(fake_target(tmp_path / "short", {
+            "model_type": "qwen3", "max_position_embeddings": 64})), "--max-new", "64"], 2,
+                                       "error: --max-new 64 leaves no room for a prompt in the target's 64 positions"),
     }
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bytes.txt").write_bytes(b"\xff one\n\xc3\x28 two\n")
@@ -183,7 +234,9 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
 
 
 @pytest.mark.parametrize("name", ["missing target", "no chat template", "unknown family", "linear hybrid",
-                                  "empty prompt file", "invalid UTF-8", "out not writable", "greedy continuations"])
+                                  "multimodal", "no weights", "a shard missing", "no tokenizer",
+                                  "empty prompt file", "invalid UTF-8", "out not writable", "greedy continuations",
+                                  "max-new past the positions"])
 def test_bad_input_is_one_line_and_an_exit_code_before_torch(tmp_path, name):
     from tests.trainer.test_cli import imported
 

@@ -2,13 +2,15 @@
 
 Accepted line formats:
   {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}   (chat; tokenized with the
-      target tokenizer's chat template; loss mask = the tokens of every assistant turn's content + its end marker)
+      target tokenizer's chat template; loss mask = the tokens of every assistant turn's content + its end marker;
+      "messages", OpenAI's name for the list, is read the same)
   {"input_ids": [...], "loss_mask": [...]}   (pre-tokenized: ids are non-negative integers below the target's
       vocabulary size, never true/false; the mask holds 0/1 or true/false)
 
 Lines are split on b"\n" only, so a line number is what `sed -n Np` shows, whatever carriage returns a line holds.
 A line that is not UTF-8, not one JSON object, or not one of the formats is malformed, as is one with no supervised
-token (a loss_mask without a 1, a conversation the tokenizer finds no assistant token in). Two passes share these
+token (a loss_mask without a 1, a conversation the tokenizer finds no assistant token in). A file that is one JSON
+array (a `.json` dump, on one line or pretty-printed) is refused whole, with how to convert it. Two passes share these
 rules: `scan` (no tokenizer, no torch: the CLI runs it before anything heavy) and `load_samples` (then
 tokenization). Every malformed line goes to a `BadLineFile` (the run's bad_lines.txt) when one is given; messages
 number the first ten.
@@ -113,13 +115,30 @@ def _open(raw: str, what: str, hint: str):
 def read_lines(raw: str, what: str = "data",
                hint: str = "check data.paths / data.eval_paths") -> Iterator[tuple[int, bytes]]:
     """(1-based number, bytes) of every line of one file, split on b"\n" only (binary mode); a UTF-8 byte-order
-    mark before the first line is dropped. `what` ("data", "prompt") and `hint` word the errors."""
+    mark before the first line is dropped. `what` ("data", "prompt") and `hint` word the errors. A file whose first
+    non-blank line opens a JSON array is one DataError: its lines are pieces of one document, not records."""
     with _open(raw, what, hint) as f:
         try:
+            seen_content = False
             for line_no, line in enumerate(f, start=1):
-                yield line_no, (line[len(_BOM):] if line_no == 1 and line.startswith(_BOM) else line)
+                if line_no == 1 and line.startswith(_BOM):
+                    line = line[len(_BOM):]
+                if not seen_content and line.strip():
+                    seen_content = True
+                    if _opens_json_array(line):
+                        raise DataError(f"{what} file {raw} is one JSON array, not one JSON object per line",
+                                        hint=f"convert it to JSON lines: python3 -c 'import json, sys; "
+                                             f"[print(json.dumps(o)) for o in json.load(open(sys.argv[1]))]' "
+                                             f"{raw} > {Path(raw).with_suffix('.jsonl').name}")
+                yield line_no, line
         except OSError as e:
             raise DataError(f"cannot read {what} file {raw}: {e.strerror}") from None
+
+
+def _opens_json_array(line: bytes) -> bool:
+    """`[`, `[{`, `[[` or `["` first: a JSON array of records (a plain-text prompt such as "[INST] ..." is not)."""
+    text = line.strip()
+    return text == b"[" or text[:2] in (b"[{", b"[[", b'["')
 
 
 def decode_line(line: bytes) -> str:
@@ -138,14 +157,15 @@ def parse_record(line: bytes) -> dict:
         raise MalformedLine(f"invalid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise MalformedLine("not a JSON object")
-    if "conversations" in obj:
-        turns = obj["conversations"]
+    key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
+    if key is not None:
+        turns = obj[key]
         if not isinstance(turns, list) or not turns:
-            raise MalformedLine("'conversations' must be a non-empty list")
+            raise MalformedLine(f"'{key}' must be a non-empty list")
         for t in turns:
             if not isinstance(t, dict) or t.get("role") not in ROLES or not isinstance(t.get("content"), str):
                 raise MalformedLine(f"each turn needs role in {ROLES} and string content")
-        return obj
+        return obj if key == "conversations" else {**obj, "conversations": turns}
     if "input_ids" in obj and "loss_mask" in obj:
         ids, mask = obj["input_ids"], obj["loss_mask"]
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask) or not ids:
@@ -159,7 +179,7 @@ def parse_record(line: bytes) -> dict:
         if 1 not in mask:  # True == 1: a mask of false/0 only would train nothing
             raise MalformedLine("no supervised token ('loss_mask' holds no 1)")
         return obj
-    raise MalformedLine("expected 'conversations' or 'input_ids' + 'loss_mask'")
+    raise MalformedLine("expected 'conversations' (or 'messages') or 'input_ids' + 'loss_mask'")
 
 
 def enforce_bad_lines(paths, lines: int, bad: list[BadLine], max_bad_fraction: float,

@@ -110,9 +110,15 @@ def check_same_run(meta: dict | None, target: dict, settings: dict) -> None:
     """A resumed OUT continues only with the target and settings that wrote it."""
     if meta is None:
         return
-    if meta.get("target", {}).get("config_sha256") != target["config_sha256"]:
-        raise ConfigError(f"--out was written with another target ({meta.get('target', {}).get('path')}, a "
+    was_target = meta.get("target", {})
+    if was_target.get("config_sha256") != target["config_sha256"]:
+        raise ConfigError(f"--out was written with another target ({was_target.get('path')}, a "
                           "different config.json)", hint="pass a new --out for this target")
+    # an --out from before weights were fingerprinted has none: its config.json is all it can be checked by
+    was_weights, now_weights = was_target.get("weights_fingerprint"), target.get("weights_fingerprint")
+    if was_weights and now_weights and was_weights != now_weights:
+        raise ConfigError(f"--out was written with other weights ({was_target.get('path')}: the same config.json, "
+                          "other weight files)", hint="pass a new --out for this target")
     was, now = _leaves(meta.get("settings") or {}), _leaves(settings)
     diff = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
     if diff:

@@ -13,6 +13,8 @@ Progress: `DFLASH_PROGRESS` lines (trainer.metrics.JobProgress) and a bar on a T
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from trainer.prompts import read_prompt_files
 from trainer.regen import outfile
 from trainer.regen.plan import (Prompt, RegenSettings, SamplingSettings, check_settings, distinct_prompts, pending,
                                 stream_of, template_kwargs)
-from trainer.targetdir import TargetDir, read_target_dir
+from trainer.targetdir import TargetDir, read_target_dir, weights_fingerprint
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,14 @@ def settings_of(args) -> RegenSettings:
 
 
 def target_record(t: TargetDir) -> dict:
-    return {"path": str(t.path.resolve()), "model_type": t.model_type, "config_sha256": t.config_sha256}
+    return {"path": str(t.path.resolve()), "model_type": t.model_type, "config_sha256": t.config_sha256,
+            "weights_fingerprint": _fingerprint(str(t.path.resolve()))}
+
+
+@functools.lru_cache(maxsize=4)
+def _fingerprint(path: str) -> str:
+    """Once per job: the sidecar is rewritten at every progress interval."""
+    return weights_fingerprint(path)
 
 
 def check_before_torch(args) -> Job:
@@ -66,6 +75,9 @@ def check_before_torch(args) -> Job:
     if not target.has_chat_template:
         raise ConfigError(f"target {args.target} has no chat template: regenerate renders each prompt with it",
                           hint="use a chat (instruct) target, or add a chat_template to its tokenizer_config.json")
+    if target.max_positions is not None and settings.sampling.max_new_tokens >= target.max_positions:
+        raise ConfigError(f"--max-new {settings.sampling.max_new_tokens} leaves no room for a prompt in the target's "
+                          f"{target.max_positions} positions", hint=f"pass --max-new below {target.max_positions}")
     out = Path(args.out)
     outfile.check_writable(out)
     resume = outfile.scan_out(out)
