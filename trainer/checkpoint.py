@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -80,9 +81,13 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng.pt")
     (tmp / "trainer.json").write_text(json.dumps({"step": cursor.step, "micro": cursor.micro, "world": cursor.world}))
+    # on disk before the rename makes it the newest: after a power loss the newest is whole, or not there
+    for path in (*(tmp / n for n in CKPT_FILES), tmp):
+        _fsync(path)
     if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(root)
     for _step, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -91,13 +96,26 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
 CKPT_FILES = ("drafter.pt", "optimizer.pt", "rng.pt", "trainer.json")
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def newest_cursor(run_dir: Path) -> Cursor | None:
     """The newest complete checkpoint's cursor (its trainer.json alone), None when there is none."""
     found = list_checkpoints(run_dir)
     if not found:
         return None
-    meta = json.loads((found[-1][1] / "trainer.json").read_text())
-    return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+    try:
+        meta = json.loads((found[-1][1] / "trainer.json").read_text())
+        return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume: {found[-1][1] / 'trainer.json'} cannot be read ({type(e).__name__})",
+                          hint="move that step_N directory out of ckpt/ to resume from the one before it") from None
 
 
 def newest_step(run_dir: Path) -> int:
@@ -147,13 +165,26 @@ def restore(files: dict[str, bytes], drafter: torch.nn.Module, optimizer: torch.
     import torch
 
     device = next(drafter.parameters()).device
-    drafter.load_state_dict(torch.load(io.BytesIO(files["drafter.pt"]), map_location=device))
-    optimizer.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"]), map_location=device))
+    name = "trainer.json"
+    try:  # a file cut short (a disk that filled, a copy that stopped) fails here: one line, not a traceback
+        meta = json.loads(files[name])
+        cursor = Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+        name = "drafter.pt"
+        drafter_state = torch.load(io.BytesIO(files[name]), map_location=device)
+        name = "optimizer.pt"
+        optimizer_state = torch.load(io.BytesIO(files[name]), map_location=device)
+        name = "rng.pt"
+        rng_state = torch.load(io.BytesIO(files[name]), weights_only=False)
+    except (EOFError, OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"--resume: the newest checkpoint's {name} cannot be read ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'})",
+                          hint="move that step_N directory out of ckpt/ to resume from the one before it") from None
+    drafter.load_state_dict(drafter_state)
+    optimizer.load_state_dict(optimizer_state)
     for group in optimizer.param_groups:
         group["lr"] = lr_  # keep the one device LR tensor the schedule fills (load_state_dict rebinds it)
-    _set_rng_state(torch.load(io.BytesIO(files["rng.pt"]), weights_only=False))
-    meta = json.loads(files["trainer.json"])
-    return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+    _set_rng_state(rng_state)
+    return cursor
 
 
 def load_latest(run_dir: Path, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -73,6 +73,13 @@ class _Clock:
         return _Clock(start=t, interval_start=t)
 
 
+def weights_nonfinite(module) -> bool:
+    """SYNC: any parameter holds a NaN or inf (the replicas are identical: each rank's answer is every rank's)."""
+    import torch
+
+    return not bool(torch.stack([torch.isfinite(p).all() for p in module.parameters()]).all())
+
+
 class TrainLoop:
     """Owns the mutable side of a run: the data cursor, the device metrics, the LR horizon."""
 
@@ -177,14 +184,18 @@ class TrainLoop:
             self.save()
 
     def check_finite(self, step: int) -> None:
-        """SYNC (collective: every rank calls it at the same steps). Raise NonFiniteLoss (exit 4) naming the last
-        good checkpoint on every rank if any rank saw a non-finite loss; nothing is saved over it."""
-        if self.metrics.nonfinite(ddp.all_reduce_sum_):
+        """SYNC (collective: every rank calls it at the same steps, before every checkpoint and the export). Raise
+        NonFiniteLoss (exit 4) naming the last good checkpoint on every rank if any rank saw a non-finite loss, or
+        the drafter's weights are no longer finite (an update can break them after a finite loss: an inf gradient
+        with clipping off); nothing is saved over it."""
+        what = "loss" if self.metrics.nonfinite(ddp.all_reduce_sum_) else \
+            "drafter weights" if weights_nonfinite(self.s.state.drafter) else None
+        if what is not None:
             found = checkpoint.list_checkpoints(self.s.run_dir)
             last = str(found[-1][1]) if found else "none"
-            raise NonFiniteLoss(f"non-finite loss (NaN/inf) by step {step}; stopping. Last good checkpoint: {last}",
-                                hint="lower optim.lr or check the data; resume from the last good checkpoint with "
-                                     "--resume")
+            raise NonFiniteLoss(f"non-finite {what} (NaN/inf) by step {step}; stopping. Last good checkpoint: {last}",
+                                hint="lower optim.lr (or keep optim.clip on) or check the data, in a new run: "
+                                     "--resume repeats the same steps with the same settings")
 
     def save(self) -> None:
         """Rank 0 only: the replicas are identical, one copy is the checkpoint."""

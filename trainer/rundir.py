@@ -112,8 +112,14 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
         return
     cursor = checkpoint.newest_cursor(run_dir)
     if cursor is None:
-        raise ConfigError(f"--resume: no complete checkpoint under {checkpoint.ckpt_root(run_dir)}",
-                          hint="start without --resume, or point --run-dir at the run to continue")
+        # the run stopped before its first checkpoint: a fresh start there would overwrite its config.json and
+        # metrics.jsonl, so it is refused too (check_fresh); say how out of both
+        started = path.is_file() or (run_dir / "metrics.jsonl").is_file()
+        raise ConfigError(f"--resume: no complete checkpoint under {checkpoint.ckpt_root(run_dir)}"
+                          + (f" (the run stopped before its first, at ckpt.every={cfg.ckpt.every} steps)"
+                             if started else ""),
+                          hint=f"start afresh in a new --run-dir, or remove {run_dir} first" if started else
+                          "start without --resume, or point --run-dir at the run to continue")
     if cursor.world != world:
         raise ConfigError(f"--resume with {world} data-parallel rank(s); the run was checkpointed with "
                           f"{cursor.world} (its data cursor counts per-rank micro-batches)",

@@ -19,9 +19,9 @@ from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.build import Session, build, build_state, check_device_support, load_run_target, resolve_placement
 from trainer.config import TrainCfg, on_cpu
-from trainer.errors import ReplicaDrift
+from trainer.errors import NonFiniteLoss, ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
-from trainer.loop import StopRule, TrainLoop
+from trainer.loop import StopRule, TrainLoop, weights_nonfinite
 from trainer.metrics import Console
 
 
@@ -105,5 +105,8 @@ def export_run(run_dir: Path) -> Path:
     target = load_run_target(cfg, "cpu", truncate=True, dtype="float32")
     state = build_state(cfg, target, torch.device("cpu"))
     state.drafter.load_state_dict(torch.load(newest / "drafter.pt", map_location="cpu"))
+    if weights_nonfinite(state.drafter):
+        raise NonFiniteLoss(f"checkpoint {newest} holds non-finite (NaN/inf) weights: nothing exported",
+                            hint="remove that step's directory to export the one before it")
     return export_drafter(rundir.export_dir(run_dir), state.drafter,
                           ExportConfig.of(state.drafter.cfg, target, cfg.model.block_size))

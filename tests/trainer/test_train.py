@@ -83,6 +83,58 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tin
     assert not (tmp_path / "r" / "export").exists()
 
 
+def test_weights_broken_after_a_finite_loss_are_neither_checkpointed_nor_exported(tmp_path, tiny_target_dir):
+    """An update can make the weights NaN after a finite loss (an inf gradient with clipping off): the loss check
+    alone would checkpoint them and export a NaN drafter with exit 0."""
+    from trainer.train import export_run
+
+    run = build(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
+    loop = TrainLoop(run)
+    loop.run(StopRule(steps=4))
+    with torch.no_grad():
+        run.state.drafter.fc.weight[0, 0] = float("inf")  # as a last update would leave it: the losses were finite
+    with pytest.raises(NonFiniteLoss, match=r"non-finite drafter weights .* by step 4.*Last good checkpoint: .*step_4"):
+        finish(run, loop)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "r")] == [2, 4]
+    assert not (tmp_path / "r" / "export").exists()
+    newest = checkpoint.list_checkpoints(tmp_path / "r")[-1][1]
+    weights = torch.load(newest / "drafter.pt")
+    weights["fc.weight"][0, 0] = float("nan")  # a checkpoint written before this check existed
+    torch.save(weights, newest / "drafter.pt")
+    with pytest.raises(NonFiniteLoss, match="holds non-finite"):
+        export_run(tmp_path / "r")
+    assert not (tmp_path / "r" / "export").exists()
+
+
+def test_a_damaged_newest_checkpoint_is_one_line_naming_the_file(tmp_path, tiny_target_dir):
+    from trainer.errors import ConfigError
+
+    cfg = small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=4")
+    TrainLoop(build(cfg, tmp_path / "r")).run()
+    newest = checkpoint.list_checkpoints(tmp_path / "r")[-1][1]
+    whole = (newest / "optimizer.pt").read_bytes()
+    (newest / "optimizer.pt").write_bytes(whole[: len(whole) // 2])  # a copy or a disk that stopped half-way
+    with pytest.raises(ConfigError, match=r"newest checkpoint's optimizer.pt cannot be read") as e:
+        build(cfg, tmp_path / "r", resume=True)
+    assert "move that step_N directory out of ckpt/" in e.value.hint
+    (newest / "trainer.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"trainer.json cannot be read"):
+        build(cfg, tmp_path / "r", resume=True)
+
+
+def test_a_resume_of_a_run_stopped_before_its_first_checkpoint_says_how_out(tmp_path, tiny_target_dir):
+    from trainer.errors import ConfigError
+
+    cfg = small_cfg(tiny_target_dir, "ckpt.every=100", "optim.max_steps=4")
+    run = build(cfg, tmp_path / "r")
+    TrainLoop(run).run(StopRule(steps=2))  # as if stopped by Ctrl-C: config.json and metrics.jsonl, no checkpoint
+    with pytest.raises(ConfigError, match=r"stopped before its first, at ckpt.every=100 steps") as e:
+        build(cfg, tmp_path / "r", resume=True)
+    assert e.value.hint == f"start afresh in a new --run-dir, or remove {tmp_path / 'r'} first"
+    with pytest.raises(ConfigError, match="is not empty"):
+        build(cfg, tmp_path / "r")
+
+
 def test_checkpoints_are_atomic_and_pruned_to_keep(tmp_path, target):
     from tests.trainer.conftest import make_state
 
