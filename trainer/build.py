@@ -278,8 +278,9 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
     if state.head_fp8 is not None:
         console.say(f"step.head_fp8={cfg.step.head_fp8}: the LM head's loss GEMMs run on the FP8 tensor cores")
     if env.is_main:
-        if not (resume and rundir.config_path(run_dir).is_file()):
-            made.append(rundir.config_path(run_dir))  # a start that fails after this (a tracker's login) keeps none
+        for path in (rundir.config_path(run_dir), rundir.data_record_path(run_dir)):
+            if not (resume and path.is_file()):
+                made.append(path)  # a start that fails after this (a tracker's login) keeps none
         rundir.write_config(cfg, run_dir, resume)
     resume_step = start.step if resume else None
     if env.is_main and cfg.track.backends:

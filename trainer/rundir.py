@@ -108,6 +108,7 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
         if diffs:
             raise ConfigError(f"--resume with a different config: {', '.join(diffs)}",
                               hint="resume with the same recipe and --set values as the original run")
+    check_same_data(cfg, run_dir)
     if world > 1:
         return
     cursor = checkpoint.newest_cursor(run_dir)
@@ -127,13 +128,48 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
 
 
 def write_config(cfg: TrainCfg, run_dir: Path, resume: bool) -> None:
-    """config.json, atomically; a resumed run keeps the one it started with."""
-    path = config_path(run_dir)
-    if resume and path.is_file():
+    """config.json and data.json (`data_record`), atomically; a resumed run keeps the ones it started with."""
+    for path, record in ((config_path(run_dir), to_dict(cfg)), (data_record_path(run_dir), data_record(cfg))):
+        if resume and path.is_file():
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+def data_record_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "data.json"
+
+
+def data_record(cfg: TrainCfg) -> dict:
+    """The size of every data file the run reads: the data order and the schedule's length follow from the data, so
+    a resume over grown or replaced files (a regenerate still appending, say) would train another run silently."""
+    from trainer.data.source import resolve_path
+
+    def size(raw: str) -> int | None:
+        try:
+            return resolve_path(raw).stat().st_size
+        except OSError:
+            return None
+
+    return {"files": {raw: size(raw) for raw in (*cfg.data.paths, *cfg.data.eval_paths)}}
+
+
+def check_same_data(cfg: TrainCfg, run_dir: Path) -> None:
+    """A resume reads the data files the run started with, at the sizes they had (where data.json recorded them)."""
+    path = data_record_path(run_dir)
+    if not path.is_file():
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        was = json.loads(path.read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return
+    now = data_record(cfg)["files"]
+    changed = [f"{raw} ({was[raw]} -> {now[raw]} bytes)" for raw in now if raw in was and was[raw] != now[raw]]
+    if changed:
+        raise ConfigError(f"--resume: data changed since the run started: {', '.join(changed)}; the resumed data "
+                          "order and schedule would not be the run's",
+                          hint="resume with the files as they were, or start a new run on the new data")
 
 
 def config_diff(a, b, prefix: str = "") -> list[str]:

@@ -366,7 +366,7 @@ def test_a_rerun_after_ctrl_c_before_any_checkpoint_keeps_the_metrics(tmp_path, 
     records = (run / "metrics.jsonl").read_text()
     assert len(records.splitlines()) == 2
     p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets)
-    assert p.returncode == 2 and f"error: {run} is not empty (config.json, metrics.jsonl)" in p.stderr, p.stderr
+    assert p.returncode == 2 and f"error: {run} is not empty (config.json, data.json, metrics.jsonl)" in p.stderr, p.stderr
     assert (run / "metrics.jsonl").read_text() == records
 
 

@@ -91,7 +91,8 @@ def test_only_rank_zero_writes_and_prints(runs):
     assert len([x for x in two.stdout.splitlines() if x.startswith("step ")]) == 4
     assert len((root / "two" / "metrics.jsonl").read_text().splitlines()) == 4
     assert sorted(p.name for p in (root / "two" / "ckpt").iterdir()) == ["step_2", "step_4"]
-    assert sorted(p.name for p in (root / "two").iterdir()) == ["ckpt", "config.json", "export", "metrics.jsonl"]
+    assert sorted(p.name for p in (root / "two").iterdir()) == ["ckpt", "config.json", "data.json", "export",
+                                                                 "metrics.jsonl"]
 
 
 def test_two_rank_resume_is_exact(runs, tiny_target_dir):

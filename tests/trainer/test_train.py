@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,6 +134,23 @@ def test_a_resume_of_a_run_stopped_before_its_first_checkpoint_says_how_out(tmp_
     assert e.value.hint == f"start afresh in a new --run-dir, or remove {tmp_path / 'r'} first"
     with pytest.raises(ConfigError, match="is not empty"):
         build(cfg, tmp_path / "r")
+
+
+def test_a_resume_over_data_that_grew_is_refused_and_one_over_the_same_data_goes_on(tmp_path, tiny_target_dir):
+    from trainer.errors import ConfigError
+    from trainer.data.source import resolve_path
+
+    data = tmp_path / "d.jsonl"
+    lines = resolve_path("bundled:smoke.jsonl").read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[:150]))
+    cfg = small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=4", f"data.paths=[{data}]")
+    TrainLoop(build(cfg, tmp_path / "r")).run(StopRule(steps=2))
+    assert json.loads((tmp_path / "r" / "data.json").read_text()) == {"files": {str(data): data.stat().st_size}}
+    build(cfg, tmp_path / "r", resume=True)  # the same files: it goes on
+    before = data.stat().st_size
+    data.write_text("".join(lines[:300]))  # a regenerate still appending
+    with pytest.raises(ConfigError, match=rf"data changed since the run started: {data} \({before} -> "):
+        build(cfg, tmp_path / "r", resume=True)
 
 
 def test_checkpoints_are_atomic_and_pruned_to_keep(tmp_path, target):
