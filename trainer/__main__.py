@@ -42,6 +42,7 @@ EVAL_USAGE = "eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --
 
 def _parser() -> argparse.ArgumentParser:
     from trainer.config import DTYPES, user_path
+    from trainer.rundir import RESUME_MAY_CHANGE
 
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run directory (default: runs/<recipe>-<utc time>)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config leaf, e.g. --set optim.lr=3e-4 (repeatable)")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --run-dir, with the config.json it started with "
+                        f"(--set may change only {', '.join(RESUME_MAY_CHANGE)})")
     e = sub.add_parser("eval", help="simulated tau on held-out data, or real decoding on prompt files",
                        description="--run-dir D: simulated tau on the run's held-out split. --drafter EXPORT --target "
                                    "T --data F: simulated tau on a training-format JSONL. --drafter EXPORT --target "
@@ -79,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     _regenerate_parser(sub)
     x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
     x.add_argument("--run-dir", type=user_path, required=True)
+    x.add_argument("--target", type=user_path, default=None,
+                   help="the run's target where it is now, if it moved since the run (default: the run's model.target)")
     m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer",
                        description="A target + tokenizer (with a chat template) built offline: by default the tiny "
                                    "Qwen3 the tests use, briefly trained on the bundled chat data.")
@@ -163,15 +168,17 @@ def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
 
 
 def cmd_train(args) -> int:
-    from trainer.config import load_config
+    from trainer.config import load_config, load_resumed_config
     from trainer.errors import secondary_rank
     from trainer.metrics import Console
 
     console = Console(quiet=secondary_rank(), t0=_T0)
     name = Path(args.recipe).stem
     run_dir = Path(args.run_dir or f"runs/{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
-    with console.phase(f"checking the config (recipe {args.recipe}) and the data") as notes:
-        cfg = load_config(args.recipe, args.overrides)
+    resumed = run_dir / "config.json" if args.resume and (run_dir / "config.json").is_file() else None
+    source = f"{resumed}, as the run started" if resumed else f"recipe {args.recipe}"
+    with console.phase(f"checking the config ({source}) and the data") as notes:
+        cfg = load_resumed_config(resumed, args.overrides) if resumed else load_config(args.recipe, args.overrides)
         notes.append(check_before_torch(cfg, run_dir, args.resume))
     with console.phase("loading torch and transformers"):
         _quiet_libraries()
@@ -321,7 +328,7 @@ def static_or_hf(engine: str, target) -> str:
 def cmd_export(args) -> int:
     from trainer.train import export_run
 
-    print(f"exported {export_run(Path(args.run_dir))}", flush=True)
+    print(f"exported {export_run(Path(args.run_dir), args.target)}", flush=True)
     return 0
 
 

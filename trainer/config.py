@@ -535,6 +535,21 @@ def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
     return with_home_expanded(from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg)))
 
 
+def load_resumed_config(config_json: Path, overrides: list[str] = ()) -> TrainCfg:
+    """A resumed run's config: the config.json it started with, and the `--set` overrides on top (which may change
+    only rundir.RESUME_MAY_CHANGE: the resume check refuses any other difference). So `--resume` needs no --set."""
+    import json
+
+    try:
+        tree = json.loads(Path(config_json).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: cannot read {config_json} ({type(e).__name__})",
+                          hint="resume a run directory that this trainer wrote") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--resume: {config_json} is not a JSON object")
+    return with_home_expanded(from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg)))
+
+
 def user_path(path: str) -> str:
     """`~` and `~user` at the start of a path, expanded as a shell would: in `--set model.target=~/m` or
     `--out=~/x.jsonl` the shell leaves it alone. Pure but for the home directory."""

@@ -104,10 +104,12 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
         return
     path = config_path(run_dir)
     if path.is_file():
-        diffs = config_diff(json.loads(path.read_text()), to_dict(cfg))
+        diffs = [d for d in config_diff(json.loads(path.read_text()), to_dict(cfg))
+                 if d.split(" ", 1)[0] not in RESUME_MAY_CHANGE]
         if diffs:
             raise ConfigError(f"--resume with a different config: {', '.join(diffs)}",
-                              hint="resume with the same recipe and --set values as the original run")
+                              hint="resume with the same recipe and --set values as the original run (only "
+                                   f"{', '.join(RESUME_MAY_CHANGE)} may change)")
     check_same_data(cfg, run_dir)
     if world > 1:
         return
@@ -170,6 +172,12 @@ def check_same_data(cfg: TrainCfg, run_dir: Path) -> None:
         raise ConfigError(f"--resume: data changed since the run started: {', '.join(changed)}; the resumed data "
                           "order and schedule would not be the run's",
                           hint="resume with the files as they were, or start a new run on the new data")
+
+
+# Settings a resume may change: how often the run logs and checkpoints, how many checkpoints it keeps, its CPU
+# threads, whether it evaluates at the end. None of them changes what is trained (the data order, the schedule, the
+# steps). The run's config.json keeps the values it started with.
+RESUME_MAY_CHANGE = ("log.every", "ckpt.every", "ckpt.keep", "threads", "eval_at_end")
 
 
 def config_diff(a, b, prefix: str = "") -> list[str]:

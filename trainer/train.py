@@ -8,6 +8,7 @@ process without torchrun.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from pathlib import Path
@@ -19,7 +20,7 @@ from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.build import Session, build, build_state, check_device_support, load_run_target, resolve_placement
 from trainer.config import TrainCfg, on_cpu
-from trainer.errors import NonFiniteLoss, ReplicaDrift
+from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
 from trainer.loop import StopRule, TrainLoop, weights_nonfinite
 from trainer.metrics import Console
@@ -96,11 +97,23 @@ def finish(session: Session, loop: TrainLoop) -> dict:
     return result
 
 
-def export_run(run_dir: Path) -> Path:
+def export_run(run_dir: Path, target: str | None = None) -> Path:
     """Rewrite <run_dir>/export from the newest complete checkpoint (CPU; the target supplies dims and ids). A run
     trained with CUDA-only settings (pipeline, nccl, graph modes, flex) is rebuilt with their CPU alternatives: none
-    of them changes the drafter's parameters."""
+    of them changes the drafter's parameters. `target`: the run's target where it is now (moved since the run,
+    or a run directory that was moved with its tiny target), checked against the run's shape."""
     cfg = on_cpu(rundir.load_run_config(run_dir))
+    if target is not None:
+        from trainer.targetdir import check_model_fits, read_shape, read_target_dir
+
+        read_target_dir(target)
+        m = cfg.model
+        check_model_fits(read_shape(target), num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
+                         mask_token_id=m.mask_token_id)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=target))
+    elif not (Path(cfg.model.target) / "config.json").is_file():
+        raise ConfigError(f"the run's target {cfg.model.target} is not there (moved or removed since the run)",
+                          hint="pass --target DIR: the same target where it is now")
     newest = rundir.newest_checkpoint(run_dir)
     target = load_run_target(cfg, "cpu", truncate=True, dtype="float32")
     state = build_state(cfg, target, torch.device("cpu"))

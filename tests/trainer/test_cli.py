@@ -181,6 +181,20 @@ def test_a_leading_tilde_is_the_home_directory_as_the_shell_would_have_made_it(t
         assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
 
 
+def test_resume_needs_no_set_it_reads_the_runs_own_config(tmp_path, tiny_target_dir):
+    """`train --recipe gpu --run-dir R --resume`, as the README shows it: the run's config.json is the config, so the
+    --set values of the first start need not be repeated; a --set that would change what is trained is refused."""
+    run = tmp_path / "run"
+    sets = ["--set", f"model.target={tiny_target_dir}", "--set", "optim.max_steps=4", "--set", "ckpt.every=2",
+            "--set", "data.seq_len=128", "--set", "eval_at_end=false"]
+    assert run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets).returncode == 0
+    again = run_cli("train", "--recipe", "gpu", "--run-dir", str(run), "--resume", "--set", "log.every=1")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"checking the config ({run}/config.json, as the run started)" in again.stderr + again.stdout
+    other = run_cli("train", "--recipe", "smoke", "--run-dir", str(run), "--resume", "--set", "optim.lr=1e-2")
+    assert other.returncode == 2 and "--resume with a different config: optim.lr" in other.stderr, other.stderr
+
+
 def test_an_empty_target_is_refused_outside_the_smoke_recipe(tmp_path):
     p = run_cli("train", "--recipe", "gpu", "--run-dir", str(tmp_path / "r"), flags=("-X", "importtime"))
     assert p.returncode == 2

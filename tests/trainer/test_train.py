@@ -65,6 +65,39 @@ def test_resume_refuses_a_changed_config(tmp_path, tiny_target_dir):
         build(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")
 
 
+def test_a_resume_may_change_how_it_logs_and_checkpoints_but_not_what_it_trains(tmp_path, tiny_target_dir):
+    from trainer.errors import ConfigError
+
+    TrainLoop(build(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=4"), tmp_path / "r")).run(
+        StopRule(steps=2))
+    changed = ("ckpt.every=1", "ckpt.keep=5", "log.every=1", "threads=1", "eval_at_end=false")
+    session = build(small_cfg(tiny_target_dir, "optim.max_steps=4", *changed), tmp_path / "r", resume=True)
+    assert (session.cfg.ckpt.every, session.cfg.ckpt.keep, session.cfg.log.every) == (1, 5, 1)
+    with pytest.raises(ConfigError, match=r"optim.max_steps \(4 -> 6\)") as e:
+        build(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=6"), tmp_path / "r", resume=True)
+    assert "only log.every, ckpt.every, ckpt.keep, threads, eval_at_end may change" in e.value.hint
+
+
+def test_export_of_a_run_whose_target_moved_takes_the_target_where_it_is_now(tmp_path, tiny_target_dir):
+    import shutil
+
+    from trainer.errors import ConfigError
+    from trainer.train import export_run
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+    TrainLoop(build(small_cfg(str(target), "ckpt.every=2", "optim.max_steps=2"), tmp_path / "r")).run()
+    moved = tmp_path / "moved"
+    target.rename(moved)
+    with pytest.raises(ConfigError, match=rf"the run's target {target} is not there") as e:
+        export_run(tmp_path / "r")
+    assert "--target" in e.value.hint
+    out = export_run(tmp_path / "r", str(moved))
+    assert (out / "model.safetensors").is_file()
+    with pytest.raises(ConfigError, match="does not exist"):
+        export_run(tmp_path / "r", str(tmp_path / "nowhere"))
+
+
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_target_dir):
     run = build(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
     loop = TrainLoop(run)
