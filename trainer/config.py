@@ -5,9 +5,9 @@ Pure: no torch import. Every `__post_init__` raises `ConfigError` with a message
 from __future__ import annotations
 
 import dataclasses
-import os
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -538,8 +538,6 @@ def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
 def load_resumed_config(config_json: Path, overrides: list[str] = ()) -> TrainCfg:
     """A resumed run's config: the config.json it started with, and the `--set` overrides on top (which may change
     only rundir.RESUME_MAY_CHANGE: the resume check refuses any other difference). So `--resume` needs no --set."""
-    import json
-
     try:
         tree = json.loads(Path(config_json).read_text())
     except (OSError, ValueError) as e:

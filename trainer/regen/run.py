@@ -14,7 +14,6 @@ Progress: `DFLASH_PROGRESS` lines (trainer.metrics.JobProgress) and a bar on a T
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from pathlib import Path
 
