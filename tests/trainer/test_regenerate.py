@@ -384,3 +384,22 @@ def test_the_static_engine_answers_as_hf_and_a_resumed_sampled_job_draws_the_sam
         return {(r["regen"]["key"], r["regen"]["sample"]): r["input_ids"] for r in records(path)}
     assert len(samples(whole)) == 12 and samples(cut) == samples(whole)
     assert len({tuple(v) for v in samples(whole).values()}) > 6  # sampled: the answers differ
+
+
+def test_a_second_job_on_the_same_out_is_refused_while_the_first_holds_it(tiny_target_dir, tmp_path, capsys):
+    """Two regenerate jobs appending to one --out would interleave and repeat answers: the second is refused while
+    the first holds OUT, and once it is gone the same command goes on."""
+    import fcntl
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("count from 1 to 4\nadd 2 and 3\n")
+    out = tmp_path / "regen.jsonl"
+    args = ("--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(out), "--max-new", "4")
+    with out.open("ab") as held:  # as the first job's lock_out holds it
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _out, err = regenerate(capsys, *args)
+        assert code == 2 and f"error: another regenerate is writing --out {out}" in err, err
+        assert out.read_bytes() == b""
+    code, _out, err = regenerate(capsys, *args)
+    assert code == 0, err
+    assert len(records(out)) == 2

@@ -152,6 +152,23 @@ def answer_line(prompt_ids: list[int], answer_ids: list[int], key: str, sample: 
                        separators=(",", ":")) + "\n").encode("utf-8")
 
 
+def lock_out(out: Path):
+    """Hold OUT (created if missing) for this job alone: an exclusive flock on it, or one ConfigError when another
+    regenerate holds it (two jobs appending to one OUT would interleave and repeat answers). The lock goes with the
+    returned file, and with the process."""
+    import fcntl
+
+    f = out.open("ab")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ConfigError(f"another regenerate is writing --out {out}",
+                          hint="wait for it to end (a restart then goes on where it stopped), or pass another "
+                               "--out") from None
+    return f
+
+
 class AnswerWriter:
     """Appends answer lines to OUT, one write + flush each, after cutting a torn last line off."""
 

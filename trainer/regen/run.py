@@ -13,6 +13,7 @@ Progress: `DFLASH_PROGRESS` lines (trainer.metrics.JobProgress) and a bar on a T
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +176,16 @@ def build_engine(job: Job, tokenizer, stops, prompt_ids: list[list[int]], consol
 
 
 def run(job: Job, console) -> dict:
-    """Tokenize, load, answer every pending (prompt, sample) into OUT -> the DFLASH_DONE record."""
+    """Tokenize, load, answer every pending (prompt, sample) into OUT -> the DFLASH_DONE record. OUT is held for this
+    job alone from before the target loads to the end (outfile.lock_out)."""
+    with outfile.lock_out(job.out):
+        # read again under the lock: a job that held OUT while this one was checked may have appended since
+        resume = outfile.scan_out(job.out)
+        outfile.check_same_run(resume.meta, target_record(job.target), job.settings.output_settings())
+        return _run(dataclasses.replace(job, resume=resume), console)
+
+
+def _run(job: Job, console) -> dict:
     import time
 
     from trainer.metrics import JobProgress
