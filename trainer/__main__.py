@@ -168,6 +168,7 @@ def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
 
 
 def cmd_train(args) -> int:
+    from trainer import rundir
     from trainer.config import load_config, load_resumed_config
     from trainer.errors import secondary_rank
     from trainer.metrics import Console
@@ -175,7 +176,7 @@ def cmd_train(args) -> int:
     console = Console(quiet=secondary_rank(), t0=_T0)
     name = Path(args.recipe).stem
     run_dir = Path(args.run_dir or f"runs/{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
-    resumed = run_dir / "config.json" if args.resume and (run_dir / "config.json").is_file() else None
+    resumed = rundir.run_config_file(run_dir) if args.resume else None
     source = f"{resumed}, as the run started" if resumed else f"recipe {args.recipe}"
     with console.phase(f"checking the config ({source}) and the data") as notes:
         cfg = load_resumed_config(resumed, args.overrides) if resumed else load_config(args.recipe, args.overrides)

@@ -68,7 +68,9 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         keep: int) -> Path:
+         keep: int, config: dict | None = None) -> Path:
+    """Write step_N atomically. `config`: the run's config.json, copied in, so that a checkpoint copied out of its
+    run directory (`dflash-ops pull --what ckpt`) still says what it was trained with."""
     import torch
 
     root = ckpt_root(run_dir)
@@ -81,8 +83,12 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(_rng_state(), tmp / "rng.pt")
     (tmp / "trainer.json").write_text(json.dumps({"step": cursor.step, "micro": cursor.micro, "world": cursor.world}))
+    names = CKPT_FILES
+    if config is not None:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        names += (CONFIG_FILE,)
     # on disk before the rename makes it the newest: after a power loss the newest is whole, or not there
-    for path in (*(tmp / n for n in CKPT_FILES), tmp):
+    for path in (*(tmp / n for n in names), tmp):
         _fsync(path)
     if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
         shutil.rmtree(final)
@@ -94,6 +100,7 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
 
 
 CKPT_FILES = ("drafter.pt", "optimizer.pt", "rng.pt", "trainer.json")
+CONFIG_FILE = "config.json"  # the run's, in each step_N (not in CKPT_FILES: checkpoints made before it have none)
 
 
 def _fsync(path: Path) -> None:

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trainer import checkpoint
+from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer.build import Session
 from trainer.checkpoint import Cursor
@@ -201,7 +201,7 @@ class TrainLoop:
         """Rank 0 only: the replicas are identical, one copy is the checkpoint."""
         if self.s.env.is_main:
             checkpoint.save(self.s.run_dir, self.cursor, self.s.state.drafter, self.s.state.optimizer,
-                            self.s.cfg.ckpt.keep)
+                            self.s.cfg.ckpt.keep, config=rundir.recorded_config(self.s.run_dir, self.s.cfg))
 
     def _log(self, step: int, micro: int, dt: float, steps: int, elapsed: float) -> None:
         """Collective at log cadence: metrics are summed over ranks; tokens/s counts every rank's tokens."""

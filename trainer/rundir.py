@@ -23,6 +23,30 @@ from trainer.config import TrainCfg, check_target, from_dict, to_dict
 from trainer.errors import ConfigError
 
 
+def run_config_file(run_dir: Path) -> Path | None:
+    """The config a run was trained with: its config.json, or, in a run directory holding only checkpoints (copied
+    out of the run's: `dflash-ops pull --what ckpt`), the newest checkpoint's copy. None when neither is there."""
+    path = config_path(run_dir)
+    if path.is_file():
+        return path
+    found = checkpoint.list_checkpoints(run_dir)
+    if found and (found[-1][1] / checkpoint.CONFIG_FILE).is_file():
+        return found[-1][1] / checkpoint.CONFIG_FILE
+    return None
+
+
+def recorded_config(run_dir: Path, cfg: TrainCfg) -> dict:
+    """What a checkpoint records as the run's config: the config.json the run started with (a resume may change
+    only RESUME_MAY_CHANGE in memory), else this config."""
+    path = run_config_file(run_dir)
+    if path is not None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    return to_dict(cfg)
+
+
 def config_path(run_dir: Path) -> Path:
     return Path(run_dir) / "config.json"
 
@@ -102,7 +126,7 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
     if not resume:
         check_fresh(run_dir)
         return
-    path = config_path(run_dir)
+    path = run_config_file(run_dir) or config_path(run_dir)
     if path.is_file():
         diffs = [d for d in config_diff(json.loads(path.read_text()), to_dict(cfg))
                  if d.split(" ", 1)[0] not in RESUME_MAY_CHANGE]
@@ -195,8 +219,8 @@ def config_diff(a, b, prefix: str = "") -> list[str]:
 
 
 def load_run_config(run_dir: Path) -> TrainCfg:
-    path = config_path(run_dir)
-    if not path.is_file():
+    path = run_config_file(run_dir)
+    if path is None:
         raise ConfigError(f"{run_dir} has no config.json", hint="point --run-dir at a trainer run directory")
     return from_dict(TrainCfg, json.loads(path.read_text()))
 

@@ -97,6 +97,25 @@ def test_export_of_a_run_whose_target_moved_takes_the_target_where_it_is_now(tmp
         export_run(tmp_path / "r", str(tmp_path / "nowhere"))
 
 
+def test_a_checkpoint_copied_out_of_its_run_keeps_its_config(tmp_path, tiny_target_dir):
+    """`dflash-ops pull --what ckpt` brings step_N/ without the run's config.json: each step carries a copy, so a
+    resume there is checked against it and the export knows the run's shape."""
+    import shutil
+
+    from trainer.errors import ConfigError
+    from trainer.train import export_run
+
+    cfg = small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=4")
+    TrainLoop(build(cfg, tmp_path / "r")).run(StopRule(steps=2))
+    step = checkpoint.list_checkpoints(tmp_path / "r")[-1][1]
+    assert json.loads((step / "config.json").read_text()) == json.loads((tmp_path / "r" / "config.json").read_text())
+    pulled = tmp_path / "pulled"
+    shutil.copytree(step, pulled / "ckpt" / step.name)
+    with pytest.raises(ConfigError, match=r"--resume with a different config: optim.lr"):
+        build(small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=4", "optim.lr=0.5"), pulled, resume=True)
+    assert (export_run(pulled) / "model.safetensors").is_file()
+
+
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_target_dir):
     run = build(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
     loop = TrainLoop(run)
