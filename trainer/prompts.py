@@ -6,7 +6,10 @@ Each non-blank line is recognised by its keys:
   HumanEval    {"task_id": ..., "prompt": ..., "entry_point": ...}     -> prompt (the function to complete)
   MBPP         {"task_id": ..., "text": ..., "test_list": [...]}       -> text, then its tests
   MT-Bench     {"question_id": ..., "turns": [...]}                    -> the first turn
-  chat         {"conversations" | "messages": [{"role": ..., "content": ...}, ...]}
+  Alpaca       {"instruction": ..., "input": ...}                      -> instruction, then input when not empty
+  prompt       {"prompt": ...}                                         -> prompt
+  chat         {"conversations" | "messages": [{"role": ..., "content": ...}, ...]}  (content: a string, or
+               OpenAI's list of parts, whose text parts are joined)
   ShareGPT     {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}
   plain text   any line that does not start with "{"                   -> the line
 The eval formats and plain lines are one user turn. A chat or ShareGPT line is its turns up to and including its
@@ -30,8 +33,8 @@ from trainer.errors import DataError
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system",
                   "tool": "tool", "function": "tool", "observation": "tool"}
-FORMATS_HINT = ("one prompt per line: GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, chat or ShareGPT JSON lines, or "
-                "plain text")
+FORMATS_HINT = ("one prompt per line: GSM8K, MATH-500, HumanEval, MBPP, MT-Bench, Alpaca, {\"prompt\": ...}, chat or "
+                "ShareGPT JSON lines, or plain text")
 
 
 @dataclass(frozen=True)
@@ -65,20 +68,36 @@ def _single_turn(obj: dict) -> tuple[str, str] | None:
         return "mbpp", f"{obj['text']}\nYour code should pass these tests:\n{tests}" if tests else obj["text"]
     if isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
         return "mt-bench", obj["turns"][0]
+    if isinstance(obj.get("instruction"), str) and "conversations" not in obj and "messages" not in obj:
+        extra = obj.get("input")
+        return "alpaca", obj["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
+    if isinstance(obj.get("prompt"), str) and "conversations" not in obj and "messages" not in obj:
+        return "prompt", obj["prompt"]
     return None
+
+
+def _text_parts(content) -> str | None:
+    """OpenAI's content as a list of parts -> its text parts joined, or None when it is no such list."""
+    if not isinstance(content, list) or not content:
+        return None
+    if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+        return None
+    return "\n".join(c["text"] for c in content)
 
 
 def _turn(t, number: int) -> tuple[str, dict]:
     """One turn of a chat or ShareGPT list -> (format, {"role", "content"})."""
     if isinstance(t, dict) and t.get("role") in ROLES and isinstance(t.get("content"), str):
         return "chat", {"role": t["role"], "content": t["content"]}
+    if isinstance(t, dict) and t.get("role") in ROLES and _text_parts(t.get("content")) is not None:
+        return "chat", {"role": t["role"], "content": _text_parts(t["content"])}
     if isinstance(t, dict) and "from" in t and isinstance(t.get("value"), str):
         role = SHAREGPT_ROLES.get(str(t["from"]).lower())
         if role is None:
             raise MalformedLine(f"turn {number}: unknown ShareGPT speaker {t['from']!r}")
         return "sharegpt", {"role": role, "content": t["value"]}
-    raise MalformedLine(f"turn {number}: needs role in {ROLES} and string content (chat), or from + string "
-                        "value (ShareGPT)")
+    raise MalformedLine(f"turn {number}: needs role in {ROLES} and string content or text parts (chat), or from + "
+                        "string value (ShareGPT)")
 
 
 def conversation_of(obj) -> tuple[str, tuple[dict, ...]]:

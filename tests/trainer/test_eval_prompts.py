@@ -49,6 +49,22 @@ def test_chat_sharegpt_plain_lines_and_bad_lines(tmp_path):
         read_prompt_set(tmp_path / "missing.jsonl")
 
 
+def test_alpaca_prompt_and_content_part_lines_are_read(tmp_path):
+    """Alpaca's instruction (+ input), a bare {"prompt": ...}, and OpenAI chat turns whose content is a list of text
+    parts: formats users bring that used to be refused as unknown."""
+    f = tmp_path / "more.jsonl"
+    lines = [{"instruction": "count from 3 to 9", "input": "", "output": "3 4 5"},
+             {"instruction": "repeat twice", "input": "cat dog", "output": "cat dog cat dog"},
+             {"prompt": "add 2 and 3"},
+             {"messages": [{"role": "user", "content": [{"type": "text", "text": "reverse"},
+                                                        {"type": "text", "text": "cat dog"}]}]},
+             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}]
+    f.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ps = read_prompt_set(f)
+    assert ps.prompts == ("count from 3 to 9", "repeat twice\n\ncat dog", "add 2 and 3", "reverse\ncat dog")
+    assert ps.formats == ("alpaca", "prompt", "chat") and ps.bad_lines == (5,)  # an image part has no text to answer
+
+
 def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp_path):
     from tests.trainer.conftest import make_state
     from trainer.export import ExportConfig, export_drafter
