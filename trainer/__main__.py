@@ -106,8 +106,7 @@ def _regenerate_parser(sub) -> None:
                                    "FILE.meta.json of what made them. A restarted job with the same --out continues "
                                    "where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
                                    "MATH-500, HumanEval, MBPP, MT-Bench, Alpaca, {\"prompt\": ...}, plain text lines; a "
-                                   "conversation is answered "
-                                   "after its last user turn.")
+                                   "conversation is answered after its last user turn.")
     r.add_argument("--target", type=user_path, required=True, help="the target's local Hugging Face directory")
     r.add_argument("--prompts", type=user_path, required=True, nargs="+", metavar="FILE", help="prompt files")
     r.add_argument("--out", type=user_path, required=True,

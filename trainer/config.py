@@ -532,6 +532,11 @@ def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
     _source, tree = recipe_tree(recipe)
     if recipe_kind(tree) == "pipeline":
         raise pipeline_recipe_error(recipe)
+    return _train_cfg(tree, overrides)
+
+
+def _train_cfg(tree: dict[str, Any], overrides) -> TrainCfg:
+    """A recipe's or a run's config tree with the `--set` overrides -> the validated TrainCfg, paths expanded."""
     return with_home_expanded(from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg)))
 
 
@@ -545,7 +550,7 @@ def load_resumed_config(config_json: Path, overrides: list[str] = ()) -> TrainCf
                           hint="resume a run directory that this trainer wrote") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"--resume: {config_json} is not a JSON object")
-    return with_home_expanded(from_dict(TrainCfg, apply_overrides(tree, list(overrides), TrainCfg)))
+    return _train_cfg(tree, overrides)
 
 
 def user_path(path: str) -> str:
@@ -584,9 +589,14 @@ def check_target_dir(cfg: TrainCfg) -> None:
         raise ConfigError(f"model.target={cfg.model.target}: no config.json there",
                           hint="set model.target to a local Hugging Face model directory")
     if cfg.model.target:
-        from trainer.targetdir import check_model_fits, read_shape, read_target_dir
+        check_target_loads(cfg.model, cfg.model.target)
 
-        m = cfg.model
-        read_target_dir(m.target)
-        check_model_fits(read_shape(m.target), num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
-                         mask_token_id=m.mask_token_id)
+
+def check_target_loads(m: ModelCfg, target: str) -> None:
+    """`target` is a directory this trainer can load (`targetdir.read_target_dir`) whose config.json the model
+    settings' taps and mask id fit. Before torch: the start's check, and the export's of a target that moved."""
+    from trainer.targetdir import check_model_fits, read_shape, read_target_dir
+
+    read_target_dir(target)
+    check_model_fits(read_shape(target), num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
+                     mask_token_id=m.mask_token_id)

@@ -126,10 +126,9 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
     if not resume:
         check_fresh(run_dir)
         return
-    path = run_config_file(run_dir) or config_path(run_dir)
-    if path.is_file():
-        diffs = [d for d in config_diff(json.loads(path.read_text()), to_dict(cfg))
-                 if d.split(" ", 1)[0] not in RESUME_MAY_CHANGE]
+    recorded = run_config_file(run_dir)
+    if recorded is not None:
+        diffs = config_diff(json.loads(recorded.read_text()), to_dict(cfg), skip=RESUME_MAY_CHANGE)
         if diffs:
             raise ConfigError(f"--resume with a different config: {', '.join(diffs)}",
                               hint="resume with the same recipe and --set values as the original run (only "
@@ -141,7 +140,7 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
     if cursor is None:
         # the run stopped before its first checkpoint: a fresh start there would overwrite its config.json and
         # metrics.jsonl, so it is refused too (check_fresh); say how out of both
-        started = path.is_file() or (run_dir / "metrics.jsonl").is_file()
+        started = recorded is not None or (run_dir / "metrics.jsonl").is_file()
         raise ConfigError(f"--resume: no complete checkpoint under {checkpoint.ckpt_root(run_dir)}"
                           + (f" (the run stopped before its first, at ckpt.every={cfg.ckpt.every} steps)"
                              if started else ""),
@@ -204,18 +203,19 @@ def check_same_data(cfg: TrainCfg, run_dir: Path) -> None:
 RESUME_MAY_CHANGE = ("log.every", "ckpt.every", "ckpt.keep", "threads", "eval_at_end")
 
 
-def config_diff(a, b, prefix: str = "") -> list[str]:
-    """Pure: the leaves where a recorded config `a` and a new one `b` differ, as `key (old -> new)`. A key the
-    recorded config does not have (added to the trainer after that run started) is not a difference: old runs stay
-    resumable."""
+def config_diff(a, b, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
+    """Pure: the leaves where a recorded config `a` and a new one `b` differ, as `key (old -> new)`, but the dotted
+    keys in `skip`. A key the recorded config does not have (added to the trainer after that run started) is not a
+    difference: old runs stay resumable."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
             if k not in a:
                 continue
-            out += config_diff(a.get(k), b.get(k), f"{prefix}{k}.")
+            out += config_diff(a.get(k), b.get(k), f"{prefix}{k}.", skip)
         return out
-    return [] if a == b else [f"{prefix[:-1]} ({a!r} -> {b!r})"]
+    key = prefix[:-1]
+    return [] if a == b or key in skip else [f"{key} ({a!r} -> {b!r})"]
 
 
 def load_run_config(run_dir: Path) -> TrainCfg:

@@ -133,7 +133,7 @@ def read_target_dir(path: str | Path) -> TargetDir:
     if known is not None and model_type not in known:
         raise ConfigError(f"target {path}: unknown family {model_type!r}: the installed transformers has no causal "
                           "LM for it", hint="point --target at a causal LM this transformers version supports")
-    check_weights(path)
+    weight_files(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"target {path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})",
                           hint="copy the model's tokenizer files into the directory (save_pretrained writes them)")
@@ -146,11 +146,12 @@ def read_target_dir(path: str | Path) -> TargetDir:
                      max_positions=_positions(config))
 
 
-def check_weights(path: Path) -> None:
-    """The directory holds its weights: one of WEIGHT_FILES, or an index whose every shard is there (a partial
-    download otherwise fails only once the model loads, after torch and the data)."""
-    if any((path / name).is_file() for name in WEIGHT_FILES):
-        return
+def weight_files(path: Path) -> list[Path]:
+    """The directory's weight files: one of WEIGHT_FILES, or every shard its index names, all there; else one
+    ConfigError (a partial download otherwise fails only once the model loads, after torch and the data)."""
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return [path / name]
     for name in WEIGHT_FILES:
         index_path = path / f"{name}.index.json"
         if not index_path.is_file():
@@ -158,31 +159,19 @@ def check_weights(path: Path) -> None:
         weight_map = _json_file(index_path, index_path.name).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ConfigError(f"target {path}: {index_path.name} has no weight_map")
-        missing = sorted({str(f) for f in weight_map.values() if not (path / str(f)).is_file()})
+        shards = sorted({str(f) for f in weight_map.values()})
+        missing = [f for f in shards if not (path / f).is_file()]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise ConfigError(f"target {path}: shard {missing[0]}{more} of {index_path.name} is missing",
                               hint="finish the download (e.g. huggingface-cli download) and retry")
-        return
+        return [path / f for f in shards]
     raise ConfigError(f"target {path}: no weights ({' or '.join(WEIGHT_FILES)}, or their .index.json)",
                       hint="point it at a downloaded Hugging Face model directory")
 
 
 FINGERPRINT_SAMPLES = 64  # 4 KiB reads spread over each weight file
 _SAMPLE = 4096
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The weight files `check_weights` accepted: the single file, or every shard its index names."""
-    for name in WEIGHT_FILES:
-        if (path / name).is_file():
-            return [path / name]
-    for name in WEIGHT_FILES:
-        index_path = path / f"{name}.index.json"
-        if index_path.is_file():
-            weight_map = _json_file(index_path, index_path.name).get("weight_map") or {}
-            return [path / f for f in sorted({str(v) for v in weight_map.values()})]
-    return []
 
 
 def weights_fingerprint(path: str | Path) -> str:

@@ -19,7 +19,7 @@ from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.build import Session, build, build_state, check_device_support, load_run_target, resolve_placement
-from trainer.config import TrainCfg, on_cpu
+from trainer.config import TrainCfg, check_target_loads, on_cpu
 from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
 from trainer.loop import StopRule, TrainLoop, weights_nonfinite
@@ -104,12 +104,7 @@ def export_run(run_dir: Path, target: str | None = None) -> Path:
     or a run directory that was moved with its tiny target), checked against the run's shape."""
     cfg = on_cpu(rundir.load_run_config(run_dir))
     if target is not None:
-        from trainer.targetdir import check_model_fits, read_shape, read_target_dir
-
-        read_target_dir(target)
-        m = cfg.model
-        check_model_fits(read_shape(target), num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
-                         mask_token_id=m.mask_token_id)
+        check_target_loads(cfg.model, target)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=target))
     elif not (Path(cfg.model.target) / "config.json").is_file():
         raise ConfigError(f"the run's target {cfg.model.target} is not there (moved or removed since the run)",
