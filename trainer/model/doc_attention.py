@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainer.model.flex import block_mask_tensors
+from trainer.model.flex import block_mask_tensors, tuned_options, use_tuned_options
 
 ATTN_NAME = "doc_causal"  # must not contain "flash": HF treats such names as hub flash kernels
 TILE = 128  # flex's kernel block
@@ -64,6 +64,7 @@ class DocCausalMask:
             raise ValueError(f"DocCausalMask needs seq ({seq}) to be a multiple of the tile ({tile})")
         self.rows, self.seq, self.tile, self.window = rows, seq, tile, window
         self.doc_ids = torch.zeros(rows, seq, dtype=torch.int32, device=device)
+        use_tuned_options(torch.device(device))
         tensors = block_mask_tensors(*doc_tile_states(self.doc_ids, tile, window))
         self.block_mask = BlockMask.from_kv_blocks(
             tensors["kv_num_blocks"], tensors["kv_indices"], tensors["full_kv_num_blocks"],
@@ -113,7 +114,7 @@ def doc_causal_attention(module, query, key, value, attention_mask, scaling=None
     fn = compiled_flex_attention() if use_compiled else flex_attention
     softcap = kwargs.get("softcap")
     out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-             score_mod=_softcapped(softcap) if softcap else None)
+             score_mod=_softcapped(softcap) if softcap else None, kernel_options=tuned_options("target", query))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -152,6 +152,7 @@ class FlexBlockMask:
         self.shape = shape
         self.window = window
         dev = torch.device(device)
+        use_tuned_options(dev)
         n = shape.num_anchors
         # Placeholder layout: anchors spread evenly, all valid (any valid layout would do; update_ overwrites it).
         spread = (torch.arange(n, device=dev) * shape.ctx_len // n).expand(shape.batch, n)
@@ -217,6 +218,43 @@ class FlexBlockMask:
                                                           self.window)))
 
 
+def fwd_options(block_m: int, block_n: int, stages: int, warps: int) -> dict:
+    """flex kernel_options for the forward kernel alone (torch's flex lowering strips the fwd_ prefix)."""
+    return {"fwd_BLOCK_M": block_m, "fwd_BLOCK_N": block_n, "fwd_num_stages": stages, "fwd_num_warps": warps}
+
+
+def bwd_options(block_m: int, block_n: int, stages: int, warps: int) -> dict:
+    """flex kernel_options for the backward kernel alone: dK/dV tiles block_m x block_n, dQ tiles block_n x block_m."""
+    return {"bwd_BLOCK_M1": block_m, "bwd_BLOCK_N1": block_n, "bwd_BLOCK_M2": block_n, "bwd_BLOCK_N2": block_m,
+            "bwd_num_stages": stages, "bwd_num_warps": warps}
+
+
+# bf16 flex kernel_options on Hopper (sm90), per attention (the drafter's block attention, the target's doc-causal
+# one) and head dim: the configurations `python -m bench.attention` measured faster than torch's defaults at the
+# step's shapes (docs/benchmarks.md "Attention kernels"). Every other GPU, dtype and head dim runs torch's defaults.
+SM90_KERNEL_OPTIONS: dict[str, dict[int, dict]] = {
+    "drafter": {64: {**fwd_options(64, 128, 3, 4), **bwd_options(64, 64, 3, 4)},
+                128: fwd_options(128, 128, 3, 8)},
+    "target": {64: fwd_options(128, 64, 3, 4),
+               128: fwd_options(64, 64, 3, 4)},
+}
+_active_options: dict[tuple, dict] = {}  # (attention, device type, dtype, head dim) -> kernel_options
+
+
+def use_tuned_options(device: torch.device) -> None:
+    """Turn the measured kernel_options on for this device's kind. Called where a static mask is built (main thread,
+    warm-up), so that the lookup inside the compiled step is a plain dict read."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        for attention, by_head_dim in SM90_KERNEL_OPTIONS.items():
+            for head_dim, options in by_head_dim.items():
+                _active_options[(attention, "cuda", torch.bfloat16, head_dim)] = options
+
+
+def tuned_options(attention: str, q: torch.Tensor) -> dict | None:
+    """The kernel_options `use_tuned_options` turned on for this attention and q's device, dtype and head dim."""
+    return _active_options.get((attention, q.device.type, q.dtype, q.shape[-1]))
+
+
 _compiled_flex = None
 
 
@@ -240,7 +278,8 @@ def flex_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     """q [batch, Hq, Q, D]; k, v [batch, Hkv, KV, D] (Hq a multiple of Hkv) -> [batch, Hq, Q, D]."""
     block_mask = mask.block_mask if isinstance(mask, FlexBlockMask) else mask
     gqa = q.shape[1] != k.shape[1]
-    return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                                     kernel_options=tuned_options("drafter", q))
 
 
 # --- Integration with trainer.model.attention (the trainer's BlockLayout) -------------------------------------------
