@@ -9,14 +9,18 @@ Heads and head dim are the named shape's (bench/shapes.py); random q, k, v. Each
 kernels (Dynamo recompiles per kernel_options), then runs `--reps` calls between CUDA events after 3 untimed ones.
 
 Prints one `ATTN {json}` line per (attention, configuration): forward ms, backward ms (forward+backward minus
-forward), TFLOP/s of the allowed query-key pairs (4 * head_dim * heads per pair forward, twice that backward), and
-the largest difference of the output from the default configuration's; a configuration the kernel refuses prints its
-error instead. Then `ATTN_BEST {json}`: the fastest forward and backward configuration of each attention. CUDA only.
+forward), TFLOP/s of the allowed query-key pairs (4 * head_dim * heads FLOPs per pair forward, 2.5 times that
+backward: its five products to the forward's two), and the largest relative difference (norm of the difference over
+the norm) of the output and, for the drafter, of dq, dk, dv from the default configuration's; a configuration the kernel refuses prints its error instead. Then
+`ATTN_CHOICE {json}`: per attention the fastest forward and backward configuration, and the kernel_options that take
+each of them only where it is at least 3% faster than torch's default (what `SM90_KERNEL_OPTIONS` holds), with the
+GPU and torch version. CUDA only.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 TILE = 128  # the masks' sparse block (trainer.model.flex, trainer.model.doc_attention)
@@ -51,9 +55,13 @@ def configs_for(attention: str, head_dim: int) -> dict[str, dict]:
     return every
 
 
+MARGIN = 0.03  # a configuration replaces torch's default only when at least this much faster
+
+
 def tflops(pairs: float, head_dim: int, heads: int, ms: float, backward: bool = False) -> float:
-    """Pure: attention TFLOP/s for `pairs` allowed query-key pairs (QK^T and PV, 2 FLOPs per multiply-add each)."""
-    flops = 4.0 * head_dim * heads * pairs * (2.0 if backward else 1.0)
+    """Pure: attention TFLOP/s for `pairs` allowed query-key pairs (forward: QK^T and PV, 2 FLOPs per multiply-add
+    each; backward: the recomputed QK^T, dV, dP, dQ and dK, 2.5 times the forward)."""
+    flops = 4.0 * head_dim * heads * pairs * (2.5 if backward else 1.0)
     return flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
 
 
@@ -73,6 +81,24 @@ def best(rows: list[dict]) -> dict:
     return out
 
 
+def choice(rows: list[dict], margin: float = MARGIN) -> dict:
+    """Pure: per attention, `best` and the kernel_options to keep: the fastest forward's and the fastest backward's,
+    each only where it beats the default configuration by `margin`."""
+    out = {}
+    for attention, slot in best(rows).items():
+        default = next((r for r in rows
+                        if r["attention"] == attention and r["config"] == "default" and "error" not in r), None)
+        options: dict = {}
+        for part in ("fwd_ms", "bwd_ms"):
+            if default is None or part not in slot or default.get(part) is None:
+                continue
+            name, ms = slot[part]
+            if ms <= (1 - margin) * default[part]:
+                options.update(next(r["options"] for r in rows if r["attention"] == attention and r["config"] == name))
+        out[attention] = {**slot, "options": options}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="small", help="named target shape (bench/shapes.py)")
@@ -82,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=1, help="documents per row (default: 1)")
     p.add_argument("--block", type=int, default=16, help="block size (default: 16)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per configuration (default: 20)")
-    p.add_argument("--only", default="", help="comma list of configuration names (default: all)")
+    p.add_argument("--only", default="", help="comma list of configuration names (default: all); `default` always "
+                                              "runs, and a name that does not apply to an attention is skipped")
     p.add_argument("--attention", default="drafter,target", help="comma list of drafter, target (default: both)")
     p.add_argument("--layout", default="heads", choices=("heads", "tokens"),
                    help="q, k, v memory order: heads = [rows, heads, tokens, dim] contiguous; tokens = [rows, tokens, "
@@ -112,8 +139,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention times CUDA kernels and this machine has no CUDA GPU")
+    import torch._dynamo.config as dynamo_config
+
+    # past the recompile limit a configuration would run as eager flex, which ignores kernel_options: fail instead
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        dynamo_config.fail_on_recompile_limit_hit = True
     rows = [row for attention in attentions for row in run(attention, a, SHAPES[a.shape], names)]
-    print("ATTN_BEST " + json.dumps(best(rows)), flush=True)
+    env = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+           "torch": torch.__version__}
+    print("ATTN_CHOICE " + json.dumps({**choice(rows), **env}), flush=True)
     return 0
 
 
@@ -180,15 +214,27 @@ def run(attention: str, a, shape: dict, names: list[str]) -> list[dict]:
             if grad is not None:
                 bwd = round(timed(step, a.reps) - fwd, 3)
                 row.update(bwd_ms=bwd, bwd_tflops=round(tflops(pairs, hd, heads, bwd, backward=True), 1))
-            with torch.no_grad():
-                out = call().float()
-            reference = out if reference is None else reference
-            row["max_diff_vs_default"] = float((out - reference).abs().max())
+            got = results(call, grad, (q, k, v))
+            reference = got if reference is None else reference
+            row["rel_diff_vs_default"] = max(float((g - r).norm() / r.norm().clamp_min(1e-30))
+                                             for g, r in zip(got, reference))
         except Exception as e:  # a configuration the kernel cannot build or run: report it, try the next
             row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
         print("ATTN " + json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def results(call, grad, inputs) -> list:
+    """The output and, with an output gradient, the inputs' gradients, in fp32 (the same compiled entry as timed)."""
+    out = call()
+    if grad is None:
+        return [out.detach().float()]
+    out.backward(grad)
+    got = [out.detach().float()] + [x.grad.float() for x in inputs]
+    for x in inputs:
+        x.grad = None
+    return got
 
 
 def timed(fn, reps: int) -> float:
@@ -203,8 +249,7 @@ def timed(fn, reps: int) -> float:
         fn()
         marks[i + 1].record()
     torch.cuda.synchronize()
-    times = sorted(marks[i].elapsed_time(marks[i + 1]) for i in range(reps))
-    return round(times[len(times) // 2], 3)
+    return round(statistics.median(marks[i].elapsed_time(marks[i + 1]) for i in range(reps)), 3)
 
 
 if __name__ == "__main__":

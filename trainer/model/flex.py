@@ -238,21 +238,30 @@ SM90_KERNEL_OPTIONS: dict[str, dict[int, dict]] = {
     "target": {64: fwd_options(128, 64, 3, 4),
                128: fwd_options(64, 64, 3, 4)},
 }
-_active_options: dict[tuple, dict] = {}  # (attention, device type, dtype, head dim) -> kernel_options
+_active_options: dict[tuple, dict] = {}  # (attention, device type, device index, dtype, head dim) -> kernel_options
 
 
 def use_tuned_options(device: torch.device) -> None:
-    """Turn the measured kernel_options on for this device's kind. Called where a static mask is built (main thread,
-    warm-up), so that the lookup inside the compiled step is a plain dict read."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+    """Turn the measured kernel_options on for this device if it is a Hopper GPU. Called where a static mask is built
+    (the main thread, in warm-up, before the first flex call traces), so that the lookup inside the compiled step is
+    a plain dict read; per device, so a host that mixes GPU generations gives each its own."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) == (9, 0):
         for attention, by_head_dim in SM90_KERNEL_OPTIONS.items():
             for head_dim, options in by_head_dim.items():
-                _active_options[(attention, "cuda", torch.bfloat16, head_dim)] = options
+                _active_options[(attention, "cuda", index, torch.bfloat16, head_dim)] = options
+
+
+def options_for(attention: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> dict | None:
+    """The kernel_options `use_tuned_options` turned on for this attention on (device, dtype, head dim), or None:
+    torch's defaults."""
+    return _active_options.get((attention, device.type, device.index, dtype, head_dim))
 
 
 def tuned_options(attention: str, q: torch.Tensor) -> dict | None:
-    """The kernel_options `use_tuned_options` turned on for this attention and q's device, dtype and head dim."""
-    return _active_options.get((attention, q.device.type, q.dtype, q.shape[-1]))
+    return options_for(attention, q.device, q.dtype, q.shape[-1])
 
 
 _compiled_flex = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.attention import best, candidates, configs_for, main, tflops
+from bench.attention import best, candidates, choice, configs_for, main, tflops
 
 
 def row(attention, config, options, fwd, bwd=None, error=None):
@@ -31,10 +31,28 @@ def test_best_takes_each_kernel_from_the_configurations_that_change_only_it():
                           "target": {"fwd_ms": ("default", 0.3)}}
 
 
-def test_tflops_counts_two_products_per_pair_and_twice_that_backward():
+def test_choice_keeps_a_kernel_configuration_only_past_the_margin():
+    rows = [
+        row("drafter", "default", {}, 1.00, 2.00),
+        row("drafter", "f_fast", {"fwd_BLOCK_M": 64}, 0.50, 2.00),
+        row("drafter", "b_noise", {"bwd_BLOCK_M1": 32}, 1.00, 1.95),  # 2.5% faster: within the margin
+        row("target", "default", {}, 0.30),
+        row("target", "f_slight", {"fwd_BLOCK_M": 128}, 0.295),
+    ]
+    got = choice(rows)
+    assert got["drafter"]["options"] == {"fwd_BLOCK_M": 64}
+    assert got["drafter"]["bwd_ms"] == ("b_noise", 1.95)  # still reported as the fastest
+    assert got["target"]["options"] == {}
+    rows[2]["bwd_ms"] = 1.90
+    assert choice(rows)["drafter"]["options"] == {"fwd_BLOCK_M": 64, "bwd_BLOCK_M1": 32}
+    failed_default = [row("target", "default", {}, 0.3, error="x"), row("target", "f", {"fwd_BLOCK_M": 64}, 0.1)]
+    assert choice(failed_default)["target"]["options"] == {}  # nothing to beat: keep torch's default
+
+
+def test_tflops_counts_two_products_per_pair_forward_and_five_backward():
     # 1e9 pairs x 4 x 64 x 16 = 4.096e12 FLOP in 10 ms
     assert tflops(1e9, 64, 16, 10.0) == pytest.approx(409.6)
-    assert tflops(1e9, 64, 16, 10.0, backward=True) == pytest.approx(819.2)
+    assert tflops(1e9, 64, 16, 10.0, backward=True) == pytest.approx(1024.0)
 
 
 def test_candidates_touch_one_kernel_each_and_the_target_times_forwards_only():

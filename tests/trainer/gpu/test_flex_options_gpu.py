@@ -73,5 +73,6 @@ def test_bench_attention_times_the_trainer_choice(capsys):
     by = {(r["attention"], r["config"]): r for r in rows}
     assert {("drafter", "default"), ("drafter", "tuned"), ("drafter", "b64x64s3w4"), ("target", "tuned")} <= set(by)
     for r in rows:
-        assert "error" not in r and r["fwd_ms"] > 0 and r["max_diff_vs_default"] < 0.05, r
+        # the same attention and gradients, up to bf16 rounding in another summation order
+        assert "error" not in r and r["fwd_ms"] > 0 and r["rel_diff_vs_default"] < 0.02, r
     assert all(r["bwd_ms"] > 0 for r in rows if r["attention"] == "drafter")
