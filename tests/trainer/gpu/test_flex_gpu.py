@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.model.flex import BlockLayoutShape, FlexBlockMask, dense_block_mask, flex_block_attention
+from trainer.model.flex import (SM90_KERNEL_OPTIONS, BlockLayoutShape, FlexBlockMask, dense_block_mask,
+                                flex_block_attention, tuned_options)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda:0"
@@ -29,17 +30,22 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def test_flex_matches_sdpa_forward_and_backward():
+# Every head dim the trainer has measured kernel_options for (trainer.model.flex.SM90_KERNEL_OPTIONS): on Hopper
+# those run here, elsewhere torch's defaults.
+@pytest.mark.parametrize("head_dim", sorted({64, *SM90_KERNEL_OPTIONS["drafter"]}))
+def test_flex_matches_sdpa_forward_and_backward(head_dim):
     shape = BlockLayoutShape(batch=2, ctx_len=512, num_anchors=64, block_size=16)
     anchor, ctx_lo, valid = layout(shape, seed=3)
     mask = FlexBlockMask(shape, DEV)
     mask.update_(anchor, ctx_lo, valid)
     dense = dense_block_mask(anchor, ctx_lo, valid, shape.ctx_len, shape.block_size)
     torch.manual_seed(0)
-    q = torch.randn(2, 8, shape.q_len, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(2, 2, shape.kv_len, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(2, 2, shape.kv_len, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    go = torch.randn(2, 8, shape.q_len, 64, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(2, 8, shape.q_len, head_dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, shape.kv_len, head_dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 2, shape.kv_len, head_dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    go = torch.randn(2, 8, shape.q_len, head_dim, device=DEV, dtype=torch.bfloat16)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert tuned_options("drafter", q) == SM90_KERNEL_OPTIONS["drafter"].get(head_dim)
 
     def fwd_bwd(fn, *xs):
         xs = [x.detach().clone().requires_grad_() for x in xs]
