@@ -11,10 +11,10 @@ kernels (Dynamo recompiles per kernel_options), then runs `--reps` calls between
 Prints one `ATTN {json}` line per (attention, configuration): forward ms, backward ms (forward+backward minus
 forward), TFLOP/s of the allowed query-key pairs (4 * head_dim * heads FLOPs per pair forward, 2.5 times that
 backward: its five products to the forward's two), and the largest relative difference (norm of the difference over
-the norm) of the output and, for the drafter, of dq, dk, dv from the default configuration's; a configuration the kernel refuses prints its error instead. Then
-`ATTN_CHOICE {json}`: per attention the fastest forward and backward configuration, and the kernel_options that take
-each of them only where it is at least 3% faster than torch's default (what `SM90_KERNEL_OPTIONS` holds), with the
-GPU and torch version. CUDA only.
+the norm) of the output and, for the drafter, of dq, dk, dv from the default configuration's; a configuration the
+kernel refuses prints its error instead. Then `ATTN_CHOICE {json}`: per attention the fastest forward and backward
+configuration, and the kernel_options that take each of them only where it is at least 3% faster than torch's
+default (the rule `SM90_KERNEL_OPTIONS` was written by), with the GPU and torch version. CUDA only.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import statistics
 import sys
 
 TILE = 128  # the masks' sparse block (trainer.model.flex, trainer.model.doc_attention)
+MARGIN = 0.03  # a configuration replaces torch's default only when at least this much faster
 
 
 def candidates():
@@ -53,9 +54,6 @@ def configs_for(attention: str, head_dim: int) -> dict[str, dict]:
     if attention == "target":
         return {name: options for name, options in every.items() if not any(k.startswith("bwd_") for k in options)}
     return every
-
-
-MARGIN = 0.03  # a configuration replaces torch's default only when at least this much faster
 
 
 def tflops(pairs: float, head_dim: int, heads: int, ms: float, backward: bool = False) -> float:
@@ -147,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for attention in attentions for row in run(attention, a, SHAPES[a.shape], names)]
     env = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "torch": torch.__version__}
-    print("ATTN_CHOICE " + json.dumps({**choice(rows), **env}), flush=True)
+    print("ATTN_CHOICE " + json.dumps({"attentions": choice(rows), **env}), flush=True)
     return 0
 
 
