@@ -138,10 +138,40 @@ def profile_summary(kernels: list[tuple[str, float, int]], n: int, label: str, s
     return lines
 
 
+def gap_lines(intervals: list[tuple[str, float, float]], n: int, label: str, top: int = 8) -> list[str]:
+    """Pure: device activity (name, start us, end us) of `n` profiled steps -> PROFGAP lines: the window from the
+    first start to the last end, the time some kernel or copy runs (their union: overlapping streams count once)
+    and the time none does, per step; then the largest idle gaps by the pair of activities around them (the one
+    that ended last, the one that starts), total ms per step and count per step."""
+    if not intervals:
+        return [f"PROFGAP {label} no device activity recorded"]
+    events = sorted(intervals, key=lambda e: e[1])
+    window = max(end for _, _, end in events) - events[0][1]
+    busy, gaps = 0.0, {}
+    last_name, run_start, run_end = events[0][0], events[0][1], events[0][2]
+    for name, start, end in events[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            acc = gaps.setdefault((last_name, name), [0.0, 0])
+            acc[0] += start - run_end
+            acc[1] += 1
+            run_start = start
+        if end >= run_end:
+            last_name, run_end = name, end
+    busy += run_end - run_start
+    lines = [f"PROFGAP {label} window {window / n / 1e3:.2f} ms/step, device busy {busy / n / 1e3:.2f}, "
+             f"idle {(window - busy) / n / 1e3:.2f}"]
+    for (before, after), (us, count) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"PROFGAP {label} {us / n / 1e3:8.3f} ms x{count / n:<6.1f} after {before[:80]} | "
+                     f"before {after[:80]}")
+    return lines
+
+
 def print_profile(step: Callable[[], object], n: int, label: str, step_ms: float = 0.0,
                   matmul_flops: float = 0.0) -> None:
-    """Top device kernels over `n` steps, as PROF lines (`profile_lines`), then the PROFSUM summary by kernel
-    category (`profile_summary`; `step_ms`: the timed median step). CUDA only."""
+    """Top device kernels over `n` steps, as PROF lines (`profile_lines`), the PROFSUM summary by kernel category
+    (`profile_summary`; `step_ms`: the timed median step, so its "no kernel running" compares two runs), then the
+    profiled steps' own timeline (`gap_lines`: where the device waits, and between what). CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -150,5 +180,8 @@ def print_profile(step: Callable[[], object], n: int, label: str, step_ms: float
         torch.cuda.synchronize()
     rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
             if e.device_type == torch.autograd.DeviceType.CUDA]
-    for line in profile_lines(rows, n, label) + profile_summary(rows, n, label, step_ms, matmul_flops):
+    device = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    for line in (profile_lines(rows, n, label) + profile_summary(rows, n, label, step_ms, matmul_flops)
+                 + gap_lines(device, n, label)):
         print(line, flush=True)

@@ -1,4 +1,5 @@
-"""PROF lines of `python -m bench.step --profile N` (formatting only: the profiler itself needs CUDA)."""
+"""PROF, PROFSUM and PROFGAP lines of `python -m bench.step --profile N` (from given kernel lists: the profiler
+itself needs CUDA)."""
 from bench.timing import profile_lines
 
 
@@ -30,3 +31,20 @@ def test_the_summary_sums_by_category_and_says_the_uncovered_time_and_the_gemm_r
     assert lines[0].split()[2:5] == ["gemm", "4.00", "ms"] and "40.0%" in lines[0] and lines[0].endswith("x12")
     assert "no kernel running" in lines[-2] and lines[-2].split()[-3:] == ["3.00", "ms", "30.0%"]  # 10 - 7 ms
     assert lines[-1] == "PROFSUM graph gemm rate 1000 TFLOP/s (4.0 TFLOP in 4.0 ms)"
+
+
+def test_gap_lines_count_overlap_once_and_name_the_activities_around_each_gap():
+    from bench.timing import gap_lines
+
+    # two steps, us: a second stream's kernel (`side`) overlaps `gemm` and ends after it
+    one = [("gemm", 0, 400), ("side", 200, 500), ("cat", 600, 700), ("attn", 1000, 1400)]
+    device = one + [(name, start + 1500, end + 1500) for name, start, end in one]
+    lines = gap_lines(device, n=2, label="graph")
+    # window 2900 us, busy 2 x (500 + 100 + 400) = 2000, idle 900; per step
+    assert lines[0] == "PROFGAP graph window 1.45 ms/step, device busy 1.00, idle 0.45"
+    assert lines[1].split()[2:5] == ["0.300", "ms", "x1.0"] and lines[1].endswith("after cat | before attn")
+    # the gap before `cat` is named after `side`, the activity that ended last, not `gemm`, which started last
+    assert lines[2].split()[2:5] == ["0.100", "ms", "x1.0"] and lines[2].endswith("after side | before cat")
+    assert lines[3].split()[2:5] == ["0.050", "ms", "x0.5"] and lines[3].endswith("after attn | before gemm")
+    assert len(lines) == 4
+    assert gap_lines([], n=1, label="eager") == ["PROFGAP eager no device activity recorded"]
