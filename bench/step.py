@@ -15,7 +15,8 @@ One step = `accum` micro-steps of `batch` rows x `seq` tokens (target features, 
   graph          GraphRunner: the whole step (target features, fwd/bwd of every micro-step, clip, AdamW) as one
                  captured StepGraph (CUDA only)
   compile+graph  compiled kernels inside the same capture (CUDA only)
---pipeline 1 runs the steps through the trainer's threaded pipeline (trainer.pipeline.train_pipe: loader -> target
+--inductor KEY=VALUE,... sets torch._inductor.config in each mode's process before it compiles: a compiler setting
+measured before the trainer adopts it. --pipeline 1 runs the steps through the trainer's threaded pipeline (trainer.pipeline.train_pipe: loader -> target
 producer -> event ring -> drafter consumer), timed by the consumer's events. Under torchrun
 (`torchrun --nproc-per-node 2 -m bench.step ...`) every rank trains a replica on its own data and gradients are
 averaged by trainer.distributed.make_grad_sync between the fwd/bwd and update graphs; figures are per GPU, rank 0
@@ -62,6 +63,7 @@ class BenchConfig:
     head_fp8: str = "auto"  # step.head_fp8: auto (the trainer's default), 1 (on or refuse) or 0 (off)
     profile: int = 0  # >0: after timing, profile this many steps and print the top kernels (PROF lines; CUDA)
     pipeline: int = 0  # 1: run the steps through the loader/producer/consumer threads (CUDA)
+    inductor: str = ""  # KEY=VALUE,...: torch._inductor.config settings for each mode's process (experiments)
 
     def check(self) -> None:
         """Raise SystemExit with one line naming the fix."""
@@ -89,6 +91,8 @@ class BenchConfig:
             raise SystemExit("--block must be >= 2")
         if self.anchors > self.seq - self.docs:  # a document of L tokens holds L - 1 anchor candidates
             raise SystemExit("--anchors must be <= --seq - --docs (every anchor needs a candidate position)")
+        if self.inductor:
+            check_inductor(inductor_settings(self.inductor))
 
 
 HELP = {
@@ -112,7 +116,49 @@ HELP = {
                 "and graph modes where FP8 tensor cores run it, as the trainer; 1 = on or refuse; 0 = off",
     "profile": "after timing, profile this many steps and print the top kernels (PROF lines; CUDA)",
     "pipeline": "1: run the steps through the loader / producer / consumer threads (CUDA)",
+    "inductor": "comma list of torch._inductor.config KEY=VALUE set in each mode's process before it compiles, to "
+                "measure a compiler setting the trainer does not use (e.g. coordinate_descent_tuning=True)",
 }
+
+
+def inductor_settings(spec: str) -> dict[str, object]:
+    """Pure: "a.b=1,c=True,d=name" -> {"a.b": 1, "c": True, "d": "name"} (Python literals, else the bare word);
+    SystemExit naming the item that is not KEY=VALUE."""
+    import ast
+
+    settings: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip() or not text.strip():
+            raise SystemExit(f"--inductor {item!r}: expected KEY=VALUE")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            value = text.strip()
+        settings[key.strip()] = value
+    return settings
+
+
+def check_inductor(settings: dict[str, object]) -> None:
+    """SystemExit naming the first key torch._inductor.config does not have."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = [key for key in settings if key not in known]
+    if unknown:
+        raise SystemExit(f"--inductor: torch._inductor.config has no {unknown[0]!r}")
+
+
+def set_inductor(settings: dict[str, object]) -> None:
+    """Apply checked settings (dotted keys reach the sub-configs, e.g. triton.multi_kernel)."""
+    import torch._inductor.config as inductor_config
+
+    for key, value in settings.items():
+        *path, last = key.split(".")
+        target = inductor_config
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, last, value)
 
 
 def parse(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
@@ -148,6 +194,7 @@ def run_child(cfg: BenchConfig, mode: str) -> int:
     try:
         from bench.step_run import run_mode
 
+        set_inductor(inductor_settings(cfg.inductor))
         result = run_mode(cfg, mode)
     except TrainerError as e:
         print(f"BENCH_ERROR {e}", flush=True)

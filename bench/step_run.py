@@ -118,7 +118,8 @@ def run_mode(cfg, mode: str) -> dict:
     docs = int(steps_in[0][0].doc_ids.max()) + 1
     result = figures(cfg, mode, timed, flops, dev, info.world) | {"attn": attn, "target_attn": target.attn,
                                                                   "docs_per_row": docs,
-                                                                  "head_fp8": state.head_fp8 is not None}
+                                                                  "head_fp8": state.head_fp8 is not None,
+                                                                  "inductor": cfg.inductor}
     if cuda:
         torch.cuda.synchronize(dev)
     shutdown()

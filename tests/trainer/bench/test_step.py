@@ -89,12 +89,30 @@ def test_target_dir_loads_through_load_target(tiny_target_dir):
     (["--modes", "fast"], "unknown mode(s) ['fast']"),
     (["--attn", "other"], "unknown --attn 'other'"),
     (["--shape", "small"], "--shape small is a GPU shape and this machine has no CUDA GPU; on a CPU use --shape tiny"),
+    (["--shape", "tiny", "--inductor", "no_such=1"], "--inductor: torch._inductor.config has no 'no_such'"),
+    (["--shape", "tiny", "--inductor", "max_autotune"], "--inductor 'max_autotune': expected KEY=VALUE"),
     ([], "--shape small is a GPU shape and this machine has no CUDA GPU"),  # the default shape
 ])
 def test_bad_arguments_are_one_line_and_nonzero(args, message):
     proc = bench(*args)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [message + proc.stderr.strip().split(message, 1)[1]]
+
+
+def test_inductor_settings_are_parsed_and_reach_the_nested_configs(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from bench.step import inductor_settings, set_inductor
+
+    settings = inductor_settings("triton.multi_kernel=1, coordinate_descent_tuning=True,, cpp.simdlen=None")
+    assert settings == {"triton.multi_kernel": 1, "coordinate_descent_tuning": True, "cpp.simdlen": None}
+    assert inductor_settings("fx_graph_cache=False,realize_opcount_threshold=30") == {
+        "fx_graph_cache": False, "realize_opcount_threshold": 30}
+    # restored after the test
+    monkeypatch.setattr(inductor_config.triton, "multi_kernel", inductor_config.triton.multi_kernel)
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", inductor_config.coordinate_descent_tuning)
+    set_inductor({"triton.multi_kernel": 1, "coordinate_descent_tuning": True})
+    assert inductor_config.triton.multi_kernel == 1 and inductor_config.coordinate_descent_tuning is True
 
 
 def test_synthetic_batch_has_the_bench_shape_and_passes_the_trainers_checks():
