@@ -16,8 +16,9 @@ One step = `accum` micro-steps of `batch` rows x `seq` tokens (target features, 
                  captured StepGraph (CUDA only)
   compile+graph  compiled kernels inside the same capture (CUDA only)
 --inductor KEY=VALUE,... sets torch._inductor.config in each mode's process before it compiles: a compiler setting
-measured before the trainer adopts it. --pipeline 1 runs the steps through the trainer's threaded pipeline (trainer.pipeline.train_pipe: loader -> target
-producer -> event ring -> drafter consumer), timed by the consumer's events. Under torchrun
+measured before the trainer adopts it. --pipeline 1 runs the steps through the trainer's threaded pipeline
+(trainer.pipeline.train_pipe: loader -> target producer -> event ring -> drafter consumer), timed by the consumer's
+events. Under torchrun
 (`torchrun --nproc-per-node 2 -m bench.step ...`) every rank trains a replica on its own data and gradients are
 averaged by trainer.distributed.make_grad_sync between the fwd/bwd and update graphs; figures are per GPU, rank 0
 prints.
