@@ -123,31 +123,40 @@ HELP = {
 
 
 def inductor_settings(spec: str) -> dict[str, object]:
-    """Pure: "a.b=1,c=True,d=name" -> {"a.b": 1, "c": True, "d": "name"} (Python literals, else the bare word);
-    SystemExit naming the item that is not KEY=VALUE."""
+    """Pure: "a.b=1,c=True,d=ATEN,TRITON" -> {"a.b": 1, "c": True, "d": "ATEN,TRITON"}: a comma starts a new item
+    only before KEY=; a value is a Python literal, else the bare text. SystemExit naming an item that is not
+    KEY=VALUE."""
     import ast
+    import re
 
     settings: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
+    for item in filter(None, (part.strip() for part in re.split(r",(?=\s*(?:,|$|[\w.]+\s*=))", spec))):
         key, eq, text = item.partition("=")
-        if not eq or not key.strip() or not text.strip():
+        if not eq or not re.fullmatch(r"[\w.]+", key.strip()) or not text.strip():
             raise SystemExit(f"--inductor {item!r}: expected KEY=VALUE")
         try:
             value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
+        except Exception:  # not a literal (a bare word, or a literal ast refuses): the text itself
             value = text.strip()
         settings[key.strip()] = value
     return settings
 
 
 def check_inductor(settings: dict[str, object]) -> None:
-    """SystemExit naming the first key torch._inductor.config does not have."""
+    """SystemExit naming the first key torch._inductor.config does not have, or the first value whose type is not
+    its default's (the config module checks none: `flag=false` would store the truthy string "false")."""
     import torch._inductor.config as inductor_config
 
     known = inductor_config.get_config_copy()
-    unknown = [key for key in settings if key not in known]
-    if unknown:
-        raise SystemExit(f"--inductor: torch._inductor.config has no {unknown[0]!r}")
+    for key, value in settings.items():
+        if key not in known:
+            raise SystemExit(f"--inductor: torch._inductor.config has no {key!r}")
+        default = known[key]
+        fits = (default is None or value is None or type(value) is type(default)
+                or (type(default) is float and type(value) is int))
+        if not fits:
+            raise SystemExit(f"--inductor {key}={value!r}: expected a {type(default).__name__} like its default "
+                             f"{default!r}")
 
 
 def set_inductor(settings: dict[str, object]) -> None:

@@ -142,7 +142,8 @@ def gap_lines(intervals: list[tuple[str, float, float]], n: int, label: str, top
     """Pure: device activity (name, start us, end us) of `n` profiled steps -> PROFGAP lines: the window from the
     first start to the last end, the time some kernel or copy runs (their union: overlapping streams count once)
     and the time none does, per step; then the largest idle gaps by the pair of activities around them (the one
-    that ended last, the one that starts), total ms per step and count per step."""
+    that ended last, the one that starts), total ms per step and count per step. The window holds the n - 1 gaps
+    between profiled steps, not the one before the first or after the last: profile 2 or more steps to see them."""
     if not intervals:
         return [f"PROFGAP {label} no device activity recorded"]
     events = sorted(intervals, key=lambda e: e[1])
@@ -167,6 +168,13 @@ def gap_lines(intervals: list[tuple[str, float, float]], n: int, label: str, top
     return lines
 
 
+def on_device(event) -> bool:
+    """A profiler event (`key_averages()` row or `events()` entry) that is device work: a kernel, copy or memset.
+    Kineto also reports annotation spans on the device (Inductor wraps each compiled graph's kernels in one while
+    profiling); they are not work, and torch's own device totals skip them too."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def print_profile(step: Callable[[], object], n: int, label: str, step_ms: float = 0.0,
                   matmul_flops: float = 0.0) -> None:
     """Top device kernels over `n` steps, as PROF lines (`profile_lines`), the PROFSUM summary by kernel category
@@ -178,10 +186,8 @@ def print_profile(step: Callable[[], object], n: int, label: str, step_ms: float
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
-    device = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages() if on_device(e)]
+    device = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if on_device(e)]
     for line in (profile_lines(rows, n, label) + profile_summary(rows, n, label, step_ms, matmul_flops)
                  + gap_lines(device, n, label)):
         print(line, flush=True)

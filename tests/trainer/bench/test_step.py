@@ -91,6 +91,8 @@ def test_target_dir_loads_through_load_target(tiny_target_dir):
     (["--shape", "small"], "--shape small is a GPU shape and this machine has no CUDA GPU; on a CPU use --shape tiny"),
     (["--shape", "tiny", "--inductor", "no_such=1"], "--inductor: torch._inductor.config has no 'no_such'"),
     (["--shape", "tiny", "--inductor", "max_autotune"], "--inductor 'max_autotune': expected KEY=VALUE"),
+    (["--shape", "tiny", "--inductor", "coordinate_descent_tuning=false"],
+     "--inductor coordinate_descent_tuning='false': expected a bool like its default False"),
     ([], "--shape small is a GPU shape and this machine has no CUDA GPU"),  # the default shape
 ])
 def test_bad_arguments_are_one_line_and_nonzero(args, message):
@@ -108,6 +110,10 @@ def test_inductor_settings_are_parsed_and_reach_the_nested_configs(monkeypatch):
     assert settings == {"triton.multi_kernel": 1, "coordinate_descent_tuning": True, "cpp.simdlen": None}
     assert inductor_settings("fx_graph_cache=False,realize_opcount_threshold=30") == {
         "fx_graph_cache": False, "realize_opcount_threshold": 30}
+    # a comma inside a value (a real setting's list form), a literal ast refuses, '=' in a value
+    assert inductor_settings("max_autotune_gemm_backends=ATEN,TRITON,triton.multi_kernel=1") == {
+        "max_autotune_gemm_backends": "ATEN,TRITON", "triton.multi_kernel": 1}
+    assert inductor_settings("a={[]: 1},b=x=y") == {"a": "{[]: 1}", "b": "x=y"}
     # restored after the test
     monkeypatch.setattr(inductor_config.triton, "multi_kernel", inductor_config.triton.multi_kernel)
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", inductor_config.coordinate_descent_tuning)

@@ -48,3 +48,16 @@ def test_gap_lines_count_overlap_once_and_name_the_activities_around_each_gap():
     assert lines[3].split()[2:5] == ["0.050", "ms", "x0.5"] and lines[3].endswith("after attn | before gemm")
     assert len(lines) == 4
     assert gap_lines([], n=1, label="eager") == ["PROFGAP eager no device activity recorded"]
+
+
+def test_only_device_work_counts_not_the_annotation_spans_around_it():
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.timing import on_device
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    assert on_device(SimpleNamespace(device_type=cuda, is_user_annotation=False))  # a kernel
+    assert not on_device(SimpleNamespace(device_type=cuda, is_user_annotation=True))  # "## Call CompiledFxGraph ##"
+    assert not on_device(SimpleNamespace(device_type=cpu, is_user_annotation=False))  # cudaLaunchKernel
