@@ -23,7 +23,6 @@ import json
 import statistics
 import sys
 
-TILE = 128  # the masks' sparse block (trainer.model.flex, trainer.model.doc_attention)
 MARGIN = 0.03  # a configuration replaces torch's default only when at least this much faster
 
 
@@ -117,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.shape not in SHAPES:
         p.error(f"unknown --shape {a.shape!r}; choose one of {sorted(SHAPES)}")
+    from trainer.model.doc_attention import TILE  # the masks' sparse block
+
     names = [n for n in a.only.split(",") if n]
     known = {*candidates(), "tuned"}
     unknown = [n for n in names if n not in known]

@@ -32,6 +32,13 @@ class Cursor:
     world: int = 1  # data-parallel ranks that consumed them (the cursor means nothing under another world size)
 
 
+def cursor_of(trainer_json: str | bytes) -> Cursor:
+    """A checkpoint's trainer.json -> its Cursor (`world` is absent from checkpoints older than data parallelism).
+    Raises ValueError / KeyError / TypeError on a file cut short or not the trainer's."""
+    meta = json.loads(trainer_json)
+    return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+
+
 def ckpt_root(run_dir: Path) -> Path:
     return run_dir / "ckpt"
 
@@ -118,8 +125,7 @@ def newest_cursor(run_dir: Path) -> Cursor | None:
     if not found:
         return None
     try:
-        meta = json.loads((found[-1][1] / "trainer.json").read_text())
-        return Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+        return cursor_of((found[-1][1] / "trainer.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--resume: {found[-1][1] / 'trainer.json'} cannot be read ({type(e).__name__})",
                           hint="move that step_N directory out of ckpt/ to resume from the one before it") from None
@@ -174,8 +180,7 @@ def restore(files: dict[str, bytes], drafter: torch.nn.Module, optimizer: torch.
     device = next(drafter.parameters()).device
     name = "trainer.json"
     try:  # a file cut short (a disk that filled, a copy that stopped) fails here: one line, not a traceback
-        meta = json.loads(files[name])
-        cursor = Cursor(step=meta["step"], micro=meta["micro"], world=meta.get("world", 1))
+        cursor = cursor_of(files[name])
         name = "drafter.pt"
         drafter_state = torch.load(io.BytesIO(files[name]), map_location=device)
         name = "optimizer.pt"
