@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 MARGIN = 0.03  # a configuration replaces torch's default only when at least this much faster
@@ -187,6 +186,7 @@ def run(attention: str, a, shape: dict, names: list[str]) -> list[dict]:
     """Time every selected configuration of one attention -> its ATTN rows (printed as they come)."""
     import torch
 
+    from bench.timing import median_call_ms
     from trainer.model.flex import compiled_flex_attention
 
     heads, kv_heads, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
@@ -208,10 +208,10 @@ def run(attention: str, a, shape: dict, names: list[str]) -> list[dict]:
             q.grad = k.grad = v.grad = None
 
         try:
-            fwd = timed(call, a.reps)
+            fwd = median_call_ms(call, a.reps)
             row.update(fwd_ms=fwd, fwd_tflops=round(tflops(pairs, hd, heads, fwd), 1))
             if grad is not None:
-                bwd = round(timed(step, a.reps) - fwd, 3)
+                bwd = round(median_call_ms(step, a.reps) - fwd, 3)
                 row.update(bwd_ms=bwd, bwd_tflops=round(tflops(pairs, hd, heads, bwd, backward=True), 1))
             got = results(call, grad, (q, k, v))
             reference = got if reference is None else reference
@@ -234,21 +234,6 @@ def results(call, grad, inputs) -> list:
     for x in inputs:
         x.grad = None
     return got
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of `reps` calls, each between its own CUDA events, after 3 untimed calls (compile included there)."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    marks[0].record()
-    for i in range(reps):
-        fn()
-        marks[i + 1].record()
-    torch.cuda.synchronize()
-    return round(statistics.median(marks[i].elapsed_time(marks[i + 1]) for i in range(reps)), 3)
 
 
 if __name__ == "__main__":

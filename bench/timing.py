@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,20 @@ def time_steps(step: Callable[[int], torch.Tensor], steps: int, *, device: torch
     return Timed(step_s, [float(x) for x in losses], mem, elapsed)
 
 
+def median_call_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median ms of `reps` calls of `fn`, each between its own CUDA events, after 3 untimed calls (compilation runs
+    there). CUDA only."""
+    for _ in range(3):
+        fn()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    marks[0].record()
+    for i in range(reps):
+        fn()
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    return round(statistics.median(marks[i].elapsed_time(marks[i + 1]) for i in range(reps)), 3)
+
+
 def _mark(marks: list, k: int, cuda: bool) -> None:
     if cuda:
         marks[k].record()
@@ -130,7 +145,8 @@ def profile_summary(kernels: list[tuple[str, float, int]], n: int, label: str, s
     step_ms = max(step_ms, busy) or 1.0
     lines = [f"PROFSUM {label} {cat:<28} {ms:8.2f} ms {100 * ms / step_ms:5.1f}% x{calls:.0f}"
              for cat, (ms, calls) in sorted(by.items(), key=lambda kv: -kv[1][0])]
-    lines.append(f"PROFSUM {label} {'no kernel running':<28} {step_ms - busy:8.2f} ms {100 * (step_ms - busy) / step_ms:5.1f}%")
+    idle = step_ms - busy
+    lines.append(f"PROFSUM {label} {'no kernel running':<28} {idle:8.2f} ms {100 * idle / step_ms:5.1f}%")
     gemm_ms = by.get("gemm", [0.0])[0]
     if gemm_ms:
         lines.append(f"PROFSUM {label} gemm rate {matmul_flops / (gemm_ms / 1e3) / 1e12:.0f} TFLOP/s "

@@ -1,0 +1,102 @@
+"""The FP8 target's gated MLP (trainer/model/fp8_mlp.py): the row kernel, run on CPU under Triton's interpreter (the
+code the H200 compiles), against its torch form; the module against one FP8 linear per projection, through the
+families' own forwards; and a compiled layer calling the kernel as one op."""
+import pytest
+import torch
+
+from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
+from trainer.model import fp8_mlp
+from trainer.model.fp8 import LINEAR_NAMES, Fp8Linear, quantize_target_layers
+from trainer.model.fp8_mlp import Fp8GatedMlp, gated_silu_mlp, swiglu_e4m3_reference, swiglu_e4m3_rows
+from trainer.model.target import load_target
+
+
+def _gate_up(rows: int, n: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    gu = torch.randn(rows, 2 * n) * 3
+    gu[1] = 0  # a row of zeros: the scale's floor, not a division by zero
+    gu[2] *= 1e3  # a row far from the others: its own scale
+    return gu.to(torch.bfloat16)
+
+
+def _scaled(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's values before their e4m3 cast, and its scales."""
+    h = torch.nn.functional.silu(gu[:, :n].float()) * gu[:, n:].float()
+    scale = swiglu_e4m3_reference(gu, n)[1]
+    return (h / scale).clamp(-448.0, 448.0), scale
+
+
+# Triton's interpreter casts to e4m3 by rounding half up and loses a carry into the exponent (31.1 -> 16; triton 3.6,
+# runtime/interpreter.py `_convert_float`); the GPU's cast rounds to nearest even, as torch does. So on CPU the kernel
+# writes its values before the cast (out_dtype float32), and the cast itself is checked on the H200
+# (tests/trainer/gpu/test_fp8_gpu.py).
+@pytest.mark.parametrize("looped_block", [0, 32])  # 0: the row kernel (the trainer's); 32: four looped blocks
+def test_the_kernel_equals_the_torch_form(interpreter, looped_block):  # noqa: F811
+    gu = _gate_up(5, 100)  # 100: not a power of two, the block's tail masked
+    values, scale = swiglu_e4m3_rows(gu, 100, looped_block=looped_block, out_dtype=torch.float32)
+    want_values, want_scale = _scaled(gu, 100)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
+    assert float(scale[1]) == pytest.approx(1e-12 / 448.0) and not values[1].any()
+    assert float(values.abs().amax()) == pytest.approx(448.0)
+    q, q_scale = swiglu_e4m3_rows(gu, 100, looped_block=looped_block)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (5, 100) and torch.equal(q_scale, scale)
+
+
+def test_the_kernel_reads_rows_at_their_stride(interpreter):  # noqa: F811
+    wide = _gate_up(4, 64 + 8)
+    gu = wide[:, :128]  # rows of 128 inside rows of 144: a view, not a copy
+    values, scale = swiglu_e4m3_rows(gu, 64, out_dtype=torch.float32)
+    want_values, want_scale = _scaled(gu.contiguous(), 64)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
+
+
+def _one_fp8_linear_each(layers) -> None:
+    for layer in layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in LINEAR_NAMES:
+                if isinstance(getattr(parent, name, None), torch.nn.Linear):
+                    setattr(parent, name, Fp8Linear(getattr(parent, name)))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma2"])  # gemma2: a GELU MLP, one Fp8Linear per linear
+def test_the_gated_mlp_computes_what_one_fp8_linear_per_projection_computes(family_dirs, family):
+    fused = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), dtype="float32")
+    single = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), dtype="float32")
+    layers = fused.model.model.layers
+    assert quantize_target_layers(layers) == 7 * len(layers)
+    _one_fp8_linear_each(single.model.model.layers)
+    gated = [isinstance(layer.mlp, Fp8GatedMlp) for layer in layers]
+    assert all(gated) if family != "gemma2" else not any(gated)
+    ids = torch.randint(10, fused.embed_tokens.weight.shape[0], (2, 24))
+    pos, docs = torch.arange(24).repeat(2, 1), torch.zeros(2, 24, dtype=torch.long)
+    torch.testing.assert_close(fused.features(ids, pos, docs), single.features(ids, pos, docs), rtol=1e-5, atol=1e-5)
+
+
+def test_an_mlp_of_another_form_is_not_taken_for_a_gated_one(family_dirs):
+    target = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 3), dtype="float32")
+    mlp = target.model.model.layers[0].mlp
+    assert gated_silu_mlp(mlp)
+    mlp.act_fn = torch.nn.GELU()
+    assert not gated_silu_mlp(mlp)
+
+
+def test_a_compiled_layer_calls_the_kernel_as_one_op_and_matches_eager(family_dirs, interpreter):  # noqa: F811
+    target = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 3), dtype="bfloat16")
+    quantize_target_layers(target.model.model.layers)
+    layer, rotary = target.model.model.layers[0], target.model.model.rotary_emb
+    assert layer.mlp.kernel  # built while the interpreter stands in for the GPU
+    x = torch.randn(2, 16, target.hf_config.hidden_size, dtype=torch.bfloat16)
+    pos = torch.arange(16).repeat(2, 1)
+    kwargs = dict(attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))
+    with torch.no_grad():
+        eager = layer(x, **kwargs)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x, **kwargs)
+    first = (lambda out: out[0] if isinstance(out, tuple) else out)
+    torch.testing.assert_close(first(compiled), first(eager), rtol=2e-2, atol=2e-2)
+
+
+def test_without_the_interpreter_the_kernel_is_not_used_on_cpu():
+    assert not fp8_mlp.kernel_usable(torch.device("cpu"), 64)
+    assert not fp8_mlp.kernel_usable(torch.device("cuda"), fp8_mlp.ROW_KERNEL_MAX + 16)

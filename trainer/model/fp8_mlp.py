@@ -1,0 +1,171 @@
+"""The FP8 target's gated MLP (`model.target_fp8`): down(silu(gate(x)) * up(x)) with gate and up as one FP8 GEMM,
+and silu(gate) * up quantized to e4m3 rows by one Triton kernel that reads the GEMM's output once.
+
+Why: compiled, the same math is one looped Inductor reduction per layer that reads gate and up twice, once for the
+row's absolute max and once to quantize (`python3 -m bench.step --shape qwen3-8b --target-fp8 1 --profile 2`: 16 ms
+of the 650-ms step at 34 layers). Here one program holds a row (gate and up, I values each) in registers, so the
+input is read once: at the 8B-like width 0.18 ms a layer against Inductor's 0.39 (`python3 -m bench.swiglu`).
+Rows of up to ROW_KERNEL_MAX values.
+
+Only for MLPs that compute exactly down(silu(gate(x)) * up(x)) with bias-free linears (`gated_silu_mlp`: checked on
+the module itself); every other MLP keeps one `Fp8Linear` per linear. Runs on CUDA, and on CPU under Triton's
+interpreter (the tests); elsewhere the same function in torch, which Inductor fuses.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows, scaled_mm
+
+ROW_KERNEL_MAX = 16384  # intermediate sizes the one-row-in-registers kernel takes (one power-of-two block per half)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """(row kernel, looped kernel), or None where Triton is not installed (built once, on first use)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def swiglu_e4m3_row(gu_ptr, q_ptr, scale_ptr, gu_stride, q_stride, n: tl.constexpr, FP8_MAX: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """One row: h = silu(gate) * up from [gate | up] (n each), its e4m3 form at h's absolute max -> FP8_MAX."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n
+        base = gu_ptr + row * gu_stride
+        g = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(base + n + cols, mask=inside, other=0.0).to(tl.float32)
+        h = g * tl.sigmoid(g) * u
+        scale = tl.maximum(tl.max(tl.abs(h), axis=0), 1e-12) / FP8_MAX
+        q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
+        tl.store(scale_ptr + row, scale)
+
+    @triton.jit
+    def swiglu_e4m3_looped(gu_ptr, q_ptr, scale_ptr, gu_stride, q_stride, n: tl.constexpr, FP8_MAX: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """The same per row in column blocks: one pass for the max, a second (mostly from L2) to quantize."""
+        row = tl.program_id(0).to(tl.int64)
+        base = gu_ptr + row * gu_stride
+        top = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < n
+            g = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+            u = tl.load(base + n + cols, mask=inside, other=0.0).to(tl.float32)
+            top = tl.maximum(top, tl.abs(g * tl.sigmoid(g) * u))
+        scale = tl.maximum(tl.max(top, axis=0), 1e-12) / FP8_MAX
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < n
+            g = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+            u = tl.load(base + n + cols, mask=inside, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(g * tl.sigmoid(g) * u / scale, -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
+        tl.store(scale_ptr + row, scale)
+
+    return swiglu_e4m3_row, swiglu_e4m3_looped
+
+
+def kernel_usable(device: torch.device, n: int) -> bool:
+    """The row kernel can take rows of n gate (and n up) values on `device`: Triton, CUDA or the interpreter."""
+    from trainer.decode.kernels import runs_on
+
+    return n <= ROW_KERNEL_MAX and runs_on(device) and _kernels() is not None
+
+
+def row_warps(block: int) -> int:
+    """Warps for a row of `block` values per half: 8 at the 8B-like width (block 16384: 0.183 ms a call against 0.190
+    at 4 warps, 0.215 at 16 and 0.224 at 32, `python3 -m bench.swiglu`), 4 for narrower rows."""
+    return max(4, min(8, block // 2048))
+
+
+def swiglu_e4m3_rows(gu: torch.Tensor, n: int, looped_block: int = 0, warps: int = 0,
+                     out_dtype: torch.dtype = E4M3):
+    """[M, 2n] ([gate | up] per row) -> (silu(gate) * up in e4m3 [M, n], row scales [M, 1] fp32), by the row kernel,
+    or (looped_block > 0, for the bench) the looped one with column blocks of that size. out_dtype float32 keeps
+    the scaled values before their cast (the CPU tests: Triton's interpreter rounds to e4m3 unlike the GPU)."""
+    import triton
+
+    row_kernel, looped_kernel = _kernels()
+    M = gu.shape[0]
+    q = torch.empty(M, n, dtype=out_dtype, device=gu.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=gu.device)
+    if looped_block:
+        looped_kernel[(M,)](gu, q, scale, gu.stride(0), q.stride(0), n, FP8_MAX=E4M3_MAX, BLOCK=looped_block,
+                            num_warps=warps or row_warps(looped_block))
+    else:
+        block = triton.next_power_of_2(n)
+        row_kernel[(M,)](gu, q, scale, gu.stride(0), q.stride(0), n, FP8_MAX=E4M3_MAX, BLOCK=block,
+                         num_warps=warps or row_warps(block))
+    return q, scale
+
+
+@torch.library.custom_op("dflash::swiglu_e4m3", mutates_args=())
+def swiglu_e4m3(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row kernel as one opaque op, so that a compiled target layer calls it as it is."""
+    return swiglu_e4m3_rows(gu if gu.stride(-1) == 1 else gu.contiguous(), n)
+
+
+@swiglu_e4m3.register_fake
+def _(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return gu.new_empty(gu.shape[0], n, dtype=E4M3), gu.new_empty(gu.shape[0], 1, dtype=torch.float32)
+
+
+def swiglu_e4m3_reference(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's function in torch: the form Inductor compiles where the kernel does not run."""
+    h = F.silu(gu[:, :n].float()) * gu[:, n:].float()
+    return quantize_rows(h)
+
+
+def gated_silu_mlp(mlp: torch.nn.Module) -> bool:
+    """`mlp` has bias-free gate/up/down linears and its own forward computes down(silu(gate(x)) * up(x)) (checked on
+    a few random rows, in its dtype, against the same ops: equal for the HF families that have this MLP)."""
+    linears = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(lin, torch.nn.Linear) and lin.bias is None for lin in linears):
+        return False
+    gate, up, down = linears
+    device = gate.weight.device
+    probe = torch.Generator(device=device).manual_seed(0)  # the run's own random stream stays untouched
+    x = torch.randn(4, gate.in_features, device=device, dtype=gate.weight.dtype, generator=probe)
+    with torch.no_grad():
+        try:
+            got = mlp(x)
+        except Exception:  # noqa: BLE001 -- an MLP whose forward takes more than x is not this form
+            return False
+        want = down(F.silu(gate(x)) * up(x))
+    return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-5)
+
+
+class Fp8GatedMlp(torch.nn.Module):
+    """A gated SiLU MLP in FP8: gate and up as one e4m3 GEMM (their weights stacked, one scale per output channel:
+    the same function as two), silu(gate) * up to e4m3 rows (`swiglu_e4m3`), down on the FP8 tensor cores."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        gate, up = Fp8Linear(mlp.gate_proj), Fp8Linear(mlp.up_proj)
+        self.register_buffer("gate_up_q", torch.cat([gate.weight_q, up.weight_q]))  # [2I, D]
+        self.register_buffer("gate_up_scale", torch.cat([gate.weight_scale, up.weight_scale], dim=1))  # [1, 2I]
+        self.down_proj = Fp8Linear(mlp.down_proj)
+        self.out_dtype = gate.out_dtype
+        self.hidden, self.intermediate = gate.in_features, gate.out_features
+        self.kernel = kernel_usable(self.gate_up_q.device, self.intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x_q, x_scale = quantize_rows(x.reshape(-1, self.hidden))
+        gu = scaled_mm(x_q, x_scale, self.gate_up_q.t(), self.gate_up_scale, self.out_dtype)  # [M, 2I]
+        if self.kernel:
+            h_q, h_scale = torch.ops.dflash.swiglu_e4m3(gu, self.intermediate)
+        else:
+            h_q, h_scale = swiglu_e4m3_reference(gu, self.intermediate)
+        down = self.down_proj
+        out = scaled_mm(h_q, h_scale, down.weight_q.t(), down.weight_scale, self.out_dtype)
+        return out.reshape(*lead, down.out_features)
