@@ -1,6 +1,6 @@
 """The FP8 target MLP's SwiGLU quantization at a shape's width: `python -m bench.swiglu --shape qwen3-8b`.
 
-Times the forms of silu(gate) * up -> e4m3 rows and row scales (trainer/model/fp8_mlp.py) on random bf16 [gate | up]
+Times the forms of silu(gate) * up -> e4m3 rows and row scales (trainer/model/fp8_target.py) on random bf16 [gate | up]
 rows, the gate/up GEMM's output, `--tokens` rows (default 12,288: bench.step's 4 x 3072):
   inductor       the torch form compiled (what a compiled target layer runs without the kernel)
   row            the row kernel at the trainer's warps (`row_warps`); row-wN at N warps
@@ -18,7 +18,7 @@ import sys
 
 def forms(n: int) -> dict[str, dict]:
     """name -> swiglu_e4m3_rows keyword arguments ("inductor" takes none: it is not the kernel)."""
-    from trainer.model.fp8_mlp import ROW_KERNEL_MAX
+    from trainer.model.fp8_target import ROW_KERNEL_MAX
 
     every: dict[str, dict] = {"inductor": {}}
     if n <= ROW_KERNEL_MAX:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench.swiglu times CUDA kernels and this machine has no CUDA GPU")
     from bench.timing import median_call_ms
-    from trainer.model.fp8_mlp import swiglu_e4m3_reference, swiglu_e4m3_rows
+    from trainer.model.fp8_target import swiglu_e4m3_reference, swiglu_e4m3_rows
 
     torch.manual_seed(0)
     gu = torch.randn(a.tokens, 2 * n, device="cuda", dtype=torch.bfloat16) * 3

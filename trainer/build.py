@@ -106,8 +106,9 @@ def load_run_target(cfg: TrainCfg, device: torch.device | str, *, truncate: bool
 
 
 def to_fp8(target: Target) -> int:
-    """model.target_fp8: the target's decoder-layer linears to FP8, in place (trainer/model/fp8.py) -> how many."""
-    from trainer.model.fp8 import fp8_supported, quantize_target_layers
+    """model.target_fp8: the target's decoder-layer linears to FP8, in place (trainer/model/fp8_target.py) -> how many."""
+    from trainer.model.fp8 import fp8_supported
+    from trainer.model.fp8_target import quantize_target_layers
 
     device = target.embed_tokens.weight.device
     if not fp8_supported(device):

@@ -1,13 +1,14 @@
-"""The FP8 target's gated MLP (trainer/model/fp8_mlp.py): the row kernel, run on CPU under Triton's interpreter (the
+"""The FP8 target's gated MLP (trainer/model/fp8_target.py): the row kernel, run on CPU under Triton's interpreter (the
 code the H200 compiles), against its torch form; the module against one FP8 linear per projection, through the
 families' own forwards; and a compiled layer calling the kernel as one op."""
 import pytest
 import torch
 
 from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
-from trainer.model import fp8_mlp
-from trainer.model.fp8 import LINEAR_NAMES, Fp8Linear, quantize_target_layers
-from trainer.model.fp8_mlp import Fp8GatedMlp, gated_silu_mlp, swiglu_e4m3_reference, swiglu_e4m3_rows
+from trainer.model import fp8_target
+from trainer.model.fp8 import Fp8Linear
+from trainer.model.fp8_target import (LINEAR_NAMES, Fp8GatedMlp, gated_silu_mlp, quantize_target_layers,
+                                      swiglu_e4m3_reference, swiglu_e4m3_rows)
 from trainer.model.target import load_target
 
 
@@ -98,5 +99,5 @@ def test_a_compiled_layer_calls_the_kernel_as_one_op_and_matches_eager(family_di
 
 
 def test_without_the_interpreter_the_kernel_is_not_used_on_cpu():
-    assert not fp8_mlp.kernel_usable(torch.device("cpu"), 64)
-    assert not fp8_mlp.kernel_usable(torch.device("cuda"), fp8_mlp.ROW_KERNEL_MAX + 16)
+    assert not fp8_target.kernel_usable(torch.device("cpu"), 64)
+    assert not fp8_target.kernel_usable(torch.device("cuda"), fp8_target.ROW_KERNEL_MAX + 16)

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from trainer.model.fp8 import E4M3, Fp8Linear, quantize_rows, quantize_target_layers
+from trainer.model.fp8 import E4M3, Fp8Linear, quantize_rows
+from trainer.model.fp8_target import quantize_target_layers
 from trainer.model.target import load_target
 
 

@@ -2,9 +2,9 @@
 scales, bf16 out). The target never trains, so each weight is quantized once to float8 e4m3; activations are
 quantized per row (token) at each product.
 
-- `model.target_fp8`: the target's decoder-layer linears (`Fp8Linear`; a gated SiLU MLP as one `Fp8GatedMlp`,
-  trainer/model/fp8_mlp.py). The target's features then differ from the bf16 target's by the quantization error of
-  every linear.
+- `model.target_fp8`: the target's decoder-layer linears (`Fp8Linear`; which module replaces what:
+  trainer/model/fp8_target.py). The target's features then differ from the bf16 target's by the quantization error
+  of every linear.
 - `step.head_fp8`: the LM head's two GEMMs in the drafter's loss (`Fp8Head`): the logits, and the gradient into the
   drafter's hidden states (the head is frozen, so no weight gradient). The CE chunk writes that gradient in e4m3
   directly (`dlogits_scale`: the row's maximum, known before the row is written), so it is never held in bf16.
@@ -21,7 +21,6 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -93,29 +92,6 @@ class Fp8Linear(torch.nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
-
-
-def quantize_target_layers(layers) -> int:
-    """Replace every decoder-layer linear named in LINEAR_NAMES (attention and MLP projections) by FP8, in place: a
-    gated SiLU MLP whole by an `Fp8GatedMlp` (trainer/model/fp8_mlp.py), every other such linear by an `Fp8Linear`
-    -> how many linears were replaced. The bf16 weights are freed."""
-    from trainer.model.fp8_mlp import Fp8GatedMlp, gated_silu_mlp
-
-    replaced = 0
-    for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None and gated_silu_mlp(mlp):
-            layer.mlp = Fp8GatedMlp(mlp)
-            replaced += 3
-        for parent in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
-            if parent is None:
-                continue
-            for name in LINEAR_NAMES:
-                child = getattr(parent, name, None)
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, Fp8Linear(child))
-                    replaced += 1
-    return replaced
 
 
 class Fp8Head:

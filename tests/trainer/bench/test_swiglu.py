@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.swiglu import forms, main
-from trainer.model.fp8_mlp import ROW_KERNEL_MAX
+from trainer.model.fp8_target import ROW_KERNEL_MAX
 
 
 def test_the_row_kernel_is_offered_only_for_widths_it_takes():

@@ -75,9 +75,9 @@ def test_the_loss_through_the_fp8_head_and_kernel_stays_close_to_the_bf16_loss()
 
 @pytest.mark.parametrize("looped_block", [0, 2048])
 def test_the_swiglu_kernel_casts_to_e4m3_as_torch_does(looped_block):
-    """trainer/model/fp8_mlp.py at the 8B-like width: the e4m3 values and row scales of the torch form (the CPU tests
+    """trainer/model/fp8_target.py at the 8B-like width: the e4m3 values and row scales of the torch form (the CPU tests
     check the values before the cast: Triton's interpreter casts differently)."""
-    from trainer.model.fp8_mlp import swiglu_e4m3_reference, swiglu_e4m3_rows
+    from trainer.model.fp8_target import swiglu_e4m3_reference, swiglu_e4m3_rows
 
     torch.manual_seed(0)
     n = 12288
@@ -93,7 +93,7 @@ def test_the_gated_fp8_mlp_on_the_tensor_cores_is_close_to_one_fp8_linear_per_pr
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-    from trainer.model.fp8_mlp import Fp8GatedMlp, gated_silu_mlp
+    from trainer.model.fp8_target import Fp8GatedMlp, gated_silu_mlp
 
     torch.manual_seed(0)
     mlp = Qwen3MLP(Qwen3Config(hidden_size=4096, intermediate_size=12288)).to("cuda", torch.bfloat16)

@@ -1,5 +1,6 @@
-"""The FP8 target's gated MLP (`model.target_fp8`): down(silu(gate(x)) * up(x)) with gate and up as one FP8 GEMM,
-and silu(gate) * up quantized to e4m3 rows by one Triton kernel that reads the GEMM's output once.
+"""The FP8 target (`model.target_fp8`): its decoder layers' linears in FP8 (`quantize_target_layers`), a gated SiLU
+MLP as one module (`Fp8GatedMlp`): down(silu(gate(x)) * up(x)) with gate and up as one FP8 GEMM, and silu(gate) * up
+quantized to e4m3 rows by one Triton kernel that reads the GEMM's output once.
 
 Why: compiled, the same math is one looped Inductor reduction per layer that reads gate and up twice, once for the
 row's absolute max and once to quantize (`python3 -m bench.step --shape qwen3-8b --target-fp8 1 --profile 2`: 16 ms
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from trainer.model.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows, scaled_mm
 
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # replaced
 ROW_KERNEL_MAX = 16384  # intermediate sizes the one-row-in-registers kernel takes (one power-of-two block per half)
 
 
@@ -169,3 +171,24 @@ class Fp8GatedMlp(torch.nn.Module):
         down = self.down_proj
         out = scaled_mm(h_q, h_scale, down.weight_q.t(), down.weight_scale, self.out_dtype)
         return out.reshape(*lead, down.out_features)
+
+
+def quantize_target_layers(layers) -> int:
+    """Replace every decoder-layer linear named in LINEAR_NAMES (attention and MLP projections) by FP8, in place: a
+    gated SiLU MLP whole by an `Fp8GatedMlp`, every other such linear by an `Fp8Linear` -> how many linears were
+    replaced. The bf16 weights are freed."""
+    replaced = 0
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and gated_silu_mlp(mlp):
+            layer.mlp = Fp8GatedMlp(mlp)
+            replaced += 3
+        for parent in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+            if parent is None:
+                continue
+            for name in LINEAR_NAMES:
+                child = getattr(parent, name, None)
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, Fp8Linear(child))
+                    replaced += 1
+    return replaced
