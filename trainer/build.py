@@ -106,7 +106,8 @@ def load_run_target(cfg: TrainCfg, device: torch.device | str, *, truncate: bool
 
 
 def to_fp8(target: Target) -> int:
-    """model.target_fp8: the target's decoder-layer linears to FP8, in place (trainer/model/fp8_target.py) -> how many."""
+    """model.target_fp8: the target's decoder-layer linears to FP8, in place (trainer/model/fp8_target.py) -> how
+    many."""
     from trainer.model.fp8 import fp8_supported
     from trainer.model.fp8_target import quantize_target_layers
 

@@ -46,7 +46,10 @@ def _kernels():
         u = tl.load(base + n + cols, mask=inside, other=0.0).to(tl.float32)
         h = g * tl.sigmoid(g) * u
         scale = tl.maximum(tl.max(tl.abs(h), axis=0), 1e-12) / FP8_MAX
-        q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
+        # NaN kept (the default max/min drop it): a NaN in the target's activations must reach the loss, which stops
+        # the run, as torch's form would.
+        q = tl.minimum(tl.maximum(h / scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
         tl.store(scale_ptr + row, scale)
 
@@ -69,7 +72,8 @@ def _kernels():
             inside = cols < n
             g = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
             u = tl.load(base + n + cols, mask=inside, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(g * tl.sigmoid(g) * u / scale, -FP8_MAX), FP8_MAX)
+            q = tl.minimum(tl.maximum(g * tl.sigmoid(g) * u / scale, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL),
+                           FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
         tl.store(scale_ptr + row, scale)
 
@@ -94,30 +98,50 @@ def swiglu_e4m3_rows(gu: torch.Tensor, n: int, looped_block: int = 0, warps: int
     """[M, 2n] ([gate | up] per row) -> (silu(gate) * up in e4m3 [M, n], row scales [M, 1] fp32), by the row kernel,
     or (looped_block > 0, for the bench) the looped one with column blocks of that size. out_dtype float32 keeps
     the scaled values before their cast (the CPU tests: Triton's interpreter rounds to e4m3 unlike the GPU)."""
+    import contextlib
+
     import triton
 
-    row_kernel, looped_kernel = _kernels()
+    check_gate_up(gu, n)
+    if not looped_block and n > ROW_KERNEL_MAX:
+        raise ValueError(f"the row kernel takes rows of at most {ROW_KERNEL_MAX} values per half, got {n}")
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("the SwiGLU kernel needs Triton, which is not installed")
+    row_kernel, looped_kernel = kernels
     M = gu.shape[0]
     q = torch.empty(M, n, dtype=out_dtype, device=gu.device)
     scale = torch.empty(M, 1, dtype=torch.float32, device=gu.device)
-    if looped_block:
-        looped_kernel[(M,)](gu, q, scale, gu.stride(0), q.stride(0), n, FP8_MAX=E4M3_MAX, BLOCK=looped_block,
-                            num_warps=warps or row_warps(looped_block))
-    else:
-        block = triton.next_power_of_2(n)
-        row_kernel[(M,)](gu, q, scale, gu.stride(0), q.stride(0), n, FP8_MAX=E4M3_MAX, BLOCK=block,
-                         num_warps=warps or row_warps(block))
+    # Triton launches on the current device: make it gu's
+    on_device = torch.cuda.device(gu.device) if gu.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        if looped_block:
+            looped_kernel[(M,)](gu, q, scale, gu.stride(0), q.stride(0), n, FP8_MAX=E4M3_MAX, BLOCK=looped_block,
+                                num_warps=warps or row_warps(looped_block))
+        else:
+            block = triton.next_power_of_2(n)
+            row_kernel[(M,)](gu, q, scale, gu.stride(0), q.stride(0), n, FP8_MAX=E4M3_MAX, BLOCK=block,
+                             num_warps=warps or row_warps(block))
     return q, scale
+
+
+def check_gate_up(gu: torch.Tensor, n: int) -> None:
+    """gu must be [M, 2n] rows of [gate | up] with unit column stride (what the kernel indexes)."""
+    if gu.dim() != 2 or gu.shape[1] != 2 * n or gu.stride(1) != 1:
+        raise ValueError(f"expected [M, {2 * n}] gate|up rows with unit column stride, got shape {tuple(gu.shape)} "
+                         f"and strides {gu.stride()}")
 
 
 @torch.library.custom_op("dflash::swiglu_e4m3", mutates_args=())
 def swiglu_e4m3(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The row kernel as one opaque op, so that a compiled target layer calls it as it is."""
-    return swiglu_e4m3_rows(gu if gu.stride(-1) == 1 else gu.contiguous(), n)
+    return swiglu_e4m3_rows(gu if gu.dim() != 2 or gu.stride(1) == 1 else gu.contiguous(), n)
 
 
 @swiglu_e4m3.register_fake
 def _(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if gu.dim() != 2 or gu.shape[1] != 2 * n:
+        raise ValueError(f"expected [M, {2 * n}] gate|up rows, got shape {tuple(gu.shape)}")
     return gu.new_empty(gu.shape[0], n, dtype=E4M3), gu.new_empty(gu.shape[0], 1, dtype=torch.float32)
 
 
@@ -129,21 +153,24 @@ def swiglu_e4m3_reference(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch
 
 def gated_silu_mlp(mlp: torch.nn.Module) -> bool:
     """`mlp` has bias-free gate/up/down linears and its own forward computes down(silu(gate(x)) * up(x)) (checked on
-    a few random rows, in its dtype, against the same ops: equal for the HF families that have this MLP)."""
+    random tokens of unit to thousandfold scale, in its dtype, against the same ops: equal for the HF families that
+    have this MLP)."""
     linears = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(lin, torch.nn.Linear) and lin.bias is None for lin in linears):
         return False
     gate, up, down = linears
     device = gate.weight.device
     probe = torch.Generator(device=device).manual_seed(0)  # the run's own random stream stays untouched
-    x = torch.randn(4, gate.in_features, device=device, dtype=gate.weight.dtype, generator=probe)
+    x = torch.randn(1, 6, gate.in_features, device=device, generator=probe)
+    x = (x * torch.tensor([1.0, 1.0, 10.0, 100.0, 1000.0, 1000.0], device=device)[:, None]).to(gate.weight.dtype)
     with torch.no_grad():
         try:
             got = mlp(x)
-        except Exception:  # noqa: BLE001 -- an MLP whose forward takes more than x is not this form
+        except (TypeError, ValueError):  # a forward that takes more than x is not this form
             return False
         want = down(F.silu(gate(x)) * up(x))
-    return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-5)
+    return (isinstance(got, torch.Tensor) and got.shape == want.shape
+            and torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-5))
 
 
 class Fp8GatedMlp(torch.nn.Module):
@@ -152,6 +179,9 @@ class Fp8GatedMlp(torch.nn.Module):
 
     def __init__(self, mlp: torch.nn.Module) -> None:
         super().__init__()
+        if not gated_silu_mlp(mlp):
+            raise ValueError(f"{type(mlp).__name__} does not compute down(silu(gate(x)) * up(x)) with bias-free "
+                             f"linears")
         gate, up = Fp8Linear(mlp.gate_proj), Fp8Linear(mlp.up_proj)
         self.register_buffer("gate_up_q", torch.cat([gate.weight_q, up.weight_q]))  # [2I, D]
         self.register_buffer("gate_up_scale", torch.cat([gate.weight_scale, up.weight_scale], dim=1))  # [1, 2I]

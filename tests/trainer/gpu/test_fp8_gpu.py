@@ -89,6 +89,18 @@ def test_the_swiglu_kernel_casts_to_e4m3_as_torch_does(looped_block):
     assert float((q.float() == q_ref.float()).float().mean()) > 0.999
 
 
+@pytest.mark.parametrize("looped_block", [0, 2048])
+def test_a_nan_in_gate_reaches_the_e4m3_output(looped_block):
+    """Triton's max and min drop a NaN by default on the GPU: the kernel asks them to keep it, so that a NaN in the
+    target's activations reaches the loss (which stops the run) instead of becoming -448."""
+    from trainer.model.fp8_target import swiglu_e4m3_rows
+
+    gu = torch.randn(4, 2 * 12288, device="cuda", dtype=torch.bfloat16)
+    gu[0, 5] = float("nan")
+    q, _ = swiglu_e4m3_rows(gu, 12288, looped_block=looped_block)
+    assert torch.isnan(q[0, 5].float()) and torch.isfinite(q[1:].float()).all()
+
+
 def test_the_gated_fp8_mlp_on_the_tensor_cores_is_close_to_one_fp8_linear_per_projection():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
