@@ -14,6 +14,7 @@ interpreter (the tests); elsewhere the same function in torch, which Inductor fu
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -98,8 +99,6 @@ def swiglu_e4m3_rows(gu: torch.Tensor, n: int, looped_block: int = 0, warps: int
     """[M, 2n] ([gate | up] per row) -> (silu(gate) * up in e4m3 [M, n], row scales [M, 1] fp32), by the row kernel,
     or (looped_block > 0, for the bench) the looped one with column blocks of that size. out_dtype float32 keeps
     the scaled values before their cast (the CPU tests: Triton's interpreter rounds to e4m3 unlike the GPU)."""
-    import contextlib
-
     import triton
 
     check_gate_up(gu, n)
