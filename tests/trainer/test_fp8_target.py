@@ -32,6 +32,20 @@ def test_fp8_linear_is_close_to_the_linear_it_replaces_and_drops_its_weight():
     assert 1e-4 < rel < 0.06, rel  # quantized (not equal), yet close
 
 
+def test_stacked_linears_are_one_product_equal_to_each_apart():
+    torch.manual_seed(0)
+    gate, up = torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        both = Fp8Linear(gate, up)(x)
+        assert both.shape == (3, 80)
+        # the same quantized rows; only the GEMM's blocking may differ with the width
+        torch.testing.assert_close(both, torch.cat([Fp8Linear(gate)(x), Fp8Linear(up)(x)], dim=-1), rtol=1e-6,
+                                   atol=1e-6)
+    with pytest.raises(ValueError, match="bias-free"):
+        Fp8Linear(gate, torch.nn.Linear(64, 32))
+
+
 def test_the_target_layers_run_in_fp8_with_features_close_to_the_original(tiny_target_dir):
     target = load_target(tiny_target_dir, num_draft_layers=2, device="cpu", dtype="float32")
     ids = torch.randint(10, target.embed_tokens.weight.shape[0], (1, 24))

@@ -73,25 +73,35 @@ def rowwise_matmul_error(device: torch.device) -> str | None:
 class Fp8Linear(torch.nn.Module):
     """A frozen `nn.Linear` (no bias: the supported families' decoder linears have none, or keep it in bf16) whose
     weight is held in e4m3 with one scale per output channel. On CUDA the product runs on the FP8 tensor cores; on
-    CPU (tests) it is computed from the same quantized values in fp32, so both compute the same function."""
+    CPU (tests) it is computed from the same quantized values in fp32, so both compute the same function.
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    Several bias-free linears that read one input may be given: their weights are stacked by output rows, one GEMM
+    for all (the scales are per row, so it is the same function as each apart)."""
+
+    def __init__(self, *linears: torch.nn.Linear) -> None:
         super().__init__()
-        w_q, w_scale = quantize_rows(linear.weight.detach())  # per output channel = per row of [N, K]
+        first = linears[0]
+        if len(linears) > 1 and (any(lin.bias is not None for lin in linears)
+                                 or any(lin.in_features != first.in_features for lin in linears)):
+            raise ValueError("only bias-free linears of one input width can be stacked")
+        weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else first.weight.detach()
+        w_q, w_scale = quantize_rows(weight)  # per output channel = per row of [N, K]
         self.register_buffer("weight_q", w_q)  # [N, K]
         self.register_buffer("weight_scale", w_scale.t().contiguous())  # [1, N]
-        bias = linear.bias.detach() if linear.bias is not None else None
+        bias = first.bias.detach() if first.bias is not None else None
         self.register_buffer("bias", bias)
-        self.out_dtype = linear.weight.dtype
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = first.weight.dtype
+        self.in_features, self.out_features = first.in_features, weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x_q, x_scale = quantize_rows(x.reshape(-1, self.in_features))
+        return self.product(x_q, x_scale).reshape(*lead, self.out_features)
+
+    def product(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """Input rows already in e4m3 [M, K] with their scales [M, 1] -> [M, N] in the weight's dtype."""
         out = scaled_mm(x_q, x_scale, self.weight_q.t(), self.weight_scale, self.out_dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*lead, self.out_features)
+        return out + self.bias if self.bias is not None else out
 
 
 class Fp8Head:

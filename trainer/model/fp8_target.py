@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from trainer.model.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows, scaled_mm
+from trainer.model.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # replaced
 ROW_KERNEL_MAX = 16384  # intermediate sizes the one-row-in-registers kernel takes (one power-of-two block per half)
@@ -173,33 +173,27 @@ def gated_silu_mlp(mlp: torch.nn.Module) -> bool:
 
 
 class Fp8GatedMlp(torch.nn.Module):
-    """A gated SiLU MLP in FP8: gate and up as one e4m3 GEMM (their weights stacked, one scale per output channel:
-    the same function as two), silu(gate) * up to e4m3 rows (`swiglu_e4m3`), down on the FP8 tensor cores."""
+    """A gated SiLU MLP in FP8: gate and up as one e4m3 GEMM (`Fp8Linear` of both, gate's rows first), silu(gate) *
+    up to e4m3 rows (`swiglu_e4m3`), down on the FP8 tensor cores."""
 
     def __init__(self, mlp: torch.nn.Module) -> None:
         super().__init__()
         if not gated_silu_mlp(mlp):
             raise ValueError(f"{type(mlp).__name__} does not compute down(silu(gate(x)) * up(x)) with bias-free "
                              f"linears")
-        gate, up = Fp8Linear(mlp.gate_proj), Fp8Linear(mlp.up_proj)
-        self.register_buffer("gate_up_q", torch.cat([gate.weight_q, up.weight_q]))  # [2I, D]
-        self.register_buffer("gate_up_scale", torch.cat([gate.weight_scale, up.weight_scale], dim=1))  # [1, 2I]
+        self.gate_up = Fp8Linear(mlp.gate_proj, mlp.up_proj)  # [2I, D]: the kernel's [gate | up] rows
         self.down_proj = Fp8Linear(mlp.down_proj)
-        self.out_dtype = gate.out_dtype
-        self.hidden, self.intermediate = gate.in_features, gate.out_features
-        self.kernel = kernel_usable(self.gate_up_q.device, self.intermediate)
+        self.intermediate = mlp.gate_proj.out_features
+        self.kernel = kernel_usable(self.gate_up.weight_q.device, self.intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x_q, x_scale = quantize_rows(x.reshape(-1, self.hidden))
-        gu = scaled_mm(x_q, x_scale, self.gate_up_q.t(), self.gate_up_scale, self.out_dtype)  # [M, 2I]
+        gu = self.gate_up(x).reshape(-1, 2 * self.intermediate)
         if self.kernel:
             h_q, h_scale = torch.ops.dflash.swiglu_e4m3(gu, self.intermediate)
         else:
             h_q, h_scale = swiglu_e4m3_reference(gu, self.intermediate)
-        down = self.down_proj
-        out = scaled_mm(h_q, h_scale, down.weight_q.t(), down.weight_scale, self.out_dtype)
-        return out.reshape(*lead, down.out_features)
+        return self.down_proj.product(h_q, h_scale).reshape(*lead, self.down_proj.out_features)
 
 
 def quantize_target_layers(layers) -> int:
