@@ -2,9 +2,10 @@
 
 The commands that load a target (`regenerate`, `train`, and the family rule of `trainer.model.target`) refuse a
 directory here, in one line, before torch is imported: no directory, no config.json or an unreadable one, a family
-this trainer cannot serve (linear-attention hybrids; a multimodal checkpoint; a model_type the installed
-transformers has no causal LM for), no weights or a shard of them missing, no tokenizer files (`regenerate`: no chat
-template). The stop ids a generation config names come from here too, and the shape facts (layers, hidden size,
+this trainer cannot serve (state-space or other linear mixers than Gated DeltaNet; a multimodal checkpoint other
+than Qwen3.5's, whose language model transformers loads alone; a model_type the installed transformers has no
+causal LM for; a quantization it cannot undo), no weights or a shard of them missing, no tokenizer files
+(`regenerate`: no chat template). The stop ids a generation config names come from here too, and the shape facts (layers, hidden size,
 vocabulary) that the train command checks its taps and mask id against, and eval checks an export against.
 """
 from __future__ import annotations
@@ -19,12 +20,17 @@ from pathlib import Path
 
 from trainer.errors import ConfigError
 
-# Families whose layers include linear attention / state-space mixers: their features come from layers this trainer
+# Hybrids of Gated DeltaNet and full-attention layers: trainer.model.linear_attention computes their linear layers
+# per packed document. (Qwen3.6 ships as model_type qwen3_5 / qwen3_5_moe.)
+GATED_DELTANET_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# Families whose layers include state-space or other linear mixers: their features come from layers this trainer
 # does not mask per document, so a packed row would leak across documents. (Also caught by `layer_types` values.)
-LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
-                  "granitemoehybrid", "nemotron_h", "lfm2", "minimax", "mamba", "mamba2", "rwkv", "recurrent_gemma")
+UNSUPPORTED_MIXERS = ("jamba", "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2",
+                      "minimax", "mamba", "mamba2", "rwkv", "recurrent_gemma")
 SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (model.attention FULL, SLIDING)
-SOFTMAX_HINT = "use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma)"
+LINEAR_LAYER_TYPE = "linear_attention"  # Gated DeltaNet (model.linear_attention LINEAR)
+SUPPORTED_HINT = ("use a softmax-attention target (Qwen3, Qwen2.5, Llama 3, Mistral, Gemma, gpt-oss, Qwen3-MoE, "
+                  "Mixtral) or a Gated DeltaNet hybrid (Qwen3-Next, Qwen3.5, Qwen3.6)")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # transformers >= 4.43 saves the template apart
 # What transformers' tokenizers load from (a fast tokenizer's one file; sentencepiece; BPE vocabularies; Mistral's
 # tekken): tokenizer_config.json alone builds an empty tokenizer, and every prompt would tokenize to nothing.
@@ -33,6 +39,11 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # one file, or its `.
 # Sub-configs of a multimodal checkpoint: its language model is one part of a larger model (Gemma 3 from 4B up,
 # Mistral 3, Llama 4), whose weights and layers are named apart.
 MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
+# Multimodal checkpoints whose language model transformers' AutoModelForCausalLM loads alone (its "VLM
+# compatibility" mapping: the text config and the language model's weights; the vision tower is not read).
+TEXT_OF_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
+# Quantized checkpoints transformers can turn back into bf16 weights on load (gpt-oss's MXFP4 experts).
+DEQUANTIZABLE = ("mxfp4",)
 
 
 @dataclass(frozen=True)
@@ -46,14 +57,37 @@ class TargetDir:
 
 
 def family_refusal(model_type: str, layer_types) -> ConfigError | None:
-    """The softmax-attention rule on a config's model_type and layer_types. Pure."""
-    unsupported = sorted(set(layer_types or ()) - set(SOFTMAX_LAYER_TYPES))
-    if model_type in LINEAR_HYBRIDS or unsupported:
+    """The layer rule on a config's model_type and layer_types: softmax attention (full or sliding-window), and
+    Gated DeltaNet layers in the families that have them. Pure."""
+    allowed = SOFTMAX_LAYER_TYPES + ((LINEAR_LAYER_TYPE,) if model_type in GATED_DELTANET_FAMILIES else ())
+    unsupported = sorted(set(layer_types or ()) - set(allowed))
+    if model_type in UNSUPPORTED_MIXERS or unsupported:
         what = f" (layer types {unsupported})" if unsupported else ""
-        return ConfigError(f"target family {model_type!r}{what} mixes in linear-attention or state-space layers, "
-                           "which this trainer cannot mask per document: its features would leak across packed "
-                           "documents", hint=SOFTMAX_HINT)
+        return ConfigError(f"target family {model_type!r}{what} mixes in state-space or linear-attention layers "
+                           "this trainer cannot mask per document: its features would leak across packed "
+                           "documents", hint=SUPPORTED_HINT)
     return None
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a config.json: its text_config where it is a multimodal one that transformers
+    loads as a causal LM (TEXT_OF_MULTIMODAL), else the config itself."""
+    nested = config.get("text_config")
+    if config.get("model_type") in TEXT_OF_MULTIMODAL and isinstance(nested, dict):
+        return nested
+    return config
+
+
+def quantization_refusal(path: Path, config: dict) -> ConfigError | None:
+    """A quantized checkpoint this trainer would read as something other than its weights. Pure."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None
+    method = quant.get("quant_method")
+    if method in DEQUANTIZABLE:
+        return None
+    return ConfigError(f"target {path}: its weights are quantized ({method!r}); this trainer reads bf16 (or fp32) "
+                       "weights, and MXFP4 ones it dequantizes", hint="point it at the unquantized checkpoint")
 
 
 @lru_cache(maxsize=1)
@@ -121,11 +155,13 @@ def read_target_dir(path: str | Path) -> TargetDir:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError(f"target {path}: config.json names no model_type (unknown family)", hint=hint)
-    refusal = family_refusal(model_type, config.get("layer_types"))
+    text = text_config(config)
+    refusal = family_refusal(text.get("model_type", model_type), text.get("layer_types")) or \
+        quantization_refusal(path, config)
     if refusal is not None:
         raise refusal
     multimodal = [k for k in MULTIMODAL_KEYS if config.get(k)]
-    if multimodal:
+    if multimodal and model_type not in TEXT_OF_MULTIMODAL:
         raise ConfigError(f"target {path}: {model_type!r} is a multimodal checkpoint (config.json has "
                           f"{multimodal[0]}); this trainer reads a text-only causal LM",
                           hint="use the text-only model of that family (e.g. Gemma 3 1B, model_type gemma3_text)")

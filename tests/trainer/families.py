@@ -9,7 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 WINDOW = 4
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "gemma2")
+SOFTMAX_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "gemma2")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers beside full attention
+FAMILIES = SOFTMAX_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
+# 4 layers, two of each kind, so that taps (1, 3) read a linear-attention and a full-attention layer's output
+HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
 def family_config(family: str, vocab: int, layers: int = 4):
@@ -32,6 +37,24 @@ def family_config(family: str, vocab: int, layers: int = 4):
                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2))
     if family == "gemma2":
         return tf.Gemma2Config(**common, sliding_window=WINDOW, query_pre_attn_scalar=16)
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, **moe, num_experts=4, norm_topk_prob=True)
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, num_experts_per_tok=2, num_local_experts=4)
+    if family == "gpt_oss":  # attention sinks, alternating sliding / full layers, biased experts with a clamped GLU
+        return tf.GptOssConfig(**{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                  linear_conv_kernel_dim=4, layer_types=HYBRID_LAYERS[:layers])
+    if family == "qwen3_next":  # its linear layers project q, k, v, z interleaved per key head
+        return tf.Qwen3NextConfig(**common, **moe, **linear, num_experts=4, shared_expert_intermediate_size=32)
+    if family == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**common, **linear)
+    if family == "qwen3_5_moe":
+        return tf.Qwen3_5MoeTextConfig(**{k: v for k, v in common.items() if k != "intermediate_size"}, **moe,
+                                       **linear, num_experts=4, shared_expert_intermediate_size=32)
     raise ValueError(family)
 
 

@@ -140,7 +140,7 @@ def test_a_target_dir_that_cannot_load_is_refused_before_torch(tmp_path):
 
     cases = {
         fake_target(tmp_path / "odd", {"model_type": "no-such-family"}): "unknown family 'no-such-family'",
-        fake_target(tmp_path / "hyb", {"model_type": "qwen3_next"}): "target family 'qwen3_next'",
+        fake_target(tmp_path / "hyb", {"model_type": "jamba"}): "target family 'jamba'",
         fake_target(tmp_path / "now", {"model_type": "qwen3", "num_hidden_layers": 8}, weights=False): "no weights",
     }
     for target, message in cases.items():

@@ -1,6 +1,7 @@
 """Every supported target family: the trainer's tapped features equal HF's own forward, document by document, on
-packed rows (sliding windows included); each trains end to end; unsupported families are refused in one line before
-any weight is read. Real tiny models of each family, saved to disk and loaded through `load_target`."""
+packed rows (sliding windows, attention sinks, MoE experts and Gated DeltaNet layers included); each trains end to
+end; unsupported families are refused in one line before any weight is read. Real tiny models of each family, saved
+to disk and loaded through `load_target`."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from tests.trainer.conftest import small_cfg
-from tests.trainer.families import FAMILIES
+from tests.trainer.families import FAMILIES, HYBRID_FAMILIES
 from trainer.errors import ConfigError
+from trainer.model.linear_attention import LINEAR, PackedDocs
 from trainer.model.target import load_target, packed_causal_mask
 
 
@@ -34,19 +36,58 @@ def hf_taps(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+# Documents across the linear layers' 64-token chunks: one crosses the first boundary, one starts past the second
+LENGTHS, SEQ = [9, 70, 11, 64, 6], 176
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_features_equal_hf_per_document(family, family_dirs):
-    lengths = [9, 11, 6]
     # Taps 1 and 3 of 4 layers: the last layer's tap is HF's final-norm output (what serving stacks feed).
     target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
     vocab = target.embed_tokens.weight.shape[0]
-    ids, pos, doc = packed_row(lengths, 32, vocab)
+    ids, pos, doc = packed_row(LENGTHS, SEQ, vocab)
     got = target.features(ids, pos, doc)
     at = 0
-    for n in lengths:
+    for n in LENGTHS:
         want = hf_taps(target, ids[:, at:at + n], (1, 3))
         torch.testing.assert_close(got[:, at:at + n], want, atol=2e-5, rtol=1e-4)
         at += n
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_a_recurrence_that_runs_across_documents_would_be_caught(family, family_dirs):
+    """The comparison above can fail for hybrids: linear-attention layers handed the row as one document (no reset
+    of the convolution and the state at a document start) differ from HF past the first document."""
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    ids, pos, doc = packed_row(LENGTHS, SEQ, target.embed_tokens.weight.shape[0])
+    masks = target.attention_mask(doc)
+    masks[LINEAR] = PackedDocs(torch.zeros_like(doc))
+    target._taps.clear()
+    target.model.model(input_ids=ids, position_ids=pos, attention_mask=masks, use_cache=False)
+    wrong = target.join_taps(target._taps)
+    target._taps.clear()
+    second = slice(LENGTHS[0], LENGTHS[0] + LENGTHS[1])
+    assert not torch.allclose(wrong[:, second], hf_taps(target, ids[:, second], (1, 3)), atol=1e-3)
+
+
+def test_attention_sinks_through_flex_equal_hfs_eager_attention_and_dropping_them_is_caught(family_dirs):
+    """gpt-oss on the flex path (tile-sized rows): its sinks enter through flex's log-sum-exp; with the sinks'
+    logits pushed to -inf (no sink) the features differ, so the comparison can fail."""
+    import warnings
+
+    from tests.trainer.test_target_doc_attention import packed_doc_ids
+
+    ref = load_target(family_dirs["gpt_oss"], num_draft_layers=2, layer_ids=(1, 3), dtype="float32")
+    fast = load_target(family_dirs["gpt_oss"], num_draft_layers=2, layer_ids=(1, 3), dtype="float32", attn="flex")
+    doc, pos = packed_doc_ids([[100, 28, 200, 56], [384]], 384)
+    ids = torch.randint(0, ref.embed_tokens.weight.shape[0], doc.shape, generator=torch.Generator().manual_seed(0))
+    want = ref.features(ids, pos, doc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex on CPU warns that it is the unfused reference
+        torch.testing.assert_close(fast.features(ids, pos, doc), want, atol=2e-5, rtol=1e-4)
+        for layer in fast.model.model.layers:
+            layer.self_attn.sinks.data.fill_(float("-inf"))
+        assert not torch.allclose(fast.features(ids, pos, doc), want, atol=1e-3)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma3", "gemma2"])
@@ -96,17 +137,19 @@ def test_each_family_trains_end_to_end(family, family_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("model_type, extra, needle", [
-    ("qwen3_next", {}, "target family 'qwen3_next'"),
+    ("jamba", {}, "target family 'jamba'"),
     ("qwen3", {"layer_types": ["linear_attention", "full_attention"]}, "layer types ['linear_attention']"),
 ])
-def test_linear_attention_hybrids_are_refused_before_any_weight(tmp_path, model_type, extra, needle):
+def test_other_linear_mixers_are_refused_before_any_weight(tmp_path, model_type, extra, needle):
+    """State-space hybrids, and linear-attention layers in a family whose layers this trainer does not know as
+    Gated DeltaNet ones (a linear layer of Qwen3's would be some other mixer)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(model_type, num_hidden_layers=2, **extra)
     cfg.save_pretrained(tmp_path)  # a config and no weights: the refusal must come before they are read
     with pytest.raises(ConfigError, match=re.escape(needle)) as e:
         load_target(tmp_path, num_draft_layers=1)
-    assert "softmax-attention target" in e.value.hint
+    assert "Gated DeltaNet hybrid" in e.value.hint
 
 
 def test_an_unknown_model_type_is_one_line(tmp_path):

@@ -207,8 +207,10 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
                              "error: target "),
         "unknown family": (["--target", str(fake_target(tmp_path / "odd", {"model_type": "no-such-family"}))], 2,
                            "error: target "),
-        "linear hybrid": (["--target", str(fake_target(tmp_path / "hyb", {"model_type": "qwen3_next"}))], 2,
-                          "error: target family 'qwen3_next'"),
+        "state-space hybrid": (["--target", str(fake_target(tmp_path / "hyb", {"model_type": "jamba"}))], 2,
+                               "error: target family 'jamba'"),
+        "quantized": (["--target", str(fake_target(tmp_path / "gptq", {"model_type": "qwen3", "quantization_config": {
+            "quant_method": "gptq"}}))], 2, "error: target " + str(tmp_path / "gptq") + ": its weights are quantized"),
         "multimodal": (["--target", str(fake_target(tmp_path / "mm", {"model_type": "gemma3", "vision_config": {
             "model_type": "siglip_vision_model"}, "text_config": {"num_hidden_layers": 2}}))], 2,
                        "error: target " + str(tmp_path / "mm") + ": 'gemma3' is a multimodal checkpoint"),
@@ -233,7 +235,8 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
     return [a for kv in args.items() for a in kv], code, start
 
 
-@pytest.mark.parametrize("name", ["missing target", "no chat template", "unknown family", "linear hybrid",
+@pytest.mark.parametrize("name", ["missing target", "no chat template", "unknown family", "state-space hybrid",
+                                  "quantized",
                                   "multimodal", "no weights", "a shard missing", "no tokenizer",
                                   "empty prompt file", "invalid UTF-8", "out not writable", "greedy continuations",
                                   "max-new past the positions"])

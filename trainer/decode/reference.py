@@ -9,13 +9,16 @@ token `start` (the anchor / previous bonus token) is committed but not yet in ei
   2. verify: ONE target forward over [anchor, d_1..d_{B-1}] with the KV cache -> greedy posterior p_0..p_{B-1};
   3. accept a = leading k with d_{k+1} == p_k; commit d_1..d_a plus the bonus p_a (a + 1 new tokens);
   4. crop the target cache back to start + a + 1; the target's tapped features of the a + 1 accepted block tokens
-     become the next round's new context (appended to the drafter cache); start += a + 1.
+     become the next round's new context (appended to the drafter cache); start += a + 1. A hybrid target's linear-
+     attention layers keep a recurrent state, which cannot be cropped: their cache is copied before the verify and,
+     after it, restored and advanced by the a + 1 accepted tokens alone (one more target forward per round).
 Greedy output is therefore the target's own greedy output, token for token (up to floating-point ties).
 
 Shape legend: L tokens, B block size, T taps, D hidden, Hkv key/value heads, Dh head dim, V vocab.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import time
@@ -28,6 +31,7 @@ from torch import nn
 from trainer.decode.rounds import SpecResult, leading_matches, stop_index
 from trainer.model.attention import SLIDING, window_visible
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin, stream_dtype
+from trainer.model.linear_attention import LINEAR
 from trainer.model.target import Target
 
 
@@ -36,10 +40,17 @@ from trainer.model.target import Target
 def new_cache(target: Target):
     """A DynamicCache of full layers only. Built from the config, transformers 5.24 gives sliding-window layers a
     cache that drops keys past the window and then refuses `crop` (a rejected draft could not be rolled back); full
-    layers keep every key and HF's sliding mask still hides those outside the window, so the tokens are the same."""
+    layers keep every key and HF's sliding mask still hides those outside the window, so the tokens are the same.
+    A hybrid target's cache is built from its config (its linear-attention layers keep a convolution and a recurrent
+    state instead of keys; it has no sliding layers)."""
     from transformers import DynamicCache
 
-    return DynamicCache()
+    return DynamicCache(config=target.hf_config) if is_hybrid(target) else DynamicCache()
+
+
+def is_hybrid(target: Target) -> bool:
+    """Whether the target has linear-attention (recurrent) layers, whose cache cannot be cropped."""
+    return target.kinds is not None and LINEAR in target.kinds.layer_types
 
 
 def crop_cache(cache, length: int) -> None:
@@ -75,6 +86,17 @@ def target_forward(target: Target, ids_1L: torch.Tensor, cache, start: int,
     feats = target.join_taps(target._taps) if want_features else None
     target._taps.clear()
     return out.logits, feats
+
+
+def keep_accepted(target: Target, cache, before, block: torch.Tensor, accepted: int, start: int):
+    """The target cache after a verify of `block` [1, B] at `start`, holding exactly its first `accepted` + 1 tokens:
+    `cache` cropped, or -- a hybrid target, `before` the copy of the cache taken before the verify -- `before`
+    advanced by those tokens alone (a recurrent state cannot drop the tokens it has taken in)."""
+    if before is None:
+        crop_cache(cache, start + accepted + 1)
+        return cache
+    target_forward(target, block[:, :accepted + 1], before, start, want_features=False)
+    return before
 
 
 # ---------------------------------------------------------------- target-only greedy decoding
@@ -227,6 +249,7 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
     B = proposer.block_size
     dev = target.device
     cache = new_cache(target)
+    recurrent = is_hybrid(target)
     committed = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     logits, new_feats = target_forward(target, committed, cache, 0)
     first = logits[:, -1:].argmax(-1)
@@ -240,6 +263,7 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
         draft = proposer.propose(new_feats, committed)  # [B-1]
         t1 = clock()
         block = torch.cat([committed[:, -1:], draft[None]], dim=1)  # [1, B]
+        before = copy.deepcopy(cache) if recurrent else None  # the state at `start`, to advance by the accepted
         logits, feats = target_forward(target, block, cache, start)
         t2 = clock()
         post = logits[0].argmax(-1)  # [B]: the target's greedy token after each block position
@@ -251,8 +275,8 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
         accepted.append(a)
         committed = torch.cat([committed, block[:, 1:a + 1], post[None, a:a + 1]], dim=1)
         new_host += block_h[1:a + 1] + [post_h[a]]
+        cache = keep_accepted(target, cache, before, block, a, start)
         start += a + 1
-        crop_cache(cache, start)
         new_feats = feats[:, :a + 1]
         t3 = clock()
         for key, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("accept", t3 - t2)):

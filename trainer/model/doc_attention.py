@@ -14,6 +14,9 @@ position equals the doc at the q-tile's first position (a run covering both cove
 Sliding-window layers add HF's window rule, i - j < window: a k-tile entirely inside the window of every query of
 the q-tile stays full, one entirely outside it is skipped, the tiles the window's edge crosses are partial.
 
+gpt-oss's attention sinks scale flex's output by sigmoid(lse - sink) (`with_sinks`): the same softmax over keys and
+sink that HF's eager attention computes, without a dense mask.
+
 Static buffers, no host sync: `DocCausalMask.update_(doc_ids)` rewrites doc ids and every BlockMask table IN PLACE,
 so a CUDA graph captured over the target forward sees each new batch's documents on replay (same pattern as
 trainer.model.flex.FlexBlockMask). The attention function is registered with HF's AttentionInterface under
@@ -97,11 +100,13 @@ def doc_causal_attention(module, query, key, value, attention_mask, scaling=None
     """HF attention-interface function. query [R, H, S, Dh], key/value [R, Hkv, S, Dh] -> ([R, S, H, Dh], None).
 
     A BlockMask -> flex (compiled on CUDA, the process-wide instance; plain flex inside an outer torch.compile and
-    on CPU, where it is the reference math), with the layer's score soft cap when it has one. Anything else -> HF's
-    own path for this model (sdpa; eager for soft-capped families), unchanged.
+    on CPU, where it is the reference math), with the layer's score soft cap (Gemma 2) or attention sinks (gpt-oss)
+    when it has them. Anything else -> HF's own path for this model (sdpa; eager for soft-capped and sink families),
+    unchanged.
     """
+    sinks = kwargs.get("s_aux")
     if not isinstance(attention_mask, BlockMask):
-        if kwargs.get("softcap"):
+        if kwargs.get("softcap") or sinks is not None:
             return _eager_of(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                      **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -114,8 +119,20 @@ def doc_causal_attention(module, query, key, value, attention_mask, scaling=None
     fn = compiled_flex_attention() if use_compiled else flex_attention
     softcap = kwargs.get("softcap")
     out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-             score_mod=_softcapped(softcap) if softcap else None, kernel_options=tuned_options("target", query))
+             score_mod=_softcapped(softcap) if softcap else None, kernel_options=tuned_options("target", query),
+             return_lse=sinks is not None)
+    if sinks is not None:
+        out = with_sinks(*out, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks (gpt-oss) from flex's output over the real keys: one more logit per head, `sinks[h]`, in the
+    softmax's denominator and with no value. softmax over [scores, sink] restricted to the keys is the keys' own
+    softmax times exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink). out [R, H, S, Dh], lse [R, H, S] (natural
+    log), sinks [H]."""
+    keep = torch.sigmoid(lse - sinks.float()[None, :, None])
+    return (out.float() * keep[..., None]).to(out.dtype)
 
 
 _SOFTCAPS: dict[float, object] = {}

@@ -53,15 +53,22 @@ class DrafterConfig:
     @staticmethod
     def from_target(hf_cfg, *, num_layers: int, num_taps: int, layer_types: tuple[str, ...] = (),
                     sliding_window: int | None = None) -> "DrafterConfig":
-        """As wide as the target (DFlash paper section 4.2): copy its dims, RoPE theta and norm eps."""
+        """As wide as the target (DFlash paper section 4.2): copy its dims, RoPE theta and norm eps; a dense MLP."""
         heads = hf_cfg.num_attention_heads
         return DrafterConfig(
-            hidden_size=hf_cfg.hidden_size, intermediate_size=hf_cfg.intermediate_size,
+            hidden_size=hf_cfg.hidden_size, intermediate_size=dense_mlp_size(hf_cfg),
             num_attention_heads=heads, num_key_value_heads=getattr(hf_cfg, "num_key_value_heads", heads),
             head_dim=getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads,
             num_layers=num_layers, num_taps=num_taps, rms_norm_eps=hf_cfg.rms_norm_eps,
             rope_theta=rope_theta_of(hf_cfg), attention_bias=bool(getattr(hf_cfg, "attention_bias", False)),
             layer_types=tuple(layer_types), sliding_window=sliding_window)
+
+
+def dense_mlp_size(hf_cfg) -> int:
+    """The drafter's MLP width: the target's own where its MLPs are dense; three times the hidden size for an MoE
+    target, whose `intermediate_size` (where it has one) may be an expert's (gpt-oss: 2880 at hidden 2880)."""
+    moe = any(getattr(hf_cfg, key, None) for key in ("num_experts", "num_local_experts"))
+    return 3 * hf_cfg.hidden_size if moe else hf_cfg.intermediate_size
 
 
 def rope_theta_of(hf_cfg) -> float:

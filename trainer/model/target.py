@@ -1,9 +1,13 @@
 """The frozen target: a local HF causal LM, tapped with forward hooks, truncated after the last tap for training.
 
-Families: any decoder whose layers are softmax attention, full or sliding-window (Qwen3, Qwen2/2.5, Llama 3,
-Mistral, Gemma 2/3, ...). A packed row holds several documents, so the target gets its masks from here, per kind
-of layer: causal AND same document, AND inside the window for sliding layers (HF's own window rule: a query sees
-the `sliding_window` keys ending at itself). Linear-attention hybrids are refused before any weight is loaded.
+Families: any decoder whose layers are softmax attention, full or sliding-window, dense or MoE (Qwen3, Qwen2/2.5,
+Llama 3, Mistral, Gemma 2/3, Qwen3-MoE, Mixtral, gpt-oss with its attention sinks), and the Gated DeltaNet hybrids
+(Qwen3-Next, Qwen3.5, Qwen3.6). A packed row holds several documents, so the target gets its masks from here, per
+kind of layer: causal AND same document, AND inside the window for sliding layers (HF's own window rule: a query
+sees the `sliding_window` keys ending at itself); linear-attention layers get the doc ids themselves and restart
+their convolution and recurrent state at every document (trainer.model.linear_attention). Other state-space or
+linear mixers are refused before any weight is loaded. MoE experts run HF's grouped GEMMs (`grouped_mm`: one GEMM
+per projection for all experts, no host sync), so the step stays capturable.
 
 Tap semantics are HF's `hidden_states[i + 1]`, what the serving stacks feed the drafter: the raw output of layer i,
 except the last layer's, which HF reports after the final norm.
@@ -20,14 +24,15 @@ from torch import nn
 
 from trainer.errors import ConfigError
 from trainer.model.attention import FULL, SLIDING
-from trainer.targetdir import SOFTMAX_HINT, check_mask_row, default_layer_ids, family_refusal, tap_ids
+from trainer.model.linear_attention import LINEAR, PackedDocs, is_linear_attention_layer, use_packed_linear_attention
+from trainer.targetdir import SUPPORTED_HINT, check_mask_row, default_layer_ids, family_refusal, tap_ids
 
 MASK_TOKEN = "<|MASK|>"
 
 
 @dataclass(frozen=True)
 class AttentionKinds:
-    """Per decoder layer: full or sliding-window attention, and the window."""
+    """Per decoder layer: full, sliding-window or linear (Gated DeltaNet) attention, and the window."""
 
     layer_types: tuple[str, ...]
     window: int | None
@@ -139,11 +144,12 @@ class Target:
 
     def attention_mask(self, doc_ids: torch.Tensor):
         """The mask(s) handed to HF for packed rows, per kind of layer: one mask when every layer is of one kind,
-        else {layer type: mask} (the form HF's mixed-layer models take). Each is the static doc-causal BlockMask,
-        rewritten in place (flex; rows whose length is a multiple of the flex tile), or the dense [R, 1, S, S]
-        reference. No host sync."""
+        else {layer type: mask} (the form HF's mixed-layer models take). Each softmax layer's is the static doc-causal
+        BlockMask, rewritten in place (flex; rows whose length is a multiple of the flex tile), or the dense
+        [R, 1, S, S] reference; linear-attention layers get the doc ids (PackedDocs). No host sync."""
         kinds = self.kinds.kinds if self.kinds is not None else (FULL,)
-        masks = {kind: self._mask(doc_ids, self.kinds.window if kind == SLIDING else None) for kind in kinds}
+        masks = {kind: PackedDocs(doc_ids) if kind == LINEAR else self._mask(doc_ids, self.kinds.window if kind == SLIDING
+                                                                  else None) for kind in kinds}
         return masks[kinds[0]] if len(masks) == 1 else masks
 
     def _mask(self, doc_ids: torch.Tensor, window: int | None):
@@ -201,10 +207,32 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+EAGER_FAMILIES = ("gpt_oss",)  # attention sinks: HF computes them in its eager attention only
+
+
 def hf_attention(hf_config) -> str:
     """HF's attention implementation for the reference path: sdpa, except for families whose attention scores are
-    soft-capped (Gemma 2), which sdpa cannot compute and HF runs eagerly."""
-    return "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
+    soft-capped (Gemma 2) or that add attention sinks (gpt-oss), which sdpa cannot compute and HF runs eagerly."""
+    eager = getattr(hf_config, "attn_logit_softcapping", None) or hf_config.model_type in EAGER_FAMILIES
+    return "eager" if eager else "sdpa"
+
+
+def load_options(config) -> dict:
+    """from_pretrained's options a family needs beyond dtype and attention: MoE experts as grouped GEMMs (HF's
+    `grouped_mm`; its per-expert loop would sync with the host and could not be captured), and gpt-oss's MXFP4
+    experts dequantized to the load dtype (what this trainer computes with; without it transformers would keep them
+    packed where its MXFP4 kernels are installed)."""
+    options = {}
+    text = config.get_text_config()
+    if any(getattr(text, key, None) for key in ("num_experts", "num_local_experts")):
+        options["experts_implementation"] = "grouped_mm"
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(getattr(method, "value", method)) == "mxfp4":
+        from transformers import Mxfp4Config
+
+        options["quantization_config"] = Mxfp4Config(dequantize=True)
+    return options
 
 
 def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int, ...] | None = None,
@@ -223,11 +251,12 @@ def load_target(path: str | Path, *, num_draft_layers: int, layer_ids: tuple[int
         raise ConfigError(f"target {path}: transformers cannot read its config.json ({str(e).splitlines()[0][:200]})",
                           hint="point model.target at a Hugging Face causal LM directory this transformers "
                                "version supports") from None
-    attention_kinds(config)  # refuse a family before its weights are read
+    attention_kinds(config.get_text_config())  # refuse a family before its weights are read
     device = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=pick_dtype(dtype, device),
-                                                 attn_implementation=hf_attention(config)).to(device)
+                                                 attn_implementation=hf_attention(config),
+                                                 **load_options(config)).to(device)
     return prepare_target(model, tokenizer, num_draft_layers=num_draft_layers, layer_ids=layer_ids,
                           mask_token_id=mask_token_id, truncate=truncate, attn=attn)
 
@@ -244,16 +273,18 @@ def prepare_target(model: nn.Module, tokenizer, *, num_draft_layers: int, layer_
     kinds = attention_kinds(model.config)
     layers = model.model.layers
     n_layers = len(layers)
-    plain = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")]
+    plain = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")
+             and not is_linear_attention_layer(layer)]
     if plain:
-        raise ConfigError(f"target layers {plain[:4]} of {model.config.model_type!r} have no softmax attention",
-                          hint=SOFTMAX_HINT)
+        raise ConfigError(f"target layers {plain[:4]} of {model.config.model_type!r} have neither softmax nor "
+                          "Gated DeltaNet attention", hint=SUPPORTED_HINT)
     ids = tap_ids(n_layers, num_draft_layers, layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, model.get_input_embeddings().weight.shape[0], mask_token_id)
     if attn == "flex":
         from trainer.model.doc_attention import use_doc_causal_attention
 
         use_doc_causal_attention(model)  # flex for BlockMasks, HF's sdpa for anything else
+    use_packed_linear_attention(model, model.get_input_embeddings().weight.device)
     taps: dict = {}
     for i in ids:
         layers[i].register_forward_hook(_tap_hook(taps, i))
