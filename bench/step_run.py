@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from bench.shapes import Dims, FlopShape, StepCounts, qwen3_config, useful_flops
+from bench.shapes import Dims, FlopShape, StepCounts, target_config, target_layer_costs, useful_flops
 from bench.synthetic import draft_pairs, synthetic_batches, target_pairs
 from bench.timing import Timed, mem_line, peak_memory, print_profile, reset_peak, time_steps
 from trainer.config import DataCfg, ModelCfg, OptimCfg, PipelineCfg, StepCfg, TrainCfg
@@ -46,20 +46,23 @@ def bench_target(cfg, device: torch.device):
 
 
 def _bench_target(cfg, device: torch.device):
-    """--target DIR: load_target. Else a random-init Qwen3ForCausalLM of the named shape, built on `device` in the
-    target dtype and prepared by the same `prepare_target` (bf16 on CUDA, fp32 on CPU, as model.dtype=auto)."""
-    from trainer.model.target import load_target, pick_dtype, prepare_target
+    """--target DIR: load_target. Else a random-init causal LM of the named shape's family, built on `device` in the
+    target dtype with the options load_target gives its family, and prepared by the same `prepare_target` (bf16 on
+    CUDA, fp32 on CPU, as model.dtype=auto)."""
+    from trainer.model.target import hf_attention, load_options, load_target, pick_dtype, prepare_target
     from trainer.build import target_attn
 
     attn = target_attn(device)
     if cfg.target:
         return load_target(cfg.target, num_draft_layers=cfg.draft_layers, device=device, attn=attn)
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from trainer.tiny import build_tokenizer
 
+    config = target_config(cfg.shape, cfg.seq)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(qwen3_config(cfg.shape, cfg.seq), dtype=pick_dtype("auto", device))
+        model = AutoModelForCausalLM.from_config(config, dtype=pick_dtype("auto", device),
+                                                 attn_implementation=hf_attention(config), **load_options(config))
     model = model.to(device)  # a no-op where the device context was honoured
     # The tokenizer only supplies the mask token id (a row of the embedding that is neither pad nor eos).
     return prepare_target(model, build_tokenizer(), num_draft_layers=cfg.draft_layers, attn=attn)
@@ -67,12 +70,11 @@ def _bench_target(cfg, device: torch.device):
 
 def flop_shape(target, dcfg) -> FlopShape:
     h = target.hf_config
-    t = Dims(h.hidden_size, h.num_attention_heads, getattr(h, "num_key_value_heads", h.num_attention_heads),
-             getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads, h.intermediate_size)
     d = Dims(dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim,
              dcfg.intermediate_size)
-    return FlopShape(target=t, target_layers_run=max(target.layer_ids) + 1, drafter=d, draft_layers=dcfg.num_layers,
-                     taps=dcfg.num_taps, vocab=target.embed_tokens.weight.shape[0])
+    return FlopShape(target_layers=target_layer_costs(h, max(target.layer_ids) + 1), target_hidden=h.hidden_size,
+                     drafter=d, draft_layers=dcfg.num_layers, taps=dcfg.num_taps,
+                     vocab=target.embed_tokens.weight.shape[0])
 
 
 def run_mode(cfg, mode: str) -> dict:
@@ -98,7 +100,8 @@ def run_mode(cfg, mode: str) -> dict:
         micro = [b.pin_memory() for b in micro]  # as the trainer's loop hands them over (async H2D copies)
     steps_in = [micro[:cfg.accum], micro[cfg.accum:]]  # two different optimizer steps, alternated
     counts = StepCounts(rows=cfg.accum * cfg.batch, seq=cfg.seq, anchors=cfg.anchors, block=cfg.block,
-                        target_pairs=sum(target_pairs(b) for b in steps_in[0]),
+                        target_pairs={w: sum(target_pairs(b, w) for b in steps_in[0])
+                                      for w in {None, getattr(target.hf_config, "sliding_window", None)}},
                         draft_pairs=sum(draft_pairs(b, cfg.block) for b in steps_in[0]))
     flops = useful_flops(flop_shape(target, state.drafter.cfg), counts)
     sync = make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], info.world)

@@ -36,9 +36,13 @@ def synthetic_batches(n: int, rows: int, seq: int, anchors: int, vocab: int, *, 
     return [batches.batch(m) for m in range(n)]
 
 
-def target_pairs(batch: StaticBatch) -> float:
-    """Causal query-key pairs inside documents (padding excluded): a token at document position p sees p + 1 keys."""
-    return float(((batch.position_ids + 1) * (batch.doc_ids >= 0)).sum())
+def target_pairs(batch: StaticBatch, window: int | None = None) -> float:
+    """Causal query-key pairs inside documents (padding excluded): a token at document position p sees p + 1 keys,
+    at most `window` of them in a sliding-window layer."""
+    seen = batch.position_ids + 1
+    if window is not None:
+        seen = seen.clamp(max=window)
+    return float((seen * (batch.doc_ids >= 0)).sum())
 
 
 def draft_pairs(batch: StaticBatch, block: int) -> float:

@@ -272,6 +272,7 @@ def eval_prompts(args) -> int:
                   f"{', '.join(map(str, ps.bad_lines[:10]))}{', ...' if len(ps.bad_lines) > 10 else ''})",
                   file=sys.stderr, flush=True)
     _quiet_libraries()
+    from trainer.decode.decoders import engine_for
     from trainer.decode.lossless import describe
     from trainer.export import load_pair
     from trainer.placement import local_device
@@ -282,7 +283,7 @@ def eval_prompts(args) -> int:
     # The serving-like configuration the quality recipe measures: the row-invariant attention and norms (lossless by
     # construction where the family allows it; a note and SDPA where not) and the compiled drafter.
     cfg = EvalCfg(prompts=args.limit, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
-                  engine=static_or_hf(args.engine, target), invariant=True, compile="drafter")
+                  engine=engine_for(args.engine, target, lambda m: print(m, flush=True)), invariant=True, compile="drafter")
     for ps in sets:
         r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None)
         keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
@@ -309,21 +310,6 @@ def cmd_regenerate(args) -> int:
         from trainer.regen.run import run
     run(job, console)
     return 0
-
-
-def static_or_hf(engine: str, target) -> str:
-    """The engine eval decodes with: the one asked for, except that a target the static engine refuses (its family,
-    sliding windows) is decoded by the hf engine, after one note line."""
-    if engine != "static":
-        return engine
-    from trainer.decode.static_target import check_supported
-
-    try:
-        check_supported(target.hf_config)
-    except TrainerError as e:
-        print(f"note: the static engine cannot serve this target ({e}); decoding with the hf engine", flush=True)
-        return "hf"
-    return engine
 
 
 def cmd_export(args) -> int:

@@ -167,7 +167,7 @@ def make_pipeline(cfg: TrainCfg, state: TrainState, batches: EpochBatches, targe
                             slots=cfg.pipeline.slots, prefetch=cfg.pipeline.prefetch)
 
 
-def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout, *,
+def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=None, *,
           env: place.DistEnv = place.DistEnv(0, 1, 0), placement: place.Placement | None = None,
           console: Console | None = None) -> Session:
     """Build everything, capture in the main thread. Under torchrun the process group must already exist."""

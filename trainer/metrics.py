@@ -239,11 +239,15 @@ class MetricsSink:
     resume_step (a resumed run): before the first new record, the records after that step (the checkpoint's) are
     dropped from metrics.jsonl, so that each step is logged once."""
 
-    def __init__(self, path: Path, stream: TextIO = sys.stdout, resume_step: int | None = None) -> None:
+    def __init__(self, path: Path, stream: TextIO | None = None, resume_step: int | None = None) -> None:
         self.path = path
-        self.stream = stream
+        self._stream = stream  # None: the sys.stdout of each write (in-process callers may swap it, as tests do)
         self.progress = sys.stderr.isatty()
         self.resume_step = resume_step
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream or sys.stdout
 
     def emit(self, record: dict) -> None:
         record = {k: v for k, v in record.items() if v is not None}

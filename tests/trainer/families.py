@@ -46,7 +46,7 @@ def family_config(family: str, vocab: int, layers: int = 4):
         return tf.GptOssConfig(**{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
                                sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                   linear_conv_kernel_dim=4, layer_types=HYBRID_LAYERS[:layers])
     if family == "qwen3_next":  # its linear layers project q, k, v, z interleaved per key head
         return tf.Qwen3NextConfig(**common, **moe, **linear, num_experts=4, shared_expert_intermediate_size=32)
@@ -74,3 +74,47 @@ def build_family_target(out_dir: Path, family: str, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
+
+
+def build_mxfp4_pair(out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny gpt-oss twice: `bf16/` with expert weights that MXFP4 holds exactly (an FP4 value times a power of two
+    per 32 values), and `mxfp4/`, the same model as OpenAI's release packs it: each expert projection as `_blocks`
+    (two FP4 codes per byte, low nibble first, 32 values per group along the input dimension) and `_scales`
+    (the group's exponent + 127), with `quantization_config.quant_method = "mxfp4"`. Written from the format's
+    definition, not by transformers, so that loading it checks transformers' dequantizer and our use of it."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    plain = build_family_target(Path(out_dir) / "bf16", "gpt_oss", seed)
+    packed_dir = Path(out_dir) / "mxfp4"
+    packed_dir.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.tensor(FP4_VALUES)
+    exact, packed = {}, {}
+    for name, w in load_file(plain / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            exact[name] = packed[name] = w
+            continue
+        experts, rows, cols = w.transpose(1, 2).shape  # the checkpoint groups along the model's input dim
+        idx = torch.randint(0, 16, (experts, rows, cols // 32, 32), generator=gen)
+        exp = torch.randint(-4, 2, (experts, rows, cols // 32), generator=gen)
+        values = codes[idx] * torch.pow(2.0, exp.float())[..., None]
+        exact[name] = values.reshape(experts, rows, cols).transpose(1, 2).contiguous().to(w.dtype)
+        packed[f"{name}_blocks"] = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)
+        packed[f"{name}_scales"] = (exp + 127).to(torch.uint8)
+    save_file(exact, plain / "model.safetensors", metadata={"format": "pt"})
+    save_file(packed, packed_dir / "model.safetensors", metadata={"format": "pt"})
+    for f in plain.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, packed_dir / f.name)
+    config = json.loads((packed_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (packed_dir / "config.json").write_text(json.dumps(config))
+    return plain, packed_dir

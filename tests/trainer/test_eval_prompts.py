@@ -123,3 +123,26 @@ def test_every_prompt_format_decodes_on_every_family(family, family_dirs, tmp_pa
     notes = [x for x in out if x.startswith("note: the static engine cannot serve this target")]
     # the static engine serves every supported family: no fallback to hf
     assert {r["engine"] for r in records} == {"static"} and not notes
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "gpt_oss", "qwen3_moe", "mixtral"])
+def test_the_2026_families_decode_through_the_hf_engine_losslessly(family, family_dirs, tmp_path, capsys):
+    """Hybrids (a recurrent state the static engine's caches do not hold), attention sinks and MoE: the static engine
+    says in one line that it hands them to the hf engine, whose speculative output equals the target's alone."""
+    from tests.trainer.conftest import make_state
+    from trainer.__main__ import main
+    from trainer.export import ExportConfig, export_drafter
+    from trainer.model.target import load_target
+
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3))
+    state = make_state(target, block_size=4, seed=1)
+    export_drafter(tmp_path / "export", state.drafter, ExportConfig.of(state.drafter.cfg, target, 4),
+                   dtype=torch.float32)
+    assert main(["eval", "--drafter", str(tmp_path / "export"), "--target", str(family_dirs[family]), "--prompts",
+                 str(FIXTURES / "gsm8k.jsonl"), str(FIXTURES / "mtbench.jsonl"), "--limit", "1",
+                 "--max-new", "12"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    records = [json.loads(x.split(" ", 1)[1]) for x in out if x.startswith("DFLASH_EVAL ")]
+    assert [r["set"] for r in records] == ["gsm8k", "mtbench"]
+    assert all(r["identical"] == 1 and r["engine"] == "hf" for r in records), records
+    assert len([x for x in out if x.startswith("note: the static engine cannot serve this target")]) == 1

@@ -136,6 +136,53 @@ def test_each_family_trains_end_to_end(family, family_dirs, tmp_path):
     assert result["step"] == 3
 
 
+def test_an_mxfp4_checkpoint_loads_as_its_dequantized_weights(tmp_path):
+    """gpt-oss as released (MXFP4 experts): every weight the trainer computes with equals the bf16 twin's, and so do
+    the features."""
+    from tests.trainer.families import build_mxfp4_pair
+    from trainer.targetdir import read_target_dir
+
+    plain, packed = build_mxfp4_pair(tmp_path)
+    read_target_dir(packed)  # accepted before torch
+    a = load_target(plain, num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    b = load_target(packed, num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    got = dict(b.model.named_parameters())
+    assert sorted(got) == sorted(n for n, _ in a.model.named_parameters())
+    for name, p in a.model.named_parameters():
+        assert torch.equal(p, got[name].to(p.dtype)), name
+    ids, pos, doc = packed_row(LENGTHS, SEQ, a.embed_tokens.weight.shape[0])
+    torch.testing.assert_close(b.features(ids, pos, doc), a.features(ids, pos, doc), atol=0, rtol=0)
+
+
+def test_qwen35s_multimodal_checkpoint_trains_as_its_language_model(tmp_path):
+    """Qwen3.5 ships as an image-text model: its language model loads alone (transformers' causal-LM mapping) and
+    gives the features of the same text model saved on its own."""
+    import transformers as tf
+
+    from tests.trainer.families import family_config
+    from trainer.targetdir import read_target_dir
+    from trainer.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    text = family_config("qwen3_5", len(tok)).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+    torch.manual_seed(0)
+    vlm = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision))
+    vlm.save_pretrained(tmp_path / "vlm")
+    tok.save_pretrained(tmp_path / "vlm")
+    assert read_target_dir(tmp_path / "vlm").model_type == "qwen3_5"
+    target = load_target(tmp_path / "vlm", num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    assert target.hf_config.model_type == "qwen3_5_text" and target.num_layers == 4
+    ids, pos, doc = packed_row(LENGTHS, SEQ, target.embed_tokens.weight.shape[0])
+    got = target.features(ids, pos, doc)
+    at = 0
+    for n in LENGTHS:
+        out = vlm.model.language_model(input_ids=ids[:, at:at + n], output_hidden_states=True, use_cache=False)
+        want = torch.cat([out.hidden_states[2], out.hidden_states[4]], dim=-1)
+        torch.testing.assert_close(got[:, at:at + n], want, atol=2e-5, rtol=1e-4)
+        at += n
+
+
 @pytest.mark.parametrize("model_type, extra, needle", [
     ("jamba", {}, "target family 'jamba'"),
     ("qwen3", {"layer_types": ["linear_attention", "full_attention"]}, "layer types ['linear_attention']"),

@@ -406,3 +406,33 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_holds_it(tiny_t
     code, _out, err = regenerate(capsys, *args)
     assert code == 0, err
     assert len(records(out)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_the_whole_path_on_a_2026_family(family, family_dirs, tmp_path, capsys):
+    """regenerate (the hf engine, after one note) -> train -> export -> eval on a hybrid and on gpt-oss, and the
+    export loads into SpecForge's DFlash drafter (an implementation written elsewhere) with every weight used."""
+    from trainer.__main__ import main
+
+    target = str(family_dirs[family])
+    data = tmp_path / "regen.jsonl"
+    code, out, _err = regenerate(capsys, "--target", target, "--prompts", str(SMOKE), "--limit", "8",
+                                 "--out", str(data), "--max-new", "16", "--batch", "4", engine="static")
+    assert code == 0 and len(records(data)) == 8
+    assert any("note: the static engine cannot serve this target" in x for x in out), out
+    run = tmp_path / "run"
+    sets = [f"model.target={target}", f'data.paths=["{data}"]', "data.seq_len=128", "data.rows_per_step=2",
+            "data.num_anchors=8", "optim.max_steps=2", "log.every=2", "ckpt.every=0", "eval_at_end=false",
+            "model.num_draft_layers=2", "model.target_layer_ids=[1, 3]"]
+    assert main(["train", "--recipe", "smoke", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]]) == 0
+    assert main(["export", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(run / "export"), "--target", target, "--prompts",
+                 str(FIXTURES / "gsm8k.jsonl"), "--limit", "1", "--max-new", "8"]) == 0
+    evals = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
+             if x.startswith("DFLASH_EVAL ")]
+    assert len(evals) == 1 and evals[0]["identical"] == 1
+    from tests.trainer.test_interop import specforge_drafter
+
+    specforge_drafter(run / "export")

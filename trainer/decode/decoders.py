@@ -22,6 +22,22 @@ class Decoders(NamedTuple):
     norms: str  # invariant (every RMSNorm through the Triton kernel) | hf (trainer/decode/lossless.py)
 
 
+def engine_for(engine: str, target, log=print) -> str:
+    """The engine a decode runs on: the one asked for, except that a target the static engine refuses (its family:
+    hybrids, attention sinks, MoE; dynamic RoPE) is decoded by the hf engine, after one note line."""
+    if engine != "static":
+        return engine
+    from trainer.decode.static_target import check_supported
+    from trainer.errors import TrainerError
+
+    try:
+        check_supported(target.hf_config)
+    except TrainerError as e:
+        log(f"note: the static engine cannot serve this target ({e}); decoding with the hf engine")
+        return "hf"
+    return engine
+
+
 def capacity_for(prompts: list[list[int]], max_new: int, multiple: int = 64) -> int:
     """Cache slots for the longest prompt plus `max_new`, rounded up (one set of graphs serves every prompt). Pure."""
     return -(-(max(map(len, prompts), default=0) + max_new) // multiple) * multiple

@@ -34,8 +34,12 @@ class CorpusCfg:
         _check(self.max_prompt_lines >= 1 and self.max_body_lines >= 1, "corpus.max_*_lines must be >= 1")
 
 
+TARGET_FAMILIES = ("qwen3", "qwen3_5")  # qwen3_5: Gated DeltaNet layers, every fourth a full-attention one
+
+
 @dataclass(frozen=True, kw_only=True)
 class TargetCfg:
+    family: str = "qwen3"
     hidden_size: int = 512
     num_layers: int = 8
     num_heads: int = 8
@@ -48,6 +52,7 @@ class TargetCfg:
         _check(self.hidden_size % self.num_heads == 0, "target.hidden_size must be divisible by target.num_heads")
         _check(self.num_heads % self.num_kv_heads == 0, "target.num_heads must be divisible by target.num_kv_heads")
         _check(self.num_layers >= 4, "target.num_layers must be >= 4 (the drafter taps layers 1..L-3)")
+        _check(self.family in TARGET_FAMILIES, f"target.family must be one of {', '.join(TARGET_FAMILIES)}")
 
 
 @dataclass(frozen=True, kw_only=True)

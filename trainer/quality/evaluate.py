@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.decode import lossless
-from trainer.decode.decoders import capacity_for, decoders, sync
+from trainer.decode.decoders import capacity_for, decoders, engine_for, sync
 from trainer.decode.reference import generate_target_only
 from trainer.decode.rounds import acceptance_stats, capped_rounds
 from trainer.quality.config import EvalCfg
@@ -81,8 +81,9 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     tok = target.tokenizer
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
     t_setup = time.perf_counter()
+    engine = engine_for(cfg.engine, target, log)
     target_only, speculative, compiled, attention, norms = decoders(
-        target, drafter, block_size, capacity_for(encoded, cfg.max_new_tokens), engine=cfg.engine,
+        target, drafter, block_size, capacity_for(encoded, cfg.max_new_tokens), engine=engine,
         compile=cfg.compile, invariant=cfg.invariant, log=log)
     for ids in encoded[:1] * cfg.warmup:
         target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
@@ -114,14 +115,14 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     # The static engine checks itself against the HF-cache reference once (untimed): `identical` compares the
     # engine with itself, this compares it with HF.
     matches_hf = None
-    if cfg.engine == "static" and first_output is not None:
+    if engine == "static" and first_output is not None:
         matches_hf = generate_target_only(target, encoded[0], cfg.max_new_tokens, tok.eos_token_id) == first_output
     t_replay = time.perf_counter()
     replay = replay_stats(target, drafter, block_size, decoded, results)
     replay_s = time.perf_counter() - t_replay
     timing = DecodeTiming(prompts=len(results), tokens=tokens, target_s=round(t_target, 4),
                           speculative_s=round(t_spec, 4), identical=sum(same))
-    numerics = lossless.Numerics(engine=cfg.engine, dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
+    numerics = lossless.Numerics(engine=engine, dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
                                  norms=norms, attention=attention, target_compiled=compiled == "all",
                                  gemm_rows_identical=lossless.gemm_rows_identical(target.model, block_size))
     verdict = lossless.verdict(numerics, same)
@@ -134,17 +135,17 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,
-           "block_size": block_size, "device": str(device), "engine": cfg.engine, "compile": compiled,
+           "block_size": block_size, "device": str(device), "engine": engine, "compile": compiled,
            "attention": attention, "norms": norms, "lossless": verdict,
            "matches_hf": matches_hf, **replay,
            "round_ms": round_ms, "setup_s": round(setup_s, 1), "replay_s": round(replay_s, 1),
            "target_step_ms": round(1e3 * t_target / tokens, 3) if tokens else None,
            "repeated_4gram_frac": round(sum(repeats) / len(repeats), 4) if repeats else None}
-    log(f"decode ({cfg.engine}): tau {out['tau']} over {out['rounds']} rounds, "
+    log(f"decode ({engine}): tau {out['tau']} over {out['rounds']} rounds, "
         f"{timing.identical}/{timing.prompts} identical, "
         f"speedup {timing.speedup}x ({out['target_tok_s']} -> {out['speculative_tok_s']} tok/s); one round "
         f"{sum(round_ms.values()):.2f} ms {round_ms} vs one target step {out['target_step_ms']} ms; replayed in the "
         f"training layout: tau {out['replayed_tau']}, {out['replayed_equal']}/{timing.prompts} prompts round for round; "
         f"set-up {setup_s:.1f}s, timed {t_target + t_spec:.1f}s, replay {replay_s:.1f}s")
-    log(f"decode ({cfg.engine}): {lossless.describe(verdict)}")
+    log(f"decode ({engine}): {lossless.describe(verdict)}")
     return out

@@ -1,4 +1,4 @@
-"""Make a real small target here: a Qwen3 causal LM pretrained on the stdlib corpus, saved with its tokenizer.
+"""Make a real small target here: a Qwen3 (or Qwen3.5 hybrid) causal LM pretrained on the stdlib corpus, saved with its tokenizer.
 
 The output directory is an ordinary HF model directory (`save_pretrained`), read unchanged by `load_target`.
 Loop: random windows of a packed token stream, fp32 master weights + bf16 autocast on CUDA, fused AdamW, warmup +
@@ -46,14 +46,23 @@ def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
 
 
 def build_model(cfg: TargetCfg, tokenizer):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A Qwen3, or (target.family=qwen3_5) a Qwen3.5 hybrid of the same width: Gated DeltaNet layers with as many
+    value heads as attention heads and as many key heads as KV heads, every fourth layer full attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = Qwen3Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                     num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden_size // cfg.num_heads,
-                     max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    return Qwen3ForCausalLM(hf)
+    head_dim = cfg.hidden_size // cfg.num_heads
+    fields = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, head_dim=head_dim,
+                  max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    if cfg.family == "qwen3_5":
+        fields.update(linear_num_value_heads=cfg.num_heads, linear_num_key_heads=cfg.num_kv_heads,
+                      linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
+                      layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                   for i in range(cfg.num_layers)])
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3_5_text" if cfg.family == "qwen3_5" else "qwen3", **fields))
 
 
 def lr_at(step: int, progress: float, cfg: PretrainCfg) -> float:
@@ -120,7 +129,7 @@ def heldout_loss(model, stream: torch.Tensor, cfg: PretrainCfg, device: torch.de
 
 
 def make_target(out_dir: Path, q: QualityCfg, device: torch.device, log=print) -> PretrainResult:
-    """Corpus -> tokenizer -> pretrained Qwen3 -> `out_dir` (model + tokenizer + corpus.json)."""
+    """Corpus -> tokenizer -> pretrained target -> `out_dir` (model + tokenizer + corpus.json)."""
     t0 = time.perf_counter()
     split = corpus_split(q.corpus)
     heldin, heldout = split.target, split.heldout
@@ -134,7 +143,7 @@ def make_target(out_dir: Path, q: QualityCfg, device: torch.device, log=print) -
     torch.manual_seed(q.seed)
     model = build_model(q.target, tokenizer).to(device)
     params = sum(p.numel() for p in model.parameters())
-    log(f"pretrain model: Qwen3 {params / 1e6:.1f}M params "
+    log(f"pretrain model: {model.config.model_type} {params / 1e6:.1f}M params "
         f"({q.target.num_layers} layers, hidden {q.target.hidden_size})")
     steps, last, stopped_by = train_lm(model, stream, q.pretrain, device, q.seed, log)
     held = heldout_loss(model, eval_stream, q.pretrain, device)
