@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.trainer.conftest import small_cfg
-from tests.trainer.families import FAMILIES, HYBRID_FAMILIES
+from tests.trainer.families import FAMILIES, HYBRID_FAMILIES, MOE_FAMILIES
 from trainer.errors import ConfigError
 from trainer.model.linear_attention import LINEAR, PackedDocs
 from trainer.model.target import load_target, packed_causal_mask
@@ -52,6 +52,14 @@ def test_features_equal_hf_per_document(family, family_dirs):
         want = hf_taps(target, ids[:, at:at + n], (1, 3))
         torch.testing.assert_close(got[:, at:at + n], want, atol=2e-5, rtol=1e-4)
         at += n
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES + ("qwen3_next", "qwen3_5_moe"))
+def test_moe_experts_run_as_grouped_gemms(family, family_dirs):
+    """HF's grouped_mm experts: one GEMM per projection for every expert, no per-expert loop syncing with the host
+    (the eager loop would break the captured step); the loaded model says which implementation its experts run."""
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3))
+    assert target.model.config._experts_implementation == "grouped_mm"
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
