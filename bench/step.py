@@ -96,6 +96,11 @@ class BenchConfig:
         if self.inductor:
             check_inductor(inductor_settings(self.inductor))
 
+    @property
+    def step_head_fp8(self) -> bool | str:
+        """--head-fp8 as the trainer's step.head_fp8 (what bench/step_run.py builds the step with)."""
+        return HEAD_FP8[self.head_fp8]
+
 
 HELP = {
     "shape": "named target shape (bench/shapes.py): small, qwen3-8b, tiny",

@@ -32,9 +32,7 @@ def train_config(cfg, mode: str, attn: str) -> TrainCfg:
 
 def step_config(cfg, mode: str, attn: str) -> StepCfg:
     """The trainer's StepCfg for this bench run and mode (--ce, --ce-chunk, --head-fp8)."""
-    from bench.step import HEAD_FP8
-
-    return StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce, head_fp8=HEAD_FP8[cfg.head_fp8])
+    return StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce, head_fp8=cfg.step_head_fp8)
 
 
 def bench_target(cfg, device: torch.device):
