@@ -2,7 +2,8 @@
 
 Layout (functional core, imperative shell; docs/architecture.md draws it):
   __main__.py          the CLI (train, eval, export, make-tiny-target) and its one error boundary (errors.py)
-  config.py            one typed config tree (recipes/*.yaml + --set), one override parser, validated once
+  config/              one typed config tree: schema.py (the dataclasses), loader.py (recipes/*.yaml + --set, one
+                       parser), recipes.py (bundled names, recipe kinds); validated once
   placement.py         device specs -> devices (the one resolver); distributed.py: torchrun process group, grad sync
   build.py             config -> Session: target, data, drafter + optimizer, runner or pipeline (captured here)
   loop.py              TrainLoop: drives a Session until a StopRule (steps, time budget); metrics.py: the only syncs

@@ -19,11 +19,12 @@ from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.build import Session, build, build_state, load_run_target, resolve_placement
-from trainer.config import TrainCfg, check_target_loads, on_cpu
+from trainer.config import TrainCfg, on_cpu
 from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
 from trainer.loop import StopRule, TrainLoop, weights_nonfinite
 from trainer.metrics import Console
+from trainer.targetdir import check_target_loads
 
 
 def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop: StopRule = StopRule(),
