@@ -183,6 +183,25 @@ def make_pipeline(cfg: TrainCfg, state: TrainState, batches: EpochBatches, targe
                             slots=cfg.pipeline.slots, prefetch=cfg.pipeline.prefetch)
 
 
+def make_driver(cfg: TrainCfg, state: TrainState, batches: EpochBatches, target_device: torch.device,
+                device: torch.device, grad_sync: GradSync | None,
+                console: Console) -> tuple[Runner | None, PipelinedSteps | None]:
+    """(runner, None), or (None, pipe) with pipeline.enabled: what drives the session's steps, compiled, warmed up
+    and captured in the main thread (each phase a console line)."""
+    if cfg.pipeline.enabled:
+        with console.phase(f"warming up and capturing the threaded pipeline (step.mode={cfg.step.mode})"):
+            return None, make_pipeline(cfg, state, batches, target_device, device, grad_sync)
+    batch_dev = batches.batch(0).to(device)  # the step's shapes on its device (a graph copies its static inputs)
+    if cfg.step.captures:
+        what = "compiling, warming up and capturing" if cfg.step.compiles else "warming up and capturing"
+        with console.phase(f"{what} the CUDA graph (step.mode={cfg.step.mode})"):
+            return make_runner(cfg, state, batch_dev, grad_sync), None
+    runner = make_runner(cfg, state, batch_dev, grad_sync)
+    if cfg.step.compiles:
+        console.say("step.mode=compile: torch.compile compiles during the first optimizer steps")
+    return runner, None
+
+
 def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=sys.stdout, *,
           env: place.DistEnv = place.DistEnv(0, 1, 0), placement: place.Placement | None = None,
           console: Console | None = None) -> Session:
@@ -278,20 +297,7 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
                               hint=f"relaunch with --nproc-per-node {start.world}" if start.world > 1 else
                               "resume as one process (without torchrun)")
     grad_sync = ddp.make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], env.world)
-    runner, pipe = None, None
-    if cfg.pipeline.enabled:
-        with console.phase(f"warming up and capturing the threaded pipeline (step.mode={cfg.step.mode})"):
-            pipe = make_pipeline(cfg, state, batches, target_device, device, grad_sync)
-    else:
-        batch_dev = batches.batch(0).to(device)  # static device buffers; contents replaced every micro-step
-        if cfg.step.captures:
-            what = "compiling, warming up and capturing" if cfg.step.compiles else "warming up and capturing"
-            with console.phase(f"{what} the CUDA graph (step.mode={cfg.step.mode})"):
-                runner = make_runner(cfg, state, batch_dev, grad_sync)
-        else:
-            runner = make_runner(cfg, state, batch_dev, grad_sync)
-            if cfg.step.compiles:
-                console.say("step.mode=compile: torch.compile compiles during the first optimizer steps")
+    runner, pipe = make_driver(cfg, state, batches, target_device, device, grad_sync, console)
     if state.head_fp8 is not None:
         console.say(f"step.head_fp8={cfg.step.head_fp8}: the LM head's loss GEMMs run on the FP8 tensor cores")
     if env.is_main:
