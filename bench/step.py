@@ -9,11 +9,12 @@ with a device LR; driven by `trainer.build.make_runner`. Data: synthetic `Static
 
 One step = `accum` micro-steps of `batch` rows x `seq` tokens (target features, no grad; drafter forward + backward)
 + grad clip + AdamW. Each mode runs in its own subprocess (fresh allocator and peak counters; a crash loses one mode):
-  eager          EagerRunner (flex_attention itself is always compiled: its eager form materializes the scores)
-  compile        trainer.step.graph.compile_step: drafter layers, target layers and the CE chunk torch.compile'd
-                 (default mode, no CUDA graphs), then EagerRunner; also runs on CPU (Inductor C++)
-  graph          GraphRunner: the whole step (target features, fwd/bwd of every micro-step, clip, AdamW) as one
-                 captured StepGraph (CUDA only)
+  eager          the eager stepper (flex_attention itself is always compiled: its eager form materializes the
+                 scores)
+  compile        trainer.step.policy.compile_step: drafter layers, target layers and the CE chunk torch.compile'd
+                 (default mode, no CUDA graphs), then the eager stepper; also runs on CPU (Inductor C++)
+  graph          the captured stepper: the whole step (target features, fwd/bwd of every micro-step, clip, AdamW) as
+                 one StepGraph (CUDA only)
   compile+graph  compiled kernels inside the same capture (CUDA only)
 --inductor KEY=VALUE,... sets torch._inductor.config in each mode's process before it compiles: a compiler setting
 measured before the trainer adopts it. --pipeline 1 runs the steps through the trainer's threaded pipeline
@@ -94,6 +95,11 @@ class BenchConfig:
             raise SystemExit("--anchors must be <= --seq - --docs (every anchor needs a candidate position)")
         if self.inductor:
             check_inductor(inductor_settings(self.inductor))
+
+    @property
+    def step_head_fp8(self) -> bool | str:
+        """--head-fp8 as the trainer's step.head_fp8 (what bench/step_run.py builds the step with)."""
+        return HEAD_FP8[self.head_fp8]
 
 
 HELP = {

@@ -3,9 +3,10 @@
 Built exactly as `trainer train` builds it: an HF Qwen3 target prepared by `trainer.model.target.prepare_target`
 (random init from a named shape, bf16 on CUDA, frozen, tap hooks, truncated after the last tap; or `--target DIR`
 through `load_target`), `trainer.build.build_state` (Drafter, AdamW with a device LR, chunked LM-head loss, the flex
-mask builder), `trainer.build.make_runner` (EagerRunner / compile / GraphRunner) or, with `--pipeline 1`,
-`trainer.pipeline.train_pipe.build` driven by `trainer.pipeline.threads.Pipeline`. Data: synthetic StaticBatches
-(bench/synthetic.py). Data parallel under torchrun: `trainer.distributed.make_grad_sync`, rank-specific data.
+mask builder), `trainer.build.make_runner` (the step's policy, then the eager or captured stepper of
+`trainer.step.stepper.build_stepper`) or, with `--pipeline 1`, `trainer.pipeline.train_pipe.build` driven by
+`trainer.pipeline.threads.Pipeline`. Data: synthetic StaticBatches (bench/synthetic.py). Data parallel under
+torchrun: `trainer.distributed.make_grad_sync`, rank-specific data.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from bench.timing import Timed, mem_line, peak_memory, print_profile, reset_peak
 from trainer.config import DataCfg, ModelCfg, OptimCfg, PipelineCfg, StepCfg, TrainCfg
 from trainer.errors import ConfigError
 
+
 def train_config(cfg, mode: str, attn: str) -> TrainCfg:
     """The TrainCfg the bench's step corresponds to (only the fields build_state / make_runner read matter)."""
     return TrainCfg(model=ModelCfg(target=cfg.target, num_draft_layers=cfg.draft_layers, block_size=cfg.block),
@@ -30,9 +32,7 @@ def train_config(cfg, mode: str, attn: str) -> TrainCfg:
 
 def step_config(cfg, mode: str, attn: str) -> StepCfg:
     """The trainer's StepCfg for this bench run and mode (--ce, --ce-chunk, --head-fp8)."""
-    from bench.step import HEAD_FP8
-
-    return StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce, head_fp8=HEAD_FP8[cfg.head_fp8])
+    return StepCfg(mode=mode, attn=attn, loss_chunk=cfg.ce_chunk, ce=cfg.ce, head_fp8=cfg.step_head_fp8)
 
 
 def bench_target(cfg, device: torch.device):
@@ -108,8 +108,8 @@ def run_mode(cfg, mode: str) -> dict:
     if cfg.pipeline:
         timed = run_pipeline(cfg, mode, state, steps_in, dev, sync)
     else:
-        runner = make_runner(tcfg, state, steps_in[0][0].to(dev), dev, sync)
-        if not tcfg.step.captures:  # GraphRunner warmed up and captured already
+        runner = make_runner(tcfg, state, steps_in[0][0].to(dev), sync)
+        if not tcfg.step.captures:  # a captured stepper is warmed up and captured already
             for _ in range(cfg.warmup):
                 runner.step(steps_in[0])
         timed = time_steps(lambda k: runner.step(steps_in[k % 2])[0].loss_, cfg.steps, device=dev,

@@ -2,7 +2,8 @@
 
 Layout (functional core, imperative shell; docs/architecture.md draws it):
   __main__.py          the CLI (train, eval, export, make-tiny-target) and its one error boundary (errors.py)
-  config.py            one typed config tree (recipes/*.yaml + --set), one override parser, validated once
+  config/              one typed config tree: schema.py (the dataclasses), loader.py (recipes/*.yaml + --set, one
+                       parser), recipes.py (bundled names, recipe kinds); validated once
   placement.py         device specs -> devices (the one resolver); distributed.py: torchrun process group, grad sync
   build.py             config -> Session: target, data, drafter + optimizer, runner or pipeline (captured here)
   loop.py              TrainLoop: drives a Session until a StopRule (steps, time budget); metrics.py: the only syncs
@@ -14,8 +15,9 @@ Layout (functional core, imperative shell; docs/architecture.md draws it):
   capture.py           CUDA graph capture, the one way (training, pipeline, decoding)
   data/                source (JSONL -> samples), packing, anchors (pure), batching (StaticBatch, EpochBatches)
   model/               target (frozen HF, taps), drafter, block attention (+ flex), doc-causal target attention, loss
-  step/                step.py (forward/backward, optimizer step, EagerRunner), slots.py (the flat step encoding),
-                       graph.py (StepGraph, GraphRunner, compile)
+  step/                step.py (forward/backward, optimizer step), slots.py (the flat step encoding), policy.py
+                       (compile, FP8 head, CE kernel), stepper.py (the eager or captured Stepper, one builder; the
+                       sequential Runner), graph.py (StepGraph: the captured step)
   pipeline/            loader / target producer / drafter consumer threads over an event ring
   decode/              batch-1 decoding: static-cache graph engine, its Triton kernels, the HF-cache reference
   quality/             the quality pipeline (pretrain -> regenerate -> drafter -> eval) and its sweep

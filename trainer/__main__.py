@@ -150,7 +150,7 @@ def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
     (exists, readable, each line UTF-8 JSON in one of the formats, the malformed-line limit). Raises ConfigError /
     DataError -> a summary."""
     from trainer import rundir
-    from trainer.config import check_target_dir
+    from trainer.targetdir import check_target_dir
     from trainer.data.source import BadLineFile, scan
     from trainer.placement import dist_env
     from trainer.tracking import check_installed

@@ -8,7 +8,9 @@ names it). Each phase is a line on the console (trainer/metrics.py).
 
 Everything that compiles or captures happens here, in the main thread, before any worker thread issues CUDA work:
 the sequential runner (`make_runner`) or the threaded pipeline (`make_pipeline`) is fully warmed up and captured when
-`build` returns. The returned `Session` is fixed for the run's life (captured graphs hold raw addresses into its
+`build` returns. Both apply the step's kernel policy (trainer/step/policy.py) and get their stepper from the one
+`trainer.step.stepper.build_stepper`. The device is checked once, where the placement is resolved
+(`resolve_placement`). The returned `Session` is fixed for the run's life (captured graphs hold raw addresses into its
 state); the training loop (trainer/loop.py) only drives it.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,7 +36,11 @@ from trainer.errors import ConfigError, DataError
 from trainer.metrics import Console, MetricsSink, QuietSink
 from trainer.model.drafter import Drafter, DrafterConfig
 from trainer.model.target import Target, load_target, resolve_mask_token_id
-from trainer.step.step import EagerRunner, TrainState, build_optimizer
+from trainer.step.step import TrainState, build_optimizer
+from trainer.step.stepper import GradSync, Runner
+
+if TYPE_CHECKING:
+    from trainer.pipeline.train_pipe import PipelinedSteps
 
 
 @dataclass(frozen=True)
@@ -50,14 +57,18 @@ class Session:
     planned_steps: int  # the run's length: optim.max_steps, or epochs x steps per epoch
     start: Cursor  # where training begins (0, or the resumed checkpoint's cursor)
     sink: MetricsSink
-    runner: EagerRunner | None = None
-    pipe: object | None = None  # trainer.pipeline.train_pipe.PipelinedSteps
+    runner: Runner | None = None
+    pipe: PipelinedSteps | None = None
     console: Console = dataclasses.field(default_factory=lambda: Console(quiet=True))
 
 
 def resolve_placement(cfg: TrainCfg, env: place.DistEnv) -> place.Placement:
-    return place.resolve_placement(cfg.device, cfg.pipeline.target_device, cfg.dist.backend, env,
-                                   torch.cuda.is_available(), torch.cuda.device_count())
+    """This rank's devices, refused (`check_device_support`) where the drafter's device cannot run the config's
+    CUDA-only settings: the trainer's one device check, before anything is built."""
+    placement = place.resolve_placement(cfg.device, cfg.pipeline.target_device, cfg.dist.backend, env,
+                                        torch.cuda.is_available(), torch.cuda.device_count())
+    check_device_support(cfg, torch.device(placement.drafter))
+    return placement
 
 
 def resolve_target(cfg: TrainCfg, run_dir: Path) -> TrainCfg:
@@ -149,22 +160,46 @@ def check_device_support(cfg: TrainCfg, device: torch.device) -> None:
     raise ConfigError(f"{setting} needs a CUDA device (this run is on {device})", hint=f"{where} --set {alternative}")
 
 
-def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch, device: torch.device, grad_sync=None):
-    """Main thread. grad_sync: the data-parallel gradient average (None in one process)."""
-    from trainer.step.graph import make_runner as step_runner  # eager, compiled and captured runners
+def make_runner(cfg: TrainCfg, state: TrainState, batch_dev: StaticBatch,
+                grad_sync: GradSync | None = None) -> Runner:
+    """Main thread: the step's kernel policy, then its stepper over `accum` micro-batches shaped like `batch_dev` (on
+    the step's device). grad_sync: the data-parallel gradient average (None in one process)."""
+    from trainer.step.policy import prepare_step
+    from trainer.step.slots import encode
+    from trainer.step.stepper import build_stepper
 
-    check_device_support(cfg, device)
-    return step_runner(cfg.step, state, batch_dev, cfg.optim.accum_steps, grad_sync=grad_sync)
+    accum = cfg.optim.accum_steps
+    prepare_step(cfg.step, state, batch_dev.input_ids.device)
+    return Runner(build_stepper(cfg.step, state, encode([batch_dev] * accum), accum, grad_sync=grad_sync), accum)
 
 
 def make_pipeline(cfg: TrainCfg, state: TrainState, batches: EpochBatches, target_device: torch.device,
-                  device: torch.device, grad_sync):
+                  device: torch.device, grad_sync: GradSync | None) -> PipelinedSteps:
     """Main thread, before any worker thread: capture / warm up both sides (trainer/pipeline/train_pipe.py)."""
     from trainer.pipeline import train_pipe
 
     return train_pipe.build(state, [batches.batch(m) for m in range(cfg.optim.accum_steps)], step=cfg.step,
                             target_device=target_device, drafter_device=device, grad_sync=grad_sync,
                             slots=cfg.pipeline.slots, prefetch=cfg.pipeline.prefetch)
+
+
+def make_driver(cfg: TrainCfg, state: TrainState, batches: EpochBatches, target_device: torch.device,
+                device: torch.device, grad_sync: GradSync | None,
+                console: Console) -> tuple[Runner | None, PipelinedSteps | None]:
+    """(runner, None), or (None, pipe) with pipeline.enabled: what drives the session's steps, compiled, warmed up
+    and captured in the main thread (each phase a console line)."""
+    if cfg.pipeline.enabled:
+        with console.phase(f"warming up and capturing the threaded pipeline (step.mode={cfg.step.mode})"):
+            return None, make_pipeline(cfg, state, batches, target_device, device, grad_sync)
+    batch_dev = batches.batch(0).to(device)  # the step's shapes on its device (a graph copies its static inputs)
+    if cfg.step.captures:
+        what = "compiling, warming up and capturing" if cfg.step.compiles else "warming up and capturing"
+        with console.phase(f"{what} the CUDA graph (step.mode={cfg.step.mode})"):
+            return make_runner(cfg, state, batch_dev, grad_sync), None
+    runner = make_runner(cfg, state, batch_dev, grad_sync)
+    if cfg.step.compiles:
+        console.say("step.mode=compile: torch.compile compiles during the first optimizer steps")
+    return runner, None
 
 
 def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=None, *,
@@ -197,9 +232,8 @@ def _remove_created(run_dir: Path, created: bool, made: list[Path]) -> None:
 
 def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEnv,
            placement: place.Placement | None, console: Console, made: list[Path]) -> Session:
-    placement = placement or resolve_placement(cfg, env)
+    placement = placement or resolve_placement(cfg, env)  # train() resolved (and checked) it before joining the group
     device, target_device = torch.device(placement.drafter), torch.device(placement.target)
-    check_device_support(cfg, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cfg = resolve_target(cfg, run_dir)
@@ -263,20 +297,7 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
                               hint=f"relaunch with --nproc-per-node {start.world}" if start.world > 1 else
                               "resume as one process (without torchrun)")
     grad_sync = ddp.make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], env.world)
-    runner, pipe = None, None
-    if cfg.pipeline.enabled:
-        with console.phase(f"warming up and capturing the threaded pipeline (step.mode={cfg.step.mode})"):
-            pipe = make_pipeline(cfg, state, batches, target_device, device, grad_sync)
-    else:
-        batch_dev = batches.batch(0).to(device)  # static device buffers; contents replaced every micro-step
-        if cfg.step.captures:
-            what = "compiling, warming up and capturing" if cfg.step.compiles else "warming up and capturing"
-            with console.phase(f"{what} the CUDA graph (step.mode={cfg.step.mode})"):
-                runner = make_runner(cfg, state, batch_dev, device, grad_sync)
-        else:
-            runner = make_runner(cfg, state, batch_dev, device, grad_sync)
-            if cfg.step.compiles:
-                console.say("step.mode=compile: torch.compile compiles during the first optimizer steps")
+    runner, pipe = make_driver(cfg, state, batches, target_device, device, grad_sync, console)
     if state.head_fp8 is not None:
         console.say(f"step.head_fp8={cfg.step.head_fp8}: the LM head's loss GEMMs run on the FP8 tensor cores")
     if env.is_main:

@@ -1,9 +1,9 @@
 """Data-parallel scale-out through torch.distributed (torchrun, NCCL): one process per GPU, one drafter replica each.
 
 Gradients are all-reduced OUTSIDE the captured graphs (collectives inside graphs need matching captures on every
-rank, and NCCL warns about multi-GPU-per-process capture): `StepGraph(sync_grads=...)`
-or `GraphRunner(grad_sync=...)` splits the step into forward/backward and update graphs and calls `grad_sync()`
-eagerly between their replays. The all-reduce runs on the calling thread's current stream order (NCCL's internal
+rank, and NCCL warns about multi-GPU-per-process capture): `StepGraph(sync_grads=...)` (what
+`trainer.step.stepper.build_stepper(grad_sync=...)` builds in the graph modes) splits the step into forward/backward
+and update graphs and calls `grad_sync()` eagerly between their replays. The all-reduce runs on the calling thread's current stream order (NCCL's internal
 stream waits for it), so it needs no host sync.
 """
 from __future__ import annotations

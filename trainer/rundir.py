@@ -19,8 +19,9 @@ import os
 from pathlib import Path
 
 from trainer import checkpoint
-from trainer.config import TrainCfg, check_target, from_dict, to_dict
+from trainer.config import TrainCfg, from_dict, to_dict
 from trainer.errors import ConfigError
+from trainer.targetdir import check_target
 
 
 def run_config_file(run_dir: Path) -> Path | None:
@@ -64,7 +65,7 @@ def bad_lines_path(run_dir: Path) -> Path:
 
 
 def with_target(cfg: TrainCfg, run_dir: Path) -> TrainCfg:
-    """The empty-target rule (config.check_target), then the target the run uses: model.target, or, where the tiny
+    """The empty-target rule (targetdir.check_target), then the target the run uses: model.target, or, where the tiny
     test target is allowed, <run_dir>/tiny_target (absolute). Pure."""
     check_target(cfg)
     if cfg.model.target:

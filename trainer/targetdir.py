@@ -5,8 +5,10 @@ directory here, in one line, before torch is imported: no directory, no config.j
 this trainer cannot serve (state-space or other linear mixers than Gated DeltaNet; a multimodal checkpoint other
 than Qwen3.5's, whose language model transformers loads alone; a model_type the installed transformers has no
 causal LM for; a quantization it cannot undo), no weights or a shard of them missing, no tokenizer files
-(`regenerate`: no chat template). The stop ids a generation config names come from here too, and the shape facts (layers, hidden size,
-vocabulary) that the train command checks its taps and mask id against, and eval checks an export against.
+(`regenerate`: no chat template). The stop ids a generation config names come from here too, and the shape facts
+(layers, hidden size, vocabulary) that the train command checks its taps and mask id against, and eval checks an
+export against. The training config's checks of its target (`check_target`, `check_target_dir`,
+`check_target_loads`) live here too.
 """
 from __future__ import annotations
 
@@ -17,8 +19,12 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import ModelCfg, TrainCfg
 
 # Hybrids of Gated DeltaNet and full-attention layers: trainer.model.linear_attention computes their linear layers
 # per packed document. (Qwen3.6 ships as model_type qwen3_5 / qwen3_5_moe.)
@@ -314,3 +320,37 @@ def check_mask_row(mask_id: int, source: str, rows: int) -> None:
     if not 0 <= mask_id < rows:
         raise ConfigError(f"mask token id {mask_id} ({source}) is not a row of the target embedding (0..{rows - 1})",
                           hint="set model.mask_token_id to a reserved row inside the embedding")
+
+
+# ---------------------------------------------------------------- a training config's checks of its target
+
+def check_target(cfg: TrainCfg) -> None:
+    """The empty-input rules, target first: model.target names a local HF directory, or is empty where the tiny
+    test target is allowed (model.allow_tiny_target); data.paths lists the training data (the gpu recipe leaves it
+    empty: a forgotten --set must not train a real target on the bundled toy set). Pure (the directory itself is
+    checked by `check_target_dir`, the files by the data scan)."""
+    if not cfg.model.target and not cfg.model.allow_tiny_target:
+        raise ConfigError("model.target is empty: set model.target=DIR (a local Hugging Face model directory)",
+                          hint="e.g. --set model.target=/models/Qwen3-8B")
+    if not cfg.data.paths:
+        raise ConfigError("data.paths is empty: name the training JSONL files with --set 'data.paths=[...]'")
+
+
+def check_target_dir(cfg: TrainCfg) -> None:
+    """model.target, when set, must be a target directory this trainer can load (`read_target_dir`: its
+    family, weights and tokenizer files) whose config.json the taps and model.mask_token_id fit (its layer count and
+    vocabulary): read before anything is loaded."""
+    check_target(cfg)
+    if cfg.model.target and not (Path(cfg.model.target) / "config.json").is_file():
+        raise ConfigError(f"model.target={cfg.model.target}: no config.json there",
+                          hint="set model.target to a local Hugging Face model directory")
+    if cfg.model.target:
+        check_target_loads(cfg.model, cfg.model.target)
+
+
+def check_target_loads(m: ModelCfg, target: str) -> None:
+    """`target` is a directory this trainer can load (`read_target_dir`) whose config.json the model settings' taps
+    and mask id fit. Before torch: the start's check, and the export's of a target that moved."""
+    read_target_dir(target)
+    check_model_fits(read_shape(target), num_draft_layers=m.num_draft_layers, layer_ids=m.target_layer_ids,
+                     mask_token_id=m.mask_token_id)

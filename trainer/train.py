@@ -18,12 +18,13 @@ import torch
 from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
-from trainer.build import Session, build, build_state, check_device_support, load_run_target, resolve_placement
-from trainer.config import TrainCfg, check_target_loads, on_cpu
+from trainer.build import Session, build, build_state, load_run_target, resolve_placement
+from trainer.config import TrainCfg, on_cpu
 from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
 from trainer.loop import StopRule, TrainLoop, weights_nonfinite
 from trainer.metrics import Console
+from trainer.targetdir import check_target_loads
 
 
 def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop: StopRule = StopRule(),
@@ -50,15 +51,15 @@ def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop
 def check_placement(cfg: TrainCfg, env: place.DistEnv, environ) -> place.Placement:
     """This rank's placement, refused before the process group is joined when any rank of this node could not run:
     every rank resolves every local rank's devices (LOCAL_WORLD_SIZE of them), so all fail alike and rank 0's one
-    line speaks for them (trainer/errors.py). -> this rank's Placement."""
+    line speaks for them (trainer/errors.py). -> this rank's Placement (`build` does not check it again)."""
     try:
         local_world = int(environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:
         local_world = 1
-    for local_rank in range(max(local_world, env.local_rank + 1)):  # this rank's own among them
-        other = place.DistEnv(rank=env.rank - env.local_rank + local_rank, world=env.world, local_rank=local_rank)
-        check_device_support(cfg, torch.device(resolve_placement(cfg, other).drafter))
-    return resolve_placement(cfg, env)
+    placements = [resolve_placement(cfg, place.DistEnv(rank=env.rank - env.local_rank + local_rank, world=env.world,
+                                                       local_rank=local_rank))
+                  for local_rank in range(max(local_world, env.local_rank + 1))]  # this rank's own among them
+    return placements[env.local_rank]
 
 
 def finish(session: Session, loop: TrainLoop) -> dict:

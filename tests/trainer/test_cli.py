@@ -107,7 +107,8 @@ def test_bad_set_is_one_clear_line_and_exit_2_before_torch_is_imported(tmp_path)
                 flags=("-X", "importtime"))
     assert p.returncode == 2
     errors = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
-    assert len(errors) == 1 and errors[0].startswith("error: unknown config key 'optim.lrr'; valid keys here: lr,")
+    assert len(errors) == 1 and errors[0].startswith("error: unknown config key 'optim.lrr' (did you mean "
+                                                     "'optim.lr'?); valid keys here: lr,")
     modules = imported(p.stderr)
     assert {"trainer", "yaml"} <= modules and "torch" not in modules and "transformers" not in modules
     assert not (tmp_path / "r").exists()

@@ -39,6 +39,27 @@ def test_bad_overrides_name_the_fix(item, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("item, near", [
+    ("optim.lrr=1", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?); valid keys here: lr, betas"),
+    ("step.mdoe=graph", "unknown config key 'step.mdoe' (did you mean 'step.mode'?); valid keys here: mode,"),
+    ("seeed=1", "unknown config key 'seeed' (did you mean 'seed'?); valid keys here: model,"),
+    ("optm.lr=1", "unknown config section 'optm' in --set optm.lr (did you mean 'optim'?); valid sections: model,"),
+    ("optim.zzz=1", "unknown config key 'optim.zzz'; valid keys here: lr,"),  # nothing near: no guess
+])
+def test_a_set_typo_names_the_near_key_in_its_one_line(item, near):
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [item])
+    assert str(e.value).startswith(near) and "\n" not in str(e.value)
+
+
+def test_a_recipe_typo_names_the_near_key_too(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  warmup_ratoi: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^unknown config key 'optim.warmup_ratoi' \(did you mean "
+                                          r"'optim.warmup_ratio'\?\); valid keys here: lr,"):
+        load_config(str(recipe))
+
+
 def test_unknown_recipe_lists_bundled():
     with pytest.raises(ConfigError, match=r"bundled recipes: gpu, (.*, )?smoke"):  # quality_* recipes sit between
         load_config("nope")
@@ -98,10 +119,12 @@ def test_on_cpu_resets_every_cuda_only_setting_and_nothing_else():
         (False, "same", "eager", "sdpa")
     assert (cpu.model, cpu.data, cpu.optim, cpu.loss) == (
         dataclasses.replace(gpu.model, target_fp8=False), gpu.data, gpu.optim, gpu.loss)
+    compiled = load_config("gpu", ["step.mode=compile", "step.attn=sdpa"])  # compile and head_fp8=auto run on a CPU
+    assert on_cpu(compiled) == dataclasses.replace(compiled, device="cpu")
 
 
 def test_the_gpu_recipe_has_no_data_and_a_start_without_it_is_refused():
-    from trainer.config import check_target
+    from trainer.targetdir import check_target
 
     gpu = load_config("gpu", ["model.target=/models/x"])
     assert gpu.data.paths == ()
@@ -120,7 +143,7 @@ def test_the_gpu_recipe_has_no_data_and_a_start_without_it_is_refused():
                                      "embedding (0..176)"),
 ])
 def test_taps_and_mask_id_are_checked_against_the_targets_config_json(tiny_target_dir, sets, needle):
-    from trainer.config import check_target_dir
+    from trainer.targetdir import check_target_dir
 
     vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
     with pytest.raises(ConfigError) as e:

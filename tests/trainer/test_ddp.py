@@ -124,7 +124,7 @@ def test_a_refusal_under_torchrun_is_said_once_and_keeps_its_exit_code(tiny_targ
     exits 2 (torchrun then exits 1 with its own failure report), and nothing is left on disk."""
     early = run(trainer_cmd(tiny_target_dir, tmp_path / "a", 2, "optim.lrr=1"))
     late = run(trainer_cmd(tiny_target_dir, tmp_path / "b", 2, "step.mode=graph"))
-    for p, message in ((early, "error: unknown config key 'optim.lrr'; valid keys here: lr,"),
+    for p, message in ((early, "error: unknown config key 'optim.lrr' (did you mean 'optim.lr'?); valid keys here: lr,"),
                        (late, "error: step.mode=graph needs a CUDA device (this run is on cpu)")):
         errors = [x for x in p.stderr.splitlines() if x.startswith(("error:", "hint:"))]
         assert len(errors) <= 2 and errors[0].startswith(message), p.stderr[-3000:]

@@ -9,7 +9,7 @@ from trainer.decode.rounds import capped_rounds, leading_matches
 from trainer.eval import block_acceptance, drafted_tokens, eval_chunks, replayed_rounds
 from trainer.export import ExportConfig, export_drafter, load_exported
 from trainer.model.target import packed_causal_mask
-from trainer.step.step import EagerRunner
+from trainer.step.step import forward_backward, optimizer_step
 
 
 def test_leading_matches_counts_only_the_unbroken_prefix():
@@ -193,18 +193,23 @@ def test_export_round_trip_matches_the_drafter(tmp_path, target):
 
 
 def test_static_buffers_and_grads_keep_their_storage(target):
-    """Capture-friendliness: the step reads fixed input buffers and accumulates into fixed .grad buffers."""
+    """Capture-friendliness (what StepGraph relies on): the step reads fixed input buffers, filled in place, and its
+    micro-steps accumulate into fixed .grad buffers."""
     state = make_state(target, block_size=4)
     batch_dev = two_doc_batch()
-    runner = EagerRunner(state, batch_dev, accum_steps=2)
     ptrs = [t.data_ptr() for t in batch_dev.tensors().values()]
     grad_ptrs = None
     for seed in range(3):
-        outs = runner.step([two_doc_batch(seed=seed), two_doc_batch(seed=seed)])
-        assert len(outs) == 2 and torch.equal(outs[0].loss_, outs[1].loss_)
-        now = [p.grad.data_ptr() for p in state.drafter.parameters()]
-        grad_ptrs = grad_ptrs or now
-        assert now == grad_ptrs
+        outs = []
+        for _ in range(2):
+            batch_dev.copy_(two_doc_batch(seed=seed))
+            outs.append(forward_backward(state, batch_dev, 0.5))
+            now = [p.grad.data_ptr() for p in state.drafter.parameters()]
+            grad_ptrs = grad_ptrs or now
+            assert now == grad_ptrs
+        assert torch.equal(outs[0].loss_, outs[1].loss_)
+        optimizer_step(state)
+        state.optimizer.zero_grad(set_to_none=False)
     assert [t.data_ptr() for t in batch_dev.tensors().values()] == ptrs
     assert torch.equal(batch_dev.input_ids, two_doc_batch(seed=2).input_ids)
 

@@ -13,7 +13,7 @@ from trainer.model import ce_kernel
 from trainer.model.fp8 import E4M3, Fp8Head, dlogits_scale, quantize_rows
 from trainer.model.loss import DPace, ce_chunk, ce_chunk_fused, chunked_lm_loss
 from trainer.config import StepCfg, cuda_only, load_config
-from trainer.step.graph import fp8_head, fp8_head_unmet
+from trainer.step.policy import fp8_head, fp8_head_unmet
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ def test_fused_capturable_adamw_with_a_tensor_lr_updates_like_the_loop():
         lr_ = torch.tensor(1e-2)
         opt = torch.optim.AdamW(params, lr=lr_, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **opts)
         for k, gs in enumerate(grads):
-            lr_.fill_(1e-2 * (k + 1))  # in place, as GraphRunner / the schedule do
+            lr_.fill_(1e-2 * (k + 1))  # in place, as the training loop's schedule does
             for p, g in zip(params, gs):
                 p.grad = g.clone()
             opt.step()

@@ -76,7 +76,7 @@ def test_doc_causal_mask_refuses_a_wrong_shape():
 
 
 def test_compiled_target_layers_take_the_block_mask_and_follow_new_layouts(tiny_target_dir, targets):
-    """What step.mode=compile does to the target (trainer.step.graph.compile_step): every kept decoder layer
+    """What step.mode=compile does to the target (trainer.step.policy.compile_step): every kept decoder layer
     torch.compile'd, tap hooks traced along, the BlockMask an input (no recompile for a new layout)."""
     ref, _ = targets
     fast = load_target(tiny_target_dir, num_draft_layers=2, dtype="float32", attn="flex")

@@ -10,7 +10,7 @@ from trainer.errors import ConfigError
 from trainer.model.attention import dense_block_mask, make_layout
 from trainer.model.loss import block_input_ids, block_labels
 from trainer.model.target import build_target_layer_ids, load_target, resolve_mask_token_id
-from trainer.step.step import forward_backward, optimizer_step, zero_grads
+from trainer.step.step import forward_backward, optimizer_step
 
 B = 4
 
@@ -163,7 +163,7 @@ def test_embedding_and_lm_head_are_the_targets_and_stay_frozen(target):
     for _ in range(3):
         forward_backward(state, batch)
         optimizer_step(state)
-        zero_grads(state)
+        state.optimizer.zero_grad(set_to_none=False)
     assert emb.weight.grad is None and head.weight.grad is None
     assert torch.equal(emb.weight, before_e) and torch.equal(head.weight, before_h)
     assert not any(p.requires_grad for p in target.model.parameters())

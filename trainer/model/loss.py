@@ -98,7 +98,7 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: 
              grad_fp8: bool = False):
     """One chunk's CE math from raw logits [C, V] (any float dtype), labels y [C], loss scale s [C] (w / sum w)
     -> (sum(ce * s) fp32 scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None). Pure; computed
-    in fp32; torch.compile-able into a few fused passes (step.mode compile: trainer.step.graph.compile_step).
+    in fp32; torch.compile-able into a few fused passes (step.mode compile: trainer.step.policy.compile_step).
     dpace: s is first multiplied by the D-PACE weights computed from this chunk's own CE (C a multiple of
     dpace.span, each span one block); the weights are constants to the gradient, as in the paper.
     grad_fp8 (step.head_fp8): dlogits comes as (e4m3 [C, V], row scales [C, 1]) for `Fp8Head.input_grad`."""

@@ -5,8 +5,8 @@ One ring slot = one optimizer step: `accum` micro-batches in the flat encoding o
 
     loader thread    EpochBatches -> CPU step dicts (pinned), `prefetch` ahead
     producer thread  target features on the target device (eager, or one replayed CUDA graph per step)
-    consumer thread  drafter step on the drafter device (`StepGraph` replay, or `EagerStep`), then the trainer's
-                     per-step bookkeeping (LR, metrics, log, checkpoint) on the consumer's stream
+    consumer thread  drafter step on the drafter device (its `Stepper`: a StepGraph replay, or eager), then the
+                     trainer's per-step bookkeeping (LR, metrics, log, checkpoint) on the consumer's stream
 
 Thread affinity: `build()` runs in the main thread and does every capture, compilation and first flex call there --
 target device first, then the drafter device -- before `PipelinedSteps.run()` starts any thread. The threads replay.
@@ -22,8 +22,11 @@ import torch
 from trainer.capture import Capture
 from trainer.config import StepCfg
 from trainer.data.batching import StaticBatch
+from trainer.model.target import Target
+from trainer.step.policy import prepare_step
 from trainer.step.slots import decode_outs, encode, target_keys
 from trainer.step.step import StepOut, TrainState
+from trainer.step.stepper import GradSync, Stepper, build_stepper
 
 Tensors = dict[str, torch.Tensor]
 
@@ -36,7 +39,7 @@ class TargetFeatures:
     static buffers (the producer copies them into the ring slot before its next call, on the same stream).
     """
 
-    def __init__(self, target, sample: Tensors, accum: int, *, capture: bool, warmup: int = 2) -> None:
+    def __init__(self, target: Target, sample: Tensors, accum: int, *, capture: bool, warmup: int = 2) -> None:
         self.target, self.accum = target, accum
         self.static = {k: v.detach().clone() for k, v in sample.items()}
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -70,7 +73,8 @@ class ConsumerStep:
     """What the consumer thread calls once per optimizer step, inside its stream: `before()` (the LR fill), the
     drafter step, then `after(outs)` (metrics, log, checkpoint; they may sync at their cadence). Returns {"loss"}."""
 
-    def __init__(self, stepper, accum: int, before: Callable[[], None], after: Callable[[list[StepOut]], None]):
+    def __init__(self, stepper: Stepper, accum: int, before: Callable[[], None],
+                 after: Callable[[list[StepOut]], None]) -> None:
         self.stepper, self.accum, self.before, self.after = stepper, accum, before, after
 
     def step(self, slot: Tensors) -> Tensors:
@@ -85,7 +89,7 @@ class PipelinedSteps:
     """Everything captured in the main thread; `run()` drives `steps` optimizer steps through the threads."""
 
     target_fn: TargetFeatures
-    stepper: object  # StepGraph (graph modes) or EagerStep
+    stepper: Stepper  # trainer.step.stepper.build_stepper's
     example: Tensors
     accum: int
     target_device: torch.device
@@ -105,15 +109,12 @@ class PipelinedSteps:
 
 
 def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, step: StepCfg, target_device: torch.device,
-          drafter_device: torch.device, grad_sync, slots: int, prefetch: int) -> PipelinedSteps:
-    """Main thread, before any worker: warm up / capture the target side (target device), then the drafter side.
+          drafter_device: torch.device, grad_sync: GradSync | None, slots: int, prefetch: int) -> PipelinedSteps:
+    """Main thread, before any worker: warm up / capture the target side (target device), then the drafter side
+    (`build_stepper`, warmed up here: the threads must not compile).
 
-    Warm-up never trains: the drafter's parameters and optimizer state are put back afterwards (StepGraph's restore
-    policy for the graph modes, the same snapshot/restore around the eager warm-up step).
+    Warm-up never trains: the drafter's parameters and optimizer state are put back afterwards (`build_stepper`).
     """
-    from trainer.step.graph import (EagerStep, StepGraph, prepare_step, restore_training_state, slot_step,
-                                    snapshot_training_state)
-
     accum = len(sample_batches)
     cpu = encode(sample_batches)
     prepare_step(step, state, drafter_device)  # before the target's warm-up / capture below: both sides compiled
@@ -126,18 +127,6 @@ def build(state: TrainState, sample_batches: Sequence[StaticBatch], *, step: Ste
     example = {k: v.to(drafter_device) for k, v in cpu.items()} | feats
     if target_device != drafter_device:
         drafter_side_head(state, drafter_device)
-    fwd_bwd, opt_step = slot_step(state, accum, with_feats=True)
-    params = [p for p in state.drafter.parameters() if p.requires_grad]
-    if step.captures:
-        stepper = StepGraph(fwd_bwd, opt_step, params, state.optimizer, example, sync_grads=grad_sync)
-        stepper.capture(restore=True)
-    else:
-        stepper = EagerStep(fwd_bwd, opt_step, state.optimizer, sync_grads=grad_sync)
-        snap = snapshot_training_state(params, state.optimizer)
-        with torch.cuda.device(drafter_device):
-            stepper.step(example)  # compile / first flex call / autotuning happen here, not in a worker
-            torch.cuda.synchronize(drafter_device)
-            restore_training_state(params, state.optimizer, snap)
-            torch.cuda.synchronize(drafter_device)
+    stepper = build_stepper(step, state, example, accum, with_feats=True, grad_sync=grad_sync, warm_up=True)
     return PipelinedSteps(target_fn=target_fn, stepper=stepper, example=example, accum=accum,
                           target_device=target_device, drafter_device=drafter_device, slots=slots, prefetch=prefetch)

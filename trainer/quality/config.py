@@ -1,14 +1,15 @@
 """The quality pipeline's configuration: one recipe YAML (`trainer/recipes/quality_*.yaml`).
 
 `corpus`, `target`, `pretrain`, `regen`, `eval` are typed here; `drafter` is a whole trainer config (`TrainCfg`, the
-same keys as `trainer/recipes/*.yaml`), whose target and data the pipeline fills in. One tree, one parser
-(`trainer.config`): `--set drafter.optim.lr=1e-3` reaches the trainer's leaf like any other. Pure: no torch import.
+same keys as `trainer/recipes/*.yaml`), whose target and data the pipeline fills in. One tree, one parser (the
+trainer's loader, `trainer.config.from_tree`): `--set drafter.optim.lr=1e-3` reaches the trainer's leaf like any
+other, and a typo gets the same error. Pure: no torch import.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.config import TrainCfg, _check, apply_overrides, device_spec_ok, from_dict, recipe_tree
+from trainer.config import TrainCfg, device_spec_ok, from_tree, recipe_tree, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,12 +27,12 @@ class CorpusCfg:
     max_body_lines: int = 60  # functions with longer bodies are not used as prompts
 
     def __post_init__(self) -> None:
-        _check(self.max_files >= 0, "corpus.max_files must be >= 0 (0 = all)")
-        _check(self.heldout_every >= 2, "corpus.heldout_every must be >= 2")
-        _check(self.drafter_only_every == 0 or self.drafter_only_every >= 2,
-               "corpus.drafter_only_every must be 0 (off) or >= 2")
-        _check(self.vocab_size >= 300, "corpus.vocab_size must be >= 300 (256 bytes + special tokens + merges)")
-        _check(self.max_prompt_lines >= 1 and self.max_body_lines >= 1, "corpus.max_*_lines must be >= 1")
+        require(self.max_files >= 0, "corpus.max_files must be >= 0 (0 = all)")
+        require(self.heldout_every >= 2, "corpus.heldout_every must be >= 2")
+        require(self.drafter_only_every == 0 or self.drafter_only_every >= 2,
+                "corpus.drafter_only_every must be 0 (off) or >= 2")
+        require(self.vocab_size >= 300, "corpus.vocab_size must be >= 300 (256 bytes + special tokens + merges)")
+        require(self.max_prompt_lines >= 1 and self.max_body_lines >= 1, "corpus.max_*_lines must be >= 1")
 
 
 TARGET_FAMILIES = ("qwen3", "qwen3_5")  # qwen3_5: Gated DeltaNet layers, every fourth a full-attention one
@@ -49,10 +50,10 @@ class TargetCfg:
     tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.hidden_size % self.num_heads == 0, "target.hidden_size must be divisible by target.num_heads")
-        _check(self.num_heads % self.num_kv_heads == 0, "target.num_heads must be divisible by target.num_kv_heads")
-        _check(self.num_layers >= 4, "target.num_layers must be >= 4 (the drafter taps layers 1..L-3)")
-        _check(self.family in TARGET_FAMILIES, f"target.family must be one of {', '.join(TARGET_FAMILIES)}")
+        require(self.hidden_size % self.num_heads == 0, "target.hidden_size must be divisible by target.num_heads")
+        require(self.num_heads % self.num_kv_heads == 0, "target.num_heads must be divisible by target.num_kv_heads")
+        require(self.num_layers >= 4, "target.num_layers must be >= 4 (the drafter taps layers 1..L-3)")
+        require(self.family in TARGET_FAMILIES, f"target.family must be one of {', '.join(TARGET_FAMILIES)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +71,8 @@ class PretrainCfg:
     log_every: int = 50
 
     def __post_init__(self) -> None:
-        _check(self.steps >= 1 and self.rows >= 1 and self.seq_len >= 8, "pretrain.steps/rows/seq_len too small")
-        _check(self.lr > 0 and self.budget_s > 0, "pretrain.lr and pretrain.budget_s must be > 0")
+        require(self.steps >= 1 and self.rows >= 1 and self.seq_len >= 8, "pretrain.steps/rows/seq_len too small")
+        require(self.lr > 0 and self.budget_s > 0, "pretrain.lr and pretrain.budget_s must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,11 +93,11 @@ class RegenCfg:
     engine: str = "static"
 
     def __post_init__(self) -> None:
-        _check(self.train_prompts >= 1 and self.eval_prompts >= 1, "regen.*_prompts must be >= 1")
-        _check(self.max_new_tokens >= 1 and self.batch_size >= 1, "regen.max_new_tokens/batch_size must be >= 1")
-        _check(self.continuations >= 0 and self.continuation_prompt_tokens >= 1 and self.continuation_new_tokens >= 1
-               and self.continuation_batch_size >= 1, "regen.continuation_* must be >= 1 (continuations >= 0)")
-        _check(self.engine in ("static", "hf"), "regen.engine must be static|hf")
+        require(self.train_prompts >= 1 and self.eval_prompts >= 1, "regen.*_prompts must be >= 1")
+        require(self.max_new_tokens >= 1 and self.batch_size >= 1, "regen.max_new_tokens/batch_size must be >= 1")
+        require(self.continuations >= 0 and self.continuation_prompt_tokens >= 1 and self.continuation_new_tokens >= 1
+                and self.continuation_batch_size >= 1, "regen.continuation_* must be >= 1 (continuations >= 0)")
+        require(self.engine in ("static", "hf"), "regen.engine must be static|hf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,13 +125,13 @@ class EvalCfg:
     invariant: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.target_dtype in ("float32", "bfloat16", "auto"), "eval.target_dtype must be float32|bfloat16|auto")
-        _check(self.engine in ("static", "hf"), "eval.engine must be static|hf")
-        _check(self.compile in ("none", "drafter", "all"), "eval.compile must be none|drafter|all")
-        _check(self.also_dtype in ("", "float32", "bfloat16"), "eval.also_dtype must be '', float32 or bfloat16")
-        _check(not (self.invariant and self.compile == "all"),
-               "eval.invariant keeps the target uncompiled: use eval.compile none or drafter")
-        _check(self.prompts >= 1 and self.max_new_tokens >= 1, "eval.prompts and eval.max_new_tokens must be >= 1")
+        require(self.target_dtype in ("float32", "bfloat16", "auto"), "eval.target_dtype must be float32|bfloat16|auto")
+        require(self.engine in ("static", "hf"), "eval.engine must be static|hf")
+        require(self.compile in ("none", "drafter", "all"), "eval.compile must be none|drafter|all")
+        require(self.also_dtype in ("", "float32", "bfloat16"), "eval.also_dtype must be '', float32 or bfloat16")
+        require(not (self.invariant and self.compile == "all"),
+                "eval.invariant keeps the target uncompiled: use eval.compile none or drafter")
+        require(self.prompts >= 1 and self.max_new_tokens >= 1, "eval.prompts and eval.max_new_tokens must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,13 +152,13 @@ class QualityCfg:
     drafter: TrainCfg = field(default_factory=TrainCfg)  # model.target, data paths: filled in by the pipeline
 
     def __post_init__(self) -> None:
-        _check(self.drafter_budget_s > 0, "drafter_budget_s must be > 0")
-        _check(device_spec_ok(self.device), f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        _check(self.total_budget_s >= 0 and self.eval_reserve_s >= 0, "total_budget_s and eval_reserve_s must be >= 0")
+        require(self.drafter_budget_s > 0, "drafter_budget_s must be > 0")
+        require(device_spec_ok(self.device), f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        require(self.total_budget_s >= 0 and self.eval_reserve_s >= 0, "total_budget_s and eval_reserve_s must be >= 0")
 
 
 def load_recipe(recipe: str, overrides: list[str] = ()) -> QualityCfg:
     """Bundled NAME (trainer/recipes/NAME.yaml) or PATH.yaml, plus `--set` overrides -> validated QualityCfg (the
     drafter's trainer config included: a bad drafter key fails here, before minutes of pretraining)."""
     _source, tree = recipe_tree(recipe)
-    return from_dict(QualityCfg, apply_overrides(tree, list(overrides), QualityCfg))
+    return from_tree(QualityCfg, tree, overrides)

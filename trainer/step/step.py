@@ -6,15 +6,14 @@ Contract for both functions (what makes them CUDA-graph capturable, trainer/step
 - outputs are device tensors (StepOut); under graph replay they alias graph-owned storage, so callers clone
   (or accumulate into their own buffers) before the next replay.
 
-Eager loop (trainer/loop.py, via EagerRunner.step): lr_.fill_(schedule(step)) -> accum x [batch_dev.copy_(batch);
-forward_backward] -> optimizer_step -> zero_grads. Eager zeroes grads in place (`zero_grad(set_to_none=False)`) so `.grad` buffers keep
-their addresses; the graph mode (GPU branch) is free to use set_to_none=True before capture instead (its module docstring says why).
+One optimizer step (trainer/step/stepper.py drives them, eager or captured): lr_.fill_(schedule(step)) -> accum x
+forward_backward (grads accumulate into .grad; nothing here zeroes them) -> optimizer_step.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +46,7 @@ class TrainState:
     # GPU (pipeline placement); None = use the target's own.
     embed: torch.nn.Module | None = None
     head: torch.nn.Module | None = None
-    # The LM-head CE chunk math (trainer.model.loss.ce_chunk contract); None = eager. trainer.step.graph.prepare_step
+    # The LM-head CE chunk math (trainer.model.loss.ce_chunk contract); None = eager. trainer.step.policy.prepare_step
     # sets the Triton kernel (step.ce) or, in the compile modes, a torch.compile'd copy.
     ce_chunk_fn: Callable | None = None
     # step.head_fp8: the LM head's FP8 copies (trainer.model.fp8.Fp8Head), set by prepare_step; None = its dtype.
@@ -86,7 +85,7 @@ def adamw_options(device: torch.device) -> dict[str, bool]:
     return {"foreach": False, "fused": on_cuda, "capturable": on_cuda}
 
 
-def build_optimizer(drafter: Drafter, *, lr: float, betas, eps: float, weight_decay: float,
+def build_optimizer(drafter: Drafter, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                     device: torch.device) -> tuple[torch.optim.Optimizer, torch.Tensor]:
     """AdamW with the LR held as a device tensor (a float LR would be baked into a captured graph)."""
     lr_ = torch.tensor(lr, dtype=torch.float32, device=device)
@@ -170,36 +169,3 @@ def optimizer_step(state: TrainState) -> torch.Tensor:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     state.optimizer.step()
     return norm
-
-
-def zero_grads(state: TrainState) -> None:
-    """Eager policy: zero in place, keeping .grad storage stable across steps."""
-    state.optimizer.zero_grad(set_to_none=False)
-
-
-class EagerRunner:
-    """Drives one optimizer step eagerly. A compile/graph runner (GPU branch: `trainer.step.graph.make_runner(cfg,
-    state, batch_dev)`) offers the same `step`, so the training loop does not know which one it drives.
-    """
-
-    def __init__(self, state: TrainState, batch_dev: StaticBatch, accum_steps: int,
-                 grad_sync: Callable[[], None] | None = None) -> None:
-        self.state = state
-        self.batch_dev = batch_dev  # static device buffers, filled in place every micro-step
-        self.accum_steps = accum_steps
-        self.grad_sync = grad_sync  # data parallel: average grads across ranks before clip + AdamW
-
-    def step(self, micro_batches: Sequence[StaticBatch]) -> list[StepOut]:
-        """accum_steps x (copy CPU batch into the static buffers; forward + backward, grads accumulate), then clip +
-        AdamW + in-place zero_grad. Returns one StepOut per micro-batch (device tensors, no sync)."""
-        if len(micro_batches) != self.accum_steps:
-            raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
-        outs = []
-        for batch in micro_batches:
-            self.batch_dev.copy_(batch, non_blocking=True)
-            outs.append(forward_backward(self.state, self.batch_dev, 1.0 / self.accum_steps))
-        if self.grad_sync is not None:
-            self.grad_sync()
-        optimizer_step(self.state)
-        zero_grads(self.state)
-        return outs

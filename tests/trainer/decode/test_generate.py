@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.families import FAMILIES
+from tests.trainer.families import STATIC_ENGINE_FAMILIES as FAMILIES
 from trainer.decode.generate import CHECK_EVERY, BatchGenerator, Sampling, cut_at_stop, gumbel_noise, hf_generate
 from trainer.model.target import load_target
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.trainer.families import FAMILIES
+from tests.trainer.families import STATIC_ENGINE_FAMILIES as FAMILIES
 from trainer.decode.static_target import StaticTarget, check_supported
 from trainer.errors import ConfigError
 from trainer.model.attention import FULL, SLIDING
@@ -110,3 +110,13 @@ def test_every_family_passes_the_check(family, family_dirs):
     from transformers import AutoConfig
 
     check_supported(AutoConfig.from_pretrained(family_dirs[family]))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "gpt_oss", "qwen3_moe", "mixtral"])
+def test_the_families_it_does_not_compute_are_refused_in_one_line(family, family_dirs):
+    """Hybrids, attention sinks and MoE: refused from the config (eval and regenerate then use the hf engine)."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ConfigError, match="static decoding supports") as e:
+        check_supported(AutoConfig.from_pretrained(family_dirs[family]))
+    assert "\n" not in str(e.value)

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from tests.trainer.gpu.gpu_bed import DEV, fresh, max_diff, params
-from trainer.step.graph import EagerStep, StepGraph, compile_step, slot_step
+from trainer.step.graph import StepGraph
+from trainer.step.policy import compile_step
+from trainer.step.stepper import EagerStep, slot_step
 from trainer.step.slots import encode
 
 pytestmark = pytest.mark.gpu

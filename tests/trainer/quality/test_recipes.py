@@ -58,8 +58,17 @@ def test_unknown_recipe_key_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match="pretrain.stepz"):
         load_recipe(str(bad))
     bad.write_text("drafter:\n  optim:\n    lrr: 1\n")
-    with pytest.raises(ConfigError, match="drafter.optim.lrr"):
+    with pytest.raises(ConfigError, match=r"^unknown config key 'drafter.optim.lrr' \(did you mean 'drafter.optim.lr'"):
         load_recipe(str(bad))
+
+
+def test_a_set_typo_gets_the_trainers_near_key():
+    with pytest.raises(ConfigError, match=r"^unknown config key 'drafter.optim.lrr' \(did you mean "
+                                          r"'drafter.optim.lr'\?\); valid keys here: lr,"):
+        load_recipe("quality_cpu", ["drafter.optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"^unknown config section 'pretrian' in --set pretrian.steps \(did you "
+                                          r"mean 'pretrain'\?\)"):
+        load_recipe("quality_cpu", ["pretrian.steps=1"])
 
 
 def test_overrides_reach_every_section_through_one_parser():

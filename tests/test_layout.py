@@ -1,0 +1,126 @@
+"""The package layout docs/architecture.md describes, checked from the code's own imports (every import statement,
+module-level or inside a function, read with `ast`): no import cycle between the trainer's and the benchmarks'
+modules, nothing in the product imports the benchmarks, the benchmarks import no test code, and the operator CLI never
+imports torch. The last test builds an import loop on disk and shows the same check finds it."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def modules(package: str, root: Path = REPO) -> dict[str, Path]:
+    out = {}
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        out[".".join(parts)] = path
+    return out
+
+
+def imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of `known` (or external top-level names) that `module` (at `path`) imports."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package, `level - 1` packages up
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base:
+                names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+    return names
+
+
+def import_graph(packages: tuple[str, ...], root: Path = REPO) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports. A package's own __init__ is imported by every submodule: only
+    its explicit imports count as its edges."""
+    known = {m: p for package in packages for m, p in modules(package, root).items()}
+    graph = {m: {n for n in imported(m, p, known) if n in known and n != m} for m, p in known.items()}
+    return {m: {n for n in deps if not m.startswith(n + ".")} for m, deps in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def external_imports(package: str) -> dict[str, set[str]]:
+    known = modules(package)
+    return {m: imported(m, p, known) for m, p in known.items()}
+
+
+def test_no_import_cycle_between_trainer_and_bench_modules():
+    assert cycles(import_graph(("trainer", "bench"))) == []
+
+
+def test_the_product_never_imports_the_benchmarks():
+    for package in ("trainer", "dflash_ops"):
+        offenders = {m for m, names in external_imports(package).items()
+                     if any(n == "bench" or n.startswith("bench.") for n in names)}
+        assert offenders == set(), offenders
+
+
+def test_the_benchmarks_import_no_test_code():
+    offenders = {m for m, names in external_imports("bench").items()
+                 if any(n == "tests" or n.startswith("tests.") for n in names)}
+    assert offenders == set(), offenders
+
+
+def test_the_operator_cli_never_imports_torch():
+    offenders = {m for m, names in external_imports("dflash_ops").items()
+                 if any(n == "torch" or n.startswith("torch.") or n.startswith("trainer") for n in names)}
+    assert offenders == set(), offenders
+
+
+def test_the_check_finds_an_import_loop_on_disk(tmp_path):
+    """The loop bench/step.py <-> bench/step_run.py had (one side's import inside a function), a loop through a
+    relative import, and a package __init__ re-exporting its submodules (no loop: the submodules' own imports of the
+    package do not count)."""
+    def write(rel: str, text: str) -> None:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+
+    write("pkg/__init__.py", "from pkg.sub import VALUE\n")
+    write("pkg/step.py", "def run_child():\n    from pkg.step_run import run_mode\n    return run_mode\n")
+    write("pkg/step_run.py", "from pkg import sub\n\n\ndef run_mode():\n    from pkg.step import HEAD_FP8\n")
+    write("pkg/sub/__init__.py", "from .left import VALUE\n")
+    write("pkg/sub/left.py", "from . import right\nVALUE = 1\n")
+    write("pkg/sub/right.py", "from ..sub.left import VALUE\nfrom pkg import sub\n")
+    assert sorted(cycles(import_graph(("pkg",), tmp_path))) == [["pkg.step", "pkg.step_run"],
+                                                                ["pkg.sub.left", "pkg.sub.right"]]
+    write("pkg/step_run.py", "from pkg import sub\n\n\ndef run_mode():\n    pass\n")
+    write("pkg/sub/right.py", "from pkg import sub\n")
+    assert cycles(import_graph(("pkg",), tmp_path)) == []
