@@ -7,10 +7,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dflash_ops.runs.noderun import NodeRun
+from dflash_ops.multinode.record import NodeRun
 
 LOCAL, SSH, PROXMOX = "local", "ssh", "proxmox"
 TRANSPORTS = (LOCAL, SSH, PROXMOX)
@@ -186,7 +183,7 @@ class RunStatus:
     procs: int = 0                  # live processes carrying the run's marker (the wrapper, its children, ...)
     dir_missing: bool = False       # found by its processes' marker only: its run directory is gone
     stopped: bool = False           # `dflash-ops stop` ended it (its `stopped` file)
-    multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (runs/noderun.py)
+    multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (multinode/record.py)
     node_rank: int | None = None
 
     @property

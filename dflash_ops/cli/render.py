@@ -92,14 +92,14 @@ def nodes_waiting(run) -> None:
 
 
 def nodes_interrupted(run_id: str, stopped) -> None:
-    """Ctrl-C during a multi-node launch, after its nodes were stopped (runs/nodewatch.NodeStopped each)."""
+    """Ctrl-C during a multi-node launch, after its nodes were stopped (multinode/watch.NodeStopped each)."""
     _err(f"interrupted; rolled back {run_id}:")
     for r in stopped:
         _err(f"  node {r.node.rank} ({r.label}) {r.text}")
 
 
 def nodes_launched(done, *, json_out: bool) -> None:
-    """A multi-node launch (runs/nodelaunch.NodesLaunched): the run, then a line per node."""
+    """A multi-node launch (multinode/launch.NodesLaunched): the run, then a line per node."""
     run = done.run
     if json_out:
         _out(json.dumps({"run_id": run.run_id, "multinode": run.as_dict(),
@@ -124,7 +124,7 @@ def nodes_dry_run(run, dry_runs, labels, *, json_out: bool) -> None:
                                     "argv": list(d.spec.argv), "command": d.command}
                                    for i, d in enumerate(dry_runs)]}))
         return
-    from dflash_ops.runs.nodes import DRY_RUN_ADDRESS
+    from dflash_ops.multinode.plan import DRY_RUN_ADDRESS
 
     found = (f"; rank 0's address, {DRY_RUN_ADDRESS} here, is found in its container at launch"
              if run.rendezvous.address == DRY_RUN_ADDRESS else "")
@@ -223,7 +223,7 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool, where: str
 
 
 def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
-    """`runs RUN`: a row per node (noderun.NodeState), then the run's overall state."""
+    """`runs RUN`: a row per node (multinode/state.NodeState), then the run's overall state."""
     if json_out:
         _out(json.dumps({"run_id": run_id, "state": overall.state, "state_text": overall.text,
                          "nodes": [{"rank": s.node.rank, "target": s.label, "error": s.error,
@@ -236,7 +236,7 @@ def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
 
 
 def nodes_stopped(run_id: str, results, *, json_out: bool) -> None:
-    """`stop` of a multi-node run: a line per node (runs/nodewatch.NodeStopped)."""
+    """`stop` of a multi-node run: a line per node (multinode/watch.NodeStopped)."""
     if json_out:
         _out(json.dumps({"run_id": run_id, "nodes": [
             {"rank": r.node.rank, "target": r.label, "action": r.how,

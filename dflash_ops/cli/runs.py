@@ -18,18 +18,19 @@ def runs(ctx: typer.Context,
     when every node answered, else the first failed node's code.
     """
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle, noderun, nodewatch
+    from dflash_ops.multinode import state, watch
+    from dflash_ops.runs import lifecycle
 
     with rendered_errors(json_out):
         if run is not None:
             loc, session, status = locate(ctx, run, host, ct)
             if session is not None:
                 session.transport.close()
-                states = [noderun.NodeState(node=loc.nodes[0], label=loc.targets[0].label, status=status)]
+                states = [state.NodeState(node=loc.nodes[0], label=loc.targets[0].label, status=status)]
             else:
-                states = nodewatch.read_states(loc)
-            render.node_runs(loc.run_id, states, noderun.overall(states), json_out=json_out)
-            raise typer.Exit(noderun.exit_code(states))
+                states = watch.read_states(loc)
+            render.node_runs(loc.run_id, states, state.overall(states), json_out=json_out)
+            raise typer.Exit(state.exit_code(states))
         session = open_session(ctx, host, ct)
         try:
             render.runs_table(lifecycle.list_runs(session), target=session.target.label, json_out=json_out,

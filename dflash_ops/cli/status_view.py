@@ -190,7 +190,7 @@ def report_lines(outcomes: list[Outcome], elapsed_s: float, width: int) -> list[
 # --------------------------------------------------------------------------- one run, a row per node
 
 def node_report_dict(run_id: str, overall, rows, elapsed_s: float) -> dict:
-    """`status RUN --json`: the run's state and a row per node (runs/nodewatch.NodeRow)."""
+    """`status RUN --json`: the run's state and a row per node (multinode/watch.NodeRow)."""
     first = overall.first
     return {"run_id": run_id, "state": overall.state, "state_text": overall.text,
             "first_failed": None if first is None else {"rank": first.node.rank, "target": first.label},

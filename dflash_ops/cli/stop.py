@@ -29,15 +29,16 @@ def stop(
     """
     from dflash_ops.cli import render
     from dflash_ops.errors import RunNotFound
-    from dflash_ops.runs import lifecycle, noderun, nodewatch
+    from dflash_ops.multinode import state, watch
+    from dflash_ops.runs import lifecycle
 
     with rendered_errors(json_out):
         loc, session, status = locate(ctx, run, host, ct)
         if session is None:
-            results = nodewatch.stop(loc, grace_s=grace)
+            results = watch.stop(loc, grace_s=grace)
             render.nodes_stopped(loc.run_id, results, json_out=json_out)
             none_there = all(r.how == "not_there" for r in results)
-            raise typer.Exit(RunNotFound.exit_code if none_there else noderun.exit_code(results))
+            raise typer.Exit(RunNotFound.exit_code if none_there else state.exit_code(results))
         try:
             result = lifecycle.stop(session, status, grace_s=grace)
             render.stopped(status.run_id, result.how, result.status, json_out=json_out)

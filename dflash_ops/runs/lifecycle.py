@@ -98,15 +98,25 @@ def list_runs(s: Session) -> list[RunStatus]:
 
 def find_run(s: Session, ref: str | None) -> RunStatus:
     """`ref` is a run id, a run name (its latest run), or None (the latest run of the target)."""
+    check_ref(ref)
+    return pick_run(list_runs(s), ref, s.target)
+
+
+def check_ref(ref: str | None) -> None:
+    """A run reference is a run id or a valid run name (else UsageError, before anything is sent)."""
     if ref is not None and not names.is_run_id(ref):
         names.run_name(ref)
-    runs = list_runs(s)
+
+
+def pick_run(runs: list[RunStatus], ref: str | None, target: Target) -> RunStatus:
+    """PURE: the run `ref` names among `runs` (oldest first, as listed on `target`): the run of that id, or the
+    latest of that name, or the latest run for None; RunNotFound when there is none."""
     if ref is not None:
         runs = [r for r in runs if r.run_id == ref or r.name == ref]
     if not runs:
         what = f"run {ref!r}" if ref else "any run"
-        raise RunNotFound(f"no {what} on {s.target.label} (runs dir {s.target.runs_dir})",
-                          hint=f"`dflash-ops runs {s.target.cli_args}` lists its runs")
+        raise RunNotFound(f"no {what} on {target.label} (runs dir {target.runs_dir})",
+                          hint=f"`dflash-ops runs {target.cli_args}` lists its runs")
     return runs[-1]
 
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from dflash_ops import names
-from dflash_ops.runs import noderun
+from dflash_ops.multinode import record
 from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, RunStatus
 
 
@@ -66,7 +66,7 @@ def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
 def _multinode(meta: dict, run_id: str):
     """run.json's multi-node record and this node's rank in it; (None, None) for a one-node run, or when the
     record is not a valid one of this run."""
-    group, rank = noderun.from_dict(meta.get("multinode")), meta.get("node_rank")
+    group, rank = record.from_dict(meta.get("multinode")), meta.get("node_rank")
     if group is None or group.run_id != run_id or type(rank) is not int or not 0 <= rank < len(group.nodes):
         return None, None
     return group, rank

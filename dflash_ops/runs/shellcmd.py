@@ -424,7 +424,7 @@ def rendezvous_script(candidates: Sequence[int], *, find_address: bool = False) 
     """Rank 0's part of the rendezvous, checked where its torchrun will listen. `DFLASH_PORT <p>`: the first of
     `candidates` that no TCP socket of this network namespace uses as its local port (listening, connected or
     closing: /proc/net/tcp and tcp6), else `DFLASH_ERROR no free port` (exit 1). With `find_address`, first its
-    own addresses, for noderun.own_ipv4: `DFLASH_IP4 <line>` per line of `ip -4 -o addr show scope global`, and
+    own addresses, for multinode/rendezvous.own_ipv4: `DFLASH_IP4 <line>` per line of `ip -4 -o addr show scope global`, and
     `DFLASH_HOSTIPS <hostname -I>`."""
     ports = " ".join(str(int(p)) for p in candidates)
     found = ("{ ip -4 -o addr show scope global 2>/dev/null || true; } | while IFS= read -r l; do\n"
