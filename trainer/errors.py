@@ -5,6 +5,8 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
+from dflash_ops.wire import EXIT_INTERRUPTED
+
 
 class TrainerError(Exception):
     """A user-facing failure: bad config, bad data, bad target, a non-finite loss.
@@ -74,4 +76,4 @@ def run_cli(command: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         if not quiet:
             print("interrupted", file=sys.stderr, flush=True)
-        return 130
+        return EXIT_INTERRUPTED

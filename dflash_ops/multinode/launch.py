@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed
 from dflash_ops.fanout import Outcome, fan_out
 from dflash_ops.multinode import recordfile, rendezvous
@@ -46,7 +46,7 @@ def find_rendezvous(p: NodePlan) -> NodeRun:
     s = p.sessions[0]
     done = s.run(shellcmd.rendezvous_script(p.port_candidates, find_address=p.address is None),
                  "checking the rendezvous port", ok=(0, 1))
-    words = parse.tagged(done.out, "DFLASH_PORT")
+    words = parse.tagged(done.out, wire.PORT)
     if done.exit_code != 0 or not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"no free port for the rendezvous on {s.target.label} (tried {len(p.port_candidates)} "
                            f"in {rendezvous.PORT_RANGE[0]}-{rendezvous.PORT_RANGE[1] - 1})", hint="launch again")

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import ConfigError, UsageError
 from dflash_ops.spec import Runbook, Target
 
@@ -29,7 +29,7 @@ RDZV_FLAGS = tuple(sorted({f"--{d}" for d in RDZV_DESTS} | {f"--{d.replace('_', 
 RDZV_ENV = tuple(f"PET_{d.upper()}" for d in RDZV_DESTS)
 # On every node, the rendezvous is complete once its log shows torchrun's line (torch/distributed/elastic/agent/
 # server/api.py `_rendezvous`, logged at INFO) or the trainer's first metrics line (ERE, for grep -E)
-JOINED_ERE = "Rendezvous complete for workers|^DFLASH_METRICS "
+JOINED_ERE = f"Rendezvous complete for workers|^{wire.METRICS_PREFIX}"
 JOIN_LOGLEVELS = ("INFO", "DEBUG")    # torchrun's LOGLEVEL at which that line is logged (exact names)
 
 
@@ -135,9 +135,9 @@ def own_ipv4(text: str) -> str | None:
     ip, listed = [], []
     for line in text.splitlines():
         words = line.split()
-        if words[:1] == ["DFLASH_IP4"] and "inet" in words[1:-1]:
+        if words[:1] == [wire.IP4] and "inet" in words[1:-1]:
             ip.append(words[words.index("inet") + 1].split("/", 1)[0])
-        elif words[:1] == ["DFLASH_HOSTIPS"]:
+        elif words[:1] == [wire.HOSTIPS]:
             listed += words[1:]
     for word in ip + listed:
         if not _IPV4_RE.fullmatch(word):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
 from dflash_ops.runs import parse, pull, shellcmd
 from dflash_ops.runs.runbooks import run_spec
@@ -62,12 +62,12 @@ class Session:
             raise self._hinted(exc) from None
         if done.exit_code in ok:
             return done
-        if done.exit_code == 3 and "DFLASH_MISSING" in done.out:
+        if done.exit_code == wire.EXIT_MISSING and parse.tagged(done.out, wire.MISSING) is not None:
             raise RunNotFound(f"no such run on {self.target.label} ({what})")
-        refused = parse.tagged(done.out, "DFLASH_REFUSED")
-        if done.exit_code == 5 and refused:
+        refused = parse.tagged(done.out, wire.REFUSED)
+        if done.exit_code == wire.EXIT_REFUSED and refused:
             raise _refusal(refused, self.target)
-        error = next((ln.split(" ", 1)[1] for ln in done.out.splitlines() if ln.startswith("DFLASH_ERROR ")), None)
+        error = next((ln.split(" ", 1)[1] for ln in done.out.splitlines() if ln.startswith(wire.ERROR + " ")), None)
         if error is not None:   # one of our scripts said what failed
             raise RemoteFailed(f"{what} on {self.target.label} failed: {error}",
                                hint="check free space and permissions there; a launch that fails leaves no run "
@@ -135,7 +135,7 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
                     extra_env=extra_env)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")
-    for key in (shellcmd.MARKER_VAR, shellcmd.RUN_DIR_VAR):
+    for key in (wire.MARKER_VAR, wire.RUN_DIR_VAR):
         if any(k == key for k, _ in spec.env):
             # What `stop` and the refusals find a run's processes by: a job that could overwrite it could not be
             # stopped, and its name could be launched twice.
@@ -178,7 +178,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
         hint = (f"{spec.run_id} started (pid {seen.pid}) and goes on: `dflash-ops tail {spec.run_id} {where}`"
                 if seen.pid is not None else f"{spec.run_id} may have started: check `dflash-ops runs {where}`")
         raise HostUnreachable(exc.message, hint=hint) from None
-    words = parse.tagged(done.out, "DFLASH_LAUNCHED")
+    words = parse.tagged(done.out, wire.LAUNCHED)
     if not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
     deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
@@ -200,7 +200,7 @@ class _StartWatch:
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
             words = line.decode("utf-8", "replace").split()
-            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and names.is_digits(words[1]):
+            if words[:1] == [wire.LAUNCHED] and len(words) == 2 and names.is_digits(words[1]):
                 self.pid = int(words[1])
                 self.on_started(self.pid)
                 return
@@ -245,8 +245,8 @@ class Stopped:
 def _stop_call(s: Session, run_id: str, grace_s: float, fence: bool) -> tuple[str, parse.RawState | None, int | None]:
     done = s.run(shellcmd.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence), f"stopping {run_id}",
                  timeout_s=grace_s + (60 if fence else 30))
-    how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
-    left = parse.tagged(done.out, "DFLASH_LEFT") or []
+    how = (parse.tagged(done.out, wire.STOP) or ["?"])[0]
+    left = parse.tagged(done.out, wire.LEFT) or []
     raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
     return how, raw, int(left[0]) if left and names.is_digits(left[0]) else None
 
@@ -280,7 +280,7 @@ def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True, h
     whole = follow and run.state == RUNNING
     done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
                  f"reading {run.run_id}'s log")
-    words = parse.tagged(done.out, "DFLASH_START")
+    words = parse.tagged(done.out, wire.START)
     return int(words[0]) if words and names.is_digits(words[0].removeprefix("-")) else 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.multinode import record
 from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, RunStatus
 
@@ -29,7 +29,7 @@ def _opt_int(text: str) -> int | None:
 
 def state_line(line: str) -> RawState | None:
     words = line.split()
-    if len(words) != 8 or words[0] != "DFLASH_RUN" or not names.is_run_id(words[1]):
+    if len(words) != 8 or words[0] != wire.STATE or not names.is_run_id(words[1]):
         return None
     try:
         return RawState(run_id=words[1], alive=words[2] == "1", pid=_opt_int(words[3]), exit_code=_opt_int(words[4]),
@@ -43,7 +43,7 @@ def state_of(raw: RawState) -> str:
     """docs/contracts.md section 2: running / exited N / killed / lost."""
     if raw.alive:
         return RUNNING
-    if raw.stopped or (raw.exit_code is not None and raw.exit_code >= 128):
+    if raw.stopped or (raw.exit_code is not None and raw.exit_code >= wire.EXIT_SIGNALLED):
         return KILLED
     if raw.exit_code is not None:
         return EXITED
@@ -82,7 +82,7 @@ def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None)
 
 def now_line(text: str) -> float | None:
     for line in text.splitlines():
-        if line.startswith("DFLASH_NOW "):
+        if line.startswith(wire.NOW + " "):
             try:
                 return float(line.split()[1])
             except (IndexError, ValueError):
@@ -95,7 +95,7 @@ def proc_lines(text: str) -> dict[str, list[tuple[int, int]]]:
     procs: dict[str, list[tuple[int, int]]] = {}
     for line in text.splitlines():
         words = line.split()
-        if (len(words) == 4 and words[0] == "DFLASH_PROC" and names.is_digits(words[1])
+        if (len(words) == 4 and words[0] == wire.PROC and names.is_digits(words[1])
                 and names.is_digits(words[3]) and names.is_run_id(words[2])):
             procs.setdefault(words[2], []).append((int(words[1]), int(words[3])))
     return procs
@@ -121,9 +121,9 @@ def run_list(text: str, runs_dir: str) -> list[RunStatus]:
         raw = state_line(line)
         if raw is not None:
             pending = raw
-        elif line.startswith("DFLASH_JSON") and pending is not None:
+        elif line.startswith(wire.RUN_JSON) and pending is not None:
             try:
-                meta = json.loads(line[len("DFLASH_JSON"):].strip() or "{}")
+                meta = json.loads(line[len(wire.RUN_JSON):].strip() or "{}")
             except json.JSONDecodeError:
                 meta = {}
             found = status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir)
@@ -142,7 +142,7 @@ class Probe:
 
 def probe(stdout: bytes) -> Probe:
     """Output of `probe_script`: header lines, then `DFLASH_LOG\\n`, then raw log bytes."""
-    head, sep, log = stdout.partition(b"DFLASH_LOG\n")
+    head, sep, log = stdout.partition(wire.LOG.encode() + b"\n")
     text = head.decode("utf-8", "replace")
     raw = next((r for r in map(state_line, text.splitlines()) if r is not None), None)
     return Probe(raw=raw, now=now_line(text) or 0.0, log_tail=log if sep else b"")
@@ -150,8 +150,8 @@ def probe(stdout: bytes) -> Probe:
 
 def joined(stdout: bytes) -> bool:
     """Output of `joined_script`: its header says DFLASH_JOINED (a log line matched)."""
-    head = stdout.partition(b"DFLASH_LOG\n")[0]
-    return b"DFLASH_JOINED" in head.split(b"\n")
+    head = stdout.partition(wire.LOG.encode() + b"\n")[0]
+    return wire.JOINED.encode() in head.split(b"\n")
 
 
 def tagged(text: str, tag: str) -> list[str] | None:

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import RemoteFailed
-from dflash_ops.runs.shellcmd import path_word, q
+from dflash_ops.runs.shellcmd import NO_RUN_DIR, path_word, q
 
 # what -> (path under the run dir, is a directory). `ckpt` means the newest checkpoint, `ckpt/step_<N>` with the
 # largest N (the trainer writes each one to a temp dir and renames it, so a listed one is complete).
@@ -39,16 +39,15 @@ def manifest_script(run_dir: str, what: str) -> str:
     """Bash for the target: `DFLASH_ROOT <abs run dir>`, then `DFLASH_FILE <size> <sha256> <rel path>` for every
     regular file of the selection (symlinks are not followed), or `DFLASH_NONE` when there is nothing."""
     sub, is_dir = WHAT[what]
-    head = (f"D={path_word(run_dir)}\n"
-            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
-            'cd -- "$D" || exit 1\n'
-            "printf 'DFLASH_ROOT %s\\n' \"$(pwd -P)\"\n"
+    head = (f"D={path_word(run_dir)}\n" + NO_RUN_DIR +
+            f'cd -- "$D" || exit {wire.EXIT_FAILED}\n'
+            f"printf '{wire.ROOT} %s\\n' \"$(pwd -P)\"\n"
             "one() {\n"
             '  local size sum\n'
             '  size=$(stat -c %s -- "$1") || return 1\n'
             # the hash of exactly `size` bytes: a log that grows meanwhile is pulled up to that size
             '  sum=$(head -c "$size" -- "$1" | sha256sum) || return 1\n'
-            "  printf 'DFLASH_FILE %s %s %s\\n' \"$size\" \"${sum%% *}\" \"$1\"\n"
+            f"  printf '{wire.FILE} %s %s %s\\n' \"$size\" \"${{sum%% *}}\" \"$1\"\n"
             "}\n")
     if what == "ckpt":
         pick = ('best=; n=-1\n'
@@ -57,20 +56,20 @@ def manifest_script(run_dir: str, what: str) -> str:
                 '  case $k in ""|*[!0-9]*) continue;; esac\n'
                 '  [ "$k" -gt "$n" ] && { n=$k; best=$d; }\n'
                 'done\n'
-                '[ -n "$best" ] || { echo DFLASH_NONE; exit 0; }\n'
+                f'[ -n "$best" ] || {{ echo {wire.NOTHING}; exit 0; }}\n'
                 'sel=$best\n')
     else:
         pick = f"sel={q(sub)}\n"
     if is_dir:
-        walk = ('[ -d "$sel" ] || { echo DFLASH_NONE; exit 0; }\n'
+        walk = (f'[ -d "$sel" ] || {{ echo {wire.NOTHING}; exit 0; }}\n'
                 'found=0\n'
                 'while IFS= read -r -d "" f; do\n'
-                '  case $f in *$\'\\n\'*) printf \'DFLASH_SKIP newline in a name\\n\'; continue;; esac\n'
+                f'  case $f in *$\'\\n\'*) printf \'{wire.SKIPPED} newline in a name\\n\'; continue;; esac\n'
                 '  one "${f#./}" || exit 1; found=1\n'
                 'done < <(find -P "./$sel" -type f -print0 | sort -z)\n'
-                '[ "$found" = 1 ] || echo DFLASH_NONE\n')
+                f'[ "$found" = 1 ] || echo {wire.NOTHING}\n')
     else:
-        walk = '[ -f "$sel" ] || { echo DFLASH_NONE; exit 0; }\none "$sel" || exit 1\n'
+        walk = f'[ -f "$sel" ] || {{ echo {wire.NOTHING}; exit 0; }}\none "$sel" || exit {wire.EXIT_FAILED}\n'
     return head + pick + walk
 
 
@@ -86,11 +85,11 @@ def safe_rel(text: str) -> str:
 def parse_manifest(text: str) -> Manifest:
     root, files, missing = None, [], False
     for line in text.splitlines():
-        if line.startswith("DFLASH_ROOT "):
-            root = line[len("DFLASH_ROOT "):]
-        elif line == "DFLASH_NONE":
+        if line.startswith(wire.ROOT + " "):
+            root = line[len(wire.ROOT) + 1:]
+        elif line == wire.NOTHING:
             missing = True
-        elif line.startswith("DFLASH_FILE "):
+        elif line.startswith(wire.FILE + " "):
             words = line.split(" ", 3)
             if len(words) != 4 or not names.is_digits(words[1]) or not re.fullmatch(r"[0-9a-f]{64}", words[2]):
                 raise RemoteFailed(f"unreadable file listing line {line[:200]!r}")
