@@ -278,8 +278,10 @@ def pulled(p, *, json_out: bool) -> None:
     if json_out:
         _out(json.dumps({"run_id": p.run_id, "what": p.what, "to": str(p.to),
                          "files": [{"path": f.rel, "dest": str(dest), "size": f.size, "sha256": f.sha256}
-                                   for f, dest in p.files]}))
+                                   for f, dest in p.files], "links": list(p.links)}))
         return
+    for link in p.links:
+        _err(f"not pulled: {link} (a symbolic link: links are not followed)")
     total = sum(f.size for f, _ in p.files)
     _err(f"pulled the {p.what} of {p.run_id}: {len(p.files)} file(s), {_size(total)}, into {p.to} "
          "(sizes and SHA-256 checked)")

@@ -352,6 +352,7 @@ class Pulled:
     what: str
     to: Path
     files: tuple[tuple[pull.RemoteFile, Path], ...]
+    links: tuple[str, ...] = ()        # symbolic links in the selection, left out (never followed)
 
 
 PULL_STAGE_DIR = "/var/tmp"     # on a Proxmox host (disk, not tmpfs): one file at a time, removed after it
@@ -363,15 +364,28 @@ def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool =
     where the run lives; each is read there (in a container: `pct pull` into a private directory on the Proxmox
     host, whose filesystem view is the container's), fetched over SFTP on the same connection (or read, for this
     machine), checked against its listed size and hash, and only then renamed into place. Refused (exit 5), with
-    nothing written, if a file would be overwritten and not `force`."""
+    nothing written, if a file would be overwritten and not `force`. Symbolic links are never followed nor
+    pulled. A failure on this machine's side (a name too long, a full disk) is one OpsError line."""
     listing = s.run(pull.manifest_script(run.run_dir, what), f"listing the {what} of {run.run_id}")
     manifest = pull.parse_manifest(listing.out)
     if manifest.missing or not manifest.files:
+        if manifest.links:
+            raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} to pull: {manifest.links[0]} is "
+                              "a symbolic link, and links are not followed")
         raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} yet",
                           hint="`dflash-ops tail` shows how far it got; the export is written when training ends"
                           if what == "export" else None)
+    try:
+        return _pull_listed(s, run, what, to, manifest, force=force, on_file=on_file)
+    except OSError as exc:      # this machine's side: what the steps below did not say themselves
+        raise OpsError(f"cannot write the {what} of {run.run_id} to {exc.filename or to}: "
+                       f"{exc.strerror or exc}") from None
+
+
+def _pull_listed(s: Session, run: RunStatus, what: str, to: Path, manifest: pull.Manifest, *, force: bool,
+                 on_file: Callable[[pull.RemoteFile, Path], None]) -> Pulled:
     plan = pull.destinations(manifest, to)
-    there = [dest for _, dest in plan if dest.exists() or dest.is_symlink()]
+    there = [dest for _, dest in plan if _taken(dest)]
     if there and not force:
         more = f" (and {len(there) - 1} more)" if len(there) > 1 else ""
         raise Refused(f"{there[0]} exists{more}; nothing was pulled",
@@ -395,7 +409,18 @@ def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool =
                 _host_run(s, ["rm", "-rf", "--", stage], "removing the staging directory")
             except OpsError:
                 pass    # the pull's own error (a dropped connection) is the one to show
-    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan))
+    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan), links=manifest.links)
+
+
+def _taken(dest: Path) -> bool:
+    """Something (a file, a link, a directory) is at `dest` on this machine."""
+    try:
+        os.lstat(dest)
+    except (FileNotFoundError, NotADirectoryError):
+        return False        # (a file where a directory must go: making that directory says so)
+    except OSError as exc:
+        raise OpsError(f"cannot use {dest}: {exc.strerror or exc}") from None
+    return True
 
 
 def _fetch_checked(s: Session, source: str, f: pull.RemoteFile, dest: Path) -> None:
@@ -410,9 +435,15 @@ def _fetch_checked(s: Session, source: str, f: pull.RemoteFile, dest: Path) -> N
         if got != f.sha256:
             raise RemoteFailed(f"{f.rel}: SHA-256 {got} of the bytes fetched is not the listed {f.sha256} "
                                "(it changed while being pulled?); nothing kept", hint="pull it again")
-        os.replace(part, dest)
+        try:
+            os.replace(part, dest)
+        except OSError as exc:
+            raise OpsError(f"cannot write {dest}: {exc.strerror or exc}") from None
     finally:
-        part.unlink(missing_ok=True)
+        try:
+            part.unlink(missing_ok=True)
+        except OSError:
+            pass     # it was never created (its name is what failed): the error above says so
 
 
 def _pull_stage(s: Session) -> str:

@@ -33,11 +33,15 @@ class Manifest:
     root: str         # the run dir's absolute path where the run lives (inside the container for --ct)
     files: tuple[RemoteFile, ...]
     missing: bool     # the selection is not there (no export yet, no checkpoint)
+    links: tuple[str, ...] = ()    # symbolic links met at or in the selection: never followed, never pulled
 
 
 def manifest_script(run_dir: str, what: str) -> str:
     """Bash for the target: `DFLASH_ROOT <abs run dir>`, then `DFLASH_FILE <size> <sha256> <rel path>` for every
-    regular file of the selection (symlinks are not followed), or `DFLASH_NONE` when there is nothing."""
+    regular file of the selection, or `DFLASH_NONE` when there is nothing. Symbolic links are never followed: a
+    link at the selection (output.log, export/, ckpt/, a ckpt/step_N) or inside it is named in a `DFLASH_LINK`
+    line instead (its control characters as `?`), and a file whose name has a newline makes the answer
+    `DFLASH_BADNAME`, which refuses the whole pull."""
     sub, is_dir = WHAT[what]
     head = (f"D={path_word(run_dir)}\n" + NO_RUN_DIR +
             f'cd -- "$D" || exit {wire.EXIT_FAILED}\n'
@@ -48,28 +52,33 @@ def manifest_script(run_dir: str, what: str) -> str:
             # the hash of exactly `size` bytes: a log that grows meanwhile is pulled up to that size
             '  sum=$(head -c "$size" -- "$1" | sha256sum) || return 1\n'
             f"  printf '{wire.FILE} %s %s %s\\n' \"$size\" \"${{sum%% *}}\" \"$1\"\n"
-            "}\n")
+            "}\n"
+            f"link() {{ printf '{wire.LINK} %s\\n' \"${{1//[[:cntrl:]]/?}}\"; }}\n"
+            f"none() {{ echo {wire.NOTHING}; exit 0; }}\n")
     if what == "ckpt":
-        pick = ('best=; n=-1\n'
+        pick = ('[ -L ckpt ] && { link ckpt; none; }\n'
+                'best=; n=-1\n'
                 'for d in ckpt/step_*; do\n'
+                '  [ -L "$d" ] && { link "$d"; continue; }\n'
                 '  [ -d "$d" ] || continue; k=${d##*_}\n'
                 '  case $k in ""|*[!0-9]*) continue;; esac\n'
                 '  [ "$k" -gt "$n" ] && { n=$k; best=$d; }\n'
                 'done\n'
-                f'[ -n "$best" ] || {{ echo {wire.NOTHING}; exit 0; }}\n'
+                '[ -n "$best" ] || none\n'
                 'sel=$best\n')
     else:
-        pick = f"sel={q(sub)}\n"
+        pick = f"sel={q(sub)}\n" + '[ -L "$sel" ] && { link "$sel"; none; }\n'
     if is_dir:
-        walk = (f'[ -d "$sel" ] || {{ echo {wire.NOTHING}; exit 0; }}\n'
+        walk = ('[ -d "$sel" ] || none\n'
                 'found=0\n'
                 'while IFS= read -r -d "" f; do\n'
-                f'  case $f in *$\'\\n\'*) printf \'{wire.SKIPPED} newline in a name\\n\'; continue;; esac\n'
-                '  one "${f#./}" || exit 1; found=1\n'
+                f"  case $f in *$'\\n'*) echo {wire.BAD_NAME}; exit 0;; esac\n"
+                f'  one "${{f#./}}" || exit {wire.EXIT_FAILED}; found=1\n'
                 'done < <(find -P "./$sel" -type f -print0 | sort -z)\n'
-                f'[ "$found" = 1 ] || echo {wire.NOTHING}\n')
+                'while IFS= read -r -d "" f; do link "${f#./}"; done < <(find -P "./$sel" -type l -print0 | sort -z)\n'
+                '[ "$found" = 1 ] || none\n')
     else:
-        walk = f'[ -f "$sel" ] || {{ echo {wire.NOTHING}; exit 0; }}\none "$sel" || exit {wire.EXIT_FAILED}\n'
+        walk = f'[ -f "$sel" ] || none\none "$sel" || exit {wire.EXIT_FAILED}\n'
     return head + pick + walk
 
 
@@ -83,12 +92,17 @@ def safe_rel(text: str) -> str:
 
 
 def parse_manifest(text: str) -> Manifest:
-    root, files, missing = None, [], False
+    root, files, missing, links = None, [], False, []
     for line in text.splitlines():
         if line.startswith(wire.ROOT + " "):
             root = line[len(wire.ROOT) + 1:]
         elif line == wire.NOTHING:
             missing = True
+        elif line.startswith(wire.LINK + " "):
+            links.append(_CONTROL.sub("?", line[len(wire.LINK) + 1:]))
+        elif line == wire.BAD_NAME:
+            raise RemoteFailed("a file of the selection has a newline in its name; nothing was pulled",
+                               hint="rename it in the run dir, then pull again")
         elif line.startswith(wire.FILE + " "):
             words = line.split(" ", 3)
             if len(words) != 4 or not names.is_digits(words[1]) or not re.fullmatch(r"[0-9a-f]{64}", words[2]):
@@ -96,7 +110,7 @@ def parse_manifest(text: str) -> Manifest:
             files.append(RemoteFile(rel=safe_rel(words[3]), size=int(words[1]), sha256=words[2]))
     if root is None or not root.startswith("/"):
         raise RemoteFailed("the run's file listing did not say where the run dir is")
-    return Manifest(root=root, files=tuple(files), missing=missing and not files)
+    return Manifest(root=root, files=tuple(files), missing=missing and not files, links=tuple(links))
 
 
 def destinations(manifest: Manifest, to: Path) -> list[tuple[RemoteFile, Path]]:
