@@ -15,6 +15,7 @@ reads them back.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Sequence
 
@@ -146,10 +147,16 @@ def wrapper_script(spec: RunSpec) -> str:
 
     `$1` is the absolute run dir (a positional parameter: no runbook `export` can change it).
     `trap : TERM INT` makes the wrapper outlive a group SIGTERM long enough to record the job's status.
+    The job starts only once the launch has recorded the wrapper's pid (`pid` holds `$$`): a launch that cannot
+    write it removes the run dir instead, and the wrapper then ends before anything of the job ran (a kill alone
+    could race the job's first forks). It gives up after PID_WAIT_S, with the run dir left without a pid.
     """
     rd, word = '"$1"', lambda v: spec_word(v, spec.run_dir)
     workdir = word(spec.workdir) if spec.run_dir in spec.workdir else path_word(spec.workdir)
-    lines = ["trap : TERM INT"]
+    lines = ["trap : TERM INT",
+             f'i=0; until [ -r {rd}/pid ] && read -r p < {rd}/pid && [ "$p" = "$$" ]; do',
+             f'  [ -d {rd} ] && [ $i -lt {PID_WAIT_S * 100} ] || exit {wire.EXIT_FAILED}; sleep 0.01; i=$((i+1))',
+             "done"]
     lines += [f"export {k}={word(v)}" for k, v in spec.env]
     lines += [f"cd -- {workdir} && {' '.join(map(word, spec.argv))}", "rc=$?", KEEP_RC,
               f'until dflash_keep_rc {rd} || [ ! -d {rd} ]; do sleep {RC_RETRY_S}; done',
@@ -158,6 +165,7 @@ def wrapper_script(spec: RunSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
+PID_WAIT_S = 30                 # the wrapper's wait for its pid to be recorded (the launch writes it in ms)
 RC_RESERVE = ".exit_code.reserve"
 RC_RESERVE_BYTES = 32
 RC_RETRY_S = 5
@@ -219,7 +227,8 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
     `flock` on `<runs>/.launch.lock` serialises launches in one runs dir (fd 9 is closed for the job so the lock
     is released when this script ends). The `cd ... || exit 1;` then `nohup ... &` on its own line avoids the
     `a && b & ` trap (which would background the whole list and hold the channel open).
-    With `probe_after_s`, the same call then releases the lock, sleeps and prints `probe_script`'s output, so
+    With `probe_after_s`, the same call then releases the lock, waits that long or until the job has ended,
+    whichever comes first (a job that dies at once is reported then), and prints `probe_script`'s output, so
     launch-to-verified costs one round trip after the liveness wait.
     """
     rd = path_word(spec.run_dir)
@@ -256,7 +265,10 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         f"printf '{wire.LAUNCHED} %s\\n' \"$pid\"\n",
     ]
     if probe_after_s is not None:
-        parts += ["exec 9>&-\n", f"sleep {max(0.0, float(probe_after_s)):.3f}\n", _probe_body(spec.run_dir, LOG_TAIL_BYTES)]
+        tenths = max(0, math.ceil(float(probe_after_s) * 10))
+        parts += ["exec 9>&-\n",
+                  f'i=0; while [ $i -lt {tenths} ] && dflash_marked "$pid" {q(spec.run_id)}; do sleep 0.1; i=$((i+1)); done\n',
+                  _probe_body(spec.run_dir, LOG_TAIL_BYTES)]
     return "".join(parts)
 
 

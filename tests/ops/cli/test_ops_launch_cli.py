@@ -48,6 +48,19 @@ def test_launch_reports_a_run_that_dies_during_the_wait(ops_env):
     assert "exited 7" in done.stderr and "job started" in done.stderr
 
 
+def test_a_job_that_dies_at_once_is_reported_as_soon_as_it_exits(ops_env):
+    """The liveness wait (here 120 s) proves a job survives that long; one that has already ended is reported then,
+    not after the wait."""
+    (ops_env.runbooks / "brief.yaml").write_text((ops_env.runbooks / "job.yaml").read_text().replace(
+        "wait_s: 0.3", "wait_s: 120"))
+    t0 = time.monotonic()
+    done = ops_env.sub("launch", "brief", "--", "--rc", "7", timeout=240)
+    took = time.monotonic() - t0
+    assert done.returncode == 4, done.stderr
+    assert "exited 7 during its liveness check" in done.stderr and "job started" in done.stderr
+    assert took < 60, took          # far less than the wait: it ended at once (a loaded box: a few seconds)
+
+
 def test_launch_without_the_pattern_fails_with_4(ops_env):
     (ops_env.runbooks / "quiet.yaml").write_text(
         'command: ["sleep", "30"]\nliveness: {wait_s: 0.2, pattern: "never-printed", timeout_s: 0.6}\n')
