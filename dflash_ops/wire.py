@@ -6,10 +6,14 @@ Three parties meet here. The trainer prints its lines into the run's log; `dflas
 target) answer the CLI with tagged lines and exit codes. `launch` gives the job its environment, which every
 process of the job inherits, the trainer's included.
 
-It imports nothing: the trainer imports it before torch, and
-`dflash_ops/__init__.py` imports nothing, so `import dflash_ops.wire` costs the trainer one small module.
+Standard library only (os, re): the trainer imports it before torch, and `dflash_ops/__init__.py` imports
+nothing, so `import dflash_ops.wire` costs the trainer one small module.
 """
 from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
 
 # -- the job's environment (set by `launch`; no runbook or --env may set them) --------------------------------
 MARKER_VAR = "DFLASH_OPS_RUN_ID"     # <run id>: a process carrying it belongs to that run (stop, the refusals)
@@ -68,3 +72,19 @@ EXIT_FAILED = 1                      # with an ERROR line: what failed
 EXIT_MISSING = 3                     # with a MISSING line: no such run (the CLI's RunNotFound, exit 3)
 EXIT_REFUSED = 5                     # with a REFUSED line (the CLI's Refused, exit 5)
 EXIT_TIMED_OUT = (124, 128 + 9)      # coreutils `timeout`: the part ran out of time (SIGKILLed after -k)
+
+
+# -- the trainer under `dflash-ops launch` --------------------------------------------------------------------
+_SET_ARG = re.compile(r"(?<!-- )--set (?=['\"]?[A-Za-z_][A-Za-z0-9_.]*=)")
+
+
+def under_launch(environ: Mapping[str, str] = os.environ) -> bool:
+    """This process is (part of) a job `dflash-ops launch` started: it carries the run's marker."""
+    return bool(environ.get(MARKER_VAR))
+
+
+def launch_hint(text: str, environ: Mapping[str, str] = os.environ) -> str:
+    """A trainer message or hint as its reader types the fix: under `dflash-ops launch` the trainer's arguments
+    follow `--` (`dflash-ops launch RUNBOOK -- --set k=v`), so `--set k=v` reads `-- --set k=v` there; elsewhere
+    it is left as it is."""
+    return _SET_ARG.sub("-- --set ", text) if under_launch(environ) else text
