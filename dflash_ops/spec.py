@@ -126,7 +126,7 @@ class Runbook:
     name: str
     command: tuple[str, ...]
     description: str = ""
-    workdir: str = "{run_dir}"
+    workdir: str | None = None   # None: the run dir; on this machine (no container), the directory `launch` ran in
     env: tuple[tuple[str, str], ...] = ()
     pre: tuple[str, ...] = ()
     liveness: Liveness = field(default_factory=Liveness)
@@ -151,6 +151,7 @@ class RunSpec:
     liveness: Liveness
     multinode: NodeRun | None = None     # one node of this multi-node run, of rank `node_rank`
     node_rank: int | None = None
+    extra_args: tuple[str, ...] = ()     # the arguments given after `--` (the tail of `argv`)
 
     @property
     def run_dir(self) -> str:

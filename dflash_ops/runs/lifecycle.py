@@ -16,7 +16,7 @@ from dflash_ops import names, wire
 from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
 from dflash_ops.runs import parse, pull, shellcmd
 from dflash_ops.runs.runbooks import run_spec
-from dflash_ops.spec import EXITED, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
+from dflash_ops.spec import EXITED, LOCAL, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.ssh.transport import Transport
 
 LAST_LINES = 20
@@ -131,8 +131,9 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
          extra_env: tuple[tuple[str, str], ...] = (), run_id: str | None = None) -> RunSpec:
     """The run `book` makes on the target; `run_id` is new unless given (the nodes of a multi-node run share one)."""
     name = names.run_name(book.name if name is None else name)
+    here = s.target.host.transport == LOCAL and s.target.container is None
     spec = run_spec(book, s.target, name=name, run_id=run_id or names.new_run_id(name), extra_args=extra_args,
-                    extra_env=extra_env)
+                    extra_env=extra_env, caller_dir=os.getcwd() if here else None)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")
     for key in (wire.MARKER_VAR, wire.RUN_DIR_VAR):
@@ -220,8 +221,12 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
         if status.state != "running":
             if status.state == EXITED and status.exit_code == 0:
                 return status, matched
+            paths = relative_paths(spec.extra_args)
+            where = (f"; {paths[0]!r} and every relative path after `--` is relative to the job's working directory,"
+                     f" {spec.workdir} on {s.target.label}" if paths else "")
             raise RunFailed(f"run {spec.run_id} {status.state_text} during its liveness check",
-                            hint=f"log: {spec.log_path}", detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
+                            hint=f"log: {spec.log_path}{where}",
+                            detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         if matched is not None:
             return status, matched
         if time.monotonic() >= deadline:
@@ -233,6 +238,23 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         sleep(POLL_S)
         probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run").stdout)
+
+
+_PATH_PIECE = re.compile(r"[^\s=,\[\]'\"]+")
+_FILE_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".safetensors", ".pt", ".bin")
+
+
+def relative_paths(args: tuple[str, ...]) -> list[str]:
+    """PURE: the pieces of `args` (`--out x`, `--set k=v`, `data.paths=["a.jsonl"]`) that look like relative paths:
+    with a `/`, or a file suffix, and not absolute nor `~`-relative. For a hint only: it may miss a bare name."""
+    found = []
+    for arg in args:
+        for piece in _PATH_PIECE.findall(arg):
+            if piece.startswith(("/", "~", "-")) or "://" in piece:
+                continue
+            if "/" in piece or piece.endswith(_FILE_SUFFIXES):
+                found.append(piece)
+    return found
 
 
 # -- stop -----------------------------------------------------------------------------------------------------

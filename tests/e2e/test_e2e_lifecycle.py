@@ -2,7 +2,8 @@
 refusal, group stop, `runs` states, tail across sshd restarts, dry run, and the inductor-cache pre-step.
 
 Each test owns one container of the module's bed (ct0: life, ct1: group stop + dry run, ct2: states + tail
-reconnect, ct3: inductor cache, then --follow and Ctrl-C), so no test sees another's runs.
+reconnect, ct3: inductor cache, then --follow and Ctrl-C, ct4: relative paths after `--`), so no test sees
+another's runs.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from support import procfs, sshclient
 from e2e_bed import LineReader, marked_processes, wait_for
 
 pytestmark = pytest.mark.ssh
-CONTAINERS = 4
+CONTAINERS = 5
 
 
 def lines(n: int) -> bytes:
@@ -218,3 +219,18 @@ def test_launch_follow_streams_to_the_end_and_ctrl_c_on_tail_leaves_the_run_alon
     gate.touch()
     wait_for((bed.tb.runs_dirs[ctid] / doc["run_id"] / "exit_code").exists, "the run to end after the gate opens")
     assert one_run(bed, ctid, doc["run_id"])["state_text"] == "exited 0"
+
+
+def test_a_relative_path_after_dashes_is_said_to_be_relative_to_the_run_dir_there(bed):
+    """In a container the job runs in its run dir: a failed launch whose arguments after `--` hold a relative path
+    says what that path is relative to."""
+    ctid = bed.ct(4)
+    (bed.runbooks / "diesjob.yaml").write_text(f'command: ["{{python}}", "{bed.job}"]\n'
+                                               'liveness: {wait_s: 0.2, pattern: "never printed", timeout_s: 60}\n')
+    done = bed.cli("launch", "diesjob", *bed.target(ctid), "--name", "rel", "--", "--argv", "data/argv.bin",
+                   "--rc", "2")
+    assert done.returncode == 4, done.stderr
+    [run_dir] = bed.run_dirs(ctid, "rel")
+    hint = [line for line in done.stderr.decode().splitlines() if line.startswith("hint: ")]
+    assert hint == [f"hint: log: {run_dir}/output.log; 'data/argv.bin' and every relative path after `--` is "
+                    f"relative to the job's working directory, {run_dir} on {bed.tb.host}/ct{ctid}"], done.stderr

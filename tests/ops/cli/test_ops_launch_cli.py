@@ -61,6 +61,19 @@ def test_a_job_that_dies_at_once_is_reported_as_soon_as_it_exits(ops_env):
     assert took < 60, took          # far less than the wait: it ended at once (a loaded box: a few seconds)
 
 
+def test_on_this_machine_a_relative_path_after_dashes_is_the_callers(ops_env, tmp_path):
+    """The job runs in the directory `launch` ran in: `--out out.json` lands there, as in the caller's shell."""
+    (ops_env.root / "sub").mkdir()
+    done = ops_env.sub("launch", "job", "--json", "--", "--out", "sub/out.json")
+    assert done.returncode == 0, done.stderr
+    ops_env.wait_for(ops_env.root / "sub" / "out.json")
+    got = json.loads((ops_env.root / "sub" / "out.json").read_text())
+    assert got["cwd"] == str(ops_env.root)
+    run = json.loads(done.stdout)
+    assert json.loads((Path(run["run_dir"]) / "run.json").read_text())["workdir"] == str(ops_env.root)
+    assert not (Path(run["run_dir"]) / "sub").exists()
+
+
 def test_launch_without_the_pattern_fails_with_4(ops_env):
     (ops_env.runbooks / "quiet.yaml").write_text(
         'command: ["sleep", "30"]\nliveness: {wait_s: 0.2, pattern: "never-printed", timeout_s: 0.6}\n')
