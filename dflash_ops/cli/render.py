@@ -170,34 +170,40 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-STATE_COLORS = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
-
-
-def _table(title: str, columns: tuple[str, ...], rows: list[tuple], **column_opts):
-    """A Rich table whose every cell is plain text: a value read from a host (a run name, an error, a label
-    with brackets) is never taken for Rich markup. A cell is a str, or (text, style)."""
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=Text(title), title_justify="left")
-    for col in columns:
-        table.add_column(col, no_wrap=True, **column_opts.get(col, {}))
-    for row in rows:
-        table.add_row(*(Text(c[0], style=c[1] or "") if isinstance(c, tuple) else Text(c) for c in row))
-    return table
-
-
-def _print_table(table) -> None:
+def _print_lines(lines) -> None:
+    """Lines of cells (cli/lines.py) on stdout, in a console's width: the terminal's, else $COLUMNS, else 80 when
+    piped; every value is plain text (a run name, an error or a label with brackets is never Rich markup)."""
     from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=250)  # piped: never squeeze ids and times into 80 columns
-    console.print(table)
+    from dflash_ops.cli.lines import as_text
+
+    Console(soft_wrap=True).print(as_text(lines))
+
+
+def _width() -> int:
+    from rich.console import Console
+
+    return Console().width
 
 
 def _state_cell(r: RunStatus) -> tuple[str, str]:
-    return r.state_text, "red" if r.state == "exited" and r.exit_code else STATE_COLORS.get(r.state, "")
+    from dflash_ops.cli.lines import state_style
+
+    return r.state_text, state_style(r.state, r.exit_code)
+
+
+RUNS_HEADER = ("run id", "state", "pid", "started", "duration")
+RUNS_LABELS = ("", "", "pid", "started", "took")
+
+
+def runs_lines(title: str, runs: list[RunStatus], width: int):
+    """PURE: `runs`'s view: a title, then a table (run id, state, pid, started, duration; a run's name is the start
+    of its id) when it fits `width`, else each run on its own lines, broken between values and never cut."""
+    from dflash_ops.cli.lines import columns, wrap
+
+    rows = [[(r.run_id, "bold"), _state_cell(r), (str(r.pid or "-"), ""), (_when(r.started_at), ""),
+             (_duration(r.duration_s), "")] for r in runs]
+    return wrap([(title, "bold")], width, 0, 2) + columns(RUNS_HEADER, rows, width, labels=RUNS_LABELS)
 
 
 def runs_table(runs: list[RunStatus], *, target: str, json_out: bool, where: str = "") -> None:
@@ -208,18 +214,30 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool, where: str
     if not runs:
         _err(f"no runs on {target}")
         return
-    widest = max(len(r.run_id) for r in runs)
-    # ids and times are copied into other commands: never fold or ellipsize them
-    _print_table(_table(f"runs on {target}", ("name", "run id", "state", "pid", "started", "duration"),
-                        [(r.name, r.run_id, _state_cell(r), str(r.pid or "-"), _when(r.started_at),
-                          _duration(r.duration_s)) for r in runs],
-                        **{"run id": {"min_width": widest}}))
+    _print_lines(runs_lines(f"runs on {target}", runs, _width()))
     for r in runs:
         stop = shlex.join(["dflash-ops", "stop", r.run_id]) + (f" {where}" if where else "")
         if r.leftovers:
             _err(f"{r.run_id} {r.state} but {r.leftovers} of its processes live on: `{stop}` ends them")
         elif r.dir_missing:
             _err(f"{r.run_id}: its run dir is gone but {r.procs} of its processes live on: `{stop}` ends them")
+
+
+NODES_HEADER = ("node", "target", "state", "pid", "started", "duration")
+NODES_LABELS = ("node", "", "", "pid", "started", "took")
+
+
+def node_runs_lines(run_id: str, states, overall, width: int):
+    """PURE: `runs RUN`'s view: the run and its state, then a row per node (multinode/state.NodeState), as
+    `runs_lines` lays them out."""
+    from dflash_ops.cli.lines import columns, wrap
+
+    rows = [[(str(s.node.rank), ""), (s.label, ""), (s.error or "?", "red"), ("-", ""), ("-", ""), ("-", "")]
+            if s.status is None else
+            [(str(s.node.rank), ""), (s.label, ""), _state_cell(s.status), (str(s.status.pid or "-"), ""),
+             (_when(s.status.started_at), ""), (_duration(s.status.duration_s), "")] for s in states]
+    return wrap([(run_id, "bold"), (overall.text, "")], width, 0, 2) + columns(NODES_HEADER, rows, width,
+                                                                                labels=NODES_LABELS)
 
 
 def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
@@ -229,10 +247,7 @@ def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
                          "nodes": [{"rank": s.node.rank, "target": s.label, "error": s.error,
                                     "status": status_dict(s.status) if s.status else None} for s in states]}))
         return
-    rows = [(str(s.node.rank), s.label, (s.error or "?", "red"), "-", "-", "-") if s.status is None else
-            (str(s.node.rank), s.label, _state_cell(s.status), str(s.status.pid or "-"), _when(s.status.started_at),
-             _duration(s.status.duration_s)) for s in states]
-    _print_table(_table(f"{run_id}: {overall.text}", ("node", "target", "state", "pid", "started", "duration"), rows))
+    _print_lines(node_runs_lines(run_id, states, overall, _width()))
 
 
 def nodes_stopped(run_id: str, results, *, json_out: bool) -> None:

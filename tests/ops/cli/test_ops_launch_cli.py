@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -192,3 +193,20 @@ def test_text_summary_and_runs_table(ops_env):
     assert table.exit_code == 0
     row = next(line for line in table.stdout.splitlines() if run_dir.name in line)
     assert "running" in row and pid in row and "job" in row
+
+
+def test_runs_piped_or_at_80_columns_cuts_nothing(ops_env):
+    """`runs | cat` is 80 columns wide, as `status` is (not one 250-column table); a long name that leaves no room
+    for the table's columns wraps its rows between values: no cell cut to `exite…`, the pid there."""
+    done = ops_env.sub("launch", "job", "--name", "graphwarm-ddp-b16-lr3e-4-long-name", "--json")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    _wait_state(ops_env, run["run_id"], "exited 0")
+    env = {k: v for k, v in ops_env.env.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "dflash_ops", "--runbooks", str(ops_env.runbooks), "runs"],
+                           capture_output=True, text=True, env=env, cwd=ops_env.root, timeout=60)
+    assert piped.returncode == 0, piped.stderr
+    lines = piped.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines) and "…" not in piped.stdout, piped.stdout
+    assert any(line.split()[:1] == [run["run_id"]] for line in lines)
+    assert f"pid {run['pid']}" in piped.stdout and "exited 0" in piped.stdout
