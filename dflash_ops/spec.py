@@ -162,7 +162,9 @@ class RunSpec:
         return f"{self.run_dir}/output.log"
 
 
-RUNNING, EXITED, KILLED, LOST = "running", "exited", "killed", "lost"
+# stopped: ended by SIGTERM/SIGINT after writing its checkpoint (the trainer's DFLASH_STOPPED line); killed:
+# `stopped` marked, or ended by a signal, without that line
+RUNNING, EXITED, STOPPED, KILLED, LOST = "running", "exited", "stopped", "killed", "lost"
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ class RunStatus:
 
     run_id: str
     name: str
-    state: str                      # running | exited | killed | lost
+    state: str                      # running | exited | stopped | killed | lost
     pid: int | None
     exit_code: int | None
     started_at: float | None
@@ -186,6 +188,7 @@ class RunStatus:
     stopped: bool = False           # `dflash-ops stop` ended it (its `stopped` file)
     multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (multinode/record.py)
     node_rank: int | None = None
+    stopped_step: int | None = None    # state stopped: the step of the checkpoint it wrote before it exited
 
     @property
     def log_path(self) -> str:
@@ -212,6 +215,8 @@ class RunStatus:
     def state_text(self) -> str:
         if self.state == EXITED:
             text = f"exited {self.exit_code}"
+        elif self.state == STOPPED:
+            text = f"stopped at step {self.stopped_step}"
         elif self.state == KILLED and self.exit_code is not None:
             text = f"killed ({self.exit_code})"
         else:

@@ -29,12 +29,17 @@ METRICS_PREFIX = "DFLASH_METRICS "   # every log interval (status reads it); a h
 EVAL_PREFIX = "DFLASH_EVAL "         # an evaluation's result; a human line follows
 PROGRESS_PREFIX = "DFLASH_PROGRESS "  # a long job that is not training (regenerate); a human line follows
 DONE_PREFIX = "DFLASH_DONE "         # the job finished
+STOPPED_PREFIX = "DFLASH_STOPPED "   # stopped by SIGTERM/SIGINT once its checkpoint was written: {"step": N, ...}
 QUALITY_PREFIX = "DFLASH_QUALITY "   # the quality pipeline's result (for people and scripts; no CLI command reads it)
 SWEEP_PREFIX = "DFLASH_SWEEP "       # the quality sweep's result (likewise)
 
 # -- the job's exit status, as the wrapper records it ---------------------------------------------------------
 EXIT_SIGNALLED = 128                 # 128 + N: ended by signal N (or by its handler, which exits so)
 EXIT_INTERRUPTED = 128 + 2           # SIGINT (Ctrl-C)
+EXIT_TERMINATED = 128 + 15           # SIGTERM (`stop`, `gpu-reset`)
+# How long `stop` and `gpu-reset` wait after SIGTERM before SIGKILL: the trainer then finishes its step, writes a
+# checkpoint and exits (DFLASH_STOPPED, EXIT_TERMINATED); this covers that for an 8B-shape drafter.
+STOP_GRACE_S = 120.0
 
 # -- remote scripts -> CLI: each answer line starts with its tag ----------------------------------------------
 STATE = "DFLASH_RUN"                 # <run id> <alive> <pid> <exit code> <stopped> <ended> <log size>
@@ -52,7 +57,7 @@ START = "DFLASH_START"               # <byte offset>: where `tail -n N` starts
 RUN_OF = "DFLASH_RUNOF"              # <run id>: a GPU holder belongs to that run
 MARKED = "DFLASH_MARKED"             # <run id>: marked stopped
 UNMARKED = "DFLASH_UNMARKED"         # <run id>: could not be marked stopped
-STOP = "DFLASH_STOP"                 # <terminated|killed|not_running|fenced>: what `stop` did
+STOP = "DFLASH_STOP"                 # <terminated|killed|killed_now|not_running|fenced>: what `stop` did
 LEFT = "DFLASH_LEFT"                 # <count>: the run's processes still alive after `stop`
 PORT = "DFLASH_PORT"                 # <port>: free for the rendezvous
 IP4 = "DFLASH_IP4"                   # <line of `ip -4 -o addr show scope global`>
@@ -65,6 +70,7 @@ LINK = "DFLASH_LINK"                 # <path>: a symbolic link at or in the sele
 BAD_NAME = "DFLASH_BADNAME"          # a file of the selection has a newline in its name (the pull is refused)
 PIDNS = "DFLASH_PIDNS"               # <pid:[inode]>: the target's PID namespace
 MLINES = "DFLASH_MLINES"             # <run id>: that run's last trainer lines follow, each as "M <line>"
+KEPT = "DFLASH_KEPT"                 # <run id> <json>: the run ended after its DFLASH_STOPPED line (its json)
 SECTION = "%%DFLASH "                # `status`: <gpu|target|err> ... heads one part of a host's answer
 
 # -- remote scripts -> CLI: exit codes ------------------------------------------------------------------------

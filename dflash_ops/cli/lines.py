@@ -52,7 +52,7 @@ def columns(header: Sequence[str], rows: Sequence[Sequence[Cell]], width: int, *
     return out
 
 
-STATE_COLORS = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
+STATE_COLORS = {"running": "green", "exited": "cyan", "stopped": "cyan", "killed": "yellow", "lost": "red"}
 
 
 def state_style(state: str, exit_code: int | None) -> str:

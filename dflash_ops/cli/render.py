@@ -271,7 +271,9 @@ def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None
     if how == "not_running":
         _out(f"run {run_id} is not running ({status.state_text}); nothing to stop")
     else:
-        signal = "SIGTERM" if how == "terminated" else "SIGKILL after the grace period"
+        from dflash_ops.runs.lifecycle import signal_text
+
+        signal = signal_text(how)
         if status.state == "exited":
             _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
         else:

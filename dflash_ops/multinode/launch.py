@@ -23,6 +23,8 @@ from dflash_ops.spec import Launched, RunSpec
 
 JOIN_SLACK_S = 10.0  # beyond --rdzv-timeout: for torchrun's line to reach the log and a poll to read it
 JOIN_POLL_S = (0.25, 1.0)   # the rendezvous is polled every 0.25 s at first, backing off to every 1 s
+# A rolled-back launch's nodes have not met at the rendezvous, so no node has trained: no checkpoint to wait for.
+ROLLBACK_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def find_rendezvous(p: NodePlan) -> NodeRun:
     return p.run(int(words[0]), p.address or rendezvous.found_address(done.out, s.target))
 
 
-def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, grace_s: float = 10.0,
+def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, grace_s: float = wire.STOP_GRACE_S,
            on_started: Callable[[int, int], None] = lambda rank, pid: None,
            on_waiting: Callable[[NodeRun], None] = lambda run: None) -> NodesLaunched:
     """All or none. Reach every node, find the rendezvous on rank 0's, write the record; then launch every node
@@ -100,11 +102,11 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
             if not missing:
                 return NodesLaunched(run=run, launched=tuple(o.value for o in outcomes))
     except BaseException as exc:
-        stopped = roll_back(p, run, grace_s=grace_s, in_flight=in_flight)
+        stopped = roll_back(p, run, grace_s=ROLLBACK_GRACE_S, in_flight=in_flight)
         if isinstance(exc, KeyboardInterrupt):
             raise LaunchInterrupted(run.run_id, stopped) from None
         raise
-    aftermath = _aftermath(run, roll_back(p, run, grace_s=grace_s, in_flight=in_flight))
+    aftermath = _aftermath(run, roll_back(p, run, grace_s=ROLLBACK_GRACE_S, in_flight=in_flight))
     if failed:
         raise _node_error(p, failed[0], aftermath, keep_hint=isinstance(failed[0].error, Refused))
     r = run.rendezvous

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dflash_ops.multinode.record import Node
-from dflash_ops.spec import EXITED, RUNNING, RunStatus
+from dflash_ops.spec import EXITED, RUNNING, STOPPED, RunStatus
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,12 @@ def overall(states: Sequence[NodeState]) -> Overall:
     (or was stopped while others run), naming the node that ended first: by the nodes' clocks, and a node that
     ended without recording its exit (lost: killed outright, its container stopped) before any that did, as the
     others' failures follow it. Else `unknown` while a node cannot be read, `running` while any node runs,
-    `stopped` when every node ended and those that did not exit 0 were stopped, else `exited 0`."""
+    `stopped` when every node ended and those that did not exit 0 were stopped (by `stop`, or after their
+    checkpoint), else `exited 0`."""
     read = [s for s in states if s.status is not None]
     running = [s for s in read if s.status.state == RUNNING]
     bad = [s for s in read if s.status.state != RUNNING and not (s.status.state == EXITED and s.status.exit_code == 0)]
-    if bad and (running or not all(s.status.stopped for s in bad)):
+    if bad and (running or not all(s.status.stopped or s.status.state == STOPPED for s in bad)):
         first = min(bad, key=lambda s: (s.status.ended_at is not None, s.status.ended_at or 0.0, s.node.rank))
         return Overall("failed", f"failed: node {first.node.rank} ({first.label}) first: {first.status.state_text}",
                        first)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from dflash_ops import hoststatus, inventory, names
+from dflash_ops import hoststatus, inventory, names, wire
 from dflash_ops.errors import OpsError, RemoteFailed, RunNotFound, UsageError
 from dflash_ops.fanout import Outcome
 from dflash_ops.multinode.fan import SLACK_S, connect_s, together
@@ -169,7 +169,7 @@ def status_rows(loc: Located, gpu: hoststatus.GpuSettings, *, timeout_s: float,
 class NodeStopped:
     node: Node
     label: str
-    how: str                                # terminated | killed | not_running | not_there | fenced | failed
+    how: str                 # terminated | killed | killed_now | not_running | not_there | fenced | failed
     stopped: lifecycle.Stopped | None = None
     error: OpsError | None = None
 
@@ -188,19 +188,19 @@ class NodeStopped:
         state = self.stopped.status.state_text
         if self.how == "not_running":
             return f"was not running ({state})"
-        signal = "SIGTERM" if self.how == "terminated" else "SIGKILL after the grace period"
-        return f"stopped with {signal}; state: {state}"
+        return f"stopped with {lifecycle.signal_text(self.how)}; state: {state}"
 
 
 _ABSENT = object()
 
 
-def stop(loc: Located, *, grace_s: float = 10.0, fence: Collection[int] = ()) -> list[NodeStopped]:
+def stop(loc: Located, *, grace_s: float = wire.STOP_GRACE_S, now: bool = False,
+         fence: Collection[int] = ()) -> list[NodeStopped]:
     """Every node at once, in two phases: first the run is marked stopped on every node, then each node gets
     lifecycle.stop's ladder (SIGTERM, `grace_s`, SIGKILL). Marking first makes a node that fails because another
     was signalled (its collective lost a peer) read as stopped, not failed. A node already ended, or without the
-    run, is reported as such; one that cannot be reached does not keep the others from stopping. The ranks of
-    `fence` (a launch may still be on its way there) are stopped with lifecycle.fence."""
+    run, is reported as such; one that cannot be reached does not keep the others from stopping. `now`: SIGKILL
+    at once. The ranks of `fence` (a launch may still be on its way there) are stopped with lifecycle.fence."""
     ranks = range(len(loc.targets))
 
     def mark(i: int, s: Session):
@@ -215,7 +215,7 @@ def stop(loc: Located, *, grace_s: float = 10.0, fence: Collection[int] = ()) ->
 
     def signal(i: int, s: Session) -> lifecycle.Stopped:
         return lifecycle.fence(s, loc.run_id, grace_s=grace_s) if i in fence else \
-            lifecycle.stop(s, marked[i], grace_s=grace_s)
+            lifecycle.stop(s, marked[i], grace_s=grace_s, now=now)
 
     out: dict[int, NodeStopped] = {}
     with _Sessions(loc, ranks) as sessions:
@@ -228,7 +228,7 @@ def stop(loc: Located, *, grace_s: float = 10.0, fence: Collection[int] = ()) ->
                 out[o.key] = NodeStopped(node, label, "not_there")
             else:
                 marked[o.key] = o.value
-        for o in _at_once(loc, sessions, list(marked), signal, grace_s + 60 + SLACK_S):
+        for o in _at_once(loc, sessions, list(marked), signal, (0 if now else grace_s) + 60 + SLACK_S):
             node, label = loc.nodes[o.key], loc.targets[o.key].label
             if not o.ok:
                 out[o.key] = NodeStopped(node, label, "not_there" if isinstance(o.error, RunNotFound) else "failed",

@@ -156,7 +156,7 @@ def check_launch(s: Session, spec: RunSpec) -> None:
 
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
-           grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep,
+           grace_s: float = wire.STOP_GRACE_S, sleep: Callable[[float], None] = time.sleep,
            on_started: Callable[[int], None] = lambda pid: None) -> Launched:
     """Start `spec` detached and prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
     unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call;
@@ -260,33 +260,50 @@ def relative_paths(args: tuple[str, ...]) -> list[str]:
 # -- stop -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stopped:
-    how: str            # terminated | killed | not_running | fenced
+    how: str            # terminated | killed | killed_now | not_running | fenced
     status: RunStatus
 
 
-def _stop_call(s: Session, run_id: str, grace_s: float, fence: bool) -> tuple[str, parse.RawState | None, int | None]:
-    done = s.run(shellcmd.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence), f"stopping {run_id}",
-                 timeout_s=grace_s + (60 if fence else 30))
+def signal_text(how: str) -> str:
+    """What ended a run, as `stop` says it (a Stopped's `how`: terminated, killed, killed_now)."""
+    return {"terminated": "SIGTERM", "killed_now": "SIGKILL at once (--now)"}.get(how, "SIGKILL after the grace "
+                                                                                       "period")
+
+
+@dataclass(frozen=True)
+class _StopAnswer:
+    how: str
+    raw: parse.RawState | None
+    procs: int | None
+    kept_step: int | None         # the checkpoint the job wrote before it exited (its DFLASH_STOPPED line)
+
+
+def _stop_call(s: Session, run_id: str, grace_s: float, *, fence: bool, now: bool = False) -> _StopAnswer:
+    done = s.run(shellcmd.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence, now=now),
+                 f"stopping {run_id}", timeout_s=(0 if now else grace_s) + (60 if fence else 30))
     how = (parse.tagged(done.out, wire.STOP) or ["?"])[0]
     left = parse.tagged(done.out, wire.LEFT) or []
     raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
-    return how, raw, int(left[0]) if left and names.is_digits(left[0]) else None
+    return _StopAnswer(how, raw, int(left[0]) if left and names.is_digits(left[0]) else None,
+                       parse.kept_steps(done.out).get(run_id))
 
 
-def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
-    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script)."""
-    how, raw, procs = _stop_call(s, run.run_id, grace_s, fence=False)
-    return Stopped(how=how, status=parse.updated(run, raw, time.time(), procs) if raw else run)
+def stop(s: Session, run: RunStatus, *, grace_s: float = wire.STOP_GRACE_S, now: bool = False) -> Stopped:
+    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script); the default grace
+    lets the trainer write its checkpoint first. `now`: SIGKILL at once (the work since the last checkpoint is
+    lost)."""
+    a = _stop_call(s, run.run_id, grace_s, fence=False, now=now)
+    return Stopped(how=a.how, status=parse.updated(run, a.raw, time.time(), a.procs, a.kept_step) if a.raw else run)
 
 
-def fence(s: Session, run_id: str, *, grace_s: float = 10.0) -> Stopped:
+def fence(s: Session, run_id: str, *, grace_s: float = wire.STOP_GRACE_S) -> Stopped:
     """`stop` for a run whose launch may still be on its way to the target (shellcmd.stop_script's `fence`): it
     is stopped once that launch has started it, or, where it never started, kept from starting (`fenced`)."""
-    how, raw, procs = _stop_call(s, run_id, grace_s, fence=True)
-    if raw is None:
+    a = _stop_call(s, run_id, grace_s, fence=True)
+    if a.raw is None:
         raise RemoteFailed(f"stopping {run_id} on {s.target.label} printed no state")
-    status = parse.status(raw, {}, time.time(), s.target.runs_dir)
-    return Stopped(how=how, status=replace(status, procs=procs or 0))
+    status = parse.status(a.raw, {}, time.time(), s.target.runs_dir, a.kept_step)
+    return Stopped(how=a.how, status=replace(status, procs=a.procs or 0))
 
 
 def mark_stopped(s: Session, run: RunStatus) -> None:
@@ -346,7 +363,7 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
                 emit(line)
             # the count read when tailing began would outlive the processes it counted
             procs = run.procs if raw.alive else _marked_procs(s, run.run_id)
-            return parse.updated(run, raw, time.time(), procs)
+            return parse.updated(run, raw, time.time(), procs, None if raw.alive else _kept_step(s, run, raw))
         sleep(poll_s)
 
 
@@ -358,6 +375,18 @@ def _marked_procs(s: Session, run_id: str) -> int:
     except (HostUnreachable, RemoteFailed):
         return 0
     return len(parse.proc_lines(done.out).get(run_id, []))
+
+
+def _kept_step(s: Session, run: RunStatus, raw: parse.RawState) -> int | None:
+    """The step of the checkpoint a run that ended on SIGTERM/SIGINT wrote first; None where it wrote none, or
+    the host cannot be asked (as for `_marked_procs`)."""
+    if raw.exit_code not in (wire.EXIT_TERMINATED, wire.EXIT_INTERRUPTED):
+        return None
+    try:
+        done = s.run(shellcmd.kept_script(run.run_dir), f"reading how {run.run_id} ended", timeout_s=30.0)
+    except (HostUnreachable, RemoteFailed):
+        return None
+    return parse.kept_steps(done.out).get(run.run_id)
 
 
 def _try_reconnect(s: Session) -> None:

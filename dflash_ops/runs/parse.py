@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from dflash_ops import names, wire
 from dflash_ops.multinode import record
-from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, RunStatus
+from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, STOPPED, RunStatus
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,13 @@ def state_line(line: str) -> RawState | None:
         return None
 
 
-def state_of(raw: RawState) -> str:
-    """docs/contracts.md section 2: running / exited N / killed / lost."""
+def state_of(raw: RawState, kept_step: int | None = None) -> str:
+    """docs/contracts.md section 2: running / exited N / stopped (after its checkpoint: `kept_step`, from its
+    DFLASH_KEPT line) / killed / lost."""
     if raw.alive:
         return RUNNING
+    if kept_step is not None and raw.exit_code in (wire.EXIT_TERMINATED, wire.EXIT_INTERRUPTED):
+        return STOPPED
     if raw.stopped or (raw.exit_code is not None and raw.exit_code >= wire.EXIT_SIGNALLED):
         return KILLED
     if raw.exit_code is not None:
@@ -50,13 +53,14 @@ def state_of(raw: RawState) -> str:
     return LOST
 
 
-def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
+def status(raw: RawState, meta: dict, now: float, runs_dir: str, kept_step: int | None = None) -> RunStatus:
     argv = meta.get("argv")
     started = meta.get("started_at")
     group, rank = _multinode(meta, raw.run_id)
+    state = state_of(raw, kept_step)
     return RunStatus(
         run_id=raw.run_id, name=str(meta.get("name") or names.RUN_ID_RE.fullmatch(raw.run_id).group("name")),
-        state=state_of(raw), pid=raw.pid, exit_code=raw.exit_code,
+        state=state, pid=raw.pid, exit_code=raw.exit_code, stopped_step=kept_step if state == STOPPED else None,
         started_at=float(started) if isinstance(started, (int, float)) else None, ended_at=raw.ended_at, now=now,
         run_dir=f"{runs_dir}/{raw.run_id}", runbook=str(meta.get("runbook") or ""),
         argv=tuple(str(a) for a in argv) if isinstance(argv, list) else (), log_size=raw.log_size,
@@ -72,12 +76,32 @@ def _multinode(meta: dict, run_id: str):
     return group, rank
 
 
-def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None) -> RunStatus:
-    """`run` with the state read in `raw` (identity, argv and start time kept), and its count of live marked
-    processes when known."""
-    return replace(run, state=state_of(raw), pid=raw.pid if not run.dir_missing else run.pid,
+def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None,
+            kept_step: int | None = None) -> RunStatus:
+    """`run` with the state read in `raw` (identity, argv and start time kept), its count of live marked
+    processes when known, and the step of the checkpoint it stopped at (`kept_step`: its DFLASH_KEPT line)."""
+    state = state_of(raw, kept_step)
+    return replace(run, state=state, pid=raw.pid if not run.dir_missing else run.pid,
                    exit_code=raw.exit_code, ended_at=raw.ended_at, now=now, log_size=raw.log_size,
-                   procs=run.procs if procs is None else procs, stopped=raw.stopped)
+                   procs=run.procs if procs is None else procs, stopped=raw.stopped,
+                   stopped_step=kept_step if state == STOPPED else None)
+
+
+def kept_steps(text: str) -> dict[str, int]:
+    """`DFLASH_KEPT <run id> <json>` lines -> run id -> the step of the checkpoint it stopped at (a line whose JSON
+    names no step is none)."""
+    steps = {}
+    for line in text.splitlines():
+        words = line.split(" ", 2)
+        if len(words) != 3 or words[0] != wire.KEPT or not names.is_run_id(words[1]):
+            continue
+        try:
+            step = json.loads(words[2]).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if type(step) is int and step >= 0:
+            steps[words[1]] = step
+    return steps
 
 
 def now_line(text: str) -> float | None:
@@ -115,6 +139,7 @@ def run_list(text: str, runs_dir: str) -> list[RunStatus]:
     is gone but whose processes live are listed too (see `orphan`)."""
     now = now_line(text) or 0.0
     procs = proc_lines(text)
+    kept = kept_steps(text)
     out: list[RunStatus] = []
     pending: RawState | None = None
     for line in text.splitlines():
@@ -126,7 +151,7 @@ def run_list(text: str, runs_dir: str) -> list[RunStatus]:
                 meta = json.loads(line[len(wire.RUN_JSON):].strip() or "{}")
             except json.JSONDecodeError:
                 meta = {}
-            found = status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir)
+            found = status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir, kept.get(pending.run_id))
             out.append(replace(found, procs=len(procs.pop(found.run_id, []))))
             pending = None
     out += [orphan(run_id, ps, now, runs_dir) for run_id, ps in procs.items()]

@@ -83,6 +83,15 @@ dflash_state() {
   size=$(stat -c %s -- "$d/output.log" 2>/dev/null || echo 0)
   printf '__STATE__ %s %s %s %s %s %s %s\n' "${d##*/}" "$alive" "$pid" "$ex" "$st" "$ended" "$size"
 }
+# A run that exited on SIGTERM/SIGINT after its checkpoint: the JSON of the last stopped line of its log.
+dflash_kept() {
+  local d=$1 ex= line
+  [ -r "$d/exit_code" ] && read -r ex < "$d/exit_code"
+  case $ex in __STOP_EXITS__) ;; *) return 0;; esac
+  line=$(tail -c 65536 -- "$d/output.log" 2>/dev/null | grep -a -F -e '__STOPPED__{' | tail -n 1 | head -c 4096)
+  [ -n "$line" ] && printf '__KEPT__ %s %s\n' "${d##*/}" "${line#*__STOPPED__}"
+  return 0
+}
 """
 
 
@@ -95,7 +104,8 @@ def _filled(template: str, **words: str) -> str:
     return template
 
 
-PRELUDE = _filled(_PRELUDE, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR, STATE=wire.STATE)
+PRELUDE = _filled(_PRELUDE, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR, STATE=wire.STATE, KEPT=wire.KEPT,
+                  STOPPED=wire.STOPPED_PREFIX, STOP_EXITS=f"{wire.EXIT_TERMINATED}|{wire.EXIT_INTERRUPTED}")
 # The lines that end a script whose run dir `$D` is not there, or print the time on the target.
 NO_RUN_DIR = f'[ -d "$D" ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n'
 PRINT_NOW = f"printf '{wire.NOW} %s\\n' \"$(date +%s)\"\n"
@@ -289,7 +299,13 @@ def list_script(runs_dir: str) -> str:
             '  [ -d "$d" ] || continue\n'
             '  dflash_state "$d"\n'
             f"  printf '{wire.RUN_JSON} '; {{ head -c 65536 -- \"$d/run.json\" 2>/dev/null || true; }} | tr -d '\\n'; echo\n"
+            '  dflash_kept "$d"\n'
             "done\n")
+
+
+def kept_script(run_dir: str) -> str:
+    """The run's `DFLASH_KEPT` line, when it ended on SIGTERM/SIGINT after its checkpoint (else nothing)."""
+    return PRELUDE + f"D={path_word(run_dir)}\n" + '[ -d "$D" ] && dflash_kept "$D"\nexit 0\n'
 
 
 def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
@@ -398,8 +414,8 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
     The run's processes are those that carry its marker (dflash_procs: wherever their group or session, and also
     when the run's directory is gone), plus the wrapper's process group while one of its members carries the
     marker. `stopped` is written before the first signal unless the run already has an exit code (then only its
-    leftover processes are killed). Ends with `DFLASH_STOP <how>`, `DFLASH_LEFT <count still alive>` and the
-    run's state line.
+    leftover processes are killed). Ends with `DFLASH_STOP <how>`, `DFLASH_LEFT <count still alive>`, the
+    run's state line and, when it ended after its checkpoint, its `DFLASH_KEPT` line.
 
     With `fence` (a launch of this run may still be on its way here: a rolled-back multi-node launch whose node
     did not answer in time), it first takes the runs dir's launch lock, so a launch script holding it finishes
@@ -416,7 +432,7 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
                   'fi\n'
                   'left=$(mine)\n')
     if now:
-        ladder = 'how=killed; sig KILL\n'
+        ladder = 'how=killed_now; sig KILL\n'
     else:
         ladder = ('sig TERM\n'
                   f'i=0; while [ $i -lt {tenths} ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
@@ -424,7 +440,8 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
                   'if [ -n "$(mine)" ]; then how=killed; sig KILL; fi\n')
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\nID={q(run_id)}\nD=\"$RUNS/$ID\"\n"
             'mine() { local p i s; dflash_procs | while read -r p i s; do [ "$i" = "$ID" ] && echo "$p"; done; }\n'
-            f'state() {{ if [ -d "$D" ]; then dflash_state "$D"; else printf \'{wire.STATE} %s 0 - - 1 - 0\\n\' "$ID"; fi; }}\n'
+            f'state() {{ if [ -d "$D" ]; then dflash_state "$D"; dflash_kept "$D"; '
+            f'else printf \'{wire.STATE} %s 0 - - 1 - 0\\n\' "$ID"; fi; }}\n'
             'left=$(mine)\n'
             + fenced +
             f'[ -d "$D" ] || [ -n "$left" ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n'
@@ -439,7 +456,7 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
             '}\n'
             + ladder +
             # what SIGKILL left a moment to go (the kernel reaps it), then what is left is counted
-            'i=0; while [ "$how" = killed ] && [ $i -lt 50 ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
+            'i=0; while [ "$how" != terminated ] && [ $i -lt 50 ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
             f'echo "{wire.STOP} $how"\n'
             f'printf \'{wire.LEFT} %s\\n\' "$(mine | wc -l)"\n'
             'state\n')

@@ -210,3 +210,43 @@ def test_runs_piped_or_at_80_columns_cuts_nothing(ops_env):
     assert all(len(line) <= 80 for line in lines) and "…" not in piped.stdout, piped.stdout
     assert any(line.split()[:1] == [run["run_id"]] for line in lines)
     assert f"pid {run['pid']}" in piped.stdout and "exited 0" in piped.stdout
+
+
+def test_stop_waits_for_the_checkpoint_and_the_run_reads_stopped(ops_env):
+    """A job that, like the trainer, takes a while after SIGTERM to write its checkpoint (12 s: more than the old
+    10 s grace) is given that time by `stop`'s default grace, and then reads `stopped at step 7`, not failed."""
+    done = ops_env.sub("launch", "job", "--json", "--", "--slow-term", "12", "--hold")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    run_dir = Path(run["run_dir"])
+    t0 = time.monotonic()
+    stopped = ops_env.sub("stop", run["run_id"], "--json", timeout=240)
+    assert stopped.returncode == 0, stopped.stderr
+    assert time.monotonic() - t0 >= 12
+    doc = json.loads(stopped.stdout)
+    assert doc["action"] == "terminated" and doc["status"]["state"] == "stopped", doc
+    assert doc["status"]["state_text"] == "stopped at step 7" and doc["status"]["stopped_step"] == 7
+    assert (run_dir / "ckpt" / "step_7" / "state").read_text() == "weights at step 7\n"
+    assert (run_dir / "exit_code").read_text() == "143\n"
+    [listed] = [r for r in ops_env.runs_json() if r["run_id"] == run["run_id"]]
+    assert (listed["state"], listed["stopped_step"], listed["exit_code"]) == ("stopped", 7, 143)
+    table = ops_env.sub("runs")
+    assert any(line.split()[:1] == [run["run_id"]] and "stopped at step 7" in line
+               for line in table.stdout.splitlines()), table.stdout
+    text = ops_env.sub("stop", run["run_id"])
+    assert text.stdout == f"run {run['run_id']} is not running (stopped at step 7); nothing to stop\n"
+
+
+def test_stop_now_kills_at_once_and_the_checkpoint_is_never_written(ops_env):
+    done = ops_env.sub("launch", "job", "--json", "--", "--slow-term", "60", "--hold")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    refused = ops_env.sub("stop", run["run_id"], "--now", "--grace", "5")
+    assert refused.returncode == 2 and "--now kills at once: not with --grace" in refused.stderr
+    t0 = time.monotonic()
+    killed = ops_env.sub("stop", run["run_id"], "--now", timeout=120)
+    assert killed.returncode == 0, killed.stderr
+    assert time.monotonic() - t0 < 30            # no grace: far less than the job's 60 s "checkpoint"
+    assert killed.stdout == f"stopped {run['run_id']} with SIGKILL at once (--now); state: killed\n"
+    assert not (Path(run["run_dir"]) / "ckpt").exists()
+    assert not ops_env.pid_alive(run["pid"])
