@@ -235,6 +235,8 @@ def test_stop_waits_for_the_checkpoint_and_the_run_reads_stopped(ops_env):
                for line in table.stdout.splitlines()), table.stdout
     text = ops_env.sub("stop", run["run_id"])
     assert text.stdout == f"run {run['run_id']} is not running (stopped at step 7); nothing to stop\n"
+    tail = ops_env.sub("tail", run["run_id"], "--no-follow")
+    assert tail.returncode == 4 and tail.stderr.splitlines()[-1] == f"run {run['run_id']} stopped at step 7"
 
 
 def test_stop_now_kills_at_once_and_the_checkpoint_is_never_written(ops_env):
