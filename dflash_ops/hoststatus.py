@@ -18,12 +18,12 @@ import os
 import shlex
 from dataclasses import dataclass, replace
 
-from dflash_ops import metrics_line, names
+from dflash_ops import metrics_line, names, wire
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.runs import parse, shellcmd
 from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
 
-SECTION = "%%DFLASH "
+SECTION = wire.SECTION
 PART_TIMEOUT_S = 15
 LOG_WINDOW_BYTES = 65536
 NVIDIA_SMI_ENV = "DFLASH_OPS_NVIDIA_SMI"          # path of nvidia-smi on the GPU host (tests: a fake)
@@ -80,10 +80,10 @@ def target_script(runs_dir: str) -> str:
     """Runs listing (shellcmd.list_script) plus the PID namespace and each run's last metrics lines."""
     q = shlex.quote
     return (shellcmd.list_script(runs_dir) +
-            "printf 'DFLASH_PIDNS %s\\n' \"$(readlink /proc/self/ns/pid 2>/dev/null)\"\n"
+            f"printf '{wire.PIDNS} %s\\n' \"$(readlink /proc/self/ns/pid 2>/dev/null)\"\n"
             f'for d in "$RUNS"/*{shellcmd.RUN_ID_GLOB}; do\n'
             '  [ -d "$d" ] || continue\n'
-            "  printf 'DFLASH_MLINES %s\\n' \"${d##*/}\"\n"
+            f"  printf '{wire.MLINES} %s\\n' \"${{d##*/}}\"\n"
             f'  tail -c {LOG_WINDOW_BYTES} -- "$d/output.log" 2>/dev/null'
             f" | grep -a -e {q(metrics_line.GREP_PATTERN)} | tail -n 2 | sed 's/^/M /'\n"
             "done\n")
@@ -121,15 +121,15 @@ def _sections(text: str) -> list[tuple[list[str], list[str]]]:
 
 
 def _rc_text(rc: int, part_timeout_s: int) -> str:
-    return f"timed out after {part_timeout_s} s" if rc in (124, 137) else f"exit code {rc}"
+    return f"timed out after {part_timeout_s} s" if rc in wire.EXIT_TIMED_OUT else f"exit code {rc}"
 
 
 def _target_runs(body: list[str], runs_dir: str) -> tuple[list[RunStatus], dict, str]:
     listing, mlines, pidns, current = [], {}, "", None
     for line in body:
-        if line.startswith("DFLASH_PIDNS "):
+        if line.startswith(wire.PIDNS + " "):
             pidns = line.split(" ", 1)[1].strip()
-        elif line.startswith("DFLASH_MLINES "):
+        elif line.startswith(wire.MLINES + " "):
             current = line.split(" ", 1)[1].strip()
             mlines[current] = []
         elif line.startswith("M ") and current is not None:

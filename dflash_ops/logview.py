@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 
-HIDDEN_PREFIXES = (b"DFLASH_METRICS ", b"DFLASH_EVAL ", b"DFLASH_PROGRESS ")
-DONE_PREFIX = b"DFLASH_DONE "
+from dflash_ops import wire
+
+HIDDEN_PREFIXES = tuple(p.encode() for p in (wire.METRICS_PREFIX, wire.EVAL_PREFIX, wire.PROGRESS_PREFIX))
+DONE_PREFIX = wire.DONE_PREFIX.encode()
 # The same rule as an ERE for the remote `grep -v -E` that counts the shown lines for `tail -n N`.
 HIDDEN_ERE = "^(" + "|".join(p.decode().rstrip() for p in HIDDEN_PREFIXES) + ") "
 

@@ -15,11 +15,11 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-METRICS_PREFIX = "DFLASH_METRICS "
-PROGRESS_PREFIX = "DFLASH_PROGRESS "
-DONE_PREFIX = "DFLASH_DONE "
-# A remote `tail -c N | grep -a -e PATTERN` keeps only candidate lines; the parser still checks each one.
-GREP_PATTERN = "DFLASH_\\(METRICS\\|PROGRESS\\|DONE\\) {"
+from dflash_ops.wire import DONE_PREFIX, METRICS_PREFIX, PROGRESS_PREFIX
+
+READ_PREFIXES = (METRICS_PREFIX, PROGRESS_PREFIX, DONE_PREFIX)
+# A remote `tail -c N | grep -a -e PATTERN` keeps only candidate lines (a BRE); the parser still checks each one.
+GREP_PATTERN = "\\(" + "\\|".join(p.rstrip() for p in READ_PREFIXES) + "\\) {"
 NON_FINITE = {"nan", "inf", "-inf", "infinity", "-infinity"}
 
 

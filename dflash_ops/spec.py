@@ -7,10 +7,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dflash_ops.runs.noderun import NodeRun
+from dflash_ops.multinode.record import NodeRun
 
 LOCAL, SSH, PROXMOX = "local", "ssh", "proxmox"
 TRANSPORTS = (LOCAL, SSH, PROXMOX)
@@ -129,7 +126,7 @@ class Runbook:
     name: str
     command: tuple[str, ...]
     description: str = ""
-    workdir: str = "{run_dir}"
+    workdir: str | None = None   # None: the run dir; on this machine (no container), the directory `launch` ran in
     env: tuple[tuple[str, str], ...] = ()
     pre: tuple[str, ...] = ()
     liveness: Liveness = field(default_factory=Liveness)
@@ -154,6 +151,7 @@ class RunSpec:
     liveness: Liveness
     multinode: NodeRun | None = None     # one node of this multi-node run, of rank `node_rank`
     node_rank: int | None = None
+    extra_args: tuple[str, ...] = ()     # the arguments given after `--` (the tail of `argv`)
 
     @property
     def run_dir(self) -> str:
@@ -164,7 +162,9 @@ class RunSpec:
         return f"{self.run_dir}/output.log"
 
 
-RUNNING, EXITED, KILLED, LOST = "running", "exited", "killed", "lost"
+# stopped: ended by SIGTERM/SIGINT after writing its checkpoint (the trainer's DFLASH_STOPPED line); killed:
+# `stopped` marked, or ended by a signal, without that line
+RUNNING, EXITED, STOPPED, KILLED, LOST = "running", "exited", "stopped", "killed", "lost"
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class RunStatus:
 
     run_id: str
     name: str
-    state: str                      # running | exited | killed | lost
+    state: str                      # running | exited | stopped | killed | lost
     pid: int | None
     exit_code: int | None
     started_at: float | None
@@ -186,8 +186,9 @@ class RunStatus:
     procs: int = 0                  # live processes carrying the run's marker (the wrapper, its children, ...)
     dir_missing: bool = False       # found by its processes' marker only: its run directory is gone
     stopped: bool = False           # `dflash-ops stop` ended it (its `stopped` file)
-    multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (runs/noderun.py)
+    multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (multinode/record.py)
     node_rank: int | None = None
+    stopped_step: int | None = None    # state stopped: the step of the checkpoint it wrote before it exited
 
     @property
     def log_path(self) -> str:
@@ -214,6 +215,8 @@ class RunStatus:
     def state_text(self) -> str:
         if self.state == EXITED:
             text = f"exited {self.exit_code}"
+        elif self.state == STOPPED:
+            text = f"stopped at step {self.stopped_step}"
         elif self.state == KILLED and self.exit_code is not None:
             text = f"killed ({self.exit_code})"
         else:

@@ -1,7 +1,10 @@
 """The package layout docs/architecture.md describes, checked from the code's own imports (every import statement,
 module-level or inside a function, read with `ast`): no import cycle between the trainer's and the benchmarks'
 modules, nothing in the product imports the benchmarks, the benchmarks import no test code, and the operator CLI never
-imports torch. The last test builds an import loop on disk and shows the same check finds it."""
+imports torch or the trainer. The operator CLI's modules sit in layers, each importing only its own layer and those
+below, with no cycle between them, and its packages' `__init__` modules import nothing (importing a module never
+drags in a higher one). Two tests show that the checks find what they look for: an import loop built on disk, and
+a synthetic graph and layering."""
 from __future__ import annotations
 
 import ast
@@ -103,6 +106,63 @@ def test_the_operator_cli_never_imports_torch():
     offenders = {m for m, names in external_imports("dflash_ops").items()
                  if any(n == "torch" or n.startswith("torch.") or n.startswith("trainer") for n in names)}
     assert offenders == set(), offenders
+
+
+# The operator CLI's layers, bottom first. A module is placed by its longest listed prefix ("cli" covers every
+# command module).
+OPS_LAYERS = (
+    # values and vocabulary: frozen dataclasses, names, the wire protocol, the parsers of the trainer's lines
+    ("errors", "names", "spec", "wire", "multinode.record", "yamlsrc", "metrics_line", "logview"),
+    # pure builders of what is sent and parsers of what comes back, and the configuration they are built from
+    ("runs.shellcmd", "runs.parse", "runs.pull", "runs.runbooks", "gpus.facts", "gpus.scripts", "ssh.config",
+     "ssh.routing", "inventory", "multinode.rendezvous", "multinode.state"),
+    # effects: SSH and local processes, threads over many hosts, the multi-node records on this machine
+    ("ssh.transport", "fanout", "multinode.recordfile"),
+    # use cases: they return values and raise OpsError
+    ("runs.lifecycle", "hoststatus", "gpus.reset", "multinode.fan", "multinode.plan", "multinode.launch",
+     "multinode.watch"),
+    # the commands and their views (one error boundary: cli/_common.py)
+    ("cli", "__main__"),
+)
+OPS_EMPTY_PACKAGES = ("dflash_ops", "dflash_ops.runs", "dflash_ops.ssh", "dflash_ops.gpus", "dflash_ops.multinode")
+
+
+def ops_layer(module: str) -> int | None:
+    short = module.removeprefix("dflash_ops.")
+    best = None
+    for i, members in enumerate(OPS_LAYERS):
+        for prefix in members:
+            if (short == prefix or short.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_every_operator_cli_module_has_a_layer():
+    unplaced = [m for m in modules("dflash_ops") if m not in OPS_EMPTY_PACKAGES and ops_layer(m) is None]
+    assert unplaced == [], f"place these in OPS_LAYERS (and in docs/architecture.md's picture): {unplaced}"
+
+
+def test_no_operator_cli_module_imports_a_higher_layer():
+    upward = sorted(f"{m} (layer {ops_layer(m)}) imports {n} (layer {ops_layer(n)})"
+                    for m, deps in import_graph(("dflash_ops",)).items() if m not in OPS_EMPTY_PACKAGES
+                    for n in deps if n not in OPS_EMPTY_PACKAGES and ops_layer(n) > ops_layer(m))
+    assert upward == []
+
+
+def test_no_import_cycle_between_operator_cli_modules():
+    assert cycles(import_graph(("dflash_ops",))) == []
+
+
+def test_the_operator_clis_package_inits_import_nothing():
+    known = modules("dflash_ops")
+    busy = {p: sorted(imported(p, known[p], known) - {"__future__"}) for p in OPS_EMPTY_PACKAGES}
+    assert {p: deps for p, deps in busy.items() if deps} == {}
+
+
+def test_the_layering_check_finds_what_it_looks_for():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert ops_layer("dflash_ops.cli.status_view") == len(OPS_LAYERS) - 1 and ops_layer("dflash_ops.spec") == 0
+    assert ops_layer("dflash_ops.multinode.record") == 0 and ops_layer("dflash_ops.multinode.launch") == 3
 
 
 def test_the_check_finds_an_import_loop_on_disk(tmp_path):

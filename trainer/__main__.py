@@ -260,6 +260,7 @@ def eval_prompts(args) -> int:
     before torch is imported."""
     import json
 
+    from dflash_ops.wire import EVAL_PREFIX
     from trainer.prompts import read_prompt_set
 
     for key, value in PROMPT_DEFAULTS.items():
@@ -289,7 +290,7 @@ def eval_prompts(args) -> int:
         keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
                 "speculative_tok_s", "engine", "attention", "norms", "device", "lossless")
         record = {"set": ps.name, "formats": list(ps.formats), **{k: r[k] for k in keep}}
-        print("DFLASH_EVAL " + json.dumps(record), flush=True)
+        print(EVAL_PREFIX + json.dumps(record), flush=True)
         print(f"eval {ps.name}: tau {r['tau']}, speedup {r['speedup']}x at batch 1 ({r['target_tok_s']} -> "
               f"{r['speculative_tok_s']} tokens/s), {r['identical']}/{r['prompts']} outputs equal the target's",
               flush=True)

@@ -5,6 +5,8 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
+from dflash_ops.wire import EXIT_INTERRUPTED, launch_hint
+
 
 class TrainerError(Exception):
     """A user-facing failure: bad config, bad data, bad target, a non-finite loss.
@@ -52,7 +54,8 @@ def secondary_rank(environ: Mapping[str, str] = os.environ) -> bool:
 
 def run_cli(command: Callable[[], int]) -> int:
     """The one error boundary of the trainer's entry points: a TrainerError becomes `error:` + `hint:` lines on stderr
-    and its exit code; Ctrl-C exits 130. Anything else is a bug and keeps its traceback.
+    and its exit code (under `dflash-ops launch`, a `--set k=v` in them reads `-- --set k=v`: wire.launch_hint);
+    Ctrl-C exits 130. Anything else is a bug and keeps its traceback.
 
     Under torchrun every rank meets the same config or data error (they read the same config and files, and
     placement is checked for every local rank at once): rank 0 alone says it, every rank exits with its code."""
@@ -61,9 +64,9 @@ def run_cli(command: Callable[[], int]) -> int:
         return command()
     except TrainerError as e:
         if not quiet:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {launch_hint(str(e))}", file=sys.stderr, flush=True)
             if e.hint:
-                print(f"hint: {e.hint}", file=sys.stderr, flush=True)
+                print(f"hint: {launch_hint(e.hint)}", file=sys.stderr, flush=True)
         else:
             # torchrun stops every rank as soon as one exits non-zero: a quiet rank that got there first would
             # silence rank 0 before it said the error they share. Lingering lets rank 0 speak first.
@@ -74,4 +77,4 @@ def run_cli(command: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         if not quiet:
             print("interrupted", file=sys.stderr, flush=True)
-        return 130
+        return EXIT_INTERRUPTED

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_ops.wire import EVAL_PREFIX
 from trainer import rundir
 from trainer.config import DataCfg
 from trainer.data.batching import EpochBatches, StaticBatch
@@ -148,7 +149,7 @@ def evaluate(target: Target, drafter: Drafter, rows, *, block_size: int, num_anc
 
 
 def _emit(result: dict, stream) -> None:
-    stream.write(f"DFLASH_EVAL {json.dumps(result)}\n")
+    stream.write(f"{EVAL_PREFIX}{json.dumps(result)}\n")
     stream.write(f"eval: tau {result['tau']} over {result['blocks']} blocks\n")
     stream.flush()
 

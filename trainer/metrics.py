@@ -16,15 +16,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from dflash_ops.wire import DONE_PREFIX, METRICS_PREFIX, PROGRESS_PREFIX
+
 if TYPE_CHECKING:
     import torch
 
     from trainer.step.step import StepOut
 
-METRICS_PREFIX = "DFLASH_METRICS "
-DONE_PREFIX = "DFLASH_DONE "
-EVAL_PREFIX = "DFLASH_EVAL "
-PROGRESS_PREFIX = "DFLASH_PROGRESS "
 PROGRESS_EVERY_S = 10.0  # between DFLASH_PROGRESS lines of a long job (the first and the last always print)
 
 

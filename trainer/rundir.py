@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from dflash_ops.wire import LAUNCH_FILES
 from trainer import checkpoint
 from trainer.config import TrainCfg, from_dict, to_dict
 from trainer.errors import ConfigError
@@ -74,11 +75,9 @@ def with_target(cfg: TrainCfg, run_dir: Path) -> TrainCfg:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=str(path)))
 
 
-# What dflash-ops has written into a run directory when the job it launches there starts (launch_script in
-# dflash_ops/runs/shellcmd.py; the runbooks pass that directory as --run-dir): run.json and the exit status's reserve
-# before the job, output.log as its redirection, pid (through pid.tmp) while it starts. exit_code and stopped come
-# only after the job ends or is being stopped, so they never meet a starting trainer.
-OPS_LAUNCH_FILES = frozenset({"run.json", ".exit_code.reserve", "output.log", "pid", "pid.tmp"})
+# What dflash-ops has written into a run directory when the job it launches there starts (the runbooks pass that
+# directory as --run-dir): the wire protocol's LAUNCH_FILES.
+OPS_LAUNCH_FILES = LAUNCH_FILES
 # A start refused for bad data leaves bad_lines.txt (its error names it); the next start rewrites or removes it.
 FRESH_START_KEEPS = OPS_LAUNCH_FILES | {"bad_lines.txt"}
 

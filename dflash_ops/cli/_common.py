@@ -50,26 +50,28 @@ def open_session(ctx: typer.Context, host: str | None, ct: str | None):
     return Session.of(inventory.resolve_target(inventory_of(ctx), host, ct))
 
 
-def locate(ctx: typer.Context, ref: str | None, host: str | None, ct: str | None):
+def locate(ctx: typer.Context, ref: str | None, host: str | None, ct: str | None, *, find=None):
     """The run `ref` names (a run id or name; None: the latest run of the target) -> (Located, session, status).
 
     A run id with neither --host nor --ct is first looked up among the multi-node runs launched from this
     machine; otherwise the run is found on --host/--ct (a name: its latest run there) as always, and if it is a
-    node of a multi-node run whose record can be followed (nodewatch.located_from; else a warning line says why
-    not), the whole run is meant. For a multi-node run session and status are None; else they are the run's
-    target's (the caller closes the session)."""
+    node of a multi-node run whose record can be followed (multinode/watch.located_from; else a warning line says
+    why not), the whole run is meant. For a multi-node run session and status are None; else they are the run's
+    target's (the caller closes the session). `find(session, ref) -> RunStatus` finds the run on the target
+    (default: lifecycle.find_run, one listing of its runs)."""
     from dflash_ops import names
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle, nodes, nodewatch
+    from dflash_ops.multinode import recordfile, watch
+    from dflash_ops.runs import lifecycle
 
     if host is None and ct is None and ref is not None and names.is_run_id(ref):
-        record = nodes.load_record(ref)
+        record = recordfile.load(ref)
         if record is not None:
-            return nodewatch.Located.of(inventory_of(ctx), record), None, None
+            return watch.Located.of(inventory_of(ctx), record), None, None
     session = open_session(ctx, host, ct)
     try:
-        status = lifecycle.find_run(session, ref)
-        loc, warning = nodewatch.located_from(inventory_of(ctx), status, session.target)
+        status = (find or lifecycle.find_run)(session, ref)
+        loc, warning = watch.located_from(inventory_of(ctx), status, session.target)
     except BaseException:
         session.transport.close()
         raise

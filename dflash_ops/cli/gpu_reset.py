@@ -6,9 +6,11 @@ from typing import Annotated
 import typer
 
 from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, rendered_errors, settings
+from dflash_ops.wire import STOP_GRACE_S
 
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before killing (or before --hard resets).")]
-GraceOpt = Annotated[float, typer.Option("--grace", min=0, help="Seconds between SIGTERM and SIGKILL.")]
+GraceOpt = Annotated[float, typer.Option(
+    "--grace", min=0, help="Seconds between SIGTERM and SIGKILL (the default lets a trainer write its checkpoint).")]
 AllOpt = Annotated[bool, typer.Option("--all-containers", help="Also kill holders in other containers and on the "
                                                                  "Proxmox host itself.")]
 HardOpt = Annotated[bool, typer.Option("--hard", help="Then offer `nvidia-smi -r` for each GPU once it is idle.")]
@@ -18,7 +20,7 @@ ThresholdOpt = Annotated[int, typer.Option("--threshold-mib", min=0,
 
 
 def gpu_reset(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, yes: YesOpt = False,
-              grace: GraceOpt = 10.0, all_containers: AllOpt = False, hard: HardOpt = False,
+              grace: GraceOpt = STOP_GRACE_S, all_containers: AllOpt = False, hard: HardOpt = False,
               wait: WaitOpt = 30.0, threshold_mib: ThresholdOpt = 0, json_out: JsonOpt = False) -> None:
     """Find GPU holders (compute apps and processes with /dev/nvidia* open, DataLoader workers too) on the host,
     show them, SIGTERM their process groups, SIGKILL after --grace, mark stopped the runs this ended without an exit

@@ -96,18 +96,20 @@ def _launch(session, spec, *, force: bool, wait_s: float | None):
 
 def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env, rdzv_timeout: int | None,
                   follow: bool, dry_run: bool, force: bool, wait: float | None, json_out: bool) -> None:
-    """The multi-node launch (runs/nodes.py plans it, runs/nodelaunch.py launches it). Ctrl-C stops the nodes that
+    """The multi-node launch (multinode/plan.py plans it, multinode/launch.py launches it). Ctrl-C stops the nodes that
     started (a second one leaves them: the line names the `stop`) and exits 130."""
     from dflash_ops.cli import render
     from dflash_ops.cli._common import inventory_of
-    from dflash_ops.runs import nodelaunch, noderun, nodes, runbooks
+    from dflash_ops.multinode import launch as nodelaunch
+    from dflash_ops.multinode import plan, record
+    from dflash_ops.runs import runbooks
 
     book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
-    p = nodes.plan(inventory_of(ctx), book, specs, name=name, extra_args=args, extra_env=extra_env,
-                   rdzv_timeout_s=noderun.DEFAULT_RDZV_TIMEOUT_S if rdzv_timeout is None else rdzv_timeout)
+    p = plan.plan(inventory_of(ctx), book, specs, name=name, extra_args=args, extra_env=extra_env,
+                  rdzv_timeout_s=record.DEFAULT_RDZV_TIMEOUT_S if rdzv_timeout is None else rdzv_timeout)
     try:
         if dry_run:
-            render.nodes_dry_run(*nodes.dry_run(p, wait_s=wait), p.labels, json_out=json_out)
+            render.nodes_dry_run(*plan.dry_run(p, wait_s=wait), p.labels, json_out=json_out)
             return
         try:
             done = nodelaunch.launch(

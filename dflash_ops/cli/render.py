@@ -92,14 +92,14 @@ def nodes_waiting(run) -> None:
 
 
 def nodes_interrupted(run_id: str, stopped) -> None:
-    """Ctrl-C during a multi-node launch, after its nodes were stopped (runs/nodewatch.NodeStopped each)."""
+    """Ctrl-C during a multi-node launch, after its nodes were stopped (multinode/watch.NodeStopped each)."""
     _err(f"interrupted; rolled back {run_id}:")
     for r in stopped:
         _err(f"  node {r.node.rank} ({r.label}) {r.text}")
 
 
 def nodes_launched(done, *, json_out: bool) -> None:
-    """A multi-node launch (runs/nodelaunch.NodesLaunched): the run, then a line per node."""
+    """A multi-node launch (multinode/launch.NodesLaunched): the run, then a line per node."""
     run = done.run
     if json_out:
         _out(json.dumps({"run_id": run.run_id, "multinode": run.as_dict(),
@@ -124,7 +124,7 @@ def nodes_dry_run(run, dry_runs, labels, *, json_out: bool) -> None:
                                     "argv": list(d.spec.argv), "command": d.command}
                                    for i, d in enumerate(dry_runs)]}))
         return
-    from dflash_ops.runs.nodes import DRY_RUN_ADDRESS
+    from dflash_ops.multinode.plan import DRY_RUN_ADDRESS
 
     found = (f"; rank 0's address, {DRY_RUN_ADDRESS} here, is found in its container at launch"
              if run.rendezvous.address == DRY_RUN_ADDRESS else "")
@@ -170,34 +170,40 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-STATE_COLORS = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
-
-
-def _table(title: str, columns: tuple[str, ...], rows: list[tuple], **column_opts):
-    """A Rich table whose every cell is plain text: a value read from a host (a run name, an error, a label
-    with brackets) is never taken for Rich markup. A cell is a str, or (text, style)."""
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=Text(title), title_justify="left")
-    for col in columns:
-        table.add_column(col, no_wrap=True, **column_opts.get(col, {}))
-    for row in rows:
-        table.add_row(*(Text(c[0], style=c[1] or "") if isinstance(c, tuple) else Text(c) for c in row))
-    return table
-
-
-def _print_table(table) -> None:
+def _print_lines(lines) -> None:
+    """Lines of cells (cli/lines.py) on stdout, in a console's width: the terminal's, else $COLUMNS, else 80 when
+    piped; every value is plain text (a run name, an error or a label with brackets is never Rich markup)."""
     from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=250)  # piped: never squeeze ids and times into 80 columns
-    console.print(table)
+    from dflash_ops.cli.lines import as_text
+
+    Console(soft_wrap=True).print(as_text(lines))
+
+
+def _width() -> int:
+    from rich.console import Console
+
+    return Console().width
 
 
 def _state_cell(r: RunStatus) -> tuple[str, str]:
-    return r.state_text, "red" if r.state == "exited" and r.exit_code else STATE_COLORS.get(r.state, "")
+    from dflash_ops.cli.lines import state_style
+
+    return r.state_text, state_style(r.state, r.exit_code)
+
+
+RUNS_HEADER = ("run id", "state", "pid", "started", "duration")
+RUNS_LABELS = ("", "", "pid", "started", "took")
+
+
+def runs_lines(title: str, runs: list[RunStatus], width: int):
+    """PURE: `runs`'s view: a title, then a table (run id, state, pid, started, duration; a run's name is the start
+    of its id) when it fits `width`, else each run on its own lines, broken between values and never cut."""
+    from dflash_ops.cli.lines import columns, wrap
+
+    rows = [[(r.run_id, "bold"), _state_cell(r), (str(r.pid or "-"), ""), (_when(r.started_at), ""),
+             (_duration(r.duration_s), "")] for r in runs]
+    return wrap([(title, "bold")], width, 0, 2) + columns(RUNS_HEADER, rows, width, labels=RUNS_LABELS)
 
 
 def runs_table(runs: list[RunStatus], *, target: str, json_out: bool, where: str = "") -> None:
@@ -208,12 +214,7 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool, where: str
     if not runs:
         _err(f"no runs on {target}")
         return
-    widest = max(len(r.run_id) for r in runs)
-    # ids and times are copied into other commands: never fold or ellipsize them
-    _print_table(_table(f"runs on {target}", ("name", "run id", "state", "pid", "started", "duration"),
-                        [(r.name, r.run_id, _state_cell(r), str(r.pid or "-"), _when(r.started_at),
-                          _duration(r.duration_s)) for r in runs],
-                        **{"run id": {"min_width": widest}}))
+    _print_lines(runs_lines(f"runs on {target}", runs, _width()))
     for r in runs:
         stop = shlex.join(["dflash-ops", "stop", r.run_id]) + (f" {where}" if where else "")
         if r.leftovers:
@@ -222,21 +223,35 @@ def runs_table(runs: list[RunStatus], *, target: str, json_out: bool, where: str
             _err(f"{r.run_id}: its run dir is gone but {r.procs} of its processes live on: `{stop}` ends them")
 
 
+NODES_HEADER = ("node", "target", "state", "pid", "started", "duration")
+NODES_LABELS = ("node", "", "", "pid", "started", "took")
+
+
+def node_runs_lines(run_id: str, states, overall, width: int):
+    """PURE: `runs RUN`'s view: the run and its state, then a row per node (multinode/state.NodeState), as
+    `runs_lines` lays them out."""
+    from dflash_ops.cli.lines import columns, wrap
+
+    rows = [[(str(s.node.rank), ""), (s.label, ""), (s.error or "?", "red"), ("-", ""), ("-", ""), ("-", "")]
+            if s.status is None else
+            [(str(s.node.rank), ""), (s.label, ""), _state_cell(s.status), (str(s.status.pid or "-"), ""),
+             (_when(s.status.started_at), ""), (_duration(s.status.duration_s), "")] for s in states]
+    return wrap([(run_id, "bold"), (overall.text, "")], width, 0, 2) + columns(NODES_HEADER, rows, width,
+                                                                                labels=NODES_LABELS)
+
+
 def node_runs(run_id: str, states, overall, *, json_out: bool) -> None:
-    """`runs RUN`: a row per node (noderun.NodeState), then the run's overall state."""
+    """`runs RUN`: a row per node (multinode/state.NodeState), then the run's overall state."""
     if json_out:
         _out(json.dumps({"run_id": run_id, "state": overall.state, "state_text": overall.text,
                          "nodes": [{"rank": s.node.rank, "target": s.label, "error": s.error,
                                     "status": status_dict(s.status) if s.status else None} for s in states]}))
         return
-    rows = [(str(s.node.rank), s.label, (s.error or "?", "red"), "-", "-", "-") if s.status is None else
-            (str(s.node.rank), s.label, _state_cell(s.status), str(s.status.pid or "-"), _when(s.status.started_at),
-             _duration(s.status.duration_s)) for s in states]
-    _print_table(_table(f"{run_id}: {overall.text}", ("node", "target", "state", "pid", "started", "duration"), rows))
+    _print_lines(node_runs_lines(run_id, states, overall, _width()))
 
 
 def nodes_stopped(run_id: str, results, *, json_out: bool) -> None:
-    """`stop` of a multi-node run: a line per node (runs/nodewatch.NodeStopped)."""
+    """`stop` of a multi-node run: a line per node (multinode/watch.NodeStopped)."""
     if json_out:
         _out(json.dumps({"run_id": run_id, "nodes": [
             {"rank": r.node.rank, "target": r.label, "action": r.how,
@@ -256,7 +271,9 @@ def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None
     if how == "not_running":
         _out(f"run {run_id} is not running ({status.state_text}); nothing to stop")
     else:
-        signal = "SIGTERM" if how == "terminated" else "SIGKILL after the grace period"
+        from dflash_ops.runs.lifecycle import signal_text
+
+        signal = signal_text(how)
         if status.state == "exited":
             _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
         else:
@@ -278,8 +295,10 @@ def pulled(p, *, json_out: bool) -> None:
     if json_out:
         _out(json.dumps({"run_id": p.run_id, "what": p.what, "to": str(p.to),
                          "files": [{"path": f.rel, "dest": str(dest), "size": f.size, "sha256": f.sha256}
-                                   for f, dest in p.files]}))
+                                   for f, dest in p.files], "links": list(p.links)}))
         return
+    for link in p.links:
+        _err(f"not pulled: {link} (a symbolic link: links are not followed)")
     total = sum(f.size for f, _ in p.files)
     _err(f"pulled the {p.what} of {p.run_id}: {len(p.files)} file(s), {_size(total)}, into {p.to} "
          "(sizes and SHA-256 checked)")

@@ -64,18 +64,21 @@ def status(ctx: typer.Context,
 
     with rendered_errors(json_out):
         if run is not None:
-            loc, session, _ = locate(ctx, run, host, ct)
+            t0 = time.monotonic()
+            finder = _Finder(timeout)
+            loc, session, _ = locate(ctx, run, host, ct, find=finder)
             try:
-                report = _run_report(loc, timeout, reuse=session.transport if session is not None else None)
+                report = _run_report(loc, timeout, reuse=session.transport if session is not None else None,
+                                     known=finder.known, t0=t0)
                 last = _show(report, status_view.node_report_dict, status_view.node_report_renderable,
                              watch=watch, interval=interval, json_out=json_out)
             finally:
                 if session is not None:
                     session.transport.close()
             if last is not None:
-                from dflash_ops.runs import noderun
+                from dflash_ops.multinode import state
 
-                raise typer.Exit(noderun.exit_code([r.state for r in last[2]]))
+                raise typer.Exit(state.exit_code([r.state for r in last[2]]))
             return
         pairs = scope(ctx, host, ct)
         last = _show(lambda: collect(pairs, timeout), status_view.report_dict, status_view.report_renderable,
@@ -84,17 +87,46 @@ def status(ctx: typer.Context,
             raise typer.Exit(status_view.exit_code(last[0]))
 
 
-def _run_report(loc, timeout: float, *, reuse=None):
-    """`status RUN`'s report maker: (run id, overall state, a row per node, elapsed s)."""
+class _Finder:
+    """`status RUN`'s way to find the run on its target: the target's status query (runs, metrics, GPUs), whose
+    answer is kept (`known`, by host) for the first report, so that the run's host is asked once."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s, self.known = timeout_s, {}
+
+    def __call__(self, session, ref: str | None):
+        from dflash_ops import hoststatus
+        from dflash_ops.errors import RemoteFailed
+        from dflash_ops.multinode import watch
+        from dflash_ops.runs import lifecycle
+
+        lifecycle.check_ref(ref)
+        target = session.target
+        session.connect()               # an unreachable host fails here, with the hint that names --host/--ct
+        hs = hoststatus.query_host(target.host, [target], hoststatus.GpuSettings.from_env(),
+                                   part_timeout_s=watch.part_timeout_s(self.timeout_s), transport=session.transport)
+        (there,) = hs.targets
+        if there.error is not None:
+            raise RemoteFailed(f"listing runs on {there.label} failed: {there.error}",
+                               hint="check the host, the container (`pct status CT`) and the runs dir")
+        self.known[target.host.name] = hs
+        return lifecycle.pick_run([row.status for row in there.runs], ref, target)
+
+
+def _run_report(loc, timeout: float, *, reuse=None, known=None, t0: float | None = None):
+    """`status RUN`'s report maker: (run id, overall state, a row per node, elapsed s). The first report uses
+    what `known` holds (the query that found the run, from `t0`); later ones (--watch) ask again."""
     from dflash_ops import hoststatus
-    from dflash_ops.runs import noderun, nodewatch
+    from dflash_ops.multinode import state, watch
 
     gpu = hoststatus.GpuSettings.from_env()
+    first = {"known": dict(known or {}), "t0": t0}
 
     def report() -> tuple:
-        t0 = time.monotonic()
-        rows = nodewatch.status_rows(loc, gpu, timeout_s=timeout, reuse=reuse)
-        return loc.run_id, noderun.overall([r.state for r in rows]), rows, time.monotonic() - t0
+        start = first["t0"] if first["t0"] is not None else time.monotonic()
+        rows = watch.status_rows(loc, gpu, timeout_s=timeout, reuse=reuse, known=first["known"])
+        first.update(known={}, t0=None)
+        return loc.run_id, state.overall([r.state for r in rows]), rows, time.monotonic() - start
 
     return report
 

@@ -1,6 +1,7 @@
 """HostStatus values -> JSON-able dicts and Rich renderables (for `status`; `gpu-reset` reuses the GPU table)."""
 from __future__ import annotations
 
+from dflash_ops.cli.lines import Cell, as_text, state_style, wrap
 from dflash_ops.errors import OpsError
 from dflash_ops.fanout import Outcome
 from dflash_ops.gpus import facts
@@ -68,39 +69,14 @@ def report_dict(outcomes: list[Outcome], elapsed_s: float) -> dict:
 
 
 # --------------------------------------------------------------------------- text
-# A block per host and a few short lines per run, so that 80 columns (a laptop terminal, a pipe) show every figure.
-# A line is a list of cells ("pid 42", "up 1h02m"); `wrap` breaks lines between cells only, so a value is never
-# cut, folded or replaced by "…" (ids are copied into other commands).
-Cell = tuple[str, str]                       # (text, rich style)
-STATE_COLORS = {"running": "green", "exited": "cyan", "killed": "yellow", "lost": "red"}
-GAP = "  "
-
-
-def wrap(cells: list[Cell], width: int, indent: int, hang: int) -> list[tuple[int, list[Cell]]]:
-    """PURE: `cells` as lines of at most `width` columns, first at `indent`, continuations at `hang`, broken only
-    between cells (a cell wider than the line gets a line of its own)."""
-    lines: list[tuple[int, list[Cell]]] = [(indent, [])]
-    used = indent
-    for cell in cells:
-        pad, row = lines[-1]
-        need = len(cell[0]) + (len(GAP) if row else 0)
-        if row and used + need > width:
-            lines.append((hang, [cell]))
-            used = hang + len(cell[0])
-            continue
-        row.append(cell)
-        used += need
-    return lines
-
-
-def _state_style(r) -> str:
-    return "red" if r.state == "exited" and r.exit_code else STATE_COLORS.get(r.state, "")
+# A block per host and a few short lines per run, so that 80 columns (a laptop terminal, a pipe) show every figure
+# (lines.py: broken between values, never cut).
 
 
 def run_cells(row: RunRow) -> tuple[list[Cell], list[Cell]]:
     """PURE: one run as `<run id>  <state>  pid N  up T  gpus G`, then its latest metrics (empty without any)."""
     r, m = row.status, row.metrics
-    head = [(r.run_id, "bold"), (r.state_text, _state_style(r)), (f"pid {r.pid or '-'}", ""),
+    head = [(r.run_id, "bold"), (r.state_text, state_style(r.state, r.exit_code)), (f"pid {r.pid or '-'}", ""),
             (f"up {_duration(r.duration_s)}", "")]
     if row.gpu_indices:
         head.append(("gpus " + ",".join(map(str, row.gpu_indices)), ""))
@@ -140,10 +116,30 @@ def gpu_lines(snap: facts.GpuSnapshot, holders: tuple[facts.Holder, ...], runs: 
         util = _num(g.util_pct, "d") + ("%" if g.util_pct is not None else "")
         out += wrap([(f"gpu {g.index:>{idx_w}}", ""), (mem.rjust(mem_w), "yellow" if g.mem_used_mib else ""),
                      (util.rjust(4), "")], width, 2, 6)
-        for h in holders:
-            if g.index in h.gpu_indices:
-                out += wrap(_holder_cells(h, runs.get(h.pid)), width, 6, 8)
+        for group in _holder_groups([h for h in holders if g.index in h.gpu_indices], runs):
+            cells = _holder_cells(group[0], runs.get(group[0].pid)) if len(group) == 1 else \
+                _fd_group_cells(group, runs.get(group[0].pid))
+            out += wrap(cells, width, 6, 8)
     return out
+
+
+def _holder_groups(held: list[facts.Holder], runs: dict[int, str]) -> list[list[facts.Holder]]:
+    """PURE: each compute app alone; the "fd only" holders (a device node open, no memory: torch's compile
+    workers, a DataLoader's) together per run, or per process group outside a run, where their first one was."""
+    groups: dict[tuple, list[facts.Holder]] = {}
+    for h in held:
+        key = ("app", h.pid) if h.is_compute_app else ("fds", h.ctid, runs.get(h.pid) or h.pgid)
+        groups.setdefault(key, []).append(h)
+    return list(groups.values())
+
+
+def _fd_group_cells(group: list[facts.Holder], run_id: str | None) -> list[Cell]:
+    """`14 processes (ct200)  python, pt_main_thread  fd only  run RUN` (their pids are in --json)."""
+    h = group[0]
+    where = f"ct{h.ctid}" if h.ctid is not None else "host"
+    whose = f"run {run_id}" if run_id else f"process group {h.pgid}"
+    comms = ", ".join(dict.fromkeys(x.comm for x in group))
+    return [(f"{len(group)} processes ({where})", ""), (comms, ""), ("fd only", ""), (whose, "")]
 
 
 def runs_lines(hs: HostStatus, width: int):
@@ -190,7 +186,7 @@ def report_lines(outcomes: list[Outcome], elapsed_s: float, width: int) -> list[
 # --------------------------------------------------------------------------- one run, a row per node
 
 def node_report_dict(run_id: str, overall, rows, elapsed_s: float) -> dict:
-    """`status RUN --json`: the run's state and a row per node (runs/nodewatch.NodeRow)."""
+    """`status RUN --json`: the run's state and a row per node (multinode/watch.NodeRow)."""
     first = overall.first
     return {"run_id": run_id, "state": overall.state, "state_text": overall.text,
             "first_failed": None if first is None else {"rank": first.node.rank, "target": first.label},
@@ -217,27 +213,13 @@ def node_report_lines(run_id: str, overall, rows, elapsed_s: float, width: int) 
     return out
 
 
-def _text(lines):
-    from rich.text import Text
-
-    text = Text()
-    for pad, cells in lines:
-        text.append(" " * pad)
-        for i, (cell, style) in enumerate(cells):
-            text.append(GAP if i else "")
-            text.append(cell, style=style or None)
-        text.append("\n")
-    text.rstrip()
-    return text
-
-
 def node_report_renderable(run_id: str, overall, rows, elapsed_s: float, width: int):
-    return _text(node_report_lines(run_id, overall, rows, elapsed_s, width))
+    return as_text(node_report_lines(run_id, overall, rows, elapsed_s, width))
 
 
 def report_renderable(outcomes: list[Outcome], elapsed_s: float, width: int):
     """The report as Rich text for a console `width` columns wide (already wrapped: print it with soft_wrap)."""
-    return _text(report_lines(outcomes, elapsed_s, width))
+    return as_text(report_lines(outcomes, elapsed_s, width))
 
 
 def exit_code(outcomes: list[Outcome]) -> int:

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_ops.cli._common import CtOpt, HostOpt, NodeOpt, locate, rendered_errors
+from dflash_ops.wire import METRICS_PREFIX
 
 
 def tail(
@@ -17,7 +18,7 @@ def tail(
     ct: CtOpt = None,
     lines: Annotated[int, typer.Option("-n", "--lines", min=0, help="Start with the last N lines.")] = 20,
     follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Keep following until the run ends.")] = True,
-    raw: Annotated[bool, typer.Option("--raw", help="The log's exact bytes, machine lines (DFLASH_METRICS ...) "
+    raw: Annotated[bool, typer.Option("--raw", help=f"The log's exact bytes, machine lines ({METRICS_PREFIX}...) "
                                                      "included.")] = False,
     node: NodeOpt = None,
 ) -> None:

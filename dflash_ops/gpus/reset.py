@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import OpsError, RemoteFailed
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.hoststatus import GpuSettings
@@ -94,7 +94,7 @@ class HostGpus:
         found = []
         for ctid, holders in sorted(where.items(), key=lambda kv: kv[0] or 0):
             out, error = self._in(ctid, lambda runs_dir: shellcmd.runs_of_holders_script(runs_dir, holders))
-            found.append(Marked(ctid, _tagged_ids(out, "DFLASH_RUNOF"), error))
+            found.append(Marked(ctid, _tagged_ids(out, wire.RUN_OF), error))
         return tuple(found)
 
     def mark_ended(self, found: tuple[Marked, ...]) -> tuple[Marked, ...]:
@@ -107,10 +107,10 @@ class HostGpus:
                 continue
             ids = runs.run_ids
             out, error = self._in(runs.ctid, lambda runs_dir: shellcmd.mark_ended_stopped_script(runs_dir, ids))
-            failed = _tagged_ids(out, "DFLASH_UNMARKED")
+            failed = _tagged_ids(out, wire.UNMARKED)
             if failed and error is None:
                 error = f"could not write stopped for {', '.join(failed)}"
-            done = Marked(runs.ctid, _tagged_ids(out, "DFLASH_MARKED"), error or runs.error)
+            done = Marked(runs.ctid, _tagged_ids(out, wire.MARKED), error or runs.error)
             if done.run_ids or done.error:
                 marked.append(done)
         return tuple(marked)

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
 from dflash_ops.runs import parse, pull, shellcmd
 from dflash_ops.runs.runbooks import run_spec
-from dflash_ops.spec import EXITED, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
+from dflash_ops.spec import EXITED, LOCAL, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.ssh.transport import Transport
 
 LAST_LINES = 20
@@ -62,12 +62,12 @@ class Session:
             raise self._hinted(exc) from None
         if done.exit_code in ok:
             return done
-        if done.exit_code == 3 and "DFLASH_MISSING" in done.out:
+        if done.exit_code == wire.EXIT_MISSING and parse.tagged(done.out, wire.MISSING) is not None:
             raise RunNotFound(f"no such run on {self.target.label} ({what})")
-        refused = parse.tagged(done.out, "DFLASH_REFUSED")
-        if done.exit_code == 5 and refused:
+        refused = parse.tagged(done.out, wire.REFUSED)
+        if done.exit_code == wire.EXIT_REFUSED and refused:
             raise _refusal(refused, self.target)
-        error = next((ln.split(" ", 1)[1] for ln in done.out.splitlines() if ln.startswith("DFLASH_ERROR ")), None)
+        error = next((ln.split(" ", 1)[1] for ln in done.out.splitlines() if ln.startswith(wire.ERROR + " ")), None)
         if error is not None:   # one of our scripts said what failed
             raise RemoteFailed(f"{what} on {self.target.label} failed: {error}",
                                hint="check free space and permissions there; a launch that fails leaves no run "
@@ -98,15 +98,25 @@ def list_runs(s: Session) -> list[RunStatus]:
 
 def find_run(s: Session, ref: str | None) -> RunStatus:
     """`ref` is a run id, a run name (its latest run), or None (the latest run of the target)."""
+    check_ref(ref)
+    return pick_run(list_runs(s), ref, s.target)
+
+
+def check_ref(ref: str | None) -> None:
+    """A run reference is a run id or a valid run name (else UsageError, before anything is sent)."""
     if ref is not None and not names.is_run_id(ref):
         names.run_name(ref)
-    runs = list_runs(s)
+
+
+def pick_run(runs: list[RunStatus], ref: str | None, target: Target) -> RunStatus:
+    """PURE: the run `ref` names among `runs` (oldest first, as listed on `target`): the run of that id, or the
+    latest of that name, or the latest run for None; RunNotFound when there is none."""
     if ref is not None:
         runs = [r for r in runs if r.run_id == ref or r.name == ref]
     if not runs:
         what = f"run {ref!r}" if ref else "any run"
-        raise RunNotFound(f"no {what} on {s.target.label} (runs dir {s.target.runs_dir})",
-                          hint=f"`dflash-ops runs {s.target.cli_args}` lists its runs")
+        raise RunNotFound(f"no {what} on {target.label} (runs dir {target.runs_dir})",
+                          hint=f"`dflash-ops runs {target.cli_args}` lists its runs")
     return runs[-1]
 
 
@@ -121,11 +131,12 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
          extra_env: tuple[tuple[str, str], ...] = (), run_id: str | None = None) -> RunSpec:
     """The run `book` makes on the target; `run_id` is new unless given (the nodes of a multi-node run share one)."""
     name = names.run_name(book.name if name is None else name)
+    here = s.target.host.transport == LOCAL and s.target.container is None
     spec = run_spec(book, s.target, name=name, run_id=run_id or names.new_run_id(name), extra_args=extra_args,
-                    extra_env=extra_env)
+                    extra_env=extra_env, caller_dir=os.getcwd() if here else None)
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")
-    for key in (shellcmd.MARKER_VAR, shellcmd.RUN_DIR_VAR):
+    for key in (wire.MARKER_VAR, wire.RUN_DIR_VAR):
         if any(k == key for k, _ in spec.env):
             # What `stop` and the refusals find a run's processes by: a job that could overwrite it could not be
             # stopped, and its name could be launched twice.
@@ -145,7 +156,7 @@ def check_launch(s: Session, spec: RunSpec) -> None:
 
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
-           grace_s: float = 10.0, sleep: Callable[[float], None] = time.sleep,
+           grace_s: float = wire.STOP_GRACE_S, sleep: Callable[[float], None] = time.sleep,
            on_started: Callable[[int], None] = lambda pid: None) -> Launched:
     """Start `spec` detached and prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
     unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call;
@@ -168,7 +179,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
         hint = (f"{spec.run_id} started (pid {seen.pid}) and goes on: `dflash-ops tail {spec.run_id} {where}`"
                 if seen.pid is not None else f"{spec.run_id} may have started: check `dflash-ops runs {where}`")
         raise HostUnreachable(exc.message, hint=hint) from None
-    words = parse.tagged(done.out, "DFLASH_LAUNCHED")
+    words = parse.tagged(done.out, wire.LAUNCHED)
     if not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
     deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
@@ -190,7 +201,7 @@ class _StartWatch:
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
             words = line.decode("utf-8", "replace").split()
-            if words[:1] == ["DFLASH_LAUNCHED"] and len(words) == 2 and names.is_digits(words[1]):
+            if words[:1] == [wire.LAUNCHED] and len(words) == 2 and names.is_digits(words[1]):
                 self.pid = int(words[1])
                 self.on_started(self.pid)
                 return
@@ -210,8 +221,12 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
         if status.state != "running":
             if status.state == EXITED and status.exit_code == 0:
                 return status, matched
+            paths = relative_paths(spec.extra_args)
+            where = (f"; {paths[0]!r} and every relative path after `--` is relative to the job's working directory,"
+                     f" {spec.workdir} on {s.target.label}" if paths else "")
             raise RunFailed(f"run {spec.run_id} {status.state_text} during its liveness check",
-                            hint=f"log: {spec.log_path}", detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
+                            hint=f"log: {spec.log_path}{where}",
+                            detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         if matched is not None:
             return status, matched
         if time.monotonic() >= deadline:
@@ -225,36 +240,70 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
         probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run").stdout)
 
 
+_PATH_PIECE = re.compile(r"[^\s=,\[\]'\"]+")
+_FILE_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".safetensors", ".pt", ".bin")
+
+
+def relative_paths(args: tuple[str, ...]) -> list[str]:
+    """PURE: the pieces of `args` (`--out x`, `--set k=v`, `data.paths=["a.jsonl"]`) that look like relative paths:
+    with a `/`, or a file suffix, and not absolute nor `~`-relative. For a hint only: it may miss a bare name."""
+    found = []
+    for arg in args:
+        for piece in _PATH_PIECE.findall(arg):
+            if piece.startswith(("/", "~", "-")) or "://" in piece:
+                continue
+            if "/" in piece or piece.endswith(_FILE_SUFFIXES):
+                found.append(piece)
+    return found
+
+
 # -- stop -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stopped:
-    how: str            # terminated | killed | not_running | fenced
+    how: str            # terminated | killed | killed_now | not_running | fenced
     status: RunStatus
 
 
-def _stop_call(s: Session, run_id: str, grace_s: float, fence: bool) -> tuple[str, parse.RawState | None, int | None]:
-    done = s.run(shellcmd.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence), f"stopping {run_id}",
-                 timeout_s=grace_s + (60 if fence else 30))
-    how = (parse.tagged(done.out, "DFLASH_STOP") or ["?"])[0]
-    left = parse.tagged(done.out, "DFLASH_LEFT") or []
+def signal_text(how: str) -> str:
+    """What ended a run, as `stop` says it (a Stopped's `how`: terminated, killed, killed_now)."""
+    return {"terminated": "SIGTERM", "killed_now": "SIGKILL at once (--now)"}.get(how, "SIGKILL after the grace "
+                                                                                       "period")
+
+
+@dataclass(frozen=True)
+class _StopAnswer:
+    how: str
+    raw: parse.RawState | None
+    procs: int | None
+    kept_step: int | None         # the checkpoint the job wrote before it exited (its DFLASH_STOPPED line)
+
+
+def _stop_call(s: Session, run_id: str, grace_s: float, *, fence: bool, now: bool = False) -> _StopAnswer:
+    done = s.run(shellcmd.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence, now=now),
+                 f"stopping {run_id}", timeout_s=(0 if now else grace_s) + (60 if fence else 30))
+    how = (parse.tagged(done.out, wire.STOP) or ["?"])[0]
+    left = parse.tagged(done.out, wire.LEFT) or []
     raw = next((r for r in map(parse.state_line, done.out.splitlines()) if r is not None), None)
-    return how, raw, int(left[0]) if left and names.is_digits(left[0]) else None
+    return _StopAnswer(how, raw, int(left[0]) if left and names.is_digits(left[0]) else None,
+                       parse.kept_steps(done.out).get(run_id))
 
 
-def stop(s: Session, run: RunStatus, *, grace_s: float = 10.0) -> Stopped:
-    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script)."""
-    how, raw, procs = _stop_call(s, run.run_id, grace_s, fence=False)
-    return Stopped(how=how, status=parse.updated(run, raw, time.time(), procs) if raw else run)
+def stop(s: Session, run: RunStatus, *, grace_s: float = wire.STOP_GRACE_S, now: bool = False) -> Stopped:
+    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script); the default grace
+    lets the trainer write its checkpoint first. `now`: SIGKILL at once (the work since the last checkpoint is
+    lost)."""
+    a = _stop_call(s, run.run_id, grace_s, fence=False, now=now)
+    return Stopped(how=a.how, status=parse.updated(run, a.raw, time.time(), a.procs, a.kept_step) if a.raw else run)
 
 
-def fence(s: Session, run_id: str, *, grace_s: float = 10.0) -> Stopped:
+def fence(s: Session, run_id: str, *, grace_s: float = wire.STOP_GRACE_S) -> Stopped:
     """`stop` for a run whose launch may still be on its way to the target (shellcmd.stop_script's `fence`): it
     is stopped once that launch has started it, or, where it never started, kept from starting (`fenced`)."""
-    how, raw, procs = _stop_call(s, run_id, grace_s, fence=True)
-    if raw is None:
+    a = _stop_call(s, run_id, grace_s, fence=True)
+    if a.raw is None:
         raise RemoteFailed(f"stopping {run_id} on {s.target.label} printed no state")
-    status = parse.status(raw, {}, time.time(), s.target.runs_dir)
-    return Stopped(how=how, status=replace(status, procs=procs or 0))
+    status = parse.status(a.raw, {}, time.time(), s.target.runs_dir, a.kept_step)
+    return Stopped(how=a.how, status=replace(status, procs=a.procs or 0))
 
 
 def mark_stopped(s: Session, run: RunStatus) -> None:
@@ -270,7 +319,7 @@ def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True, h
     whole = follow and run.state == RUNNING
     done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
                  f"reading {run.run_id}'s log")
-    words = parse.tagged(done.out, "DFLASH_START")
+    words = parse.tagged(done.out, wire.START)
     return int(words[0]) if words and names.is_digits(words[0].removeprefix("-")) else 0
 
 
@@ -314,7 +363,7 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
                 emit(line)
             # the count read when tailing began would outlive the processes it counted
             procs = run.procs if raw.alive else _marked_procs(s, run.run_id)
-            return parse.updated(run, raw, time.time(), procs)
+            return parse.updated(run, raw, time.time(), procs, None if raw.alive else _kept_step(s, run, raw))
         sleep(poll_s)
 
 
@@ -326,6 +375,18 @@ def _marked_procs(s: Session, run_id: str) -> int:
     except (HostUnreachable, RemoteFailed):
         return 0
     return len(parse.proc_lines(done.out).get(run_id, []))
+
+
+def _kept_step(s: Session, run: RunStatus, raw: parse.RawState) -> int | None:
+    """The step of the checkpoint a run that ended on SIGTERM/SIGINT wrote first; None where it wrote none, or
+    the host cannot be asked (as for `_marked_procs`)."""
+    if raw.exit_code not in (wire.EXIT_TERMINATED, wire.EXIT_INTERRUPTED):
+        return None
+    try:
+        done = s.run(shellcmd.kept_script(run.run_dir), f"reading how {run.run_id} ended", timeout_s=30.0)
+    except (HostUnreachable, RemoteFailed):
+        return None
+    return parse.kept_steps(done.out).get(run.run_id)
 
 
 def _try_reconnect(s: Session) -> None:
@@ -342,6 +403,7 @@ class Pulled:
     what: str
     to: Path
     files: tuple[tuple[pull.RemoteFile, Path], ...]
+    links: tuple[str, ...] = ()        # symbolic links in the selection, left out (never followed)
 
 
 PULL_STAGE_DIR = "/var/tmp"     # on a Proxmox host (disk, not tmpfs): one file at a time, removed after it
@@ -353,15 +415,28 @@ def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool =
     where the run lives; each is read there (in a container: `pct pull` into a private directory on the Proxmox
     host, whose filesystem view is the container's), fetched over SFTP on the same connection (or read, for this
     machine), checked against its listed size and hash, and only then renamed into place. Refused (exit 5), with
-    nothing written, if a file would be overwritten and not `force`."""
+    nothing written, if a file would be overwritten and not `force`. Symbolic links are never followed nor
+    pulled. A failure on this machine's side (a name too long, a full disk) is one OpsError line."""
     listing = s.run(pull.manifest_script(run.run_dir, what), f"listing the {what} of {run.run_id}")
     manifest = pull.parse_manifest(listing.out)
     if manifest.missing or not manifest.files:
+        if manifest.links:
+            raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} to pull: {manifest.links[0]} is "
+                              "a symbolic link, and links are not followed")
         raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} yet",
                           hint="`dflash-ops tail` shows how far it got; the export is written when training ends"
                           if what == "export" else None)
+    try:
+        return _pull_listed(s, run, what, to, manifest, force=force, on_file=on_file)
+    except OSError as exc:      # this machine's side: what the steps below did not say themselves
+        raise OpsError(f"cannot write the {what} of {run.run_id} to {exc.filename or to}: "
+                       f"{exc.strerror or exc}") from None
+
+
+def _pull_listed(s: Session, run: RunStatus, what: str, to: Path, manifest: pull.Manifest, *, force: bool,
+                 on_file: Callable[[pull.RemoteFile, Path], None]) -> Pulled:
     plan = pull.destinations(manifest, to)
-    there = [dest for _, dest in plan if dest.exists() or dest.is_symlink()]
+    there = [dest for _, dest in plan if _taken(dest)]
     if there and not force:
         more = f" (and {len(there) - 1} more)" if len(there) > 1 else ""
         raise Refused(f"{there[0]} exists{more}; nothing was pulled",
@@ -385,7 +460,18 @@ def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool =
                 _host_run(s, ["rm", "-rf", "--", stage], "removing the staging directory")
             except OpsError:
                 pass    # the pull's own error (a dropped connection) is the one to show
-    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan))
+    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan), links=manifest.links)
+
+
+def _taken(dest: Path) -> bool:
+    """Something (a file, a link, a directory) is at `dest` on this machine."""
+    try:
+        os.lstat(dest)
+    except (FileNotFoundError, NotADirectoryError):
+        return False        # (a file where a directory must go: making that directory says so)
+    except OSError as exc:
+        raise OpsError(f"cannot use {dest}: {exc.strerror or exc}") from None
+    return True
 
 
 def _fetch_checked(s: Session, source: str, f: pull.RemoteFile, dest: Path) -> None:
@@ -400,9 +486,15 @@ def _fetch_checked(s: Session, source: str, f: pull.RemoteFile, dest: Path) -> N
         if got != f.sha256:
             raise RemoteFailed(f"{f.rel}: SHA-256 {got} of the bytes fetched is not the listed {f.sha256} "
                                "(it changed while being pulled?); nothing kept", hint="pull it again")
-        os.replace(part, dest)
+        try:
+            os.replace(part, dest)
+        except OSError as exc:
+            raise OpsError(f"cannot write {dest}: {exc.strerror or exc}") from None
     finally:
-        part.unlink(missing_ok=True)
+        try:
+            part.unlink(missing_ok=True)
+        except OSError:
+            pass     # it was never created (its name is what failed): the error above says so
 
 
 def _pull_stage(s: Session) -> str:

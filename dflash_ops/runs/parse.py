@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from dflash_ops import names
-from dflash_ops.runs import noderun
-from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, RunStatus
+from dflash_ops import names, wire
+from dflash_ops.multinode import record
+from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, STOPPED, RunStatus
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ def _opt_int(text: str) -> int | None:
 
 def state_line(line: str) -> RawState | None:
     words = line.split()
-    if len(words) != 8 or words[0] != "DFLASH_RUN" or not names.is_run_id(words[1]):
+    if len(words) != 8 or words[0] != wire.STATE or not names.is_run_id(words[1]):
         return None
     try:
         return RawState(run_id=words[1], alive=words[2] == "1", pid=_opt_int(words[3]), exit_code=_opt_int(words[4]),
@@ -39,24 +39,28 @@ def state_line(line: str) -> RawState | None:
         return None
 
 
-def state_of(raw: RawState) -> str:
-    """docs/contracts.md section 2: running / exited N / killed / lost."""
+def state_of(raw: RawState, kept_step: int | None = None) -> str:
+    """docs/contracts.md section 2: running / exited N / stopped (after its checkpoint: `kept_step`, from its
+    DFLASH_KEPT line) / killed / lost."""
     if raw.alive:
         return RUNNING
-    if raw.stopped or (raw.exit_code is not None and raw.exit_code >= 128):
+    if kept_step is not None and raw.exit_code in (wire.EXIT_TERMINATED, wire.EXIT_INTERRUPTED):
+        return STOPPED
+    if raw.stopped or (raw.exit_code is not None and raw.exit_code >= wire.EXIT_SIGNALLED):
         return KILLED
     if raw.exit_code is not None:
         return EXITED
     return LOST
 
 
-def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
+def status(raw: RawState, meta: dict, now: float, runs_dir: str, kept_step: int | None = None) -> RunStatus:
     argv = meta.get("argv")
     started = meta.get("started_at")
     group, rank = _multinode(meta, raw.run_id)
+    state = state_of(raw, kept_step)
     return RunStatus(
         run_id=raw.run_id, name=str(meta.get("name") or names.RUN_ID_RE.fullmatch(raw.run_id).group("name")),
-        state=state_of(raw), pid=raw.pid, exit_code=raw.exit_code,
+        state=state, pid=raw.pid, exit_code=raw.exit_code, stopped_step=kept_step if state == STOPPED else None,
         started_at=float(started) if isinstance(started, (int, float)) else None, ended_at=raw.ended_at, now=now,
         run_dir=f"{runs_dir}/{raw.run_id}", runbook=str(meta.get("runbook") or ""),
         argv=tuple(str(a) for a in argv) if isinstance(argv, list) else (), log_size=raw.log_size,
@@ -66,23 +70,43 @@ def status(raw: RawState, meta: dict, now: float, runs_dir: str) -> RunStatus:
 def _multinode(meta: dict, run_id: str):
     """run.json's multi-node record and this node's rank in it; (None, None) for a one-node run, or when the
     record is not a valid one of this run."""
-    group, rank = noderun.from_dict(meta.get("multinode")), meta.get("node_rank")
+    group, rank = record.from_dict(meta.get("multinode")), meta.get("node_rank")
     if group is None or group.run_id != run_id or type(rank) is not int or not 0 <= rank < len(group.nodes):
         return None, None
     return group, rank
 
 
-def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None) -> RunStatus:
-    """`run` with the state read in `raw` (identity, argv and start time kept), and its count of live marked
-    processes when known."""
-    return replace(run, state=state_of(raw), pid=raw.pid if not run.dir_missing else run.pid,
+def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None,
+            kept_step: int | None = None) -> RunStatus:
+    """`run` with the state read in `raw` (identity, argv and start time kept), its count of live marked
+    processes when known, and the step of the checkpoint it stopped at (`kept_step`: its DFLASH_KEPT line)."""
+    state = state_of(raw, kept_step)
+    return replace(run, state=state, pid=raw.pid if not run.dir_missing else run.pid,
                    exit_code=raw.exit_code, ended_at=raw.ended_at, now=now, log_size=raw.log_size,
-                   procs=run.procs if procs is None else procs, stopped=raw.stopped)
+                   procs=run.procs if procs is None else procs, stopped=raw.stopped,
+                   stopped_step=kept_step if state == STOPPED else None)
+
+
+def kept_steps(text: str) -> dict[str, int]:
+    """`DFLASH_KEPT <run id> <json>` lines -> run id -> the step of the checkpoint it stopped at (a line whose JSON
+    names no step is none)."""
+    steps = {}
+    for line in text.splitlines():
+        words = line.split(" ", 2)
+        if len(words) != 3 or words[0] != wire.KEPT or not names.is_run_id(words[1]):
+            continue
+        try:
+            step = json.loads(words[2]).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if type(step) is int and step >= 0:
+            steps[words[1]] = step
+    return steps
 
 
 def now_line(text: str) -> float | None:
     for line in text.splitlines():
-        if line.startswith("DFLASH_NOW "):
+        if line.startswith(wire.NOW + " "):
             try:
                 return float(line.split()[1])
             except (IndexError, ValueError):
@@ -95,7 +119,7 @@ def proc_lines(text: str) -> dict[str, list[tuple[int, int]]]:
     procs: dict[str, list[tuple[int, int]]] = {}
     for line in text.splitlines():
         words = line.split()
-        if (len(words) == 4 and words[0] == "DFLASH_PROC" and names.is_digits(words[1])
+        if (len(words) == 4 and words[0] == wire.PROC and names.is_digits(words[1])
                 and names.is_digits(words[3]) and names.is_run_id(words[2])):
             procs.setdefault(words[2], []).append((int(words[1]), int(words[3])))
     return procs
@@ -115,18 +139,19 @@ def run_list(text: str, runs_dir: str) -> list[RunStatus]:
     is gone but whose processes live are listed too (see `orphan`)."""
     now = now_line(text) or 0.0
     procs = proc_lines(text)
+    kept = kept_steps(text)
     out: list[RunStatus] = []
     pending: RawState | None = None
     for line in text.splitlines():
         raw = state_line(line)
         if raw is not None:
             pending = raw
-        elif line.startswith("DFLASH_JSON") and pending is not None:
+        elif line.startswith(wire.RUN_JSON) and pending is not None:
             try:
-                meta = json.loads(line[len("DFLASH_JSON"):].strip() or "{}")
+                meta = json.loads(line[len(wire.RUN_JSON):].strip() or "{}")
             except json.JSONDecodeError:
                 meta = {}
-            found = status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir)
+            found = status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir, kept.get(pending.run_id))
             out.append(replace(found, procs=len(procs.pop(found.run_id, []))))
             pending = None
     out += [orphan(run_id, ps, now, runs_dir) for run_id, ps in procs.items()]
@@ -142,7 +167,7 @@ class Probe:
 
 def probe(stdout: bytes) -> Probe:
     """Output of `probe_script`: header lines, then `DFLASH_LOG\\n`, then raw log bytes."""
-    head, sep, log = stdout.partition(b"DFLASH_LOG\n")
+    head, sep, log = stdout.partition(wire.LOG.encode() + b"\n")
     text = head.decode("utf-8", "replace")
     raw = next((r for r in map(state_line, text.splitlines()) if r is not None), None)
     return Probe(raw=raw, now=now_line(text) or 0.0, log_tail=log if sep else b"")
@@ -150,8 +175,8 @@ def probe(stdout: bytes) -> Probe:
 
 def joined(stdout: bytes) -> bool:
     """Output of `joined_script`: its header says DFLASH_JOINED (a log line matched)."""
-    head = stdout.partition(b"DFLASH_LOG\n")[0]
-    return b"DFLASH_JOINED" in head.split(b"\n")
+    head = stdout.partition(wire.LOG.encode() + b"\n")[0]
+    return wire.JOINED.encode() in head.split(b"\n")
 
 
 def tagged(text: str, tag: str) -> list[str] | None:

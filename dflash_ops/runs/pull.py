@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import RemoteFailed
-from dflash_ops.runs.shellcmd import path_word, q
+from dflash_ops.runs.shellcmd import NO_RUN_DIR, path_word, q
 
 # what -> (path under the run dir, is a directory). `ckpt` means the newest checkpoint, `ckpt/step_<N>` with the
 # largest N (the trainer writes each one to a temp dir and renames it, so a listed one is complete).
@@ -33,44 +33,52 @@ class Manifest:
     root: str         # the run dir's absolute path where the run lives (inside the container for --ct)
     files: tuple[RemoteFile, ...]
     missing: bool     # the selection is not there (no export yet, no checkpoint)
+    links: tuple[str, ...] = ()    # symbolic links met at or in the selection: never followed, never pulled
 
 
 def manifest_script(run_dir: str, what: str) -> str:
     """Bash for the target: `DFLASH_ROOT <abs run dir>`, then `DFLASH_FILE <size> <sha256> <rel path>` for every
-    regular file of the selection (symlinks are not followed), or `DFLASH_NONE` when there is nothing."""
+    regular file of the selection, or `DFLASH_NONE` when there is nothing. Symbolic links are never followed: a
+    link at the selection (output.log, export/, ckpt/, a ckpt/step_N) or inside it is named in a `DFLASH_LINK`
+    line instead (its control characters as `?`), and a file whose name has a newline makes the answer
+    `DFLASH_BADNAME`, which refuses the whole pull."""
     sub, is_dir = WHAT[what]
-    head = (f"D={path_word(run_dir)}\n"
-            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
-            'cd -- "$D" || exit 1\n'
-            "printf 'DFLASH_ROOT %s\\n' \"$(pwd -P)\"\n"
+    head = (f"D={path_word(run_dir)}\n" + NO_RUN_DIR +
+            f'cd -- "$D" || exit {wire.EXIT_FAILED}\n'
+            f"printf '{wire.ROOT} %s\\n' \"$(pwd -P)\"\n"
             "one() {\n"
             '  local size sum\n'
             '  size=$(stat -c %s -- "$1") || return 1\n'
             # the hash of exactly `size` bytes: a log that grows meanwhile is pulled up to that size
             '  sum=$(head -c "$size" -- "$1" | sha256sum) || return 1\n'
-            "  printf 'DFLASH_FILE %s %s %s\\n' \"$size\" \"${sum%% *}\" \"$1\"\n"
-            "}\n")
+            f"  printf '{wire.FILE} %s %s %s\\n' \"$size\" \"${{sum%% *}}\" \"$1\"\n"
+            "}\n"
+            f"link() {{ printf '{wire.LINK} %s\\n' \"${{1//[[:cntrl:]]/?}}\"; }}\n"
+            f"none() {{ echo {wire.NOTHING}; exit 0; }}\n")
     if what == "ckpt":
-        pick = ('best=; n=-1\n'
+        pick = ('[ -L ckpt ] && { link ckpt; none; }\n'
+                'best=; n=-1\n'
                 'for d in ckpt/step_*; do\n'
+                '  [ -L "$d" ] && { link "$d"; continue; }\n'
                 '  [ -d "$d" ] || continue; k=${d##*_}\n'
                 '  case $k in ""|*[!0-9]*) continue;; esac\n'
                 '  [ "$k" -gt "$n" ] && { n=$k; best=$d; }\n'
                 'done\n'
-                '[ -n "$best" ] || { echo DFLASH_NONE; exit 0; }\n'
+                '[ -n "$best" ] || none\n'
                 'sel=$best\n')
     else:
-        pick = f"sel={q(sub)}\n"
+        pick = f"sel={q(sub)}\n" + '[ -L "$sel" ] && { link "$sel"; none; }\n'
     if is_dir:
-        walk = ('[ -d "$sel" ] || { echo DFLASH_NONE; exit 0; }\n'
+        walk = ('[ -d "$sel" ] || none\n'
                 'found=0\n'
                 'while IFS= read -r -d "" f; do\n'
-                '  case $f in *$\'\\n\'*) printf \'DFLASH_SKIP newline in a name\\n\'; continue;; esac\n'
-                '  one "${f#./}" || exit 1; found=1\n'
+                f"  case $f in *$'\\n'*) echo {wire.BAD_NAME}; exit 0;; esac\n"
+                f'  one "${{f#./}}" || exit {wire.EXIT_FAILED}; found=1\n'
                 'done < <(find -P "./$sel" -type f -print0 | sort -z)\n'
-                '[ "$found" = 1 ] || echo DFLASH_NONE\n')
+                'while IFS= read -r -d "" f; do link "${f#./}"; done < <(find -P "./$sel" -type l -print0 | sort -z)\n'
+                '[ "$found" = 1 ] || none\n')
     else:
-        walk = '[ -f "$sel" ] || { echo DFLASH_NONE; exit 0; }\none "$sel" || exit 1\n'
+        walk = f'[ -f "$sel" ] || none\none "$sel" || exit {wire.EXIT_FAILED}\n'
     return head + pick + walk
 
 
@@ -84,20 +92,25 @@ def safe_rel(text: str) -> str:
 
 
 def parse_manifest(text: str) -> Manifest:
-    root, files, missing = None, [], False
+    root, files, missing, links = None, [], False, []
     for line in text.splitlines():
-        if line.startswith("DFLASH_ROOT "):
-            root = line[len("DFLASH_ROOT "):]
-        elif line == "DFLASH_NONE":
+        if line.startswith(wire.ROOT + " "):
+            root = line[len(wire.ROOT) + 1:]
+        elif line == wire.NOTHING:
             missing = True
-        elif line.startswith("DFLASH_FILE "):
+        elif line.startswith(wire.LINK + " "):
+            links.append(_CONTROL.sub("?", line[len(wire.LINK) + 1:]))
+        elif line == wire.BAD_NAME:
+            raise RemoteFailed("a file of the selection has a newline in its name; nothing was pulled",
+                               hint="rename it in the run dir, then pull again")
+        elif line.startswith(wire.FILE + " "):
             words = line.split(" ", 3)
             if len(words) != 4 or not names.is_digits(words[1]) or not re.fullmatch(r"[0-9a-f]{64}", words[2]):
                 raise RemoteFailed(f"unreadable file listing line {line[:200]!r}")
             files.append(RemoteFile(rel=safe_rel(words[3]), size=int(words[1]), sha256=words[2]))
     if root is None or not root.startswith("/"):
         raise RemoteFailed("the run's file listing did not say where the run dir is")
-    return Manifest(root=root, files=tuple(files), missing=missing and not files)
+    return Manifest(root=root, files=tuple(files), missing=missing and not files, links=tuple(links))
 
 
 def destinations(manifest: Manifest, to: Path) -> list[tuple[RemoteFile, Path]]:

@@ -49,7 +49,7 @@ def load_runbook(directory: Path, name: str) -> Runbook:
         if step not in PRE_STEPS:
             raise node.fail(f"runbook {name!r}: unknown pre step {step!r} (known: {', '.join(PRE_STEPS)})")
     return Runbook(name=name, command=command, description=f.str("description", "") or "",
-                   workdir=f.str("workdir", "{run_dir}") or "{run_dir}", env=f.str_map("env"), pre=pre,
+                   workdir=f.str("workdir") or None, env=f.str_map("env"), pre=pre,
                    liveness=_liveness(f, name), source=str(path), nodes=f.bool("nodes"))
 
 
@@ -71,9 +71,12 @@ def substitute(text: str, values: dict[str, str]) -> str:
 
 
 def run_spec(book: Runbook, target: Target, *, name: str, run_id: str, extra_args: tuple[str, ...] = (),
-             extra_env: tuple[tuple[str, str], ...] = ()) -> RunSpec:
+             extra_env: tuple[tuple[str, str], ...] = (), caller_dir: str | None = None) -> RunSpec:
     """Resolve a runbook on a target. `extra_args` (after `--`) are appended verbatim, never substituted.
-    `extra_env` (`launch --env`) is verbatim too and replaces the inventory's or the runbook's value of a key."""
+    `extra_env` (`launch --env`) is verbatim too and replaces the inventory's or the runbook's value of a key.
+    The job's working directory: the runbook's `workdir`, else `caller_dir` (given for this machine: the directory
+    `launch` runs in, so that a relative path after `--` means what it means in the caller's shell), else the run
+    dir."""
     runs_dir = target.runs_dir
     values = {"python": target.python, "run_dir": f"{runs_dir}/{run_id}", "run_id": run_id, "name": name}
     given = {k for k, _ in extra_env}
@@ -81,7 +84,8 @@ def run_spec(book: Runbook, target: Target, *, name: str, run_id: str, extra_arg
     return RunSpec(
         run_id=run_id, name=name, runbook=book.name,
         argv=tuple(substitute(a, values) for a in book.command) + tuple(extra_args),
-        workdir=substitute(book.workdir, values), env=env, pre=book.pre, runs_dir=runs_dir,
-        host=target.host.name, ct=target.container.ctid if target.container else None, liveness=book.liveness,
+        workdir=substitute(book.workdir, values) if book.workdir else caller_dir or values["run_dir"], env=env,
+        pre=book.pre, runs_dir=runs_dir, host=target.host.name, ct=target.container.ctid if target.container else None,
+        liveness=book.liveness, extra_args=tuple(extra_args),
     )
 

@@ -8,31 +8,32 @@ Quoting contract: every value from a user, an inventory or a runbook enters a sc
     SCRIPT             = "... nohup setsid bash -c " + quote(WRAPPED)  (parse 2: bash -c SCRIPT)
     WRAPPED            = "... " + shlex.join(argv)                      (parse 3: bash -c WRAPPED)
 
-Scripts report on stdout with lines tagged `DFLASH_<WORD>`; `parse.py` reads them back.
+Scripts report on stdout with lines tagged `DFLASH_<WORD>` and with exit codes, both named in `wire.py`; `parse.py`
+reads them back.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Sequence
 
+from dflash_ops import wire
 from dflash_ops.spec import CT_BASE_ENV, RunSpec, Target
 
 q = shlex.quote
-MARKER_VAR = "DFLASH_OPS_RUN_ID"
-RUN_DIR_VAR = "DFLASH_OPS_RUN_DIR"      # "$RUNS/<run id>": finds a run's processes when its directory is gone
 RUN_ID_GLOB = "-" + "[0-9]" * 8 + "T" + "[0-9]" * 6 + "-" + "[0-9a-f]" * 4
 LOG_TAIL_BYTES = 65536
 CHUNK_BYTES = 1 << 20
 
 # Shared helpers. A run is alive when its recorded pid (the wrapper: group leader) is not a zombie and carries
-# DFLASH_OPS_RUN_ID=<run id> in /proc/<pid>/environ: a reused pid never matches (zombies have no environ).
+# the marker (wire.MARKER_VAR=<run id>) in /proc/<pid>/environ: a reused pid never matches (zombies have no environ).
 # Every process that carries the marker belongs to the run, whatever its group or session (a child that called
 # setsid keeps it): `dflash_procs` finds them all, also for a run whose directory was deleted; `stop` signals
 # them and the wrapper's group, and launches are refused while any lives.
-PRELUDE = r"""set -u
-dflash_marked() { grep -qzxF -- "DFLASH_OPS_RUN_ID=$2" "/proc/$1/environ" 2>/dev/null; }
+_PRELUDE = r"""set -u
+dflash_marked() { grep -qzxF -- "__MARKER__=$2" "/proc/$1/environ" 2>/dev/null; }
 dflash_group_alive() {
   local s line f p
   dflash_marked "$1" "$2" && return 0
@@ -46,7 +47,7 @@ dflash_group_alive() {
   return 1
 }
 # "PID RUN_ID SID" for every live process of a run of "$RUNS" (see above). A process belongs to "$RUNS" when its
-# DFLASH_OPS_RUN_DIR is "$RUNS/<its run id>", or, for a run started without that variable, when that directory
+# __RUN_DIR_VAR__ is "$RUNS/<its run id>", or, for a run started without that variable, when that directory
 # exists. One grep reads every environ; zombies and kernel threads have none.
 dflash_procs() {
   local line pid kv f
@@ -54,10 +55,10 @@ dflash_procs() {
   while IFS= read -r line; do
     pid=${line#/proc/}; pid=${pid%%/*}; kv=${line#*/environ:}
     case $kv in
-      DFLASH_OPS_RUN_ID=*) id[$pid]=${kv#DFLASH_OPS_RUN_ID=} ;;
-      DFLASH_OPS_RUN_DIR=*) dir[$pid]=${kv#DFLASH_OPS_RUN_DIR=} ;;
+      __MARKER__=*) id[$pid]=${kv#__MARKER__=} ;;
+      __RUN_DIR_VAR__=*) dir[$pid]=${kv#__RUN_DIR_VAR__=} ;;
     esac
-  done < <(grep -Hazx -e 'DFLASH_OPS_RUN_ID=.*' -e 'DFLASH_OPS_RUN_DIR=.*' /proc/[0-9]*/environ 2>/dev/null \
+  done < <(grep -Hazx -e '__MARKER__=.*' -e '__RUN_DIR_VAR__=.*' /proc/[0-9]*/environ 2>/dev/null \
            | tr '\0' '\n')
   [ "${#id[@]}" -gt 0 ] || return 0    # bash < 4.4 calls an empty "${!id[@]}" unbound under set -u
   for pid in "${!id[@]}"; do
@@ -80,9 +81,34 @@ dflash_state() {
   fi
   if [ -e "$d/stopped" ]; then st=1; [ "$ended" = - ] && ended=$(stat -c %Y -- "$d/stopped" 2>/dev/null || echo -); fi
   size=$(stat -c %s -- "$d/output.log" 2>/dev/null || echo 0)
-  printf 'DFLASH_RUN %s %s %s %s %s %s %s\n' "${d##*/}" "$alive" "$pid" "$ex" "$st" "$ended" "$size"
+  printf '__STATE__ %s %s %s %s %s %s %s\n' "${d##*/}" "$alive" "$pid" "$ex" "$st" "$ended" "$size"
+}
+# A run that exited on SIGTERM/SIGINT after its checkpoint: the JSON of the last stopped line of its log.
+dflash_kept() {
+  local d=$1 ex= line
+  [ -r "$d/exit_code" ] && read -r ex < "$d/exit_code"
+  case $ex in __STOP_EXITS__) ;; *) return 0;; esac
+  line=$(tail -c 65536 -- "$d/output.log" 2>/dev/null | grep -a -F -e '__STOPPED__{' | tail -n 1 | head -c 4096)
+  [ -n "$line" ] && printf '__KEPT__ %s %s\n' "${d##*/}" "${line#*__STOPPED__}"
+  return 0
 }
 """
+
+
+def _filled(template: str, **words: str) -> str:
+    """`template` with each `__NAME__` token replaced by its word (bash's own braces stay as they are)."""
+    for name, word in words.items():
+        token = f"__{name}__"
+        assert token in template, token
+        template = template.replace(token, word)
+    return template
+
+
+PRELUDE = _filled(_PRELUDE, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR, STATE=wire.STATE, KEPT=wire.KEPT,
+                  STOPPED=wire.STOPPED_PREFIX, STOP_EXITS=f"{wire.EXIT_TERMINATED}|{wire.EXIT_INTERRUPTED}")
+# The lines that end a script whose run dir `$D` is not there, or print the time on the target.
+NO_RUN_DIR = f'[ -d "$D" ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n'
+PRINT_NOW = f"printf '{wire.NOW} %s\\n' \"$(date +%s)\"\n"
 
 
 def path_word(path: str) -> str:
@@ -131,10 +157,16 @@ def wrapper_script(spec: RunSpec) -> str:
 
     `$1` is the absolute run dir (a positional parameter: no runbook `export` can change it).
     `trap : TERM INT` makes the wrapper outlive a group SIGTERM long enough to record the job's status.
+    The job starts only once the launch has recorded the wrapper's pid (`pid` holds `$$`): a launch that cannot
+    write it removes the run dir instead, and the wrapper then ends before anything of the job ran (a kill alone
+    could race the job's first forks). It gives up after PID_WAIT_S, with the run dir left without a pid.
     """
     rd, word = '"$1"', lambda v: spec_word(v, spec.run_dir)
     workdir = word(spec.workdir) if spec.run_dir in spec.workdir else path_word(spec.workdir)
-    lines = ["trap : TERM INT"]
+    lines = ["trap : TERM INT",
+             f'i=0; until [ -r {rd}/pid ] && read -r p < {rd}/pid && [ "$p" = "$$" ]; do',
+             f'  [ -d {rd} ] && [ $i -lt {PID_WAIT_S * 100} ] || exit {wire.EXIT_FAILED}; sleep 0.01; i=$((i+1))',
+             "done"]
     lines += [f"export {k}={word(v)}" for k, v in spec.env]
     lines += [f"cd -- {workdir} && {' '.join(map(word, spec.argv))}", "rc=$?", KEEP_RC,
               f'until dflash_keep_rc {rd} || [ ! -d {rd} ]; do sleep {RC_RETRY_S}; done',
@@ -143,6 +175,7 @@ def wrapper_script(spec: RunSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
+PID_WAIT_S = 30                 # the wrapper's wait for its pid to be recorded (the launch writes it in ms)
 RC_RESERVE = ".exit_code.reserve"
 RC_RESERVE_BYTES = 32
 RC_RETRY_S = 5
@@ -166,12 +199,12 @@ def _alive_loop(name: str | None, tag: str) -> str:
     match = ("" if name is None else
              f'  n=${{i%{RUN_ID_GLOB}}}; [ "$n" != "$i" ] && [ "$n" = {q(name)} ] || continue\n')
     return ("while read -r p i s; do\n" + match +
-            f"  printf 'DFLASH_REFUSED {tag} %s\\n' \"$i\"; exit 5\n"
+            f"  printf '{wire.REFUSED} {tag} %s\\n' \"$i\"; exit {wire.EXIT_REFUSED}\n"
             "done < <(dflash_procs)\n")
 
 
 def cache_in_use_check(spec: RunSpec) -> str:
-    """clear_cache_step's refusal alone: while any process of a run in this runs dir lives (exit 5)."""
+    """clear_cache_step's refusal alone: while any process of a run in this runs dir lives (exit 5, refused)."""
     return _alive_loop(None, "cache")
 
 
@@ -181,8 +214,8 @@ def clear_cache_step(spec: RunSpec) -> str:
     set_dir = f"TORCHINDUCTOR_CACHE_DIR={q(env['TORCHINDUCTOR_CACHE_DIR'])}\n" if "TORCHINDUCTOR_CACHE_DIR" in env else ""
     return (cache_in_use_check(spec) + set_dir +
             'cache=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}\n'
-            'rm -rf -- "$cache" || { printf \'DFLASH_ERROR cannot clear %s\\n\' "$cache"; exit 1; }\n'
-            "printf 'DFLASH_PRE clear_inductor_cache %s\\n' \"$cache\"\n")
+            f'rm -rf -- "$cache" || {{ printf \'{wire.ERROR} cannot clear %s\\n\' "$cache"; exit {wire.EXIT_FAILED}; }}\n'
+            f"printf '{wire.PRE} clear_inductor_cache %s\\n' \"$cache\"\n")
 
 
 PRE_BUILDERS = {"clear_inductor_cache": clear_cache_step}
@@ -195,7 +228,7 @@ def launch_check_script(spec: RunSpec) -> str:
     a live run of the name, a pre step's condition -- else print `DFLASH_OK`. For a launch of several nodes, which
     checks every node before any of them starts; the launch itself still checks, under its lock."""
     return (PRELUDE + f"RUNS={path_word(spec.runs_dir)}\n" + _alive_loop(spec.name, "alive")
-            + "".join(PRE_CHECKS[step](spec) for step in spec.pre) + "echo DFLASH_OK\n")
+            + "".join(PRE_CHECKS[step](spec) for step in spec.pre) + f"echo {wire.CHECKED}\n")
 
 
 def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
@@ -204,28 +237,29 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
     `flock` on `<runs>/.launch.lock` serialises launches in one runs dir (fd 9 is closed for the job so the lock
     is released when this script ends). The `cd ... || exit 1;` then `nohup ... &` on its own line avoids the
     `a && b & ` trap (which would background the whole list and hold the channel open).
-    With `probe_after_s`, the same call then releases the lock, sleeps and prints `probe_script`'s output, so
+    With `probe_after_s`, the same call then releases the lock, waits that long or until the job has ended,
+    whichever comes first (a job that dies at once is reported then), and prints `probe_script`'s output, so
     launch-to-verified costs one round trip after the liveness wait.
     """
     rd = path_word(spec.run_dir)
     parts = [
         PRELUDE,
         f"RUNS={path_word(spec.runs_dir)}\n",
-        'mkdir -p -- "$RUNS" || { printf \'DFLASH_ERROR cannot create %s\\n\' "$RUNS"; exit 1; }\n',
+        f'mkdir -p -- "$RUNS" || {{ printf \'{wire.ERROR} cannot create %s\\n\' "$RUNS"; exit {wire.EXIT_FAILED}; }}\n',
         'if command -v flock >/dev/null 2>&1; then\n'
-        '  exec 9>>"$RUNS/.launch.lock" && flock -w 15 9 || { echo "DFLASH_REFUSED lock -"; exit 5; }\n'
+        f'  exec 9>>"$RUNS/.launch.lock" && flock -w 15 9 || {{ echo "{wire.REFUSED} lock -"; exit {wire.EXIT_REFUSED}; }}\n'
         'fi\n',
         _alive_loop(spec.name, "alive"),
         *(PRE_BUILDERS[step](spec) for step in spec.pre),
-        f"mkdir -- {rd} || {{ printf 'DFLASH_ERROR cannot create %s\\n' {rd}; exit 1; }}\n",
+        f"mkdir -- {rd} || {{ printf '{wire.ERROR} cannot create %s\\n' {rd}; exit {wire.EXIT_FAILED}; }}\n",
         # from here on a failure (a full disk) removes what this launch created: no phantom run is left behind
-        f"dflash_fail() {{ rm -rf -- {rd}; printf 'DFLASH_ERROR %s\\n' \"$1\"; exit 1; }}\n",
+        f"dflash_fail() {{ rm -rf -- {rd}; printf '{wire.ERROR} %s\\n' \"$1\"; exit {wire.EXIT_FAILED}; }}\n",
         f"err=$({{ printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
         f" && mv -f -- {rd}/run.json.tmp {rd}/run.json; }} 2>&1) || dflash_fail \"cannot write run.json: ${{err##*: }}\"\n",
         f"err=$({{ printf '\\n%.0s' {{1..{RC_RESERVE_BYTES}}} > {rd}/{RC_RESERVE}; }} 2>&1)"
         f" || dflash_fail \"cannot reserve room for the exit status: ${{err##*: }}\"\n",
         f"cd -- {rd} || dflash_fail 'cannot enter the run dir'\n",
-        f"{MARKER_VAR}={q(spec.run_id)} {RUN_DIR_VAR}=\"$RUNS\"/{q(spec.run_id)}"
+        f"{wire.MARKER_VAR}={q(spec.run_id)} {wire.RUN_DIR_VAR}=\"$RUNS\"/{q(spec.run_id)}"
         f" nohup setsid bash -c {q(wrapper_script(spec))} dflash-run \"$PWD\""
         " >>output.log 2>&1 </dev/null 9>&- &\n",
         "pid=$!\n",
@@ -238,14 +272,17 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         f'  while read -r p i s; do [ "$i" = {q(spec.run_id)} ] && kill -KILL "$p" 2>/dev/null; done < <(dflash_procs)\n'
         '  dflash_fail "cannot write the pid file: ${err##*: }"\n'
         "fi\n",
-        "printf 'DFLASH_LAUNCHED %s\\n' \"$pid\"\n",
+        f"printf '{wire.LAUNCHED} %s\\n' \"$pid\"\n",
     ]
     if probe_after_s is not None:
-        parts += ["exec 9>&-\n", f"sleep {max(0.0, float(probe_after_s)):.3f}\n", _probe_body(spec.run_dir, LOG_TAIL_BYTES)]
+        tenths = max(0, math.ceil(float(probe_after_s) * 10))
+        parts += ["exec 9>&-\n",
+                  f'i=0; while [ $i -lt {tenths} ] && dflash_marked "$pid" {q(spec.run_id)}; do sleep 0.1; i=$((i+1)); done\n',
+                  _probe_body(spec.run_dir, LOG_TAIL_BYTES)]
     return "".join(parts)
 
 
-PROC_LINES = "dflash_procs | sed 's/^/DFLASH_PROC /'\n"  # every live marked process (parse.proc_lines)
+PROC_LINES = f"dflash_procs | sed 's/^/{wire.PROC} /'\n"  # every live marked process (parse.proc_lines)
 
 
 def procs_script() -> str:
@@ -256,14 +293,19 @@ def procs_script() -> str:
 def list_script(runs_dir: str) -> str:
     """Every run dir under `runs_dir`: a DFLASH_RUN state line followed by a DFLASH_JSON line (run.json)."""
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\n"
-            "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
-            + PROC_LINES +
+            + PRINT_NOW + PROC_LINES +
             '[ -d "$RUNS" ] || exit 0\n'
             f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
             '  [ -d "$d" ] || continue\n'
             '  dflash_state "$d"\n'
-            "  printf 'DFLASH_JSON '; { head -c 65536 -- \"$d/run.json\" 2>/dev/null || true; } | tr -d '\\n'; echo\n"
+            f"  printf '{wire.RUN_JSON} '; {{ head -c 65536 -- \"$d/run.json\" 2>/dev/null || true; }} | tr -d '\\n'; echo\n"
+            '  dflash_kept "$d"\n'
             "done\n")
+
+
+def kept_script(run_dir: str) -> str:
+    """The run's `DFLASH_KEPT` line, when it ended on SIGTERM/SIGINT after its checkpoint (else nothing)."""
+    return PRELUDE + f"D={path_word(run_dir)}\n" + '[ -d "$D" ] && dflash_kept "$D"\nexit 0\n'
 
 
 def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
@@ -272,11 +314,9 @@ def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
 
 
 def _probe_body(run_dir: str, tail_bytes: int) -> str:
-    return (f"D={path_word(run_dir)}\n"
-            "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
-            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+    return (f"D={path_word(run_dir)}\n" + PRINT_NOW + NO_RUN_DIR +
             'dflash_state "$D"\n'
-            "echo DFLASH_LOG\n"
+            f"echo {wire.LOG}\n"
             f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')
 
 
@@ -300,11 +340,10 @@ def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False, 
         # the last byte is a newline (or the log is empty): start at the end; else at the partial line's start
         count = (f'nl=$({log} | tail -c 1 | wc -l)\n'
                  f'n=0; [ "$nl" = 1 ] || n=$({log} | tail -n 1 | wc -c)\n')
-    return (f"D={path_word(run_dir)}\n"
-            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+    return (f"D={path_word(run_dir)}\n" + NO_RUN_DIR +
             'size=$(stat -c %s -- "$D/output.log" 2>/dev/null || echo 0)\n'
             + count +
-            "printf 'DFLASH_START %s\\n' \"$((size - n))\"\n")
+            f"printf '{wire.START} %s\\n' \"$((size - n))\"\n")
 
 
 def tail_chunk_script(run_dir: str, offset: int, max_bytes: int = CHUNK_BYTES) -> str:
@@ -313,8 +352,7 @@ def tail_chunk_script(run_dir: str, offset: int, max_bytes: int = CHUNK_BYTES) -
     Order matters: the state is read before the bytes, so once it says "not alive" the bytes read after it are
     everything the job ever wrote (up to max_bytes).
     """
-    return (PRELUDE + f"D={path_word(run_dir)}\n"
-            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+    return (PRELUDE + f"D={path_word(run_dir)}\n" + NO_RUN_DIR +
             'dflash_state "$D"\n'
             f'tail -c +{int(offset) + 1} -- "$D/output.log" 2>/dev/null | head -c {int(max_bytes)}\n')
 
@@ -351,7 +389,7 @@ def runs_of_holders_script(runs_dir: str, holders: Sequence[tuple[int, int]]) ->
             '  case $ID in [A-Za-z0-9]*) ;; *) continue;; esac\n'
             '  case $ID in *[!A-Za-z0-9._-]*) continue;; esac\n'
             '  case $seen in *" $ID "*) continue;; esac\n'
-            '  seen="$seen$ID "; echo "DFLASH_RUNOF $ID"\n'
+            f'  seen="$seen$ID "; echo "{wire.RUN_OF} $ID"\n'
             'done < <(dflash_procs)\n')
 
 
@@ -366,18 +404,18 @@ def mark_ended_stopped_script(runs_dir: str, run_ids: Sequence[str]) -> str:
             '  [ -d "$D" ] && [ ! -e "$D/exit_code" ] && [ ! -e "$D/stopped" ] || continue\n'
             '  [ "$pid" != - ] && dflash_marked "$pid" "$ID" && continue\n'
             + MARK_STOPPED +
-            '  if [ -e "$D/stopped" ]; then echo "DFLASH_MARKED $ID"; else echo "DFLASH_UNMARKED $ID"; fi\n'
+            f'  if [ -e "$D/stopped" ]; then echo "{wire.MARKED} $ID"; else echo "{wire.UNMARKED} $ID"; fi\n'
             'done\n')
 
 
-def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = False) -> str:
-    """SIGTERM every process of the run, wait up to `grace_s`, SIGKILL what is left.
+def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = False, now: bool = False) -> str:
+    """SIGTERM every process of the run, wait up to `grace_s`, SIGKILL what is left; with `now`, SIGKILL at once.
 
     The run's processes are those that carry its marker (dflash_procs: wherever their group or session, and also
     when the run's directory is gone), plus the wrapper's process group while one of its members carries the
     marker. `stopped` is written before the first signal unless the run already has an exit code (then only its
-    leftover processes are killed). Ends with `DFLASH_STOP <how>`, `DFLASH_LEFT <count still alive>` and the
-    run's state line.
+    leftover processes are killed). Ends with `DFLASH_STOP <how>`, `DFLASH_LEFT <count still alive>`, the
+    run's state line and, when it ended after its checkpoint, its `DFLASH_KEPT` line.
 
     With `fence` (a launch of this run may still be on its way here: a rolled-back multi-node launch whose node
     did not answer in time), it first takes the runs dir's launch lock, so a launch script holding it finishes
@@ -390,17 +428,25 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
         fenced = ('mkdir -p -- "$RUNS" 2>/dev/null\n'
                   'if command -v flock >/dev/null 2>&1 && exec 9>>"$RUNS/.launch.lock"; then flock -w 30 9; fi\n'
                   'if [ ! -d "$D" ] && [ -z "$left" ] && mkdir -- "$D" 2>/dev/null; then\n'
-                  '  date +%s > "$D/stopped"; echo "DFLASH_STOP fenced"; echo "DFLASH_LEFT 0"; state; exit 0\n'
+                  f'  date +%s > "$D/stopped"; echo "{wire.STOP} fenced"; echo "{wire.LEFT} 0"; state; exit 0\n'
                   'fi\n'
                   'left=$(mine)\n')
+    if now:
+        ladder = 'how=killed_now; sig KILL\n'
+    else:
+        ladder = ('sig TERM\n'
+                  f'i=0; while [ $i -lt {tenths} ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
+                  'how=terminated\n'
+                  'if [ -n "$(mine)" ]; then how=killed; sig KILL; fi\n')
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\nID={q(run_id)}\nD=\"$RUNS/$ID\"\n"
             'mine() { local p i s; dflash_procs | while read -r p i s; do [ "$i" = "$ID" ] && echo "$p"; done; }\n'
-            'state() { if [ -d "$D" ]; then dflash_state "$D"; else printf \'DFLASH_RUN %s 0 - - 1 - 0\\n\' "$ID"; fi; }\n'
+            f'state() {{ if [ -d "$D" ]; then dflash_state "$D"; dflash_kept "$D"; '
+            f'else printf \'{wire.STATE} %s 0 - - 1 - 0\\n\' "$ID"; fi; }}\n'
             'left=$(mine)\n'
             + fenced +
-            '[ -d "$D" ] || [ -n "$left" ] || { echo DFLASH_MISSING; exit 3; }\n'
+            f'[ -d "$D" ] || [ -n "$left" ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n'
             'pid=$(dflash_pid "$D")\n'
-            'if [ -z "$left" ]; then echo "DFLASH_STOP not_running"; echo "DFLASH_LEFT 0"; state; exit 0; fi\n'
+            f'if [ -z "$left" ]; then echo "{wire.STOP} not_running"; echo "{wire.LEFT} 0"; state; exit 0; fi\n'
             '# a run that already exited keeps its state; only its leftover processes are signalled\n'
             + MARK_STOPPED +
             'sig() {\n'
@@ -408,15 +454,11 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
             '  [ "$pid" != - ] && dflash_group_alive "$pid" "$ID" && kill -"$1" -- "-$pid" 2>/dev/null\n'
             '  for p in $(mine); do kill -"$1" "$p" 2>/dev/null; done\n'
             '}\n'
-            'sig TERM\n'
-            f'i=0; while [ $i -lt {tenths} ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
-            'how=terminated\n'
-            'if [ -n "$(mine)" ]; then\n'
-            '  how=killed; sig KILL\n'
-            '  i=0; while [ $i -lt 50 ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
-            'fi\n'
-            'echo "DFLASH_STOP $how"\n'
-            'printf \'DFLASH_LEFT %s\\n\' "$(mine | wc -l)"\n'
+            + ladder +
+            # what SIGKILL left a moment to go (the kernel reaps it), then what is left is counted
+            'i=0; while [ "$how" != terminated ] && [ $i -lt 50 ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
+            f'echo "{wire.STOP} $how"\n'
+            f'printf \'{wire.LEFT} %s\\n\' "$(mine | wc -l)"\n'
             'state\n')
 
 
@@ -424,31 +466,29 @@ def rendezvous_script(candidates: Sequence[int], *, find_address: bool = False) 
     """Rank 0's part of the rendezvous, checked where its torchrun will listen. `DFLASH_PORT <p>`: the first of
     `candidates` that no TCP socket of this network namespace uses as its local port (listening, connected or
     closing: /proc/net/tcp and tcp6), else `DFLASH_ERROR no free port` (exit 1). With `find_address`, first its
-    own addresses, for noderun.own_ipv4: `DFLASH_IP4 <line>` per line of `ip -4 -o addr show scope global`, and
-    `DFLASH_HOSTIPS <hostname -I>`."""
+    own addresses, for multinode/rendezvous.own_ipv4: `DFLASH_IP4 <line>` per line of `ip -4 -o addr show scope
+    global`, and `DFLASH_HOSTIPS <hostname -I>`."""
     ports = " ".join(str(int(p)) for p in candidates)
     found = ("{ ip -4 -o addr show scope global 2>/dev/null || true; } | while IFS= read -r l; do\n"
-             "  printf 'DFLASH_IP4 %s\\n' \"$l\"\n"
+             f"  printf '{wire.IP4} %s\\n' \"$l\"\n"
              "done\n"
-             "printf 'DFLASH_HOSTIPS %s\\n' \"$(hostname -I 2>/dev/null)\"\n") if find_address else ""
+             f"printf '{wire.HOSTIPS} %s\\n' \"$(hostname -I 2>/dev/null)\"\n") if find_address else ""
     return (found + "used=' '\n"
             "while read -r _ local _; do\n"
             '  case $local in *:*) used+="$((16#${local##*:})) " ;; esac\n'
             "done < <(cat /proc/net/tcp /proc/net/tcp6 2>/dev/null)\n"
             f"for p in {ports}; do\n"
             '  case $used in *" $p "*) continue ;; esac\n'
-            "  printf 'DFLASH_PORT %s\\n' \"$p\"; exit 0\n"
+            f"  printf '{wire.PORT} %s\\n' \"$p\"; exit 0\n"
             "done\n"
-            "echo 'DFLASH_ERROR no free port'; exit 1\n")
+            f"echo '{wire.ERROR} no free port'; exit {wire.EXIT_FAILED}\n")
 
 
 def joined_script(run_dir: str, ere: str, tail_bytes: int = 4096) -> str:
     """probe_script's state and log tail, with `DFLASH_JOINED` among the header lines once a line of the log
     matches the extended regex `ere` (read after the state: a run that ended had written that line before)."""
-    return (PRELUDE + f"D={path_word(run_dir)}\n"
-            "printf 'DFLASH_NOW %s\\n' \"$(date +%s)\"\n"
-            '[ -d "$D" ] || { echo DFLASH_MISSING; exit 3; }\n'
+    return (PRELUDE + f"D={path_word(run_dir)}\n" + PRINT_NOW + NO_RUN_DIR +
             'dflash_state "$D"\n'
-            f'grep -a -q -E -e {q(ere)} -- "$D/output.log" 2>/dev/null && echo DFLASH_JOINED\n'
-            "echo DFLASH_LOG\n"
+            f'grep -a -q -E -e {q(ere)} -- "$D/output.log" 2>/dev/null && echo {wire.JOINED}\n'
+            f"echo {wire.LOG}\n"
             f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')

@@ -120,9 +120,10 @@ class LocalTransport:
         return None
 
     def fetch(self, remote: str, local: Path, size: int) -> str:
-        """The first `size` bytes of the file `remote` (on this machine) into `local`; their SHA-256."""
+        """The first `size` bytes of the regular file `remote` (on this machine; a symbolic link is refused, never
+        followed) into `local`; their SHA-256."""
         try:
-            src = open(remote, "rb")  # noqa: SIM115 -- closed by the with below
+            src = os.fdopen(os.open(remote, os.O_RDONLY | os.O_NOFOLLOW), "rb")
         except OSError as exc:
             raise RemoteFailed(f"cannot read {remote}: {exc.strerror or exc}") from None
         try:
@@ -296,14 +297,18 @@ class SshTransport:
             self._connect()
 
     def fetch(self, remote: str, local: Path, size: int) -> str:
-        """The first `size` bytes of `remote` into `local` over SFTP on this same connection (its host key was
-        checked when it was made); their SHA-256."""
+        """The first `size` bytes of `remote`, a regular file (a symbolic link is refused, never followed), into
+        `local` over SFTP on this same connection (its host key was checked when it was made); their SHA-256."""
+        import stat
+
         import paramiko
 
         client = self._client or self._connect()
         try:
             if self._sftp is None:
                 self._sftp = client.open_sftp()
+            if not stat.S_ISREG(self._sftp.lstat(remote).st_mode or 0):
+                raise RemoteFailed(f"{remote} on {self.label} is not a regular file (a symbolic link?); not pulled")
             src = self._sftp.open(remote, "rb")
         except (paramiko.SSHException, EOFError, socket.timeout) as exc:
             self.close()

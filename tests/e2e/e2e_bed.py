@@ -17,7 +17,9 @@ against the session's real sshd and emulated Proxmox containers reached through 
   `--export KIB` (write export/, metrics.jsonl, ckpt/step_2 and ckpt/step_10 into the run dir, as the trainer does,
   plus an awkwardly named file and a symlink `export/leak` to `--leak PATH`),
   `--argv FILE` (write the job's argv as NUL-joined bytes), `--env FILE` (write $HOSTILE's bytes), `--echo` (print
-  every argument after `--echo` raw, one per line), `--rc N` (exit status). Files are written via tmp+rename.
+  every argument after `--echo` raw, one per line), `--rc N` (exit status), `--slow-term S` (as the trainer: on
+  SIGTERM take S seconds to write ckpt/step_7/state, print `DFLASH_STOPPED {"step": 7}`, exit 143). Files are
+  written via tmp+rename.
 """
 from __future__ import annotations
 
@@ -49,6 +51,16 @@ def put(path, data):
     with open(path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(path + ".tmp", path)
+if opt("--slow-term"):
+    import signal
+    def slow_stop(*_):
+        time.sleep(float(opt("--slow-term")))
+        os.makedirs("ckpt/step_7.tmp")
+        put("ckpt/step_7.tmp/state", b"weights at step 7\n")
+        os.replace("ckpt/step_7.tmp", "ckpt/step_7")
+        print('DFLASH_STOPPED {"step": 7, "checkpoint": "ckpt/step_7"}', flush=True)
+        os._exit(143)
+    signal.signal(signal.SIGTERM, slow_stop)
 print("job started", flush=True)
 rank = os.environ.get("PET_NODE_RANK", "0")
 if "--joined" in args:

@@ -94,3 +94,31 @@ def test_a_run_that_ends_on_a_full_disk_keeps_its_exit_code(small_disk, testbed,
     assert sorted(p.name for p in run_dir.iterdir()) == ["exit_code", "output.log", "pid", "run.json"]
     runs = json.loads(_cli(tb, books, "runs", "--host", tb.host, "--ct", str(ctid), "--json").stdout)
     assert [(r["run_id"], r["state_text"]) for r in runs] == [(run_dir.name, "exited 3")]
+
+
+def test_a_launch_that_cannot_record_its_pid_never_runs_the_job(small_disk, testbed, tmp_path):
+    """The disk has room for the run dir, run.json, the reserve and the log, but no inode for the pid file. The
+    job must not run at all: a kill after it started races its forks (here a child that leaves the process group
+    at once, as torchrun's ranks do), and a job that ran may have written elsewhere. Launched several times, as a
+    race shows itself only sometimes."""
+    tb = testbed(1)
+    ctid, runs_dir = tb.containers[0].ctid, tb.runs_dirs[tb.containers[0].ctid]
+    canary, children = tmp_path / "ran", tmp_path / "children"       # off the small disk
+    books = tmp_path / "runbooks"
+    books.mkdir()
+    job = f"echo ran >> {canary}; setsid sleep 300 & echo $! >> {children}; wait"
+    (books / "racer.yaml").write_text(f"command: {json.dumps(['bash', '-c', job])}\n"
+                                      'liveness: {wait_s: 0.2, pattern: "never", timeout_s: 5}\n')
+    (runs_dir / ".launch.lock").touch()
+    st = os.statvfs(small_disk)
+    used = st.f_files - st.f_ffree
+    # the run dir, run.json, .exit_code.reserve and output.log; not pid.tmp
+    subprocess.run(["mount", "-o", f"remount,nr_inodes={used + 4}", str(small_disk)], check=True)
+    for i in range(5):
+        done = _cli(tb, books, "launch", "racer", "--host", tb.host, "--ct", str(ctid), "--name", f"racer{i}")
+        assert done.returncode == 1, done.stderr
+        [error] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert error.endswith("failed: cannot write the pid file: No space left on device"), error
+        assert not canary.exists(), "the job ran although its launch failed"
+        assert sorted(p.name for p in runs_dir.iterdir()) == [".launch.lock"]
+    assert not children.exists()

@@ -2,7 +2,8 @@
 refusal, group stop, `runs` states, tail across sshd restarts, dry run, and the inductor-cache pre-step.
 
 Each test owns one container of the module's bed (ct0: life, ct1: group stop + dry run, ct2: states + tail
-reconnect, ct3: inductor cache, then --follow and Ctrl-C), so no test sees another's runs.
+reconnect, ct3: inductor cache, then --follow and Ctrl-C, ct4: relative paths after `--`, stop keeps work), so no test sees
+another's runs.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from support import procfs, sshclient
 from e2e_bed import LineReader, marked_processes, wait_for
 
 pytestmark = pytest.mark.ssh
-CONTAINERS = 4
+CONTAINERS = 5
 
 
 def lines(n: int) -> bytes:
@@ -218,3 +219,40 @@ def test_launch_follow_streams_to_the_end_and_ctrl_c_on_tail_leaves_the_run_alon
     gate.touch()
     wait_for((bed.tb.runs_dirs[ctid] / doc["run_id"] / "exit_code").exists, "the run to end after the gate opens")
     assert one_run(bed, ctid, doc["run_id"])["state_text"] == "exited 0"
+
+
+def test_a_relative_path_after_dashes_is_said_to_be_relative_to_the_run_dir_there(bed):
+    """In a container the job runs in its run dir: a failed launch whose arguments after `--` hold a relative path
+    says what that path is relative to."""
+    ctid = bed.ct(4)
+    (bed.runbooks / "diesjob.yaml").write_text(f'command: ["{{python}}", "{bed.job}"]\n'
+                                               'liveness: {wait_s: 0.2, pattern: "never printed", timeout_s: 60}\n')
+    done = bed.cli("launch", "diesjob", *bed.target(ctid), "--name", "rel", "--", "--argv", "data/argv.bin",
+                   "--rc", "2")
+    assert done.returncode == 4, done.stderr
+    [run_dir] = bed.run_dirs(ctid, "rel")
+    hint = [line for line in done.stderr.decode().splitlines() if line.startswith("hint: ")]
+    assert hint == [f"hint: log: {run_dir}/output.log; 'data/argv.bin' and every relative path after `--` is "
+                    f"relative to the job's working directory, {run_dir} on {bed.tb.host}/ct{ctid}"], done.stderr
+
+
+def test_stop_in_a_container_waits_for_the_checkpoint_and_stop_now_does_not(bed, monkeypatch, tmp_path):
+    """The job takes 12 s after SIGTERM to write its checkpoint (the old grace was 10 s): `stop` waits for it,
+    and `runs` and `status` read the run `stopped at step 7`; `stop --now` SIGKILLs a second one at once."""
+    ctid, root = bed.ct(4), bed.tb.runs_dirs[bed.ct(4)]
+    saver = bed.launch(ctid, "--slow-term", "12", "--gate", str(bed.gate("saver")), name="saver")
+    quick = bed.launch(ctid, "--slow-term", "60", "--gate", str(bed.gate("quick")), name="quick")
+    stopped = bed.proc("stop", "saver", *bed.target(ctid), "--json", timeout=240)
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(stopped.stdout)["status"]["state_text"] == "stopped at step 7"
+    assert (root / saver["run_id"] / "ckpt" / "step_7" / "state").read_bytes() == b"weights at step 7\n"
+    assert one_run(bed, ctid, saver["run_id"])["state_text"] == "stopped at step 7"
+    monkeypatch.setenv("DFLASH_OPS_NVIDIA_SMI", str(tmp_path / "no-nvidia-smi"))
+    status = json.loads(bed.cli("status", *bed.target(ctid), "--json").stdout)
+    [row] = [r for t in status["hosts"][0]["targets"] for r in t["runs"] if r["run_id"] == saver["run_id"]]
+    assert (row["state"], row["state_text"]) == ("stopped", "stopped at step 7")
+    now = bed.proc("stop", "quick", *bed.target(ctid), "--now", timeout=120)
+    assert now.returncode == 0, now.stderr
+    assert now.stdout.decode() == f"stopped {quick['run_id']} with SIGKILL at once (--now); state: killed\n"
+    assert not (root / quick["run_id"] / "ckpt").exists()
+    assert marked_processes(bed.container(4), quick["run_id"]) == []

@@ -159,9 +159,9 @@ def nothing_runs(bed, prefix: str) -> None:
 
 def records(prefix: str) -> list[Path]:
     """The multi-node records on this machine of runs named `prefix`."""
-    from dflash_ops.runs import nodes
+    from dflash_ops.multinode import recordfile
 
-    return sorted(nodes.record_path(f"{prefix}-20260101T000000-0000").parent.glob(f"{prefix}-*.json"))
+    return sorted(recordfile.path(f"{prefix}-20260101T000000-0000").parent.glob(f"{prefix}-*.json"))
 
 
 def test_the_nodes_get_one_run_id_and_the_rendezvous_and_status_tail_stop_cover_a_dead_node(nodes_bed, monkeypatch):
@@ -301,17 +301,18 @@ def test_ctrl_c_or_a_bug_during_a_launch_stops_the_nodes_that_started(nodes_bed)
     # A bug (here: in what the caller does when a node has started) is raised with its traceback, once the nodes
     # that started are stopped.
     from dflash_ops import inventory
-    from dflash_ops.runs import nodelaunch, nodes, runbooks
+    from dflash_ops.multinode import launch, plan
+    from dflash_ops.runs import runbooks
 
     def broken(rank: int, pid: int) -> None:
         if rank == 1:
             raise ZeroDivisionError("a bug")
 
-    p = nodes.plan(inventory.load_inventory(bed.inventory), runbooks.load_runbook(bed.runbooks, "nodesjob"),
-                   nodes_of(bed), name="bug", extra_args=("--gate", str(bed.gate("bug"))))
+    p = plan.plan(inventory.load_inventory(bed.inventory), runbooks.load_runbook(bed.runbooks, "nodesjob"),
+                  nodes_of(bed), name="bug", extra_args=("--gate", str(bed.gate("bug"))))
     try:
         with pytest.raises(ZeroDivisionError, match="a bug"):
-            nodelaunch.launch(p, on_started=broken)
+            launch.launch(p, on_started=broken)
     finally:
         p.close()
     nothing_runs(bed, "bug")

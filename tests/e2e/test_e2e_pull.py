@@ -1,6 +1,7 @@
 """`pull` over real SSH: from an emulated container (pct pull on the Proxmox host, then SFTP on the same
 connection) and from a plain SSH host (SFTP), every file checked by size and SHA-256, nothing overwritten without
---force, nothing followed out of the run dir, host keys checked. ct0: the export and friends, ct1: a live log."""
+--force, nothing followed out of the run dir, host keys checked. ct0: the export and friends, ct1: a live log,
+ct2: links and odd names where pct pull would follow them."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,7 @@ import pytest
 from e2e_bed import wait_for
 
 pytestmark = pytest.mark.ssh
-CONTAINERS = 2
+CONTAINERS = 3
 
 
 def sha(path) -> str:
@@ -97,3 +98,37 @@ def test_pull_from_a_plain_ssh_host_goes_over_sftp_with_its_host_key_checked(bed
                                  known_hosts=bed.tb.sshd.empty_known_hosts())
     refused = bed.cli("pull", "onhost", "--host", bed.tb.host, "--to", str(tmp_path / "no"), inventory=unknown)
     assert refused.returncode == 77 and not (tmp_path / "no").exists()
+
+
+def test_pull_from_a_container_never_follows_a_link_and_refuses_a_newline_name(bed, tmp_path):
+    """pct pull opens a path inside the container and follows its links: the listing must not name one. A log or a
+    metrics file linked elsewhere, a ckpt directory linked outside the run dir: exit 3, nothing pulled; a file whose
+    name has a newline: exit 1, nothing pulled."""
+    ctid = bed.ct(2)
+    secret = bed.work / "ct2-secret"
+    secret.write_text("not the run's\n")
+    doc = bed.launch(ctid, "--export", "4", "--leak", str(secret), name="links")
+    run_dir = bed.tb.runs_dirs[ctid] / doc["run_id"]
+    wait_for((run_dir / "exit_code").exists, "the job to write its files and end")
+    outside = bed.work / "ct2-elsewhere"
+    os.rename(run_dir / "ckpt", outside)
+    os.symlink(outside, run_dir / "ckpt")
+    os.unlink(run_dir / "metrics.jsonl")
+    os.symlink(secret, run_dir / "metrics.jsonl")
+    os.rename(run_dir / "output.log", bed.work / "ct2-output.log")
+    os.symlink(secret, run_dir / "output.log")
+    where = f"{bed.tb.host}/ct{ctid}"
+    for what, name in (("ckpt", "ckpt"), ("metrics", "metrics.jsonl"), ("log", "output.log")):
+        done = bed.cli("pull", "links", *bed.target(ctid), "--what", what, "--to", str(tmp_path / what))
+        assert done.returncode == 3, (what, done.stderr)
+        assert done.stderr.decode().splitlines() == [
+            f"error: run {doc['run_id']} has no {what} on {where} to pull: {name} is a symbolic link, and links "
+            "are not followed"]
+        assert not (tmp_path / what).exists()
+    (run_dir / "export" / "new\nline.bin").write_bytes(b"x")
+    done = bed.cli("pull", "links", *bed.target(ctid), "--to", str(tmp_path / "e"))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.decode().splitlines()[0] == ("error: a file of the selection has a newline in its name; "
+                                                    "nothing was pulled")
+    assert not (tmp_path / "e").exists()
+    assert [p for p in os.listdir("/var/tmp") if p.startswith("dflash-pull.")] == []

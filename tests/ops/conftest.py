@@ -18,12 +18,26 @@ REPO = Path(__file__).resolve().parents[2]
 # The job the test runbooks launch. Flags: --out FILE (argv + env as JSON), --lines N, --every S, --metrics N (N
 # intervals as the trainer prints them: a DFLASH_METRICS line, then a human line; then DFLASH_DONE), --child FILE
 # (spawn `sleep` in the same process group, write its pid), --rc N, --hold (sleep until killed), then
-# --partial TEXT (write TEXT with no newline), --gate FILE (wait until FILE exists), --then TEXT (write TEXT raw).
+# --partial TEXT (write TEXT with no newline), --gate FILE (wait until FILE exists), --then TEXT (write TEXT raw);
+# --slow-term S: on SIGTERM take S seconds to write a checkpoint (<run dir>/ckpt/step_7/state, by tmp + rename),
+# print `DFLASH_STOPPED {"step": 7, ...}` and exit 143, as the trainer does.
 JOB = r'''
 import json, os, subprocess, sys, time
 args = sys.argv[1:]
 def opt(flag, default=None):
     return args[args.index(flag) + 1] if flag in args else default
+if opt("--slow-term"):
+    import signal
+    def stop(*_):
+        time.sleep(float(opt("--slow-term")))
+        done = os.path.join(opt("--run-dir"), "ckpt", "step_7")
+        os.makedirs(done + ".tmp")
+        with open(os.path.join(done + ".tmp", "state"), "w") as f:
+            f.write("weights at step 7\n")
+        os.replace(done + ".tmp", done)
+        print("DFLASH_STOPPED " + json.dumps({"step": 7, "checkpoint": done}), flush=True)
+        os._exit(143)
+    signal.signal(signal.SIGTERM, stop)
 print("job started", flush=True)
 out = opt("--out")
 if out:

@@ -45,3 +45,13 @@ def test_ops_cli_launches_the_trainer_and_parses_what_it_writes(tiny_target_dir)
     assert parsed.step == 4 and parsed.loss == pytest.approx(recorded[-1]["loss"])
     assert parsed.tokens_per_s == pytest.approx(recorded[-1]["tokens_per_s"])
     assert parsed.acc == pytest.approx(recorded[-1]["acc"])
+
+
+def test_the_trainers_hints_seen_through_launch_name_the_launch_form():
+    """Under `dflash-ops launch` the trainer's arguments follow `--`: its hint says `-- --set`, not `--set`."""
+    launched = ops("launch", "smoke", "--host", "local", "--name", "hinted", "--", "--set",
+                   "model.allow_tiny_target=false")
+    assert launched.returncode == 4, launched.stdout + launched.stderr
+    log = launched.stderr
+    assert "| error: model.target is empty: set model.target=DIR" in log, log
+    assert "| hint: e.g. -- --set model.target=/models/Qwen3-8B" in log, log

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_ops.wire import QUALITY_PREFIX
 from trainer.errors import ConfigError, run_cli
 
 
@@ -247,7 +248,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
               "timings_s": timings}
     (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
     log(f"stage timings (s): {json.dumps(timings)}")
-    log("DFLASH_QUALITY " + json.dumps(result))
+    log(QUALITY_PREFIX + json.dumps(result))
     return result
 
 

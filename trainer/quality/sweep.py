@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_ops.wire import SWEEP_PREFIX
 from trainer.errors import ConfigError, run_cli
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
@@ -237,7 +238,7 @@ def run_sweep(recipe: str, out: Path, variants: list[Variant], slots: list[str],
     result = {"recipe": recipe, "shared_target": shared, "slots": slots, "variants": rows}
     (out / "sweep.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows), flush=True)
-    print("DFLASH_SWEEP " + json.dumps(result), flush=True)
+    print(SWEEP_PREFIX + json.dumps(result), flush=True)
     return rows
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +47,32 @@ def test_launch_reports_a_run_that_dies_during_the_wait(ops_env):
     done = ops_env.sub("launch", "dies", "--", "--rc", "7")
     assert done.returncode == 4, done.stderr
     assert "exited 7" in done.stderr and "job started" in done.stderr
+
+
+def test_a_job_that_dies_at_once_is_reported_as_soon_as_it_exits(ops_env):
+    """The liveness wait (here 120 s) proves a job survives that long; one that has already ended is reported then,
+    not after the wait."""
+    (ops_env.runbooks / "brief.yaml").write_text((ops_env.runbooks / "job.yaml").read_text().replace(
+        "wait_s: 0.3", "wait_s: 120"))
+    t0 = time.monotonic()
+    done = ops_env.sub("launch", "brief", "--", "--rc", "7", timeout=240)
+    took = time.monotonic() - t0
+    assert done.returncode == 4, done.stderr
+    assert "exited 7 during its liveness check" in done.stderr and "job started" in done.stderr
+    assert took < 60, took          # far less than the wait: it ended at once (a loaded box: a few seconds)
+
+
+def test_on_this_machine_a_relative_path_after_dashes_is_the_callers(ops_env, tmp_path):
+    """The job runs in the directory `launch` ran in: `--out out.json` lands there, as in the caller's shell."""
+    (ops_env.root / "sub").mkdir()
+    done = ops_env.sub("launch", "job", "--json", "--", "--out", "sub/out.json")
+    assert done.returncode == 0, done.stderr
+    ops_env.wait_for(ops_env.root / "sub" / "out.json")
+    got = json.loads((ops_env.root / "sub" / "out.json").read_text())
+    assert got["cwd"] == str(ops_env.root)
+    run = json.loads(done.stdout)
+    assert json.loads((Path(run["run_dir"]) / "run.json").read_text())["workdir"] == str(ops_env.root)
+    assert not (Path(run["run_dir"]) / "sub").exists()
 
 
 def test_launch_without_the_pattern_fails_with_4(ops_env):
@@ -166,3 +193,62 @@ def test_text_summary_and_runs_table(ops_env):
     assert table.exit_code == 0
     row = next(line for line in table.stdout.splitlines() if run_dir.name in line)
     assert "running" in row and pid in row and "job" in row
+
+
+def test_runs_piped_or_at_80_columns_cuts_nothing(ops_env):
+    """`runs | cat` is 80 columns wide, as `status` is (not one 250-column table); a long name that leaves no room
+    for the table's columns wraps its rows between values: no cell cut to `exite…`, the pid there."""
+    done = ops_env.sub("launch", "job", "--name", "graphwarm-ddp-b16-lr3e-4-long-name", "--json")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    _wait_state(ops_env, run["run_id"], "exited 0")
+    env = {k: v for k, v in ops_env.env.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "dflash_ops", "--runbooks", str(ops_env.runbooks), "runs"],
+                           capture_output=True, text=True, env=env, cwd=ops_env.root, timeout=60)
+    assert piped.returncode == 0, piped.stderr
+    lines = piped.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines) and "…" not in piped.stdout, piped.stdout
+    assert any(line.split()[:1] == [run["run_id"]] for line in lines)
+    assert f"pid {run['pid']}" in piped.stdout and "exited 0" in piped.stdout
+
+
+def test_stop_waits_for_the_checkpoint_and_the_run_reads_stopped(ops_env):
+    """A job that, like the trainer, takes a while after SIGTERM to write its checkpoint (12 s: more than the old
+    10 s grace) is given that time by `stop`'s default grace, and then reads `stopped at step 7`, not failed."""
+    done = ops_env.sub("launch", "job", "--json", "--", "--slow-term", "12", "--hold")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    run_dir = Path(run["run_dir"])
+    t0 = time.monotonic()
+    stopped = ops_env.sub("stop", run["run_id"], "--json", timeout=240)
+    assert stopped.returncode == 0, stopped.stderr
+    assert time.monotonic() - t0 >= 12
+    doc = json.loads(stopped.stdout)
+    assert doc["action"] == "terminated" and doc["status"]["state"] == "stopped", doc
+    assert doc["status"]["state_text"] == "stopped at step 7" and doc["status"]["stopped_step"] == 7
+    assert (run_dir / "ckpt" / "step_7" / "state").read_text() == "weights at step 7\n"
+    assert (run_dir / "exit_code").read_text() == "143\n"
+    [listed] = [r for r in ops_env.runs_json() if r["run_id"] == run["run_id"]]
+    assert (listed["state"], listed["stopped_step"], listed["exit_code"]) == ("stopped", 7, 143)
+    table = ops_env.sub("runs")
+    assert any(line.split()[:1] == [run["run_id"]] and "stopped at step 7" in line
+               for line in table.stdout.splitlines()), table.stdout
+    text = ops_env.sub("stop", run["run_id"])
+    assert text.stdout == f"run {run['run_id']} is not running (stopped at step 7); nothing to stop\n"
+    tail = ops_env.sub("tail", run["run_id"], "--no-follow")
+    assert tail.returncode == 4 and tail.stderr.splitlines()[-1] == f"run {run['run_id']} stopped at step 7"
+
+
+def test_stop_now_kills_at_once_and_the_checkpoint_is_never_written(ops_env):
+    done = ops_env.sub("launch", "job", "--json", "--", "--slow-term", "60", "--hold")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    refused = ops_env.sub("stop", run["run_id"], "--now", "--grace", "5")
+    assert refused.returncode == 2 and "--now kills at once: not with --grace" in refused.stderr
+    t0 = time.monotonic()
+    killed = ops_env.sub("stop", run["run_id"], "--now", timeout=120)
+    assert killed.returncode == 0, killed.stderr
+    assert time.monotonic() - t0 < 30            # no grace: far less than the job's 60 s "checkpoint"
+    assert killed.stdout == f"stopped {run['run_id']} with SIGKILL at once (--now); state: killed\n"
+    assert not (Path(run["run_dir"]) / "ckpt").exists()
+    assert not ops_env.pid_alive(run["pid"])

@@ -196,7 +196,7 @@ def test_the_human_view_loses_and_repeats_no_line_across_drops(ops_env, capsysbi
     ran: every human line once, in order."""
     from dflash_ops.cli import tail as tail_cli
 
-    run = _launch(ops_env, "--metrics", "40", "--every", "0.02")
+    run = _launch(ops_env, "--metrics", "40", "--every", "0.1")   # 4 s: still running when followed, however loaded
     s, status = _session_and_status(run["run_id"])
     flaky = FlakyTransport()
     tail_cli.follow_run(lifecycle.Session(s.target, flaky), status, start=0)   # returns: the run exited 0

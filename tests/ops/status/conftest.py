@@ -152,15 +152,17 @@ TRAINER = HERE / "fake_trainer.py"
 
 
 def trainer_runbook(runbooks: Path, fake: FakeGpus, *, gpu: int, mib: int, child_mib: int | None = None,
-                    name: str = "ft", ignore_term: bool = False) -> str:
+                    name: str = "ft", ignore_term: bool = False, slow_term_s: float | None = None) -> str:
     """A runbook whose job is fake_trainer.py holding `mib` MiB of GPU `gpu` (and a child holding `child_mib`);
-    with `ignore_term` the job outlives SIGTERM, so only SIGKILL ends it and its wrapper."""
+    with `ignore_term` the job outlives SIGTERM, so only SIGKILL ends it and its wrapper; with `slow_term_s`
+    SIGTERM makes it write a checkpoint (`{run_dir}/ckpt`) in that many seconds, then exit 143."""
     import json
 
     runbooks.mkdir(parents=True, exist_ok=True)
     command = ["{python}", str(TRAINER), "--dev", fake.dev(f"nvidia{gpu}"), "--dev", fake.dev("nvidiactl")]
     command += ["--child", fake.hold(gpu, child_mib)] if child_mib else []
     command += ["--ignore-term"] if ignore_term else []
+    command += ["--slow-term", str(slow_term_s), "--ckpt", "{run_dir}/ckpt"] if slow_term_s is not None else []
     (runbooks / f"{name}.yaml").write_text(
         f"description: fake trainer\ncommand: {json.dumps(command)}\n"
         f"env:\n  PYTHONUNBUFFERED: \"1\"\n  FAKE_NVIDIA_HOLD: \"{fake.hold(gpu, mib)}\"\n"

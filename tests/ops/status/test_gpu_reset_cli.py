@@ -48,6 +48,27 @@ def test_local_reset_kills_run_group_child_and_stubborn_holder(tmp_path, gpu_env
     assert first["marked_stopped"] == []
 
 
+def test_reset_gives_a_run_the_time_to_write_its_checkpoint(tmp_path, gpu_env):
+    """As `stop` does: SIGTERM, then the default grace, enough for a trainer that takes 12 s (more than the old
+    10 s) to write its checkpoint and exit; the run then reads stopped at its step, not killed."""
+    import time
+    from pathlib import Path
+
+    inv = local_inventory(tmp_path)
+    book = trainer_runbook(tmp_path / "runbooks", gpu_env, gpu=3, mib=1500, slow_term_s=12, name="saver")
+    launched = cli("--inventory", str(inv), "--runbooks", str(tmp_path / "runbooks"), "launch", book, "--json")
+    assert launched.exit_code == 0, launched.output
+    run = json.loads(launched.stdout)
+    t0 = time.monotonic()
+    res = cli("--inventory", str(inv), "gpu-reset", "--host", "local", "--yes", "--json")
+    assert res.exit_code == 0, res.output
+    assert time.monotonic() - t0 >= 12 and json.loads(res.stdout)["ok"]
+    [listed] = json.loads(cli("--inventory", str(inv), "runs", "--json").stdout)
+    assert (listed["run_id"], listed["state"], listed["exit_code"]) == (run["run_id"], "stopped", 143), listed
+    step = listed["stopped_step"]
+    assert step >= 10 and (Path(run["run_dir"]) / "ckpt" / f"step_{step}" / "state").is_file()
+
+
 def test_a_run_that_only_sigkill_ends_reads_killed_not_lost(tmp_path, gpu_env):
     """SIGKILL ends the wrapper before it can write an exit code: gpu-reset, which found the run from its holder
     before signalling, marks it stopped once it has ended, so it reads `killed`, as after `stop`, not `lost`."""

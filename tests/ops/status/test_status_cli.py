@@ -47,6 +47,40 @@ def test_local_status_shows_run_metrics_and_gpu_holders(tmp_path, gpu_env):
         _stop(inv, "local", run["run_id"])
 
 
+def test_status_of_one_run_lists_the_runs_of_its_target_once(tmp_path, gpu_env, monkeypatch):
+    """`status RUN` finds the run with the same query that reads its metrics and GPUs: one listing of the target's
+    runs, not one to find it and another for the report (each command still goes through the real transport)."""
+    from dflash_ops.ssh import transport
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "runs_dir": str(tmp_path / "runs")}}}))
+    book = trainer_runbook(tmp_path / "runbooks", gpu_env, gpu=1, mib=1024)
+    launched = cli("--inventory", str(inv), "--runbooks", str(tmp_path / "runbooks"), "launch", book, "--json")
+    assert launched.exit_code == 0, launched.output
+    run = json.loads(launched.stdout)
+    scripts: list[str] = []
+
+    class Counted(transport.LocalTransport):
+        def run(self, argv, **kwargs):
+            scripts.append(" ".join(argv))
+            return super().run(argv, **kwargs)
+
+    monkeypatch.setattr(transport, "for_host", lambda host: Counted(host.name))
+    try:
+        res = cli("--inventory", str(inv), "status", run["run_id"], "--json")
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["state"] == "running" and doc["nodes"][0]["run"]["gpus"] == [1]
+        assert doc["nodes"][0]["run"]["metrics"]["step"] >= 10
+        assert sum(s.count("DFLASH_JSON") for s in scripts) == 1, scripts      # one listing of the runs dir
+        assert len(scripts) == 1
+        missing = cli("--inventory", str(inv), "status", "nosuchrun", "--json")
+        assert missing.exit_code == 3 and json.loads(missing.stdout)["error"]["code"] == "run_not_found"
+    finally:
+        monkeypatch.undo()
+        _stop(inv, "local", run["run_id"])
+
+
 def test_no_gpu_is_said_plainly(tmp_path, monkeypatch):
     """Once, in words: no nested parentheses repeating the command's name."""
     missing = tmp_path / "no-such-nvidia-smi"

@@ -11,20 +11,24 @@ from dataclasses import replace
 
 import pytest
 
-from dflash_ops import inventory, nodespec
+from dflash_ops import inventory
 from dflash_ops.errors import ConfigError, UsageError
-from dflash_ops.runs import noderun, nodewatch, parse, runbooks, shellcmd
-from dflash_ops.runs.noderun import Machine, Node, NodeRun, NodeState, Rendezvous
+from dflash_ops.multinode import record, rendezvous, watch
+from dflash_ops.multinode import state as nodestate
+from dflash_ops.multinode.record import Node, NodeRun, Rendezvous
+from dflash_ops.multinode.rendezvous import Machine
+from dflash_ops.multinode.state import NodeState
+from dflash_ops.runs import parse, runbooks, shellcmd
 from dflash_ops.spec import Container, Host, Liveness, Runbook, RunStatus, Target
 
 RUN_ID = "pair-20260101T120000-ab12"
 
 
 def test_node_specs_are_host_and_optional_container():
-    assert nodespec.parse_node("pve1") == nodespec.NodeRef("pve1")
-    assert nodespec.parse_node("pve1:200") == nodespec.NodeRef("pve1", "200")
-    assert nodespec.parse_node("root@10.1.2.6:200") == nodespec.NodeRef("root@10.1.2.6", "200")
-    assert nodespec.parse_node("[fd00::5]:201").spec == "[fd00::5]:201"
+    assert record.parse_node("pve1") == record.NodeRef("pve1")
+    assert record.parse_node("pve1:200") == record.NodeRef("pve1", "200")
+    assert record.parse_node("root@10.1.2.6:200") == record.NodeRef("root@10.1.2.6", "200")
+    assert record.parse_node("[fd00::5]:201").spec == "[fd00::5]:201"
 
 
 @pytest.mark.parametrize("hostile", ["h;x:200", ":abc", ":200", "pve1:abc", "pve1:0", "pve1:200:1", "", "$(id):200",
@@ -32,18 +36,18 @@ def test_node_specs_are_host_and_optional_container():
                                      "x|y", "../x", "pve1:1234567890"])
 def test_hostile_node_specs_are_refused_with_the_form(hostile):
     with pytest.raises(UsageError) as exc:
-        nodespec.parse_node(hostile)
-    assert exc.value.message == f"invalid node {hostile!r}: expected {nodespec.FORM}" and exc.value.hint is None
+        record.parse_node(hostile)
+    assert exc.value.message == f"invalid node {hostile!r}: expected {record.FORM}" and exc.value.hint is None
 
 
 def test_groups_expand_in_order_and_a_node_named_twice_is_refused():
     groups = {"pair": ("pve1:200", "pve2:200")}
-    assert [n.spec for n in nodespec.parse_nodes(["pair", "pve3"], groups)] == ["pve1:200", "pve2:200", "pve3"]
+    assert [n.spec for n in record.parse_nodes(["pair", "pve3"], groups)] == ["pve1:200", "pve2:200", "pve3"]
     for specs in (["pve1:200", "pve1:200"], ["pair", "pve2:200"]):
         with pytest.raises(UsageError, match="node pve.:200 is given twice"):
-            nodespec.parse_nodes(specs, groups)
+            record.parse_nodes(specs, groups)
     with pytest.raises(UsageError, match="no nodes given"):
-        nodespec.parse_nodes([], groups)
+        record.parse_nodes([], groups)
 
 
 INVENTORY = """\
@@ -106,15 +110,15 @@ A, B, HERE = Machine("10.0.0.1", 22), Machine("10.0.0.2", 22), Machine("127.0.0.
 
 
 def test_the_rendezvous_address_is_rank_0s_as_the_other_nodes_reach_it():
-    assert noderun.rendezvous_address([bare("a"), bare("b")], [A, B]) == "10.0.0.1"
-    assert noderun.rendezvous_address([bare("a", rdzv_address="192.168.1.5"), bare("b")], [A, B]) == "192.168.1.5"
-    assert noderun.rendezvous_address([bare("a")], [HERE]) == "127.0.0.1"        # a bare host alone: its loopback
+    assert rendezvous.rendezvous_address([bare("a"), bare("b")], [A, B]) == "10.0.0.1"
+    assert rendezvous.rendezvous_address([bare("a", rdzv_address="192.168.1.5"), bare("b")], [A, B]) == "192.168.1.5"
+    assert rendezvous.rendezvous_address([bare("a")], [HERE]) == "127.0.0.1"        # a bare host alone: its loopback
     # A container has a network of its own: its own rdzv_address, else found inside it at launch (None) -- never
     # its host's address, nor loopback, even with every node on one machine.
-    assert noderun.rendezvous_address([proxmox("a", rdzv_address="192.168.1.5"), proxmox("b")], [A, B]) is None
-    assert noderun.rendezvous_address([proxmox("a"), proxmox("a", "201")], [HERE, HERE]) is None
+    assert rendezvous.rendezvous_address([proxmox("a", rdzv_address="192.168.1.5"), proxmox("b")], [A, B]) is None
+    assert rendezvous.rendezvous_address([proxmox("a"), proxmox("a", "201")], [HERE, HERE]) is None
     own = Target(Host(name="a", transport="proxmox"), Container("200", rdzv_address="10.5.0.20"))
-    assert noderun.rendezvous_address([own, proxmox("b")], [A, B]) == "10.5.0.20"
+    assert rendezvous.rendezvous_address([own, proxmox("b")], [A, B]) == "10.5.0.20"
     via = Machine("10.0.0.1", 22, route="ops@bastion:22")
     for targets, machines, says in (
             ([bare("a"), bare("b")], [HERE, B], "is reached at 127.0.0.1, which the other nodes cannot reach"),
@@ -124,9 +128,9 @@ def test_the_rendezvous_address_is_rank_0s_as_the_other_nodes_reach_it():
             ([bare("a"), bare("b")], [via, B], "is reached through ops@bastion:22"),
             ([proxmox("a"), proxmox("b")], [via, B], "is reached through ops@bastion:22")):
         with pytest.raises(UsageError, match=says) as exc:
-            noderun.rendezvous_address(targets, machines)
+            rendezvous.rendezvous_address(targets, machines)
         assert f"`rdzv_address:` under hosts.{targets[0].host.name}" in exc.value.hint
-    assert noderun.rendezvous_address([bare("a", rdzv_address="10.9.0.1"), bare("b")], [via, B]) == "10.9.0.1"
+    assert rendezvous.rendezvous_address([bare("a", rdzv_address="10.9.0.1"), bare("b")], [via, B]) == "10.9.0.1"
 
 
 IP_O = ("DFLASH_IP4 1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever\n"
@@ -136,15 +140,15 @@ IP_O = ("DFLASH_IP4 1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft fo
 
 
 def test_rank_0s_address_in_its_container_is_its_first_global_ipv4_else_the_launch_is_refused():
-    assert noderun.own_ipv4(IP_O) == "10.5.0.20"              # loopback and link-local skipped
-    assert noderun.own_ipv4("DFLASH_HOSTIPS fd00::2 169.254.1.1 10.9.9.9 \n") == "10.9.9.9"   # no `ip`: hostname -I
+    assert rendezvous.own_ipv4(IP_O) == "10.5.0.20"              # loopback and link-local skipped
+    assert rendezvous.own_ipv4("DFLASH_HOSTIPS fd00::2 169.254.1.1 10.9.9.9 \n") == "10.9.9.9"   # no `ip`: hostname -I
     for none in ("", "DFLASH_HOSTIPS \n", "DFLASH_IP4 2: eth0 inet 300.1.1.1/24 scope global eth0\n",
                  "DFLASH_HOSTIPS 010.1.1.1 1.2.3.4;id ::1\n", "DFLASH_PORT 20001\n"):
-        assert noderun.own_ipv4(none) is None, none
+        assert rendezvous.own_ipv4(none) is None, none
     ct = proxmox("pve1")
-    assert noderun.found_address(IP_O, ct) == "10.5.0.20"
+    assert rendezvous.found_address(IP_O, ct) == "10.5.0.20"
     with pytest.raises(ConfigError, match=r"rank 0's node pve1/ct200 has no global IPv4 address in its container") as e:
-        noderun.found_address("DFLASH_HOSTIPS \n", ct)
+        rendezvous.found_address("DFLASH_HOSTIPS \n", ct)
     assert e.value.exit_code == 78 and "`rdzv_address:` under hosts.pve1.containers.200" in e.value.hint
 
 
@@ -156,22 +160,22 @@ def test_each_node_gets_torchruns_rendezvous_variables():
     assert dict(RUN.node_env(1)) == {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_RDZV_BACKEND": "static",
                                      "PET_RDZV_ENDPOINT": "[fd00::5]:29511", "PET_RDZV_ID": RUN_ID,
                                      "PET_RDZV_CONF": "timeout=120"}
-    assert {k for k, _ in RUN.node_env(0)} < set(noderun.RDZV_ENV)
-    assert {"PET_STANDALONE", "PET_MASTER_ADDR", "PET_MASTER_PORT"} < set(noderun.RDZV_ENV)
+    assert {k for k, _ in RUN.node_env(0)} < set(rendezvous.RDZV_ENV)
+    assert {"PET_STANDALONE", "PET_MASTER_ADDR", "PET_MASTER_PORT"} < set(rendezvous.RDZV_ENV)
 
 
 def test_the_record_round_trips_and_a_tampered_one_is_not_a_record():
     doc = RUN.as_dict()
-    assert noderun.from_dict(doc) == RUN
+    assert record.from_dict(doc) == RUN
     for key, value in (("host", "pve1;id"), ("ct", "abc"), ("rank", 3)):
         bad = RUN.as_dict()
         bad["nodes"][0][key] = value
-        assert noderun.from_dict(bad) is None
+        assert record.from_dict(bad) is None
     for key, value in (("port", 0), ("port", "29511"), ("address", "a b"), ("backend", "c10d"), ("timeout_s", 0)):
         bad = RUN.as_dict()
         bad["rendezvous"][key] = value
-        assert noderun.from_dict(bad) is None
-    assert noderun.from_dict(None) is None and noderun.from_dict({"nodes": []}) is None
+        assert record.from_dict(bad) is None
+    assert record.from_dict(None) is None and record.from_dict({"nodes": []}) is None
 
 
 def book(command=("{python}", "-m", "torch.distributed.run", "-m", "trainer"), nodes=True) -> Runbook:
@@ -179,27 +183,27 @@ def book(command=("{python}", "-m", "torch.distributed.run", "-m", "trainer"), n
 
 
 def test_only_a_nodes_runbook_without_rendezvous_flags_spans_nodes():
-    noderun.check_runbook(book(command=("{python}", "-m", "torch.distributed.run", "--nproc-per-node", "gpu",
+    rendezvous.check_runbook(book(command=("{python}", "-m", "torch.distributed.run", "--nproc-per-node", "gpu",
                                         "--no-python", "-m", "trainer", "--recipe", "x", "--run-dir", "d", "--set")))
     with pytest.raises(UsageError, match="runs on one node: --node needs a runbook with `nodes: true`"):
-        noderun.check_runbook(book(nodes=False))
+        rendezvous.check_runbook(book(nodes=False))
     # the flags, and the abbreviations torchrun's argparse expands to them
     for flag in ("--standalone", "--nnodes=2", "--rdzv_endpoint", "--master-addr", "--nnode", "--stand", "--rdzv",
                  "--node_r", "--master_p=1"):
         with pytest.raises(UsageError, match=f"gives torchrun {flag}"):
-            noderun.check_runbook(book(command=("{python}", "-m", "torch.distributed.run", flag)))
+            rendezvous.check_runbook(book(command=("{python}", "-m", "torch.distributed.run", flag)))
 
 
 def test_no_environment_a_node_gets_may_set_the_rendezvous_and_torchrun_must_log_it_joining():
     for key in ("PET_RDZV_ENDPOINT", "PET_STANDALONE", "PET_MASTER_ADDR", "PET_MASTER_PORT"):
         with pytest.raises(UsageError, match=f"^--env sets {key}: with --node, dflash-ops sets the rendezvous"):
-            noderun.check_env([("HF_HOME", "/x"), (key, "h:1")], "--env")
-    noderun.check_env([("PET_NPROC_PER_NODE", "2")], "--env")
+            rendezvous.check_env([("HF_HOME", "/x"), (key, "h:1")], "--env")
+    rendezvous.check_env([("PET_NPROC_PER_NODE", "2")], "--env")
     b = book()
-    noderun.check_loglevel([("LOGLEVEL", "WARNING"), ("LOGLEVEL", "INFO")], b)     # the last one wins, as exported
+    rendezvous.check_loglevel([("LOGLEVEL", "WARNING"), ("LOGLEVEL", "INFO")], b)     # the last one wins, as exported
     for env, now in (([], "is not set"), ([("LOGLEVEL", "info")], "is 'info'"), ([("LOGLEVEL", "20")], "is '20'")):
         with pytest.raises(UsageError, match=f"runbook 'b': LOGLEVEL {now}; a multi-node launch waits") as exc:
-            noderun.check_loglevel(env, b)
+            rendezvous.check_loglevel(env, b)
         assert exc.value.hint == "set `LOGLEVEL: INFO` in the runbook's env (graphwarm-nodes does)"
 
 
@@ -215,19 +219,19 @@ def states(*statuses) -> list[NodeState]:
 
 def test_the_runs_state_names_the_node_that_failed_first():
     run, done = status("running"), status("exited", 0, 50.0)
-    assert noderun.overall(states(run, run)).text == "running"
-    assert noderun.overall(states(done, run)).state == "running"           # rank 0 finished a moment sooner
-    assert noderun.overall(states(done, done)).text == "exited 0"
+    assert nodestate.overall(states(run, run)).text == "running"
+    assert nodestate.overall(states(done, run)).state == "running"           # rank 0 finished a moment sooner
+    assert nodestate.overall(states(done, done)).text == "exited 0"
     late, early = status("exited", 1, 60.0), status("killed", 137, 40.0)
-    o = noderun.overall(states(late, early, run))
+    o = nodestate.overall(states(late, early, run))
     assert (o.state, o.first.node.rank, o.text) == ("failed", 1, "failed: node 1 (h1) first: killed (137)")
     lost = status("lost")                                                   # no exit recorded: it went first
-    assert noderun.overall(states(late, lost)).first.node.rank == 1
+    assert nodestate.overall(states(late, lost)).first.node.rank == 1
     cut = status("killed", 143, 70.0, stopped=True)
-    assert noderun.overall(states(cut, done)).text == "stopped"
-    assert noderun.overall(states(cut, run)).state == "failed"             # one node stopped under the others
-    assert noderun.overall(states(run, None)).text == "unknown: node 1 (h1): unreachable"
-    assert noderun.overall(states(late, None)).state == "failed"
+    assert nodestate.overall(states(cut, done)).text == "stopped"
+    assert nodestate.overall(states(cut, run)).state == "failed"             # one node stopped under the others
+    assert nodestate.overall(states(run, None)).text == "unknown: node 1 (h1): unreachable"
+    assert nodestate.overall(states(late, None)).state == "failed"
 
 
 def test_the_free_port_script_skips_ports_in_use():
@@ -235,7 +239,7 @@ def test_the_free_port_script_skips_ports_in_use():
         held.bind(("127.0.0.1", 0))
         held.listen()
         busy = held.getsockname()[1]
-        others = [p for p in range(*noderun.PORT_RANGE)][:8]     # whatever this machine does with them meanwhile
+        others = [p for p in range(*rendezvous.PORT_RANGE)][:8]     # whatever this machine does with them meanwhile
         found = subprocess.run(["bash", "-c", shellcmd.rendezvous_script([busy, *others])], capture_output=True,
                                text=True)
         assert found.returncode in (0, 1) and f"DFLASH_PORT {busy}\n" not in found.stdout, found.stderr
@@ -260,14 +264,14 @@ def test_a_fenced_stop_keeps_a_late_launch_from_starting_its_job(tmp_path):
 
 
 def test_tail_node_picks_a_rank_or_a_node_as_launched():
-    loc = nodewatch.Located(RUN_ID, RUN.nodes, (proxmox("pve1"), proxmox("b")), RUN)
+    loc = watch.Located(RUN_ID, RUN.nodes, (proxmox("pve1"), proxmox("b")), RUN)
     assert [loc.pick(x) for x in (None, "0", "1", "pve1:200", "root@10.1.2.7:200")] == [0, 0, 1, 0, 1]
     for bad in ("2", "pve1:201", "pve1"):
         with pytest.raises(UsageError, match=f"--node {bad}: not a node of {RUN_ID}"):
             loc.pick(bad)
     with pytest.raises(UsageError, match="invalid node '\u00b2'"):     # a digit to str.isdigit, not to int()
         loc.pick("\u00b2")
-    single = nodewatch.Located.single(RUN_ID, proxmox("pve1"))
+    single = watch.Located.single(RUN_ID, proxmox("pve1"))
     assert single.pick(None) == 0
     with pytest.raises(UsageError, match="is not a multi-node run"):
         single.pick("1")
@@ -281,7 +285,7 @@ def test_a_record_read_from_a_node_is_followed_only_when_it_names_that_node_and_
     group = NodeRun(RUN_ID, (Node(0, "pve1", "200"), Node(1, "pve2", "200")), Rendezvous("10.0.0.1", 29511, RUN_ID))
 
     def read_here(record: NodeRun, rank: int):
-        return nodewatch.located_from(inv, replace(status("running"), multinode=record, node_rank=rank), here)
+        return watch.located_from(inv, replace(status("running"), multinode=record, node_rank=rank), here)
 
     loc, warning = read_here(group, 1)
     assert warning is None and loc.multinode == group and [t.label for t in loc.targets] == ["pve1/ct200", "pve2/ct200"]
@@ -299,7 +303,7 @@ def test_text_from_hosts_is_never_taken_for_rich_markup(capsys):
 
     hostile = "[bold]x[/bold] [link=file:///etc/passwd]y[/link] [/]"
     failed = [NodeState(Node(0, "h0"), "h0[0]", None, hostile, 1)]
-    render.node_runs(RUN_ID, failed, noderun.overall(failed), json_out=False)
+    render.node_runs(RUN_ID, failed, nodestate.overall(failed), json_out=False)
     render.runs_table([replace(status("running"), name=hostile)], target="[fd00::5]", json_out=False)
     out = capsys.readouterr().out
     assert out.count(hostile) == 2 and "h0[0]" in out and "runs on [fd00::5]" in out

@@ -1,5 +1,5 @@
-"""Every node of a multi-node run at once, for nodelaunch.py and nodewatch.py: fanout.fan_out with a bug (an error
-that is not an OpsError) raised, and the time a node is given beyond its own timeouts.
+"""Every node of a multi-node run at once, for launch.py and watch.py: fanout.fan_out with a bug (an error that is
+not an OpsError) raised, and the time a node is given beyond its own timeouts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Launching a multi-node run (a nodes.NodePlan): reach every node, find the rendezvous on rank 0's, write the
+"""Launching a multi-node run (a plan.NodePlan): reach every node, find the rendezvous on rank 0's, write the
 record, launch every node at once and wait until they met; all or none: a launch that fails is rolled back by
-stopping every node (nodewatch.stop). lifecycle.py does each node's part.
+stopping every node (watch.stop). runs/lifecycle.py does each node's part.
 """
 
 from __future__ import annotations
@@ -10,18 +10,21 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from dflash_ops import names
+from dflash_ops import names, wire
 from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed
 from dflash_ops.fanout import Outcome, fan_out
-from dflash_ops.runs import lifecycle, noderun, parse, shellcmd
-from dflash_ops.runs.nodefan import SLACK_S, connect_s, raise_bugs, together
-from dflash_ops.runs.noderun import NodeRun
-from dflash_ops.runs.nodes import NodePlan, forget_record, save_record
-from dflash_ops.runs.nodewatch import Located, NodeStopped, stop
+from dflash_ops.multinode import recordfile, rendezvous
+from dflash_ops.multinode.fan import SLACK_S, connect_s, raise_bugs, together
+from dflash_ops.multinode.plan import NodePlan
+from dflash_ops.multinode.record import NodeRun
+from dflash_ops.multinode.watch import Located, NodeStopped, stop
+from dflash_ops.runs import lifecycle, parse, shellcmd
 from dflash_ops.spec import Launched, RunSpec
 
 JOIN_SLACK_S = 10.0  # beyond --rdzv-timeout: for torchrun's line to reach the log and a poll to read it
 JOIN_POLL_S = (0.25, 1.0)   # the rendezvous is polled every 0.25 s at first, backing off to every 1 s
+# A rolled-back launch's nodes have not met at the rendezvous, so no node has trained: no checkpoint to wait for.
+ROLLBACK_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -39,20 +42,20 @@ class LaunchInterrupted(KeyboardInterrupt):
         self.run_id, self.stopped = run_id, stopped
 
 
-def rendezvous(p: NodePlan) -> NodeRun:
+def find_rendezvous(p: NodePlan) -> NodeRun:
     """The run's record, from what rank 0's node says (rank 0 connected): a port free there, and rank 0's
     address when it is to be found in its container."""
     s = p.sessions[0]
     done = s.run(shellcmd.rendezvous_script(p.port_candidates, find_address=p.address is None),
                  "checking the rendezvous port", ok=(0, 1))
-    words = parse.tagged(done.out, "DFLASH_PORT")
+    words = parse.tagged(done.out, wire.PORT)
     if done.exit_code != 0 or not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"no free port for the rendezvous on {s.target.label} (tried {len(p.port_candidates)} "
-                           f"in {noderun.PORT_RANGE[0]}-{noderun.PORT_RANGE[1] - 1})", hint="launch again")
-    return p.run(int(words[0]), p.address or noderun.found_address(done.out, s.target))
+                           f"in {rendezvous.PORT_RANGE[0]}-{rendezvous.PORT_RANGE[1] - 1})", hint="launch again")
+    return p.run(int(words[0]), p.address or rendezvous.found_address(done.out, s.target))
 
 
-def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, grace_s: float = 10.0,
+def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, grace_s: float = wire.STOP_GRACE_S,
            on_started: Callable[[int, int], None] = lambda rank, pid: None,
            on_waiting: Callable[[NodeRun], None] = lambda run: None) -> NodesLaunched:
     """All or none. Reach every node, find the rendezvous on rank 0's, write the record; then launch every node
@@ -71,14 +74,14 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
                                   describe=describe) if not o.ok]
     if failed:
         raise _node_error(p, failed[0], "nothing was launched")
-    run = rendezvous(p)
+    run = find_rendezvous(p)
     specs = p.specs(run)
     if not force:  # a node that would refuse (a live run of the name, the cache in use) refuses before any starts
         refused = [o for o in together(ranks, lambda i: lifecycle.check_launch(p.sessions[i], specs[i]),
                                        deadline_s=connect_s(targets), describe=describe) if not o.ok]
         if refused:
             raise _node_error(p, refused[0], "nothing was launched")
-    save_record(run)
+    recordfile.save(run)
 
     def one(i: int) -> Launched:
         return lifecycle.launch(p.sessions[i], specs[i], force=force, wait_s=wait_s, grace_s=grace_s,
@@ -99,11 +102,11 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
             if not missing:
                 return NodesLaunched(run=run, launched=tuple(o.value for o in outcomes))
     except BaseException as exc:
-        stopped = roll_back(p, run, grace_s=grace_s, in_flight=in_flight)
+        stopped = roll_back(p, run, grace_s=ROLLBACK_GRACE_S, in_flight=in_flight)
         if isinstance(exc, KeyboardInterrupt):
             raise LaunchInterrupted(run.run_id, stopped) from None
         raise
-    aftermath = _aftermath(run, roll_back(p, run, grace_s=grace_s, in_flight=in_flight))
+    aftermath = _aftermath(run, roll_back(p, run, grace_s=ROLLBACK_GRACE_S, in_flight=in_flight))
     if failed:
         raise _node_error(p, failed[0], aftermath, keep_hint=isinstance(failed[0].error, Refused))
     r = run.rendezvous
@@ -123,7 +126,7 @@ def roll_back(p: NodePlan, run: NodeRun, *, grace_s: float, in_flight: Collectio
     stopped = stop(Located(run.run_id, run.nodes, tuple(s.target for s in p.sessions), run), grace_s=grace_s,
                    fence=in_flight)
     if all(r.how != "failed" for r in stopped):
-        forget_record(run.run_id)
+        recordfile.forget(run.run_id)
     return stopped
 
 
@@ -151,7 +154,7 @@ LAST_LINES = 5
 
 
 def await_rendezvous(p: NodePlan, specs: Sequence[RunSpec], run: NodeRun) -> list[tuple[int, str, list[str]]]:
-    """Wait until every node's log shows the rendezvous complete (noderun.JOINED_ERE), at most --rdzv-timeout
+    """Wait until every node's log shows the rendezvous complete (rendezvous.JOINED_ERE), at most --rdzv-timeout
     (+ JOIN_SLACK_S): the nodes' liveness line comes before they meet. Static rendezvous completes on every node or
     on none, so the wait ends as soon as a node ends without it. Returns the nodes that did not join: (rank, why,
     the last lines of its log)."""
@@ -162,7 +165,7 @@ def await_rendezvous(p: NodePlan, specs: Sequence[RunSpec], run: NodeRun) -> lis
         s, spec = p.sessions[i], specs[i]
         poll = JOIN_POLL_S[0]
         while True:
-            done = s.run(shellcmd.joined_script(spec.run_dir, noderun.JOINED_ERE), f"checking {spec.run_id}")
+            done = s.run(shellcmd.joined_script(spec.run_dir, rendezvous.JOINED_ERE), f"checking {spec.run_id}")
             probe = parse.probe(done.stdout)
             tail = probe.log_tail.decode("utf-8", "replace").splitlines()[-LAST_LINES:]
             if parse.joined(done.stdout):

@@ -1,28 +1,21 @@
-"""A multi-node run before it starts (noderun.py: the record, the wiring): which nodes (`--node` specs -> their
-targets, rank order), the plan of a launch (every node's command, checked before anything connects) and its dry
-run, and the run's record on this machine. nodelaunch.py launches a plan; nodewatch.py reads and stops a launched
-run.
-
-Where a run is found: its record is written on this machine (`local_state_dir()/nodes/<run id>.json`) before any
-node starts (and removed when the launch is rolled back), and into every node's run.json, so `stop RUN_ID` works
-from the run id alone on the launching machine and with the `--host/--ct` of any one of its nodes elsewhere.
+"""A multi-node run before it starts: which nodes (`--node` specs -> their targets, rank order), and the plan of a
+launch (every node's command, checked before anything connects) and its dry run. launch.py launches a plan.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from dflash_ops import inventory, names, nodespec
-from dflash_ops.errors import ConfigError, OpsError, UsageError
-from dflash_ops.runs import lifecycle, noderun
+from dflash_ops import inventory, names
+from dflash_ops.errors import UsageError
+from dflash_ops.multinode import rendezvous
+from dflash_ops.multinode.record import DEFAULT_RDZV_TIMEOUT_S, Node, NodeRef, NodeRun, Rendezvous, parse_nodes
+from dflash_ops.multinode.rendezvous import Machine
+from dflash_ops.runs import lifecycle
 from dflash_ops.runs.lifecycle import Session
-from dflash_ops.runs.noderun import Machine, Node, NodeRun, Rendezvous
-from dflash_ops.spec import LOCAL, PROXMOX, Host, Runbook, RunSpec, Target, local_state_dir
+from dflash_ops.spec import LOCAL, PROXMOX, Host, Runbook, RunSpec, Target
 from dflash_ops.ssh import transport
 
 PORT_CANDIDATES = 16
@@ -44,11 +37,11 @@ def same_place(t: Target) -> tuple[Machine, str | None]:
     return machine(t.host), t.container.ctid if t.container else None
 
 
-def resolve(inv: inventory.Inventory, specs: Sequence[str]) -> tuple[tuple[nodespec.NodeRef, ...], tuple[Target, ...]]:
+def resolve(inv: inventory.Inventory, specs: Sequence[str]) -> tuple[tuple[NodeRef, ...], tuple[Target, ...]]:
     """`--node` specs -> node refs and their targets, rank order. Refused (exit 2), before anything connects: a
     malformed spec, an unknown host, a Proxmox host without its container, one target named twice (also as two
     names of one machine)."""
-    refs = nodespec.parse_nodes(specs, inv.group_map())
+    refs = parse_nodes(specs, inv.group_map())
     targets = []
     for ref in refs:
         try:
@@ -86,7 +79,7 @@ class NodePlan:
     which are found on rank 0's node once it is reached."""
 
     book: Runbook
-    refs: tuple[nodespec.NodeRef, ...]
+    refs: tuple[NodeRef, ...]
     sessions: tuple[Session, ...]          # by rank
     name: str
     run_id: str
@@ -118,24 +111,24 @@ class NodePlan:
 
 def plan(inv: inventory.Inventory, book: Runbook, specs: Sequence[str], *, name: str | None,
          extra_args: tuple[str, ...] = (), extra_env: tuple[tuple[str, str], ...] = (),
-         rdzv_timeout_s: int = noderun.DEFAULT_RDZV_TIMEOUT_S) -> NodePlan:
+         rdzv_timeout_s: int = DEFAULT_RDZV_TIMEOUT_S) -> NodePlan:
     """Validate everything that needs no connection: the runbook, the nodes, the environments, the rendezvous
     address, each node's command."""
-    noderun.check_runbook(book)
-    noderun.check_env(book.env, f"runbook {book.name!r}")
-    noderun.check_env(extra_env, "--env")
+    rendezvous.check_runbook(book)
+    rendezvous.check_env(book.env, f"runbook {book.name!r}")
+    rendezvous.check_env(extra_env, "--env")
     refs, targets = resolve(inv, specs)
     for i, t in enumerate(targets):
-        noderun.check_env(t.env, f"the inventory's env of node {i} ({t.label})")
-    address = noderun.rendezvous_address(targets, [machine(t.host) for t in targets])
+        rendezvous.check_env(t.env, f"the inventory's env of node {i} ({t.label})")
+    address = rendezvous.rendezvous_address(targets, [machine(t.host) for t in targets])
     name = names.run_name(book.name if name is None else name)
     rng = secrets.SystemRandom()
     p = NodePlan(book=book, refs=refs, sessions=tuple(map(Session.of, targets)), name=name,
                  run_id=names.new_run_id(name), address=address, extra_args=extra_args, extra_env=extra_env,
                  rdzv_timeout_s=int(rdzv_timeout_s),
-                 port_candidates=tuple(rng.sample(range(*noderun.PORT_RANGE), PORT_CANDIDATES)))
+                 port_candidates=tuple(rng.sample(range(*rendezvous.PORT_RANGE), PORT_CANDIDATES)))
     for spec in p.specs(p.run(p.port_candidates[0])):      # every node's command is valid (lifecycle.plan's checks)
-        noderun.check_loglevel(spec.env, book)
+        rendezvous.check_loglevel(spec.env, book)
     return p
 
 
@@ -144,44 +137,3 @@ def dry_run(p: NodePlan, *, wait_s: float | None = None) -> tuple[NodeRun, tuple
     rank 0 in a container without `rdzv_address`, DRY_RUN_ADDRESS for the address found there at launch."""
     run = p.run(p.port_candidates[0])
     return run, tuple(lifecycle.dry_run(s, spec, wait_s=wait_s) for s, spec in zip(p.sessions, p.specs(run)))
-
-
-# -- the record on this machine -------------------------------------------------------------------------------
-def record_path(run_id: str) -> Path:
-    return local_state_dir() / "nodes" / f"{names.run_id(run_id)}.json"
-
-
-def save_record(run: NodeRun) -> None:
-    path = record_path(run.run_id)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(path.name + ".tmp")
-        part.write_text(json.dumps(run.as_dict()) + "\n")
-        os.replace(part, path)
-    except OSError as exc:
-        raise OpsError(f"cannot write the record of {run.run_id} to {path}: {exc.strerror or exc}") from None
-
-
-def forget_record(run_id: str) -> None:
-    try:
-        record_path(run_id).unlink(missing_ok=True)
-    except OSError:
-        pass      # a record left behind names a run no node has: `stop` says so
-
-
-def load_record(run_id: str) -> NodeRun | None:
-    """The record of a multi-node run launched from this machine; None when there is none."""
-    path = record_path(run_id)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise OpsError(f"cannot read {path}: {exc.strerror or exc}") from None
-    try:
-        run = noderun.from_dict(json.loads(text))
-    except json.JSONDecodeError:
-        run = None
-    if run is None or run.run_id != run_id:
-        raise ConfigError(f"{path}: not a valid multi-node run record", hint="remove it, or restore it")
-    return run

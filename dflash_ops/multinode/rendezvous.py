@@ -1,6 +1,5 @@
-"""PURE: a multi-node run as one object. Its record (nodes in rank order, the rendezvous), the torchrun variables
-each node gets, the choice of the rendezvous address, the checks a launch makes before it connects, and the run's
-overall state from its nodes' states.
+"""PURE: how the nodes of a run meet. The torchrun variables' rules, the checks a launch makes before it connects,
+and the choice of the rendezvous address.
 
 The wiring is torchrun's own static rendezvous: node i gets `--node-rank i` (PET_NODE_RANK), every node
 `--nnodes N` and `--rdzv-endpoint ADDR:PORT` of rank 0's node, whose torchrun hosts the store on that port. Fixed
@@ -17,12 +16,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflash_ops import names, nodespec
+from dflash_ops import names, wire
 from dflash_ops.errors import ConfigError, UsageError
-from dflash_ops.spec import EXITED, RUNNING, RunStatus, Runbook, Target
+from dflash_ops.spec import Runbook, Target
 
-BACKEND = "static"
-DEFAULT_RDZV_TIMEOUT_S = 600      # torchrun's own default: how long the nodes wait for each other to join
 PORT_RANGE = (20000, 32768)       # below Linux's ephemeral ports (32768-60999), so no outgoing connection takes it
 # torchrun's options that set the rendezvous or end it before it starts (--standalone); each is a flag
 # (`--node-rank`, `--node_rank`) and a PET_<DEST> variable (a flag wins over its variable)
@@ -32,74 +29,8 @@ RDZV_FLAGS = tuple(sorted({f"--{d}" for d in RDZV_DESTS} | {f"--{d.replace('_', 
 RDZV_ENV = tuple(f"PET_{d.upper()}" for d in RDZV_DESTS)
 # On every node, the rendezvous is complete once its log shows torchrun's line (torch/distributed/elastic/agent/
 # server/api.py `_rendezvous`, logged at INFO) or the trainer's first metrics line (ERE, for grep -E)
-JOINED_ERE = "Rendezvous complete for workers|^DFLASH_METRICS "
+JOINED_ERE = f"Rendezvous complete for workers|^{wire.METRICS_PREFIX}"
 JOIN_LOGLEVELS = ("INFO", "DEBUG")    # torchrun's LOGLEVEL at which that line is logged (exact names)
-
-
-@dataclass(frozen=True)
-class Node:
-    rank: int
-    host: str            # as named at launch: an inventory host or a bare address, resolved again when used
-    ct: str | None = None
-
-    @property
-    def spec(self) -> str:
-        return nodespec.NodeRef(self.host, self.ct).spec
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    address: str         # rank 0's node as the other nodes reach it
-    port: int
-    rdzv_id: str
-    timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
-    backend: str = BACKEND
-
-    @property
-    def endpoint(self) -> str:
-        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
-
-
-@dataclass(frozen=True)
-class NodeRun:
-    run_id: str
-    nodes: tuple[Node, ...]
-    rendezvous: Rendezvous
-
-    def node_env(self, rank: int) -> tuple[tuple[str, str], ...]:
-        """What node `rank`'s torchrun reads its rendezvous from (it takes a flag's value from PET_<FLAG>)."""
-        r = self.rendezvous
-        return (("PET_NNODES", str(len(self.nodes))), ("PET_NODE_RANK", str(rank)), ("PET_RDZV_BACKEND", r.backend),
-                ("PET_RDZV_ENDPOINT", r.endpoint), ("PET_RDZV_ID", r.rdzv_id),
-                ("PET_RDZV_CONF", f"timeout={r.timeout_s}"))
-
-    def as_dict(self) -> dict:
-        r = self.rendezvous
-        return {"run_id": self.run_id, "nodes": [{"rank": n.rank, "host": n.host, "ct": n.ct} for n in self.nodes],
-                "rendezvous": {"backend": r.backend, "address": r.address, "port": r.port, "id": r.rdzv_id,
-                               "timeout_s": r.timeout_s}}
-
-
-def from_dict(doc: object) -> NodeRun | None:
-    """A record as `as_dict` wrote it, every value checked again (it comes back from a remote run.json or a local
-    file); None when it is not one."""
-    try:
-        run_id, rdzv = names.run_id(doc["run_id"]), doc["rendezvous"]
-        nodes = []
-        for i, n in enumerate(doc["nodes"]):
-            ref = nodespec.parse_node(n["host"] if n.get("ct") is None else f"{n['host']}:{n['ct']}")
-            if n["rank"] != i:
-                return None
-            nodes.append(Node(rank=i, host=ref.host, ct=ref.ct))
-        port, timeout = rdzv["port"], rdzv["timeout_s"]
-        if (not nodes or rdzv["backend"] != BACKEND or type(port) is not int or not 0 < port < 65536
-                or type(timeout) is not int or timeout <= 0):
-            return None
-        return NodeRun(run_id=run_id, nodes=tuple(nodes),
-                       rendezvous=Rendezvous(address=names.rdzv_address(rdzv["address"]), port=port,
-                                             rdzv_id=names.run_id(rdzv["id"]), timeout_s=timeout))
-    except (KeyError, TypeError, AttributeError, UsageError):
-        return None
 
 
 def _rdzv_flag(arg: str) -> bool:
@@ -204,9 +135,9 @@ def own_ipv4(text: str) -> str | None:
     ip, listed = [], []
     for line in text.splitlines():
         words = line.split()
-        if words[:1] == ["DFLASH_IP4"] and "inet" in words[1:-1]:
+        if words[:1] == [wire.IP4] and "inet" in words[1:-1]:
             ip.append(words[words.index("inet") + 1].split("/", 1)[0])
-        elif words[:1] == ["DFLASH_HOSTIPS"]:
+        elif words[:1] == [wire.HOSTIPS]:
             listed += words[1:]
     for word in ip + listed:
         if not _IPV4_RE.fullmatch(word):
@@ -229,47 +160,3 @@ def found_address(text: str, target: Target) -> str:
                           hint=f"set the address the other nodes reach it by: `rdzv_address:` under "
                                f"{_inventory_key(target)} in the inventory")
     return address
-
-
-# -- the run's state from its nodes' ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class NodeState:
-    node: Node
-    label: str
-    status: RunStatus | None = None      # None: its run could not be read (error says why)
-    error: str | None = None
-    exit_code: int = 0                   # the exit code of that error
-
-
-@dataclass(frozen=True)
-class Overall:
-    state: str                           # running | exited 0 | stopped | failed | unknown
-    text: str
-    first: NodeState | None = None       # failed: the node that failed first
-
-
-def overall(states: Sequence[NodeState]) -> Overall:
-    """The run's state from its nodes': `failed` as soon as a node ended other than by exiting 0 or by `stop`
-    (or was stopped while others run), naming the node that ended first: by the nodes' clocks, and a node that
-    ended without recording its exit (lost: killed outright, its container stopped) before any that did, as the
-    others' failures follow it. Else `unknown` while a node cannot be read, `running` while any node runs,
-    `stopped` when every node ended and those that did not exit 0 were stopped, else `exited 0`."""
-    read = [s for s in states if s.status is not None]
-    running = [s for s in read if s.status.state == RUNNING]
-    bad = [s for s in read if s.status.state != RUNNING and not (s.status.state == EXITED and s.status.exit_code == 0)]
-    if bad and (running or not all(s.status.stopped for s in bad)):
-        first = min(bad, key=lambda s: (s.status.ended_at is not None, s.status.ended_at or 0.0, s.node.rank))
-        return Overall("failed", f"failed: node {first.node.rank} ({first.label}) first: {first.status.state_text}",
-                       first)
-    if len(read) < len(states):
-        lost = next(s for s in states if s.status is None)
-        return Overall("unknown", f"unknown: node {lost.node.rank} ({lost.label}): {lost.error}")
-    if running:
-        return Overall(RUNNING, RUNNING)
-    return Overall("stopped", "stopped") if bad else Overall(f"{EXITED} 0", f"{EXITED} 0")
-
-
-def exit_code(items) -> int:
-    """`runs`, `status` and `stop` of a multi-node run: 0 when every node answered, else the first failed node's
-    exit code (`items`: NodeState or nodewatch.NodeStopped, in rank order; each has an `exit_code`)."""
-    return next((x.exit_code for x in items if x.exit_code), 0)

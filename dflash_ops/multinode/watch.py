@@ -1,6 +1,6 @@
 """A launched multi-node run, or a run on one target: where it lives (from its record on this machine, or from the
 run.json of one of its nodes), its nodes' states and `status` rows, read at once, and `stop` of every node at once.
-lifecycle.py does each node's part.
+runs/lifecycle.py does each node's part.
 """
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from dflash_ops import hoststatus, inventory, names, nodespec
+from dflash_ops import hoststatus, inventory, names, wire
 from dflash_ops.errors import OpsError, RemoteFailed, RunNotFound, UsageError
 from dflash_ops.fanout import Outcome
+from dflash_ops.multinode.fan import SLACK_S, connect_s, together
+from dflash_ops.multinode.plan import same_place, targets_of
+from dflash_ops.multinode.record import Node, NodeRun, parse_node
+from dflash_ops.multinode.state import NodeState
 from dflash_ops.runs import lifecycle
 from dflash_ops.runs.lifecycle import Session
-from dflash_ops.runs.nodefan import SLACK_S, connect_s, together
-from dflash_ops.runs.noderun import Node, NodeRun, NodeState
-from dflash_ops.runs.nodes import same_place, targets_of
 from dflash_ops.spec import RunStatus, Target
 from dflash_ops.ssh import transport
 
@@ -47,7 +48,7 @@ class Located:
             raise UsageError(f"--node: {self.run_id} is not a multi-node run")
         if names.is_digits(text) and int(text) < len(self.nodes):
             return int(text)
-        ref = nodespec.parse_node(text)
+        ref = parse_node(text)
         for n in self.nodes:
             if (n.host, n.ct) == (ref.host, ref.ct):
                 return n.rank
@@ -120,19 +121,32 @@ class NodeRow:
     row: hoststatus.RunRow | None = None   # its latest metrics and the GPUs it holds
 
 
+def part_timeout_s(timeout_s: float) -> int:
+    """The time each part of a host's status script is given, within `status --timeout`."""
+    return max(1, int(timeout_s) - 3)
+
+
 def status_rows(loc: Located, gpu: hoststatus.GpuSettings, *, timeout_s: float,
-                reuse: transport.Transport | None = None) -> list[NodeRow]:
+                reuse: transport.Transport | None = None,
+                known: dict[str, hoststatus.HostStatus] | None = None) -> list[NodeRow]:
     """`status` of the run's nodes: one query per host (its nodes' containers together), all hosts at once.
-    `reuse`: an open transport to the host of a one-node run (so `status RUN` connects once)."""
+    `reuse`: an open transport to the host of a one-node run (so `status RUN` connects once). `known`: a host's
+    status already read (by the query that found the run), used instead of asking that host again where it
+    covers exactly that host's nodes."""
     by_host: dict[str, list[int]] = {}
     for i, t in enumerate(loc.targets):
         by_host.setdefault(t.host.name, []).append(i)
     hosts = {t.host.name: t.host for t in loc.targets}
-    part = max(1, int(timeout_s) - 3)
-    outcomes = together(by_host, lambda h: hoststatus.query_host(
-        hosts[h], [loc.targets[i] for i in by_host[h]], gpu, part_timeout_s=part,
-        transport=reuse if len(by_host) == 1 else None),
-        deadline_s=timeout_s, describe=lambda h: f"host {h}")
+    part = part_timeout_s(timeout_s)
+
+    def query(h: str) -> hoststatus.HostStatus:
+        have = (known or {}).get(h)
+        if have is not None and [t.label for t in have.targets] == [loc.targets[i].label for i in by_host[h]]:
+            return have
+        return hoststatus.query_host(hosts[h], [loc.targets[i] for i in by_host[h]], gpu, part_timeout_s=part,
+                                     transport=reuse if len(by_host) == 1 else None)
+
+    outcomes = together(by_host, query, deadline_s=timeout_s, describe=lambda h: f"host {h}")
     rows: dict[int, NodeRow] = {}
     for o in outcomes:
         for j, i in enumerate(by_host[o.key]):
@@ -155,7 +169,7 @@ def status_rows(loc: Located, gpu: hoststatus.GpuSettings, *, timeout_s: float,
 class NodeStopped:
     node: Node
     label: str
-    how: str                                # terminated | killed | not_running | not_there | fenced | failed
+    how: str                 # terminated | killed | killed_now | not_running | not_there | fenced | failed
     stopped: lifecycle.Stopped | None = None
     error: OpsError | None = None
 
@@ -174,19 +188,19 @@ class NodeStopped:
         state = self.stopped.status.state_text
         if self.how == "not_running":
             return f"was not running ({state})"
-        signal = "SIGTERM" if self.how == "terminated" else "SIGKILL after the grace period"
-        return f"stopped with {signal}; state: {state}"
+        return f"stopped with {lifecycle.signal_text(self.how)}; state: {state}"
 
 
 _ABSENT = object()
 
 
-def stop(loc: Located, *, grace_s: float = 10.0, fence: Collection[int] = ()) -> list[NodeStopped]:
+def stop(loc: Located, *, grace_s: float = wire.STOP_GRACE_S, now: bool = False,
+         fence: Collection[int] = ()) -> list[NodeStopped]:
     """Every node at once, in two phases: first the run is marked stopped on every node, then each node gets
     lifecycle.stop's ladder (SIGTERM, `grace_s`, SIGKILL). Marking first makes a node that fails because another
     was signalled (its collective lost a peer) read as stopped, not failed. A node already ended, or without the
-    run, is reported as such; one that cannot be reached does not keep the others from stopping. The ranks of
-    `fence` (a launch may still be on its way there) are stopped with lifecycle.fence."""
+    run, is reported as such; one that cannot be reached does not keep the others from stopping. `now`: SIGKILL
+    at once. The ranks of `fence` (a launch may still be on its way there) are stopped with lifecycle.fence."""
     ranks = range(len(loc.targets))
 
     def mark(i: int, s: Session):
@@ -201,7 +215,7 @@ def stop(loc: Located, *, grace_s: float = 10.0, fence: Collection[int] = ()) ->
 
     def signal(i: int, s: Session) -> lifecycle.Stopped:
         return lifecycle.fence(s, loc.run_id, grace_s=grace_s) if i in fence else \
-            lifecycle.stop(s, marked[i], grace_s=grace_s)
+            lifecycle.stop(s, marked[i], grace_s=grace_s, now=now)
 
     out: dict[int, NodeStopped] = {}
     with _Sessions(loc, ranks) as sessions:
@@ -214,7 +228,7 @@ def stop(loc: Located, *, grace_s: float = 10.0, fence: Collection[int] = ()) ->
                 out[o.key] = NodeStopped(node, label, "not_there")
             else:
                 marked[o.key] = o.value
-        for o in _at_once(loc, sessions, list(marked), signal, grace_s + 60 + SLACK_S):
+        for o in _at_once(loc, sessions, list(marked), signal, (0 if now else grace_s) + 60 + SLACK_S):
             node, label = loc.nodes[o.key], loc.targets[o.key].label
             if not o.ok:
                 out[o.key] = NodeStopped(node, label, "not_there" if isinstance(o.error, RunNotFound) else "failed",
