@@ -1,6 +1,7 @@
 """`python -m trainer` / `dflash-train`: train, eval, export, make-tiny-target. The one error boundary.
 
-  python -m trainer train --recipe NAME|PATH.yaml [--run-dir D] [--set a.b=v]... [--resume]
+  python -m trainer train --recipe NAME|PATH.yaml [--run-dir D] [--set a.b=v]...
+  python -m trainer train --run-dir D --resume [--set a.b=v]...
   python -m trainer eval --run-dir D | --drafter EXPORT_DIR --target T --data F
   python -m trainer export --run-dir D
   python -m trainer regenerate --target DIR --prompts FILE... --out FILE.jsonl [options] (trainer/regen/run.py)
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a drafter")
-    t.add_argument("--recipe", required=True, help=_recipe_help())
+    t.add_argument("--recipe", default=None, help=_recipe_help() + " (not with --resume: the run's config.json)")
     t.add_argument("--run-dir", type=user_path, default=None,
                    help="run directory (default: runs/<recipe>-<utc time>)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -55,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --run-dir, with the config.json it started with "
                         f"(--set may change only {', '.join(RESUME_MAY_CHANGE)})")
+    t.epilog = ("SIGTERM or Ctrl-C stops a run at its next log step with a checkpoint, prints DFLASH_STOPPED and "
+                "the resume command, and exits 143 / 130; a second signal ends it at once.")
     e = sub.add_parser("eval", help="simulated tau on held-out data, or real decoding on prompt files",
                        description="--run-dir D: simulated tau on the run's held-out split. --drafter EXPORT --target "
                                    "T --data F: simulated tau on a training-format JSONL. --drafter EXPORT --target "
@@ -174,9 +177,16 @@ def cmd_train(args) -> int:
     from trainer.metrics import Console
 
     console = Console(quiet=secondary_rank(), t0=_T0)
-    name = Path(args.recipe).stem
+    if args.resume and args.run_dir is None:
+        raise ConfigError("--resume needs --run-dir D: the run directory to continue")
+    if args.recipe is None and not args.resume:
+        raise ConfigError("train needs --recipe NAME|PATH.yaml (or --run-dir D --resume to continue a run)")
+    name = Path(args.recipe or "run").stem
     run_dir = Path(args.run_dir or f"runs/{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
     resumed = rundir.run_config_file(run_dir) if args.resume else None
+    if args.resume and resumed is None and args.recipe is None:
+        raise ConfigError(f"--resume: {run_dir} holds no config.json (nor a checkpoint's copy of it)",
+                          hint="point --run-dir at the run to continue, or pass the --recipe it started with")
     source = f"{resumed}, as the run started" if resumed else f"recipe {args.recipe}"
     with console.phase(f"checking the config ({source}) and the data") as notes:
         cfg = load_resumed_config(resumed, args.overrides) if resumed else load_config(args.recipe, args.overrides)
@@ -185,13 +195,13 @@ def cmd_train(args) -> int:
         _quiet_libraries()
         from trainer.train import train
     result = train(cfg, run_dir, resume=args.resume, console=console)
-    if result["world"] > 1:
-        _exit_rank_now()
-    return 0
+    if result.world > 1:
+        _exit_rank_now(result.exit_code)
+    return result.exit_code
 
 
-def _exit_rank_now() -> None:
-    """A finished torchrun rank (process group already destroyed, files written and flushed) leaves with os._exit(0).
+def _exit_rank_now(code: int) -> None:
+    """A finished torchrun rank (process group already destroyed, files written and flushed) leaves with os._exit.
 
     Under load, gloo's teardown at interpreter exit sometimes destroys a still-joinable C++ thread: "terminate called
     without an active exception", SIGABRT, and torchrun reports the successful job as failed (seen 1 run in 5 on a
@@ -199,7 +209,7 @@ def _exit_rank_now() -> None:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def eval_form(args) -> str:

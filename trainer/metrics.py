@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 METRICS_PREFIX = "DFLASH_METRICS "
 DONE_PREFIX = "DFLASH_DONE "
+STOPPED_PREFIX = "DFLASH_STOPPED "
 EVAL_PREFIX = "DFLASH_EVAL "
 PROGRESS_PREFIX = "DFLASH_PROGRESS "
 PROGRESS_EVERY_S = 10.0  # between DFLASH_PROGRESS lines of a long job (the first and the last always print)
@@ -275,6 +276,14 @@ class MetricsSink:
         self.stream.write(f"{DONE_PREFIX}{json.dumps(record)}\n{done_line(record)}\n")
         self.stream.flush()
 
+    def stopped(self, record: dict) -> None:
+        """A run a signal stopped (trainer/train.py `stopped`): the contract line, then where its checkpoint is and
+        the command that resumes it."""
+        if self.progress:
+            sys.stderr.write("\r\033[K")
+        self.stream.write(f"{STOPPED_PREFIX}{json.dumps(record)}\n{stopped_lines(record)}\n")
+        self.stream.flush()
+
 
 def done_line(record: dict) -> str:
     """Pure: the human end-of-run line of a DFLASH_DONE record."""
@@ -290,6 +299,14 @@ def done_line(record: dict) -> str:
     return f"run finished after {record.get('step', '?')} optimizer steps: export {record.get('export', '?')}, {tau}"
 
 
+def stopped_lines(record: dict) -> str:
+    """Pure: the human lines of a DFLASH_STOPPED record (no "step " in them: a runbook's liveness pattern must not
+    take a stopped run for a training one)."""
+    return (f"stopped by {record.get('signal', '?')} after {record.get('step', '?')} of "
+            f"{record.get('total_steps', '?')} optimizer steps: checkpoint {record.get('checkpoint', '?')}\n"
+            f"resume with: {record.get('resume', '?')}")
+
+
 class QuietSink(MetricsSink):
     """The sink of a data-parallel rank other than 0: writes and prints nothing (rank 0 reports global figures)."""
 
@@ -300,6 +317,9 @@ class QuietSink(MetricsSink):
         pass
 
     def done(self, record: dict) -> None:
+        pass
+
+    def stopped(self, record: dict) -> None:
         pass
 
 
