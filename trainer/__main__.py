@@ -247,62 +247,88 @@ def eval_form(args) -> str:
 
 
 def cmd_eval(args) -> int:
+    from trainer.metrics import Console
+
     form = eval_form(args)
+    console = Console(t0=_T0)
     if form == "--prompts":
-        return eval_prompts(args)
+        return eval_prompts(args, console)
     if form == "--data":
         from trainer.config import DataCfg
         from trainer.data.source import scan
 
-        scan([args.data], DataCfg().max_bad_fraction)  # a missing or malformed file, before torch
-    _quiet_libraries()
-    from trainer.eval import evaluate_export, evaluate_run
+        with console.phase(f"checking {args.data}") as notes:
+            notes.append(f"{scan([args.data], DataCfg().max_bad_fraction).lines} lines")  # before torch
+    with console.phase("loading torch and transformers"):
+        _quiet_libraries()
+        from trainer.eval import evaluate_export, evaluate_run
 
     if form == "--run-dir":
-        evaluate_run(args.run_dir)
+        with console.phase(f"evaluating the simulated tau of {args.run_dir} on its held-out rows"):
+            evaluate_run(args.run_dir)
     else:
-        evaluate_export(args.drafter, args.target, args.data)
+        with console.phase(f"evaluating the simulated tau of {args.drafter} on {args.data}"):
+            evaluate_export(args.drafter, args.target, args.data)
     return 0
 
 
-def eval_prompts(args) -> int:
-    """Real decoding of each prompt file: one DFLASH_EVAL line and one human line per set. The prompt files are read
-    before torch is imported."""
+def eval_prompts(args, console) -> int:
+    """Real decoding of each prompt file: its phases and DFLASH_PROGRESS lines as a job (`eval`, in prompts), one
+    DFLASH_EVAL line and its human lines per set, then DFLASH_DONE. The prompt files are read before torch is
+    imported. Every answer ends at the stop rule's first stop id (trainer/decode/stops.py, as regenerate's and a
+    server's) or at --max-new."""
     import json
 
+    from trainer.metrics import JobProgress
     from trainer.prompts import read_prompt_set
 
     for key, value in PROMPT_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    sets = [read_prompt_set(p) for p in args.prompts]
+    with console.phase(f"reading {len(args.prompts)} prompt file(s)") as notes:
+        sets = [read_prompt_set(p) for p in args.prompts]
+        notes.append(", ".join(f"{ps.name}: {len(ps.prompts)}" for ps in sets))
     for ps in sets:
         if ps.bad_lines:
             print(f"warning: {ps.name}: {len(ps.bad_lines)} unreadable lines skipped (lines "
                   f"{', '.join(map(str, ps.bad_lines[:10]))}{', ...' if len(ps.bad_lines) > 10 else ''})",
                   file=sys.stderr, flush=True)
-    _quiet_libraries()
-    from trainer.decode.lossless import describe
-    from trainer.export import load_pair
-    from trainer.placement import local_device
-    from trainer.quality.config import EvalCfg
-    from trainer.quality.evaluate import decode_benchmark
+    with console.phase("loading torch and transformers"):
+        _quiet_libraries()
+        from trainer.decode.lossless import describe
+        from trainer.export import load_pair
+        from trainer.placement import local_device
+        from trainer.quality.config import EvalCfg
+        from trainer.quality.evaluate import decode_benchmark
 
-    target, drafter, ecfg = load_pair(Path(args.drafter), args.target, local_device("auto"), args.target_dtype)
+    device = local_device("auto")
+    with console.phase(f"loading the drafter {args.drafter} and the target {args.target} on {device}"):
+        target, drafter, ecfg = load_pair(Path(args.drafter), args.target, device, args.target_dtype)
     # The serving-like configuration the quality recipe measures: the row-invariant attention and norms (lossless by
     # construction where the family allows it; a note and SDPA where not) and the compiled drafter.
     cfg = EvalCfg(prompts=args.limit, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
                   engine=static_or_hf(args.engine, target), invariant=True, compile="drafter")
+    total = sum(min(args.limit, len(ps.prompts)) for ps in sets)
+    progress = JobProgress("eval", total, "prompts", console)
+    done = tokens = 0
     for ps in sets:
-        r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None)
+        n = min(args.limit, len(ps.prompts))
+        with console.phase(f"decoding {ps.name}: {n} prompts, target alone then speculative ({cfg.engine} engine)"):
+            r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None,
+                                 progress=lambda k, t: progress.update(done + k, tokens + t))
+        done, tokens = done + r["prompts"], tokens + r["tokens"]
         keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
-                "speculative_tok_s", "engine", "attention", "norms", "device", "lossless")
+                "speculative_tok_s", "engine", "attention", "norms", "device", "lossless", "stop_ids",
+                "ended_on_stop")
         record = {"set": ps.name, "formats": list(ps.formats), **{k: r[k] for k in keep}}
-        print("DFLASH_EVAL " + json.dumps(record), flush=True)
-        print(f"eval {ps.name}: tau {r['tau']}, speedup {r['speedup']}x at batch 1 ({r['target_tok_s']} -> "
-              f"{r['speculative_tok_s']} tokens/s), {r['identical']}/{r['prompts']} outputs equal the target's",
-              flush=True)
-        print(f"eval {ps.name}: {describe(r['lossless'])}", flush=True)
+        console.write(f"DFLASH_EVAL {json.dumps(record)}\n"
+                      f"eval {ps.name}: tau {r['tau']}, speedup {r['speedup']}x at batch 1 ({r['target_tok_s']} -> "
+                      f"{r['speculative_tok_s']} tokens/s), {r['identical']}/{r['prompts']} outputs equal the "
+                      f"target's, {r['ended_on_stop']}/{r['prompts']} ended on a stop id (the others at --max-new "
+                      f"{args.max_new})\n"
+                      f"eval {ps.name}: {describe(r['lossless'])}\n")
+    progress.done({"done": done, "total": total, "tokens": tokens, "sets": [ps.name for ps in sets]},
+                  f"evaluated {done} prompts of {len(sets)} set(s) ({tokens:,} new tokens each way)")
     return 0
 
 
