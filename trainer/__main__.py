@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer",
                        description="A target + tokenizer (with a chat template) built offline: by default the tiny "
                                    "Qwen3 the tests use, briefly trained on the bundled chat data.")
-    m.add_argument("out_dir")
+    m.add_argument("out_dir", help="a new or empty directory (one holding anything is refused)")
     m.add_argument("--family", default="qwen3", choices=("qwen3", "llama"), help="(default: %(default)s)")
     m.add_argument("--hidden", type=int, default=64, help="hidden size (default: %(default)s)")
     m.add_argument("--layers", type=int, default=6, help="decoder layers (default: %(default)s)")
@@ -370,10 +370,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_tiny(args) -> int:
-    from trainer.tiny import build_tiny_target
+    from trainer.tiny import check_out_dir
 
     if args.hidden < 16 or args.hidden % 16 or args.layers < 4:
         raise TrainerError("--hidden must be a multiple of 16 and --layers >= 4")
+    check_out_dir(args.out_dir)
+    _quiet_libraries()
+    from trainer.tiny import build_tiny_target
+
     path = build_tiny_target(args.out_dir, family=args.family, hidden=args.hidden, num_layers=args.layers,
                              train_steps=args.train_steps)
     print(f"tiny target written to {path}", flush=True)
@@ -382,7 +386,7 @@ def cmd_tiny(args) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "regenerate": cmd_regenerate, "export": cmd_export,
             "make-tiny-target": cmd_tiny}
-CHECK_FIRST = ("train", "regenerate", "eval")  # these refuse bad input before torch is imported
+CHECK_FIRST = ("train", "regenerate", "eval", "make-tiny-target")  # these refuse bad input before torch is imported
 
 
 def main(argv: list[str] | None = None) -> int:

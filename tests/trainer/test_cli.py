@@ -484,3 +484,32 @@ def test_eval_refuses_flags_that_do_not_fit_in_one_line_before_torch(tmp_path, a
     assert p.returncode == 2, p.stderr[-2000:]
     assert error_lines(p.stderr) == [f"error: {message}"]
     assert "torch" not in imported(p.stderr)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("file", "error: {out} is a file, not a directory"),
+    ("in-file", "error: {out}: {root}/file is a file, not a directory"),
+    ("full", "error: {out} is not empty (config.json, notes.txt): make-tiny-target writes a new directory and "
+             "overwrites nothing"),
+])
+def test_make_tiny_target_overwrites_nothing_and_refuses_a_file_in_one_line_before_torch(tmp_path, where, message):
+    (tmp_path / "file").write_text("mine\n")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text('{"mine": true}\n')
+    (full / "notes.txt").write_text("mine\n")
+    out = {"file": tmp_path / "file", "in-file": tmp_path / "file" / "t", "full": full}[where]
+    p = run_cli("make-tiny-target", str(out), "--train-steps", "0", flags=("-X", "importtime"))
+    errors = [x for x in p.stderr.splitlines() if not x.startswith("import time:")]
+    assert p.returncode == 2 and errors[0] == message.format(out=out, root=tmp_path), p.stderr[-2000:]
+    assert errors[1:] == ["hint: pass a new or empty OUT_DIR"] and "torch" not in imported(p.stderr)
+    assert (tmp_path / "file").read_text() == "mine\n" and (full / "config.json").read_text() == '{"mine": true}\n'
+
+
+def test_make_tiny_target_writes_into_a_new_or_an_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "new" / "t"):
+        p = run_cli("make-tiny-target", str(out), "--train-steps", "0", "--layers", "4")
+        assert p.returncode == 0 and p.stdout.strip().endswith(f"tiny target written to {out}"), p.stderr[-2000:]
+        assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+
