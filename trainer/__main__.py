@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a drafter")
-    t.add_argument("--recipe", default=None, help=_recipe_help() + " (not with --resume: the run's config.json)")
+    t.add_argument("--recipe", default=None,
+                   help="required unless --resume (which reads the run's config.json): " + _recipe_help())
     t.add_argument("--run-dir", type=user_path, default=None,
                    help="run directory (default: runs/<recipe>-<utc time>)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
