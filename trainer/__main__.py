@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint in --run-dir, with the config.json it started with "
                         f"(--set may change only {', '.join(RESUME_MAY_CHANGE)})")
     t.epilog = ("SIGTERM or Ctrl-C stops a run at its next log step with a checkpoint, prints DFLASH_STOPPED and "
-                "the resume command, and exits 143 / 130; a second signal ends it at once.")
+                "the resume command, and exits 143 / 130; a second Ctrl-C ends it at once (a second SIGTERM is "
+                "ignored).")
     e = sub.add_parser("eval", help="simulated tau on held-out data, or real decoding on prompt files",
                        description="--run-dir D: simulated tau on the run's held-out split. --drafter EXPORT --target "
                                    "T --data F: simulated tau on a training-format JSONL. --drafter EXPORT --target "

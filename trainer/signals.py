@@ -3,10 +3,15 @@
 While `stop_requests()` is active, the first SIGTERM or SIGINT only records itself in the `StopRequest` it yields:
 the training loop reads that flag at its next log step, where the host syncs anyway and every data-parallel rank
 agrees on it (trainer/loop.py), and the run writes a checkpoint and exits 128 + the signal: 143 or 130
-(trainer/train.py). The first signal also gives both signals back their default action, so a second one ends the
-process at once, even while the main thread waits inside a C call (a checkpoint's write, a collective) where no
-Python handler could run: the checkpoint being written is then never renamed into place (trainer/checkpoint.py), and
-the newest complete one stays.
+(trainer/train.py).
+
+After the first signal, a further SIGTERM is ignored: stoppers send it more than once (`dflash-ops stop` signals the
+job's process group and each of its processes; torchrun forwards its own), and none of them means "drop the
+checkpoint" (they escalate to SIGKILL after their grace). A further SIGINT (a second Ctrl-C) ends the process at
+once, by SIGINT's default action, even while the main thread waits inside a C call (a checkpoint's write, a
+collective) where no Python handler could run. Either way no checkpoint is torn: one cut short is never renamed into
+place (trainer/checkpoint.py), and the newest complete one stays. The dispositions are set in the kernel, not in
+Python handlers, so they hold whatever the main thread is doing.
 """
 from __future__ import annotations
 
@@ -54,10 +59,10 @@ def stop_requests(quiet: bool = False) -> Iterator[StopRequest]:
 
     def first(signum, _frame) -> None:
         request.signum = signum
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if not quiet:  # os.write: a print here could re-enter a print the signal interrupted
-            os.write(2, f"{signal_name(signum)}: stopping at the next log step, after a checkpoint; a second signal "
+            os.write(2, f"{signal_name(signum)}: stopping at the next log step, after a checkpoint; Ctrl-C again "
                         f"ends the run at once, without it\n".encode())
 
     request._previous = {s: signal.signal(s, first) for s in STOP_SIGNALS}

@@ -114,10 +114,29 @@ def test_ctrl_c_mid_run_checkpoints_and_exits_130(tiny_target_dir, tmp_path):
     assert "interrupted" not in out and "Traceback" not in out
 
 
-def test_a_second_signal_ends_the_run_at_once_and_leaves_no_torn_checkpoint(tiny_target_dir, tmp_path):
-    """ckpt.every=1: a save is under way most of the time. The second SIGTERM, sent as soon as the first is
-    acknowledged, ends the process by the signal itself (no handler left to delay it); every checkpoint directory
-    left is complete, and a resume starts from the newest."""
+def test_sigterm_sent_twice_as_a_stopper_sends_it_still_ends_in_the_checkpoint(tiny_target_dir, tmp_path):
+    """`dflash-ops stop` signals the job's process group and then each of its processes (torchrun, too, forwards its
+    own): the trainer gets SIGTERM twice, a moment apart. The repeat is not a request to drop the checkpoint."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(train_cmd(tiny_target_dir, run_dir, "optim.max_steps=2000"), log)
+    try:
+        wait_for(log, proc, 'DFLASH_METRICS {"step": 2,')
+        os.killpg(proc.pid, signal.SIGTERM)  # the group (start_new_session: its id is the trainer's pid) ...
+        os.kill(proc.pid, signal.SIGTERM)  # ... and the process, as the stop script does
+        wait_for(log, proc, "SIGTERM: stopping at the next log step")
+        proc.send_signal(signal.SIGTERM)  # and once more while it stops
+        assert proc.wait(timeout=HANG_GUARD_S) == 143, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (stop,) = records(log.read_text(), "DFLASH_STOPPED ")
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == [f"step_{stop['step']}"]
+
+
+def test_ctrl_c_during_the_stop_ends_the_run_at_once_and_leaves_no_torn_checkpoint(tiny_target_dir, tmp_path):
+    """ckpt.every=1: a save is under way most of the time. A Ctrl-C sent as soon as the SIGTERM is acknowledged
+    ends the process by SIGINT itself (no handler left to delay it); every checkpoint directory left is complete,
+    and a resume starts from the newest."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = start(train_cmd(tiny_target_dir, run_dir, "ckpt.every=1", "ckpt.keep=2", "log.every=50",
                            "optim.max_steps=2000"), log)
@@ -128,8 +147,8 @@ def test_a_second_signal_ends_the_run_at_once_and_leaves_no_torn_checkpoint(tiny
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         wait_for(log, proc, "SIGTERM: stopping at the next log step")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=HANG_GUARD_S) == -signal.SIGTERM
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=HANG_GUARD_S) == -signal.SIGINT
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -146,7 +165,7 @@ def test_a_second_signal_ends_the_run_at_once_and_leaves_no_torn_checkpoint(tiny
                 torch.load(path / name, weights_only=False)  # whole: a torn file would not load
     resumed = start([sys.executable, "-m", "trainer", "train", "--run-dir", str(run_dir), "--resume"], log)
     try:
-        wait_for(log, resumed, f"restoring the newest checkpoint: ")
+        wait_for(log, resumed, "restoring the newest checkpoint: ")
         assert f"({kept[-1][0]} optimizer steps done)" in log.read_text()
         wait_for(log, resumed, "DFLASH_METRICS ")
         resumed.send_signal(signal.SIGTERM)
