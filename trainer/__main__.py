@@ -1,6 +1,7 @@
 """`python -m trainer` / `dflash-train`: train, eval, export, make-tiny-target. The one error boundary.
 
-  python -m trainer train --recipe NAME|PATH.yaml [--run-dir D] [--set a.b=v]... [--resume]
+  python -m trainer train --recipe NAME|PATH.yaml [--run-dir D] [--set a.b=v]...
+  python -m trainer train --run-dir D --resume [--set a.b=v]...
   python -m trainer eval --run-dir D | --drafter EXPORT_DIR --target T --data F
   python -m trainer export --run-dir D
   python -m trainer regenerate --target DIR --prompts FILE... --out FILE.jsonl [options] (trainer/regen/run.py)
@@ -47,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a drafter")
-    t.add_argument("--recipe", required=True, help=_recipe_help())
+    t.add_argument("--recipe", default=None,
+                   help="required unless --resume (which reads the run's config.json): " + _recipe_help())
     t.add_argument("--run-dir", type=user_path, default=None,
                    help="run directory (default: runs/<recipe>-<utc time>)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -55,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --run-dir, with the config.json it started with "
                         f"(--set may change only {', '.join(RESUME_MAY_CHANGE)})")
+    t.epilog = ("SIGTERM or Ctrl-C stops a run at its next log step with a checkpoint, prints DFLASH_STOPPED and "
+                "the resume command, and exits 143 / 130; a second Ctrl-C ends it at once (a second SIGTERM is "
+                "ignored).")
     e = sub.add_parser("eval", help="simulated tau on held-out data, or real decoding on prompt files",
                        description="--run-dir D: simulated tau on the run's held-out split. --drafter EXPORT --target "
                                    "T --data F: simulated tau on a training-format JSONL. --drafter EXPORT --target "
@@ -87,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer",
                        description="A target + tokenizer (with a chat template) built offline: by default the tiny "
                                    "Qwen3 the tests use, briefly trained on the bundled chat data.")
-    m.add_argument("out_dir")
+    m.add_argument("out_dir", help="a new or empty directory (one holding anything is refused)")
     m.add_argument("--family", default="qwen3", choices=("qwen3", "llama"), help="(default: %(default)s)")
     m.add_argument("--hidden", type=int, default=64, help="hidden size (default: %(default)s)")
     m.add_argument("--layers", type=int, default=6, help="decoder layers (default: %(default)s)")
@@ -174,9 +179,16 @@ def cmd_train(args) -> int:
     from trainer.metrics import Console
 
     console = Console(quiet=secondary_rank(), t0=_T0)
-    name = Path(args.recipe).stem
+    if args.resume and args.run_dir is None:
+        raise ConfigError("--resume needs --run-dir D: the run directory to continue")
+    if args.recipe is None and not args.resume:
+        raise ConfigError("train needs --recipe NAME|PATH.yaml (or --run-dir D --resume to continue a run)")
+    name = Path(args.recipe or "run").stem
     run_dir = Path(args.run_dir or f"runs/{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
     resumed = rundir.run_config_file(run_dir) if args.resume else None
+    if args.resume and resumed is None and args.recipe is None:
+        raise ConfigError(f"--resume: {run_dir} holds no config.json (nor a checkpoint's copy of it)",
+                          hint="point --run-dir at the run to continue, or pass the --recipe it started with")
     source = f"{resumed}, as the run started" if resumed else f"recipe {args.recipe}"
     with console.phase(f"checking the config ({source}) and the data") as notes:
         cfg = load_resumed_config(resumed, args.overrides) if resumed else load_config(args.recipe, args.overrides)
@@ -185,13 +197,13 @@ def cmd_train(args) -> int:
         _quiet_libraries()
         from trainer.train import train
     result = train(cfg, run_dir, resume=args.resume, console=console)
-    if result["world"] > 1:
-        _exit_rank_now()
-    return 0
+    if result.world > 1:
+        _exit_rank_now(result.exit_code)
+    return result.exit_code
 
 
-def _exit_rank_now() -> None:
-    """A finished torchrun rank (process group already destroyed, files written and flushed) leaves with os._exit(0).
+def _exit_rank_now(code: int) -> None:
+    """A finished torchrun rank (process group already destroyed, files written and flushed) leaves with os._exit.
 
     Under load, gloo's teardown at interpreter exit sometimes destroys a still-joinable C++ thread: "terminate called
     without an active exception", SIGABRT, and torchrun reports the successful job as failed (seen 1 run in 5 on a
@@ -199,7 +211,7 @@ def _exit_rank_now() -> None:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def eval_form(args) -> str:
@@ -237,64 +249,91 @@ def eval_form(args) -> str:
 
 
 def cmd_eval(args) -> int:
+    from trainer.metrics import Console
+
     form = eval_form(args)
+    console = Console(t0=_T0)
     if form == "--prompts":
-        return eval_prompts(args)
+        return eval_prompts(args, console)
     if form == "--data":
         from trainer.config import DataCfg
         from trainer.data.source import scan
 
-        scan([args.data], DataCfg().max_bad_fraction)  # a missing or malformed file, before torch
-    _quiet_libraries()
-    from trainer.eval import evaluate_export, evaluate_run
+        with console.phase(f"checking {args.data}") as notes:
+            notes.append(f"{scan([args.data], DataCfg().max_bad_fraction).lines} lines")  # before torch
+    with console.phase("loading torch and transformers"):
+        _quiet_libraries()
+        from trainer.eval import evaluate_export, evaluate_run
 
     if form == "--run-dir":
-        evaluate_run(args.run_dir)
+        with console.phase(f"evaluating the simulated tau of {args.run_dir} on its held-out rows"):
+            evaluate_run(args.run_dir)
     else:
-        evaluate_export(args.drafter, args.target, args.data)
+        with console.phase(f"evaluating the simulated tau of {args.drafter} on {args.data}"):
+            evaluate_export(args.drafter, args.target, args.data)
     return 0
 
 
-def eval_prompts(args) -> int:
-    """Real decoding of each prompt file: one DFLASH_EVAL line and one human line per set. The prompt files are read
-    before torch is imported."""
+def eval_prompts(args, console) -> int:
+    """Real decoding of each prompt file: its phases and DFLASH_PROGRESS lines as a job (`eval`, in prompts), one
+    DFLASH_EVAL line and its human lines per set, then DFLASH_DONE. The prompt files are read before torch is
+    imported. Every answer ends at the stop rule's first stop id (trainer/decode/stops.py, as regenerate's and a
+    server's) or at --max-new."""
     import json
 
     from dflash_ops.wire import EVAL_PREFIX
+    from trainer.metrics import JobProgress
     from trainer.prompts import read_prompt_set
 
     for key, value in PROMPT_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    sets = [read_prompt_set(p) for p in args.prompts]
+    with console.phase(f"reading {len(args.prompts)} prompt file(s)") as notes:
+        sets = [read_prompt_set(p) for p in args.prompts]
+        notes.append(", ".join(f"{ps.name}: {len(ps.prompts)}" for ps in sets))
     for ps in sets:
         if ps.bad_lines:
             print(f"warning: {ps.name}: {len(ps.bad_lines)} unreadable lines skipped (lines "
                   f"{', '.join(map(str, ps.bad_lines[:10]))}{', ...' if len(ps.bad_lines) > 10 else ''})",
                   file=sys.stderr, flush=True)
-    _quiet_libraries()
-    from trainer.decode.decoders import engine_for
-    from trainer.decode.lossless import describe
-    from trainer.export import load_pair
-    from trainer.placement import local_device
-    from trainer.quality.config import EvalCfg
-    from trainer.quality.evaluate import decode_benchmark
+    with console.phase("loading torch and transformers"):
+        _quiet_libraries()
+        from trainer.decode.decoders import engine_for
+        from trainer.decode.lossless import describe
+        from trainer.export import load_pair
+        from trainer.placement import local_device
+        from trainer.quality.config import EvalCfg
+        from trainer.quality.evaluate import decode_benchmark
 
-    target, drafter, ecfg = load_pair(Path(args.drafter), args.target, local_device("auto"), args.target_dtype)
+    device = local_device("auto")
+    with console.phase(f"loading the drafter {args.drafter} and the target {args.target} on {device}"):
+        target, drafter, ecfg = load_pair(Path(args.drafter), args.target, device, args.target_dtype)
     # The serving-like configuration the quality recipe measures: the row-invariant attention and norms (lossless by
     # construction where the family allows it; a note and SDPA where not) and the compiled drafter.
     cfg = EvalCfg(prompts=args.limit, max_new_tokens=args.max_new, warmup=1, budget_s=float("inf"),
-                  engine=engine_for(args.engine, target, lambda m: print(m, flush=True)), invariant=True, compile="drafter")
+                  engine=engine_for(args.engine, target, lambda m: print(m, flush=True)), invariant=True,
+                  compile="drafter")
+    total = sum(min(args.limit, len(ps.prompts)) for ps in sets)
+    progress = JobProgress("eval", total, "prompts", console)
+    done = tokens = 0
     for ps in sets:
-        r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None)
+        n = min(args.limit, len(ps.prompts))
+        with console.phase(f"decoding {ps.name}: {n} prompts, target alone then speculative ({cfg.engine} engine)"):
+            r = decode_benchmark(target, drafter, ecfg.block_size, list(ps.prompts), cfg, log=lambda m: None,
+                                 progress=lambda k, t: progress.update(done + k, tokens + t))
+        done, tokens = done + r["prompts"], tokens + r["tokens"]
         keep = ("tau", "accept_by_pos", "speedup", "identical", "prompts", "tokens", "rounds", "target_tok_s",
-                "speculative_tok_s", "engine", "attention", "norms", "device", "lossless")
+                "speculative_tok_s", "engine", "attention", "norms", "device", "lossless", "stop_ids",
+                "ended_on_stop")
         record = {"set": ps.name, "formats": list(ps.formats), **{k: r[k] for k in keep}}
-        print(EVAL_PREFIX + json.dumps(record), flush=True)
-        print(f"eval {ps.name}: tau {r['tau']}, speedup {r['speedup']}x at batch 1 ({r['target_tok_s']} -> "
-              f"{r['speculative_tok_s']} tokens/s), {r['identical']}/{r['prompts']} outputs equal the target's",
-              flush=True)
-        print(f"eval {ps.name}: {describe(r['lossless'])}", flush=True)
+        console.write(f"{EVAL_PREFIX}{json.dumps(record)}\n"
+                      f"eval {ps.name}: tau {r['tau']}, speedup {r['speedup']}x at batch 1 ({r['target_tok_s']} -> "
+                      f"{r['speculative_tok_s']} tokens/s), {r['identical']}/{r['prompts']} outputs equal the "
+                      f"target's, {r['ended_on_stop']}/{r['prompts']} ended on a stop id (the others at --max-new "
+                      f"{args.max_new})\n"
+                      f"eval {ps.name}: {describe(r['lossless'])}\n")
+    progress.done({"done": done, "total": total, "tokens": tokens, "sets": [ps.name for ps in sets]},
+                  f"evaluated {done} prompts of {len(sets)} set(s) ({tokens:,} new tokens each way)")
     return 0
 
 
@@ -321,10 +360,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_tiny(args) -> int:
-    from trainer.tiny import build_tiny_target
+    from trainer.tiny import check_out_dir
 
     if args.hidden < 16 or args.hidden % 16 or args.layers < 4:
         raise TrainerError("--hidden must be a multiple of 16 and --layers >= 4")
+    check_out_dir(args.out_dir)
+    _quiet_libraries()
+    from trainer.tiny import build_tiny_target
+
     path = build_tiny_target(args.out_dir, family=args.family, hidden=args.hidden, num_layers=args.layers,
                              train_steps=args.train_steps)
     print(f"tiny target written to {path}", flush=True)
@@ -333,7 +376,7 @@ def cmd_tiny(args) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "regenerate": cmd_regenerate, "export": cmd_export,
             "make-tiny-target": cmd_tiny}
-CHECK_FIRST = ("train", "regenerate", "eval")  # these refuse bad input before torch is imported
+CHECK_FIRST = ("train", "regenerate", "eval", "make-tiny-target")  # these refuse bad input before torch is imported
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -340,3 +340,19 @@ def _warn_data(datasets: Datasets, cfg: TrainCfg, env: place.DistEnv) -> None:
     if datasets.train.truncated:
         print(f"warning: {datasets.train.truncated} samples longer than data.seq_len={cfg.data.seq_len} were truncated",
               file=sys.stderr, flush=True)
+    warning = small_data_warning(datasets.train.num_rows, datasets.num_eval_samples, cfg, env.world)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def small_data_warning(rows: int, held_out: int, cfg: TrainCfg, world: int) -> str | None:
+    """Data that packs into fewer rows than one optimizer step takes: every step trains on all of it again (the rest
+    of the step is padding), which looks like training and learns the rows by heart. Pure."""
+    d = cfg.data
+    need = d.rows_per_step * cfg.optim.accum_steps * world
+    if rows >= need:
+        return None
+    return (f"the training data packs into {rows} row(s) of data.seq_len={d.seq_len} tokens, less than one optimizer "
+            f"step's {need} (data.rows_per_step x optim.accum_steps x ranks): every step reuses the same row(s), and "
+            f"{held_out} sample(s) are held out{' (no simulated tau)' if not held_out else ''}; add data, or lower "
+            "data.seq_len / data.rows_per_step")

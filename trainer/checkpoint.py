@@ -1,4 +1,5 @@
-"""Checkpoints: full training state under `<run_dir>/ckpt/step_N/`, written atomically (temp dir + os.replace).
+"""Checkpoints: full training state under `<run_dir>/ckpt/step_N/`, written atomically (temp dir + os.replace): a
+process killed mid-save (a second SIGTERM, trainer/signals.py) leaves only a `step_N.tmp` that nothing reads.
 
 Contents: drafter.pt (state_dict), optimizer.pt, rng.pt (torch CPU/CUDA, python random), trainer.json (step, micro-batch
 cursor). The data order and anchors are pure functions of (seed, micro-batch cursor), so the cursor restores them.
@@ -84,7 +85,8 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{cursor.step}"
     tmp = root / f"step_{cursor.step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in (*root.glob("step_*.tmp"), *root.glob("step_*.old")):  # saves a kill cut short: never complete
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     torch.save(drafter.state_dict(), tmp / "drafter.pt")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -97,10 +99,14 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     # on disk before the rename makes it the newest: after a power loss the newest is whole, or not there
     for path in (*(tmp / n for n in names), tmp):
         _fsync(path)
-    if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
-        shutil.rmtree(final)
+    # Re-saving a step: the old copy is moved aside, not deleted, until the new one is in place (a process killed
+    # between the renames leaves the checkpoints before it, never a torn one).
+    old = root / f"step_{cursor.step}.old"
+    if final.exists():
+        os.replace(final, old)
     os.replace(tmp, final)
     _fsync(root)
+    shutil.rmtree(old, ignore_errors=True)
     for _step, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -102,6 +102,18 @@ def all_reduce_sum_(tensors: list[torch.Tensor]) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """Collective: the largest of every rank's `value` (the stop signal: trainer/loop.py), one all-reduce of one
+    integer on `device` (the process group's: the drafter's). SYNC. One process: `value`."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
     """SHA-256 over every tensor's name, dtype, shape and raw bytes: equal digests = bit-identical states.
     SYNC (copies to the host)."""

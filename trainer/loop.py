@@ -1,11 +1,16 @@
-"""The training loop: drive a built `Session` until a `StopRule` says stop.
+"""The training loop: drive a built `Session` until a `StopRule` says stop, or a signal asks it to.
 
 Host syncs happen only at log / checkpoint cadence (trainer/metrics.py); between them the loop only enqueues work.
 Sequential (one thread) or, with pipeline.enabled, through the loader/producer/consumer threads; the per-step
 bookkeeping (`_after_step`) is the same and runs in whichever thread finished the step.
 
-Data parallel: metrics and the non-finite check are collective at log cadence (every rank reaches them at the same
-steps); only rank 0's sink writes.
+A stop request (trainer/signals.py: SIGTERM, SIGINT) is read at log steps only: there the host syncs anyway, so the
+captured step stays free of host syncs, every rank agrees on the step (one all-reduce of the signal), and the
+metrics intervals stay whole (a resumed run logs exactly what an uninterrupted one would). At that step the run
+checkpoints (rank 0 writes) and the loop ends.
+
+Data parallel: metrics, the non-finite check and the stop request are collective at log cadence (every rank reaches
+them at the same steps); only rank 0's sink writes.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from trainer.checkpoint import Cursor
 from trainer.data.batching import StaticBatch
 from trainer.errors import ConfigError, NonFiniteLoss, TrainerError
 from trainer.metrics import DeviceMetrics, peak_mem_gib
+from trainer.signals import StopRequest
 from trainer.step.step import lr_at
 
 
@@ -54,9 +60,15 @@ class LoopResult:
     cursor: Cursor
     planned_steps: int
     horizon: int  # the LR schedule's length at the end (< planned when a budget cut the run)
-    stopped_by: str  # "steps" | "budget"
+    stopped_by: str  # "steps" | "budget" | "signal"
     last: dict = field(default_factory=dict)  # the last metrics record logged ({} when none was)
     seconds: float = 0.0
+    signal: int = 0  # stopped_by == "signal": the signal (the largest any rank received), checkpointed at cursor
+
+
+class _Stopped(Exception):
+    """Raised by `_after_step` once the stop step is checkpointed: it unwinds the sequential loop and, through the
+    pipeline's thread guard, the pipeline's threads."""
 
 
 @dataclass
@@ -83,12 +95,15 @@ def weights_nonfinite(module) -> bool:
 class TrainLoop:
     """Owns the mutable side of a run: the data cursor, the device metrics, the LR horizon."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, stop_request: StopRequest | None = None) -> None:
         self.s = session
         self.cursor = session.start
         self.horizon = session.planned_steps
         self.metrics = DeviceMetrics(session.cfg.model.block_size, session.device)
         self.last: dict = {}
+        self.stop_request = stop_request  # None: nothing asks this loop to stop (the same on every rank)
+        self.stop_signal = 0  # the agreed signal, once the loop stopped for it
+        self.saved_step = -1  # the step of the newest checkpoint this loop wrote (rank 0) or had written (others)
 
     # ------------------------------------------------------------ driving
 
@@ -98,6 +113,15 @@ class TrainLoop:
         planned = self.s.planned_steps
         end = min(stop.steps or planned, planned)
         clock = _Clock.now()
+        try:
+            self._run_budgeted(stop, end, clock, t0)
+        except _Stopped:
+            pass
+        stopped_by = "signal" if self.stop_signal else "steps" if self.cursor.step >= end else "budget"
+        return LoopResult(cursor=self.cursor, planned_steps=planned, horizon=self.horizon, stopped_by=stopped_by,
+                          last=dict(self.last), seconds=round(time.perf_counter() - t0, 1), signal=self.stop_signal)
+
+    def _run_budgeted(self, stop: StopRule, end: int, clock: _Clock, t0: float) -> None:
         if stop.budget_s is None:
             self._run_to(end, clock)
         else:
@@ -114,9 +138,6 @@ class TrainLoop:
                 (t_from, step_from), (t_to, step_to) = marks[0], marks[-1]
                 self.horizon = fitting_horizon(step_to, t_to - t0, step_to - step_from, t_to - t_from,
                                                stop.budget_s, end)
-        return LoopResult(cursor=self.cursor, planned_steps=planned, horizon=self.horizon,
-                          stopped_by="steps" if self.cursor.step >= end else "budget",
-                          last=dict(self.last), seconds=round(time.perf_counter() - t0, 1))
 
     def _run_to(self, end: int, clock: _Clock) -> None:
         if self.s.pipe is not None:
@@ -154,7 +175,8 @@ class TrainLoop:
         try:
             self.s.pipe.run(steps, feed, before, lambda outs: self._after_step(outs, end, clock))
         except RuntimeError as e:
-            if isinstance(e.__cause__, TrainerError):  # e.g. NonFiniteLoss raised by _after_step in the consumer
+            # NonFiniteLoss or the stop, raised by _after_step in the consumer thread
+            if isinstance(e.__cause__, (TrainerError, _Stopped)):
                 raise e.__cause__ from None
             raise
 
@@ -174,7 +196,8 @@ class TrainLoop:
         self.cursor = Cursor(step=step, micro=micro, world=self.s.env.world)
         clock.steps += 1
         self.s.sink.progress_bar(step, self.horizon)
-        if step % cfg.log.every == 0 or step == end:
+        log_step = step % cfg.log.every == 0 or step == end
+        if log_step:
             self.check_finite(step)
             now = time.perf_counter()
             self._log(step, micro, now - clock.interval_start, clock.steps, now - clock.start)
@@ -182,6 +205,13 @@ class TrainLoop:
         if cfg.ckpt.every and step % cfg.ckpt.every == 0:
             self.check_finite(step)
             self.save()
+        if log_step and self.stop_request is not None:
+            signum = ddp.max_over_ranks(self.stop_request.signum, self.s.device)  # SYNC, collective
+            if signum:
+                self.stop_signal = signum
+                if self.saved_step != step:  # the finite check ran at this log step
+                    self.save()
+                raise _Stopped
 
     def check_finite(self, step: int) -> None:
         """SYNC (collective: every rank calls it at the same steps, before every checkpoint and the export). Raise
@@ -199,6 +229,7 @@ class TrainLoop:
 
     def save(self) -> None:
         """Rank 0 only: the replicas are identical, one copy is the checkpoint."""
+        self.saved_step = self.cursor.step
         if self.s.env.is_main:
             checkpoint.save(self.s.run_dir, self.cursor, self.s.state.drafter, self.s.state.optimizer,
                             self.s.cfg.ckpt.keep, config=rundir.recorded_config(self.s.run_dir, self.s.cfg))

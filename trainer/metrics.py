@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from dflash_ops.wire import DONE_PREFIX, METRICS_PREFIX, PROGRESS_PREFIX
+from dflash_ops.wire import DONE_PREFIX, METRICS_PREFIX, PROGRESS_PREFIX, STOPPED_PREFIX
 
 if TYPE_CHECKING:
     import torch
@@ -277,6 +277,14 @@ class MetricsSink:
         self.stream.write(f"{DONE_PREFIX}{json.dumps(record)}\n{done_line(record)}\n")
         self.stream.flush()
 
+    def stopped(self, record: dict) -> None:
+        """A run a signal stopped (trainer/train.py `stopped`): the contract line, then where its checkpoint is and
+        the command that resumes it."""
+        if self.progress:
+            sys.stderr.write("\r\033[K")
+        self.stream.write(f"{STOPPED_PREFIX}{json.dumps(record)}\n{stopped_lines(record)}\n")
+        self.stream.flush()
+
 
 def done_line(record: dict) -> str:
     """Pure: the human end-of-run line of a DFLASH_DONE record."""
@@ -292,6 +300,14 @@ def done_line(record: dict) -> str:
     return f"run finished after {record.get('step', '?')} optimizer steps: export {record.get('export', '?')}, {tau}"
 
 
+def stopped_lines(record: dict) -> str:
+    """Pure: the human lines of a DFLASH_STOPPED record (no "step " in them: a runbook's liveness pattern must not
+    take a stopped run for a training one)."""
+    return (f"stopped by {record.get('signal', '?')} after {record.get('step', '?')} of "
+            f"{record.get('total_steps', '?')} optimizer steps: checkpoint {record.get('checkpoint', '?')}\n"
+            f"resume with: {record.get('resume', '?')}")
+
+
 class QuietSink(MetricsSink):
     """The sink of a data-parallel rank other than 0: writes and prints nothing (rank 0 reports global figures)."""
 
@@ -302,6 +318,9 @@ class QuietSink(MetricsSink):
         pass
 
     def done(self, record: dict) -> None:
+        pass
+
+    def stopped(self, record: dict) -> None:
         pass
 
 

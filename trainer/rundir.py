@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 from pathlib import Path
 
 from dflash_ops.wire import LAUNCH_FILES
@@ -201,6 +202,18 @@ def check_same_data(cfg: TrainCfg, run_dir: Path) -> None:
 # threads, whether it evaluates at the end. None of them changes what is trained (the data order, the schedule, the
 # steps). The run's config.json keeps the values it started with.
 RESUME_MAY_CHANGE = ("log.every", "ckpt.every", "ckpt.keep", "threads", "eval_at_end")
+
+
+def resume_command(run_dir: Path, world: int = 1, nodes: int = 1) -> str:
+    """The command that continues a run from its newest checkpoint, for a person to paste (shlex-quoted). A
+    data-parallel run resumes with as many ranks as it had (its data cursor counts per-rank micro-batches). Pure."""
+    train = ["-m", "trainer", "train", "--run-dir", str(run_dir), "--resume"]
+    if world == 1:
+        return shlex.join(["python", *train])
+    if nodes == 1:
+        return shlex.join(["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                           *train])
+    return f"on each of the {nodes} nodes, the job's torchrun command with {shlex.join(train)}"
 
 
 def config_diff(a, b, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:

@@ -6,6 +6,7 @@ random Llama 3 target of the small benchmark shape, with the same tokenizer and 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<unk>")
@@ -34,6 +35,31 @@ def build_tokenizer():
 
 
 FAMILIES = ("qwen3", "llama")
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """`make-tiny-target OUT_DIR` writes a new directory: refuse (ConfigError, one line) a path that is a file or lies
+    in one, a directory that already holds anything (its model files would be overwritten), and a place that cannot
+    be written. No torch: checked before it is imported."""
+    from trainer.errors import ConfigError
+
+    out = Path(out_dir)
+    if out.is_dir():
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            raise ConfigError(f"{out} is not empty ({shown}): make-tiny-target writes a new directory and "
+                              "overwrites nothing", hint="pass a new or empty OUT_DIR")
+        return
+    if out.exists() or out.is_symlink():
+        raise ConfigError(f"{out} is a file, not a directory", hint="pass a new or empty OUT_DIR")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{out}: {parent} is a file, not a directory", hint="pass a new or empty OUT_DIR")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create {out}: {parent} is not writable", hint="pass a new or empty OUT_DIR")
 
 
 def model_config(family: str, vocab: int, num_layers: int, hidden: int, tie_word_embeddings: bool, **ids):

@@ -191,3 +191,7 @@ class TrackedSink(MetricsSink):
     def done(self, record: dict) -> None:
         super().done(record)
         self.tracker.finish(record)
+
+    def stopped(self, record: dict) -> None:
+        super().stopped(record)
+        self.tracker.finish(record)

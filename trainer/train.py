@@ -1,4 +1,9 @@
-"""The training program: build a session -> run the loop -> final checkpoint, export, eval. `trainer export` too.
+"""The training program: build a session -> run the loop -> final checkpoint, export, eval -> a `TrainResult`.
+`trainer export` too.
+
+A SIGTERM or SIGINT during the loop or the last checkpoint (trainer/signals.py) ends the run at the next log step
+with a checkpoint, `DFLASH_STOPPED {json}` and the resume command instead of the export (`TrainResult.exit_code`:
+143 / 130).
 
 Data parallel (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK): every rank trains one drafter replica on its shard
 (`EpochBatches(rank, world)`), gradients are averaged between the backward and the update (outside any captured
@@ -11,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,14 +28,45 @@ from trainer.build import Session, build, build_state, load_run_target, resolve_
 from trainer.config import TrainCfg, on_cpu
 from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
-from trainer.loop import StopRule, TrainLoop, weights_nonfinite
+from trainer.loop import LoopResult, StopRule, TrainLoop, weights_nonfinite
 from trainer.metrics import Console
+from trainer.signals import StopRequest, exit_code, signal_name, stop_requests
 from trainer.targetdir import check_target_loads
 
 
+@dataclass(frozen=True)
+class TrainResult:
+    """How a run ended, with the same fields on every rank (rank 0 alone evaluates: `eval` is None elsewhere)."""
+
+    run_dir: Path
+    step: int  # optimizer steps done
+    planned_steps: int
+    horizon: int  # the LR schedule's length at the end (< planned when a budget cut the run)
+    stopped_by: str  # "steps" | "budget" | "signal"
+    world: int
+    rank: int
+    checkpoint: Path  # the newest checkpoint, at `step` (rank 0 wrote it)
+    export: Path | None  # None when a signal stopped the run
+    signal: int = 0  # the signal that stopped it (stopped_by == "signal")
+    eval: dict | None = None  # the simulated tau's record (trainer/eval.py), when the run evaluated
+    last: dict = dataclasses.field(default_factory=dict)  # the last metrics record logged
+    replica_sha256: tuple[str, ...] = ()  # one per rank, when the run finished (not after a signal)
+    seconds: float = 0.0  # of the loop
+
+    @property
+    def tau(self) -> float | None:
+        return self.eval.get("tau") if self.eval else None
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 143 / 130 for a run a SIGTERM / SIGINT stopped (what the shell reports for a killed process)."""
+        return exit_code(self.signal) if self.signal else 0
+
+
 def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop: StopRule = StopRule(),
-          console: Console | None = None) -> dict:
-    """The whole run, as one process or as one rank of a torchrun job (process group joined and left here)."""
+          console: Console | None = None) -> TrainResult:
+    """The whole run, as one process or as one rank of a torchrun job (process group joined and left here).
+    From the first step on, SIGTERM and SIGINT stop it with a checkpoint (trainer/signals.py)."""
     random.seed(cfg.seed)
     environ = os.environ if environ is None else environ
     env = place.dist_env(environ)
@@ -41,11 +78,19 @@ def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop
             ddp.init_group(placement.backend, torch.device(placement.drafter))
     try:
         session = build(cfg, run_dir, resume, env=env, placement=placement, console=console)
-        loop = TrainLoop(session)
-        loop.run(stop)
-        return finish(session, loop)
+        with stop_requests(quiet=not env.is_main) as request:
+            loop = TrainLoop(session, request)
+            ran = loop.run(stop)
+            return finish(session, loop, ran, request, nodes=_nodes(env.world, environ))
     finally:
         ddp.shutdown()
+
+
+def _nodes(world: int, environ) -> int:
+    try:
+        return max(1, world // int(environ.get("LOCAL_WORLD_SIZE", world)))
+    except (ValueError, ZeroDivisionError):
+        return 1
 
 
 def check_placement(cfg: TrainCfg, env: place.DistEnv, environ) -> place.Placement:
@@ -62,14 +107,18 @@ def check_placement(cfg: TrainCfg, env: place.DistEnv, environ) -> place.Placeme
     return placements[env.local_rank]
 
 
-def finish(session: Session, loop: TrainLoop) -> dict:
-    """Final checkpoint, export and (optionally) eval; prints DFLASH_EVAL and DFLASH_DONE.
+def finish(session: Session, loop: TrainLoop, ran: LoopResult, request: StopRequest | None = None,
+           nodes: int = 1) -> TrainResult:
+    """Final checkpoint, export and (optionally) eval; prints DFLASH_EVAL and DFLASH_DONE. A loop a signal stopped
+    (its checkpoint written) and a signal during the final checkpoint end in `stopped` instead: no export.
 
     Data parallel: every rank runs the collective non-finite check and compares replica digests; rank 0 writes the
     checkpoint and export; then all ranks leave the process group together (a rank exiting alone aborts the others'
     gloo/NCCL teardown) and rank 0 alone evaluates and prints DFLASH_DONE. The other ranks return at once.
     """
     s, cursor = session, loop.cursor
+    if ran.signal:
+        return stopped(s, ran, nodes)
     loop.check_finite(cursor.step)
     digests = ddp.replica_digests(s.state.drafter)
     if len(set(digests)) != 1:  # the replicas must never drift apart; a checkpoint of one would not be the model
@@ -77,24 +126,62 @@ def finish(session: Session, loop: TrainLoop) -> dict:
                            f"(sha256 per rank: {[d[:12] for d in digests]})",
                            hint="a bug: gradients were not averaged identically; report it with the run directory")
     if s.env.is_main:
-        with s.console.phase(f"writing the last checkpoint and the export {rundir.export_dir(s.run_dir)}"):
-            found = checkpoint.list_checkpoints(s.run_dir)
-            if not found or found[-1][0] != cursor.step:
+        with s.console.phase("writing the last checkpoint") as notes:
+            if checkpoint.newest_step(s.run_dir) == cursor.step:
+                notes.append("already written at its ckpt.every cadence")
+            else:
                 loop.save()
-            export_drafter(rundir.export_dir(s.run_dir), s.state.drafter,
+    if request is not None:
+        signum = ddp.max_over_ranks(request.signum, s.device)  # a signal during the last checkpoint: stop here
+        if signum:
+            return stopped(s, dataclasses.replace(ran, stopped_by="signal", signal=signum), nodes)
+        request.release()  # the checkpoint holds the run: a signal from here on acts as it did before
+    export = rundir.export_dir(s.run_dir)
+    if s.env.is_main:
+        with s.console.phase(f"writing the export {export}"):
+            export_drafter(export, s.state.drafter,
                            ExportConfig.of(s.state.drafter.cfg, s.state.target, s.cfg.model.block_size))
     ddp.barrier()
     ddp.shutdown()
+    result = TrainResult(run_dir=s.run_dir, step=cursor.step, planned_steps=ran.planned_steps, horizon=ran.horizon,
+                         stopped_by=ran.stopped_by, world=s.env.world, rank=s.env.rank,
+                         checkpoint=checkpoint.ckpt_root(s.run_dir) / f"step_{cursor.step}", export=export,
+                         last=ran.last, replica_sha256=tuple(digests), seconds=ran.seconds)
     if not s.env.is_main:
-        return {"step": cursor.step, "rank": s.env.rank, "world": s.env.world}
-    result = {"step": cursor.step, "run_dir": str(s.run_dir), "export": str(rundir.export_dir(s.run_dir)),
-              "world": s.env.world, "replica_sha256": digests}
+        return result
     if s.cfg.eval_at_end and s.datasets.eval is not None:
         from trainer.eval import evaluate_run
 
         with s.console.phase("evaluating the simulated tau on the held-out rows"):
-            result["eval"] = evaluate_run(s.run_dir, rows=s.datasets.eval, stream=s.sink.stream)
-    s.sink.done(result)
+            result = dataclasses.replace(result, eval=evaluate_run(s.run_dir, rows=s.datasets.eval,
+                                                                   stream=s.sink.stream))
+    s.sink.done(done_record(result))
+    return result
+
+
+def done_record(result: TrainResult) -> dict:
+    """The DFLASH_DONE line's object (docs/contracts.md section 3). Pure."""
+    record = {"step": result.step, "run_dir": str(result.run_dir), "export": str(result.export),
+              "world": result.world, "replica_sha256": list(result.replica_sha256)}
+    if result.eval is not None:
+        record["eval"] = result.eval
+    return record
+
+
+def stopped(session: Session, ran: LoopResult, nodes: int = 1) -> TrainResult:
+    """A run a signal stopped, its checkpoint written by rank 0: every rank waits for that write, leaves the process
+    group, and rank 0 prints DFLASH_STOPPED and the resume command."""
+    s, step = session, ran.cursor.step
+    ddp.barrier()
+    ddp.shutdown()
+    ckpt = checkpoint.ckpt_root(s.run_dir) / f"step_{step}"
+    result = TrainResult(run_dir=s.run_dir, step=step, planned_steps=ran.planned_steps, horizon=ran.horizon,
+                         stopped_by="signal", world=s.env.world, rank=s.env.rank, checkpoint=ckpt, export=None,
+                         signal=ran.signal, last=ran.last, seconds=ran.seconds)
+    if s.env.is_main:
+        s.sink.stopped({"step": step, "total_steps": ran.horizon, "checkpoint": str(ckpt),
+                        "signal": signal_name(ran.signal), "exit_code": result.exit_code, "run_dir": str(s.run_dir),
+                        "world": s.env.world, "resume": rundir.resume_command(s.run_dir, s.env.world, nodes)})
     return result
 
 

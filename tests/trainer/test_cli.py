@@ -47,6 +47,7 @@ def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
                 "--set", "optim.max_steps=6", "--set", "log.every=2", "--set", "ckpt.every=3", "--set",
                 "data.seq_len=128", "--set", "data.max_eval_rows=4")
     assert p.returncode == 0, p.stderr
+    assert "packs into" not in p.stderr  # the bundled data fills many steps: no small-data warning
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("DFLASH_METRICS ")]
     records = [json.loads(ln[len("DFLASH_METRICS "):]) for ln in lines]
     assert [r["step"] for r in records] == [2, 4, 6]
@@ -59,7 +60,7 @@ def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
     assert PHASE.match(out[0]) and float(out[0][1:out[0].index("s]")]) < 3.0, out[:3]  # 0.0s on an idle box
     phases = [ln for ln in out if PHASE.match(ln)]
     for what in ("checking the config", "loading torch", "loading the tokenizer", "reading and tokenizing the data",
-                 "loading the target", "building the drafter", "writing the last checkpoint and the export",
+                 "loading the target", "building the drafter", "writing the last checkpoint", "writing the export",
                  "evaluating the simulated tau"):
         begun = [ln for ln in phases if what in ln and ln.endswith(" ...")]
         ended = [ln for ln in phases if what in ln and re.search(r": \d+\.\ds( \(.*\))?$", ln)]
@@ -485,3 +486,50 @@ def test_eval_refuses_flags_that_do_not_fit_in_one_line_before_torch(tmp_path, a
     assert p.returncode == 2, p.stderr[-2000:]
     assert error_lines(p.stderr) == [f"error: {message}"]
     assert "torch" not in imported(p.stderr)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("file", "error: {out} is a file, not a directory"),
+    ("in-file", "error: {out}: {root}/file is a file, not a directory"),
+    ("full", "error: {out} is not empty (config.json, notes.txt): make-tiny-target writes a new directory and "
+             "overwrites nothing"),
+])
+def test_make_tiny_target_overwrites_nothing_and_refuses_a_file_in_one_line_before_torch(tmp_path, where, message):
+    (tmp_path / "file").write_text("mine\n")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text('{"mine": true}\n')
+    (full / "notes.txt").write_text("mine\n")
+    out = {"file": tmp_path / "file", "in-file": tmp_path / "file" / "t", "full": full}[where]
+    p = run_cli("make-tiny-target", str(out), "--train-steps", "0", flags=("-X", "importtime"))
+    errors = [x for x in p.stderr.splitlines() if not x.startswith("import time:")]
+    assert p.returncode == 2 and errors[0] == message.format(out=out, root=tmp_path), p.stderr[-2000:]
+    assert errors[1:] == ["hint: pass a new or empty OUT_DIR"] and "torch" not in imported(p.stderr)
+    assert (tmp_path / "file").read_text() == "mine\n" and (full / "config.json").read_text() == '{"mine": true}\n'
+
+
+def test_make_tiny_target_writes_into_a_new_or_an_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "new" / "t"):
+        p = run_cli("make-tiny-target", str(out), "--train-steps", "0", "--layers", "4")
+        assert p.returncode == 0 and p.stdout.strip().endswith(f"tiny target written to {out}"), p.stderr[-2000:]
+        assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+
+
+def test_the_cpu_recipe_trains_a_users_own_target_and_warns_when_the_data_is_less_than_one_step(tmp_path,
+                                                                                                 tiny_target_dir):
+    """`--recipe cpu` with the user's target and data (README: own target on a CPU). One conversation packs into one
+    row of the two a step takes: the run says, in one line, that every step reuses it and nothing is held out."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"conversations": [{"role": "user", "content": "count from 1 to 3"},
+                                                 {"role": "assistant", "content": "1 2 3 done"}]}) + "\n")
+    p = run_cli("train", "--recipe", "cpu", "--run-dir", str(tmp_path / "r"), "--set", f"model.target={tiny_target_dir}",
+                "--set", f"data.paths=[{one}]", "--set", "optim.max_steps=2", "--set", "log.every=1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    warnings = [x for x in p.stderr.splitlines() if x.startswith("warning: the training data packs into")]
+    assert warnings == ["warning: the training data packs into 1 row(s) of data.seq_len=1024 tokens, less than one "
+                        "optimizer step's 2 (data.rows_per_step x optim.accum_steps x ranks): every step reuses the "
+                        "same row(s), and 0 sample(s) are held out (no simulated tau); add data, or lower "
+                        "data.seq_len / data.rows_per_step"]
+    cfg = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (cfg["device"], cfg["step"]["mode"], cfg["model"]["dtype"]) == ("cpu", "eager", "float32")

@@ -8,7 +8,7 @@ from trainer.errors import ConfigError
 
 
 def test_recipes_load_and_roundtrip():
-    for name in ("smoke", "gpu"):
+    for name in ("smoke", "gpu", "cpu"):
         cfg = load_config(name)
         assert from_dict(TrainCfg, json.loads(json.dumps(to_dict(cfg)))) == cfg
     gpu = load_config("gpu")
@@ -61,7 +61,7 @@ def test_a_recipe_typo_names_the_near_key_too(tmp_path):
 
 
 def test_unknown_recipe_lists_bundled():
-    with pytest.raises(ConfigError, match=r"bundled recipes: gpu, (.*, )?smoke"):  # quality_* recipes sit between
+    with pytest.raises(ConfigError, match=r"bundled recipes: cpu, gpu, (.*, )?smoke"):  # quality_* recipes sit between
         load_config("nope")
 
 

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,6 +356,35 @@ def test_a_json_array_file_is_refused_whole_with_how_to_convert_it(tmp_path, tex
         with pytest.raises(DataError, match="is one JSON array, not one JSON object per line") as e:
             read()
         assert "dump.jsonl" in e.value.hint
+
+
+def test_the_json_array_hint_run_as_given_keeps_the_input_and_writes_a_loadable_new_file(tmp_path, monkeypatch):
+    """The issue's case: prompts.jsonl holding one array. The hinted command, run by a shell exactly as printed,
+    must not write onto its input (a `> prompts.jsonl` would empty it before python reads it) nor onto any existing
+    file; what it writes is read by training and by the prompt readers."""
+    import subprocess
+
+    from trainer.data.source import scan
+    from trainer.prompts import read_prompt_files
+
+    monkeypatch.chdir(tmp_path)
+    array = json.dumps([json.loads(GOOD)] * 3, indent=2) + "\n"
+    Path("prompts.jsonl").write_text(array)
+    Path("prompts.lines.jsonl").write_text("mine\n")  # a file of the user's that the new name must avoid
+    with pytest.raises(DataError) as e:
+        scan(["prompts.jsonl"], 0.0)
+    command = e.value.hint.removeprefix("convert it to JSON lines: ")
+    assert command != e.value.hint and "> " not in command
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert Path("prompts.jsonl").read_text() == array and Path("prompts.lines.jsonl").read_text() == "mine\n"
+    made = sorted(set(p.name for p in tmp_path.iterdir()) - {"prompts.jsonl", "prompts.lines.jsonl"})
+    assert made == ["prompts.lines-2.jsonl"]
+    assert scan(["prompts.lines-2.jsonl"], 0.0).lines == 3
+    assert len(read_prompt_files(["prompts.lines-2.jsonl"], 0.0)[0]) == 3
+    again = subprocess.run(["bash", "-c", command], capture_output=True, text=True)  # the output exists now
+    assert again.returncode != 0 and "FileExistsError" in again.stderr
+    assert scan(["prompts.lines-2.jsonl"], 0.0).lines == 3 and Path("prompts.jsonl").read_text() == array
 
 
 def test_a_plain_text_prompt_that_starts_with_a_bracket_is_still_a_prompt(tmp_path):

@@ -186,3 +186,54 @@ def test_resume_under_another_world_size_is_refused(runs, tiny_target_dir):
     assert p.stderr.splitlines()[:2] == [
         "error: --resume with 1 data-parallel rank(s); the run was checkpointed with 2 (its data cursor counts "
         "per-rank micro-batches)", "hint: relaunch with --nproc-per-node 2"]
+
+
+def test_a_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_one_checkpoint(tiny_target_dir, tmp_path):
+    """`dflash-ops stop` signals torchrun, which forwards SIGTERM to each rank: the ranks agree on the stop step
+    (an all-reduce of the signal at a log step), rank 0 alone writes the one checkpoint and prints DFLASH_STOPPED
+    once, both exit, and the printed resume command (2 ranks) continues to the losses of one process accumulating
+    both shards (test_two_ranks_equal_one_rank_accumulating_both_shards)."""
+    import shlex
+    import signal
+    import time
+
+    sets = ("optim.max_steps=40", "ckpt.every=0")  # log.every=1 (BASE): per-step losses sum in the same order
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log, run_dir = tmp_path / "out.log", tmp_path / "r"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(trainer_cmd(tiny_target_dir, run_dir, 2, "optim.accum_steps=1", *sets),
+                                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 600  # a hang guard: the waits end on events
+        while 'DFLASH_METRICS {"step": 2,' not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        ranks = children_of(launcher.pid)
+        assert len(ranks) == 2
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=600)
+        while any(alive(p) for p in ranks):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for p in ranks:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    text = log.read_text()
+    stops = lines(text, "DFLASH_STOPPED ")
+    assert len(stops) == 1, text[-3000:]
+    step = stops[0]["step"]
+    assert stops[0]["world"] == 2 and stops[0]["signal"] == "SIGTERM" and 2 <= step < 40
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == [f"step_{step}"]
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1] == step
+    argv = shlex.split(stops[0]["resume"])
+    assert argv[:6] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    again = run([sys.executable, *argv[1:]])
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    one = run(trainer_cmd(tiny_target_dir, tmp_path / "one", 1, "optim.accum_steps=2", *sets))
+    assert one.returncode == 0, one.stderr[-3000:]
+    resumed = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert science(resumed) == science(lines(one.stdout, "DFLASH_METRICS "))

@@ -154,8 +154,7 @@ def test_a_run_with_sliding_layers_trains_exports_and_evaluates(tiny_target_dir,
                     "full_attention]", "model.draft_sliding_window=8", "optim.max_steps=2", "eval_at_end=true")
     session = build(cfg, tmp_path / "run")
     loop = TrainLoop(session)
-    loop.run()
-    result = finish(session, loop)
-    assert session.state.drafter.cfg.window == 8 and 1.0 <= result["eval"]["tau"] <= cfg.model.block_size
+    result = finish(session, loop, loop.run())
+    assert session.state.drafter.cfg.window == 8 and 1.0 <= result.tau <= cfg.model.block_size
     exported = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert exported["layer_types"] == [SLIDING, FULL] and exported["sliding_window"] == 8

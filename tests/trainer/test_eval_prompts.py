@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,24 @@ def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("DFLASH_EVAL ")]
     assert [r["set"] for r in records] == ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]
+    # The tiny target's EOS is <|endoftext|>, its template ends a turn with <|im_end|>: answers stop on both, as
+    # regenerate's do (trainer/decode/stops.py); decoding on EOS alone ran every answer to --max-new.
+    tok = target.tokenizer
+    assert all(r["stop_ids"] == list(tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])) for r in records)
+    assert sum(r["ended_on_stop"] for r in records) >= 2
+    assert any(r["tokens"] < r["prompts"] * 12 for r in records)
+    # Like train, eval says its phases and its progress as a job (DFLASH_PROGRESS, then DFLASH_DONE).
+    lines = proc.stdout.splitlines()
+    phases = [x for x in lines if re.match(r"^\[ *\d+\.\ds\] ", x)]
+    for what in ("reading 5 prompt file(s)", "loading torch", "loading the drafter", "decoding gsm8k: 2 prompts",
+                 "decoding mtbench: 2 prompts"):
+        assert [x for x in phases if what in x and x.endswith(" ...")], (what, phases)
+        assert [x for x in phases if what in x and re.search(r": \d+\.\ds( \(.*\))?$", x)], (what, phases)
+    progress = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("DFLASH_PROGRESS ")]
+    assert progress[0]["job"] == "eval" and progress[0]["unit"] == "prompts" and progress[-1]["done"] == 10
+    done = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("DFLASH_DONE ")]
+    assert done == [{"job": "eval", "done": 10, "total": 10, "tokens": sum(r["tokens"] for r in records),
+                     "sets": ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]}]
     for r in records:
         assert r["prompts"] == 2 and r["identical"] == 2  # equal outputs, though not lossless by construction:
         assert 1.0 <= r["tau"] <= 4 and len(r["accept_by_pos"]) == 3 and r["speedup"] > 0
@@ -90,6 +109,17 @@ def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp
     verdicts = [x for x in proc.stdout.splitlines() if x.startswith("eval gsm8k: not lossless by construction (")]
     assert len(verdicts) == 1 and "attention sdpa, not the row-invariant kernel" in verdicts[0], proc.stdout
     assert verdicts[0].endswith("; 2/2 outputs equal the target's")
+
+
+def test_regenerate_and_eval_take_their_stop_ids_from_one_rule(tiny_target_dir, full_target):
+    """Regenerate reads the target directory's generation eos ids (before torch); eval and the quality pipeline
+    read a loaded model's generation config: the same ids, in the same order, through the same function."""
+    from trainer.decode.stops import model_stop_ids, stop_ids
+    from trainer.targetdir import read_target_dir
+
+    regen = stop_ids(full_target.tokenizer, read_target_dir(tiny_target_dir).generation_eos_ids)
+    assert regen == model_stop_ids(full_target.model, full_target.tokenizer)
+    assert full_target.tokenizer.convert_ids_to_tokens(list(regen)) == ["<|endoftext|>", "<|im_end|>"]
 
 
 def test_a_bad_prompt_file_is_one_line_before_any_model(tmp_path):

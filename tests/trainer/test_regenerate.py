@@ -157,8 +157,7 @@ def test_a_sidecar_beside_no_answer_binds_no_setting(tmp_path):
 
 def test_stop_ids_are_eos_the_generation_configs_the_templates_marker_and_known_end_of_turn_tokens():
     from trainer.data.source import turn_end_marker
-    from trainer.decode.generate import cut_at_stop
-    from trainer.regen.engines import stop_ids
+    from trainer.decode.stops import cut_at_stop, stop_ids
     from trainer.tiny import build_tokenizer
 
     tok = build_tokenizer()
@@ -271,7 +270,7 @@ def records(path: Path) -> list[dict]:
 def test_answers_are_the_targets_own_tokens_and_a_restart_goes_on(tiny_target_dir, full_target, tmp_path, capsys):
     from trainer.data.source import load_samples
     from trainer.decode.reference import generate_target_only
-    from trainer.decode.generate import cut_at_stop
+    from trainer.decode.stops import cut_at_stop
     from trainer.regen.run import render
 
     prompts = tmp_path / "mixed.jsonl"

@@ -45,7 +45,7 @@ def test_every_backend_sees_the_run_and_a_resume_continues_it(tiny_target_dir, t
     assert [e.step for e in events] == [1, 2, 3, 4]
     assert [e.value for e in events] == pytest.approx([want[s] for s in (1, 2, 3, 4)], rel=1e-6)
     assert "train/acc_by_pos/1" in tb.Tags()["scalars"]
-    assert [e.value for e in tb.Scalars("eval/tau")] == pytest.approx([first["eval"]["tau"], second["eval"]["tau"]])
+    assert [e.value for e in tb.Scalars("eval/tau")] == pytest.approx([first.tau, second.tau])
 
     from mlflow import MlflowClient
 

@@ -119,7 +119,7 @@ def test_a_checkpoint_copied_out_of_its_run_keeps_its_config(tmp_path, tiny_targ
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_target_dir):
     run = build(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
     loop = TrainLoop(run)
-    loop.run(StopRule(steps=4))
+    ran = loop.run(StopRule(steps=4))
     saved = checkpoint.list_checkpoints(tmp_path / "r")
     assert [s for s, _ in saved] == [2, 4]
     good = torch.load(saved[-1][1] / "drafter.pt")
@@ -131,7 +131,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tin
     after = torch.load(saved[-1][1] / "drafter.pt")
     assert all(torch.equal(good[k], after[k]) for k in good)
     with pytest.raises(NonFiniteLoss):
-        finish(run, loop)
+        finish(run, loop, ran)
     assert not (tmp_path / "r" / "export").exists()
 
 
@@ -142,11 +142,11 @@ def test_weights_broken_after_a_finite_loss_are_neither_checkpointed_nor_exporte
 
     run = build(small_cfg(tiny_target_dir, "optim.max_steps=8", "ckpt.every=2", "log.every=4"), tmp_path / "r")
     loop = TrainLoop(run)
-    loop.run(StopRule(steps=4))
+    ran = loop.run(StopRule(steps=4))
     with torch.no_grad():
         run.state.drafter.fc.weight[0, 0] = float("inf")  # as a last update would leave it: the losses were finite
     with pytest.raises(NonFiniteLoss, match=r"non-finite drafter weights .* by step 4.*Last good checkpoint: .*step_4"):
-        finish(run, loop)
+        finish(run, loop, ran)
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "r")] == [2, 4]
     assert not (tmp_path / "r" / "export").exists()
     newest = checkpoint.list_checkpoints(tmp_path / "r")[-1][1]
@@ -227,8 +227,7 @@ def test_evaluation_of_a_flex_run_uses_the_dense_reference_mask(tmp_path, tiny_t
     cfg = small_cfg(tiny_target_dir, "optim.max_steps=2", "data.rows_per_step=2", "eval_at_end=false")
     run = build(cfg, tmp_path / "run")
     loop = TrainLoop(run)
-    loop.run()
-    finish(run, loop)
+    finish(run, loop, loop.run())
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     config["step"]["attn"] = "flex"
     (tmp_path / "run" / "config.json").write_text(json.dumps(config))
@@ -301,9 +300,8 @@ def test_the_closing_line_says_when_the_eval_ran_but_found_no_block(tmp_path, ti
     run = build(small_cfg(tiny_target_dir, "optim.max_steps=1", "eval_at_end=true", f"data.eval_paths=[{held}]"),
                 tmp_path / "r", stream=out)
     loop = TrainLoop(run)
-    loop.run()
-    result = finish(run, loop)
-    assert result["eval"]["blocks"] == 0 and result["eval"]["tau"] is None
+    result = finish(run, loop, loop.run())
+    assert result.eval["blocks"] == 0 and result.tau is None and result.export == tmp_path / "r" / "export"
     last = out.getvalue().splitlines()[-1]
     assert last.endswith("no simulated tau: the held-out rows hold no block to evaluate (0 blocks: no two consecutive "
                          "supervised tokens; check data.eval_paths / data.eval_fraction)"), last

@@ -18,6 +18,7 @@ number the first ten.
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -127,12 +128,28 @@ def read_lines(raw: str, what: str = "data",
                     seen_content = True
                     if _opens_json_array(line):
                         raise DataError(f"{what} file {raw} is one JSON array, not one JSON object per line",
-                                        hint=f"convert it to JSON lines: python3 -c 'import json, sys; "
-                                             f"[print(json.dumps(o)) for o in json.load(open(sys.argv[1]))]' "
-                                             f"{raw} > {Path(raw).with_suffix('.jsonl').name}")
+                                        hint=f"convert it to JSON lines: {to_json_lines_command(raw)}")
                 yield line_no, line
         except OSError as e:
             raise DataError(f"cannot read {what} file {raw}: {e.strerror}") from None
+
+
+# Reads the array (argv[1]) and writes one line per element into a file it creates (argv[2]; mode "x" refuses an
+# existing one): the input is never opened for writing, whatever names are given.
+_TO_JSON_LINES = ('import json, sys; rows = json.load(open(sys.argv[1], encoding="utf-8")); '
+                  'out = open(sys.argv[2], "x", encoding="utf-8"); [out.write(json.dumps(r) + "\\n") for r in rows]; out.close()')
+
+
+def to_json_lines_command(raw: str) -> str:
+    """The shell command that converts the JSON-array file `raw` into JSON lines beside it, into a name that does
+    not exist yet (NAME.jsonl, else NAME.lines.jsonl, NAME.lines-2.jsonl, ...), quoted for the shell."""
+    path = Path(raw)
+    out = path.with_name(f"{path.stem}.jsonl")
+    n = 1
+    while out.exists() or out == path:
+        out = path.with_name(f"{path.stem}.lines{'' if n == 1 else f'-{n}'}.jsonl")
+        n += 1
+    return shlex.join(["python3", "-c", _TO_JSON_LINES, raw, str(out)])
 
 
 def _opens_json_array(line: bytes) -> bool:

@@ -15,8 +15,8 @@ ENGINES = ("static", "hf")
 
 class Decoders(NamedTuple):
     """The two decoders of one engine and what they really run (a fallback can differ from what was asked)."""
-    target_only: Callable  # (ids, max_new, eos=None) -> tokens
-    speculative: Callable  # (ids, max_new, eos=None, host_s=None) -> SpecResult
+    target_only: Callable  # (ids, max_new, stops=()) -> tokens (trainer/decode/stops.py)
+    speculative: Callable  # (ids, max_new, stops=(), host_s=None) -> SpecResult
     compile: str  # none | drafter | all
     attention: str  # sdpa | eager (soft-capped scores) | invariant (the static target's Triton kernel) | hf
     norms: str  # invariant (every RMSNorm through the Triton kernel) | hf (trainer/decode/lossless.py)
@@ -57,10 +57,10 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
 
         proposer = DFlashProposer(target, drafter, block_size)
 
-        def speculative(ids, n, eos=None, host_s=None):
-            return generate_speculative(target, proposer, ids, n, eos, host_s=host_s)
+        def speculative(ids, n, stops=(), host_s=None):
+            return generate_speculative(target, proposer, ids, n, stops, host_s=host_s)
 
-        return Decoders(lambda ids, n, eos=None: generate_target_only(target, ids, n, eos), speculative, "none", "hf",
+        return Decoders(lambda ids, n, stops=(): generate_target_only(target, ids, n, stops), speculative, "none", "hf",
                         "hf")
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.lossless import norm_path

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Collection
 from typing import Callable
 
 import torch
 
 from trainer.capture import capture
-from trainer.decode.rounds import SpecResult, stop_index
+from trainer.decode.rounds import SpecResult
+from trainer.decode.stops import stop_index
 from trainer.decode.static_target import StaticTarget
 
 
@@ -180,7 +182,7 @@ class StaticDecoder:
                              f"({self.capacity} tokens)")
 
     @torch.no_grad()
-    def generate_target_only(self, prompt_ids: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
+    def generate_target_only(self, prompt_ids: list[int], max_new: int, stops: Collection[int] = ()) -> list[int]:
         if max_new <= 0:
             return []
         self._check_fits(prompt_ids, max_new)
@@ -188,13 +190,13 @@ class StaticDecoder:
         self.tok.copy_(first)
         self.pos.fill_(len(prompt_ids))
         out = [int(first)]  # SYNC: one per token, inherent to greedy decoding
-        while stop_index(out, eos_id, max_new) is None:
+        while stop_index(out, stops, max_new) is None:
             self.step()
             out.append(int(self.tok))  # SYNC
-        return out[:stop_index(out, eos_id, max_new)]
+        return out[:stop_index(out, stops, max_new)]
 
     @torch.no_grad()
-    def generate_speculative(self, prompt_ids: list[int], max_new: int, eos_id: int | None = None,
+    def generate_speculative(self, prompt_ids: list[int], max_new: int, stops: Collection[int] = (),
                              host_s: dict[str, float] | None = None, drafts: list | None = None) -> SpecResult:
         """host_s: if given, wall seconds of the rounds are added under "round" (replay, the round's one sync, and
         bookkeeping; the prefill is not included). drafts: if given, each round's B-1 draft tokens are appended."""
@@ -210,7 +212,7 @@ class StaticDecoder:
         committed_new = [int(first)]  # SYNC
         accepted: list[int] = []
         t0 = time.perf_counter()
-        while stop_index(committed_new, eos_id, max_new) is None:
+        while stop_index(committed_new, stops, max_new) is None:
             self.round()
             host = self.result.tolist()  # SYNC: one per round
             a, block, post = host[0], host[1:B + 1], host[B + 1:]
@@ -220,4 +222,4 @@ class StaticDecoder:
                 drafts.append(block[1:])
         if host_s is not None:
             host_s["round"] = host_s.get("round", 0.0) + time.perf_counter() - t0
-        return SpecResult(tokens=committed_new[:stop_index(committed_new, eos_id, max_new)], accepted=accepted)
+        return SpecResult(tokens=committed_new[:stop_index(committed_new, stops, max_new)], accepted=accepted)

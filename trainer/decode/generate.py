@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.decode.engine import GraphProgram, prefill_buckets
+from trainer.decode.stops import cut_at_stop
 from trainer.decode.static_target import StaticTarget
 from trainer.model.target import Target
 
@@ -68,15 +69,6 @@ class Sampling:
         if self.temperature == 0.0:
             return GREEDY
         return SAMPLE if self.top_p == 1.0 else NUCLEUS
-
-
-def cut_at_stop(tokens: list[int], stop_ids: Sequence[int]) -> list[int]:
-    """The tokens through the first stop id (kept); all of them when none occurs. Pure."""
-    stops = set(stop_ids)
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return tokens[:i + 1]
-    return tokens
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

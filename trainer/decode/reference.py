@@ -22,13 +22,15 @@ import copy
 import functools
 import inspect
 import time
+from collections.abc import Collection
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.decode.rounds import SpecResult, leading_matches, stop_index
+from trainer.decode.rounds import SpecResult, leading_matches
+from trainer.decode.stops import stop_index
 from trainer.model.attention import SLIDING, window_visible
 from trainer.model.drafter import Drafter, apply_rope, rope_cos_sin, stream_dtype
 from trainer.model.linear_attention import LINEAR
@@ -102,8 +104,9 @@ def keep_accepted(target: Target, cache, before, block: torch.Tensor, accepted: 
 # ---------------------------------------------------------------- target-only greedy decoding
 
 @torch.no_grad()
-def generate_target_only(target: Target, prompt_ids: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
-    """Greedy decoding with the KV cache: up to `max_new` new tokens, stopping after the first `eos_id` (kept)."""
+def generate_target_only(target: Target, prompt_ids: list[int], max_new: int,
+                         stops: Collection[int] = ()) -> list[int]:
+    """Greedy decoding with the KV cache: up to `max_new` new tokens, through the first of `stops` (kept)."""
     if max_new <= 0:
         return []
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
@@ -113,7 +116,7 @@ def generate_target_only(target: Target, prompt_ids: list[int], max_new: int, eo
     while True:
         nxt = int(logits[0, -1].argmax())  # SYNC: one per token, inherent to greedy decoding
         out.append(nxt)
-        if stop_index(out, eos_id, max_new) is not None:
+        if stop_index(out, stops, max_new) is not None:
             return out
         logits, _ = target_forward(target, torch.tensor([[nxt]], device=ids.device), cache,
                                    len(prompt_ids) + len(out) - 1, want_features=False)
@@ -236,7 +239,7 @@ class OracleProposer(nn.Module):
 
 @torch.no_grad()
 def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: list[int], max_new: int,
-                         eos_id: int | None = None, host_s: dict[str, float] | None = None) -> SpecResult:
+                         stops: Collection[int] = (), host_s: dict[str, float] | None = None) -> SpecResult:
     """Greedy DFlash speculative decoding at batch 1 (see the module docstring for the round).
 
     host_s: if given, host seconds are added under "draft" (proposer), "verify" (target forward) and "accept" (the
@@ -258,7 +261,7 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
     start = len(prompt_ids)
     proposer.begin()
     accepted: list[int] = []
-    while stop_index(new_host, eos_id, max_new) is None:
+    while stop_index(new_host, stops, max_new) is None:
         t0 = clock()
         draft = proposer.propose(new_feats, committed)  # [B-1]
         t1 = clock()
@@ -281,4 +284,4 @@ def generate_speculative(target: Target, proposer: BlockProposer, prompt_ids: li
         t3 = clock()
         for key, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("accept", t3 - t2)):
             spent[key] = spent.get(key, 0.0) + dt
-    return SpecResult(tokens=new_host[:stop_index(new_host, eos_id, max_new)], accepted=accepted)
+    return SpecResult(tokens=new_host[:stop_index(new_host, stops, max_new)], accepted=accepted)

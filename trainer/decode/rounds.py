@@ -1,5 +1,6 @@
-"""What a speculative round commits and how rounds are counted: the acceptance rule, the stop rule, the result of
-a decode and its statistics. Shared by every decoder (static engine, HF-cache reference) and by evaluation."""
+"""What a speculative round commits and how rounds are counted: the acceptance rule, the result of a decode and its
+statistics. Shared by every decoder (static engine, HF-cache reference) and by evaluation; the stop rule is
+trainer/decode/stops.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,16 +14,9 @@ def leading_matches(drafted: torch.Tensor, reference: torch.Tensor, valid: torch
     return match[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
 
 
-def stop_index(tokens: list[int], eos_id: int | None, max_new: int) -> int | None:
-    """Length to keep when generation must stop: through the first EOS, or max_new; None to go on."""
-    if eos_id is not None and eos_id in tokens:
-        return min(tokens.index(eos_id) + 1, max_new)
-    return max_new if len(tokens) >= max_new else None
-
-
 @dataclass(frozen=True)
 class SpecResult:
-    tokens: list[int]  # new tokens (same stopping rule as target-only decoding)
+    tokens: list[int]  # new tokens (the stop rule of target-only decoding: trainer/decode/stops.py)
     accepted: list[int] = field(default_factory=list)  # per round: accepted draft tokens a in 0..B-1 (tau = a + 1)
 
     @property

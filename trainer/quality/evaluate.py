@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from trainer.decode import lossless
 from trainer.decode.decoders import capacity_for, decoders, engine_for, sync
 from trainer.decode.reference import generate_target_only
 from trainer.decode.rounds import acceptance_stats, capped_rounds
+from trainer.decode.stops import model_stop_ids
 from trainer.quality.config import EvalCfg
 from trainer.quality.regenerate import chat_prompt_ids
 
@@ -75,10 +77,14 @@ def replay_stats(target, drafter, block_size: int, decoded: list[tuple[list[int]
             "replayed_equal": equal}
 
 
-def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print) -> dict:
-    """Batch-1 greedy decoding of each prompt, target-only then speculative -> stats dict."""
+def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: EvalCfg, log=print,
+                     progress: Callable[[int, int], None] | None = None) -> dict:
+    """Batch-1 greedy decoding of each prompt, target-only then speculative, each answer ending at the stop rule's
+    first stop id (trainer/decode/stops.py: regenerate's) or at max_new_tokens -> stats dict. progress(prompts
+    decoded, their tokens) after each prompt, outside the timed decodes."""
     device = target.device
     tok = target.tokenizer
+    stops = model_stop_ids(target.model, tok)
     encoded = [chat_prompt_ids(tok, p) for p in prompts[:cfg.prompts]]
     t_setup = time.perf_counter()
     engine = engine_for(cfg.engine, target, log)
@@ -86,8 +92,8 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         target, drafter, block_size, capacity_for(encoded, cfg.max_new_tokens), engine=engine,
         compile=cfg.compile, invariant=cfg.invariant, log=log)
     for ids in encoded[:1] * cfg.warmup:
-        target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
-        speculative(ids, cfg.max_new_tokens, tok.eos_token_id)
+        target_only(ids, cfg.max_new_tokens, stops)
+        speculative(ids, cfg.max_new_tokens, stops)
     results, decoded, repeats, same, t_target, t_spec, tokens = [], [], [], [], 0.0, 0.0, 0
     host_s: dict[str, float] = {}
     first_output = None
@@ -98,10 +104,10 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
             break
         sync(device)
         t0 = time.perf_counter()
-        want = target_only(ids, cfg.max_new_tokens, tok.eos_token_id)
+        want = target_only(ids, cfg.max_new_tokens, stops)
         sync(device)
         t1 = time.perf_counter()
-        got = speculative(ids, cfg.max_new_tokens, tok.eos_token_id, host_s=host_s)
+        got = speculative(ids, cfg.max_new_tokens, stops, host_s=host_s)
         sync(device)
         t2 = time.perf_counter()
         t_target, t_spec = t_target + t1 - t0, t_spec + t2 - t1
@@ -112,11 +118,13 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
         repeats.append(repeated_ngram_fraction(want))
         if first_output is None:
             first_output = want
+        if progress is not None:
+            progress(len(results), tokens)
     # The static engine checks itself against the HF-cache reference once (untimed): `identical` compares the
     # engine with itself, this compares it with HF.
     matches_hf = None
     if engine == "static" and first_output is not None:
-        matches_hf = generate_target_only(target, encoded[0], cfg.max_new_tokens, tok.eos_token_id) == first_output
+        matches_hf = generate_target_only(target, encoded[0], cfg.max_new_tokens, stops) == first_output
     t_replay = time.perf_counter()
     replay = replay_stats(target, drafter, block_size, decoded, results)
     replay_s = time.perf_counter() - t_replay
@@ -132,6 +140,7 @@ def decode_benchmark(target, drafter, block_size: int, prompts: list[str], cfg: 
     # target-only decode step: speedup ~= tau * step / round.
     round_ms = {k: round(1e3 * v / rounds, 3) for k, v in host_s.items()}
     out = {**stats, "prompts": timing.prompts, "tokens": timing.tokens, "identical": timing.identical,
+           "stop_ids": list(stops), "ended_on_stop": sum(bool(want) and want[-1] in stops for _ids, want in decoded),
            "target_s": timing.target_s, "speculative_s": timing.speculative_s, "speedup": timing.speedup,
            "target_tok_s": round(tokens / t_target, 1) if t_target else None,
            "speculative_tok_s": round(tokens / t_spec, 1) if t_spec else None,

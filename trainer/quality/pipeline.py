@@ -88,13 +88,12 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
         session = build(cfg, run_dir)
     loop = TrainLoop(session)
     # The budget is the stage's: what compiling and capturing took in build() is not left to the loop.
-    ran = loop.run(StopRule(budget_s=max(0.0, budget_s - (time.perf_counter() - t0))))
-    finish(session, loop)
-    last = ran.last
-    return {"steps": ran.cursor.step, "total_steps": ran.horizon, "mode": cfg.step.mode,
+    result = finish(session, loop, loop.run(StopRule(budget_s=max(0.0, budget_s - (time.perf_counter() - t0)))))
+    last = result.last
+    return {"steps": result.step, "total_steps": result.horizon, "mode": cfg.step.mode,
             "loss": last.get("loss"), "acc": last.get("acc"), "tokens_per_s": last.get("tokens_per_s"),
-            "seconds": round(time.perf_counter() - t0, 1), "planned_steps": ran.planned_steps,
-            "stopped_by": ran.stopped_by}
+            "seconds": round(time.perf_counter() - t0, 1), "planned_steps": result.planned_steps,
+            "stopped_by": result.stopped_by}
 
 
 def heldout_rows(cfg, target_dir: Path):

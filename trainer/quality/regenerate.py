@@ -2,7 +2,8 @@
 
 Prompts are function signatures + docstrings from the corpus: held-in prompts (from the files the target was
 pretrained on) become the drafter's training set, held-out prompts (from held-out files) its evaluation set. Each
-answer is the target's greedy continuation (batched, KV cache, stopped at <|im_end|> or max_new_tokens).
+answer is the target's greedy continuation (batched, KV cache, stopped at a stop id of trainer/decode/stops.py --
+<|im_end|>, <|endoftext|> -- or max_new_tokens).
 
 train.jsonl holds token ids, {"input_ids": prompt + answer, "loss_mask": 0 on the prompt, 1 on the answer}: the
 labels are exactly the tokens the target chose (decoding to text and re-tokenizing can merge them differently).
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
+from trainer.decode.stops import model_stop_ids
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
 from trainer.quality.corpus import ENDOFTEXT, CorpusSplit, all_units, corpus_split
@@ -33,7 +35,7 @@ class RegenResult:
     train_samples: int  # chat answers + continuations
     eval_samples: int
     continuations: int  # of train_samples: continuations of source windows
-    ended_with_eos: float  # fraction of answers that ended with <|im_end|> (the rest hit max_new_tokens)
+    ended_with_eos: float  # fraction of answers that ended on a stop id (the rest hit max_new_tokens)
     generated_tokens: int
     seconds: float
     stopped_by: str  # "done" or "budget"
@@ -82,7 +84,7 @@ def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: P
     """Answer `prompts` (shortest first, for less padding) into `path` (chat lines, or token lines when
     `as_tokens`) -> (samples written, of them ended with EOS, new tokens generated, prompts answered). Blank answers
     are dropped. No batch starts after `deadline` (a time.perf_counter() value)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    stops, pad = model_stop_ids(model, tokenizer), tokenizer.pad_token_id
     encoded = sorted(((chat_prompt_ids(tokenizer, p), p) for p in prompts), key=lambda x: len(x[0]))
     n = with_eos = tokens = blank = 0
     with Path(path).open("w", encoding="utf-8") as f:
@@ -90,10 +92,10 @@ def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: P
             if time.perf_counter() > deadline:
                 break
             chunk = encoded[i:i + cfg.batch_size]
-            answers = hf_generate(model, [c[0] for c in chunk], Sampling(max_new_tokens=cfg.max_new_tokens), [eos],
+            answers = hf_generate(model, [c[0] for c in chunk], Sampling(max_new_tokens=cfg.max_new_tokens), stops,
                                   pad)
             for (ids, prompt), answer in zip(chunk, answers):
-                ended = bool(answer) and answer[-1] == eos
+                ended = bool(answer) and answer[-1] in stops
                 text = tokenizer.decode(answer[:-1] if ended else answer, skip_special_tokens=False)
                 tokens += len(answer)
                 if not text.strip():

@@ -1,5 +1,6 @@
 """The engine seam of regenerate: `answerer(...)` -> answer(prompts, streams) -> new tokens per prompt through its
-first stop id (kept; an answer that reaches --max-new without one keeps all its tokens).
+first stop id (kept; an answer that reaches --max-new without one keeps all its tokens; which ids stop it:
+trainer/decode/stops.py).
 
   static  trainer.decode.generate.BatchGenerator: one static KV cache for `rows` prompts of varying length, one CUDA
           graph replay per token. Where it refuses the target (a family it does not serve) or cannot be built, one
@@ -15,34 +16,6 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from trainer.regen.plan import SamplingSettings
-
-# End-of-turn tokens of the chat templates in use (ChatML, Gemma, Llama 3, Phi): a stop wherever the vocabulary
-# has them, next to the tokenizer's EOS, the generation config's eos ids and the template's own end marker.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
-
-
-def stop_ids(tokenizer, generation_eos: Sequence[int], end_marker: str = "") -> tuple[int, ...]:
-    """The ids an answer ends on, in a stable order: EOS, the generation config's, the template's end marker (when it
-    is one token), the known end-of-turn tokens the vocabulary has."""
-    unk = getattr(tokenizer, "unk_token_id", None)
-    found: list[int] = []
-
-    def add(i) -> None:
-        if isinstance(i, int) and i >= 0 and i != unk and i not in found:
-            found.append(i)
-
-    add(tokenizer.eos_token_id)
-    for i in generation_eos:
-        add(i)
-    if end_marker:
-        ids = tokenizer(end_marker, add_special_tokens=False)["input_ids"]
-        if len(ids) == 1:
-            add(ids[0])
-    vocab = tokenizer.get_vocab()
-    for name in END_OF_TURN_TOKENS:
-        if name in vocab:
-            add(vocab[name])
-    return tuple(found)
 
 
 def load_generation_target(path, device: torch.device, dtype: str):

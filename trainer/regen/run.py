@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.data.source import BadLine, BadLineFile, LoadReport, MalformedLine, enforce_bad_lines, turn_end_marker
+from trainer.data.source import BadLine, BadLineFile, LoadReport, MalformedLine, enforce_bad_lines
 from trainer.errors import ConfigError
 from trainer.prompts import read_prompt_files
 from trainer.regen import outfile
@@ -129,12 +129,12 @@ def prepare(job: Job, console):
     first). The malformed-line rule is applied again with the lines the tokenizer found."""
     from transformers import AutoTokenizer
 
-    from trainer.regen.engines import stop_ids
+    from trainer.decode.stops import stop_ids
 
     s = job.settings
     with console.phase(f"loading the tokenizer and rendering {len(job.prompts)} prompts") as notes:
         tokenizer = AutoTokenizer.from_pretrained(job.target.path, local_files_only=True)
-        stops = stop_ids(tokenizer, job.target.generation_eos_ids, turn_end_marker(tokenizer))
+        stops = stop_ids(tokenizer, job.target.generation_eos_ids)
         ids, token_bad = tokenize(job, tokenizer)
         job.bad_file.write(token_bad)
         bad = list(job.report.bad) + token_bad

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.trainer.families import STATIC_ENGINE_FAMILIES as FAMILIES
-from trainer.decode.generate import CHECK_EVERY, BatchGenerator, Sampling, cut_at_stop, gumbel_noise, hf_generate
+from trainer.decode.generate import CHECK_EVERY, BatchGenerator, Sampling, gumbel_noise, hf_generate
+from trainer.decode.stops import cut_at_stop
 from trainer.model.target import load_target
 
 LENGTHS = (3, 11, 7)

@@ -99,11 +99,11 @@ def test_eos_stops_both_paths_at_the_same_token(full_target):
     free = generate_target_only(full_target, ids, 30)
     eos = free[6]  # a token the target emits mid-stream; declare it the end-of-sequence token
     first = free.index(eos)
-    want = generate_target_only(full_target, ids, 30, eos_id=eos)
+    want = generate_target_only(full_target, ids, 30, stops=(eos,))
     assert want == free[:first + 1]
     for proposer in (DFlashProposer(full_target, _drafter(full_target), 16), OracleProposer(full_target, 16),
                      CorruptedOracle(full_target, 4, wrong_at=3)):
-        assert generate_speculative(full_target, proposer, ids, 30, eos_id=eos).tokens == want
+        assert generate_speculative(full_target, proposer, ids, 30, stops=(eos,)).tokens == want
 
 
 def test_perfect_drafter_reaches_tau_equal_block_size(full_target):

@@ -203,8 +203,8 @@ def test_eos_stops_inside_a_round(full_target):
     want = free[:free.index(eos) + 1]
     table = torch.tensor(ids + free + [0] * 16)
     decoder = StaticDecoder(full_target, capacity=128, proposer=TableProposer(table, 16), block_size=16)
-    assert decoder.generate_speculative(ids, 30, eos_id=eos).tokens == want
-    assert decoder.generate_target_only(ids, 30, eos_id=eos) == want
+    assert decoder.generate_speculative(ids, 30, stops=(eos,)).tokens == want
+    assert decoder.generate_target_only(ids, 30, stops=(eos,)) == want
 
 
 def test_prefill_buckets_cover_every_prompt_that_fits():

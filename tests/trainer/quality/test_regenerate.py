@@ -13,6 +13,7 @@ from trainer.quality.config import load_recipe
 from trainer.decode.generate import Sampling, hf_generate
 from trainer.quality.regenerate import chat_prompt_ids, prompt_sets, regenerate
 from trainer.decode.reference import generate_target_only
+from trainer.decode.stops import model_stop_ids
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,10 @@ def test_answers_are_the_targets_greedy_continuations(made):
     tok = target.tokenizer
     _train, held_out = prompt_sets(q)
     prompts = [chat_prompt_ids(tok, p) for p in held_out]
-    batched = hf_generate(target.model, prompts, Sampling(max_new_tokens=16), [tok.eos_token_id], tok.pad_token_id)
+    stops = model_stop_ids(target.model, tok)
+    batched = hf_generate(target.model, prompts, Sampling(max_new_tokens=16), stops, tok.pad_token_id)
     for ids, answer in zip(prompts, batched):
-        assert answer == generate_target_only(target, ids, 16, tok.eos_token_id)
+        assert answer == generate_target_only(target, ids, 16, stops)
     lines = [json.loads(line) for line in open(regen.eval_path)]
     assert {line["conversations"][0]["content"] for line in lines} == set(held_out)
     assert all([t["role"] for t in line["conversations"]] == ["user", "assistant"] for line in lines)
@@ -135,7 +137,7 @@ def test_training_lines_are_the_targets_exact_tokens(made):
         assert obj["loss_mask"] == [0] * n_prompt + [1] * (len(obj["input_ids"]) - n_prompt)
         prompt, answer = obj["input_ids"][:n_prompt], obj["input_ids"][n_prompt:]
         assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
-        assert answer == generate_target_only(target, prompt, 16, tok.eos_token_id)
+        assert answer == generate_target_only(target, prompt, 16, model_stop_ids(target.model, tok))
 
 
 @pytest.mark.parametrize("engine", ["static", "hf"])
@@ -164,7 +166,7 @@ def test_continuations_are_greedy_and_stay_inside_one_document(made, tmp_path, e
     for obj in lines:
         prompt, answer = obj["input_ids"][:12], obj["input_ids"][12:]
         assert prompt in windows and obj["loss_mask"] == [0] * 12 + [1] * len(answer)
-        assert answer == generate_target_only(target, prompt, 8, eot)
+        assert answer == generate_target_only(target, prompt, 8, (eot,))
     samples, report = load_samples([str(path)], tok, len(tok), max_bad_fraction=0.0)
     assert len(samples) == n and not report.bad
 
@@ -188,7 +190,7 @@ def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
     windows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
     got = answer(windows) + answer(windows)
     assert notes == ["note: regen.engine=static failed (RuntimeError: capture failed); continuing with HF generate"]
-    assert got[:2] == got[2:] == [generate_target_only(target, w, 5, eot) for w in windows]
+    assert got[:2] == got[2:] == [generate_target_only(target, w, 5, (eot,)) for w in windows]
     assert answer.used == "static->hf" and answer.gen is None
 
 
