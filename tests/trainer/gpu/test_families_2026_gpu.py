@@ -61,7 +61,6 @@ def test_trains_with_compile_and_graph(family, family_dirs, tmp_path):
                     "data.num_anchors=16", "optim.max_steps=6", "log.every=2")
     session = build(cfg, tmp_path / "run")
     loop = TrainLoop(session)
-    loop.run()
-    finish(session, loop)
+    finish(session, loop, loop.run())
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(x == x for x in losses), losses
