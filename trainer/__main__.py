@@ -21,6 +21,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from dflash_ops import wire  # noqa: E402
 from trainer.errors import ConfigError, TrainerError, run_cli  # noqa: E402
 
 
@@ -57,9 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --run-dir, with the config.json it started with "
                         f"(--set may change only {', '.join(RESUME_MAY_CHANGE)})")
-    t.epilog = ("SIGTERM or Ctrl-C stops a run at its next log step with a checkpoint, prints DFLASH_STOPPED and "
-                "the resume command, and exits 143 / 130; a second Ctrl-C ends it at once (a second SIGTERM is "
-                "ignored).")
+    t.epilog = (f"SIGTERM or Ctrl-C stops a run at its next log step with a checkpoint, prints "
+                f"{wire.STOPPED_PREFIX.strip()} and the resume command, and exits {wire.EXIT_TERMINATED} / "
+                f"{wire.EXIT_INTERRUPTED}; a second Ctrl-C ends it at once (a second SIGTERM is ignored).")
     e = sub.add_parser("eval", help="simulated tau on held-out data, or real decoding on prompt files",
                        description="--run-dir D: simulated tau on the run's held-out split. --drafter EXPORT --target "
                                    "T --data F: simulated tau on a training-format JSONL. --drafter EXPORT --target "
