@@ -86,13 +86,12 @@ def test_each_family_trains_end_to_end(family, family_dirs, tmp_path):
                     "data.num_anchors=6")
     session = build(cfg, tmp_path / "run")
     loop = TrainLoop(session)
-    loop.run()
-    result = finish(session, loop)
+    result = finish(session, loop, loop.run())
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(isinstance(x, float) and x == x for x in losses)
     exported = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert exported["dflash_config"]["target_layer_ids"] == list(session.state.target.layer_ids)
-    assert result["step"] == 3
+    assert result.step == 3 and result.export == tmp_path / "run" / "export"
 
 
 @pytest.mark.parametrize("model_type, extra, needle", [

@@ -67,7 +67,6 @@ def test_trains_with_compile_and_graph(qwen2_small, tmp_path, draft):
     session = build(cfg, tmp_path / "run")
     assert session.state.target.kinds.window == 300
     loop = TrainLoop(session)
-    loop.run()
-    finish(session, loop)
+    finish(session, loop, loop.run())
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(isinstance(x, float) for x in losses)
