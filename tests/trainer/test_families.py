@@ -140,7 +140,7 @@ def test_each_family_trains_end_to_end(family, family_dirs, tmp_path):
     assert len(losses) == 3 and all(isinstance(x, float) and x == x for x in losses)
     exported = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert exported["dflash_config"]["target_layer_ids"] == list(session.state.target.layer_ids)
-    assert result.step == 3
+    assert result.step == 3 and result.export == tmp_path / "run" / "export"
 
 
 def test_an_mxfp4_checkpoint_loads_as_its_dequantized_weights(tmp_path):
