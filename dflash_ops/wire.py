@@ -38,7 +38,8 @@ EXIT_SIGNALLED = 128                 # 128 + N: ended by signal N (or by its han
 EXIT_INTERRUPTED = 128 + 2           # SIGINT (Ctrl-C)
 EXIT_TERMINATED = 128 + 15           # SIGTERM (`stop`, `gpu-reset`)
 # How long `stop` and `gpu-reset` wait after SIGTERM before SIGKILL: the trainer then finishes its step, writes a
-# checkpoint and exits (DFLASH_STOPPED, EXIT_TERMINATED); this covers that for an 8B-shape drafter.
+# checkpoint and exits (DFLASH_STOPPED, EXIT_TERMINATED); an 8B-shape drafter's checkpoint took 20.5-24.5 s on
+# one H200 machine's disk (`python -m bench.checkpoint`, docs/benchmarks.md).
 STOP_GRACE_S = 120.0
 
 # -- remote scripts -> CLI: each answer line starts with its tag ----------------------------------------------
