@@ -69,4 +69,5 @@ def stop_requests(quiet: bool = False) -> Iterator[StopRequest]:
     try:
         yield request
     finally:
-        request.release()
+        if not request.signum:  # a run that is stopping ignores further SIGTERMs until it has exited (143/130)
+            request.release()
