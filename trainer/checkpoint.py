@@ -52,7 +52,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and (p / "trainer.json").is_file():
+        if m and all((p / name).is_file() for name in CKPT_FILES):
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -85,7 +85,7 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{cursor.step}"
     tmp = root / f"step_{cursor.step}.tmp"
-    for stale in (*root.glob("step_*.tmp"), *root.glob("step_*.old")):  # saves a kill cut short: never complete
+    for stale in (*root.glob("step_*.tmp"), *root.glob("step_*.old"), *root.glob("step_*.gone")):  # cut short by a kill
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     torch.save(drafter.state_dict(), tmp / "drafter.pt")
@@ -108,8 +108,16 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     _fsync(root)
     shutil.rmtree(old, ignore_errors=True)
     for _step, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
+
+
+def _remove(step_dir: Path) -> None:
+    """Delete a checkpoint so that no moment shows it torn: renamed out of the step_N namespace first (one atomic
+    step), then deleted; a kill mid-delete leaves a step_N.gone that the next save sweeps."""
+    gone = step_dir.with_name(step_dir.name + ".gone")
+    os.replace(step_dir, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 CKPT_FILES = ("drafter.pt", "optimizer.pt", "rng.pt", "trainer.json")

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -78,7 +79,6 @@ def test_a_resume_may_change_how_it_logs_and_checkpoints_but_not_what_it_trains(
 
 
 def test_export_of_a_run_whose_target_moved_takes_the_target_where_it_is_now(tmp_path, tiny_target_dir):
-    import shutil
 
     from trainer.errors import ConfigError
     from trainer.train import export_run
@@ -100,7 +100,6 @@ def test_export_of_a_run_whose_target_moved_takes_the_target_where_it_is_now(tmp
 def test_a_checkpoint_copied_out_of_its_run_keeps_its_config(tmp_path, tiny_target_dir):
     """`dflash-ops pull --what ckpt` brings step_N/ without the run's config.json: each step carries a copy, so a
     resume there is checked against it and the export knows the run's shape."""
-    import shutil
 
     from trainer.errors import ConfigError
     from trainer.train import export_run
@@ -216,6 +215,33 @@ def test_checkpoints_are_atomic_and_pruned_to_keep(tmp_path, target):
     cursor = checkpoint.load_latest(tmp_path, state.drafter, state.optimizer, state.lr_)
     assert cursor == checkpoint.Cursor(step=4, micro=8)
     assert all(g["lr"] is state.lr_ for g in state.optimizer.param_groups)  # the schedule's tensor, still bound
+
+
+def test_a_prune_cut_short_never_leaves_a_torn_checkpoint_listed(tmp_path, target, monkeypatch):
+    """A kill while the oldest checkpoint is deleted (rmtree goes file by file) must not leave a step_N that lists as
+    complete: the prune renames it out of the step_N names first, and a listed step has every file."""
+    from tests.trainer.conftest import make_state
+
+    state = make_state(target)
+    for step in (1, 2):
+        checkpoint.save(tmp_path, checkpoint.Cursor(step=step, micro=step), state.drafter, state.optimizer, keep=2)
+    (tmp_path / "ckpt" / "step_1" / "drafter.pt").unlink()  # a delete cut short, as rmtree leaves it
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2]
+    shutil.rmtree(tmp_path / "ckpt" / "step_1")
+
+    def killed(path, ignore_errors=False):  # the kill lands inside the delete of a checkpoint
+        if not path.exists():
+            return
+        (path / "drafter.pt").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, checkpoint.Cursor(step=3, micro=3), state.drafter, state.optimizer, keep=1)
+    monkeypatch.undo()
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3]
+    checkpoint.save(tmp_path, checkpoint.Cursor(step=4, micro=4), state.drafter, state.optimizer, keep=1)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_4"]  # the leftovers swept
 
 
 def test_evaluation_of_a_flex_run_uses_the_dense_reference_mask(tmp_path, tiny_target_dir):
