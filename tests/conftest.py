@@ -33,6 +33,10 @@ from support.testbed import DEFAULT_HOST_NAME, build_testbed  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIRST_CTID = 200
+# One intra-op thread per process (and per subprocess, which inherit it), set before torch is first imported: the
+# suite runs two workers on two cores, and two processes each spinning two OpenMP threads slow each other's tiny
+# ops several-fold (the whole suite ~25% slower).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -339,13 +339,19 @@ def check_target(cfg: TrainCfg) -> None:
 def check_target_dir(cfg: TrainCfg) -> None:
     """model.target, when set, must be a target directory this trainer can load (`read_target_dir`: its
     family, weights and tokenizer files) whose config.json the taps and model.mask_token_id fit (its layer count and
-    vocabulary): read before anything is loaded."""
+    vocabulary): read before anything is loaded. Unset, the taps must fit the tiny target before it is built."""
     check_target(cfg)
     if cfg.model.target and not (Path(cfg.model.target) / "config.json").is_file():
         raise ConfigError(f"model.target={cfg.model.target}: no config.json there",
                           hint="set model.target to a local Hugging Face model directory")
     if cfg.model.target:
         check_target_loads(cfg.model, cfg.model.target)
+    else:  # the tiny target, built later (trainer.tiny): its layer count is known now
+        from trainer.tiny import TINY_NUM_LAYERS
+
+        check_model_fits(TargetShape(num_layers=TINY_NUM_LAYERS, hidden_size=None, vocab_size=None),
+                         num_draft_layers=cfg.model.num_draft_layers, layer_ids=cfg.model.target_layer_ids,
+                         mask_token_id=None)
 
 
 def check_target_loads(m: ModelCfg, target: str) -> None:

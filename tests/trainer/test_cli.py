@@ -255,9 +255,10 @@ def test_a_line_of_invalid_utf8_is_a_malformed_line_with_its_number(tmp_path, ti
     assert f"{data}:3 (invalid UTF-8 at byte 20 of the line (invalid start byte))" in p.stderr
 
 
-def test_a_failed_start_leaves_nothing_behind_and_keeps_what_was_there(tmp_path, tiny_target_dir):
-    """Data the tokenizer refuses (no assistant turn) is found before any model is built; a target the config does
-    not fit (5 draft layers on 6 target layers: no tap spacing) is found after, and what that start made goes."""
+def test_a_failed_start_leaves_nothing_behind_and_keeps_what_was_there(tmp_path, tiny_target_dir, monkeypatch):
+    """Data the tokenizer refuses (no assistant turn) is found before any model is built; taps that do not fit the
+    target (5 draft layers on 6 target layers: no tap spacing) are found before anything loads, the tiny target's
+    included; a failure after the tiny target was built (a tracker without a login) takes back what that start made."""
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}) + "\n")
     p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "fresh"), "--set",
@@ -274,7 +275,13 @@ def test_a_failed_start_leaves_nothing_behind_and_keeps_what_was_there(tmp_path,
     (mine / "run.json").write_text("keep me")
     (mine / "output.log").write_text("and me")
     p = run_cli("train", "--recipe", "smoke", "--run-dir", str(mine), "--set", "model.num_draft_layers=5")
-    assert p.returncode == 2 and "the default tap spacing" in p.stderr, p.stderr
+    assert p.returncode == 2 and "the default tap spacing for 6 target layers" in p.stderr, p.stderr
+    assert "building the tiny target" not in p.stdout and "Traceback" not in p.stderr
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED", "WANDB_OFFLINE", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(mine), "--set", "track.backends=[wandb]")
+    assert p.returncode == 2 and "wandb could not start a run" in p.stderr, p.stderr[-3000:]
+    assert "building the tiny target" in p.stdout
     assert sorted(x.name for x in mine.iterdir()) == ["output.log", "run.json"]  # its tiny target went, they stayed
     assert (mine / "run.json").read_text() == "keep me" and (mine / "output.log").read_text() == "and me"
 
