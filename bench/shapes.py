@@ -33,6 +33,12 @@ SHAPES: dict[str, dict] = {
                        num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                        linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    # Qwen3.5-35B-A3B's language model: the 3 : 1 hybrid with 256 experts (top 8) and a gated shared expert
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, linear_num_key_heads=16, linear_num_value_heads=32,
+                            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4),
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),

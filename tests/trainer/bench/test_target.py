@@ -7,8 +7,9 @@ from bench.shapes import SHAPES, StepCounts, target_config, target_layer_costs
 
 
 def test_active_parameters_of_the_public_shapes():
-    """Counted from the configs: Qwen3-30B-A3B activates 3.3B parameters a token and gpt-oss-20b 3.6B (their model
-    cards, embeddings counted once), Qwen3.5-9B is 9B; a dense layer is the Qwen3 formula."""
+    """Counted from the configs: Qwen3-30B-A3B activates 3.3B parameters a token, gpt-oss-20b 3.6B and
+    Qwen3.5-35B-A3B 3B (their model cards, embeddings counted once), Qwen3.5-9B is 9B; a dense layer is the Qwen3
+    formula."""
     def active(name: str, embeddings: int) -> float:
         cfg = target_config(name, 3072)
         layers = target_layer_costs(cfg, cfg.num_hidden_layers)
@@ -17,6 +18,7 @@ def test_active_parameters_of_the_public_shapes():
     assert active("qwen3-30b-a3b", 2) == pytest.approx(3.35, abs=0.05)
     assert active("gpt-oss-20b", 1) == pytest.approx(3.6, abs=0.05)
     assert active("qwen3.5-9b", 2) == pytest.approx(8.95, abs=0.05)
+    assert active("qwen3.5-35b-a3b", 1) == pytest.approx(2.95, abs=0.05)
     cfg = target_config("qwen3-8b", 3072)
     d, hd, kv, q, i = 4096, 128, 8, 32, 12288
     assert target_layer_costs(cfg, 1)[0].params == d * q * hd + 2 * d * kv * hd + q * hd * d + 3 * d * i
