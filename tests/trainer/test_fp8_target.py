@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from tests.trainer.families import HYBRID_FAMILIES, MOE_FAMILIES
 from trainer.model.fp8 import E4M3, Fp8Linear, quantize_rows
 from trainer.model.fp8_target import quantize_target_layers
 from trainer.model.target import load_target
@@ -68,3 +69,36 @@ def test_on_a_cpu_the_option_is_one_line_and_exit_2(tmp_path, key):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{key} needs a CUDA device" in proc.stderr and f"{key}=false" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES + HYBRID_FAMILIES)
+def test_the_2026_families_run_in_fp8_and_keep_their_document_boundaries(family, family_dirs):
+    """Under model.target_fp8, every large projection of an MoE, sink or hybrid layer is FP8 (attention, shared
+    experts, the Gated DeltaNet's input and output projections); only routers and the delta rule's beta/decay
+    projections stay linears. A packed row still gives each document's own features (the FP8 model's HF forward of
+    that document alone: the error of a recurrence that runs across documents is far larger), close to the
+    unquantized model's."""
+    from tests.trainer.test_families import LENGTHS, SEQ, hf_taps, packed_row
+
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), truncate=False,
+                         dtype="float32")
+    layers = target.model.model.layers
+    ids, pos, doc = packed_row(LENGTHS, SEQ, target.embed_tokens.weight.shape[0])
+    before = target.features(ids, pos, doc)
+
+    def linears():
+        return [name.rsplit(".", 1)[-1] for name, m in layers.named_modules() if isinstance(m, torch.nn.Linear)]
+
+    n_before = len(linears())
+    replaced = quantize_target_layers(layers)
+    assert replaced > 0 and replaced == n_before - len(linears())
+    assert set(linears()) <= {"gate", "router", "shared_expert_gate", "in_proj_b", "in_proj_a", "in_proj_ba"}, \
+        sorted(set(linears()))
+    after = target.features(ids, pos, doc)
+    cos = torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0)
+    assert not torch.equal(after, before) and float(cos) > 0.99, float(cos)
+    at = 0
+    for n in LENGTHS:  # within 0.5%: a token's e4m3 rounding may flip where a document alone sums in another order
+        alone = hf_taps(target, ids[:, at:at + n], (1, 3))  # (a chunk of the delta rule laid out differently)
+        assert float((after[:, at:at + n] - alone).norm() / alone.norm()) < 5e-3, (n, at)
+        at += n

@@ -22,7 +22,10 @@ import torch.nn.functional as F
 
 from trainer.model.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # replaced
+# replaced: attention and MLP projections, and a Gated DeltaNet's (Qwen3.5 projects q/k/v and z apart, Qwen3-Next
+# together; `out_proj` is read only on a Gated DeltaNet module)
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")
 ROW_KERNEL_MAX = 16384  # intermediate sizes the one-row-in-registers kernel takes (one power-of-two block per half)
 
 
@@ -196,17 +199,31 @@ class Fp8GatedMlp(torch.nn.Module):
         return self.down_proj.product(h_q, h_scale).reshape(*lead, self.down_proj.out_features)
 
 
+def _gdn_projections(layer) -> torch.nn.Module | None:
+    """A hybrid layer's Gated DeltaNet module (HF's, also when trainer.model.linear_attention wraps it), or None."""
+    mixer = getattr(layer, "linear_attn", None)
+    return getattr(mixer, "inner", mixer)
+
+
 def quantize_target_layers(layers) -> int:
-    """Replace every decoder-layer linear named in LINEAR_NAMES (attention and MLP projections) by FP8, in place: a
-    gated SiLU MLP whole by an `Fp8GatedMlp`, every other such linear by an `Fp8Linear` -> how many linears were
-    replaced. The bf16 weights are freed."""
+    """Replace every decoder-layer linear named in LINEAR_NAMES by FP8, in place -> how many linears were replaced.
+    The bf16 weights are freed. Covered: softmax attention's projections; a dense MLP and an MoE layer's shared
+    expert (a gated SiLU MLP whole by an `Fp8GatedMlp`, else one `Fp8Linear` per linear); a Gated DeltaNet layer's
+    input and output projections. Left in bf16: routed experts (3-D weights of one grouped GEMM, not linears), routers,
+    and the Gated DeltaNet's beta and decay projections (a handful of outputs a head, into a sigmoid and an exp)."""
     replaced = 0
     for layer in layers:
         mlp = getattr(layer, "mlp", None)
-        if mlp is not None and gated_silu_mlp(mlp):
-            layer.mlp = Fp8GatedMlp(mlp)
-            replaced += 3
-        for parent in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+        mlps = [(layer, "mlp")] + ([(mlp, "shared_expert")] if hasattr(mlp, "shared_expert") else [])
+        parents = [getattr(layer, "self_attn", None), _gdn_projections(layer)]
+        for owner, name in mlps:
+            block = getattr(owner, name, None)
+            if block is not None and gated_silu_mlp(block):
+                setattr(owner, name, Fp8GatedMlp(block))
+                replaced += 3
+            else:
+                parents.append(block)
+        for parent in parents:
             if parent is None:
                 continue
             for name in LINEAR_NAMES:
