@@ -37,6 +37,9 @@ SWEEP_PREFIX = "DFLASH_SWEEP "       # the quality sweep's result (likewise)
 EXIT_SIGNALLED = 128                 # 128 + N: ended by signal N (or by its handler, which exits so)
 EXIT_INTERRUPTED = 128 + 2           # SIGINT (Ctrl-C)
 EXIT_TERMINATED = 128 + 15           # SIGTERM (`stop`, `gpu-reset`)
+EXIT_LAUNCHER_STOPPED = 1            # torchrun, once its SIGTERM'd ranks exited 143 (it raises SignalException)
+# A job that exits so and whose log ends its stop with a DFLASH_STOPPED line kept its checkpoint: "stopped"
+STOP_EXITS = (EXIT_TERMINATED, EXIT_INTERRUPTED, EXIT_LAUNCHER_STOPPED)
 # How long `stop` and `gpu-reset` wait after SIGTERM before SIGKILL: the trainer then finishes its step, writes a
 # checkpoint and exits (DFLASH_STOPPED, EXIT_TERMINATED); an 8B-shape drafter's checkpoint took 20.5-24.5 s on
 # one H200 machine's disk (`python -m bench.checkpoint`, docs/benchmarks.md).

@@ -16,6 +16,7 @@ state); the training loop (trainer/loop.py) only drives it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -234,8 +235,9 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
            placement: place.Placement | None, console: Console, made: list[Path]) -> Session:
     placement = placement or resolve_placement(cfg, env)  # train() resolved (and checked) it before joining the group
     device, target_device = torch.device(placement.drafter), torch.device(placement.target)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads = place.cpu_threads(cfg.threads, os.environ)
+    if threads:
+        torch.set_num_threads(threads)
     cfg = resolve_target(cfg, run_dir)
     tiny = uses_tiny_target(cfg, run_dir)
     if env.is_main:  # rank 0 owns the run directory (on several nodes, the others may not even have it)

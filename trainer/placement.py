@@ -41,6 +41,14 @@ class Placement:
     backend: str | None
 
 
+def cpu_threads(threads: int, environ: Mapping[str, str]) -> int:
+    """The intra-op threads to set: the config's `threads` (0: torch's default, set nothing), capped by
+    OMP_NUM_THREADS where the environment sets it -- the standard way to share a machine wins over a recipe's figure
+    (more threads than free cores slow tiny CPU work several-fold). Pure."""
+    cap = environ.get("OMP_NUM_THREADS", "").strip()
+    return min(threads, int(cap)) if threads and cap.isdigit() and int(cap) > 0 else threads
+
+
 def dist_env(environ: Mapping[str, str]) -> DistEnv:
     """Read torchrun's variables; a partial or malformed set is a usage error (one line naming the fix)."""
     keys = ("RANK", "WORLD_SIZE")

@@ -380,7 +380,7 @@ def _marked_procs(s: Session, run_id: str) -> int:
 def _kept_step(s: Session, run: RunStatus, raw: parse.RawState) -> int | None:
     """The step of the checkpoint a run that ended on SIGTERM/SIGINT wrote first; None where it wrote none, or
     the host cannot be asked (as for `_marked_procs`)."""
-    if raw.exit_code not in (wire.EXIT_TERMINATED, wire.EXIT_INTERRUPTED):
+    if raw.exit_code not in wire.STOP_EXITS:
         return None
     try:
         done = s.run(shellcmd.kept_script(run.run_dir), f"reading how {run.run_id} ended", timeout_s=30.0)

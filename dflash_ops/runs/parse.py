@@ -44,7 +44,7 @@ def state_of(raw: RawState, kept_step: int | None = None) -> str:
     DFLASH_KEPT line) / killed / lost."""
     if raw.alive:
         return RUNNING
-    if kept_step is not None and raw.exit_code in (wire.EXIT_TERMINATED, wire.EXIT_INTERRUPTED):
+    if kept_step is not None and raw.exit_code in wire.STOP_EXITS:
         return STOPPED
     if raw.stopped or (raw.exit_code is not None and raw.exit_code >= wire.EXIT_SIGNALLED):
         return KILLED

@@ -105,7 +105,7 @@ def _filled(template: str, **words: str) -> str:
 
 
 PRELUDE = _filled(_PRELUDE, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR, STATE=wire.STATE, KEPT=wire.KEPT,
-                  STOPPED=wire.STOPPED_PREFIX, STOP_EXITS=f"{wire.EXIT_TERMINATED}|{wire.EXIT_INTERRUPTED}")
+                  STOPPED=wire.STOPPED_PREFIX, STOP_EXITS="|".join(map(str, wire.STOP_EXITS)))
 # The lines that end a script whose run dir `$D` is not there, or print the time on the target.
 NO_RUN_DIR = f'[ -d "$D" ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n'
 PRINT_NOW = f"printf '{wire.NOW} %s\\n' \"$(date +%s)\"\n"

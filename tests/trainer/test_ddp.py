@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ops.wire import STOP_EXITS
 from support.procfs import is_alive as alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,6 +224,8 @@ def test_a_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_one_checkpoint(
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     text = log.read_text()
+    # what dflash-ops reads as "stopped" beside the DFLASH_STOPPED line (torchrun: 1, its SignalException)
+    assert launcher.returncode in STOP_EXITS, (launcher.returncode, text[-3000:])
     stops = lines(text, "DFLASH_STOPPED ")
     assert len(stops) == 1, text[-3000:]
     step = stops[0]["step"]

@@ -3,7 +3,15 @@ import pytest
 
 from trainer.config import load_config
 from trainer.errors import ConfigError
-from trainer.placement import DistEnv, Placement, dist_env, resolve_device, resolve_placement
+from trainer.placement import DistEnv, Placement, cpu_threads, dist_env, resolve_device, resolve_placement
+
+
+def test_the_environments_omp_num_threads_caps_the_configs_threads():
+    assert cpu_threads(2, {}) == 2 and cpu_threads(0, {"OMP_NUM_THREADS": "1"}) == 0  # 0: torch's default (OMP's)
+    assert cpu_threads(2, {"OMP_NUM_THREADS": "1"}) == 1 and cpu_threads(2, {"OMP_NUM_THREADS": "8"}) == 2
+    assert cpu_threads(4, {"OMP_NUM_THREADS": " 3 "}) == 3
+    for odd in ("", "0", "-1", "two", "2,1"):  # not a positive count (OpenMP's nested lists too): the config's figure
+        assert cpu_threads(4, {"OMP_NUM_THREADS": odd}) == 4
 
 
 def test_dist_env_reads_torchrun_variables_or_defaults_to_one_process():

@@ -11,26 +11,16 @@ Here each is a Triton kernel in which one program computes one row (one norm row
 and reductions shaped only by the row length (norm) or the query's position (attention), so a row's result is the
 same whatever the batch.
 
-The kernels run on CUDA, and on CPU under Triton's interpreter (`TRITON_INTERPRET=1` and `CPU_UNDER_INTERPRETER`, which
-the CPU tests set). Where they cannot run (no Triton, CPU, inside `torch.compile`), callers fall back to the HF module
-and SDPA.
+The kernels run on CUDA, and on CPU under Triton's interpreter (`trainer.triton_device`, which the CPU tests switch
+on). Where they cannot run (no Triton, CPU, inside `torch.compile`), callers fall back to the HF module and SDPA.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-
-def interpreting() -> bool:
-    """Triton's CPU interpreter is on. It must be chosen before triton is imported (the CPU tests do so)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# Under the interpreter the kernels can take CPU tensors, slowly. Only the kernel tests switch this on; everything else
-# on CPU keeps the HF modules and SDPA.
-CPU_UNDER_INTERPRETER = False
+from trainer.triton_device import runs_on
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,11 +91,6 @@ def head_dim_supported(head_dim: int) -> bool:
     """The attention kernel loads a head as one power-of-two vector; 16 and up keeps the compiled kernel the same
     for every launch (Triton specializes integer arguments by their divisibility by 16)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
-def runs_on(device: torch.device) -> bool:
-    """Triton kernels can run on tensors of `device` here: CUDA, or CPU under the interpreter (the kernel tests)."""
-    return device.type == "cuda" or (device.type == "cpu" and CPU_UNDER_INTERPRETER and interpreting())
 
 
 def usable_for(x: torch.Tensor) -> bool:

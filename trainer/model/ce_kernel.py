@@ -8,7 +8,7 @@ the memory bandwidth on the H200 (`python3 -m bench.step --profile`, category "l
 per step at shape (b)). Here a row (V = 152K bf16 logits: 300 KB) is read once from HBM; its second read, while the
 ~130 rows in flight fit the 50 MB L2, mostly hits L2.
 
-Runs on CUDA, and on CPU under Triton's interpreter (the tests; `trainer.decode.kernels.CPU_UNDER_INTERPRETER`).
+Runs on CUDA, and on CPU under Triton's interpreter (the tests; `trainer.triton_device.CPU_UNDER_INTERPRETER`).
 No host sync, no value-dependent allocation: it is captured inside the step's CUDA graph like any kernel.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def available() -> bool:
 
 def usable_on(device: torch.device) -> bool:
     """The kernel can run on tensors of `device`: CUDA with Triton, or CPU under the interpreter (tests)."""
-    from trainer.decode.kernels import runs_on
+    from trainer.triton_device import runs_on
 
     return available() and runs_on(device)
 

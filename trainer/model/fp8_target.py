@@ -86,7 +86,7 @@ def _kernels():
 
 def kernel_usable(device: torch.device, n: int) -> bool:
     """The row kernel can take rows of n gate (and n up) values on `device`: Triton, CUDA or the interpreter."""
-    from trainer.decode.kernels import runs_on
+    from trainer.triton_device import runs_on
 
     return n <= ROW_KERNEL_MAX and runs_on(device) and _kernels() is not None
 

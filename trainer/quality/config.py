@@ -148,7 +148,7 @@ class QualityCfg:
     eval_reserve_s: float = 60.0
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N (trainer/placement.py)
-    threads: int = 0  # CPU intra-op threads; 0 = torch default
+    threads: int = 0  # CPU intra-op threads (at most OMP_NUM_THREADS where set); 0 = torch default
     drafter: TrainCfg = field(default_factory=TrainCfg)  # model.target, data paths: filled in by the pipeline
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -169,7 +170,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     from trainer.config import to_dict
     from trainer.eval import evaluate_run
     from trainer.export import load_pair
-    from trainer.placement import local_device
+    from trainer.placement import cpu_threads, local_device
     from trainer.quality.evaluate import decode_benchmark, heldout_prompts
     from trainer.quality.pretrain import make_target
     from trainer.quality.regenerate import regenerate
@@ -178,8 +179,9 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     device = local_device(q.device, cpu_hint="use --set device=cpu (or auto)")
     check_device_fits(q, recipe_name, device.type)
     out.mkdir(parents=True, exist_ok=True)
-    if q.threads:
-        torch.set_num_threads(q.threads)
+    threads = cpu_threads(q.threads, os.environ)
+    if threads:
+        torch.set_num_threads(threads)
     (out / "recipe.json").write_text(json.dumps({"recipe": recipe_name, "overrides": overrides,
                                                 "reused_from": str(reuse.resolve()) if reuse else None,
                                                  "quality": to_dict(q)},

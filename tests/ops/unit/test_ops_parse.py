@@ -17,6 +17,10 @@ def test_state_line_and_states():
     assert parse.state_of(raw.__class__(**{**raw.__dict__, "exit_code": 137})) == "killed"
     assert parse.state_of(raw.__class__(**{**raw.__dict__, "exit_code": None, "stopped": True})) == "killed"
     assert parse.state_of(raw.__class__(**{**raw.__dict__, "exit_code": None})) == "lost"
+    # its log's DFLASH_STOPPED line (kept_step): the trainer's 143 / 130, and torchrun's 1 after it forwarded a SIGTERM
+    for code in (143, 130, 1):
+        assert parse.state_of(raw.__class__(**{**raw.__dict__, "exit_code": code}), kept_step=8) == "stopped"
+    assert parse.state_of(raw.__class__(**{**raw.__dict__, "exit_code": 3}), kept_step=8) == "exited"
     assert parse.state_line("DFLASH_RUN ../etc 0 1 - 0 - 0") is None
     assert parse.state_line("garbage") is None
 

@@ -16,9 +16,15 @@ def test_bench_prints_consistent_figures_per_engine(capsys, full_target):
              if l.startswith("DECODE_BENCH ")]
     assert [r["engine"] for r in lines] == ["static", "hf"]
     for r in lines:
-        assert r["step_ms"] > 0 and r["round_ms"] > 0 and r["block_size"] == 4
-        assert r["round_over_step"] == pytest.approx(r["round_ms"] / r["step_ms"], rel=0.01)
-        assert r["speedup_at_tau"]["4"] == pytest.approx(4 / r["round_over_step"], abs=0.02)
+        assert r["block_size"] == 4 and r["fixed_ms"]["target_only"] > 0
+        # the figures are differences of two decode lengths: on a loaded machine noise can swamp them, and then the
+        # record says so instead of giving ratios of noise
+        assert r["noisy"] == (r["step_ms"] <= 0 or r["round_ms"] <= 0)
+        if r["noisy"]:
+            assert r["round_over_step"] is None and r["speedup_at_tau"] is None
+        else:
+            assert r["round_over_step"] == pytest.approx(r["round_ms"] / r["step_ms"], rel=0.01)
+            assert r["speedup_at_tau"]["4"] == pytest.approx(4 / r["round_over_step"], abs=0.02)
 
 
 def test_bench_refuses_bad_arguments(capsys):

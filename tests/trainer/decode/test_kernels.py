@@ -21,8 +21,11 @@ def interpreter(monkeypatch):
     imported)."""
     import triton  # noqa: F401 -- a dev dependency: its absence is a failure, not a skip
 
-    assert kernels.interpreting(), "TRITON_INTERPRET=1 must be set before triton is imported (tests/trainer/conftest)"
-    monkeypatch.setattr(kernels, "CPU_UNDER_INTERPRETER", True)
+    from trainer import triton_device
+
+    assert triton_device.interpreting(), ("TRITON_INTERPRET=1 must be set before triton is imported "
+                                          "(tests/trainer/conftest)")
+    monkeypatch.setattr(triton_device, "CPU_UNDER_INTERPRETER", True)
 
 
 def _cache_with_stale_slots(R, Hkv, S, Dh, dtype):

@@ -48,14 +48,14 @@ def test_the_gemm_probe_on_a_linear_without_sums():
 
 
 def test_the_norm_probe_reads_what_the_static_target_runs(interpreter, full_target):  # noqa: F811
-    from trainer.decode import kernels
+    from trainer import triton_device
     from trainer.decode.static_target import StaticTarget
 
     static = StaticTarget(full_target, 32)
     assert norm_path(static) == "invariant"  # every RMSNorm of the model wrapped, the kernel usable here
     static.final_norm = static.final_norm.module  # one norm left to the HF module
     assert norm_path(static) == "hf"
-    kernels.CPU_UNDER_INTERPRETER = False  # restored by the fixture
+    triton_device.CPU_UNDER_INTERPRETER = False  # restored by the fixture
     assert norm_path(StaticTarget(full_target, 32)) == "hf"  # CPU without the interpreter: the HF modules run
 
 

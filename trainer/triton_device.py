@@ -1,0 +1,25 @@
+"""Where this process can run the trainer's Triton kernels (the decoder's row-invariant ops, the fused CE, the FP8
+target's SwiGLU quantization): CUDA, or CPU tensors under Triton's interpreter, which only the kernel tests switch on.
+Pure and light: no triton import."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on. It must be chosen before triton is imported (the CPU tests do so)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Under the interpreter the kernels can take CPU tensors, slowly. Only the kernel tests switch this on; everything else
+# on CPU keeps the torch forms (HF modules, SDPA, Inductor's CE).
+CPU_UNDER_INTERPRETER = False
+
+
+def runs_on(device: torch.device) -> bool:
+    """Triton kernels can run on tensors of `device` here: CUDA, or CPU under the interpreter (the kernel tests)."""
+    return device.type == "cuda" or (device.type == "cpu" and CPU_UNDER_INTERPRETER and interpreting())
