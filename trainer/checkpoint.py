@@ -72,7 +72,11 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU visible at the save; a resume that sees fewer (another container, a rank 0 on a smaller
+        # node) sets those it has (set_rng_state_all would index past them)
+        saved = state["cuda"]
+        for index in range(min(len(saved), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(saved[index], index)
 
 
 def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -84,6 +88,8 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     root = ckpt_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{cursor.step}"
+    if _holds(final, cursor):  # the same position saved already (a stop at a checkpoint step): the same state
+        return final
     tmp = root / f"step_{cursor.step}.tmp"
     for stale in (*root.glob("step_*.tmp"), *root.glob("step_*.old"), *root.glob("step_*.gone")):  # cut short by a kill
         shutil.rmtree(stale, ignore_errors=True)
@@ -110,6 +116,16 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     for _step, old in list_checkpoints(run_dir)[:-keep]:
         _remove(old)
     return final
+
+
+def _holds(step_dir: Path, cursor: Cursor) -> bool:
+    """`step_dir` is a complete checkpoint of exactly `cursor`: re-saving it would only open a moment with no copy."""
+    if not all((step_dir / name).is_file() for name in CKPT_FILES):
+        return False
+    try:
+        return cursor_of((step_dir / "trainer.json").read_text()) == cursor
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _remove(step_dir: Path) -> None:

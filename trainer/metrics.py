@@ -31,6 +31,30 @@ def _bar(done: float, total: float, label: str, width: int = 30) -> str:
     return f"\r[{'#' * filled}{'.' * (width - filled)}] {label}"
 
 
+def write_out(stream: TextIO, text: str) -> None:
+    """Write and flush text to the console. A reader that went away (a `| tee` that the same Ctrl-C ended) costs the
+    console, not the run: the stream's descriptor then points at /dev/null, and the run goes on to its stop's
+    checkpoint (metrics.jsonl keeps every record), where a BrokenPipeError would have ended it with none."""
+    try:
+        stream.write(text)
+        stream.flush()
+    except BrokenPipeError:
+        silence(stream)
+
+
+def silence(stream: TextIO) -> None:
+    """Point `stream`'s descriptor at /dev/null (what it still buffers is dropped there, at its next flush)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # an in-memory stream (tests): nothing to repoint
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 class Console:
     """The run's human lines on stdout, from the first second: each phase when it begins and, with its time, when
     it ends (`[  12.3s] loading the target ...`, `[  15.0s] loading the target: 2.7s (...)`); the seconds count
@@ -53,9 +77,7 @@ class Console:
         """Text as it is (whole lines, e.g. a contract line and its human twin), after clearing any bar; `quiet`
         silences `say`, not this."""
         self._clear_bar()
-        stream = self.stream or sys.stdout
-        stream.write(text)
-        stream.flush()
+        write_out(self.stream or sys.stdout, text)
 
     @contextmanager
     def phase(self, what: str) -> Iterator[list[str]]:
@@ -71,8 +93,7 @@ class Console:
         """A one-line bar on stderr, only on a TTY (logs stay clean)."""
         if not self.tty:
             return
-        sys.stderr.write(_bar(done, total, label))
-        sys.stderr.flush()
+        write_out(sys.stderr, _bar(done, total, label))
         self._bar_shown = True
 
     def bytes_bar(self, label: str) -> Callable[[int, int], None]:
@@ -80,8 +101,7 @@ class Console:
 
     def _clear_bar(self) -> None:
         if self._bar_shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+            write_out(sys.stderr, "\r\033[K")
             self._bar_shown = False
 
 
@@ -247,6 +267,10 @@ class MetricsSink:
     def stream(self) -> TextIO:
         return self._stream or sys.stdout
 
+    def _clear_bar(self) -> None:
+        if self.progress:
+            write_out(sys.stderr, "\r\033[K")
+
     def emit(self, record: dict) -> None:
         record = {k: v for k, v in record.items() if v is not None}
         line = json.dumps(record, separators=(", ", ": "))
@@ -258,32 +282,25 @@ class MetricsSink:
         human = (f"step {record['step']}/{record.get('total_steps', '?')} epoch {record.get('epoch', '?')} "
                  f"loss {_fmt(record.get('loss'))} acc {_fmt(record.get('acc'))} lr {_fmt(record.get('lr'), '.2e')} "
                  f"tok/s {_fmt(record.get('tokens_per_s'), '.0f')}")
-        if self.progress:
-            sys.stderr.write("\r\033[K")
-        self.stream.write(f"{METRICS_PREFIX}{line}\n{human}\n")
-        self.stream.flush()
+        self._clear_bar()
+        write_out(self.stream, f"{METRICS_PREFIX}{line}\n{human}\n")
 
     def progress_bar(self, step: int, total: int) -> None:
         """A one-line bar on stderr, only when stderr is a TTY (logs stay clean)."""
         if not self.progress:
             return
-        sys.stderr.write(_bar(step, total, f"{step}/{total}"))
-        sys.stderr.flush()
+        write_out(sys.stderr, _bar(step, total, f"{step}/{total}"))
 
     def done(self, record: dict) -> None:
         """The contract line, then the same facts for a person: where the export is, and tau."""
-        if self.progress:
-            sys.stderr.write("\r\033[K")
-        self.stream.write(f"{DONE_PREFIX}{json.dumps(record)}\n{done_line(record)}\n")
-        self.stream.flush()
+        self._clear_bar()
+        write_out(self.stream, f"{DONE_PREFIX}{json.dumps(record)}\n{done_line(record)}\n")
 
     def stopped(self, record: dict) -> None:
         """A run a signal stopped (trainer/train.py `stopped`): the contract line, then where its checkpoint is and
         the command that resumes it."""
-        if self.progress:
-            sys.stderr.write("\r\033[K")
-        self.stream.write(f"{STOPPED_PREFIX}{json.dumps(record)}\n{stopped_lines(record)}\n")
-        self.stream.flush()
+        self._clear_bar()
+        write_out(self.stream, f"{STOPPED_PREFIX}{json.dumps(record)}\n{stopped_lines(record)}\n")
 
 
 def done_line(record: dict) -> str:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 
 from dflash_ops.wire import LAUNCH_FILES
@@ -204,14 +205,15 @@ def check_same_data(cfg: TrainCfg, run_dir: Path) -> None:
 RESUME_MAY_CHANGE = ("log.every", "ckpt.every", "ckpt.keep", "threads", "eval_at_end")
 
 
-def resume_command(run_dir: Path, world: int = 1, nodes: int = 1) -> str:
-    """The command that continues a run from its newest checkpoint, for a person to paste (shlex-quoted). A
-    data-parallel run resumes with as many ranks as it had (its data cursor counts per-rank micro-batches). Pure."""
-    train = ["-m", "trainer", "train", "--run-dir", str(run_dir), "--resume"]
+def resume_command(run_dir: Path, world: int = 1, nodes: int = 1, python: str = sys.executable) -> str:
+    """The command that continues a run from its newest checkpoint, for a person to paste anywhere (shlex-quoted):
+    the interpreter that ran it and the run directory as absolute paths. A data-parallel run resumes with as many
+    ranks as it had (its data cursor counts per-rank micro-batches)."""
+    train = ["-m", "trainer", "train", "--run-dir", str(Path(run_dir).absolute()), "--resume"]
     if world == 1:
-        return shlex.join(["python", *train])
+        return shlex.join([python, *train])
     if nodes == 1:
-        return shlex.join(["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+        return shlex.join([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                            *train])
     return f"on each of the {nodes} nodes, the job's torchrun command with {shlex.join(train)}"
 

@@ -62,10 +62,19 @@ def stop_requests(quiet: bool = False) -> Iterator[StopRequest]:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         if not quiet:  # os.write: a print here could re-enter a print the signal interrupted
-            os.write(2, f"{signal_name(signum)}: stopping at the next log step, after a checkpoint; Ctrl-C again "
-                        f"ends the run at once, without it\n".encode())
+            try:
+                os.write(2, f"{signal_name(signum)}: stopping at the next log step, after a checkpoint; Ctrl-C again "
+                            f"ends the run at once, without it\n".encode())
+            except OSError:  # no reader left (a `| tee` the same Ctrl-C ended): the stop goes on regardless
+                pass
 
-    request._previous = {s: signal.signal(s, first) for s in STOP_SIGNALS}
+    # Both installed while both are blocked: a signal between the two would otherwise run `first`, which sets SIGINT
+    # back to its default, before SIGINT's own handler is installed over that.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        request._previous = {s: signal.signal(s, first) for s in STOP_SIGNALS}
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
         yield request
     finally:

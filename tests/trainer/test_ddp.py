@@ -233,8 +233,8 @@ def test_a_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_one_checkpoint(
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == [f"step_{step}"]
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1] == step
     argv = shlex.split(stops[0]["resume"])
-    assert argv[:6] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    again = run([sys.executable, *argv[1:]])
+    assert argv[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    again = run(argv)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     one = run(trainer_cmd(tiny_target_dir, tmp_path / "one", 1, "optim.accum_steps=2", *sets))
     assert one.returncode == 0, one.stderr[-3000:]

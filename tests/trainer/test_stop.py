@@ -86,15 +86,13 @@ def test_a_sigterm_mid_run_checkpoints_and_its_resume_command_gives_the_uninterr
     assert stop["checkpoint"] == str(run_dir / "ckpt" / f"step_{step}")
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == [f"step_{step}"]  # ckpt.every=0: the stop's
     assert not (run_dir / "export").exists()
-    resume = f"python -m trainer train --run-dir {shlex.quote(str(run_dir))} --resume"
+    resume = shlex.join([sys.executable, "-m", "trainer", "train", "--run-dir", str(run_dir), "--resume"])
     assert stop["resume"] == resume
     assert out.splitlines()[-2:] == [f"stopped by SIGTERM after {step} of 60 optimizer steps: checkpoint "
                                      f"{run_dir / 'ckpt' / f'step_{step}'}", f"resume with: {resume}"]
     assert [r["step"] for r in science(run_dir / "metrics.jsonl")] == list(range(2, step + 1, 2))
 
-    argv = shlex.split(stop["resume"])
-    assert argv[0] == "python"
-    again = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=env(), cwd=REPO_ROOT)
+    again = subprocess.run(shlex.split(stop["resume"]), capture_output=True, text=True, env=env(), cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert science(run_dir / "metrics.jsonl") == science(tmp_path / "whole" / "metrics.jsonl")
     done = [records(p.stdout, "DFLASH_DONE ")[0] for p in (again, whole)]
@@ -184,3 +182,28 @@ def test_train_without_a_recipe_resumes_or_says_what_it_needs_in_one_line(tmp_pa
     p = subprocess.run([sys.executable, "-m", "trainer", "train", *args], capture_output=True, text=True, env=env(),
                        cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.splitlines()[0] == message, p.stderr
+
+
+def test_ctrl_c_through_a_tee_that_dies_with_it_still_checkpoints_and_exits_130(tiny_target_dir, tmp_path):
+    """`train ... 2>&1 | tee log`: the terminal's Ctrl-C ends tee too, so the run's next console write meets a
+    broken pipe. The run must still reach its stop's checkpoint and exit 130 (the console is lost, not the work)."""
+    run_dir, log = tmp_path / "run", tmp_path / "tee.log"
+    log.touch()  # read before tee may have opened it
+    proc = subprocess.Popen(train_cmd(tiny_target_dir, run_dir, "optim.max_steps=2000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env(), cwd=REPO_ROOT, start_new_session=True)
+    tee = subprocess.Popen(["tee", str(log)], stdin=proc.stdout, stdout=subprocess.DEVNULL)
+    proc.stdout.close()  # tee holds the pipe's only read end
+    try:
+        wait_for(log, proc, 'DFLASH_METRICS {"step": 2,')
+        tee.kill()
+        tee.wait()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=HANG_GUARD_S) == 130
+    finally:
+        for p in (proc, tee):
+            if p.poll() is None:
+                p.kill()
+    from trainer.checkpoint import list_checkpoints
+
+    (step, _path), = list_checkpoints(run_dir)
+    assert 2 <= step < 2000 and json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step

@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +243,10 @@ def test_a_prune_cut_short_never_leaves_a_torn_checkpoint_listed(tmp_path, targe
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3]
     checkpoint.save(tmp_path, checkpoint.Cursor(step=4, micro=4), state.drafter, state.optimizer, keep=1)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_4"]  # the leftovers swept
+    # the same position again (a stop at a checkpoint step) leaves the copy there untouched: no moment without one
+    inode = (tmp_path / "ckpt" / "step_4" / "drafter.pt").stat().st_ino
+    checkpoint.save(tmp_path, checkpoint.Cursor(step=4, micro=4), state.drafter, state.optimizer, keep=1)
+    assert (tmp_path / "ckpt" / "step_4" / "drafter.pt").stat().st_ino == inode
 
 
 def test_evaluation_of_a_flex_run_uses_the_dense_reference_mask(tmp_path, tiny_target_dir):
@@ -332,3 +337,18 @@ def test_the_closing_line_says_when_the_eval_ran_but_found_no_block(tmp_path, ti
     assert last.endswith("no simulated tau: the held-out rows hold no block to evaluate (0 blocks: no two consecutive "
                          "supervised tokens; check data.eval_paths / data.eval_fraction)"), last
     assert "eval_at_end=false" in done_line({"step": 1, "run_dir": "R"})  # never evaluated: that wording stays
+
+
+def test_the_resume_command_pastes_anywhere(tmp_path, monkeypatch):
+    """The interpreter that ran the trainer and the run directory as absolute paths; torchrun's form keeps the ranks."""
+    import shlex
+    import sys
+
+    from trainer import rundir
+
+    monkeypatch.chdir(tmp_path)
+    argv = shlex.split(rundir.resume_command(Path("runs/a b"), python="/opt/py 3/bin/python"))
+    assert argv == ["/opt/py 3/bin/python", "-m", "trainer", "train", "--run-dir", str(tmp_path / "runs" / "a b"),
+                    "--resume"]
+    assert shlex.split(rundir.resume_command(Path("r"), world=4))[:6] == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
