@@ -102,3 +102,12 @@ def test_the_2026_families_run_in_fp8_and_keep_their_document_boundaries(family,
         alone = hf_taps(target, ids[:, at:at + n], (1, 3))  # (a chunk of the delta rule laid out differently)
         assert float((after[:, at:at + n] - alone).norm() / alone.norm()) < 5e-3, (n, at)
         at += n
+
+
+def test_a_linear_the_fp8_tensor_cores_cannot_take_stays_as_it_is():
+    """Widths not multiples of 16 (torch._scaled_mm's rule) keep their linear; the rest of the layer goes to FP8."""
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.q_proj, layer.self_attn.k_proj = torch.nn.Linear(64, 24, bias=False), torch.nn.Linear(64, 32)
+    assert quantize_target_layers([layer]) == 1
+    assert isinstance(layer.self_attn.q_proj, torch.nn.Linear) and isinstance(layer.self_attn.k_proj, Fp8Linear)

@@ -199,6 +199,12 @@ class Fp8GatedMlp(torch.nn.Module):
         return self.down_proj.product(h_q, h_scale).reshape(*lead, self.down_proj.out_features)
 
 
+def fp8_shaped(linear: torch.nn.Module) -> bool:
+    """The FP8 tensor cores take this linear: both its widths multiples of 16 (`torch._scaled_mm`'s rule; every
+    supported family's real shapes are). Others stay in the target's dtype."""
+    return isinstance(linear, torch.nn.Linear) and linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
 def _gdn_projections(layer) -> torch.nn.Module | None:
     """A hybrid layer's Gated DeltaNet module (HF's, also when trainer.model.linear_attention wraps it), or None."""
     mixer = getattr(layer, "linear_attn", None)
@@ -210,7 +216,8 @@ def quantize_target_layers(layers) -> int:
     The bf16 weights are freed. Covered: softmax attention's projections; a dense MLP and an MoE layer's shared
     expert (a gated SiLU MLP whole by an `Fp8GatedMlp`, else one `Fp8Linear` per linear); a Gated DeltaNet layer's
     input and output projections. Left in bf16: routed experts (3-D weights of one grouped GEMM, not linears), routers,
-    and the Gated DeltaNet's beta and decay projections (a handful of outputs a head, into a sigmoid and an exp)."""
+    the Gated DeltaNet's beta and decay projections (a handful of outputs a head, into a sigmoid and an exp), and any
+    linear whose widths the FP8 tensor cores do not take (`fp8_shaped`)."""
     replaced = 0
     for layer in layers:
         mlp = getattr(layer, "mlp", None)
@@ -218,7 +225,9 @@ def quantize_target_layers(layers) -> int:
         parents = [getattr(layer, "self_attn", None), _gdn_projections(layer)]
         for owner, name in mlps:
             block = getattr(owner, name, None)
-            if block is not None and gated_silu_mlp(block):
+            if (block is not None and all(fp8_shaped(getattr(block, n, None)) for n in ("gate_proj", "up_proj",
+                                                                                        "down_proj"))
+                    and gated_silu_mlp(block)):
                 setattr(owner, name, Fp8GatedMlp(block))
                 replaced += 3
             else:
@@ -228,7 +237,7 @@ def quantize_target_layers(layers) -> int:
                 continue
             for name in LINEAR_NAMES:
                 child = getattr(parent, name, None)
-                if isinstance(child, torch.nn.Linear):
+                if fp8_shaped(child):
                     setattr(parent, name, Fp8Linear(child))
                     replaced += 1
     return replaced
