@@ -2,7 +2,7 @@
 chunked kernels with the document reset equal the exact torch rule on packed rows; the tiny hybrid, MoE and
 attention-sink targets (tests/trainer/families.py, saved to disk, loaded through `load_target`) give HF's features
 per document through the CUDA fast path, and train with step.mode=compile+graph (fla's custom op, the
-grouped expert GEMMs and the sinks inside the captured step)."""
+grouped expert GEMMs, the sinks and, under model.target_fp8, the FP8 linears inside the captured step)."""
 import json
 
 import pytest
@@ -50,15 +50,18 @@ def test_fast_path_features_equal_hf_per_document(family, family_dirs):
         at += n
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_trains_with_compile_and_graph(family, family_dirs, tmp_path):
+@pytest.mark.parametrize("family, target_fp8", [(f, False) for f in FAMILIES] +
+                         [(f, True) for f in ("qwen3_5", "qwen3_5_moe", "gpt_oss")])
+def test_trains_with_compile_and_graph(family, target_fp8, family_dirs, tmp_path):
+    """model.target_fp8 too, for a hybrid (its Gated DeltaNet projections), a hybrid MoE (its shared expert) and
+    gpt-oss (biased attention with sinks): the FP8 linears inside the captured step."""
     from trainer.build import build
     from trainer.loop import TrainLoop
     from trainer.train import finish
 
     cfg = small_cfg(family_dirs[family], "device=cuda", "step.mode=compile+graph", "model.dtype=bfloat16",
                     "model.num_draft_layers=2", "model.target_layer_ids=[1, 3]", "data.seq_len=256",
-                    "data.num_anchors=16", "optim.max_steps=6", "log.every=2")
+                    "data.num_anchors=16", "optim.max_steps=6", "log.every=2", f"model.target_fp8={target_fp8}")
     session = build(cfg, tmp_path / "run")
     loop = TrainLoop(session)
     finish(session, loop, loop.run())
