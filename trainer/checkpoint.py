@@ -52,7 +52,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and all((p / name).is_file() for name in CKPT_FILES):
+        if m and _complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -118,9 +118,14 @@ def save(run_dir: Path, cursor: Cursor, drafter: torch.nn.Module, optimizer: tor
     return final
 
 
+def _complete(step_dir: Path) -> bool:
+    """`step_dir` holds every checkpoint file (a delete or copy cut short leaves some out)."""
+    return all((step_dir / name).is_file() for name in CKPT_FILES)
+
+
 def _holds(step_dir: Path, cursor: Cursor) -> bool:
     """`step_dir` is a complete checkpoint of exactly `cursor`: re-saving it would only open a moment with no copy."""
-    if not all((step_dir / name).is_file() for name in CKPT_FILES):
+    if not _complete(step_dir):
         return False
     try:
         return cursor_of((step_dir / "trainer.json").read_text()) == cursor
