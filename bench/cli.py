@@ -102,7 +102,7 @@ def print_status(n: int, inventory: str | None, host: str | None, label: str = "
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--inventory")
     p.add_argument("--host")
     p.add_argument("--ct")

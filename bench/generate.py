@@ -35,7 +35,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     from bench.shapes import SHAPES
 
     p = argparse.ArgumentParser(prog="python -m bench.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="small", help=f"named target shape: {', '.join(SHAPES)} (default: small)")
+    qwen3 = ", ".join(n for n, f in SHAPES.items() if f["model_type"] == "qwen3")
+    p.add_argument("--shape", default="small", help=f"named Qwen3 target shape: {qwen3} (default: small)")
     p.add_argument("--engines", default="static,hf", help="comma list of static, hf (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="prompts per batch (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="the longest prompt (default: %(default)s)")

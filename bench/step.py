@@ -1,7 +1,7 @@
 """Training-step benchmark: `python -m bench.step --shape small --modes eager,compile,graph,compile+graph`.
 
 Run from the repository root. What runs: the trainer's own modules, built as `trainer train` builds them -- an HF
-Qwen3 target (`transformers.Qwen3ForCausalLM`, random init from a named shape; or `--target DIR` through
+target of the named shape (`transformers.AutoModelForCausalLM`, random init from `bench/shapes.py`; or `--target DIR` through
 `load_target`), bf16 on CUDA, frozen, truncated after its last tap, with the doc-causal flex attention path on CUDA;
 the trainer's `Drafter` (5 layers, KV injection, fp32 params under bf16 autocast), its chunked LM-head loss, AdamW
 with a device LR; driven by `trainer.build.make_runner`. Data: synthetic `StaticBatch`es built by trainer.data
@@ -103,7 +103,7 @@ class BenchConfig:
 
 
 HELP = {
-    "shape": "named target shape (bench/shapes.py): small, qwen3-8b, tiny",
+    "shape": "named target shape",
     "target": "a local HF model directory instead of --shape",
     "draft_layers": "drafter layers (= target taps)",
     "batch": "rows per micro-step",
@@ -178,10 +178,13 @@ def set_inductor(settings: dict[str, object]) -> None:
 
 
 def parse(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
+    from bench.shapes import SHAPES
+
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
+    helps = dict(HELP, shape=f"{HELP['shape']}: {', '.join(SHAPES)}")
     for field, default in asdict(BenchConfig()).items():
         p.add_argument("--" + field.replace("_", "-"), type=type(default), default=default,
-                       help=f"{HELP[field]} (default: {default!r})")
+                       help=f"{helps[field]} (default: {default!r})")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (default: all)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = vars(p.parse_args(argv))

@@ -1,6 +1,6 @@
 """One bench mode over the trainer's own path, in the child process of `python -m bench.step`.
 
-Built exactly as `trainer train` builds it: an HF Qwen3 target prepared by `trainer.model.target.prepare_target`
+Built exactly as `trainer train` builds it: an HF target of the named shape prepared by `trainer.model.target.prepare_target`
 (random init from a named shape, bf16 on CUDA, frozen, tap hooks, truncated after the last tap; or `--target DIR`
 through `load_target`), `trainer.build.build_state` (Drafter, AdamW with a device LR, chunked LM-head loss, the flex
 mask builder), `trainer.build.make_runner` (the step's policy, then the eager or captured stepper of

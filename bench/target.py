@@ -22,7 +22,7 @@ import json
 def main(argv: list[str] | None = None) -> int:
     from bench.shapes import SHAPES
 
-    p = argparse.ArgumentParser(prog="python -m bench.target", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.target", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--shape", default="small", help=f"named shape: {', '.join(SHAPES)}")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=3072)

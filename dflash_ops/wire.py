@@ -40,8 +40,8 @@ EXIT_TERMINATED = 128 + 15           # SIGTERM (`stop`, `gpu-reset`)
 EXIT_LAUNCHER_STOPPED = 1            # torchrun, once its SIGTERM'd ranks exited 143 (it raises SignalException)
 # A job that exits so and whose log ends its stop with a DFLASH_STOPPED line kept its checkpoint: "stopped"
 STOP_EXITS = (EXIT_TERMINATED, EXIT_INTERRUPTED, EXIT_LAUNCHER_STOPPED)
-# How long `stop` and `gpu-reset` wait after SIGTERM before SIGKILL: the trainer then finishes its step, writes a
-# checkpoint and exits (DFLASH_STOPPED, EXIT_TERMINATED); an 8B-shape drafter's checkpoint took 20.5-24.5 s on
+# How long `stop` and `gpu-reset` wait after SIGTERM before SIGKILL: the trainer then trains on to its next log
+# step, writes a checkpoint and exits (DFLASH_STOPPED, EXIT_TERMINATED); an 8B-shape drafter's checkpoint took 20.5-24.5 s on
 # one H200 machine's disk (`python -m bench.checkpoint`, docs/benchmarks.md).
 STOP_GRACE_S = 120.0
 

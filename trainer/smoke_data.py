@@ -59,7 +59,11 @@ def vocabulary_text() -> str:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0] if argv else "trainer/assets/smoke.jsonl")
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m trainer.smoke_data", description=__doc__.splitlines()[0])
+    p.add_argument("out", nargs="?", default="trainer/assets/smoke.jsonl", help="where to write (default: %(default)s)")
+    out = Path(p.parse_args(argv).out)
     out.write_text("".join(json.dumps(c) + "\n" for c in conversations()))
     print(f"wrote {out}")
     return 0

@@ -12,7 +12,8 @@ from dflash_ops.cli._common import RUN_HELP, CtOpt, HostOpt, JsonOpt, locate, op
 def runs(ctx: typer.Context,
          run: Annotated[Optional[str], typer.Argument(help=RUN_HELP)] = None,
          host: HostOpt = None, ct: CtOpt = None, json_out: JsonOpt = False) -> None:
-    """List runs: run id (its name first), state (running, exited N, killed, lost), pid, start, duration; sized
+    """List runs: run id (its name first), state (running, exited N, stopped at
+    step N, killed, lost), pid, start, duration; sized
     to the terminal (80 columns piped), a run's values wrapped, never cut, when the table does not fit.
 
     With RUN: that run, a row per node (a multi-node run: every node, read at once, and the run's state); exit 0

@@ -237,7 +237,7 @@ def test_a_relative_path_after_dashes_is_said_to_be_relative_to_the_run_dir_ther
 
 
 def test_stop_in_a_container_waits_for_the_checkpoint_and_stop_now_does_not(bed, monkeypatch, tmp_path):
-    """The job takes 12 s after SIGTERM to write its checkpoint (the old grace was 10 s): `stop` waits for it,
+    """The job takes 12 s after SIGTERM to write its checkpoint (well inside the 120 s default grace): `stop` waits for it,
     and `runs` and `status` read the run `stopped at step 7`; `stop --now` SIGKILLs a second one at once."""
     ctid, root = bed.ct(4), bed.tb.runs_dirs[bed.ct(4)]
     saver = bed.launch(ctid, "--slow-term", "12", "--gate", str(bed.gate("saver")), name="saver")

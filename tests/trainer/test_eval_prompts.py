@@ -52,7 +52,7 @@ def test_chat_sharegpt_plain_lines_and_bad_lines(tmp_path):
 
 def test_alpaca_prompt_and_content_part_lines_are_read(tmp_path):
     """Alpaca's instruction (+ input), a bare {"prompt": ...}, and OpenAI chat turns whose content is a list of text
-    parts: formats users bring that used to be refused as unknown."""
+    parts: formats users bring, each read as a prompt."""
     f = tmp_path / "more.jsonl"
     lines = [{"instruction": "count from 3 to 9", "input": "", "output": "3 4 5"},
              {"instruction": "repeat twice", "input": "cat dog", "output": "cat dog cat dog"},

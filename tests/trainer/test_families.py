@@ -104,7 +104,7 @@ def test_a_mask_without_the_window_would_be_caught(family, family_dirs):
     the window."""
     target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
     ids, pos, doc = packed_row([12], 16, target.embed_tokens.weight.shape[0])
-    target.kinds = None  # every layer read as full attention: the old behaviour
+    target.kinds = None  # every layer read as full attention: the windows dropped
     wrong = target.features(ids, pos, doc)[:, :12]
     assert not torch.allclose(wrong, hf_taps(target, ids[:, :12], (1, 3)), atol=1e-3)
 

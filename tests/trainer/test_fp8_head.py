@@ -99,7 +99,7 @@ def test_confident_rows_keep_their_gradient_in_every_form(hardware_fp8_casts, mo
         back = q.double() * scale.double()
         live = s > 0
         label = back[torch.arange(len(y)), y][live]
-        # rtol: fp32 rounds the tiny off-label probabilities (~1e-4 relative); the old bug was off by 100%
+        # rtol: fp32 rounds the tiny off-label probabilities (~1e-4 relative); 1 - p_label in fp32 is off by 100% here
         torch.testing.assert_close(label, want[torch.arange(len(y)), y][live], rtol=1e-3, atol=0, msg=name)
         assert (label < 0).all(), name
         _assert_e4m3_close(q, scale, want)

@@ -212,7 +212,7 @@ class FlexBlockMask:
         self.ctx_lo.copy_(ctx_lo)
         self.valid.copy_(valid)
         self.ctx_start.copy_(torch.where(self.valid, self.ctx_lo, 0))
-        # mask_mod drops the old `kv < ctx_len` bound: an anchor is a context position, the clamp keeps it so
+        # no `kv < ctx_len` bound in mask_mod: an anchor is a context position, the clamp keeps it so
         self.ctx_end.copy_(torch.where(self.valid, self.anchor.clamp_max(self.shape.ctx_len), 0))
         self._copy_tables(block_mask_tensors(*tile_states(self.anchor, self.ctx_lo, self.valid, self.shape,
                                                           self.window)))

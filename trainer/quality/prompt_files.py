@@ -1,5 +1,5 @@
 """The quality pipeline's prompt sets as prompt files, for the user's path on its target (regenerate -> train ->
-export -> eval; docs/quality.md, "The user's path").
+export -> eval; docs/regenerate.md).
 
   python -m trainer.quality.prompt_files --recipe quality_gpu|quality_cpu|PATH.yaml --out DIR [--set a.b=v]...
 

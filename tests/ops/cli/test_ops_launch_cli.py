@@ -213,8 +213,8 @@ def test_runs_piped_or_at_80_columns_cuts_nothing(ops_env):
 
 
 def test_stop_waits_for_the_checkpoint_and_the_run_reads_stopped(ops_env):
-    """A job that, like the trainer, takes a while after SIGTERM to write its checkpoint (12 s: more than the old
-    10 s grace) is given that time by `stop`'s default grace, and then reads `stopped at step 7`, not failed."""
+    """A job that, like the trainer, takes a while after SIGTERM to write its checkpoint (12 s, well inside the 120 s
+    default grace) is given that time by `stop`'s default grace, and then reads `stopped at step 7`, not failed."""
     done = ops_env.sub("launch", "job", "--json", "--", "--slow-term", "12", "--hold")
     assert done.returncode == 0, done.stderr
     run = json.loads(done.stdout)

@@ -49,8 +49,8 @@ def test_local_reset_kills_run_group_child_and_stubborn_holder(tmp_path, gpu_env
 
 
 def test_reset_gives_a_run_the_time_to_write_its_checkpoint(tmp_path, gpu_env):
-    """As `stop` does: SIGTERM, then the default grace, enough for a trainer that takes 12 s (more than the old
-    10 s) to write its checkpoint and exit; the run then reads stopped at its step, not killed."""
+    """As `stop` does: SIGTERM, then the default grace, enough for a trainer that takes 12 s (well inside the
+    120 s default) to write its checkpoint and exit; the run then reads stopped at its step, not killed."""
     import time
     from pathlib import Path
 

@@ -84,8 +84,8 @@ def test_refuses_a_non_empty_out_dir_and_keeps_it(tmp_path):
 
 
 def test_a_gpu_recipe_without_a_gpu_is_refused_before_any_stage(tmp_path):
-    """quality_gpu on a machine without CUDA (here: none visible) used to pretrain on the CPU until the kernel killed
-    it; now one line, exit 2, nothing written."""
+    """quality_gpu on a machine without CUDA (here: none visible) is one line, exit 2, and nothing written: it must
+    not start pretraining on the CPU."""
     proc = run_module("trainer.quality.pipeline", "--recipe", "quality_gpu", "--out", str(tmp_path / "q"),
                       CUDA_VISIBLE_DEVICES="")
     assert proc.returncode == 2
