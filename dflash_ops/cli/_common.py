@@ -30,6 +30,9 @@ RUN_HELP = ("A run id or a run name (its latest run). A multi-node run's id alon
             "launched from this machine; otherwise, and for a name, give --host/--ct [default: the inventory's "
             "default host]. A multi-node run: a row per node.")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout (errors too).")]
+# The most any seconds option takes (a week): bounded, so `inf` and `nan` are refused as usage errors (exit 2)
+# like any bad value, never reaching the arithmetic of a remote script's wait.
+SECONDS_MAX = 7 * 24 * 3600.0
 
 
 def settings(ctx: typer.Context) -> Settings:

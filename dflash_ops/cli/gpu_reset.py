@@ -5,16 +5,18 @@ from typing import Annotated
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, rendered_errors, settings
+from dflash_ops.cli._common import SECONDS_MAX, CtOpt, HostOpt, JsonOpt, rendered_errors, settings
 from dflash_ops.wire import STOP_GRACE_S
 
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before killing (or before --hard resets).")]
 GraceOpt = Annotated[float, typer.Option(
-    "--grace", min=0, help="Seconds between SIGTERM and SIGKILL (the default lets a trainer write its checkpoint).")]
+    "--grace", min=0, max=SECONDS_MAX,
+    help="Seconds between SIGTERM and SIGKILL (the default lets a trainer write its checkpoint).")]
 AllOpt = Annotated[bool, typer.Option("--all-containers", help="Also kill holders in other containers and on the "
                                                                  "Proxmox host itself.")]
 HardOpt = Annotated[bool, typer.Option("--hard", help="Then offer `nvidia-smi -r` for each GPU once it is idle.")]
-WaitOpt = Annotated[float, typer.Option("--wait", min=0, help="Seconds to wait for the GPUs to be released.")]
+WaitOpt = Annotated[float, typer.Option("--wait", min=0, max=SECONDS_MAX,
+                                        help="Seconds to wait for the GPUs to be released.")]
 ThresholdOpt = Annotated[int, typer.Option("--threshold-mib", min=0,
                                            help="memory.used at or below this counts as free (H200 idles at 0).")]
 

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, open_session, rendered_errors, runbooks_dir
+from dflash_ops.cli._common import SECONDS_MAX, CtOpt, HostOpt, JsonOpt, open_session, rendered_errors, runbooks_dir
 
 
 def launch(
@@ -19,7 +19,8 @@ def launch(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Continue into `tail` once the run is alive.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact remote command; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Stop a live run of the same name first.")] = False,
-    wait: Annotated[Optional[float], typer.Option("--wait", min=0, help="Liveness wait in seconds [default: runbook].")] = None,
+    wait: Annotated[Optional[float], typer.Option(
+        "--wait", min=0, max=SECONDS_MAX, help="Liveness wait in seconds [default: runbook].")] = None,
     env: Annotated[Optional[list[str]], typer.Option(
         "--env", "-e", metavar="KEY=VALUE",
         help="Set a variable in the job's environment (repeatable; replaces the runbook's or inventory's value).")] = None,
@@ -28,7 +29,7 @@ def launch(
         help="A node of a multi-node run, in rank order (repeat it), or an inventory group of them; the runbook "
              "must say `nodes: true`. Not with --host/--ct.")] = None,
     rdzv_timeout: Annotated[Optional[int], typer.Option(
-        "--rdzv-timeout", min=1, show_default=False,
+        "--rdzv-timeout", min=1, max=int(SECONDS_MAX), show_default=False,
         help="With --node: seconds the nodes wait for each other at the rendezvous [default: 600, torchrun's]."
     )] = None,
     json_out: JsonOpt = False,

@@ -6,12 +6,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import RUN_HELP, CtOpt, HostOpt, JsonOpt, locate, rendered_errors, settings
+from dflash_ops.cli._common import RUN_HELP, SECONDS_MAX, CtOpt, HostOpt, JsonOpt, locate, rendered_errors, settings
 
 WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until Ctrl-C.")]
-IntervalOpt = Annotated[float, typer.Option("--interval", min=0.2, help="Seconds between refreshes with --watch.")]
+IntervalOpt = Annotated[float, typer.Option(
+    "--interval", min=0.2, max=SECONDS_MAX, help="Seconds between refreshes with --watch.")]
 TimeoutOpt = Annotated[float, typer.Option(
-    "--timeout", min=1.0, help="Give up on a host after this many seconds (it shows as unreachable).")]
+    "--timeout", min=1.0, max=SECONDS_MAX, help="Give up on a host after this many seconds (it shows as unreachable).")]
 
 
 def scope(ctx: typer.Context, host: str | None, ct: str | None) -> list:

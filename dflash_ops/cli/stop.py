@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, rendered_errors
+from dflash_ops.cli._common import SECONDS_MAX, CtOpt, HostOpt, JsonOpt, locate, rendered_errors
 from dflash_ops.wire import STOP_GRACE_S
 
 
@@ -17,7 +17,7 @@ def stop(
     host: HostOpt = None,
     ct: CtOpt = None,
     grace: Annotated[Optional[float], typer.Option(
-        "--grace", min=0, show_default=False,
+        "--grace", min=0, max=SECONDS_MAX, show_default=False,
         help=f"Seconds between SIGTERM and SIGKILL [default: {STOP_GRACE_S:g}, enough for the trainer to write a "
              "checkpoint of an 8B-shape drafter].")] = None,
     now: Annotated[bool, typer.Option("--now", help="SIGKILL at once, no grace: the work since the last "
@@ -26,8 +26,8 @@ def stop(
 ) -> None:
     """Stop a run: SIGTERM every process of it, wait up to --grace seconds, SIGKILL what is left.
 
-    On SIGTERM the trainer finishes its step, writes a checkpoint and exits: the run then reads `stopped at step
-    N`, and `--resume` continues it. --now skips that: SIGKILL at once.
+    On SIGTERM the trainer trains on to its next log step (`log.every`), writes a checkpoint there and exits 143:
+    the run then reads `stopped at step N`, and `--resume` continues it. --now skips that: SIGKILL at once.
 
     A run's processes are those carrying its marker (DFLASH_OPS_RUN_ID) in their environment, wherever their
     process group or session, and also when the run's directory is gone; a reused pid is never hit. Stopping a

@@ -16,7 +16,7 @@ def tail(
     run: Annotated[Optional[str], typer.Argument(help="Run id or run name [default: the latest run].")] = None,
     host: HostOpt = None,
     ct: CtOpt = None,
-    lines: Annotated[int, typer.Option("-n", "--lines", min=0, help="Start with the last N lines.")] = 20,
+    lines: Annotated[int, typer.Option("-n", "--lines", min=0, max=10**9, help="Start with the last N lines.")] = 20,
     follow: Annotated[bool, typer.Option("--follow/--no-follow", help="Keep following until the run ends.")] = True,
     raw: Annotated[bool, typer.Option("--raw", help=f"The log's exact bytes, machine lines ({METRICS_PREFIX}...) "
                                                      "included.")] = False,

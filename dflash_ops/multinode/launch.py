@@ -76,11 +76,12 @@ def launch(p: NodePlan, *, force: bool = False, wait_s: float | None = None, gra
         raise _node_error(p, failed[0], "nothing was launched")
     run = find_rendezvous(p)
     specs = p.specs(run)
-    if not force:  # a node that would refuse (a live run of the name, the cache in use) refuses before any starts
-        refused = [o for o in together(ranks, lambda i: lifecycle.check_launch(p.sessions[i], specs[i]),
-                                       deadline_s=connect_s(targets), describe=describe) if not o.ok]
-        if refused:
-            raise _node_error(p, refused[0], "nothing was launched")
+    # A node that would refuse (a live run of the name unless --force, the cache in use) refuses before any node
+    # starts or has its run stopped.
+    refused = [o for o in together(ranks, lambda i: lifecycle.check_launch(p.sessions[i], specs[i], forced=force),
+                                   deadline_s=connect_s(targets), describe=describe) if not o.ok]
+    if refused:
+        raise _node_error(p, refused[0], "nothing was launched")
     recordfile.save(run)
 
     def one(i: int) -> Launched:

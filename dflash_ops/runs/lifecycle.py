@@ -149,10 +149,10 @@ def dry_run(s: Session, spec: RunSpec, *, wait_s: float | None = None) -> DryRun
     return DryRun(spec=spec, command=s.transport.describe(s.argv(script)))
 
 
-def check_launch(s: Session, spec: RunSpec) -> None:
+def check_launch(s: Session, spec: RunSpec, *, forced: bool = False) -> None:
     """Raise the Refused (exit 5) that launching `spec` would meet now, changing nothing (a multi-node launch asks
-    every node before it starts any)."""
-    s.run(shellcmd.launch_check_script(spec), f"checking {spec.run_id} can start")
+    every node before it starts any). `forced`: what is left to refuse once the live runs of its name are stopped."""
+    s.run(shellcmd.launch_check_script(spec, forced=forced), f"checking {spec.run_id} can start")
 
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
@@ -165,9 +165,21 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
     stopped: tuple[str, ...] = ()
     if force:
         alive = [r for r in list_runs(s) if r.name == spec.name and r.holds_on]
+        if alive:
+            check_launch(s, spec, forced=True)  # a launch refused anyway must not cost the user their run
         for r in alive:
             stop(s, r, grace_s=grace_s)
         stopped = tuple(r.run_id for r in alive)
+    try:
+        return _start(s, spec, wait_s=wait_s, sleep=sleep, on_started=on_started, stopped=stopped)
+    except OpsError as exc:
+        if stopped:  # what --force did stays said, whatever came after it
+            exc.hint = "; ".join(x for x in (exc.hint, f"stopped first (--force): {', '.join(stopped)}") if x)
+        raise
+
+
+def _start(s: Session, spec: RunSpec, *, wait_s: float | None, sleep: Callable[[float], None],
+           on_started: Callable[[int], None], stopped: tuple[str, ...]) -> Launched:
     wait = spec.liveness.wait_s if wait_s is None else wait_s
     seen = _StartWatch(on_started)
     t0 = time.monotonic()

@@ -192,20 +192,24 @@ KEEP_RC = (
     "}")
 
 
-def _alive_loop(name: str | None, tag: str) -> str:
+def _alive_loop(name: str | None, tag: str, *, spared: str | None = None) -> str:
     """Refuse (exit 5, `DFLASH_REFUSED <tag> <run id>`) while a process of a run of "$RUNS" lives: of any run, or
-    of the runs named `name`. A process counts whether it is the run's wrapper or a leftover of a run that exited,
-    and whether or not the run's directory still exists (dflash_procs)."""
+    of the runs named `name`; never for the runs named `spared` (those `launch --force` stops first). A process
+    counts whether it is the run's wrapper or a leftover of a run that exited, and whether or not the run's
+    directory still exists (dflash_procs)."""
     match = ("" if name is None else
              f'  n=${{i%{RUN_ID_GLOB}}}; [ "$n" != "$i" ] && [ "$n" = {q(name)} ] || continue\n')
+    if spared is not None:
+        match += f'  n=${{i%{RUN_ID_GLOB}}}; [ "$n" != "$i" ] && [ "$n" = {q(spared)} ] && continue\n'
     return ("while read -r p i s; do\n" + match +
             f"  printf '{wire.REFUSED} {tag} %s\\n' \"$i\"; exit {wire.EXIT_REFUSED}\n"
             "done < <(dflash_procs)\n")
 
 
-def cache_in_use_check(spec: RunSpec) -> str:
-    """clear_cache_step's refusal alone: while any process of a run in this runs dir lives (exit 5, refused)."""
-    return _alive_loop(None, "cache")
+def cache_in_use_check(spec: RunSpec, spared: str | None = None) -> str:
+    """clear_cache_step's refusal alone: while any process of a run in this runs dir lives (exit 5, refused),
+    those of the runs named `spared` aside."""
+    return _alive_loop(None, "cache", spared=spared)
 
 
 def clear_cache_step(spec: RunSpec) -> str:
@@ -223,12 +227,15 @@ PRE_BUILDERS = {"clear_inductor_cache": clear_cache_step}
 PRE_CHECKS = {"clear_inductor_cache": cache_in_use_check}
 
 
-def launch_check_script(spec: RunSpec) -> str:
+def launch_check_script(spec: RunSpec, *, forced: bool = False) -> str:
     """The launch script's refusals, read-only: exit 5 (`DFLASH_REFUSED ...`) where `launch_script` would refuse --
     a live run of the name, a pre step's condition -- else print `DFLASH_OK`. For a launch of several nodes, which
-    checks every node before any of them starts; the launch itself still checks, under its lock."""
-    return (PRELUDE + f"RUNS={path_word(spec.runs_dir)}\n" + _alive_loop(spec.name, "alive")
-            + "".join(PRE_CHECKS[step](spec) for step in spec.pre) + f"echo {wire.CHECKED}\n")
+    checks every node before any of them starts; the launch itself still checks, under its lock. `forced`: the
+    refusals left once `launch --force` has stopped the live runs of the name (asked before it stops them)."""
+    spared = spec.name if forced else None
+    alive = "" if forced else _alive_loop(spec.name, "alive")
+    return (PRELUDE + f"RUNS={path_word(spec.runs_dir)}\n" + alive
+            + "".join(PRE_CHECKS[step](spec, spared) for step in spec.pre) + f"echo {wire.CHECKED}\n")
 
 
 def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
@@ -422,7 +429,7 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
     starting its job before the job is looked for; and where the run has no directory it creates one, marked
     stopped (`DFLASH_STOP fenced`), so that a launch script arriving later cannot create it and start the job.
     """
-    tenths = max(0, int(round(grace_s * 10)))
+    grace_us = max(0, int(grace_s * 1_000_000))
     fenced = ""
     if fence:
         fenced = ('mkdir -p -- "$RUNS" 2>/dev/null\n'
@@ -434,8 +441,13 @@ def stop_script(runs_dir: str, run_id: str, grace_s: float, *, fence: bool = Fal
     if now:
         ladder = 'how=killed_now; sig KILL\n'
     else:
+        # The grace is wall-clock time (bash's EPOCHREALTIME, its separator stripped whatever the locale): each
+        # `mine` reads every process's environ, slow on a busy host, so counting rounds would outlast the
+        # caller's timeout and leave the job running.
         ladder = ('sig TERM\n'
-                  f'i=0; while [ $i -lt {tenths} ] && [ -n "$(mine)" ]; do sleep 0.1; i=$((i+1)); done\n'
+                  'now_us() { echo "${EPOCHREALTIME//[!0-9]/}"; }\n'
+                  f'end=$(( $(now_us) + {grace_us} ))\n'
+                  'while [ "$(now_us)" -lt "$end" ] && [ -n "$(mine)" ]; do sleep 0.1; done\n'
                   'how=terminated\n'
                   'if [ -n "$(mine)" ]; then how=killed; sig KILL; fi\n')
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\nID={q(run_id)}\nD=\"$RUNS/$ID\"\n"

@@ -48,6 +48,20 @@ def test_json_makes_the_command_lines_own_usage_errors_json_too(ops_env):
     assert plain.returncode == 2 and plain.stdout == "" and "No such option: --bogus" in plain.stderr
 
 
+@pytest.mark.parametrize("args", [("launch", "job", "--wait", "inf"), ("launch", "job", "--force", "--wait", "nan"),
+                                  ("stop", "job", "--grace", "inf"), ("stop", "job", "--grace", "1e400"),
+                                  ("status", "--timeout", "inf"), ("status", "--watch", "--interval", "nan"),
+                                  ("gpu-reset", "--grace", "inf"), ("tail", "job", "-n", "99999999999999999999")])
+def test_an_endless_number_is_a_usage_error_and_touches_no_run(ops_env, args):
+    """`inf`/`nan`/a 20-digit count passes a lower bound alone; it must be refused as the other bad values are (exit
+    2, the option named), before anything reaches the run: a --force launch would otherwise stop it and then crash."""
+    live = ops_env.sub("launch", "job", "--json", "--", "--hold")
+    assert live.returncode == 0, live.stderr
+    done = ops_env.sub(*args)
+    assert done.returncode == 2 and "Invalid value for" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert [r["state"] for r in ops_env.runs_json()] == ["running"]
+
+
 def _cache_runbook(env, cache) -> None:
     (env.runbooks / "cached.yaml").write_text(
         (env.runbooks / "job.yaml").read_text().replace(
@@ -67,6 +81,29 @@ def test_clear_inductor_cache_removes_the_cache_and_is_refused_while_a_run_lives
     assert refused.returncode == 5 and "inductor cache" in refused.stderr
     assert (cache / "triton").is_dir(), "cache cleared while a run was alive"
     assert len(ops_env.run_dirs()) == 1
+
+
+def test_force_refused_by_another_run_keeps_the_run_it_would_have_replaced(ops_env, tmp_path):
+    """`launch cached --force` while a run of another name lives: the cache may not be cleared, so the launch is
+    refused -- before --force stops anything, so the user's live `cached` run goes on."""
+    cache = tmp_path / "cache"
+    _cache_runbook(ops_env, cache)
+    first = ops_env.sub("launch", "cached", "--json", "--", "--hold")
+    assert first.returncode == 0, first.stderr
+    assert ops_env.sub("launch", "job", "--", "--hold").returncode == 0  # holds the runs dir: cache in use
+    forced = ops_env.sub("launch", "cached", "--force")
+    assert forced.returncode == 5 and "inductor cache" in forced.stderr, forced.stderr
+    states = {r["run_id"]: r["state"] for r in ops_env.runs_json()}
+    assert states[json.loads(first.stdout)["run_id"]] == "running" and len(states) == 2, states
+
+
+def test_a_forced_launch_that_fails_after_the_stop_says_what_it_stopped(ops_env):
+    """--force stopped the live run, then the new one died in its liveness check: the error says both."""
+    first = ops_env.sub("launch", "job", "--json", "--", "--hold")
+    assert first.returncode == 0, first.stderr
+    forced = ops_env.sub("launch", "job", "--force", "--", "--rc", "7")
+    assert forced.returncode == 4, forced.stderr
+    assert f"stopped first (--force): {json.loads(first.stdout)['run_id']}" in forced.stderr, forced.stderr
 
 
 def test_concurrent_launches_of_one_name_start_exactly_one(ops_env):
