@@ -117,14 +117,21 @@ def _host(name: str, node: Node) -> Host:
     port = f.number("port")
     if port is not None and not (0 < port < 65536 and port == int(port)):
         raise f.require("port").fail(f"host {name!r}: port must be 1..65535")
+    user = f.str("user")
+    if user is not None and not names.USER_RE.fullmatch(user):  # the rule of `--host user@...`
+        raise f.require("user").fail(f"host {name!r}: invalid user {user!r}")
+    # a zero connect timeout fails every connect; a keepalive of 0 switches keepalive off
+    keepalive = f.number("keepalive_s", 15.0, positive=True, most=names.SECONDS_MAX)
+    if keepalive != int(keepalive):
+        raise f.require("keepalive_s").fail(f"host {name!r}: keepalive_s must be a whole number of seconds")
     return Host(
-        name=name, transport=transport, address=address, user=f.str("user"),
+        name=name, transport=transport, address=address, user=user,
         port=int(port) if port is not None else None, identity_file=f.str("identity_file"),
         known_hosts=f.str("known_hosts"), jump=_jump(f), pct=f.str("pct", DEFAULT_PCT if transport != LOCAL else "pct"),
         runs_dir=_abs_dir(f, "runs_dir"), python=f.str("python"), env=f.str_map("env"),
         containers=_containers(f), containers_listed=f.get("containers") is not None,
-        connect_timeout_s=f.number("connect_timeout_s", 10.0), keepalive_s=int(f.number("keepalive_s", 15.0)),
-        rdzv_address=_rdzv(f),
+        connect_timeout_s=f.number("connect_timeout_s", 10.0, positive=True, most=names.SECONDS_MAX),
+        keepalive_s=int(keepalive), rdzv_address=_rdzv(f),
     )
 
 

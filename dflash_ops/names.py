@@ -13,16 +13,25 @@ RUN_ID_RE = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63})-(?P<stamp>[0-
 CTID_RE = re.compile(r"[1-9][0-9]{0,8}")
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 HOST_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# The most any seconds value takes (a week), on the command line and in the inventory and runbooks: bounded, so
+# `inf`, `nan` and 1e400 are refused like any bad value, never reaching a remote script's wait arithmetic or a
+# socket timeout (one past what time_t holds raises OverflowError).
+SECONDS_MAX = 7 * 24 * 3600.0
+# A login name, as `--host user@...` and the inventory's `user:` take it.
+USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9._-]{0,31}")
+# A DNS label (RFC 1035: 1-63 characters, no hyphen at either end), and a name of them at most 253 long: the
+# resolver's IDNA codec raises UnicodeError (not an OSError) for an empty or longer label, so none gets that far.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = rf"(?=[A-Za-z0-9.-]{{1,253}}(?![A-Za-z0-9.-])){_LABEL}(?:\.{_LABEL})*"
 # user@host:port, host a DNS name, IPv4, or [IPv6]; no shell metacharacters anywhere.
 ADDRESS_RE = re.compile(
-    r"(?:(?P<user>[A-Za-z_][A-Za-z0-9._-]{0,31})@)?"
-    r"(?P<host>[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]+\])"
+    rf"(?:(?P<user>{USER_RE.pattern})@)?"
+    rf"(?P<host>{_DNS_NAME}|\[[0-9A-Fa-f:.]+\])"
     r"(?::(?P<port>[0-9]{1,5}))?"
 )
 
 # A rendezvous address other nodes connect to: a DNS name, IPv4 or IPv6 (bare or in brackets); no user, no port,
 # no IPv6 scope id (`%eth0`: it names an interface of one machine, and would reach torchrun's endpoint parser).
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 RDZV_NAME_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 _IP_CHARS_RE = re.compile(r"[0-9A-Fa-f:.]+")
 DIGITS_RE = re.compile(r"[0-9]+")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,37 +33,78 @@ class Node:
 
 
 def load(path: Path) -> Node:
-    """Parse `path`; malformed YAML raises ConfigError with file:line."""
+    """Parse `path`; malformed YAML (bad UTF-8, a control character, an alias loop) raises ConfigError with
+    file:line."""
     import yaml  # lazy: keeps `--help` light
 
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {data[exc.start]:#04x})") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)  # its reader checks every character first
+        return Node({}, 1, str(path)) if root is None else _Converter(str(path), yaml).convert(root)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
         raise ConfigError(f"{path}:{line}: malformed YAML: {exc.problem or exc.context}") from None
-    if root is None:
-        return Node({}, 1, str(path))
-    return _convert(root, str(path), yaml)
+    except yaml.reader.ReaderError as exc:  # a character YAML refuses (a control character): its index and ord
+        line = text.count("\n", 0, exc.position) + 1
+        raise ConfigError(f"{path}:{line}: malformed YAML: character U+{exc.character:04X} is not allowed") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: malformed YAML: {exc}") from None
+    except RecursionError:  # composing and converting recurse once per level of nesting
+        raise ConfigError(f"{path}: malformed YAML: nested too deeply") from None
 
 
-def _convert(node: Any, path: str, yaml: Any) -> Node:
-    line = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        out: dict[Any, Node] = {}
-        for key_node, value_node in node.value:
-            key = _scalar(key_node, path, yaml)
-            if key in out:
-                raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: duplicate key {key!r}")
-            out[key] = _convert(value_node, path, yaml)
-        return Node(out, line, path)
-    if isinstance(node, yaml.SequenceNode):
-        return Node([_convert(v, path, yaml) for v in node.value], line, path)
-    return Node(_scalar(node, path, yaml), line, path)
+# Values in one file once its aliases are expanded: far more than any inventory or runbook holds, and a "billion
+# laughs" file (aliases of aliases, each level multiplying it) stops here instead of filling memory.
+MAX_VALUES = 100_000
+
+
+class _Converter:
+    """Composed YAML -> Node. An alias is the very node it names (PyYAML's safe_dump writes them for shared
+    values), so one inside the value it names is a loop, and expanding aliases is counted."""
+
+    def __init__(self, path: str, yaml: Any) -> None:
+        self.path, self.yaml, self.count = path, yaml, 0
+        self.open: set[int] = set()   # ids of the nodes being converted (this node's ancestors)
+
+    def convert(self, node: Any) -> Node:
+        line = node.start_mark.line + 1
+        self.count += 1
+        if self.count > MAX_VALUES:
+            raise ConfigError(f"{self.path}:{line}: more than {MAX_VALUES} values once YAML aliases are expanded")
+        if id(node) in self.open:
+            raise ConfigError(f"{self.path}:{line}: the value anchored here contains an alias of itself (a loop)")
+        self.open.add(id(node))
+        try:
+            return Node(self._value(node), line, self.path)
+        finally:
+            self.open.discard(id(node))
+
+    def _value(self, node: Any) -> Any:
+        yaml, path = self.yaml, self.path
+        if isinstance(node, yaml.MappingNode):
+            out: dict[Any, Node] = {}
+            for key_node, value_node in node.value:
+                key = _scalar(key_node, path, yaml)
+                if not isinstance(key, str) and str(key) != key_node.value:
+                    # YAML 1.1 reads `0200` as octal 128, `2:00` as 120, `yes` as True: a key is a name, as written
+                    raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: key {key_node.value!r} reads as "
+                                      f"{key!r} in YAML: quote it, or write it as it reads")
+                if key in out:
+                    raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: duplicate key {key!r}")
+                out[key] = self.convert(value_node)
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self.convert(v) for v in node.value]
+        return _scalar(node, path, yaml)
 
 
 def _scalar(node: Any, path: str, yaml: Any) -> Any:
@@ -118,13 +160,23 @@ class Fields:
             raise found.fail(f"{self.what}: {key!r} must be true or false")
         return found.value
 
-    def number(self, key: str, default: float | None = None) -> float | None:
+    def number(self, key: str, default: float | None = None, *, positive: bool = False,
+               most: float | None = None) -> float | None:
+        """A finite number >= 0 (> 0 with `positive`, <= `most`): `.inf` and `.nan` are YAML floats too."""
         found = self.get(key)
         if found is None:
             return default
-        if isinstance(found.value, bool) or not isinstance(found.value, (int, float)) or found.value < 0:
-            raise found.fail(f"{self.what}: {key!r} must be a non-negative number")
-        return float(found.value)
+        value = found.value
+        ok = not isinstance(value, bool) and isinstance(value, (int, float))
+        try:
+            value = float(value) if ok else math.nan
+        except OverflowError:  # an int too large for a float
+            value = math.inf
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0) and (most is None or value <= most)):
+            bound = f" up to {most:g}" if most is not None else ""
+            raise found.fail(f"{self.what}: {key!r} must be a {'positive' if positive else 'non-negative'} "
+                             f"number{bound}")
+        return value
 
     def str_map(self, key: str) -> tuple[tuple[str, str], ...]:
         from dflash_ops.names import ENV_KEY_RE

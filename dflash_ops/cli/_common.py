@@ -30,9 +30,19 @@ RUN_HELP = ("A run id or a run name (its latest run). A multi-node run's id alon
             "launched from this machine; otherwise, and for a name, give --host/--ct [default: the inventory's "
             "default host]. A multi-node run: a row per node.")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout (errors too).")]
-# The most any seconds option takes (a week): bounded, so `inf` and `nan` are refused as usage errors (exit 2)
-# like any bad value, never reaching the arithmetic of a remote script's wait.
-SECONDS_MAX = 7 * 24 * 3600.0
+
+
+def confirmed(question: str, *, err: bool = False) -> bool:
+    """The user's yes/no (default no). Stdin at its end (no terminal, `< /dev/null`) answers no: click's Abort would
+    print "Aborted!" and exit 1, past the command's documented answer to a no and before what was already done is
+    shown. Ctrl-C still ends the command."""
+    try:
+        return typer.confirm(question, default=False, err=err)
+    except typer.Abort as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise
+        typer.echo(err=err)  # end the prompt's line: what follows starts its own
+        return False
 
 
 def settings(ctx: typer.Context) -> Settings:

@@ -5,7 +5,8 @@ from typing import Annotated
 
 import typer
 
-from dflash_ops.cli._common import SECONDS_MAX, CtOpt, HostOpt, JsonOpt, rendered_errors, settings
+from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, confirmed, rendered_errors, settings
+from dflash_ops.names import SECONDS_MAX
 from dflash_ops.wire import STOP_GRACE_S
 
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before killing (or before --hard resets).")]
@@ -44,8 +45,8 @@ def gpu_reset(ctx: typer.Context, host: HostOpt = None, ct: CtOpt = None, yes: Y
             if not json_out:
                 reset_view.plan(hg.host.name, before, plan, scope)
             also = f" and the {len(plan.bystanders)} in their process groups" if plan.bystanders else ""
-            if plan.targets and not yes and not typer.confirm(f"Kill {len(plan.targets)} process(es){also}?"):
-                raise typer.Exit(1)
+            if plan.targets and not yes and not confirmed(f"Kill {len(plan.targets)} process(es){also}?"):
+                raise typer.Exit(1)   # docs/gpu-reset.md: declining exits 1 with nothing killed
             result = reset.reset(hg, before, plan, scope, grace_s=grace, wait_s=wait, threshold_mib=threshold_mib)
             resets = _hard_resets(hg, result, yes) if hard and not result.held else ()
         finally:
@@ -95,8 +96,8 @@ def _hard_resets(hg, result, yes: bool) -> tuple[tuple[int, str, bool, str], ...
         if g.uuid in busy:
             out.append((g.index, g.uuid, False, "skipped: still in use"))
             continue
-        if not yes and not typer.confirm(f"Reset GPU {g.index} ({g.uuid}) with nvidia-smi -r? It affects every "
-                                         "container using it"):
+        if not yes and not confirmed(f"Reset GPU {g.index} ({g.uuid}) with nvidia-smi -r? It affects every "
+                                      "container using it"):
             out.append((g.index, g.uuid, False, "skipped: not confirmed"))
             continue
         ok, message = hg.reset(g.uuid)

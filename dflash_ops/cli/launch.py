@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import SECONDS_MAX, CtOpt, HostOpt, JsonOpt, open_session, rendered_errors, runbooks_dir
+from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, open_session, rendered_errors, runbooks_dir
+from dflash_ops.names import SECONDS_MAX
 
 
 def launch(

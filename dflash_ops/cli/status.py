@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import RUN_HELP, SECONDS_MAX, CtOpt, HostOpt, JsonOpt, locate, rendered_errors, settings
+from dflash_ops.cli._common import RUN_HELP, CtOpt, HostOpt, JsonOpt, locate, rendered_errors, settings
+from dflash_ops.names import SECONDS_MAX
 
 WatchOpt = Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until Ctrl-C.")]
 IntervalOpt = Annotated[float, typer.Option(

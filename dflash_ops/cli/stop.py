@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli._common import SECONDS_MAX, CtOpt, HostOpt, JsonOpt, locate, rendered_errors
+from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, locate, rendered_errors
+from dflash_ops.names import SECONDS_MAX
 from dflash_ops.wire import STOP_GRACE_S
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from dflash_ops.cli._common import rendered_errors, resolve_host
+from dflash_ops.cli._common import confirmed, rendered_errors, resolve_host
 
 
 def trust_host(
@@ -44,7 +44,8 @@ def trust_host(
             return
         if state == "changed":
             raise AuthFailed(f"{entry} presents {key.get_name()} {fingerprint}, but {path} records a DIFFERENT key",
-                             hint=f"if you know why it changed: ssh-keygen -R '{entry}' -f {path}, then retry")
+                             hint=f"if you know why it changed: {transport.forget_key_command(entry, path)}, "
+                                  "then retry")
         if state == "other_type":
             pinned = ", ".join(f"{name} {fp}" for name, fp in transport.known_keys(path, entry))
             if not new_key_type:
@@ -53,7 +54,7 @@ def trust_host(
                                  hint="if the host really has this key too, pass --accept-new-key-type to add it")
             render.info(f"warning: {path} pins {pinned} for {entry}; adding a {key.get_name()} key beside it")
         render.info(f"{entry} presents {key.get_name()} key {fingerprint}{via}")
-        if not yes and not typer.confirm(f"trust it and add it to {path}?", default=False, err=True):
+        if not yes and not confirmed(f"trust it and add it to {path}?", err=True):
             raise UsageError("not trusted; nothing written")
         transport.append_known_host(path, entry, key)
         render.info(f"added {entry} to {path}")

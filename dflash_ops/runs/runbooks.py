@@ -62,7 +62,8 @@ def _liveness(f: Fields, name: str) -> Liveness:
         re.compile(pattern)
     except re.error as exc:
         raise lf.require("pattern").fail(f"runbook {name!r}: liveness.pattern is not a valid regex: {exc}") from None
-    return Liveness(wait_s=lf.number("wait_s", 5.0) or 0.0, pattern=pattern, timeout_s=lf.number("timeout_s"))
+    return Liveness(wait_s=lf.number("wait_s", 5.0, most=names.SECONDS_MAX) or 0.0, pattern=pattern,
+                    timeout_s=lf.number("timeout_s", most=names.SECONDS_MAX))
 
 
 def substitute(text: str, values: dict[str, str]) -> str:

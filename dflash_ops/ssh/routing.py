@@ -22,8 +22,8 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_ops.errors import UsageError
-from dflash_ops.names import ADDRESS_RE
+from dflash_ops.errors import ConfigError, UsageError
+from dflash_ops.names import ADDRESS_RE, is_digits
 
 MAX_HOPS = 8
 _HOP_RE = re.compile(r"(?P<uri>ssh://)?" + ADDRESS_RE.pattern + r"(?(uri)/?)")
@@ -159,12 +159,21 @@ def _check_chain(chain: list[tuple[str, Endpoint]], name: str, where: str) -> No
 def endpoint(hop: Hop, cfg: dict, target: Endpoint) -> Endpoint:
     """The hop's spec first, then its ssh config, then port 22 and the target's user and identity file."""
     identity = (cfg.get("identityfile") or [None])[0]
-    try:
-        port = hop.port or int(cfg.get("port", 22))
-    except ValueError:
-        raise UsageError(f"jump host {hop.spec!r}: ssh config Port {cfg.get('port')!r} is not a number") from None
+    port = hop.port or config_port(cfg, hop.host)
     return Endpoint(address=cfg.get("hostname", hop.host), port=port, user=hop.user or cfg.get("user") or target.user,
                     identity=os.path.expanduser(identity) if identity else target.identity, name=hop.spec)
+
+
+def config_port(cfg: dict, name: str) -> int:
+    """ssh config's `Port` for `name` (22 when it sets none). Anything but 1..65535 is a ConfigError (exit 78):
+    ssh refuses that line too."""
+    value = cfg.get("port")
+    if value is None:
+        return 22
+    if not is_digits(value) or not 0 < int(value) < 65536:
+        raise ConfigError(f"ssh config: Port {value!r} of {name!r} is not a port number (1..65535)",
+                          hint="fix that Port line in ~/.ssh/config (or /etc/ssh/ssh_config, or a file they include)")
+    return int(value)
 
 
 def expand_proxy_command(command: str, to: Endpoint, name: str) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from dflash_ops.errors import AuthFailed, HostUnreachable, OpsError, RemoteFailed, UsageError
+from dflash_ops.errors import AuthFailed, ConfigError, HostUnreachable, OpsError, RemoteFailed, UsageError
 from dflash_ops.runs.shellcmd import command_string
 from dflash_ops.spec import LOCAL, Completed, Host
 from dflash_ops.ssh import routing
@@ -393,12 +393,21 @@ def _proxy_class():
 
 def resolve_endpoint(host: Host) -> tuple[str, int, str, str | None]:
     """(address, port, user, identity file): inventory values first, then ssh config (with its Includes),
-    then defaults. A broken ssh config (an Include cycle, an unparsable line) raises ConfigError."""
-    cfg = _ssh_config(host.address or host.name)
-    address = cfg.get("hostname", host.address or host.name)
-    port = host.port or int(cfg.get("port", 22))
+    then defaults. A broken ssh config (an Include cycle, an unparsable line, a bad Port) or an inventory
+    identity_file that is not there raises ConfigError."""
+    name = host.address or host.name
+    cfg = _ssh_config(name)
+    address = cfg.get("hostname", name)
+    port = host.port or routing.config_port(cfg, name)
     user = host.user or cfg.get("user") or "root"
-    identity = host.identity_file or (cfg.get("identityfile") or [None])[0]
+    if host.identity_file:
+        # checked here: paramiko's FileNotFoundError would read as "cannot connect" (exit 69, "is the host up?")
+        identity = os.path.expanduser(host.identity_file)
+        if not os.path.isfile(identity):
+            raise ConfigError(f"host {host.name!r}: identity_file {identity} does not exist (or is not a file)",
+                              hint="fix identity_file of that host in the inventory")
+        return address, port, user, identity
+    identity = (cfg.get("identityfile") or [None])[0]
     return address, port, user, os.path.expanduser(identity) if identity else None
 
 
@@ -448,7 +457,7 @@ def _connect_client(paramiko, client, host: Host, to: Endpoint, sock, *, where: 
                        allow_agent=True)
     except paramiko.BadHostKeyException:
         raise AuthFailed(f"host key of {where} CHANGED (does not match {kh})",
-                         hint=f"if the change is expected: ssh-keygen -R '{entry}' -f {kh}, then "
+                         hint=f"if the change is expected: {forget_key_command(entry, kh)}, then "
                               f"{trust(host, changed=True)}") from None
     except paramiko.AuthenticationException as exc:
         raise AuthFailed(f"authentication to {where} failed: {exc}",
@@ -459,8 +468,18 @@ def _connect_client(paramiko, client, host: Host, to: Endpoint, sock, *, where: 
         raise HostUnreachable(f"SSH to {where} failed: {exc}") from None
     except (socket.timeout, TimeoutError):
         raise HostUnreachable(f"connect to {where} timed out after {host.connect_timeout_s:g} s") from None
+    except FileNotFoundError as exc:  # paramiko opening the key file (an ssh config IdentityFile): no network here
+        raise ConfigError(f"identity file {exc.filename} for {where} does not exist",
+                          hint="fix IdentityFile in ~/.ssh/config, or set identity_file in the inventory") from None
     except OSError as exc:
         raise HostUnreachable(f"cannot connect to {where}: {exc.strerror or exc}") from None
+    except UnicodeError:  # the resolver's IDNA codec (an empty or over-long label, e.g. an ssh config HostName a..b)
+        raise HostUnreachable(f"cannot connect to {where}: {to.address!r} is not a valid host name") from None
+
+
+def forget_key_command(entry: str, known_hosts: Path) -> str:
+    """The `ssh-keygen -R` line that drops `entry`'s keys from `known_hosts`, quoted to paste as it is."""
+    return shlex.join(["ssh-keygen", "-R", entry, "-f", str(known_hosts)])
 
 
 def _hop_label(hop: Endpoint, index: int, count: int) -> str:
@@ -549,6 +568,8 @@ def fetch_host_key(address: str, port: int, timeout_s: float = 10.0, sock=None):
             sock = socket.create_connection((address, port), timeout=timeout_s)
         except OSError as exc:
             raise HostUnreachable(f"cannot connect to {address}:{port}: {exc.strerror or exc}") from None
+        except UnicodeError:  # the resolver's IDNA codec: an empty or over-long label
+            raise HostUnreachable(f"cannot connect to {address}:{port}: {address!r} is not a valid host name") from None
     t = paramiko.Transport(sock)
     try:
         t.start_client(timeout=timeout_s)

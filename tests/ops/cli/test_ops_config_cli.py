@@ -84,3 +84,33 @@ def test_trust_host_takes_a_proxmox_host_without_ct_and_reports_unreachable(ops_
     done = ops_env.cli("--inventory", str(inv), "trust-host", "pve1", "--yes")
     assert done.exit_code == 69 and f"127.0.0.1:{port}" in done.stderr
     assert ops_env.cli("trust-host", "local").exit_code == 2
+
+
+def test_a_broken_inventory_file_is_one_line_exit_78_never_a_traceback(ops_env):
+    inv = ops_env.root / "inv.yaml"
+    for data, line in [(b"hosts:\n  pve1:\n    address: \xff\n", "inv.yaml:3: not UTF-8 text (byte 0xff)"),
+                       (b'hosts:\n  pve1:\n    address: "\x07"\n', "inv.yaml:3: malformed YAML: character U+0007"),
+                       (b"hosts: &a [*a]\n", "inv.yaml:1: the value anchored here contains an alias of itself"),
+                       (b"hosts:\n  pve1:\n    keepalive_s: .inf\n", "inv.yaml:3: host 'pve1': 'keepalive_s' must be"),
+                       (b"hosts:\n  pve1:\n    containers:\n      0200: {}\n", "inv.yaml:4: key '0200' reads as 128")]:
+        inv.write_bytes(data)
+        done = ops_env.sub("--inventory", str(inv), "runs", "--host", "pve1", "--ct", "128")
+        assert done.returncode == 78, done.stderr
+        assert done.stderr.startswith(f"error: {ops_env.root}/{line}") and "Traceback" not in done.stderr, data
+
+
+def test_a_missing_identity_file_is_a_config_error_not_an_unreachable_host(ops_env):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: the old code tried it and said "is the host up?"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inv = ops_env.root / "inv.yaml"
+    inv.write_text(f"hosts:\n  box:\n    transport: ssh\n    address: 127.0.0.1\n    port: {port}\n"
+                   "    identity_file: ~/.ssh/no_such_key\n")
+    for args in (["runs", "--host", "box"], ["launch", "job", "--host", "box", "--dry-run"]):
+        done = ops_env.cli("--inventory", str(inv), *args)
+        assert done.exit_code == 78, done.output
+        assert done.stderr.splitlines() == [
+            f"error: host 'box': identity_file {ops_env.root}/home/.ssh/no_such_key does not exist (or is not a file)",
+            "hint: fix identity_file of that host in the inventory"]

@@ -45,7 +45,20 @@ def test_hostile_container_ids_exit_2(ops_env, ct):
     assert done.exit_code == 2 and "invalid container id" in done.stderr
 
 
-@pytest.mark.parametrize("host", ["a;b", "$(id)", "pve 1", "-oProxyCommand=id", "nosuchhost"])
+# a..b and a label over 63 characters: the resolver's IDNA codec raised UnicodeError (a traceback) for them
+@pytest.mark.parametrize("host", ["a;b", "$(id)", "pve 1", "-oProxyCommand=id", "nosuchhost", "a..b", "a.b.",
+                                  "a-.b", "x." + "a" * 64 + ".com", "u@a..b:22"])
 def test_bad_hosts_exit_2(ops_env, host):
     done = ops_env.cli("runs", "--host", host)
     assert done.exit_code == 2 and "unknown host" in done.stderr
+    trust = ops_env.cli("trust-host", "--", host)
+    assert trust.exit_code == 2 and "unknown host" in trust.stderr
+
+
+def test_dns_names_up_to_the_limits_are_addresses(ops_env):
+    longest = ".".join(["a" * 63] * 3 + ["b" * 61])  # 63-character labels, 253 characters in all
+    for host in ("x." + "a" * 63 + ".com", longest, "a-b.c", "root@10.0.0.1:2222"):
+        done = ops_env.cli("launch", "job", "--host", host, "--dry-run")
+        assert done.exit_code == 0, (host, done.output)
+    too_long = ops_env.cli("launch", "job", "--host", longest + "b", "--dry-run")
+    assert too_long.exit_code == 2 and "unknown host" in too_long.stderr

@@ -92,6 +92,18 @@ def test_what_a_multi_node_launch_cannot_take_is_refused_before_any_connection(n
     assert untouched(listener)
 
 
+@pytest.mark.parametrize("bad", ["a..b", "x." + "a" * 64 + ".com"])
+def test_a_node_whose_host_is_no_dns_name_is_refused_by_a_dry_run_too(nodes_env, listener, bad):
+    """Empty and over-long labels passed as addresses before (a dry run printed their commands; a launch met the
+    resolver's UnicodeError)."""
+    env, inv = nodes_env
+    done = env.cli("--inventory", str(inv), "launch", "nodesjob", "--node", "far:200", "--node", f"{bad}:200",
+                   "--dry-run")
+    assert done.exit_code == 2, done.output
+    assert done.stderr.splitlines()[0].startswith(f"error: node {bad}:200: unknown host {bad!r}")
+    assert untouched(listener)
+
+
 def test_dry_run_prints_every_nodes_exact_command_and_connects_nowhere(nodes_env, listener):
     env, inv = nodes_env
     done = env.cli("--inventory", str(inv), "launch", "nodesjob", "--node", "pair", "--dry-run", "--rdzv-timeout",

@@ -130,3 +130,34 @@ def test_system_ssh_config_is_read_after_the_users(ops_env):
     broken = ops_env.sub("launch", "job", "--host", "syslab", "--dry-run")
     assert broken.returncode == 78
     assert broken.stderr.startswith(f"error: {etc}/ssh_config.d/bad.conf:1: ssh config Include cycle: ")
+
+
+def test_a_bad_ssh_config_port_is_exit_78_naming_the_ssh_config(ops_env):
+    ssh = _ssh_dir(ops_env)
+    (ssh / "config").write_text("Include config.d/*\n")
+    (ssh / "config.d" / "p.conf").write_text(
+        "Host word\n  HostName 10.9.8.7\n  Port abc\nHost huge\n  HostName 10.9.8.7\n  Port 99999\n"
+        "Host zero\n  HostName 10.9.8.7\n  Port 0\nHost viabad\n  HostName 10.9.8.7\n  ProxyJump word\n")
+    hint = "hint: fix that Port line in ~/.ssh/config (or /etc/ssh/ssh_config, or a file they include)"
+    for alias, port, args in [("word", "abc", ["runs", "--host", "word"]),      # a ValueError traceback before
+                              ("huge", "99999", ["launch", "job", "--host", "huge", "--dry-run"]),  # accepted before
+                              ("zero", "0", ["trust-host", "zero"]),
+                              ("word", "abc", ["launch", "job", "--host", "viabad", "--dry-run"])]:  # a jump host's
+        done = ops_env.sub(*args)
+        assert done.returncode == 78, (args, done.stderr)
+        assert done.stderr.splitlines() == [
+            f"error: ssh config: Port {port!r} of {alias!r} is not a port number (1..65535)", hint], args
+
+
+def test_a_hostname_no_resolver_takes_is_unreachable_in_one_line(ops_env):
+    """HostName comes from ssh config unchecked; an empty or over-long label made the resolver raise UnicodeError."""
+    ssh = _ssh_dir(ops_env)
+    (ssh / "config").write_text(f"Host dots\n  HostName a..b\nHost long\n  HostName {'a' * 64}.example\n")
+    for alias, name in (("dots", "a..b"), ("long", "a" * 64 + ".example")):
+        done = ops_env.sub("runs", "--host", alias)
+        assert done.returncode == 69, done.stderr
+        assert done.stderr.splitlines()[0] == (f"error: cannot connect to root@{name}:22: {name!r} is not a valid "
+                                               "host name")
+        trust = ops_env.sub("trust-host", alias)
+        assert trust.returncode == 69, trust.stderr
+        assert trust.stderr.splitlines() == [f"error: cannot connect to {name}:22: {name!r} is not a valid host name"]

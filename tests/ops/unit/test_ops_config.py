@@ -53,13 +53,31 @@ def test_bare_address_with_ct_is_a_proxmox_target_without_inventory():
     ("hosts: [1, 2\n", 2),
     ("default_host: nope\n", 1),
     ("hosts:\n  a:\n    env: {'1X': y}\n", 3),
+    ("hosts:\n  a:\n    keepalive_s: .inf\n", 3),       # OverflowError from int() before
+    ("hosts:\n  a:\n    keepalive_s: .nan\n", 3),       # ValueError from int() before
+    ("hosts:\n  a:\n    keepalive_s: 0.5\n", 3),        # int() made it 0: keepalive off
+    ("hosts:\n  a:\n    connect_timeout_s: 0\n", 3),    # every connect would fail
+    ("hosts:\n  a:\n    connect_timeout_s: .nan\n", 3),
+    ("hosts:\n  a:\n    connect_timeout_s: 1.0e+12\n", 3),  # past what a socket timeout takes
+    ("hosts:\n  a:\n    user: 'a;b'\n", 3),             # `--host a;b@h` is refused too
+    ("hosts:\n  a:\n    user: -oProxyCommand=x\n", 3),
+    ("hosts:\n  a:\n    containers:\n      0200: {}\n", 4),  # YAML 1.1: octal 128
+    ("hosts:\n  a:\n    address: \xff\n", 3),           # not UTF-8
 ])
 def test_inventory_errors_name_the_line(tmp_path, text, line):
     p = tmp_path / "inv.yaml"
-    p.write_text(text)
+    p.write_bytes(text.encode("latin-1"))
     with pytest.raises(ConfigError) as exc:
         inventory.load_inventory(p)
     assert f"{p}:{line}:" in exc.value.message
+
+
+def test_inventory_timeouts_and_user_in_range_are_kept(tmp_path):
+    p = tmp_path / "inv.yaml"
+    p.write_text("hosts:\n  a:\n    transport: ssh\n    user: _ops-1.x\n    connect_timeout_s: 2.5\n"
+                 "    keepalive_s: 30\n")
+    host = inventory.load_inventory(p).host("a")
+    assert (host.user, host.connect_timeout_s, host.keepalive_s) == ("_ops-1.x", 2.5, 30)
 
 
 def test_bundled_runbooks_are_valid():

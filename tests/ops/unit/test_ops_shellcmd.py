@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import subprocess
+import time
 
 import pytest
 
+from dflash_ops import wire
 from dflash_ops.runs import shellcmd
 from dflash_ops.spec import Container, Host, Liveness, RunSpec, Target
 
@@ -101,8 +105,31 @@ def test_every_script_is_valid_bash(build):
     assert done.returncode == 0, done.stderr
 
 
-def test_stop_script_grace_is_in_tenths():
-    assert "[ $i -lt 25 ]" in shellcmd.stop_script("/r", "x-20260101T000000-abcd", 2.5)
+def test_stop_grace_is_wall_clock_time_however_slow_each_round(tmp_path):
+    """A job that ignores SIGTERM, and every `sleep` of the stop script taking 1 s (as a slow process scan makes
+    each round of its wait): a 2 s grace still ends in about 2 s with the SIGKILL, not after 20 rounds (20 s),
+    which would outlast the caller's timeout (grace + 30 s) and leave the job running."""
+    rid = "x-20260101T000000-abcd"
+    (tmp_path / "runs" / rid).mkdir(parents=True)
+    slow = tmp_path / "bin"
+    slow.mkdir()
+    (slow / "sleep").write_text("#!/bin/sh\nexec /bin/sleep 1\n")
+    (slow / "sleep").chmod(0o755)
+    job = subprocess.Popen(["bash", "-c", "trap '' TERM; echo up; while :; do /bin/sleep 0.05; done"],
+                           env={**os.environ, wire.MARKER_VAR: rid}, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert job.stdout.readline() == b"up\n"  # its trap is set
+        t0 = time.monotonic()
+        done = subprocess.run(["bash", "-c", shellcmd.stop_script(str(tmp_path / "runs"), rid, 2.0)],
+                              env={**os.environ, "PATH": f"{slow}:{os.environ['PATH']}"}, capture_output=True,
+                              text=True, timeout=120)
+        took = time.monotonic() - t0
+        assert f"{wire.STOP} killed" in done.stdout, done.stdout + done.stderr
+        assert job.wait(timeout=60) == -signal.SIGKILL
+        assert took < 12, took  # 20 rounds would be 20 s at the least
+    finally:
+        if job.poll() is None:
+            job.kill()
 
 
 def test_home_relative_paths_expand_on_the_remote_side_in_quoted_pieces():

@@ -200,7 +200,8 @@ def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_tar
     _write(home / ".ssh" / "config", "Include jumps.conf\n")
     _write(home / ".ssh" / "jumps.conf", "Host bastion\n  HostName 10.7.0.1\n  Port 2022\n  User jumper\n"
                                          "  IdentityFile ~/.ssh/jumpkey\n")
-    target = Host(name="t", transport="ssh", address="10.7.0.9", identity_file="/keys/target")
+    key = _write(home / "keys" / "target", "")  # an inventory identity_file must exist (else exit 78)
+    target = Host(name="t", transport="ssh", address="10.7.0.9", identity_file=str(key))
 
     def hop(jump: str) -> tuple:
         (only,) = transport.resolve_route(replace(target, jump=jump)).hops
@@ -209,7 +210,7 @@ def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_tar
     assert hop("bastion") == ("10.7.0.1", 2022, "jumper", f"{home}/.ssh/jumpkey")
     assert hop("ops@bastion:2222") == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
     assert hop("ssh://ops@bastion:2222") == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
-    assert hop("10.7.0.5") == ("10.7.0.5", 22, "root", "/keys/target")
+    assert hop("10.7.0.5") == ("10.7.0.5", 22, "root", str(key))
     with pytest.raises(UsageError, match="hop 2 'b;x' is not"):
         transport.resolve_route(replace(target, jump="a,b;x"))
 
