@@ -93,11 +93,9 @@ class _Converter:
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Node] = {}
             for key_node, value_node in node.value:
-                key = _scalar(key_node, path, yaml)
-                if not isinstance(key, str) and str(key) != key_node.value:
-                    # YAML 1.1 reads `0200` as octal 128, `2:00` as 120, `yes` as True: a key is a name, as written
-                    raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: key {key_node.value!r} reads as "
-                                      f"{key!r} in YAML: quote it, or write it as it reads")
+                key = _scalar(key_node, path, yaml, "key ")
+                if not isinstance(key, str) and str(key) != key_node.value:  # `yes` reads as True: a key is a name
+                    raise _rewritten(key_node, key, path, "key ")
                 if key in out:
                     raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: duplicate key {key!r}")
                 out[key] = self.convert(value_node)
@@ -107,13 +105,22 @@ class _Converter:
         return _scalar(node, path, yaml)
 
 
-def _scalar(node: Any, path: str, yaml: Any) -> Any:
+def _scalar(node: Any, path: str, yaml: Any, what: str = "") -> Any:
     if not isinstance(node, yaml.ScalarNode):
         raise ConfigError(f"{path}:{node.start_mark.line + 1}: expected a plain value here")
     try:
-        return yaml.SafeLoader(" ").construct_object(node)
+        value = yaml.SafeLoader(" ").construct_object(node)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}:{node.start_mark.line + 1}: {exc}") from None
+    if type(value) is int and str(value) != node.value:
+        # YAML 1.1 reads `port: 0022` as octal 18, `1_000` as 1000, `2:00` as 120: a number is meant as written
+        raise _rewritten(node, value, path, what)
+    return value
+
+
+def _rewritten(node: Any, value: Any, path: str, what: str) -> ConfigError:
+    return ConfigError(f"{path}:{node.start_mark.line + 1}: {what}{node.value!r} reads as {value!r} in YAML: quote "
+                       "it, or write it as it reads")
 
 
 @dataclass(frozen=True)

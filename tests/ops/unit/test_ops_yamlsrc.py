@@ -69,6 +69,13 @@ def test_a_key_yaml_would_change_is_refused(tmp_path, key, reads):
                                                          "write it as it reads")
 
 
+@pytest.mark.parametrize("value, reads", [("0022", "18"), ("1_000", "1000"), ("2:00", "120"), ("+5", "5")])
+def test_a_number_yaml_would_change_is_refused(tmp_path, value, reads):
+    """`port: 0022` is octal 18 in YAML 1.1: a user means 22, so such a value is refused, not read as another."""
+    assert _fails(tmp_path, f"a: 1\nport: {value}\n") == (f"F:2: {value!r} reads as {reads} in YAML: quote it, or "
+                                                            "write it as it reads")
+
+
 def test_keys_written_as_they_read_or_quoted_are_kept(tmp_path):
     p = tmp_path / "f.yaml"
     p.write_text("200: a\n'0200': b\n\"yes\": c\n1.5: d\nname: e\n")
