@@ -2,8 +2,8 @@
 
   python -m trainer train --recipe NAME|PATH.yaml [--run-dir D] [--set a.b=v]...
   python -m trainer train --run-dir D --resume [--set a.b=v]...
-  python -m trainer eval --run-dir D | --drafter EXPORT_DIR --target T --data F
-  python -m trainer export --run-dir D
+  python -m trainer eval --run-dir D | --drafter EXPORT_DIR --target T --data F [--max-bad-fraction F]
+  python -m trainer export --run-dir D [--target T]
   python -m trainer regenerate --target DIR --prompts FILE... --out FILE.jsonl [options] (trainer/regen/run.py)
   python -m trainer make-tiny-target OUT_DIR [--family qwen3|llama] [--hidden H] [--layers L] [--train-steps N]
 
@@ -43,21 +43,24 @@ EVAL_USAGE = "eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --
 
 
 def _parser() -> argparse.ArgumentParser:
-    from trainer.config import DTYPES, user_path
-    from trainer.rundir import RESUME_MAY_CHANGE
+    from trainer.config import DTYPES, DataCfg, user_path
+    from trainer.rundir import RESUME_MAY_CHANGE, RESUME_MAY_MOVE
 
     p = argparse.ArgumentParser(prog="python -m trainer", description="DFlash drafter trainer")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a drafter")
     t.add_argument("--recipe", default=None,
-                   help="required unless --resume (which reads the run's config.json): " + _recipe_help())
+                   help="required unless --resume (which reads the run's config.json, and the recipe only where the "
+                        "run directory holds none): " + _recipe_help())
     t.add_argument("--run-dir", type=user_path, default=None,
                    help="run directory (default: runs/<recipe>-<utc time>)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config leaf, e.g. --set optim.lr=3e-4 (repeatable)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --run-dir, with the config.json it started with "
-                        f"(--set may change only {', '.join(RESUME_MAY_CHANGE)})")
+                        f"(--set may change only {', '.join(RESUME_MAY_CHANGE)}; and {', '.join(RESUME_MAY_MOVE)} "
+                        "where the target or the data moved: the same weights and file sizes are checked, and "
+                        "config.json then names the new places)")
     t.epilog = (f"SIGTERM or Ctrl-C stops a run at its next log step with a checkpoint, prints "
                 f"{wire.STOPPED_PREFIX.strip()} and the resume command, and exits {wire.EXIT_TERMINATED} / "
                 f"{wire.EXIT_INTERRUPTED}; a second Ctrl-C ends it at once (a second SIGTERM is ignored).")
@@ -72,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="export dir (with --target and --data, or --prompts)")
     e.add_argument("--target", type=user_path, default=None, help="the target's HF directory")
     e.add_argument("--data", type=user_path, default=None, help="a training-format JSONL (simulated tau)")
+    e.add_argument("--max-bad-fraction", type=float, default=None,
+                   help=f"with --data: malformed lines tolerated (default: the training data's, "
+                        f"{DataCfg().max_bad_fraction})")
     e.add_argument("--prompts", type=user_path, nargs="+", default=None, metavar="FILE",
                    help="prompt files (real decoding)")
     # Defaults of the --prompts options are applied in eval_prompts (PROMPT_DEFAULTS): None here tells a flag the user
@@ -90,9 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--run-dir", type=user_path, required=True)
     x.add_argument("--target", type=user_path, default=None,
                    help="the run's target where it is now, if it moved since the run (default: the run's model.target)")
-    m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 target + tokenizer",
+    m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 or Llama 3 target + tokenizer",
                        description="A target + tokenizer (with a chat template) built offline: by default the tiny "
-                                   "Qwen3 the tests use, briefly trained on the bundled chat data.")
+                                   "Qwen3 the tests use, briefly trained on the bundled chat data; --family llama: "
+                                   "a Llama 3 of the same size (or of --hidden / --layers).")
     m.add_argument("out_dir", help="a new or empty directory (one holding anything is refused)")
     m.add_argument("--family", default="qwen3", choices=("qwen3", "llama"), help="(default: %(default)s)")
     m.add_argument("--hidden", type=int, default=64, help="hidden size (default: %(default)s)")
@@ -151,8 +158,9 @@ def _quiet_libraries() -> None:
 
 def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
     """Everything about a start that needs neither torch nor a tokenizer: the empty-target and empty-data rules, the
-    target directory (its family, weights and tokenizer files; the taps and the mask id fit its config.json), the
-    tracking backends' packages, the run directory (not a file, checkpoints, a resumed config), every data file
+    target directory (its family, weights and tokenizer files; the taps and the mask id fit its config.json; a
+    resumed run's where it moved), the tracking backends' packages, the run directory and the tracking directory (not
+    a file, checkpoints, a resumed config and its target and data, another run's tracking), every data file
     (exists, readable, each line UTF-8 JSON in one of the formats, the malformed-line limit). Raises ConfigError /
     DataError -> a summary."""
     from trainer import rundir
@@ -161,6 +169,8 @@ def check_before_torch(cfg, run_dir: Path, resume: bool) -> str:
     from trainer.placement import dist_env
     from trainer.tracking import check_installed
 
+    if resume:  # before the generic check: a resumed run's target may have moved, and may be named anew
+        rundir.check_target_there(cfg, run_dir)
     check_target_dir(cfg)
     check_installed(cfg.track)
     env = dist_env(os.environ)
@@ -191,7 +201,13 @@ def cmd_train(args) -> int:
         raise ConfigError(f"--resume: {run_dir} holds no config.json (nor a checkpoint's copy of it)",
                           hint="point --run-dir at the run to continue, or pass the --recipe it started with")
     source = f"{resumed}, as the run started" if resumed else f"recipe {args.recipe}"
+    if resumed and args.recipe:
+        # The run's config.json is the config; a runbook's command names its recipe all the same (and a rank whose
+        # run directory has no config.json reads it), so it is not refused, but it must be one, and is said unused.
+        source += f"; --recipe {args.recipe} not used"
     with console.phase(f"checking the config ({source}) and the data") as notes:
+        if resumed and args.recipe:
+            load_config(args.recipe)
         cfg = load_resumed_config(resumed, args.overrides) if resumed else load_config(args.recipe, args.overrides)
         notes.append(check_before_torch(cfg, run_dir, args.resume))
     with console.phase("loading torch and transformers"):
@@ -221,7 +237,8 @@ def eval_form(args) -> str:
     given = {flag for flag, value in (("--run-dir", args.run_dir), ("--drafter", args.drafter),
                                       ("--target", args.target), ("--data", args.data), ("--prompts", args.prompts),
                                       ("--limit", args.limit), ("--max-new", args.max_new),
-                                      ("--engine", args.engine), ("--target-dtype", args.target_dtype))
+                                      ("--engine", args.engine), ("--target-dtype", args.target_dtype),
+                                      ("--max-bad-fraction", args.max_bad_fraction))
              if value is not None}
     forms = [f for f in ("--run-dir", "--data", "--prompts") if f in given]
     if not forms:
@@ -234,6 +251,10 @@ def eval_form(args) -> str:
     if form != "--prompts" and extra:
         raise ConfigError(f"{', '.join(extra)} {'applies' if len(extra) == 1 else 'apply'} only to eval --prompts, "
                           f"not to eval {form}")
+    if form != "--data" and "--max-bad-fraction" in given:
+        raise ConfigError(f"--max-bad-fraction applies only to eval --data, not to eval {form}")
+    if args.max_bad_fraction is not None and not 0.0 <= args.max_bad_fraction <= 1.0:
+        raise ConfigError(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}")
     pair = [f for f in ("--drafter", "--target") if f in given]
     if form == "--run-dir" and pair:
         raise ConfigError(f"eval --run-dir evaluates the run's own export against the run's own target: drop "
@@ -256,12 +277,8 @@ def cmd_eval(args) -> int:
     console = Console(t0=_T0)
     if form == "--prompts":
         return eval_prompts(args, console)
-    if form == "--data":
-        from trainer.config import DataCfg
-        from trainer.data.source import scan
-
-        with console.phase(f"checking {args.data}") as notes:
-            notes.append(f"{scan([args.data], DataCfg().max_bad_fraction).lines} lines")  # before torch
+    with console.phase(f"checking {args.run_dir if form == '--run-dir' else args.data}") as notes:  # before torch
+        notes.append(check_eval_run(args.run_dir) if form == "--run-dir" else check_eval_data(args))
     with console.phase("loading torch and transformers"):
         _quiet_libraries()
         from trainer.eval import evaluate_export, evaluate_run
@@ -271,8 +288,53 @@ def cmd_eval(args) -> int:
             evaluate_run(args.run_dir)
     else:
         with console.phase(f"evaluating the simulated tau of {args.drafter} on {args.data}"):
-            evaluate_export(args.drafter, args.target, args.data)
+            evaluate_export(args.drafter, args.target, args.data, max_bad_fraction=args.max_bad_fraction)
     return 0
+
+
+def check_eval_pair(drafter, target) -> None:
+    """eval's export and target, before torch: the export's files (rundir.read_export_config) and a target
+    directory this trainer can load (targetdir.read_target_dir: family, weights, tokenizer), as train checks its."""
+    from trainer.rundir import read_export_config
+    from trainer.targetdir import read_target_dir
+
+    read_export_config(Path(drafter))
+    read_target_dir(target)
+
+
+def check_eval_data(args) -> str:
+    """eval --data before torch: the pair, then every line of the file (its errors name eval's flags)."""
+    from trainer.config import DataCfg
+    from trainer.data.source import EVAL_HINT, EVAL_KNOB, scan
+
+    check_eval_pair(args.drafter, args.target)
+    if args.max_bad_fraction is None:
+        args.max_bad_fraction = DataCfg().max_bad_fraction
+    return f"{scan([args.data], args.max_bad_fraction, knob=EVAL_KNOB, hint=EVAL_HINT).lines} lines"
+
+
+def check_eval_run(run_dir) -> str:
+    """eval --run-dir before torch: the run's config.json, its export, its held-out data and its target, each refused
+    in one line as train refuses them."""
+    from trainer import rundir
+    from trainer.data.source import scan
+    from trainer.targetdir import check_target_loads
+
+    run_dir = Path(run_dir)
+    cfg = rundir.load_run_config(run_dir)
+    export = rundir.require_export(run_dir)
+    if not cfg.data.eval_paths and cfg.data.eval_fraction == 0:
+        raise ConfigError("no held-out data: the run has data.eval_fraction 0 and no data.eval_paths",
+                          hint=f"evaluate its export on a file: python -m trainer eval --drafter {export} --target "
+                               f"{cfg.model.target} --data FILE")
+    if not (Path(cfg.model.target) / "config.json").is_file():
+        raise ConfigError(f"the run's target {cfg.model.target} is not there (moved or removed since the run)",
+                          hint=f"evaluate its export with the target where it is now: python -m trainer eval "
+                               f"--drafter {export} --target DIR --data FILE")
+    check_target_loads(cfg.model, cfg.model.target)
+    lines = sum(scan(paths, cfg.data.max_bad_fraction).lines for paths in (cfg.data.paths, cfg.data.eval_paths)
+                if paths)
+    return f"{lines} data lines"
 
 
 def eval_prompts(args, console) -> int:
@@ -291,6 +353,7 @@ def eval_prompts(args, console) -> int:
             setattr(args, key, value)
     with console.phase(f"reading {len(args.prompts)} prompt file(s)") as notes:
         sets = [read_prompt_set(p) for p in args.prompts]
+        check_eval_pair(args.drafter, args.target)
         notes.append(", ".join(f"{ps.name}: {len(ps.prompts)}" for ps in sets))
     for ps in sets:
         if ps.bad_lines:
@@ -354,9 +417,21 @@ def cmd_regenerate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from trainer.train import export_run
+    from trainer.metrics import Console, serving_lines
+    from trainer.rundir import export_source
 
-    print(f"exported {export_run(Path(args.run_dir), args.target)}", flush=True)
+    console = Console(t0=_T0)
+    with console.phase(f"checking {args.run_dir}") as notes:  # before torch: its config, target and checkpoint
+        cfg, newest = export_source(Path(args.run_dir), args.target)
+        notes.append(f"newest checkpoint {newest.name}")
+    with console.phase("loading torch and transformers"):
+        _quiet_libraries()
+        from trainer.train import export_run
+    export = export_run(Path(args.run_dir), args.target)
+    print(f"exported {export}", flush=True)
+    target = args.target or cfg.model.target
+    if target:  # not the smoke recipe's tiny target, which nothing serves
+        print(serving_lines(export, target, cfg.model.block_size), flush=True)
     return 0
 
 
@@ -365,6 +440,8 @@ def cmd_tiny(args) -> int:
 
     if args.hidden < 16 or args.hidden % 16 or args.layers < 4:
         raise TrainerError("--hidden must be a multiple of 16 and --layers >= 4")
+    if args.train_steps < 0:
+        raise TrainerError(f"--train-steps must be >= 0 (0 keeps the random weights), got {args.train_steps}")
     check_out_dir(args.out_dir)
     _quiet_libraries()
     from trainer.tiny import build_tiny_target
@@ -375,20 +452,14 @@ def cmd_tiny(args) -> int:
     return 0
 
 
+# Every command refuses bad input before torch is imported, then quiets the libraries as it loads them.
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "regenerate": cmd_regenerate, "export": cmd_export,
             "make-tiny-target": cmd_tiny}
-CHECK_FIRST = ("train", "regenerate", "eval", "make-tiny-target")  # these refuse bad input before torch is imported
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-
-    def command() -> int:
-        if args.command not in CHECK_FIRST:  # the others import transformers (and torch) only afterwards
-            _quiet_libraries()
-        return COMMANDS[args.command](args)
-
-    return run_cli(command)
+    return run_cli(lambda: COMMANDS[args.command](args))
 
 
 if __name__ == "__main__":

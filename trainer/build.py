@@ -306,16 +306,20 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
         for path in (rundir.config_path(run_dir), rundir.data_record_path(run_dir)):
             if not (resume and path.is_file()):
                 made.append(path)  # a start that fails after this (a tracker's login) keeps none
-        rundir.write_config(cfg, run_dir, resume)
+        moved = rundir.write_config(cfg, run_dir, resume)
+        if moved:
+            console.say(f"the run's files moved: {'; '.join(moved)} (config.json and data.json now say so)")
     resume_step = start.step if resume else None
     if env.is_main and cfg.track.backends:
         from trainer.config import to_dict
         from trainer.tracking import TrackedSink, Tracker, tracking_dir
 
-        if not tracking_dir(cfg.track, run_dir).exists():
-            made.append(tracking_dir(cfg.track, run_dir))
-
-        sink = TrackedSink(run_dir / "metrics.jsonl", stream, Tracker(cfg.track, run_dir, to_dict(cfg), start.step),
+        where = tracking_dir(cfg.track, run_dir)
+        missing = [p for p in (where, *where.parents) if not p.exists()]
+        if missing:  # the outermost folder this start creates goes again if the start fails
+            made.append(missing[-1])
+        sink = TrackedSink(run_dir / "metrics.jsonl", stream,
+                           Tracker(cfg.track, run_dir, to_dict(cfg), start.step, resume=resume),
                            resume_step=resume_step)
     else:
         sink = (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream, resume_step=resume_step)

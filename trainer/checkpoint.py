@@ -222,16 +222,35 @@ def restore(files: dict[str, bytes], drafter: torch.nn.Module, optimizer: torch.
         optimizer_state = torch.load(io.BytesIO(files[name]), map_location=device)
         name = "rng.pt"
         rng_state = torch.load(io.BytesIO(files[name]), weights_only=False)
-    except (EOFError, OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as e:
-        raise ConfigError(f"--resume: the newest checkpoint's {name} cannot be read ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'})",
-                          hint="move that step_N directory out of ckpt/ to resume from the one before it") from None
+    except READ_ERRORS as e:
+        raise unreadable(name, e, "--resume", "resume") from None
     drafter.load_state_dict(drafter_state)
     optimizer.load_state_dict(optimizer_state)
     for group in optimizer.param_groups:
         group["lr"] = lr_  # keep the one device LR tensor the schedule fills (load_state_dict rebinds it)
     _set_rng_state(rng_state)
     return cursor
+
+
+# What torch.load and json raise on a file cut short or not a checkpoint's.
+READ_ERRORS = (EOFError, OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError)
+
+
+def unreadable(name: str, e: BaseException, command: str, verb: str) -> ConfigError:
+    """The one line for a newest checkpoint whose file `name` cannot be read, and how to get past it."""
+    return ConfigError(f"{command}: the newest checkpoint's {name} cannot be read ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'})",
+                       hint=f"move that step_N directory out of ckpt/ to {verb} from the one before it")
+
+
+def load_drafter(step_dir: Path) -> dict:
+    """A checkpoint's drafter weights (CPU), or one ConfigError (`unreadable`) for a file cut short: the export's."""
+    import torch
+
+    try:
+        return torch.load(Path(step_dir) / "drafter.pt", map_location="cpu")
+    except READ_ERRORS as e:
+        raise unreadable("drafter.pt", e, "export", "export") from None
 
 
 def load_latest(run_dir: Path, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,

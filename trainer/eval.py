@@ -179,16 +179,18 @@ def evaluate_run(run_dir, rows=None, stream=None) -> dict:
 
 
 def evaluate_export(drafter_dir, target_dir, data_path, *, seq_len: int = 2048, num_anchors: int = 64,
-                    rows_per_batch: int = 4, max_rows: int = 64, stream=None) -> dict:
+                    rows_per_batch: int = 4, max_rows: int = 64, max_bad_fraction: float = DataCfg().max_bad_fraction,
+                    stream=None) -> dict:
     """Eval an export dir against a target dir on a JSONL file (all of it held out)."""
     from trainer.data.packing import pack
-    from trainer.data.source import load_samples
+    from trainer.data.source import EVAL_HINT, EVAL_KNOB, load_samples
 
     device = local_device("auto")
     target, drafter, ecfg = load_pair(Path(drafter_dir), target_dir, device)
-    # The training limit on malformed lines: with none, a file of nothing but bad lines gave tau None and exit 0.
+    # The training limit on malformed lines by default: with none, a file of nothing but bad lines gave tau None
+    # and exit 0.
     samples, _report = load_samples([str(data_path)], target.tokenizer, target.embed_tokens.weight.shape[0],
-                                    DataCfg().max_bad_fraction)
+                                    max_bad_fraction, knob=EVAL_KNOB, hint=EVAL_HINT)
     pad_id = target.tokenizer.pad_token_id or 0
     rows = pack(samples, seq_len, pad_id)
     result = evaluate(target, drafter, rows, block_size=ecfg.block_size, num_anchors=min(num_anchors, seq_len - 1),

@@ -177,11 +177,10 @@ def load_exported(export_dir: Path, device: torch.device | str = "cpu",
     """Rebuild a Drafter (fp32) from an export dir -> (drafter, its ExportConfig)."""
     from safetensors.torch import load_file
 
+    from trainer.rundir import read_export_config
+
     export_dir = Path(export_dir)
-    path = export_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{export_dir} has no config.json", hint="point at a drafter export directory")
-    config = ExportConfig.from_json(json.loads(path.read_text()), str(path))
+    config = ExportConfig.from_json(read_export_config(export_dir), str(export_dir / "config.json"))
     drafter = Drafter(config.drafter, backend=backend)
     state = load_file(str(export_dir / "model.safetensors"))
     drafter.load_state_dict({k: v.float() for k, v in state.items()})

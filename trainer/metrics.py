@@ -317,6 +317,19 @@ def done_line(record: dict) -> str:
     return f"run finished after {record.get('step', '?')} optimizer steps: export {record.get('export', '?')}, {tau}"
 
 
+def serving_lines(export: str | Path, target: str | Path, block_size: int) -> str:
+    """Pure: the commands that serve `export` beside `target`, SGLang's and vLLM's (README.md, "Serving the
+    export"). vLLM drafts `num_speculative_tokens` positions and never reads the export's block size: the block
+    less one."""
+    import shlex
+
+    spec = json.dumps({"method": "dflash", "model": str(export), "num_speculative_tokens": block_size - 1})
+    sglang = ["python", "-m", "sglang.launch_server", "--model-path", str(target), "--speculative-algorithm",
+              "DFLASH", "--speculative-draft-model-path", str(export)]
+    vllm = ["vllm", "serve", str(target), "--speculative-config", spec]
+    return f"serve it with SGLang: {shlex.join(sglang)}\n  or with vLLM: {shlex.join(vllm)}"
+
+
 def stopped_lines(record: dict) -> str:
     """Pure: the human lines of a DFLASH_STOPPED record (no "step " in them: a runbook's liveness pattern must not
     take a stopped run for a training one)."""

@@ -1,6 +1,7 @@
 """The run directory: what a run leaves on disk and how it is read back.
 
     <run_dir>/config.json    the resolved TrainCfg (written once the run is built; a resume must match it)
+    <run_dir>/data.json      what the run read: each data file's size, the target's fingerprint (`data_record`)
     <run_dir>/metrics.jsonl  one record per log interval (trainer/metrics.py)
     <run_dir>/bad_lines.txt  every malformed data line (`path:line: reason`), when there is one
     <run_dir>/ckpt/step_N/   full training state (trainer/checkpoint.py)
@@ -119,23 +120,25 @@ def check_fresh(run_dir: Path) -> None:
 
 
 def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> None:
-    """Before anything is built (rank 0): the run directory is one, or can be made (check_location); a fresh run
-    needs one with nothing it could overwrite (check_fresh); a resume must keep the config it started with and, in one process, needs a checkpoint made by
-    one process. (Under torchrun the newest checkpoint may be on another node: `checkpoint.read_latest_any_rank`
-    checks it collectively.)"""
+    """Before anything is built (rank 0): the run directory is one, or can be made (check_location), and so is the
+    tracking directory (tracking.check_tracking_dir); a fresh run needs one with nothing it could overwrite
+    (check_fresh); a resume must keep the config it started with, read the same target and data where they were or
+    moved to (check_same_inputs) and, in one process, needs a checkpoint made by one process. (Under torchrun the
+    newest checkpoint may be on another node: `checkpoint.read_latest_any_rank` checks it collectively.)"""
+    from trainer.tracking import check_tracking_dir
+
     run_dir = Path(run_dir)
     check_location(run_dir)
+    check_tracking_dir(cfg.track, run_dir, resume)
     if not resume:
         check_fresh(run_dir)
         return
     recorded = run_config_file(run_dir)
-    if recorded is not None:
-        diffs = config_diff(json.loads(recorded.read_text()), to_dict(cfg), skip=RESUME_MAY_CHANGE)
-        if diffs:
-            raise ConfigError(f"--resume with a different config: {', '.join(diffs)}",
-                              hint="resume with the same recipe and --set values as the original run (only "
-                                   f"{', '.join(RESUME_MAY_CHANGE)} may change)")
-    check_same_data(cfg, run_dir)
+    tree = _json_object(recorded, hint="resume a run directory that this trainer wrote") if recorded else {}
+    diffs = config_diff(tree, to_dict(cfg), skip=RESUME_MAY_CHANGE + RESUME_MAY_MOVE)
+    if diffs:
+        raise ConfigError(f"--resume with a different config: {', '.join(diffs)}", hint=RESUME_HINT)
+    check_same_inputs(cfg, run_dir, tree)
     if world > 1:
         return
     cursor = checkpoint.newest_cursor(run_dir)
@@ -154,45 +157,121 @@ def check_start(cfg: TrainCfg, run_dir: Path, resume: bool, world: int = 1) -> N
                           hint=f"relaunch with --nproc-per-node {cursor.world}")
 
 
-def write_config(cfg: TrainCfg, run_dir: Path, resume: bool) -> None:
-    """config.json and data.json (`data_record`), atomically; a resumed run keeps the ones it started with."""
-    for path, record in ((config_path(run_dir), to_dict(cfg)), (data_record_path(run_dir), data_record(cfg))):
-        if resume and path.is_file():
+def write_config(cfg: TrainCfg, run_dir: Path, resume: bool) -> list[str]:
+    """config.json and data.json (`data_record`), atomically. A resumed run keeps the ones it started with, but where
+    its target or data moved (RESUME_MAY_MOVE, checked by `check_same_inputs`): both then name the new places, so
+    the next resume, eval and export find them. -> the moves, `key (old -> new)`."""
+    moved: list[str] = []
+    tree = to_dict(cfg)
+    if resume and config_path(run_dir).is_file():
+        tree, now = json.loads(config_path(run_dir).read_text()), tree
+        for key in RESUME_MAY_MOVE:
+            section, leaf = key.split(".")
+            if tree.get(section, {}).get(leaf) != now[section][leaf]:
+                moved.append(f"{key} ({tree.get(section, {}).get(leaf)!r} -> {now[section][leaf]!r})")
+                tree.setdefault(section, {})[leaf] = now[section][leaf]
+    for path, record in ((config_path(run_dir), tree), (data_record_path(run_dir), data_record(cfg))):
+        if resume and path.is_file() and not moved:
             continue
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, path)
+    return moved
 
 
 def data_record_path(run_dir: Path) -> Path:
     return Path(run_dir) / "data.json"
 
 
-def data_record(cfg: TrainCfg) -> dict:
-    """The size of every data file the run reads: the data order and the schedule's length follow from the data, so
-    a resume over grown or replaced files (a regenerate still appending, say) would train another run silently."""
+def file_size(raw: str) -> int | None:
+    """A data path's size in bytes (`bundled:NAME` included), None when it is not there."""
     from trainer.data.source import resolve_path
 
-    def size(raw: str) -> int | None:
-        try:
-            return resolve_path(raw).stat().st_size
-        except OSError:
-            return None
-
-    return {"files": {raw: size(raw) for raw in (*cfg.data.paths, *cfg.data.eval_paths)}}
-
-
-def check_same_data(cfg: TrainCfg, run_dir: Path) -> None:
-    """A resume reads the data files the run started with, at the sizes they had (where data.json recorded them)."""
-    path = data_record_path(run_dir)
-    if not path.is_file():
-        return
     try:
-        was = json.loads(path.read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
+        return resolve_path(raw).stat().st_size
+    except OSError:
+        return None
+
+
+def target_record(path: str) -> dict | None:
+    """Which target a directory holds: its config.json's sha256 and its weights' fingerprint (targetdir), None where
+    it has no config.json (the tiny target before it is built)."""
+    import hashlib
+
+    from trainer.targetdir import weights_fingerprint
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    return {"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+            "weights_fingerprint": weights_fingerprint(path)}
+
+
+def data_record(cfg: TrainCfg) -> dict:
+    """What the run reads: the size of every data file (the data order and the schedule's length follow from the
+    data, so a resume over grown or replaced files, a regenerate still appending say, would train another run
+    silently) and which target it is (`target_record`), so that a resume may find both where they moved."""
+    record: dict = {"files": {raw: file_size(raw) for raw in (*cfg.data.paths, *cfg.data.eval_paths)}}
+    target = target_record(cfg.model.target) if cfg.model.target else None
+    if target is not None:
+        record["target"] = target
+    return record
+
+
+def check_target_there(cfg: TrainCfg, run_dir: Path) -> None:
+    """A resumed run's model.target is there (or is this run's tiny target, rebuilt when missing): where it is not,
+    it moved or was removed since the run started, and the resume may name where it is now."""
+    target = cfg.model.target
+    if not target or (Path(target) / "config.json").is_file() or \
+            Path(target) == tiny_target_dir(Path(run_dir).resolve()):
         return
-    now = data_record(cfg)["files"]
-    changed = [f"{raw} ({was[raw]} -> {now[raw]} bytes)" for raw in now if raw in was and was[raw] != now[raw]]
+    raise ConfigError(f"--resume: the run's target {target} is not there (moved or removed since the run started)",
+                      hint="resume with --set model.target=DIR: the same target where it is now (its config.json "
+                           "and weights are checked against the run's)")
+
+
+def check_same_inputs(cfg: TrainCfg, run_dir: Path, recorded: dict) -> None:
+    """A resume reads the target and the data files the run started with (`recorded`: its config.json), where they
+    were or where they moved to (RESUME_MAY_MOVE): the target with the config.json and weights data.json
+    fingerprinted, each data file, in order, at the size data.json recorded. What data.json did not record (a run
+    that started before it did) is not checked, and may not move."""
+    try:
+        record = json.loads(data_record_path(run_dir).read_text())
+    except (OSError, ValueError):
+        record = {}
+    record = record if isinstance(record, dict) else {}
+    files = record.get("files") if isinstance(record.get("files"), dict) else {}
+    check_target_there(cfg, run_dir)
+    was, now = (recorded.get("model") or {}).get("target", cfg.model.target), cfg.model.target
+    fingerprint = target_record(now) if record.get("target") is not None else None
+    if record.get("target") is None and now != was:
+        raise ConfigError(f"--resume with model.target={now}: the run started with {was} and recorded no "
+                          "fingerprint of it to check another copy against", hint=f"put the target back at {was}")
+    if fingerprint is not None and fingerprint != record["target"]:
+        raise ConfigError(f"--resume: the target {now} is not the one the run started with"
+                          f"{f' ({was})' if now != was else ''}: its config.json or its weights differ",
+                          hint="resume with the run's own target (another target is another run)")
+    missing, changed = [], []
+    for key in ("paths", "eval_paths"):
+        new = list(getattr(cfg.data, key))
+        old = list((recorded.get("data") or {}).get(key, new))
+        if len(old) != len(new):
+            raise ConfigError(f"--resume with a different config: data.{key} ({old!r} -> {new!r})", hint=RESUME_HINT)
+        for raw_was, raw in zip(old, new):
+            if raw_was not in files:
+                if raw != raw_was:
+                    raise ConfigError(f"--resume with data.{key} naming {raw} for {raw_was}: the run recorded no "
+                                      f"size of {raw_was} to check it against", hint=f"put it back at {raw_was}")
+                continue
+            size, label = file_size(raw), raw if raw == raw_was else f"{raw} (for {raw_was})"
+            if size is None:
+                missing.append(f"{label}, which had {files[raw_was]} bytes")
+            elif size != files[raw_was]:
+                changed.append(f"{label} ({files[raw_was]} -> {size} bytes)")
+    if missing:
+        raise ConfigError(f"--resume: data file missing since the run started: {'; '.join(missing)}",
+                          hint="if it moved, resume with --set 'data.paths=[...]' (or data.eval_paths) naming where "
+                               "each file is now, in the same order: their sizes are checked against the run's")
     if changed:
         raise ConfigError(f"--resume: data changed since the run started: {', '.join(changed)}; the resumed data "
                           "order and schedule would not be the run's",
@@ -203,6 +282,11 @@ def check_same_data(cfg: TrainCfg, run_dir: Path) -> None:
 # threads, whether it evaluates at the end. None of them changes what is trained (the data order, the schedule, the
 # steps). The run's config.json keeps the values it started with.
 RESUME_MAY_CHANGE = ("log.every", "ckpt.every", "ckpt.keep", "threads", "eval_at_end")
+# Settings a resume may point at another place: the target and the data files, moved since the run started. The
+# resume checks that they are what the run read (`check_same_inputs`) and records where they are now (`write_config`).
+RESUME_MAY_MOVE = ("model.target", "data.paths", "data.eval_paths")
+RESUME_HINT = (f"a resume continues with the run's own config.json: drop the --set values that change it (only "
+               f"{', '.join(RESUME_MAY_CHANGE)} may change, and {', '.join(RESUME_MAY_MOVE)} where the files moved)")
 
 
 def resume_command(run_dir: Path, world: int = 1, nodes: int = 1, python: str = sys.executable) -> str:
@@ -233,19 +317,49 @@ def config_diff(a, b, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]
     return [] if a == b or key in skip else [f"{key} ({a!r} -> {b!r})"]
 
 
+def _json_object(path: Path, hint: str) -> dict:
+    """A JSON object file, or one ConfigError naming it (cut short, not UTF-8, not an object)."""
+    try:
+        tree = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:160]})",
+                          hint=hint) from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path} is not a JSON object", hint=hint)
+    return tree
+
+
 def load_run_config(run_dir: Path) -> TrainCfg:
+    """The config a run was trained with (`run_config_file`), or one ConfigError. No torch."""
+    run_dir = Path(run_dir)
     path = run_config_file(run_dir)
     if path is None:
-        raise ConfigError(f"{run_dir} has no config.json", hint="point --run-dir at a trainer run directory")
-    return from_dict(TrainCfg, json.loads(path.read_text()))
+        what = "does not exist" if not Path(run_dir).exists() else "has no config.json"
+        raise ConfigError(f"--run-dir {run_dir} {what}", hint="point --run-dir at a trainer run directory")
+    return from_dict(TrainCfg, _json_object(path, hint="point --run-dir at a run directory this trainer wrote"))
+
+
+def read_export_config(path: Path) -> dict:
+    """A drafter export directory's config.json, checked with the files a load needs (config.json, a JSON object,
+    and model.safetensors) -> the config.json's object, or one ConfigError. No torch: the CLI checks it first."""
+    path, hint = Path(path), "point at a drafter export directory (config.json + model.safetensors)"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a drafter export directory", hint=hint)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json{'' if path.exists() else ' (it does not exist)'}", hint=hint)
+    config = _json_object(path / "config.json", hint)
+    if not (path / "model.safetensors").is_file():
+        raise ConfigError(f"{path} has config.json but no model.safetensors", hint=hint)
+    return config
 
 
 def require_export(run_dir: Path) -> Path:
-    """The run's export directory, or one ConfigError saying how to make it."""
+    """The run's export directory (checked: `read_export_config`), or one ConfigError saying how to make it."""
     path = export_dir(run_dir)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{run_dir} has no export/",
                           hint=f"run `python -m trainer export --run-dir {run_dir}` first")
+    read_export_config(path)
     return path
 
 
@@ -254,3 +368,21 @@ def newest_checkpoint(run_dir: Path) -> Path:
     if not found:
         raise ConfigError(f"{run_dir} has no complete checkpoint")
     return found[-1][1]
+
+
+def export_source(run_dir: Path, target: str | None = None) -> tuple[TrainCfg, Path]:
+    """What `trainer export` rebuilds, checked before torch: the run's config on the CPU (`on_cpu`) with its target,
+    or `target` (where it is now, if it moved: checked against the run's shape), and the newest checkpoint."""
+    from trainer.config import on_cpu
+    from trainer.targetdir import check_target_loads
+
+    cfg = on_cpu(load_run_config(run_dir))
+    if target is not None:
+        check_target_loads(cfg.model, target)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=target))
+    elif not (Path(cfg.model.target) / "config.json").is_file():
+        raise ConfigError(f"the run's target {cfg.model.target} is not there (moved or removed since the run)",
+                          hint="pass --target DIR: the same target where it is now")
+    else:
+        check_target_loads(cfg.model, cfg.model.target)
+    return cfg, newest_checkpoint(run_dir)

@@ -1,7 +1,10 @@
 """Experiment tracking beside metrics.jsonl, where users look: TensorBoard event files (local, no account), and
 Weights & Biases / MLflow when installed (their offline modes need no network: WANDB_MODE=offline, MLflow's file
 store, the default here). Config `track.backends`; one trainer run is one tracked run, and a resumed run continues
-it (the backend's run id is kept in the tracking directory; TensorBoard drops the events past the checkpoint).
+it (the backend's run id is kept in the tracking directory, runs.json; TensorBoard drops the events past the
+checkpoint). The tracking directory is <run_dir>/tracking, or with `track.dir` set, track.dir/<run-dir name>: each
+run its own folder, so `tensorboard --logdir TRACK_DIR` shows the runs side by side. Only a resume reads runs.json;
+a fresh run refuses a folder that already holds another run's tracking (`check_tracking_dir`, before torch).
 
 What is logged, per log interval: loss, accuracy overall and per block position, tokens/s, step time, memory, LR;
 at the end, the simulated acceptance length tau and the acceptance per position. Rank 0 only.
@@ -48,18 +51,43 @@ def scalars(record: dict, prefix: str = "train/") -> dict[str, float]:
 
 
 def tracking_dir(cfg: TrackCfg, run_dir: Path) -> Path:
-    """Where the backends write: track.dir, or <run_dir>/tracking."""
-    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "tracking"
+    """Where the backends write: <run_dir>/tracking, or track.dir/<run-dir name> (a run's own folder in a directory
+    that several runs share)."""
+    return Path(cfg.dir) / Path(run_dir).resolve().name if cfg.dir else Path(run_dir) / "tracking"
+
+
+def check_tracking_dir(cfg: TrackCfg, run_dir: Path, resume: bool) -> None:
+    """Before the run is built: the tracking directory is one, or can be made (not a file, nor inside one); a fresh
+    run's is new or empty, since another run's runs.json there would make this run write into that run's tracked
+    runs (a resume continues its own). No torch."""
+    if not cfg.backends:
+        return
+    where = tracking_dir(cfg, run_dir)
+    for path in (where, *where.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"track.dir: {path} is a file, not a directory",
+                                  hint="set track.dir to a directory (or leave it empty: <run-dir>/tracking)")
+            break
+    if resume or not where.is_dir():
+        return
+    held = sorted(p.name for p in where.iterdir())
+    if held:
+        raise ConfigError(f"track.dir: {where} already holds the tracking of another run ({', '.join(held[:4])}); a "
+                          "fresh run would write into that run's tracked runs",
+                          hint="give this run a --run-dir of another name (its tracking goes to track.dir/<run-dir "
+                               "name>), or another track.dir; or --resume that run")
 
 
 class Tracker:
     """Fan-out to the configured backends. `log` per interval, `finish` with the run's result, then closed."""
 
-    def __init__(self, cfg: TrackCfg, run_dir: Path, config: dict, start_step: int) -> None:
+    def __init__(self, cfg: TrackCfg, run_dir: Path, config: dict, start_step: int, resume: bool = False) -> None:
+        check_tracking_dir(cfg, run_dir, resume)
         self.dir = tracking_dir(cfg, run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ids_path = self.dir / "runs.json"
-        ids = json.loads(self.ids_path.read_text()) if self.ids_path.is_file() else {}
+        ids = _read_ids(self.ids_path) if resume else {}  # a fresh run opens tracked runs of its own
         self.backends = []
         try:
             for name in cfg.backends:
@@ -83,6 +111,15 @@ class Tracker:
             if values:
                 b.log(values, step)
             b.close()
+
+
+def _read_ids(path: Path) -> dict:
+    """runs.json's backend -> run id; {} where there is none or it cannot be read (the resume opens new runs)."""
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return ids if isinstance(ids, dict) else {}
 
 
 def _open(name: str, cfg: TrackCfg, root: Path, run_name: str, config: dict, start_step: int, ids: dict):

@@ -25,13 +25,12 @@ from trainer import checkpoint, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.build import Session, build, build_state, load_run_target, resolve_placement
-from trainer.config import TrainCfg, on_cpu
-from trainer.errors import ConfigError, NonFiniteLoss, ReplicaDrift
+from trainer.config import TrainCfg
+from trainer.errors import NonFiniteLoss, ReplicaDrift
 from trainer.export import ExportConfig, export_drafter
 from trainer.loop import LoopResult, StopRule, TrainLoop, weights_nonfinite
-from trainer.metrics import Console
+from trainer.metrics import Console, serving_lines, write_out
 from trainer.signals import StopRequest, exit_code, signal_name, stop_requests
-from trainer.targetdir import check_target_loads
 
 
 @dataclass(frozen=True)
@@ -156,6 +155,8 @@ def finish(session: Session, loop: TrainLoop, ran: LoopResult, request: StopRequ
             result = dataclasses.replace(result, eval=evaluate_run(s.run_dir, rows=s.datasets.eval,
                                                                    stream=s.sink.stream))
     s.sink.done(done_record(result))
+    if s.cfg.model.target:  # not the smoke recipe's tiny target, which nothing serves
+        write_out(s.sink.stream, serving_lines(export, s.cfg.model.target, s.cfg.model.block_size) + "\n")
     return result
 
 
@@ -189,18 +190,12 @@ def export_run(run_dir: Path, target: str | None = None) -> Path:
     """Rewrite <run_dir>/export from the newest complete checkpoint (CPU; the target supplies dims and ids). A run
     trained with CUDA-only settings (pipeline, nccl, graph modes, flex) is rebuilt with their CPU alternatives: none
     of them changes the drafter's parameters. `target`: the run's target where it is now (moved since the run,
-    or a run directory that was moved with its tiny target), checked against the run's shape."""
-    cfg = on_cpu(rundir.load_run_config(run_dir))
-    if target is not None:
-        check_target_loads(cfg.model, target)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=target))
-    elif not (Path(cfg.model.target) / "config.json").is_file():
-        raise ConfigError(f"the run's target {cfg.model.target} is not there (moved or removed since the run)",
-                          hint="pass --target DIR: the same target where it is now")
-    newest = rundir.newest_checkpoint(run_dir)
+    or a run directory that was moved with its tiny target), checked against the run's shape (rundir.export_source,
+    which the CLI runs before torch too)."""
+    cfg, newest = rundir.export_source(run_dir, target)
     target = load_run_target(cfg, "cpu", truncate=True, dtype="float32")
     state = build_state(cfg, target, torch.device("cpu"))
-    state.drafter.load_state_dict(torch.load(newest / "drafter.pt", map_location="cpu"))
+    state.drafter.load_state_dict(checkpoint.load_drafter(newest))
     if weights_nonfinite(state.drafter):
         raise NonFiniteLoss(f"checkpoint {newest} holds non-finite (NaN/inf) weights: nothing exported",
                             hint="remove that step's directory to export the one before it")

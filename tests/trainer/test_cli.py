@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -74,8 +75,14 @@ def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
         assert not [name for name, pat in patterns.items() if pat.search(line)], line
     # The end names the export and tau plainly.
     tau = json.loads(next(ln for ln in out if ln.startswith("DFLASH_EVAL "))[len("DFLASH_EVAL "):])["tau"]
-    assert out[-1] == (f"run finished after 6 optimizer steps: export {run_dir / 'export'}, simulated tau {tau:.2f} "
+    assert out[-3] == (f"run finished after 6 optimizer steps: export {run_dir / 'export'}, simulated tau {tau:.2f} "
                        f"(on {json.loads(done[0][len('DFLASH_DONE '):])['eval']['blocks']} held-out blocks)")
+    # ... and how to serve it: each stack's command, pasteable; vLLM told the block less one (it reads no block size)
+    sglang, vllm = (shlex.split(ln.split(": ", 1)[1]) for ln in out[-2:])
+    assert sglang[sglang.index("--model-path") + 1] == str(tiny_target_dir)
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == str(run_dir / "export")
+    assert vllm[:3] == ["vllm", "serve", str(tiny_target_dir)] and json.loads(vllm[4]) == {
+        "method": "dflash", "model": str(run_dir / "export"), "num_speculative_tokens": 15}
     assert json.loads((run_dir / "config.json").read_text())["model"]["target"] == str(tiny_target_dir)
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6]
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_3", "step_6"]
@@ -97,6 +104,7 @@ def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
 
     ex = run_cli("export", "--run-dir", str(run_dir))
     assert ex.returncode == 0, ex.stderr
+    assert ex.stdout.splitlines()[-2:] == out[-2:]  # the same serving commands
     data = REPO_ROOT / "trainer" / "assets" / "smoke.jsonl"
     ev2 = run_cli("eval", "--drafter", str(run_dir / "export"), "--target", str(tiny_target_dir), "--data", str(data))
     assert ev2.returncode == 0, ev2.stderr
@@ -192,9 +200,23 @@ def test_resume_needs_no_set_it_reads_the_runs_own_config(tmp_path, tiny_target_
     assert run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets).returncode == 0
     again = run_cli("train", "--recipe", "gpu", "--run-dir", str(run), "--resume", "--set", "log.every=1")
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"checking the config ({run}/config.json, as the run started)" in again.stderr + again.stdout
+    assert f"checking the config ({run}/config.json, as the run started; --recipe gpu not used)" in again.stdout
     other = run_cli("train", "--recipe", "smoke", "--run-dir", str(run), "--resume", "--set", "optim.lr=1e-2")
     assert other.returncode == 2 and "--resume with a different config: optim.lr" in other.stderr, other.stderr
+    assert "hint: a resume continues with the run's own config.json: drop the --set values that change it" in \
+        other.stderr and "same recipe" not in other.stderr
+
+
+def test_a_recipe_that_is_none_is_refused_with_resume_too(tmp_path):
+    """A runbook's command names its recipe on a resume as well (so --recipe is not refused with --resume), but a
+    recipe that is not one is not silently ignored: one line, exit 2, before torch."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"seed": 0}\n')  # a run's config; nothing gets past the recipe
+    p = run_cli("train", "--recipe", "nonesuch", "--run-dir", str(run), "--resume", flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert [line.split(";")[0] for line in error_lines(p.stderr)] == ["error: unknown recipe 'nonesuch'"]
+    assert "torch" not in imported(p.stderr) and sorted(x.name for x in run.iterdir()) == ["config.json"]
 
 
 def test_an_empty_target_is_refused_outside_the_smoke_recipe(tmp_path):
@@ -431,6 +453,10 @@ def test_the_gpu_recipe_without_data_is_refused_in_one_line_before_torch(tmp_pat
     (["model.block_size=300", "data.seq_len=128"], "error: model.block_size=300 does not fit in a row of "
                                                    "data.seq_len=128 tokens; use --set model.block_size=N with N <= "
                                                    "data.seq_len (or raise data.seq_len)"),
+    (["seed=99999999999999999999999"], "error: seed must be in [0, 2**63), got 99999999999999999999999"),
+    (["data.max_eval_rows=0"], "error: data.max_eval_rows must be >= 1, got 0"),
+    (["model.target=["], "error: --set model.target: cannot parse value '[' as YAML: expected the node content, "
+                         "but found '<stream end>' (line 1, column 2)"),
 ])
 def test_config_values_torch_or_the_data_would_trip_on_are_refused_before_torch(tmp_path, tiny_target_dir, sets,
                                                                                  message):
@@ -487,6 +513,10 @@ USAGE = "eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --data 
      "eval --data needs --target: eval --drafter EXPORT_DIR --target T --data F"),
     (["--drafter", "X", "--target", "T", "--prompts", "p.jsonl", "--limit", "0"], "--limit must be >= 1, got 0"),
     (["--target", "T"], USAGE),
+    (["--run-dir", "D", "--max-bad-fraction", "0.5"],
+     "--max-bad-fraction applies only to eval --data, not to eval --run-dir"),
+    (["--drafter", "X", "--target", "T", "--data", "f.jsonl", "--max-bad-fraction", "2"],
+     "--max-bad-fraction must be in [0, 1], got 2.0"),
 ])
 def test_eval_refuses_flags_that_do_not_fit_in_one_line_before_torch(tmp_path, args, message):
     p = run_cli("eval", *args, cwd=tmp_path, flags=("-X", "importtime"))
@@ -540,3 +570,184 @@ def test_the_cpu_recipe_trains_a_users_own_target_and_warns_when_the_data_is_les
                         "data.seq_len / data.rows_per_step"]
     cfg = json.loads((tmp_path / "r" / "config.json").read_text())
     assert (cfg["device"], cfg["step"]["mode"], cfg["model"]["dtype"]) == ("cpu", "eager", "float32")
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"model:\n  target: \xff\xfe\n", "error: recipe {recipe} is not UTF-8 text (byte 18: invalid start byte)"),
+    (b"model:\n  target: [\n", "error: recipe {recipe} is not valid YAML: expected the node content, but found "
+                               "'<stream end>' (line 3, column 1)"),
+    (b"model:\n", "error: model must be a mapping, got None"),
+    (None, "error: recipe {recipe} is a folder, not a recipe file"),
+])
+def test_a_broken_recipe_is_one_line_before_torch(tmp_path, text, message):
+    recipe = tmp_path / "r.yaml"
+    if text is None:
+        recipe.mkdir()
+    else:
+        recipe.write_bytes(text)
+    p = run_cli("train", "--recipe", str(recipe), "--run-dir", str(tmp_path / "r"), flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert [x for x in error_lines(p.stderr) if not x.startswith("hint:")] == [message.format(recipe=recipe)]
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+def _fake_export(root):
+    """An export directory as far as the checks before torch read it."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text("{}\n")
+    (root / "model.safetensors").write_bytes(b"")
+    return root
+
+
+def _eval_export_case(tmp_path, tiny_target_dir, name):
+    """-> (argv, exit code, first error line, hint line or None)."""
+    from tests.trainer.test_regenerate import fake_target
+
+    export = _fake_export(tmp_path / "export")
+    smoke = str(REPO_ROOT / "trainer" / "assets" / "smoke.jsonl")
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    (tmp_path / "p.txt").write_text("count from 1 to 4\n")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")  # a run's config.json cut short
+    no_weights = tmp_path / "export-only"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}\n")
+    weightless = fake_target(tmp_path / "weightless", {"model_type": "qwen3", "num_hidden_layers": 6}, weights=False)
+    nowhere = tmp_path / "nowhere"
+    cut = "(JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"
+    cases = {
+        "eval, no run dir": (["eval", "--run-dir", str(nowhere)], 2, f"error: --run-dir {nowhere} does not exist",
+                             "hint: point --run-dir at a trainer run directory"),
+        "eval, a run's config cut short": (["eval", "--run-dir", str(broken)], 2,
+                                           f"error: cannot read {broken}/config.json {cut}",
+                                           "hint: point --run-dir at a run directory this trainer wrote"),
+        "export, no run dir": (["export", "--run-dir", str(nowhere)], 2, f"error: --run-dir {nowhere} does not exist",
+                               "hint: point --run-dir at a trainer run directory"),
+        "export, a run's config cut short": (["export", "--run-dir", str(broken)], 2,
+                                             f"error: cannot read {broken}/config.json {cut}",
+                                             "hint: point --run-dir at a run directory this trainer wrote"),
+        "eval, no export": (["eval", "--drafter", str(nowhere), "--target", str(tiny_target_dir), "--data", smoke], 2,
+                            f"error: {nowhere} has no config.json (it does not exist)",
+                            "hint: point at a drafter export directory (config.json + model.safetensors)"),
+        "eval, an export without weights": (["eval", "--drafter", str(no_weights), "--target", str(tiny_target_dir),
+                                             "--data", smoke], 2,
+                                            f"error: {no_weights} has config.json but no model.safetensors",
+                                            "hint: point at a drafter export directory (config.json + "
+                                            "model.safetensors)"),
+        "eval --data, a target without weights": (["eval", "--drafter", str(export), "--target", str(weightless),
+                                                   "--data", smoke], 2,
+                                                  f"error: target {weightless}: no weights (model.safetensors or "
+                                                  "pytorch_model.bin, or their .index.json)", None),
+        "eval --prompts, a target without weights": (["eval", "--drafter", str(export), "--target", str(weightless),
+                                                      "--prompts", str(tmp_path / "p.txt")], 2,
+                                                     f"error: target {weightless}: no weights", None),
+        "eval --data, malformed lines": (["eval", "--drafter", str(export), "--target", str(tiny_target_dir), "--data",
+                                          str(tmp_path / "bad.jsonl")], 3,
+                                         "error: too many malformed lines (100.0% > --max-bad-fraction=0.01)",
+                                         "hint: fix the lines or raise --max-bad-fraction"),
+        "eval --data, no file": (["eval", "--drafter", str(export), "--target", str(tiny_target_dir), "--data",
+                                  str(nowhere)], 3, f"error: data file not found: {nowhere}", "hint: check --data"),
+    }
+    return cases[name]
+
+
+@pytest.mark.parametrize("name", ["eval, no run dir", "eval, a run's config cut short", "export, no run dir",
+                                  "export, a run's config cut short", "eval, no export",
+                                  "eval, an export without weights", "eval --data, a target without weights",
+                                  "eval --prompts, a target without weights", "eval --data, malformed lines",
+                                  "eval --data, no file"])
+def test_eval_and_export_refuse_their_inputs_in_one_line_before_torch(tmp_path, tiny_target_dir, name):
+    """eval and export check the run's config.json, the export and the target directory (train's checks: weights,
+    family, tokenizer) and the data before torch, and their hints name eval's own flags."""
+    argv, code, first, hint = _eval_export_case(tmp_path, tiny_target_dir, name)
+    p = run_cli(*argv, flags=("-X", "importtime"))
+    errors = [x for x in error_lines(p.stderr)]
+    assert p.returncode == code and errors[0].startswith(first), p.stderr[-2000:]
+    assert errors[1:] == ([hint] if hint else errors[1:2]) and len(errors) <= 2, errors
+    assert "torch" not in imported(p.stderr) and "Traceback" not in p.stderr
+
+
+def _short_run(tmp_path, target, *sets, name="run"):
+    """A 4-step CLI run with checkpoints at 2 and 4, then step 4 and the export taken away: a run stopped after
+    its step-2 checkpoint, to resume or export."""
+    import shutil
+
+    run = tmp_path / name
+    base = [f"model.target={target}", "optim.max_steps=4", "ckpt.every=2", "data.seq_len=96", "data.rows_per_step=2",
+            "data.num_anchors=8", "eval_at_end=false", *sets]
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *[x for s in base for x in ("--set", s)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    shutil.rmtree(run / "ckpt" / "step_4")
+    shutil.rmtree(run / "export")
+    return run
+
+
+def test_export_of_a_newest_checkpoint_cut_short_is_one_line_naming_the_file(tmp_path, tiny_target_dir):
+    run = _short_run(tmp_path, tiny_target_dir)
+    weights = run / "ckpt" / "step_2" / "drafter.pt"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy that stopped early
+    p = run_cli("export", "--run-dir", str(run))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = error_lines(p.stderr)
+    assert errors[0].startswith("error: export: the newest checkpoint's drafter.pt cannot be read (RuntimeError: ")
+    assert errors[1:] == ["hint: move that step_N directory out of ckpt/ to export from the one before it"]
+    assert not (run / "export").exists()
+
+
+def test_a_resume_takes_the_target_and_the_data_where_they_moved_when_they_are_the_same(tmp_path, tiny_target_dir):
+    """A resume whose target or data moved may name where they are now: the same weights (data.json's fingerprint
+    of the target) and the same file sizes are checked, and config.json then names the new places."""
+    import shutil
+
+    target, data = tmp_path / "target", tmp_path / "d.jsonl"
+    shutil.copytree(tiny_target_dir, target)
+    data.write_bytes(b"".join((REPO_ROOT / "trainer" / "assets" / "smoke.jsonl").read_bytes().splitlines(True)[:200]))
+    run = _short_run(tmp_path, target, f"data.paths=[{data}]")
+    size = data.stat().st_size
+    moved_target, moved_data = target.rename(tmp_path / "target-moved"), data.rename(tmp_path / "moved.jsonl")
+
+    p = run_cli("train", "--run-dir", str(run), "--resume")
+    assert p.returncode == 2 and error_lines(p.stderr) == [
+        f"error: --resume: the run's target {target} is not there (moved or removed since the run started)",
+        "hint: resume with --set model.target=DIR: the same target where it is now (its config.json and weights are "
+        "checked against the run's)"], p.stderr[-2000:]
+    p = run_cli("train", "--run-dir", str(run), "--resume", "--set", f"model.target={moved_target}")
+    assert p.returncode == 2 and error_lines(p.stderr)[0] == (
+        f"error: --resume: data file missing since the run started: {data}, which had {size} bytes"), p.stderr
+    assert "--set 'data.paths=[...]'" in error_lines(p.stderr)[1]
+
+    other = shutil.copytree(moved_target, tmp_path / "other-weights")  # the same config.json, other weights
+    weights = (other / "model.safetensors").read_bytes()
+    (other / "model.safetensors").write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))
+    p = run_cli("train", "--run-dir", str(run), "--resume", "--set", f"model.target={other}", "--set",
+                f"data.paths=[{moved_data}]")
+    assert p.returncode == 2 and error_lines(p.stderr)[0] == (
+        f"error: --resume: the target {other} is not the one the run started with ({target}): its config.json or "
+        "its weights differ"), p.stderr
+    grown = tmp_path / "grown.jsonl"
+    grown.write_bytes(moved_data.read_bytes() * 2)
+    p = run_cli("train", "--run-dir", str(run), "--resume", "--set", f"model.target={moved_target}", "--set",
+                f"data.paths=[{grown}]")
+    assert p.returncode == 2 and error_lines(p.stderr)[0].startswith(
+        f"error: --resume: data changed since the run started: {grown} (for {data}) ({size} -> {2 * size} bytes)")
+
+    p = run_cli("train", "--run-dir", str(run), "--resume", "--set", f"model.target={moved_target}", "--set",
+                f"data.paths=[{moved_data}]")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"the run's files moved: model.target ('{target}' -> '{moved_target}'); data.paths (['{data}'] -> " \
+           f"['{moved_data}']) (config.json and data.json now say so)" in p.stdout
+    cfg = json.loads((run / "config.json").read_text())
+    assert (cfg["model"]["target"], cfg["data"]["paths"]) == (str(moved_target), [str(moved_data)])
+    assert json.loads((run / "data.json").read_text())["files"] == {str(moved_data): size}
+    assert run_cli("export", "--run-dir", str(run)).returncode == 0  # no --target: the run knows where it is now
+
+
+def test_make_tiny_target_refuses_negative_steps_and_its_help_names_both_families(tmp_path):
+    p = run_cli("make-tiny-target", str(tmp_path / "t"), "--train-steps", "-3", flags=("-X", "importtime"))
+    assert p.returncode == 2 and error_lines(p.stderr) == [
+        "error: --train-steps must be >= 0 (0 keeps the random weights), got -3"], p.stderr[-2000:]
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "t").exists()
+    top = " ".join(run_cli("--help").stdout.split())
+    assert "build and save a tiny Qwen3 or Llama 3 target + tokenizer" in top
+    assert "--family llama: a Llama 3" in " ".join(run_cli("make-tiny-target", "--help").stdout.split())

@@ -151,3 +151,45 @@ def test_taps_and_mask_id_are_checked_against_the_targets_config_json(tiny_targe
     assert needle.replace("176", str(vocab - 1)) in str(e.value)
     check_target_dir(load_config("smoke", [f"model.target={tiny_target_dir}", "model.target_layer_ids=[1, 5]",
                                            f"model.mask_token_id={vocab - 1}"]))
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("seed=99999999999999999999999", "seed must be in [0, 2**63), got 99999999999999999999999"),
+    ("seed=-1", "seed must be in [0, 2**63), got -1"),
+    ("data.max_eval_rows=0", "data.max_eval_rows must be >= 1, got 0"),
+    ("data.max_eval_rows=-1", "data.max_eval_rows must be >= 1, got -1"),
+])
+def test_numbers_torch_would_overflow_on_or_that_mean_nothing_are_refused(item, needle):
+    """A seed past torch.manual_seed's signed 64 bits failed with a traceback after the build; max_eval_rows <= 0
+    evaluated one batch anyway."""
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [item])
+    assert str(e.value) == needle
+    assert load_config("smoke", [f"seed={2**63 - 1}", "data.max_eval_rows=1"]).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("text, needle", [
+    (b"model:\n", "model must be a mapping, got None"),
+    (b"model:\n  target: [\n", "is not valid YAML: expected the node content, but found '<stream end>' (line 3, "
+                               "column 1)"),
+    (b"model:\n  target: \xff\xfe\n", "is not UTF-8 text (byte 18: invalid start byte)"),
+])
+def test_a_broken_recipe_is_one_line_naming_the_problem(tmp_path, text, needle):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(recipe))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_recipe_path_that_is_a_folder_is_called_one(tmp_path):
+    (tmp_path / "somedir.yaml").mkdir()
+    with pytest.raises(ConfigError, match=r"^recipe \S+somedir.yaml is a folder, not a recipe file$"):
+        load_config(str(tmp_path / "somedir.yaml"))
+
+
+def test_a_set_value_that_is_not_yaml_is_one_line_with_its_column():
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", ["model.target=["])
+    assert str(e.value) == ("--set model.target: cannot parse value '[' as YAML: expected the node content, but found "
+                            "'<stream end>' (line 1, column 2)")

@@ -80,6 +80,9 @@ def test_prompts_are_keyed_by_what_the_target_sees_and_answered_once(tmp_path):
     (dict(sampling=SamplingSettings(max_new_tokens=0)), "--max-new must be >= 1"),
     (dict(batch=0), "--batch must be >= 1"),
     (dict(device="gpu"), "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (dict(sampling=SamplingSettings(temperature=float("inf"))), "--temperature must be a finite number >= 0"),
+    (dict(sampling=SamplingSettings(temperature=float("nan"))), "--temperature must be a finite number >= 0"),
+    (dict(sampling=SamplingSettings(temperature=-0.5)), "--temperature must be a finite number >= 0"),
 ])
 def test_bad_settings_are_refused(change, message):
     check_settings(RegenSettings(sampling=SamplingSettings(temperature=0.7), continuations=3))
@@ -223,6 +226,7 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
         "invalid UTF-8": (["--prompts", str(tmp_path / "bytes.txt")], 3, "error: too many malformed lines"),
         "out not writable": (["--out", "/sys/dflash-regen.jsonl"], 2, "error: cannot write --out /sys/"),
         "greedy continuations": (["--continuations", "2"], 2, "error: --continuations 2 needs --temperature > 0"),
+        "infinite temperature": (["--temperature", "inf"], 2, "error: --temperature must be a finite number >= 0"),
         "max-new past the positions": (["--target", str(fake_target(tmp_path / "short", {
             "model_type": "qwen3", "max_position_embeddings": 64})), "--max-new", "64"], 2,
                                        "error: --max-new 64 leaves no room for a prompt in the target's 64 positions"),
@@ -238,7 +242,7 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
                                   "quantized",
                                   "multimodal", "no weights", "a shard missing", "no tokenizer",
                                   "empty prompt file", "invalid UTF-8", "out not writable", "greedy continuations",
-                                  "max-new past the positions"])
+                                  "infinite temperature", "max-new past the positions"])
 def test_bad_input_is_one_line_and_an_exit_code_before_torch(tmp_path, name):
     from tests.trainer.test_cli import imported
 
@@ -249,6 +253,22 @@ def test_bad_input_is_one_line_and_an_exit_code_before_torch(tmp_path, name):
     assert proc.returncode == code and len(errors) == 1 and errors[0].startswith(start), proc.stderr[-2000:]
     assert "torch" not in imported(proc.stderr) and "transformers" not in imported(proc.stderr)
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.meta.json").exists()
+
+
+def test_a_refused_job_leaves_no_folder_its_out_would_have_needed(tmp_path):
+    """--out a/b/o.jsonl with a prompt file that is not there: exit 3, and neither a/ nor a/b/ is left behind by the
+    probe of --out (a job that goes on makes them again when it takes --out)."""
+    target = fake_target(tmp_path / "good", {"model_type": "qwen3", "num_hidden_layers": 2})
+    out = tmp_path / "a" / "b" / "o.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "trainer", "regenerate", "--target", str(target), "--out", str(out),
+                           "--prompts", str(tmp_path / "missing.txt")], cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True)
+    assert proc.returncode == 3 and f"error: prompt file not found: {tmp_path / 'missing.txt'}" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
+    outfile.check_writable(out)
+    assert not (tmp_path / "a").exists()
+    outfile.lock_out(out).close()
+    assert out.is_file()
 
 
 # ---------------------------------------------------------------- the real thing, on the tiny target

@@ -114,3 +114,42 @@ def test_wandb_without_a_login_is_one_config_error_not_a_traceback(tmp_path, tin
                                           "run offline with WANDB_MODE=offline, or drop wandb from track.backends"]
     # the failed start took back what it wrote (config.json, tracking/), so the same command may run again
     assert not (tmp_path / "r").exists()
+
+
+def test_runs_sharing_a_track_dir_each_get_their_own_folder_and_a_fresh_run_never_continues_another(
+        tmp_path, tiny_target_dir, monkeypatch):
+    """track.dir shared by runs: each run's tracking goes to track.dir/<run-dir name> (its own TensorBoard folder and
+    MLflow run); a fresh run whose folder holds another run's tracking is refused before torch, with that tracking
+    untouched; a track.dir that is a file is refused before torch too."""
+    from tests.trainer.test_cli import error_lines, imported, run_cli, snapshot
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shared = tmp_path / "tracking"
+    sets = [f"model.target={tiny_target_dir}", "track.backends=[tensorboard, mlflow]", f"track.dir={shared}",
+            "data.seq_len=96", "data.rows_per_step=2", "data.num_anchors=8", "optim.max_steps=2", "log.every=1",
+            "ckpt.every=0", "eval_at_end=false"]
+    args = [x for s in sets for x in ("--set", s)]
+    for name in ("r1", "r2"):
+        p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / name), *args)
+        assert p.returncode == 0, p.stderr[-3000:]
+    ids = {name: json.loads((shared / name / "runs.json").read_text()) for name in ("r1", "r2")}
+    assert ids["r1"]["mlflow"] != ids["r2"]["mlflow"]  # the second run opened its own, not the first one's
+    assert all(list((shared / name / "tensorboard").glob("events.*")) for name in ("r1", "r2"))
+    assert sorted(p.name for p in shared.iterdir()) == ["r1", "r2"]
+
+    before = snapshot(shared)
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "elsewhere" / "r1"), *args,
+                flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr)[0] == (f"error: track.dir: {shared / 'r1'} already holds the tracking of another run "
+                                        "(mlruns, runs.json, tensorboard); a fresh run would write into that run's "
+                                        "tracked runs")
+    assert "torch" not in imported(p.stderr) and snapshot(shared) == before
+    assert not (tmp_path / "elsewhere").exists()
+
+    (tmp_path / "afile").write_text("mine\n")
+    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r3"), *args, "--set",
+                f"track.dir={tmp_path / 'afile'}", flags=("-X", "importtime"))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert error_lines(p.stderr)[0] == f"error: track.dir: {tmp_path / 'afile'} is a file, not a directory"
+    assert "torch" not in imported(p.stderr) and (tmp_path / "afile").read_text() == "mine\n"

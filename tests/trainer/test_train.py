@@ -196,7 +196,9 @@ def test_a_resume_over_data_that_grew_is_refused_and_one_over_the_same_data_goes
     data.write_text("".join(lines[:150]))
     cfg = small_cfg(tiny_target_dir, "ckpt.every=2", "optim.max_steps=4", f"data.paths=[{data}]")
     TrainLoop(build(cfg, tmp_path / "r")).run(StopRule(steps=2))
-    assert json.loads((tmp_path / "r" / "data.json").read_text()) == {"files": {str(data): data.stat().st_size}}
+    record = json.loads((tmp_path / "r" / "data.json").read_text())
+    assert record["files"] == {str(data): data.stat().st_size}
+    assert set(record["target"]) == {"config_sha256", "weights_fingerprint"}  # which target: a moved one is checked
     build(cfg, tmp_path / "r", resume=True)  # the same files: it goes on
     before = data.stat().st_size
     data.write_text("".join(lines[:300]))  # a regenerate still appending

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from trainer.config.recipes import pipeline_recipe_error, recipe_kind, recipe_tree
+from trainer.config.recipes import pipeline_recipe_error, recipe_kind, recipe_tree, yaml_problem
 from trainer.config.schema import TrainCfg
 from trainer.errors import ConfigError
 
@@ -86,7 +86,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build a config dataclass from nested dicts, rejecting unknown keys with the list of valid ones."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+        raise ConfigError(f"{prefix[:-1] or 'config'} must be a mapping, got {data!r}")
     hints = _resolved_hints(cls)
     valid = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
@@ -142,7 +142,7 @@ def set_override(tree: dict[str, Any], dotted: str, raw: str, root: type) -> Non
     try:
         node[leaf] = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {dotted}: cannot parse value {raw!r}: {e}") from None
+        raise ConfigError(f"--set {dotted}: cannot parse value {raw!r} as YAML: {yaml_problem(e)}") from None
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, str]]:
@@ -179,7 +179,8 @@ def load_config(recipe: str, overrides: list[str] = ()) -> TrainCfg:
 
 def load_resumed_config(config_json: Path, overrides: list[str] = ()) -> TrainCfg:
     """A resumed run's config: the config.json it started with, and the `--set` overrides on top (which may change
-    only rundir.RESUME_MAY_CHANGE: the resume check refuses any other difference). So `--resume` needs no --set."""
+    only rundir.RESUME_MAY_CHANGE, and rundir.RESUME_MAY_MOVE to where the same files moved: the resume check refuses
+    any other difference). So `--resume` needs no --set."""
     try:
         tree = json.loads(Path(config_json).read_text())
     except (OSError, ValueError) as e:

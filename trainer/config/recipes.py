@@ -19,9 +19,18 @@ def recipe_text(recipe: str) -> tuple[str, str]:
     """Return (source, yaml text) for a bundled recipe NAME or a PATH.yaml."""
     if recipe.endswith((".yaml", ".yml")) or "/" in recipe:
         path = Path(recipe)
+        if path.is_dir():
+            raise ConfigError(f"recipe {recipe} is a folder, not a recipe file",
+                              hint="pass a bundled recipe NAME or the path of a .yaml file")
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {recipe}")
-        return str(path), path.read_text()
+        try:
+            return str(path), path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"recipe {recipe} is not UTF-8 text (byte {e.start + 1}: {e.reason})",
+                              hint="save the recipe as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read recipe {recipe}: {e.strerror or e}") from None
     res = resources.files("trainer") / "recipes" / f"{recipe}.yaml"
     if not res.is_file():
         names = sorted(p.name[:-5] for p in (resources.files("trainer") / "recipes").iterdir() if p.name.endswith(".yaml"))
@@ -35,10 +44,18 @@ def recipe_tree(recipe: str) -> tuple[str, dict[str, Any]]:
     try:
         tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {source} is not valid YAML: {e}") from None
+        raise ConfigError(f"recipe {source} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"recipe {source} must be a mapping of sections")
     return source, tree
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: its problem and where (PyYAML's own message spans five, with a caret under a copy
+    of the text). Pure."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 # A recipe with this section is a quality-pipeline recipe: trainer/quality/config.py nests a whole TrainCfg under it.

@@ -80,7 +80,7 @@ class DataCfg:
     # num_anchors, so every supervised token is anchored with about the same chance f however rows were packed.
     anchor_fraction: float | None = None
     max_bad_fraction: float = 0.01  # fail when more than this fraction of lines is malformed
-    max_eval_rows: int = 64
+    max_eval_rows: int = 64  # held-out rows the simulated tau is measured on, at most (>= 1)
 
     def __post_init__(self) -> None:
         require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)")
@@ -90,6 +90,7 @@ class DataCfg:
         require(self.anchor_fraction is None or 0.0 < self.anchor_fraction <= 1.0,
                 "data.anchor_fraction must be in (0, 1] (or null: data.num_anchors per row)")
         require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
+        require(self.max_eval_rows >= 1, f"data.max_eval_rows must be >= 1, got {self.max_eval_rows}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -258,7 +259,9 @@ class TrackCfg:
 
     backends: tuple[str, ...] = ()  # any of tensorboard, wandb, mlflow
     project: str = "dflash"  # the W&B project / MLflow experiment
-    dir: str = ""  # "" = <run_dir>/tracking
+    # "" = <run_dir>/tracking; a directory several runs share: DIR/<run-dir name>, each run its own folder (a fresh
+    # run refuses one that holds another run's tracking: trainer/tracking.py)
+    dir: str = ""
 
     def __post_init__(self) -> None:
         bad = [b for b in self.backends if b not in TRACK_BACKENDS]
@@ -287,6 +290,8 @@ class TrainCfg:
         require(device_spec_ok(self.device),
                 f"device must be auto, cpu, cuda, cuda:N or cuda:local+K, got {self.device!r}")
         require(self.threads >= 0, "threads must be >= 0")
+        # torch.manual_seed takes a signed 64-bit seed: a larger one failed with a traceback after the build.
+        require(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         if self.device == "cpu":
             require(not self.pipeline.enabled,
                     "pipeline.enabled needs CUDA (device=cpu); use --set pipeline.enabled=false")

@@ -216,16 +216,22 @@ def enforce_bad_lines(paths, lines: int, bad: list[BadLine], max_bad_fraction: f
     return report
 
 
+# How the malformed-line errors name the limit and the files: the training config's settings, or eval --data's flags.
+TRAIN_KNOB, TRAIN_HINT = "data.max_bad_fraction", "check data.paths / data.eval_paths"
+EVAL_KNOB, EVAL_HINT = "--max-bad-fraction", "check --data"
+
+
 def scan(paths: list[str] | tuple[str, ...], max_bad_fraction: float,
-         bad_file: BadLineFile | None = None) -> LoadReport:
+         bad_file: BadLineFile | None = None, *, knob: str = TRAIN_KNOB, hint: str = TRAIN_HINT) -> LoadReport:
     """Every file exists and is readable; every line is UTF-8, JSON, one of the formats. Raise DataError (missing
     file, no lines, more malformed lines than allowed: a tokenizer could only find more) -> the report.
     No tokenizer, no torch: what the CLI checks before it loads either. The bad lines are written only when it
-    refuses (otherwise the full load that follows writes them)."""
+    refuses (otherwise the full load that follows writes them). `knob` and `hint`: the setting that allows more
+    malformed lines and where the files are named, in the errors (eval's flags, not the training config's)."""
     bad: list[BadLine] = []
     lines = 0
     for raw in paths:
-        for line_no, line in read_lines(raw):
+        for line_no, line in read_lines(raw, hint=hint):
             if not line.strip():
                 continue
             lines += 1
@@ -233,7 +239,7 @@ def scan(paths: list[str] | tuple[str, ...], max_bad_fraction: float,
                 parse_record(line)
             except MalformedLine as e:
                 bad.append(BadLine(str(raw), line_no, str(e)))
-    return enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file, write_always=False)
+    return enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file, write_always=False, knob=knob, hint=hint)
 
 
 def _render(tokenizer, turns: list[dict]) -> str:
@@ -308,10 +314,11 @@ def parse_line(line: str | bytes, tokenizer, vocab_size: int, end_marker: str = 
 
 
 def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int, max_bad_fraction: float, *,
-                 bad_file: BadLineFile | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> tuple[list[Sample], LoadReport]:
+                 bad_file: BadLineFile | None = None, progress: Callable[[int, int], None] | None = None,
+                 knob: str = TRAIN_KNOB, hint: str = TRAIN_HINT) -> tuple[list[Sample], LoadReport]:
     """Read and tokenize every file; raise DataError when a file is missing or unreadable, or the bad fraction
-    exceeds max_bad_fraction. progress(bytes read, bytes in all files) is called as lines are tokenized."""
+    exceeds max_bad_fraction (`knob`, `hint`: as `scan`'s). progress(bytes read, bytes in all files) is called as
+    lines are tokenized."""
     marker: str | None = None  # found on the first chat line: pre-tokenized data needs no chat template
     samples: list[Sample] = []
     bad: list[BadLine] = []
@@ -319,7 +326,7 @@ def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
     total = sum(resolve_path(raw).stat().st_size for raw in paths if resolve_path(raw).is_file())
     done = 0
     for raw in paths:
-        for line_no, line in read_lines(raw):
+        for line_no, line in read_lines(raw, hint=hint):
             done += len(line)
             if progress is not None and line_no % _PROGRESS_EVERY == 0:
                 progress(done, total)
@@ -335,4 +342,4 @@ def load_samples(paths: list[str] | tuple[str, ...], tokenizer, vocab_size: int,
                 bad.append(BadLine(str(raw), line_no, str(e)))
     if progress is not None:
         progress(done, total)
-    return samples, enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file)
+    return samples, enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file, knob=knob, hint=hint)

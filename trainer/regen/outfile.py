@@ -39,7 +39,9 @@ def bad_lines_path(out: Path) -> Path:
 
 
 def check_writable(out: Path) -> None:
-    """--out can be created and appended to (its directories are made), tried for real: ConfigError (exit 2)."""
+    """--out can be created and appended to (its directories made), tried for real: ConfigError (exit 2). The probe
+    leaves nothing behind, the directories it made included: a job refused later (its prompt files, say) must not
+    leave empty folders; `lock_out` makes them again."""
     hint = "pass an --out in a directory you can write"
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory", hint="pass a file path, e.g. --out data/regen.jsonl")
@@ -47,6 +49,7 @@ def check_writable(out: Path) -> None:
     if not above.is_dir():
         raise ConfigError(f"cannot write --out {out}: {above} is not a directory", hint=hint)
     created = [p for p in (out, meta_path(out)) if not p.exists()]
+    new_dirs = [p for p in out.parents if not p.exists()]  # innermost first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         for path in (out, meta_path(out)):
@@ -55,9 +58,14 @@ def check_writable(out: Path) -> None:
     except OSError as e:
         raise ConfigError(f"cannot write --out {out}: {e.strerror or e}", hint=hint) from None
     finally:
-        for path in created:  # the probe leaves nothing behind
+        for path in created:
             if path.is_file() and path.stat().st_size == 0:
                 path.unlink()
+        for path in new_dirs:
+            try:
+                path.rmdir()
+            except OSError:  # not made here after all, or something was written into it meanwhile: it stays
+                break
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,7 @@ def lock_out(out: Path):
     returned file, and with the process."""
     import fcntl
 
+    out.parent.mkdir(parents=True, exist_ok=True)  # check_writable took back the directories it made
     f = out.open("ab")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

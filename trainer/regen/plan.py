@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from trainer.config import DTYPES, device_spec_ok
@@ -52,7 +53,8 @@ def check_settings(s: RegenSettings) -> None:
     p = s.sampling
     rules = [
         (p.max_new_tokens >= 1, "--max-new must be >= 1"),
-        (p.temperature >= 0.0, "--temperature must be >= 0 (0 = greedy)"),
+        (math.isfinite(p.temperature) and p.temperature >= 0.0,
+         f"--temperature must be a finite number >= 0 (0 = greedy), got {p.temperature}"),
         (0.0 < p.top_p <= 1.0, "--top-p must be in (0, 1]"),
         (s.continuations >= 1, "--continuations must be >= 1"),
         (s.continuations == 1 or p.temperature > 0.0,
