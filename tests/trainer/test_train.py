@@ -335,7 +335,7 @@ def test_the_closing_line_says_when_the_eval_ran_but_found_no_block(tmp_path, ti
     loop = TrainLoop(run)
     result = finish(run, loop, loop.run())
     assert result.eval["blocks"] == 0 and result.tau is None and result.export == tmp_path / "r" / "export"
-    last = out.getvalue().splitlines()[-1]
+    last = next(ln for ln in out.getvalue().splitlines() if ln.startswith("run finished after "))
     assert last.endswith("no simulated tau: the held-out rows hold no block to evaluate (0 blocks: no two consecutive "
                          "supervised tokens; check data.eval_paths / data.eval_fraction)"), last
     assert "eval_at_end=false" in done_line({"step": 1, "run_dir": "R"})  # never evaluated: that wording stays
