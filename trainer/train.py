@@ -155,7 +155,7 @@ def finish(session: Session, loop: TrainLoop, ran: LoopResult, request: StopRequ
             result = dataclasses.replace(result, eval=evaluate_run(s.run_dir, rows=s.datasets.eval,
                                                                    stream=s.sink.stream))
     s.sink.done(done_record(result))
-    if s.cfg.model.target:  # not the smoke recipe's tiny target, which nothing serves
+    if s.cfg.model.target:  # an empty target (a run that never resolved one) has no command
         write_out(s.sink.stream, serving_lines(export, s.cfg.model.target, s.cfg.model.block_size) + "\n")
     return result
 
