@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from support import procfs
+
 REPO = Path(__file__).resolve().parents[2]
 
 # The job the test runbooks launch. Flags: --out FILE (argv + env as JSON), --lines N, --every S, --metrics N (N
@@ -130,11 +132,7 @@ class Env:
 
 def pid_alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie (PID 1 here may not reap orphans)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return procfs.is_alive(pid)
 
 
 @pytest.fixture

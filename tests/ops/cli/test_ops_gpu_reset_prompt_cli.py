@@ -10,19 +10,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from support import fake_nvidia_smi
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+from support import fake_nvidia_smi, procfs
 
 
 @pytest.fixture
@@ -54,13 +45,13 @@ def test_no_answer_to_the_kill_question_kills_nothing(gpu):
     assert "Aborted" not in done.stderr and done.stderr == ""
     assert done.stdout.rstrip().endswith("Kill 1 process(es)? [y/N]:")
     time.sleep(0.2)
-    assert _alive(pid)
+    assert procfs.is_alive(pid)
 
 
 def test_no_answer_to_a_hard_reset_skips_it_and_shows_the_result(gpu):
     env, pid, state = gpu
     done = gpu_reset(env, "--hard", answers="y\n")  # yes to the kill, then stdin ends at the reset question
     assert done.returncode == 0, done.stdout + done.stderr  # "Aborted!", exit 1 and no result before
-    assert "Aborted" not in done.stderr and not _alive(pid)
+    assert "Aborted" not in done.stderr and not procfs.is_alive(pid)
     assert "skipped: not confirmed" in done.stdout and "before -> after" in done.stdout
     assert json.loads(state.read_text())["resets"] == []
