@@ -199,23 +199,30 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
 class DFlashProposer(nn.Module):
     """The trained drafter + the target's frozen embedding and LM head, with its own context K/V cache."""
 
-    def __init__(self, target: Target, drafter: Drafter, block_size: int) -> None:
+    def __init__(self, target: Target, drafter: Drafter, block_size: int, autocast: bool | None = None) -> None:
+        """autocast: run the drafter under bf16 autocast, as training does on CUDA (default: on CUDA only)."""
         super().__init__()
         self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.autocast = autocast
         self.cache = DraftContextCache(len(drafter.layers))
 
     def begin(self) -> None:
         self.cache = DraftContextCache(len(self.drafter.layers))
 
     @torch.no_grad()
-    def propose(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        """[B - 1, vocab]: the LM head's logits at the block's mask positions (advances the context cache)."""
         block = torch.full((1, self.block_size), self.target.mask_token_id, dtype=torch.long, device=committed.device)
         block[0, 0] = committed[0, -1]
+        on_cuda = block.device.type == "cuda"
         # Same numerics as training: the trainer's CUDA step runs the fp32 drafter under bf16 autocast.
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=block.device.type == "cuda"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda if self.autocast is None else self.autocast):
             hidden = draft_block_hidden(self.drafter, self.cache, new_feats, self.target.embed_tokens(block))
         head = self.target.lm_head
-        return head(hidden[0, 1:].to(head.weight.dtype)).argmax(-1)
+        return head(hidden[0, 1:].to(head.weight.dtype))
+
+    def propose(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        return self.draft_logits(new_feats, committed).argmax(-1)
 
 
 class OracleProposer(nn.Module):
