@@ -235,7 +235,7 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
            placement: place.Placement | None, console: Console, made: list[Path]) -> Session:
     placement = placement or resolve_placement(cfg, env)  # train() resolved (and checked) it before joining the group
     device, target_device = torch.device(placement.drafter), torch.device(placement.target)
-    threads = place.cpu_threads(cfg.threads, os.environ)
+    threads = place.cpu_threads(cfg.threads, os.environ, place.free_cores())
     if threads:
         torch.set_num_threads(threads)
     cfg = resolve_target(cfg, run_dir)

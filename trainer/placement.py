@@ -14,6 +14,7 @@ Device specs (config `device` for the drafter, `pipeline.target_device` for the 
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,12 +42,22 @@ class Placement:
     backend: str | None
 
 
-def cpu_threads(threads: int, environ: Mapping[str, str]) -> int:
+def cpu_threads(threads: int, environ: Mapping[str, str], free_cores: int | None = None) -> int:
     """The intra-op threads to set: the config's `threads` (0: torch's default, set nothing), capped by
     OMP_NUM_THREADS where the environment sets it -- the standard way to share a machine wins over a recipe's figure
-    (more threads than free cores slow tiny CPU work several-fold). Pure."""
+    -- and by the cores other processes leave free (at least one): more threads than free cores slow tiny CPU work
+    several-fold. Pure."""
     cap = environ.get("OMP_NUM_THREADS", "").strip()
-    return min(threads, int(cap)) if threads and cap.isdigit() and int(cap) > 0 else threads
+    if threads and cap.isdigit() and int(cap) > 0:
+        threads = min(threads, int(cap))
+    if threads and free_cores is not None:
+        threads = min(threads, max(1, free_cores))
+    return threads
+
+
+def free_cores() -> int:
+    """The cores this process may run on less those the machine is busy with (the 1-minute load average)."""
+    return len(os.sched_getaffinity(0)) - round(os.getloadavg()[0])
 
 
 def dist_env(environ: Mapping[str, str]) -> DistEnv:

@@ -14,6 +14,14 @@ def test_the_environments_omp_num_threads_caps_the_configs_threads():
         assert cpu_threads(4, {"OMP_NUM_THREADS": odd}) == 4
 
 
+def test_cpu_threads_leave_the_busy_cores_to_their_processes():
+    """A recipe's 2 threads on a 2-core box whose other core is busy run as 1 (2 ran tiny CPU work 4-6x slower);
+    never fewer than one, and a config that sets none (0, torch's default) stays unset."""
+    assert cpu_threads(2, {}, free_cores=1) == 1 and cpu_threads(2, {}, free_cores=2) == 2
+    assert cpu_threads(2, {}, free_cores=0) == 1 and cpu_threads(2, {}, free_cores=-3) == 1
+    assert cpu_threads(8, {"OMP_NUM_THREADS": "4"}, free_cores=6) == 4 and cpu_threads(0, {}, free_cores=1) == 0
+
+
 def test_dist_env_reads_torchrun_variables_or_defaults_to_one_process():
     assert dist_env({}) == DistEnv(0, 1, 0)
     assert dist_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}) == DistEnv(3, 8, 3)

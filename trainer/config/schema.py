@@ -283,7 +283,7 @@ class TrainCfg:
     seed: int = 0
     # The drafter's device: auto | cpu | cuda | cuda:N | cuda:local+K. Under torchrun auto/cuda = cuda:LOCAL_RANK.
     device: str = "auto"
-    threads: int = 0  # torch intra-op threads on CPU (at most OMP_NUM_THREADS where set); 0 = torch default
+    threads: int = 0  # torch intra-op threads on CPU (at most OMP_NUM_THREADS where set, and the free cores); 0 = default
     eval_at_end: bool = True
 
     def __post_init__(self) -> None:

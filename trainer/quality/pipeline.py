@@ -170,7 +170,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     from trainer.config import to_dict
     from trainer.eval import evaluate_run
     from trainer.export import load_pair
-    from trainer.placement import cpu_threads, local_device
+    from trainer.placement import cpu_threads, free_cores, local_device
     from trainer.quality.evaluate import decode_benchmark, heldout_prompts
     from trainer.quality.pretrain import make_target
     from trainer.quality.regenerate import regenerate
@@ -179,7 +179,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     device = local_device(q.device, cpu_hint="use --set device=cpu (or auto)")
     check_device_fits(q, recipe_name, device.type)
     out.mkdir(parents=True, exist_ok=True)
-    threads = cpu_threads(q.threads, os.environ)
+    threads = cpu_threads(q.threads, os.environ, free_cores())
     if threads:
         torch.set_num_threads(threads)
     (out / "recipe.json").write_text(json.dumps({"recipe": recipe_name, "overrides": overrides,
