@@ -22,6 +22,20 @@ app = typer.Typer(
 )
 
 
+def _print_version(on: bool) -> None:
+    """`--version`: the installed distribution's version (package metadata), exit 0."""
+    if not on:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("dflash-ops")
+    except PackageNotFoundError:  # a bare checkout on PYTHONPATH, never installed
+        found = "unknown (not installed)"
+    typer.echo(f"dflash-ops {found}")
+    raise typer.Exit(0)
+
+
 @app.callback()
 def root(
     ctx: typer.Context,
@@ -31,6 +45,9 @@ def root(
     runbooks: Annotated[Optional[Path], typer.Option(
         "--runbooks", envvar="DFLASH_OPS_RUNBOOKS",
         help="Directory of runbook YAML files [default: ./runbooks, then the bundled ones].")] = None,
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, expose_value=False, callback=_print_version,
+        help="Print 'dflash-ops <version>' and exit.")] = False,
 ) -> None:
     """Every value that reaches a remote shell is quoted; host keys are checked against known_hosts."""
     ctx.obj = Settings(inventory=inventory, runbooks=runbooks)
