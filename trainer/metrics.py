@@ -318,7 +318,7 @@ def done_line(record: dict) -> str:
 
 
 def serving_lines(export: str | Path, target: str | Path, block_size: int) -> str:
-    """Pure: the commands that serve `export` beside `target`, SGLang's and vLLM's (README.md, "Serving the
+    """Pure: the commands that serve `export` beside `target`, SGLang's and vLLM's (docs/training.md, "Serving the
     export"). vLLM drafts `num_speculative_tokens` positions and never reads the export's block size: the block
     less one."""
     import shlex
