@@ -1,5 +1,6 @@
-"""The README stays true to the code: every command of its fenced bash blocks parses (and every `dflash-ops` and
-`python -m trainer` example of docs/*.md), and every relative link of the README and of docs/*.md resolves.
+"""The README stays true to the code: every command of its fenced bash blocks parses (and every `dflash-ops`,
+`python -m trainer` and `python -m bench.NAME` example of docs/*.md), and every relative link of the README and of
+docs/*.md resolves.
 
 A command parses when: `dflash-ops SUB` is a command whose `--help` exits 0 and names every option the line uses; a
 `launch` names a runbook of runbooks/, and the arguments after `--` suit that runbook's trainer command (its options
@@ -7,9 +8,10 @@ exist; a `train` that is not a `--resume` carries the target and data its recipe
 `check_target` demands); `python3 -m trainer SUB` (also under `torch.distributed.run`) is a subcommand whose options
 include every one the line uses, by the trainer's own argparse tree (a subcommand's nested subcommands count too,
 so a command that gains them keeps its old spellings checked); every `--set KEY=VALUE` goes through the trainer's
-config loader, which refuses an unknown key or a wrong type. A few programs of other projects (pip, vLLM, SGLang)
-and `bash .ci/run` are named in ALLOWED and not checked. The checks are pure functions over text; the self-tests at
-the end run them on synthetic READMEs, to show that a missing flag, key, runbook or link is found."""
+config loader, which refuses an unknown key or a wrong type; `python3 -m bench.NAME --help` exits 0 and names every
+option used. A few programs of other projects (pip, vLLM, SGLang) and `bash .ci/run` are named in ALLOWED and not
+checked. The checks are pure functions over text; the self-tests at the end run them on synthetic pages, to show that
+a missing flag, key, runbook or link is found."""
 from __future__ import annotations
 
 import argparse
@@ -225,6 +227,28 @@ def train_config_problems(args: tuple[str, ...], where: str) -> list[str]:
     return []
 
 
+# ---------------------------------------------------------------- python -m bench.NAME
+
+@cache
+def bench_help(module: str) -> tuple[int, str]:
+    """(exit code, output) of `python -m bench.NAME --help`, run from the repository root as the docs say."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+def bench_problems(module: str, args: tuple[str, ...]) -> list[str]:
+    code, text = bench_help(module)
+    if code != 0:
+        return [f"`python -m {module} --help` exits {code}"]
+    return [f"`python -m {module}` has no option {opt}" for opt in options_used(args) if not mentions(text, opt)]
+
+
 # ---------------------------------------------------------------- one command, and the links
 
 def command_problems(command: Command, runbooks: Path = REPO / "runbooks") -> list[str]:
@@ -235,6 +259,8 @@ def command_problems(command: Command, runbooks: Path = REPO / "runbooks") -> li
         problems = ops_problems(argv, runbooks)
     elif argv[0] in ("python3", "python") and "trainer" in argv and argv[argv.index("trainer") - 1] == "-m":
         problems = trainer_problems(argv[argv.index("trainer") + 1:])
+    elif argv[0] in ("python3", "python") and argv[1:2] == ("-m",) and argv[2].startswith("bench."):
+        problems = bench_problems(argv[2], argv[3:])
     else:
         problems = [f"a command this test does not know: {shlex.join(argv)} (check it, or add it to ALLOWED)"]
     return [f"line {command.line}: {p}" for p in problems]
@@ -287,13 +313,14 @@ def test_the_quick_start_commands_are_the_ones_ci_runs():
     assert ("bash", ".ci/run") in argvs
 
 
-def test_every_dflash_ops_and_trainer_example_of_the_docs_parses():
-    """The reference pages' own examples, fenced or indented: each launch carries what its runbook needs."""
+def test_every_dflash_ops_trainer_and_bench_example_of_the_docs_parses():
+    """The reference pages' own examples, fenced or indented: each launch carries what its runbook needs, each
+    benchmark's options exist."""
     checked, problems = 0, []
     for page in sorted((REPO / "docs").glob("*.md")):
         text = page.read_text()
         for c in bash_commands(text) + example_commands(text):
-            if c.argv[0] == "dflash-ops" or "trainer" in c.argv:
+            if c.argv[0] == "dflash-ops" or "trainer" in c.argv or c.argv[2:3] and c.argv[2].startswith("bench."):
                 checked += 1
                 problems += [f"{page.name}: {p}" for p in command_problems(c)]
     assert checked >= 40 and not problems, "\n".join(problems)
@@ -333,6 +360,8 @@ def test_a_missing_flag_key_runbook_or_subcommand_is_found():
     assert "`trainer eval` has no option --no-such-option" in opt
     [sub] = problems_of("```bash\npython3 -m trainer trian --recipe smoke\n```\n")
     assert "no trainer subcommand 'trian'" in sub
+    [bench] = problems_of("```bash\npython3 -m bench.step --shape tiny --quick\n```\n")
+    assert "`python -m bench.step` has no option --quick" in bench
 
 
 def test_a_launch_that_lacks_what_its_runbook_needs_is_found():
