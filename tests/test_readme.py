@@ -27,9 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 # Programs the README may show that are not this repository's (checked by their own projects), by argv prefix.
 ALLOWED = (("python3", "-m", "pip"), ("python", "-m", "pip"), ("vllm",), ("python", "-m", "sglang.launch_server"),
            ("bash", ".ci/run"))
-# dflash-ops' root options that take a value, and those that do not (dflash_ops/cli/__init__.py).
-ROOT_VALUED = {"-i", "--inventory", "--runbooks"}
-ROOT_FLAGS = {"--version", "-h", "--help"}
 
 
 @dataclass(frozen=True)
@@ -118,6 +115,20 @@ def ops_help(sub: str) -> tuple[int, str]:
     return done.exit_code, done.output
 
 
+@cache
+def ops_valued_options(sub: str | None) -> frozenset[str]:
+    """The options of `dflash-ops SUB` (of dflash-ops itself for None) that take a value (so the word after one is
+    no positional argument)."""
+    import typer.main
+
+    from dflash_ops.cli import app
+
+    root = typer.main.get_command(app)
+    command = root if sub is None else root.commands[sub]
+    return frozenset(o for p in command.params if p.param_type_name == "option" and not p.is_flag
+                     for o in p.opts + p.secondary_opts)
+
+
 def mentions(help_text: str, option: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text) is not None
 
@@ -128,9 +139,9 @@ def runbook(name: str, runbooks: Path) -> dict | None:
 
 
 def ops_problems(argv: tuple[str, ...], runbooks: Path) -> list[str]:
-    rest = list(argv[1:])
-    while rest and (rest[0] in ROOT_VALUED or rest[0] in ROOT_FLAGS or rest[0].split("=")[0] in ROOT_VALUED):
-        rest = rest[2:] if rest[0] in ROOT_VALUED else rest[1:]
+    rest, valued = list(argv[1:]), ops_valued_options(None)
+    while rest and rest[0].startswith("-"):  # the root options (--inventory FILE, --version) before the command
+        rest = rest[2:] if rest[0] in valued else rest[1:]
     if not rest:
         return []
     sub, args = rest[0], rest[1:]
@@ -145,7 +156,7 @@ def ops_problems(argv: tuple[str, ...], runbooks: Path) -> list[str]:
 
 def launch_problems(args: list[str], runbooks: Path) -> list[str]:
     """`launch RUNBOOK [options] [-- ARGS]`: the runbook exists, and its command with ARGS appended parses."""
-    valued = {"-n", "--name", "--wait", "-e", "--env", "-H", "--host", "--ct", "--node", "--rdzv-timeout"}
+    valued = ops_valued_options("launch")
     positional, i = [], 0
     head = args[:args.index("--")] if "--" in args else args
     while i < len(head):
@@ -351,6 +362,9 @@ def test_a_missing_flag_key_runbook_or_subcommand_is_found():
     assert problems_of(good) == []
     [flag] = problems_of("```bash\ndflash-ops launch smoke --no-such-flag\n```\n")
     assert "has no option --no-such-flag" in flag and flag.startswith("line 2:")
+    assert problems_of("```bash\ndflash-ops -i inv.yaml --runbooks rb launch smoke --follow\n```\n") == []
+    [root] = problems_of("```bash\ndflash-ops --inventory inv.yaml launch nope\n```\n")
+    assert "no runbook 'nope'" in root
     [cmd] = problems_of("```bash\ndflash-ops lanuch smoke\n```\n")
     assert "no such command" in cmd
     [book] = problems_of("```bash\ndflash-ops launch no-such-runbook --host pve1 --ct 200\n```\n")
