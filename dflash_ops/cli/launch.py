@@ -39,9 +39,10 @@ def launch(
     at once as one run (torchrun's rendezvous wired: rank 0 on the first node), or on none: a node that fails,
     nodes that do not meet at the rendezvous, or Ctrl-C stop every node.
 
-    Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set optim.max_steps=100
+    Example: dflash-ops launch graphwarm --host pve1 --ct 200 -- --set model.target=/models/Qwen3-8B
+    --set 'data.paths=["/data/chat.jsonl"]'
 
-    Two nodes: dflash-ops launch graphwarm-nodes --node pve1:200 --node pve2:200
+    Two nodes: dflash-ops launch graphwarm-nodes --node pve1:200 --node pve2:200 -- (the same --set)
     """
     from dflash_ops import names
     from dflash_ops.cli import render
