@@ -99,3 +99,45 @@ def test_the_packed_convolution_equals_conv1d_on_each_document_alone():
 def test_document_starts():
     doc = doc_ids_of([[2, 3], [5]], 6)
     assert doc_starts(doc).tolist() == [[True, False, True, False, False, True], [True] + [False] * 4 + [True]]
+
+
+def recurrent_reference(q, k, v, g, beta) -> torch.Tensor:
+    """The gated delta rule token by token over ONE document from a zero state, written from its definition
+    (S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t exp(g_t)))^T, o_t = S_t^T q_t, q and k L2-normalized,
+    q scaled by dk^-1/2): plain loops, no chunking, nothing of the code under test or of transformers.
+    q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv] -> [T, Hv, dv] (fp32)."""
+    hv, hk, dk = v.shape[1], k.shape[1], k.shape[2]
+    out = torch.zeros(v.shape[0], hv, v.shape[2])
+    for h in range(hv):
+        state = torch.zeros(dk, v.shape[2])
+        for t in range(v.shape[0]):
+            qt, kt = q[t, h // (hv // hk)].float(), k[t, h // (hv // hk)].float()
+            qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * dk ** -0.5
+            kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
+            state = state * torch.exp(g[t, h].float())
+            delta = (v[t, h].float() - state.T @ kt) * beta[t, h].float()
+            state = state + torch.outer(kt, delta)
+            out[t, h] = state.T @ qt
+    return out
+
+
+# Documents that END 1, 2 and 3 tokens before a 64-token chunk boundary and exactly at it, a two-token document that
+# closes a chunk, and one that crosses a boundary a token after starting: where the state of a document that ends
+# inside a chunk would reach the next one with little decay left to hide it.
+NEAR_EDGES = [[61, 5, 62, 4, 63, 2, 3], [64, 63, 1, 62, 10], [2, 61, 3, 60, 2, 2, 70]]
+
+
+@pytest.mark.parametrize("decay_scale", [0.3, 0.01])
+def test_documents_ending_just_before_a_chunk_boundary_leak_nothing_into_the_next(decay_scale):
+    """Against the token-by-token rule of each document alone (`recurrent_reference`). decay_scale 0.01: decays
+    near 1, so state that crosses a document boundary is not hidden by decay either."""
+    seq = max(sum(r) for r in NEAR_EDGES)
+    q, k, v, g, beta = rule_inputs(len(NEAR_EDGES), seq, seed=3)
+    g = g / 0.3 * decay_scale
+    got = packed_chunk_gated_delta_rule(q, k, v, g, beta, doc_starts(doc_ids_of(NEAR_EDGES, seq)))
+    ends = set()
+    for r, span in spans(NEAR_EDGES):
+        ends.add(span.stop % 64)
+        want = recurrent_reference(q[r, span], k[r, span], v[r, span], g[r, span], beta[r, span])
+        torch.testing.assert_close(got[r, span], want, atol=2e-5, rtol=1e-4, msg=f"row {r}, tokens {span}")
+    assert {61, 62, 63, 0} <= ends  # the layouts do end documents where they say
