@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 
 import pytest
 import torch
@@ -43,6 +44,8 @@ def test_the_stops_checkpoint_holds_the_step_it_reports_after_cadence_checkpoint
         try:
             loop = TrainLoop(session, request)
             loop.run(StopRule(steps=signal_after))
+            # handlers exist in the main thread only; elsewhere the SIGTERM below would end the test process
+            assert threading.current_thread() is threading.main_thread()
             signal.raise_signal(signal.SIGTERM)  # the trainer's own handler records it
             assert request.signum == signal.SIGTERM
             ran = loop.run()
