@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from dflash_ops import inventory, names
 from dflash_ops.errors import UsageError
 from dflash_ops.multinode import rendezvous
-from dflash_ops.multinode.record import DEFAULT_RDZV_TIMEOUT_S, Node, NodeRef, NodeRun, Rendezvous, parse_nodes
+from dflash_ops.noderecord import DEFAULT_RDZV_TIMEOUT_S, Node, NodeRef, NodeRun, Rendezvous, parse_nodes
 from dflash_ops.multinode.rendezvous import Machine
 from dflash_ops.runs import lifecycle
 from dflash_ops.runs.lifecycle import Session

@@ -21,12 +21,16 @@ from pathlib import Path
 from typing import Protocol
 
 from dflash_ops.errors import AuthFailed, ConfigError, HostUnreachable, OpsError, RemoteFailed, UsageError
-from dflash_ops.runs.shellcmd import command_string
 from dflash_ops.spec import LOCAL, Completed, Host
 from dflash_ops.ssh import routing
 from dflash_ops.ssh.routing import Endpoint, Route
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def command_string(argv: Sequence[str]) -> str:
+    """The one string sent over SSH (parsed once by the remote login shell)."""
+    return shlex.join(argv)
 
 
 OnStdout = Callable[[bytes], None]   # sees the command's stdout as it arrives, chunk by chunk
