@@ -110,6 +110,16 @@ def test_the_operator_cli_never_imports_torch():
     assert offenders == set(), offenders
 
 
+# The modules of dflash_ops that import paramiko, and no other (dflash_ops/ssh/__init__.py says what each uses it for).
+PARAMIKO_MODULES = ("dflash_ops.ssh.config", "dflash_ops.ssh.connection", "dflash_ops.ssh.hostkeys", "dflash_ops.ssh.proxy")
+
+
+def test_only_the_ssh_modules_that_say_so_import_paramiko():
+    users = sorted(m for m, names in external_imports("dflash_ops").items()
+                   if any(n == "paramiko" or n.startswith("paramiko.") for n in names))
+    assert users == list(PARAMIKO_MODULES)
+
+
 OPS_EMPTY_PACKAGES = ("dflash_ops", "dflash_ops.runs", "dflash_ops.ssh", "dflash_ops.gpus", "dflash_ops.multinode")
 
 

@@ -313,10 +313,11 @@ def test_a_shut_transport_sends_nothing_more(tmp_path):
     """What a rolled-back launch does to each node's connection first: a node's thread still holding it (past
     its deadline) can run nothing through it, and does not connect again."""
     from dflash_ops.errors import HostUnreachable
-    from dflash_ops.ssh import transport
+    from dflash_ops.ssh.connection import SshTransport
+    from dflash_ops.ssh.local import LocalTransport
 
-    here = transport.LocalTransport()
-    far = transport.SshTransport(Host(name="far", transport="proxmox", address="127.0.0.1", port=9))
+    here = LocalTransport()
+    far = SshTransport(Host(name="far", transport="proxmox", address="127.0.0.1", port=9))
     for t in (here, far):
         t.shut()
         with pytest.raises(HostUnreachable, match="connection shut"):
