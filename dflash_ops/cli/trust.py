@@ -19,8 +19,9 @@ def trust_host(
 ) -> None:
     """Fetch HOST's SSH key, show its SHA256 fingerprint, and append it to known_hosts after confirmation.
 
-    Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first; and
-    when keys of other types are pinned for it but not this one (pass --accept-new-key-type if that is expected).
+    Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first; when
+    known_hosts lists the key @revoked; and when keys of other types are pinned for it but not this one (pass
+    --accept-new-key-type if that is expected).
     A host with jump hosts is reached through them (their keys must already be trusted), a ProxyCommand through it.
     """
     from dflash_ops.cli import render
@@ -42,6 +43,9 @@ def trust_host(
         if state == "same":
             render.info(f"{entry} is already trusted ({key.get_name()} {fingerprint}){via}")
             return
+        if state == "revoked":
+            raise AuthFailed(f"{entry} presents {key.get_name()} {fingerprint}, which {path} lists as @revoked; "
+                             "nothing written", hint="a revoked key is never trusted: find out why it was revoked")
         if state == "changed":
             raise AuthFailed(f"{entry} presents {key.get_name()} {fingerprint}, but {path} records a DIFFERENT key",
                              hint=f"if you know why it changed: {hostkeys.forget_key_command(entry, path)}, "

@@ -4,7 +4,7 @@ command), `endpoint` (a host's address, port, user, identity file and route; rea
 SSH connection per host, and the handshake of `trust-host`), `proxy` (a ProxyCommand as its socket), `hostkeys`
 (known_hosts read as OpenSSH reads it, appended to by `trust-host`); `common` holds what both transports share.
 
-paramiko is imported by `connection` and `proxy` (connections), `hostkeys` (host keys: parsing, paramiko.HostKeys)
-and `config` (paramiko.SSHConfig's Host/Match lookup, no connection), each lazily, and by no other module of
-dflash_ops (tests/test_layout.py checks it).
+paramiko is imported by `connection` and `proxy` (connections), `hostkeys` (parsing known_hosts' keys:
+paramiko.PKey) and `config` (paramiko.SSHConfig's Host/Match lookup, no connection), each lazily, and by no other
+module of dflash_ops (tests/test_layout.py checks it).
 """

@@ -1,8 +1,8 @@
 """SSH to a host: one paramiko connection, reached directly, through a chain of jump hosts (each a `direct-tcpip`
 channel of the one before, each host key checked) or through a ProxyCommand (routing.py, proxy.py); host keys
-checked against known_hosts (hostkeys.py) with RejectPolicy (unknown and changed keys refused), keepalive, connect
-timeout, no agent forwarding. `SshTransport` sends `command_string(argv)` over one exec channel per call;
-`fetch_host_key` is the handshake alone, for `trust-host`.
+checked against known_hosts as OpenSSH reads it (hostkeys.py: unknown, changed and revoked keys refused),
+keepalive, connect timeout, no agent forwarding. `SshTransport` sends `command_string(argv)` over one exec channel
+per call; `fetch_host_key` is the handshake alone, for `trust-host`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dflash_ops.spec import Completed, Host
 from dflash_ops.ssh.common import (DEFAULT_TIMEOUT_S, OnStdout, SourceLost, command_string, copy_hashed, open_local,
                                    shut_error)
 from dflash_ops.ssh.endpoint import resolve_endpoint, resolve_route
-from dflash_ops.ssh.hostkeys import (forget_key_command, hop_trust_hint, host_key_entry, known_hosts_path,
-                                     target_trust_hint)
+from dflash_ops.ssh.hostkeys import (HostKeyRefused, HostKeyUnknown, RejectUnknown, forget_key_command, hop_trust_hint,
+                                     host_key_entry, known_hosts_path, read_known_hosts, target_trust_hint)
 from dflash_ops.ssh.proxy import proxy_class
 from dflash_ops.ssh.routing import Endpoint
 
@@ -51,9 +51,9 @@ class SshTransport:
             raise shut_error(self.label)
         address, port, user, key = self._endpoint
         sock = self.tunnel()
-        client = _client(paramiko, self.host)
-        self._connect_one(paramiko, client, Endpoint(address, port, user, key, self.host.name), sock,
-                            where=f"{user}@{address}:{port}", trust=target_trust_hint)
+        to = Endpoint(address, port, user, key, self.host.name)
+        client = _client(paramiko, self.host, to)
+        self._connect_one(paramiko, client, to, sock, where=f"{user}@{address}:{port}", trust=target_trust_hint)
         client.get_transport().set_keepalive(self.host.keepalive_s)
         with self._lock:       # a shut() while this connected wins: the connection carries nothing
             if not self._shut:
@@ -74,7 +74,7 @@ class SshTransport:
         targets = [*hops[1:], Endpoint(*self._endpoint, self.host.name)]
         for i, (hop, nxt) in enumerate(zip(hops, targets)):
             where = _hop_label(hop, i, len(hops))
-            client = _client(paramiko, self.host)
+            client = _client(paramiko, self.host, hop)
             self._hops.append(client)
             self._connect_one(paramiko, client, hop, sock, where=where,
                                 trust=functools.partial(hop_trust_hint, before=hops[:i], hop=hop))
@@ -193,13 +193,17 @@ class SshTransport:
         self._sftp, self._client, self._hops, self._proxy = None, None, [], None
 
 
-def _client(paramiko, host: Host):
+def _client(paramiko, host: Host, to: Endpoint):
+    """A client that trusts for `to` exactly the plain keys `host`'s known_hosts records for it, read as OpenSSH
+    reads the file (hostkeys.read_known_hosts: paramiko's own reader raises on a line it cannot parse and does
+    not match patterns), revoked keys left out; any other key is refused (hostkeys.RejectUnknown)."""
     _quiet_paramiko()
     client = paramiko.SSHClient()
-    kh = known_hosts_path(host)
-    if kh.is_file():
-        client.load_host_keys(str(kh))
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    known = read_known_hosts(known_hosts_path(host))
+    entry = host_key_entry(to.address, to.port)    # the name paramiko looks the server's key up under
+    for key in known.plain_keys(entry):
+        client.get_host_keys().add(entry, key.get_name(), key)
+    client.set_missing_host_key_policy(RejectUnknown(known))
     return client
 
 
@@ -221,7 +225,15 @@ def _connect_client(paramiko, client, host: Host, to: Endpoint, sock, *, where: 
                        timeout=host.connect_timeout_s, banner_timeout=host.connect_timeout_s,
                        auth_timeout=host.connect_timeout_s, sock=sock, look_for_keys=to.identity is None,
                        allow_agent=True)
-    except paramiko.BadHostKeyException:
+    except HostKeyRefused as exc:
+        raise AuthFailed(f"host key of {where} {exc.reason}", hint=exc.hint or trust(host)) from None
+    except HostKeyUnknown:
+        raise AuthFailed(f"host key of {where} is unknown (not in {kh})", hint=trust(host)) from None
+    except paramiko.BadHostKeyException as exc:
+        # a key of a type known_hosts records, but not the one recorded: revoked (listed @revoked), else changed
+        refused = read_known_hosts(kh).refusal(entry, exc.key)
+        if refused is not None:
+            raise AuthFailed(f"host key of {where} {refused.reason}", hint=refused.hint or trust(host)) from None
         raise AuthFailed(f"host key of {where} CHANGED (does not match {kh})",
                          hint=f"if the change is expected: {forget_key_command(entry, kh)}, then "
                               f"{trust(host, changed=True)}") from None
@@ -229,8 +241,6 @@ def _connect_client(paramiko, client, host: Host, to: Endpoint, sock, *, where: 
         raise AuthFailed(f"authentication to {where} failed: {exc}",
                          hint="check user and identity_file in the inventory") from None
     except paramiko.SSHException as exc:
-        if "known_hosts" in str(exc):
-            raise AuthFailed(f"host key of {where} is unknown (not in {kh})", hint=trust(host)) from None
         raise HostUnreachable(f"SSH to {where} failed: {exc}") from None
     except (socket.timeout, TimeoutError):
         raise HostUnreachable(f"connect to {where} timed out after {host.connect_timeout_s:g} s") from None
