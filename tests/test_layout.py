@@ -3,10 +3,10 @@ module-level or inside a function, read with `ast`): no import cycle between the
 modules, nothing in the product imports the benchmarks, the benchmarks import no test code, and the operator CLI never
 imports torch or the trainer. The operator CLI's layers are its folders: with each top-level module and each
 subpackage of dflash_ops as one node, the import graph has no cycle (an import back up the layers would make one),
-and docs/architecture.md places every such folder; no two of its modules import each other round a loop, and its
-packages' `__init__` modules import nothing (importing a module never drags in a higher one). Three tests show that
-the checks find what they look for: an import loop built on disk, a loop of folders built on disk, and a synthetic
-graph."""
+and docs/architecture.md places every such folder; no two of its modules import each other round a loop, its
+packages' `__init__` modules import nothing (importing a module never drags in a higher one), and only the ssh
+modules dflash_ops/ssh/__init__.py names import paramiko. Three tests show that the checks find what they look
+for: an import loop built on disk, a loop of folders built on disk, and a synthetic graph."""
 from __future__ import annotations
 
 import ast
