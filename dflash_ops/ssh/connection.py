@@ -194,15 +194,19 @@ class SshTransport:
 
 
 def _client(paramiko, host: Host, to: Endpoint):
-    """A client that trusts for `to` exactly the plain keys `host`'s known_hosts records for it, read as OpenSSH
-    reads the file (hostkeys.read_known_hosts: paramiko's own reader raises on a line it cannot parse and does
-    not match patterns), revoked keys left out; any other key is refused (hostkeys.RejectUnknown)."""
+    """A client that trusts for `to` the plain keys `host`'s known_hosts records for it, read as OpenSSH reads the
+    file (hostkeys.read_known_hosts: paramiko's own reader raises on a line it cannot parse and does not match
+    patterns), revoked keys left out; any other key is refused (hostkeys.RejectUnknown). paramiko holds one key per
+    type for a host: of several recorded keys of one type the first line's counts (OpenSSH accepts any of them)."""
     _quiet_paramiko()
     client = paramiko.SSHClient()
     known = read_known_hosts(known_hosts_path(host))
     entry = host_key_entry(to.address, to.port)    # the name paramiko looks the server's key up under
+    first: dict[str, object] = {}
     for key in known.plain_keys(entry):
-        client.get_host_keys().add(entry, key.get_name(), key)
+        first.setdefault(key.get_name(), key)
+    for key_type, key in first.items():
+        client.get_host_keys().add(entry, key_type, key)
     client.set_missing_host_key_policy(RejectUnknown(known))
     return client
 
