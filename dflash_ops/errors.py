@@ -56,7 +56,7 @@ class HostUnreachable(OpsError):
 
 
 class AuthFailed(OpsError):
-    """Authentication failed, or the host key is unknown or changed."""
+    """Authentication failed, or the host key is unknown, changed or revoked, or vouched for only by a CA."""
 
     code, exit_code = "auth_failed", 77
 

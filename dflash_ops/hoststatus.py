@@ -14,7 +14,6 @@ One SSH connection per host is what bounds an unreachable host to one connect ti
 """
 from __future__ import annotations
 
-import os
 import shlex
 from dataclasses import dataclass, replace
 
@@ -26,19 +25,6 @@ from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
 SECTION = wire.SECTION
 PART_TIMEOUT_S = 15
 LOG_WINDOW_BYTES = 65536
-NVIDIA_SMI_ENV = "DFLASH_OPS_NVIDIA_SMI"          # path of nvidia-smi on the GPU host (tests: a fake)
-DEV_GLOB_ENV = "DFLASH_OPS_NVIDIA_DEV_GLOB"       # device nodes whose open fds mark a holder (tests: a tmp dir)
-
-
-@dataclass(frozen=True)
-class GpuSettings:
-    nvidia_smi: str = "nvidia-smi"
-    dev_glob: str = facts.DEFAULT_DEV_GLOB
-
-    @classmethod
-    def from_env(cls) -> "GpuSettings":
-        return cls(nvidia_smi=os.environ.get(NVIDIA_SMI_ENV) or "nvidia-smi",
-                   dev_glob=os.environ.get(DEV_GLOB_ENV) or facts.DEFAULT_DEV_GLOB)
 
 
 @dataclass(frozen=True)
@@ -89,7 +75,7 @@ def target_script(runs_dir: str) -> str:
             "done\n")
 
 
-def host_script(targets: list[Target], gpu: GpuSettings, *, part_timeout_s: int = PART_TIMEOUT_S) -> str:
+def host_script(targets: list[Target], gpu: facts.GpuSettings, *, part_timeout_s: int = PART_TIMEOUT_S) -> str:
     """The one script sent to a host (see module docstring)."""
     q = shlex.quote
     lim = f"timeout -k 2 {int(part_timeout_s)}"
@@ -205,7 +191,7 @@ def _join(targets, per_target, errors, holders):
 
 # --------------------------------------------------------------------------- effect
 
-def query_host(host: Host, targets: list[Target], gpu: GpuSettings, *,
+def query_host(host: Host, targets: list[Target], gpu: facts.GpuSettings, *,
                part_timeout_s: int = PART_TIMEOUT_S, transport=None) -> HostStatus:
     """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails.
     `transport`: an open one to `host` to use (and leave open), else one is made and closed."""

@@ -4,7 +4,7 @@ Resolution order for `--host H`: an inventory name; the built-in `local`; a bare
 (`[user@]host[:port]`, an IP or dotted name, or an ~/.ssh/config alias): a Proxmox host with `--ct`, a plain
 SSH host without. Anything else is an unknown host (exit 2).
 
-`groups:` names ordered lists of nodes (`HOST[:CT]`, multinode/record.py) that `launch --node GROUP` spans.
+`groups:` names ordered lists of nodes (`HOST[:CT]`, noderecord.py) that `launch --node GROUP` spans.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_ops import names
+from dflash_ops import names, noderecord
 from dflash_ops.errors import UsageError
 from dflash_ops.spec import DEFAULT_CT_RUNS_DIR, DEFAULT_PCT, LOCAL, PROXMOX, SSH, TRANSPORTS, Container, Host, Target
 from dflash_ops.yamlsrc import Fields, Node, load
@@ -73,8 +73,6 @@ def load_inventory(path: Path | None) -> Inventory:
 
 def _groups(top: Fields, hosts: list[Host]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """`groups: {name: [HOST[:CT], ...]}`: each entry a valid node spec, no group named like a host."""
-    from dflash_ops.multinode import record
-
     node = top.get("groups")
     if node is None:
         return ()
@@ -93,7 +91,7 @@ def _groups(top: Fields, hosts: list[Host]) -> tuple[tuple[str, tuple[str, ...]]
             if not isinstance(item.value, str):
                 raise item.fail(f"group {name!r}: each node is a string HOST[:CT] (quote it)")
             try:
-                record.parse_node(item.value)
+                noderecord.parse_node(item.value)
             except UsageError as exc:
                 raise item.fail(f"group {name!r}: {exc.message}") from None
         items = tuple(item.value for item in gnode.value)

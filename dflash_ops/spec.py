@@ -7,7 +7,8 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from dflash_ops.multinode.record import NodeRun
+
+from dflash_ops.noderecord import NodeRun
 
 LOCAL, SSH, PROXMOX = "local", "ssh", "proxmox"
 TRANSPORTS = (LOCAL, SSH, PROXMOX)
@@ -186,7 +187,7 @@ class RunStatus:
     procs: int = 0                  # live processes carrying the run's marker (the wrapper, its children, ...)
     dir_missing: bool = False       # found by its processes' marker only: its run directory is gone
     stopped: bool = False           # `dflash-ops stop` ended it (its `stopped` file)
-    multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (multinode/record.py)
+    multinode: NodeRun | None = None   # one node of a multi-node run: the run's record (noderecord.py)
     node_rank: int | None = None
     stopped_step: int | None = None    # state stopped: the step of the checkpoint it wrote before it exited
 

@@ -1,10 +1,12 @@
 """The package layout docs/architecture.md describes, checked from the code's own imports (every import statement,
 module-level or inside a function, read with `ast`): no import cycle between the trainer's and the benchmarks'
 modules, nothing in the product imports the benchmarks, the benchmarks import no test code, and the operator CLI never
-imports torch or the trainer. The operator CLI's modules sit in layers, each importing only its own layer and those
-below, with no cycle between them, and its packages' `__init__` modules import nothing (importing a module never
-drags in a higher one). Two tests show that the checks find what they look for: an import loop built on disk, and
-a synthetic graph and layering."""
+imports torch or the trainer. The operator CLI's layers are its folders: with each top-level module and each
+subpackage of dflash_ops as one node, the import graph has no cycle (an import back up the layers would make one),
+and docs/architecture.md places every such folder; no two of its modules import each other round a loop, its
+packages' `__init__` modules import nothing (importing a module never drags in a higher one), and only the ssh
+modules dflash_ops/ssh/__init__.py names import paramiko. Three tests show that the checks find what they look
+for: an import loop built on disk, a loop of folders built on disk, and a synthetic graph."""
 from __future__ import annotations
 
 import ast
@@ -108,45 +110,71 @@ def test_the_operator_cli_never_imports_torch():
     assert offenders == set(), offenders
 
 
-# The operator CLI's layers, bottom first. A module is placed by its longest listed prefix ("cli" covers every
-# command module).
-OPS_LAYERS = (
-    # values and vocabulary: frozen dataclasses, names, the wire protocol, the parsers of the trainer's lines
-    ("errors", "names", "spec", "wire", "multinode.record", "yamlsrc", "metrics_line", "logview"),
-    # pure builders of what is sent and parsers of what comes back, and the configuration they are built from
-    ("runs.shellcmd", "runs.parse", "runs.pull", "runs.runbooks", "gpus.facts", "gpus.scripts", "ssh.config",
-     "ssh.routing", "inventory", "multinode.rendezvous", "multinode.state"),
-    # effects: SSH and local processes, threads over many hosts, the multi-node records on this machine
-    ("ssh.transport", "fanout", "multinode.recordfile"),
-    # use cases: they return values and raise OpsError
-    ("runs.lifecycle", "hoststatus", "gpus.reset", "multinode.fan", "multinode.plan", "multinode.launch",
-     "multinode.watch"),
-    # the commands and their views (one error boundary: cli/_common.py)
-    ("cli", "__main__"),
-)
+# The modules of dflash_ops that import paramiko, and no other (dflash_ops/ssh/__init__.py says what each uses it for).
+PARAMIKO_MODULES = ("dflash_ops.ssh.config", "dflash_ops.ssh.connection", "dflash_ops.ssh.hostkeys", "dflash_ops.ssh.proxy")
+
+
+def test_only_the_ssh_modules_that_say_so_import_paramiko():
+    users = sorted(m for m, names in external_imports("dflash_ops").items()
+                   if any(n == "paramiko" or n.startswith("paramiko.") for n in names))
+    assert users == list(PARAMIKO_MODULES)
+
+
 OPS_EMPTY_PACKAGES = ("dflash_ops", "dflash_ops.runs", "dflash_ops.ssh", "dflash_ops.gpus", "dflash_ops.multinode")
 
 
-def ops_layer(module: str) -> int | None:
-    short = module.removeprefix("dflash_ops.")
-    best = None
-    for i, members in enumerate(OPS_LAYERS):
-        for prefix in members:
-            if (short == prefix or short.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
-                best = (i, len(prefix))
-    return None if best is None else best[0]
+def folder_of(module: str, package: str) -> str | None:
+    """The folder-level node of `module`: its top-level module or subpackage of `package` (`dflash_ops.cli.render`
+    -> `dflash_ops.cli`, `dflash_ops.spec` -> itself); None for `package`'s own __init__."""
+    parts = module.split(".")
+    return None if module == package else ".".join(parts[:len(package.split(".")) + 1])
 
 
-def test_every_operator_cli_module_has_a_layer():
-    unplaced = [m for m in modules("dflash_ops") if m not in OPS_EMPTY_PACKAGES and ops_layer(m) is None]
-    assert unplaced == [], f"place these in OPS_LAYERS (and in docs/architecture.md's picture): {unplaced}"
+def folder_graph(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """`graph` with each top-level module and each subpackage of `package` as one node: A -> B when a module of A
+    imports one of B. A cycle here is an import that runs back up the layers."""
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        a = folder_of(m, package)
+        if a is None:
+            continue
+        out.setdefault(a, set())
+        out[a] |= {b for b in (folder_of(n, package) for n in deps) if b is not None and b != a}
+    return out
 
 
-def test_no_operator_cli_module_imports_a_higher_layer():
-    upward = sorted(f"{m} (layer {ops_layer(m)}) imports {n} (layer {ops_layer(n)})"
-                    for m, deps in import_graph(("dflash_ops",)).items() if m not in OPS_EMPTY_PACKAGES
-                    for n in deps if n not in OPS_EMPTY_PACKAGES and ops_layer(n) > ops_layer(m))
-    assert upward == []
+def folder_levels(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each node's layer in an acyclic folder graph: 0 imports nothing of the package, else one above the highest
+    node it imports."""
+    levels: dict[str, int] = {}
+
+    def level(n: str) -> int:
+        if n not in levels:
+            levels[n] = 1 + max((level(d) for d in graph[n]), default=-1)
+        return levels[n]
+
+    for n in graph:
+        level(n)
+    return levels
+
+
+def ops_folders() -> dict[str, set[str]]:
+    return folder_graph(import_graph(("dflash_ops",)), "dflash_ops")
+
+
+def test_the_operator_clis_folders_sit_in_layers():
+    """No cycle between the folders of dflash_ops (its top-level modules and subpackages): every import runs down."""
+    graph = ops_folders()
+    back = sorted(f"{a} -> {b}" for c in cycles(graph) for a in c for b in graph[a] if b in c)
+    assert back == [], f"imports round a loop of folders (one of them runs back up): {back}"
+
+
+def test_the_architecture_doc_names_every_operator_cli_folder():
+    """docs/architecture.md's picture of the layers places every folder (`name/` or `name.py`) the code has."""
+    section = (REPO / "docs" / "architecture.md").read_text().split("## The operator CLI")[1].split("\n## ")[0]
+    short = {n.removeprefix("dflash_ops."): (REPO / n.replace(".", "/")).is_dir() for n in ops_folders()}
+    missing = sorted(n for n, is_dir in short.items() if (f"{n}/" if is_dir else f"{n}.py") not in section)
+    assert missing == [], f"place these in docs/architecture.md's layers: {missing}"
 
 
 def test_no_import_cycle_between_operator_cli_modules():
@@ -161,8 +189,32 @@ def test_the_operator_clis_package_inits_import_nothing():
 
 def test_the_layering_check_finds_what_it_looks_for():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert ops_layer("dflash_ops.cli.status_view") == len(OPS_LAYERS) - 1 and ops_layer("dflash_ops.spec") == 0
-    assert ops_layer("dflash_ops.multinode.record") == 0 and ops_layer("dflash_ops.multinode.launch") == 3
+    assert folder_of("dflash_ops.cli.status_view", "dflash_ops") == "dflash_ops.cli"
+    assert folder_of("dflash_ops.spec", "dflash_ops") == "dflash_ops.spec"
+    assert folder_of("dflash_ops", "dflash_ops") is None
+    level = {n.removeprefix("dflash_ops."): i for n, i in folder_levels(ops_folders()).items()}
+    assert level["errors"] == 0 and level["cli"] > level["runs"] > level["ssh"] > level["spec"] > level["noderecord"]
+
+
+def test_the_folder_check_finds_a_loop_of_folders_on_disk(tmp_path):
+    """Two folders importing each other through different modules: no module-level cycle, yet a folder-level one
+    (a bottom value importing from a folder above it); gone once the value moves down to a top-level module."""
+    def write(rel: str, text: str) -> None:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+
+    write("pkg/__init__.py", "")
+    write("pkg/spec.py", "from pkg.multi.record import Record\n")
+    write("pkg/multi/__init__.py", "")
+    write("pkg/multi/record.py", "Record = int\n")
+    write("pkg/multi/plan.py", "from pkg.spec import Record\n")
+    graph = import_graph(("pkg",), tmp_path)
+    assert cycles(graph) == []
+    assert cycles(folder_graph(graph, "pkg")) == [["pkg.multi", "pkg.spec"]]
+    (tmp_path / "pkg/multi/record.py").rename(tmp_path / "pkg/record.py")
+    write("pkg/spec.py", "from pkg.record import Record\n")
+    graph = folder_graph(import_graph(("pkg",), tmp_path), "pkg")
+    assert cycles(graph) == [] and folder_levels(graph) == {"pkg.record": 0, "pkg.spec": 1, "pkg.multi": 2}
 
 
 def test_the_check_finds_an_import_loop_on_disk(tmp_path):

@@ -111,10 +111,21 @@ def _broke_on(pipe: tuple[int, int]) -> bool:
     return (st.st_dev, st.st_ino) != pipe
 
 
+# The patched names: typer's copy of click (recent typer vendors it as typer._click), and click itself (older typer
+# imports it). tests/ops/unit/test_ops_usage_json.py fails when the one typer uses stops being what this assumes.
+USAGE_ERROR_MODULES = ("typer._click.exceptions", "click.exceptions")
+
+
 def _usage_errors_as_json() -> None:
     """With --json, the command line's own usage errors (an unknown option, --wait -1) keep their exit code 2 but
     print as the JSON error document on stdout, as every other error does. They are click's UsageError: typer's
-    copy of click where it vendors one, click's own otherwise."""
+    copy of click where it vendors one, click's own otherwise.
+
+    Why a patch of `UsageError.show`: Typer offers no public way to print these errors otherwise. In standalone
+    mode its `core._main` catches the ClickException, calls `e.show()` (rich_markup_mode only picks rich or plain
+    text) and exits with `e.exit_code`; `app(standalone_mode=False)` would hand the exception to us, but typer does
+    not export UsageError, and we would have to repeat click's standalone handling of Abort, Exit, EOF, Ctrl-C and
+    a broken pipe. Replacing `show` alone keeps all of that, and happens only in a `--json` process."""
     import importlib
 
     from dflash_ops.cli import render
@@ -124,7 +135,7 @@ def _usage_errors_as_json() -> None:
         hint = f"{self.ctx.command_path} --help" if self.ctx is not None else None
         render.error(UsageError(self.format_message(), hint=hint), json_out=True)
 
-    for module in ("typer._click.exceptions", "click.exceptions"):
+    for module in USAGE_ERROR_MODULES:
         try:
             importlib.import_module(module).UsageError.show = show
         except ImportError:

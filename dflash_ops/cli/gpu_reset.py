@@ -64,7 +64,7 @@ def _resolve(ctx: typer.Context, host: str | None, ct: str | None, all_container
     from dflash_ops import inventory
     from dflash_ops.errors import UsageError
     from dflash_ops.gpus import facts, reset
-    from dflash_ops.hoststatus import GpuSettings
+    from dflash_ops.gpus.facts import GpuSettings
     from dflash_ops.spec import PROXMOX
     from dflash_ops.ssh import transport
 

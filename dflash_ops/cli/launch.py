@@ -104,12 +104,13 @@ def _launch_nodes(ctx, runbook: str, specs: list[str], *, name, args, extra_env,
     from dflash_ops.cli import render
     from dflash_ops.cli._common import inventory_of
     from dflash_ops.multinode import launch as nodelaunch
-    from dflash_ops.multinode import plan, record
+    from dflash_ops import noderecord
+    from dflash_ops.multinode import plan
     from dflash_ops.runs import runbooks
 
     book = runbooks.load_runbook(runbooks_dir(ctx), runbook)
     p = plan.plan(inventory_of(ctx), book, specs, name=name, extra_args=args, extra_env=extra_env,
-                  rdzv_timeout_s=record.DEFAULT_RDZV_TIMEOUT_S if rdzv_timeout is None else rdzv_timeout)
+                  rdzv_timeout_s=noderecord.DEFAULT_RDZV_TIMEOUT_S if rdzv_timeout is None else rdzv_timeout)
     try:
         if dry_run:
             render.nodes_dry_run(*plan.dry_run(p, wait_s=wait), p.labels, json_out=json_out)

@@ -32,8 +32,9 @@ def collect(pairs: list, timeout_s: float) -> tuple[list, float]:
     """Query every host at once; one Outcome per host, never more than `timeout_s` in total."""
     from dflash_ops import hoststatus
     from dflash_ops.fanout import fan_out
+    from dflash_ops.gpus import facts
 
-    gpu = hoststatus.GpuSettings.from_env()
+    gpu = facts.GpuSettings.from_env()
     targets = {h.name: ts for h, ts in pairs}
     part = max(1, int(timeout_s) - 3)
     t0 = time.monotonic()
@@ -99,13 +100,14 @@ class _Finder:
     def __call__(self, session, ref: str | None):
         from dflash_ops import hoststatus
         from dflash_ops.errors import RemoteFailed
+        from dflash_ops.gpus import facts
         from dflash_ops.multinode import watch
         from dflash_ops.runs import lifecycle
 
         lifecycle.check_ref(ref)
         target = session.target
         session.connect()               # an unreachable host fails here, with the hint that names --host/--ct
-        hs = hoststatus.query_host(target.host, [target], hoststatus.GpuSettings.from_env(),
+        hs = hoststatus.query_host(target.host, [target], facts.GpuSettings.from_env(),
                                    part_timeout_s=watch.part_timeout_s(self.timeout_s), transport=session.transport)
         (there,) = hs.targets
         if there.error is not None:
@@ -119,9 +121,10 @@ def _run_report(loc, timeout: float, *, reuse=None, known=None, t0: float | None
     """`status RUN`'s report maker: (run id, overall state, a row per node, elapsed s). The first report uses
     what `known` holds (the query that found the run, from `t0`); later ones (--watch) ask again."""
     from dflash_ops import hoststatus
+    from dflash_ops.gpus import facts
     from dflash_ops.multinode import state, watch
 
-    gpu = hoststatus.GpuSettings.from_env()
+    gpu = facts.GpuSettings.from_env()
     first = {"known": dict(known or {}), "t0": t0}
 
     def report() -> tuple:

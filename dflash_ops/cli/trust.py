@@ -19,35 +19,39 @@ def trust_host(
 ) -> None:
     """Fetch HOST's SSH key, show its SHA256 fingerprint, and append it to known_hosts after confirmation.
 
-    Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first; and
-    when keys of other types are pinned for it but not this one (pass --accept-new-key-type if that is expected).
+    Refuses (exit 77) when a DIFFERENT key is already recorded for that host: remove it explicitly first; when
+    known_hosts lists the key @revoked; and when keys of other types are pinned for it but not this one (pass
+    --accept-new-key-type if that is expected).
     A host with jump hosts is reached through them (their keys must already be trusted), a ProxyCommand through it.
     """
     from dflash_ops.cli import render
     from dflash_ops.errors import AuthFailed, UsageError
-    from dflash_ops.ssh import transport
+    from dflash_ops.ssh import endpoint, hostkeys
 
     with rendered_errors():
         found = resolve_host(ctx, host)
         if found.transport == "local":
             raise UsageError(f"host {host!r} is local: there is no SSH key to trust")
-        address, port, _, _ = transport.resolve_endpoint(found)
-        entry = transport.host_key_entry(address, port)
-        path = transport.known_hosts_path(found)
-        route = transport.resolve_route(found).describe()
-        key = _fetch_key(transport, found, address, port)
-        fingerprint = transport.key_fingerprint(key)
-        state = transport.known_key_status(path, entry, key)
+        address, port, _, _ = endpoint.resolve_endpoint(found)
+        entry = hostkeys.host_key_entry(address, port)
+        path = hostkeys.known_hosts_path(found)
+        route = endpoint.resolve_route(found).describe()
+        key = _fetch_key(found, address, port)
+        fingerprint = hostkeys.key_fingerprint(key)
+        state = hostkeys.known_key_status(path, entry, key)
         via = f" (via {route})" if route else ""
         if state == "same":
             render.info(f"{entry} is already trusted ({key.get_name()} {fingerprint}){via}")
             return
+        if state == "revoked":
+            raise AuthFailed(f"{entry} presents {key.get_name()} {fingerprint}, which {path} lists as @revoked; "
+                             "nothing written", hint="a revoked key is never trusted: find out why it was revoked")
         if state == "changed":
             raise AuthFailed(f"{entry} presents {key.get_name()} {fingerprint}, but {path} records a DIFFERENT key",
-                             hint=f"if you know why it changed: {transport.forget_key_command(entry, path)}, "
+                             hint=f"if you know why it changed: {hostkeys.forget_key_command(entry, path)}, "
                                   "then retry")
         if state == "other_type":
-            pinned = ", ".join(f"{name} {fp}" for name, fp in transport.known_keys(path, entry))
+            pinned = ", ".join(f"{name} {fp}" for name, fp in hostkeys.known_keys(path, entry))
             if not new_key_type:
                 raise AuthFailed(f"{entry} presents a {key.get_name()} key ({fingerprint}), but {path} pins a key "
                                  f"of another type for it ({pinned}); nothing written",
@@ -56,16 +60,18 @@ def trust_host(
         render.info(f"{entry} presents {key.get_name()} key {fingerprint}{via}")
         if not yes and not confirmed(f"trust it and add it to {path}?", err=True):
             raise UsageError("not trusted; nothing written")
-        transport.append_known_host(path, entry, key)
+        hostkeys.append_known_host(path, entry, key)
         render.info(f"added {entry} to {path}")
 
 
-def _fetch_key(transport, host, address: str, port: int):
+def _fetch_key(host, address: str, port: int):
     """The host's key, fetched the way every other command reaches it: directly, through its jump hosts (the
     inventory's `jump:`, else ssh config's ProxyJump; those connections check each jump host's key, so they must
     be trusted first), or through its ssh config ProxyCommand."""
-    via = transport.SshTransport(host)
+    from dflash_ops.ssh.connection import SshTransport, fetch_host_key
+
+    via = SshTransport(host)
     try:
-        return transport.fetch_host_key(address, port, timeout_s=host.connect_timeout_s, sock=via.tunnel())
+        return fetch_host_key(address, port, timeout_s=host.connect_timeout_s, sock=via.tunnel())
     finally:
         via.close()

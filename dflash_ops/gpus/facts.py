@@ -1,4 +1,4 @@
-"""GPU facts and GPU holders: pure builders and parsers (no SSH, no subprocess).
+"""GPU facts and GPU holders: pure builders and parsers (no SSH, no subprocess), and the probe's settings.
 
 One remote bash script (`scripts.probe_script`) runs on the machine that owns the GPUs -- the Proxmox host, never a
 container, because a container may not see host PIDs. It prints sections:
@@ -19,6 +19,7 @@ the one the host sees), and to container PIDs by `NSpid`.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ GPU_QUERY = "--query-gpu=index,uuid,memory.used,memory.total,utilization.gpu"
 APPS_QUERY = "--query-compute-apps=pid,process_name,used_memory,gpu_uuid"
 CSV_FORMAT = "--format=csv,noheader,nounits"
 DEFAULT_DEV_GLOB = "/dev/nvidia*"
+NVIDIA_SMI_ENV = "DFLASH_OPS_NVIDIA_SMI"          # path of nvidia-smi on the GPU host (tests: a fake)
+DEV_GLOB_ENV = "DFLASH_OPS_NVIDIA_DEV_GLOB"       # device nodes whose open fds mark a holder (tests: a tmp dir)
 
 # Daemons that keep /dev/nvidia* open without being anyone's job; killing them breaks the host, not a run.
 SYSTEM_COMMS = frozenset({"nvidia-persistenced", "nv-fabricmanager", "nvidia-smi", "nv-hostengine", "dcgm-exporter",
@@ -36,6 +39,20 @@ SYSTEM_COMMS = frozenset({"nvidia-persistenced", "nv-fabricmanager", "nvidia-smi
 # PVE: lxc.cgroup.dir.container = lxc/<vmid> (+ "/ns"); plain LXC: lxc.payload.<vmid>.
 _CT_CGROUP = re.compile(r"/lxc(?:\.payload)?[./](\d+)(?:/|\||$)")
 _DEV_GPU = re.compile(r"/nvidia(\d+)$")
+
+
+@dataclass(frozen=True)
+class GpuSettings:
+    """Where the GPU probe finds nvidia-smi and the device nodes on the GPU host: the defaults, or the environment's
+    (`from_env`, read once by a command; tests point them at a fake)."""
+
+    nvidia_smi: str = "nvidia-smi"
+    dev_glob: str = DEFAULT_DEV_GLOB
+
+    @classmethod
+    def from_env(cls) -> "GpuSettings":
+        return cls(nvidia_smi=os.environ.get(NVIDIA_SMI_ENV) or "nvidia-smi",
+                   dev_glob=os.environ.get(DEV_GLOB_ENV) or DEFAULT_DEV_GLOB)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from dflash_ops import names, wire
 from dflash_ops.errors import OpsError, RemoteFailed
 from dflash_ops.gpus import facts, scripts
-from dflash_ops.hoststatus import GpuSettings
+from dflash_ops.gpus.facts import GpuSettings
 from dflash_ops.runs import shellcmd
 from dflash_ops.spec import PROXMOX, Container, Host, Target
 

@@ -16,7 +16,7 @@ from dflash_ops.fanout import Outcome, fan_out
 from dflash_ops.multinode import recordfile, rendezvous
 from dflash_ops.multinode.fan import SLACK_S, connect_s, raise_bugs, together
 from dflash_ops.multinode.plan import NodePlan
-from dflash_ops.multinode.record import NodeRun
+from dflash_ops.noderecord import NodeRun
 from dflash_ops.multinode.watch import Located, NodeStopped, stop
 from dflash_ops.runs import lifecycle, parse, shellcmd
 from dflash_ops.spec import Launched, RunSpec

@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 from dflash_ops import inventory, names
 from dflash_ops.errors import UsageError
 from dflash_ops.multinode import rendezvous
-from dflash_ops.multinode.record import DEFAULT_RDZV_TIMEOUT_S, Node, NodeRef, NodeRun, Rendezvous, parse_nodes
+from dflash_ops.noderecord import DEFAULT_RDZV_TIMEOUT_S, Node, NodeRef, NodeRun, Rendezvous, parse_nodes
 from dflash_ops.multinode.rendezvous import Machine
 from dflash_ops.runs import lifecycle
 from dflash_ops.runs.lifecycle import Session
 from dflash_ops.spec import LOCAL, PROXMOX, Host, Runbook, RunSpec, Target
-from dflash_ops.ssh import transport
+from dflash_ops.ssh import endpoint
 
 PORT_CANDIDATES = 16
 DRY_RUN_ADDRESS = "<rank-0-address>"   # a dry run reaches no container to find rank 0's address in
@@ -28,8 +28,8 @@ def machine(host: Host) -> Machine:
     proxy command): what tells machines apart."""
     if host.transport == LOCAL:
         return Machine()
-    endpoint = transport.resolve_endpoint(host)
-    return Machine(endpoint[0], endpoint[1], transport.resolve_route(host, endpoint).describe())
+    found = endpoint.resolve_endpoint(host)
+    return Machine(found[0], found[1], endpoint.resolve_route(host, found).describe())
 
 
 def same_place(t: Target) -> tuple[Machine, str | None]:

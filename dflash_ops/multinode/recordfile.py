@@ -11,10 +11,9 @@ import json
 import os
 from pathlib import Path
 
-from dflash_ops import names
+from dflash_ops import names, noderecord
 from dflash_ops.errors import ConfigError, OpsError
-from dflash_ops.multinode import record
-from dflash_ops.multinode.record import NodeRun
+from dflash_ops.noderecord import NodeRun
 from dflash_ops.spec import local_state_dir
 
 
@@ -50,7 +49,7 @@ def load(run_id: str) -> NodeRun | None:
     except OSError as exc:
         raise OpsError(f"cannot read {where}: {exc.strerror or exc}") from None
     try:
-        run = record.from_dict(json.loads(text))
+        run = noderecord.from_dict(json.loads(text))
     except json.JSONDecodeError:
         run = None
     if run is None or run.run_id != run_id:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflash_ops.multinode.record import Node
+from dflash_ops.noderecord import Node
 from dflash_ops.spec import EXITED, RUNNING, STOPPED, RunStatus
 
 

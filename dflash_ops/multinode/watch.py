@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from dflash_ops import hoststatus, inventory, names, wire
 from dflash_ops.errors import OpsError, RemoteFailed, RunNotFound, UsageError
 from dflash_ops.fanout import Outcome
+from dflash_ops.gpus.facts import GpuSettings
 from dflash_ops.multinode.fan import SLACK_S, connect_s, together
 from dflash_ops.multinode.plan import same_place, targets_of
-from dflash_ops.multinode.record import Node, NodeRun, parse_node
+from dflash_ops.noderecord import Node, NodeRun, parse_node
 from dflash_ops.multinode.state import NodeState
 from dflash_ops.runs import lifecycle
 from dflash_ops.runs.lifecycle import Session
@@ -126,7 +127,7 @@ def part_timeout_s(timeout_s: float) -> int:
     return max(1, int(timeout_s) - 3)
 
 
-def status_rows(loc: Located, gpu: hoststatus.GpuSettings, *, timeout_s: float,
+def status_rows(loc: Located, gpu: GpuSettings, *, timeout_s: float,
                 reuse: transport.Transport | None = None,
                 known: dict[str, hoststatus.HostStatus] | None = None) -> list[NodeRow]:
     """`status` of the run's nodes: one query per host (its nodes' containers together), all hosts at once.

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from dflash_ops import names, wire
-from dflash_ops.multinode import record
+from dflash_ops import noderecord as record
 from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, STOPPED, RunStatus
 
 

@@ -192,3 +192,64 @@ def test_trust_host_yes_will_not_add_a_key_of_a_new_type_beside_a_pinned_one_unl
     assert b"warning: " in added.stderr
     assert known.read_text() == recorded.decode() + sshd.host_key_line + "\n"
     assert bed.cli("runs", *bed.target(bed.ct(0)), inventory=inv).returncode == 0
+
+
+def _pub(bed, name: str) -> str:
+    """`type base64` of a fresh ed25519 key."""
+    keygen(bed.work / name, name)
+    return " ".join((bed.work / f"{name}.pub").read_text().split()[:2])
+
+
+def test_known_hosts_markers_and_a_truncated_line_are_read_as_openssh_reads_them(bed):
+    """An @cert-authority line, an @revoked line (another key), a truncated copy of the host's line, an unknown
+    marker and comments, then the host's right key: OpenSSH connects, and so does every command (paramiko's own
+    reader raised on the first marker: exit 1 and a traceback); trust-host reads the file the same way."""
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    known = bed.work / "marked_known_hosts"
+    known.write_text(f"# markers first\n@cert-authority *.example.com {_pub(bed, 'ca')}\n"
+                     f"@revoked * {_pub(bed, 'revoked')}\n{sshd.host_key_line[:60]}\n@bogus * {_pub(bed, 'bogus')}\n"
+                     f"\n{sshd.host_key_line}\n")
+    inv = bed.inventory_with("marked", known_hosts=known)
+    done = bed.proc("runs", *bed.target(ctid), "--json", inventory=inv)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    again = bed.cli("trust-host", bed.tb.host, "--yes", inventory=inv)
+    assert again.returncode == 0 and b"already trusted" in again.stderr, again.stderr
+    assert bed.launch(ctid, "--lines", "1", name="marked", inventory=inv)["matched_line"] == "job started"
+
+
+def test_a_revoked_host_key_is_refused_in_one_line_even_beside_its_plain_line(bed):
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    key_type, key_b64 = sshd.host_key_line.split()[1:3]
+    known = bed.work / "revoked_known_hosts"
+    known.write_text(f"{sshd.host_key_line}\n@revoked * {key_type} {key_b64}\n")
+    recorded = known.read_bytes()
+    inv = bed.inventory_with("revoked", known_hosts=known)
+    before = bed.run_dirs(ctid)
+    want = f"({key_type} {fingerprint(str(sshd.host_key.with_suffix('.pub')))}) is REVOKED at {known}:2"
+    for args in (["runs", *bed.target(ctid)], ["launch", "job", *bed.target(ctid), "--name", "revoked"]):
+        done = bed.proc(*args, inventory=inv)
+        assert done.returncode == 77, done.stderr
+        assert error_line(done.stderr) == f"error: host key of {sshd.user}@{sshd.host}:{sshd.port} {want}"
+        assert b"Traceback" not in done.stderr
+    assert bed.run_dirs(ctid) == before
+    refused = bed.cli("trust-host", bed.tb.host, "--yes", inventory=inv)
+    assert refused.returncode == 77 and b"lists as @revoked; nothing written" in refused.stderr, refused.stderr
+    assert known.read_bytes() == recorded
+
+
+def test_a_host_vouched_for_only_by_a_cert_authority_is_refused_naming_the_line_until_trust_host_pins_it(bed):
+    """paramiko does not check host certificates: the @cert-authority line cannot make the host's key trusted, so
+    the error names that line and the hint the fix (`trust-host` pins the plain key, after which it connects)."""
+    ctid, sshd = bed.ct(0), bed.tb.sshd
+    known = bed.work / "ca_known_hosts"
+    known.write_text(f"@cert-authority [{sshd.host}]:* {_pub(bed, 'host-ca')}\n")
+    inv = bed.inventory_with("ca-only", known_hosts=known)
+    done = bed.proc("runs", *bed.target(ctid), inventory=inv)
+    assert done.returncode == 77, done.stderr
+    assert error_line(done.stderr) == (f"error: host key of {sshd.user}@{sshd.host}:{sshd.port} is vouched for only "
+                                       f"by the @cert-authority line {known}:1, and dflash-ops does not check host "
+                                       f"certificates")
+    assert b"hint: verify and record it: dflash-ops trust-host pve-test" in done.stderr
+    assert bed.cli("trust-host", bed.tb.host, "--yes", inventory=inv).returncode == 0
+    assert known.read_text().endswith(sshd.host_key_line + "\n")
+    assert bed.cli("runs", *bed.target(ctid), inventory=inv).returncode == 0

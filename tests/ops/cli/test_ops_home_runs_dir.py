@@ -11,7 +11,7 @@ import sys
 from dflash_ops import inventory
 from dflash_ops.runs import lifecycle, runbooks
 from dflash_ops.spec import SSH, Host, Target
-from dflash_ops.ssh import transport
+from dflash_ops.ssh import local
 
 
 def _ssh_config(env, text: str) -> None:
@@ -38,7 +38,7 @@ def test_home_runs_dir_is_expanded_by_the_remote_shell_for_every_command(ops_env
     home = ops_env.root / "home"
     target = Target(Host(name="box", transport=SSH, python=sys.executable))
     assert target.runs_dir == "~/dflash-runs"
-    s = lifecycle.Session(target, transport.LocalTransport())
+    s = lifecycle.Session(target, local.LocalTransport())
     book = runbooks.load_runbook(ops_env.runbooks, "job")
     out = tmp_path / "out.json"
     spec = lifecycle.plan(s, book, name="homejob", extra_args=("--out", str(out), "--lines", "3", "--every", "0.01"))

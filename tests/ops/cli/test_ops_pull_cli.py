@@ -9,7 +9,7 @@ import pytest
 from dflash_ops import inventory
 from dflash_ops.errors import RemoteFailed
 from dflash_ops.runs import lifecycle, pull
-from dflash_ops.ssh import transport
+from dflash_ops.ssh import local
 
 
 def _finished_run(ops_env) -> Path:
@@ -33,7 +33,7 @@ def test_pull_on_this_machine_copies_and_checks(ops_env, tmp_path):
     assert "2 file(s), 250.0 KiB" in done.stderr
 
 
-class TamperingTransport(transport.LocalTransport):
+class TamperingTransport(local.LocalTransport):
     """A real local transport whose fetched bytes are changed in flight (what a hash check is for)."""
 
     def fetch(self, remote, local, size):

@@ -11,7 +11,7 @@ import time
 from dflash_ops import inventory
 from dflash_ops.errors import HostUnreachable
 from dflash_ops.runs import lifecycle
-from dflash_ops.ssh import transport
+from dflash_ops.ssh import local
 
 
 def _launch(env, *job_args: str) -> dict:
@@ -45,7 +45,7 @@ class FlakyTransport:
     (its output is lost in flight), so follow must re-read from the same offset."""
 
     def __init__(self) -> None:
-        self.real, self.calls, self.reconnects, self.label = transport.LocalTransport(), 0, 0, "flaky"
+        self.real, self.calls, self.reconnects, self.label = local.LocalTransport(), 0, 0, "flaky"
 
     def run(self, argv, *, timeout_s=None):
         self.calls += 1
@@ -71,7 +71,7 @@ def test_follow_resumes_at_the_byte_offset_across_drops(ops_env):
     target = inventory.resolve_target(inventory.Inventory(), None, None)
     flaky = FlakyTransport()
     s = lifecycle.Session(target=target, transport=flaky)
-    status = next(r for r in lifecycle.list_runs(lifecycle.Session(target, transport.LocalTransport()))
+    status = next(r for r in lifecycle.list_runs(lifecycle.Session(target, local.LocalTransport()))
                   if r.run_id == run["run_id"])
     got: list[bytes] = []
     final = lifecycle.follow(s, status, start=0, emit=got.append, poll_s=0.01, sleep=lambda s: time.sleep(min(s, 0.01)))
@@ -107,7 +107,7 @@ def test_follow_gives_up_after_its_reconnect_budget(ops_env):
 
     run = _launch(ops_env, "--hold")
     target = inventory.resolve_target(inventory.Inventory(), None, None)
-    status = next(r for r in lifecycle.list_runs(lifecycle.Session(target, transport.LocalTransport()))
+    status = next(r for r in lifecycle.list_runs(lifecycle.Session(target, local.LocalTransport()))
                   if r.run_id == run["run_id"])
     dead = DeadTransport()
     notes: list[str] = []
@@ -142,7 +142,7 @@ def test_tail_is_byte_exact_when_the_log_ends_without_a_newline(ops_env):
 
 def _session_and_status(run_id: str):
     target = inventory.resolve_target(inventory.Inventory(), None, None)
-    s = lifecycle.Session(target, transport.LocalTransport())
+    s = lifecycle.Session(target, local.LocalTransport())
     return s, next(r for r in lifecycle.list_runs(s) if r.run_id == run_id)
 
 

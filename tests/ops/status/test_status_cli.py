@@ -50,7 +50,7 @@ def test_local_status_shows_run_metrics_and_gpu_holders(tmp_path, gpu_env):
 def test_status_of_one_run_lists_the_runs_of_its_target_once(tmp_path, gpu_env, monkeypatch):
     """`status RUN` finds the run with the same query that reads its metrics and GPUs: one listing of the target's
     runs, not one to find it and another for the report (each command still goes through the real transport)."""
-    from dflash_ops.ssh import transport
+    from dflash_ops.ssh import local, transport
 
     inv = tmp_path / "inventory.yaml"
     inv.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "runs_dir": str(tmp_path / "runs")}}}))
@@ -60,7 +60,7 @@ def test_status_of_one_run_lists_the_runs_of_its_target_once(tmp_path, gpu_env, 
     run = json.loads(launched.stdout)
     scripts: list[str] = []
 
-    class Counted(transport.LocalTransport):
+    class Counted(local.LocalTransport):
         def run(self, argv, **kwargs):
             scripts.append(" ".join(argv))
             return super().run(argv, **kwargs)

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from dflash_ops import inventory
+from dflash_ops import inventory, noderecord
 from dflash_ops.errors import ConfigError, UsageError
-from dflash_ops.multinode import record, rendezvous, watch
+from dflash_ops.multinode import rendezvous, watch
 from dflash_ops.multinode import state as nodestate
-from dflash_ops.multinode.record import Node, NodeRun, Rendezvous
+from dflash_ops.noderecord import Node, NodeRun, Rendezvous
 from dflash_ops.multinode.rendezvous import Machine
 from dflash_ops.multinode.state import NodeState
 from dflash_ops.runs import parse, runbooks, shellcmd
@@ -25,10 +25,10 @@ RUN_ID = "pair-20260101T120000-ab12"
 
 
 def test_node_specs_are_host_and_optional_container():
-    assert record.parse_node("pve1") == record.NodeRef("pve1")
-    assert record.parse_node("pve1:200") == record.NodeRef("pve1", "200")
-    assert record.parse_node("root@10.1.2.6:200") == record.NodeRef("root@10.1.2.6", "200")
-    assert record.parse_node("[fd00::5]:201").spec == "[fd00::5]:201"
+    assert noderecord.parse_node("pve1") == noderecord.NodeRef("pve1")
+    assert noderecord.parse_node("pve1:200") == noderecord.NodeRef("pve1", "200")
+    assert noderecord.parse_node("root@10.1.2.6:200") == noderecord.NodeRef("root@10.1.2.6", "200")
+    assert noderecord.parse_node("[fd00::5]:201").spec == "[fd00::5]:201"
 
 
 @pytest.mark.parametrize("hostile", ["h;x:200", ":abc", ":200", "pve1:abc", "pve1:0", "pve1:200:1", "", "$(id):200",
@@ -36,18 +36,18 @@ def test_node_specs_are_host_and_optional_container():
                                      "x|y", "../x", "pve1:1234567890"])
 def test_hostile_node_specs_are_refused_with_the_form(hostile):
     with pytest.raises(UsageError) as exc:
-        record.parse_node(hostile)
-    assert exc.value.message == f"invalid node {hostile!r}: expected {record.FORM}" and exc.value.hint is None
+        noderecord.parse_node(hostile)
+    assert exc.value.message == f"invalid node {hostile!r}: expected {noderecord.FORM}" and exc.value.hint is None
 
 
 def test_groups_expand_in_order_and_a_node_named_twice_is_refused():
     groups = {"pair": ("pve1:200", "pve2:200")}
-    assert [n.spec for n in record.parse_nodes(["pair", "pve3"], groups)] == ["pve1:200", "pve2:200", "pve3"]
+    assert [n.spec for n in noderecord.parse_nodes(["pair", "pve3"], groups)] == ["pve1:200", "pve2:200", "pve3"]
     for specs in (["pve1:200", "pve1:200"], ["pair", "pve2:200"]):
         with pytest.raises(UsageError, match="node pve.:200 is given twice"):
-            record.parse_nodes(specs, groups)
+            noderecord.parse_nodes(specs, groups)
     with pytest.raises(UsageError, match="no nodes given"):
-        record.parse_nodes([], groups)
+        noderecord.parse_nodes([], groups)
 
 
 INVENTORY = """\
@@ -166,16 +166,16 @@ def test_each_node_gets_torchruns_rendezvous_variables():
 
 def test_the_record_round_trips_and_a_tampered_one_is_not_a_record():
     doc = RUN.as_dict()
-    assert record.from_dict(doc) == RUN
+    assert noderecord.from_dict(doc) == RUN
     for key, value in (("host", "pve1;id"), ("ct", "abc"), ("rank", 3)):
         bad = RUN.as_dict()
         bad["nodes"][0][key] = value
-        assert record.from_dict(bad) is None
+        assert noderecord.from_dict(bad) is None
     for key, value in (("port", 0), ("port", "29511"), ("address", "a b"), ("backend", "c10d"), ("timeout_s", 0)):
         bad = RUN.as_dict()
         bad["rendezvous"][key] = value
-        assert record.from_dict(bad) is None
-    assert record.from_dict(None) is None and record.from_dict({"nodes": []}) is None
+        assert noderecord.from_dict(bad) is None
+    assert noderecord.from_dict(None) is None and noderecord.from_dict({"nodes": []}) is None
 
 
 def book(command=("{python}", "-m", "torch.distributed.run", "-m", "trainer"), nodes=True) -> Runbook:
@@ -313,10 +313,11 @@ def test_a_shut_transport_sends_nothing_more(tmp_path):
     """What a rolled-back launch does to each node's connection first: a node's thread still holding it (past
     its deadline) can run nothing through it, and does not connect again."""
     from dflash_ops.errors import HostUnreachable
-    from dflash_ops.ssh import transport
+    from dflash_ops.ssh.connection import SshTransport
+    from dflash_ops.ssh.local import LocalTransport
 
-    here = transport.LocalTransport()
-    far = transport.SshTransport(Host(name="far", transport="proxmox", address="127.0.0.1", port=9))
+    here = LocalTransport()
+    far = SshTransport(Host(name="far", transport="proxmox", address="127.0.0.1", port=9))
     for t in (here, far):
         t.shut()
         with pytest.raises(HostUnreachable, match="connection shut"):

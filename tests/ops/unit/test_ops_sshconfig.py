@@ -19,7 +19,7 @@ import pytest
 from dflash_ops import inventory
 from dflash_ops.errors import ConfigError, UsageError
 from dflash_ops.spec import Host
-from dflash_ops.ssh import config, transport
+from dflash_ops.ssh import config, endpoint
 
 LOGIN = pwd.getpwuid(os.getuid()).pw_name
 
@@ -81,7 +81,7 @@ def test_nested_includes_and_missing_files_are_skipped(home):
 
 def test_no_config_at_all_is_empty(home):
     assert config.read().lookup("pve") == {} and not config.read().has_alias("pve")
-    assert transport.resolve_endpoint(Host(name="pve", transport="ssh", address="pve")) == ("pve", 22, "root", None)
+    assert endpoint.resolve_endpoint(Host(name="pve", transport="ssh", address="pve")) == ("pve", 22, "root", None)
 
 
 def test_include_inside_a_host_block_applies_only_to_that_block_as_ssh_does(tmp_path):
@@ -129,7 +129,7 @@ def test_identity_files_accumulate_across_files_in_order(home):
     _write(ssh / "config", "Host pve\n  IdentityFile ~/.ssh/first\nInclude keys.conf\n")
     _write(ssh / "keys.conf", "Host pve\n  IdentityFile ~/.ssh/second\n  User ops\n")
     assert config.read().lookup("pve")["identityfile"] == [f"{home}/.ssh/first", f"{home}/.ssh/second"]
-    assert transport.resolve_endpoint(Host(name="pve", transport="proxmox", address="pve")) == \
+    assert endpoint.resolve_endpoint(Host(name="pve", transport="proxmox", address="pve")) == \
         ("pve", 22, "ops", f"{home}/.ssh/first")
 
 
@@ -183,7 +183,7 @@ def test_alias_only_in_an_included_file_is_an_address(home):
     assert inventory._looks_like_address("pve-lab", "pve-lab")
     found = inventory.resolve_host(inventory.Inventory(), "pve-lab", with_ct=True)
     assert (found.transport, found.address) == ("proxmox", "pve-lab")
-    assert transport.resolve_endpoint(found) == ("10.6.0.1", 22, "ops", None)
+    assert endpoint.resolve_endpoint(found) == ("10.6.0.1", 22, "ops", None)
 
 
 def test_wildcards_and_negations_name_no_host(home):
@@ -204,7 +204,7 @@ def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_tar
     target = Host(name="t", transport="ssh", address="10.7.0.9", identity_file=str(key))
 
     def hop(jump: str) -> tuple:
-        (only,) = transport.resolve_route(replace(target, jump=jump)).hops
+        (only,) = endpoint.resolve_route(replace(target, jump=jump)).hops
         return only.address, only.port, only.user, only.identity
 
     assert hop("bastion") == ("10.7.0.1", 2022, "jumper", f"{home}/.ssh/jumpkey")
@@ -212,7 +212,7 @@ def test_jump_host_endpoint_comes_from_the_spec_then_its_ssh_config_then_the_tar
     assert hop("ssh://ops@bastion:2222") == ("10.7.0.1", 2222, "ops", f"{home}/.ssh/jumpkey")
     assert hop("10.7.0.5") == ("10.7.0.5", 22, "root", str(key))
     with pytest.raises(UsageError, match="hop 2 'b;x' is not"):
-        transport.resolve_route(replace(target, jump="a,b;x"))
+        endpoint.resolve_route(replace(target, jump="a,b;x"))
 
 
 def test_system_config_comes_after_the_users_with_includes_under_its_own_dir(home, tmp_path, monkeypatch):

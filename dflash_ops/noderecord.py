@@ -6,8 +6,9 @@ cannot carry a port here (give such a host an inventory entry). A name that is a
 nodes, in the group's order. Node rank = position in the list.
 
 The record (`NodeRun`: the nodes in rank order and the rendezvous) is what every node's run.json and the launching
-machine keep (docs/contracts.md section 2); `from_dict` checks every value of one read back. It sits at the bottom
-of the package's layers: `spec.RunSpec` and `spec.RunStatus` carry it.
+machine keep (docs/contracts.md section 2); `from_dict` checks every value of one read back. It is a top-level
+values module, beside spec.py, not in multinode/: `spec.RunSpec` and `spec.RunStatus` carry it, and runs/parse.py
+and inventory.py read it, so it sits below every folder that uses it.
 """
 
 from __future__ import annotations
