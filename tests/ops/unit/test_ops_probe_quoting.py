@@ -12,7 +12,9 @@ import pytest
 
 from dflash_ops import wire
 from dflash_ops.runs import parse
-from dflash_ops.runs.shellcmd import command_string, probe_script, target_argv
+from dflash_ops.runs.read_scripts import probe_script
+from dflash_ops.runs.shellcmd import target_argv
+from dflash_ops.ssh.common import command_string
 from dflash_ops.spec import Container, Host, Target
 
 RUN_ID = "odd-20260101T000000-abcd"
