@@ -94,7 +94,10 @@ def metrics(run_dir):
 @pytest.mark.slow
 def test_a_tiny_dflash2_run_trains_end_to_end_on_cpu(tmp_path, tiny_target_dir):
     from trainer.build import build
+    from trainer.eval import evaluate_run
+    from trainer.export import load_exported
     from trainer.loop import TrainLoop
+    from trainer.train import finish
 
     cfg = small_cfg(tiny_target_dir, "model.drafter=dflash2", "model.dflash2.selector_rank=8",
                     "loss.selector_warmup_ratio=0", "loss.selector_ramp_ratio=0", "optim.max_steps=30", "log.every=5",
@@ -102,7 +105,12 @@ def test_a_tiny_dflash2_run_trains_end_to_end_on_cpu(tmp_path, tiny_target_dir):
     session = build(cfg, tmp_path / "run")
     drafter = session.state.drafter
     fresh = {n: p.detach().clone() for n, p in drafter.named_parameters() if "conv" in n or "selector" in n}
-    TrainLoop(session).run()
+    loop = TrainLoop(session)
+    result = finish(session, loop, loop.run())
+    # the export is the trained DFlash2 drafter (bf16-rounded), and the simulated tau runs on it
+    back, ecfg = load_exported(result.export)
+    assert ecfg.drafter.dflash2 == drafter.cfg.dflash2 and set(back.state_dict()) == set(drafter.state_dict())
+    assert 1.0 <= evaluate_run(tmp_path / "run", rows=session.datasets.eval)["tau"] <= cfg.model.block_size
     got = metrics(tmp_path / "run")
     assert got[30]["loss"] < 0.8 * got[5]["loss"], got
     assert session.state.selector_weight_.item() == 1.0

@@ -90,7 +90,7 @@ class ModelCfg:
     # a grouped dynamic convolution around every attention and MLP, a low-rank candidate selector; docs/dflash2.md),
     # whose `dflash_config` fields are model.dflash2.
     drafter: str = "dflash"
-    dflash2: Dflash2Cfg = field(default_factory=lambda: Dflash2Cfg())
+    dflash2: Dflash2Cfg = field(default_factory=Dflash2Cfg)
 
     def __post_init__(self) -> None:
         require(self.num_draft_layers >= 1, "model.num_draft_layers must be >= 1")
