@@ -59,7 +59,8 @@ class CandidateSelector(nn.Module):
         """Candidates [..., K] (ids), their unary logits [..., K], hidden [..., D], predecessor ids [...] ->
         scores [..., K], fp32 at least."""
         context = self.predecessor_codebook[pred_M] * self.hidden_projection(h_MD)  # [..., r]
-        transition = (context.unsqueeze(-2) * self.successor_codebook[cand_MK]).sum(-1)  # [..., K]
+        # a batched product: the [..., K, r] elementwise product is never materialized
+        transition = torch.einsum("...r,...kr->...k", context, self.successor_codebook[cand_MK])  # [..., K]
         dtype = _score_dtype(unary_MK)
         return unary_MK.to(dtype) + transition.to(dtype)
 
