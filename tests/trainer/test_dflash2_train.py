@@ -136,3 +136,24 @@ def test_what_a_dflash2_drafter_cannot_run_is_one_line_exit_2_before_torch(tmp_p
     errors = [ln for ln in p.stderr.splitlines() if not ln.startswith(("import time:", "hint:"))]
     assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stderr[-2000:]
     assert "torch" not in imported(p.stderr) and not (tmp_path / "r").exists()
+
+
+def test_the_loop_feeds_the_scheduled_weight_to_the_step(tmp_path, tiny_target_dir):
+    """Weight 0 through the whole run (warm-up 1): the selector term adds no gradient and the zero-initialized
+    successor codebook stays 0; from the first step on (warm-up 0): it trains. (A wide top-k: a fresh drafter's
+    labels must be among the candidates for the term to have examples.)"""
+    from trainer.build import build
+    from trainer.loop import TrainLoop
+
+    def successor_after(name, warmup):
+        cfg = small_cfg(tiny_target_dir, "model.drafter=dflash2", "model.dflash2.selector_rank=8", "optim.max_steps=2",
+                        "model.dflash2.selector_top_k=128", f"loss.selector_warmup_ratio={warmup}",
+                        "loss.selector_ramp_ratio=0")
+        session = build(cfg, tmp_path / name)
+        TrainLoop(session).run()
+        return session.state.selector_weight_.item(), session.state.drafter.candidate_selector.successor_codebook
+
+    weight, codebook = successor_after("off", 1.0)
+    assert weight == 0.0 and not codebook.any()
+    weight, codebook = successor_after("on", 0.0)
+    assert weight == 1.0 and codebook.any()
