@@ -362,11 +362,12 @@ def check_target_dir(cfg: TrainCfg) -> None:
         check_target_loads(cfg.model, cfg.model.target)
         check_drafter_fits(read_shape(cfg.model.target), cfg.model)
     else:  # the tiny target, built later (trainer.tiny): its layer count is known now
-        from trainer.tiny import TINY_NUM_LAYERS
+        from trainer.tiny import TINY_HIDDEN, TINY_NUM_LAYERS
 
-        check_model_fits(TargetShape(num_layers=TINY_NUM_LAYERS, hidden_size=None, vocab_size=None),
-                         num_draft_layers=cfg.model.num_draft_layers, layer_ids=cfg.model.target_layer_ids,
+        tiny = TargetShape(num_layers=TINY_NUM_LAYERS, hidden_size=TINY_HIDDEN, vocab_size=None)
+        check_model_fits(tiny, num_draft_layers=cfg.model.num_draft_layers, layer_ids=cfg.model.target_layer_ids,
                          mask_token_id=None)
+        check_drafter_fits(tiny, cfg.model)
 
 
 def check_target_loads(m: ModelCfg, target: str) -> None:

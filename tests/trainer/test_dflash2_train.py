@@ -157,3 +157,13 @@ def test_the_loop_feeds_the_scheduled_weight_to_the_step(tmp_path, tiny_target_d
     assert weight == 0.0 and not codebook.any()
     weight, codebook = successor_after("on", 0.0)
     assert weight == 1.0 and codebook.any()
+
+
+def test_the_tiny_targets_width_is_checked_before_it_is_built():
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+    from trainer.targetdir import check_target_dir
+
+    check_target_dir(load_config("smoke", ["model.drafter=dflash2"]))  # 16 divides the tiny target's 64
+    with pytest.raises(ConfigError, match=r"conv_group_size=24 does not divide the drafter's width .* 64\)"):
+        check_target_dir(load_config("smoke", ["model.drafter=dflash2", "model.dflash2.conv_group_size=24"]))
