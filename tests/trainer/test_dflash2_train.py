@@ -167,3 +167,21 @@ def test_the_tiny_targets_width_is_checked_before_it_is_built():
     check_target_dir(load_config("smoke", ["model.drafter=dflash2"]))  # 16 divides the tiny target's 64
     with pytest.raises(ConfigError, match=r"conv_group_size=24 does not divide the drafter's width .* 64\)"):
         check_target_dir(load_config("smoke", ["model.drafter=dflash2", "model.dflash2.conv_group_size=24"]))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_bf16_head_and_hidden_states_drive_the_fp32_selector(autocast):
+    """The step's dtypes: the head and the hidden states in bf16 (a CUDA run's target), the selector's parameters
+    fp32 masters; with the step's autocast (here CPU's bf16) or without it. Close to the fp32 term."""
+    import contextlib
+
+    h, W, labels, pred, s, sel, K = _case(4)
+    sel = sel.float()
+    cand = (h @ W.t()).topk(K, dim=-1).indices
+    want = selector_loss(sel, h.float(), W.float(), None, cand, labels, pred, s.float(), chunk=8).loss
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    hb = h.bfloat16().requires_grad_(True)
+    with ctx:
+        got = selector_loss(sel, hb, W.bfloat16(), None, cand, labels, pred, s.float(), chunk=8).loss
+    got.backward()
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=0.05) and hb.grad.dtype == torch.bfloat16

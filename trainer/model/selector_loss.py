@@ -75,11 +75,14 @@ def selector_loss(selector: CandidateSelector, h_MD: torch.Tensor, weight_VD: to
                   stop_gradient: bool = False) -> SelectorTerm:
     """The selector objective of M positions (module docstring). stop_gradient: the term trains the selector's own
     parameters only (its inputs, the hidden states and so the unary logits, detached), as SpecForge's
-    `dflash2_selector_stop_gradient`."""
+    `dflash2_selector_stop_gradient`. Call it under the step's autocast (trainer.step.step.compute_loss does)."""
     if stop_gradient:
         h_MD = h_MD.detach()
     unary = transform_unary(_CandidateLogits.apply(h_MD, weight_VD, bias_V, cand_MK, int(chunk)), multiplier, softcap)
-    scores = selector.score(cand_MK, unary, h_MD, pred_M)  # [M, K] fp32
+    # Under autocast (CUDA: the step's bf16) the selector's matmuls take the head-dtype hidden states as they are;
+    # without it they run in the selector's parameter dtype.
+    h_sel = h_MD if torch.is_autocast_enabled(h_MD.device.type) else h_MD.to(selector.hidden_projection.weight.dtype)
+    scores = selector.score(cand_MK, unary, h_sel, pred_M)  # [M, K] fp32
     match = cand_MK == labels_M[:, None]
     covered = match.any(dim=-1)
     target = match.long().argmax(dim=-1)  # 0 where not covered: masked below

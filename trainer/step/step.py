@@ -163,10 +163,12 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
                                               state.head_fp8, top_k=d2.selector_top_k)
         # The selector scales a position as the unary objective does before D-PACE's confidence weights.
         scale = w if dpace is not None else w / w.sum().clamp_min(1e-12)
-        term = selector_loss(state.drafter.candidate_selector, h, head.weight, bias, cand,
-                             labels[:, :, 1:].reshape(-1), labels[:, :, :-1].reshape(-1),
-                             scale[:, :, 1:].reshape(-1), chunk=state.loss_chunk, multiplier=d2.output_multiplier,
-                             softcap=d2.final_logit_softcapping, stop_gradient=state.selector_stop_gradient)
+        with _autocast(feats.device):  # the selector's matmuls in the drafter's numerics (bf16 on CUDA)
+            term = selector_loss(state.drafter.candidate_selector, h, head.weight, bias, cand,
+                                 labels[:, :, 1:].reshape(-1), labels[:, :, :-1].reshape(-1),
+                                 scale[:, :, 1:].reshape(-1), chunk=state.loss_chunk,
+                                 multiplier=d2.output_multiplier, softcap=d2.final_logit_softcapping,
+                                 stop_gradient=state.selector_stop_gradient)
         loss = loss + state.selector_weight_ * term.loss
     validf = valid.float()
     correct = torch.cat([torch.zeros_like(valid[:, :, :1]), correct.view(R, N, B - 1)], dim=2)  # k = 0: never valid
