@@ -34,7 +34,9 @@ def grouped_conv(x_RQD: torch.Tensor, delta_RQTG: torch.Tensor, base_TD: torch.T
     for t in range(T):  # static trip count: T is the config's
         # Tap t reads position i - t of the same block; the first t positions of a block have no such source.
         shifted = x if t == 0 else F.pad(x[:, :, :B - t], (0, 0, 0, 0, t, 0))
-        term = shifted * (base[t] + delta[:, :, :, t, :, None])
+        # Two products, not shifted * (base + delta): the sum would be a full [R, Q, D] coefficient tensor that
+        # autograd keeps for the backward; this way it keeps `shifted` and the small base and delta only.
+        term = shifted * base[t] + shifted * delta[:, :, :, t, :, None]
         out = term if out is None else out + term
     return out.view(R, Q, D)
 
