@@ -176,3 +176,21 @@ def test_the_unary_transform_is_the_serving_stacks():
     x = torch.tensor([-40.0, -1.0, 0.0, 3.0, 50.0])
     assert torch.equal(transform_unary(x), x)
     assert torch.allclose(transform_unary(x, 0.5, 30.0), torch.tanh(x * 0.5 / 30.0) * 30.0)
+
+
+def test_the_convolution_keeps_one_input_sized_tensor_per_tap_for_its_backward():
+    """What autograd saves: the input and its T - 1 shifted copies, plus the small base and dynamic kernels -- no
+    full-size coefficient tensor (base + delta broadcast over the channels would be one more per tap)."""
+    T, group = 2, 16
+    x = torch.randn(4, 4 * 16, 256, requires_grad=True)
+    delta = torch.randn(4, 4 * 16, T, 256 // group, requires_grad=True)
+    base = torch.randn(T, 256, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        grouped_conv(x, delta, base, 16, group)
+    assert sum(saved.values()) <= (T + 0.25) * x.numel() * x.element_size()
