@@ -35,7 +35,7 @@ from trainer.data.dataset import Datasets, build_datasets
 from trainer.data.source import BadLineFile
 from trainer.errors import ConfigError, DataError
 from trainer.metrics import Console, MetricsSink, QuietSink
-from trainer.model.drafter import Drafter, DrafterConfig
+from trainer.model.drafter import Dflash2Config, Drafter, DrafterConfig
 from trainer.model.target import Target, load_target, resolve_mask_token_id
 from trainer.step.step import TrainState, build_optimizer
 from trainer.step.stepper import GradSync, Runner
@@ -134,7 +134,8 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
     torch.manual_seed(cfg.seed)
     m = cfg.model
     dcfg = DrafterConfig.from_target(target.hf_config, num_layers=m.num_draft_layers, num_taps=len(target.layer_ids),
-                                     layer_types=m.draft_layer_types or (), sliding_window=m.draft_sliding_window)
+                                     layer_types=m.draft_layer_types or (), sliding_window=m.draft_sliding_window,
+                                     dflash2=dflash2_config(m, vocab_size=target.embed_tokens.weight.shape[0]))
     drafter = Drafter(dcfg, backend=cfg.step.attn).to(device)
     o = cfg.optim
     optimizer, lr_ = build_optimizer(drafter, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
@@ -145,7 +146,22 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
     return TrainState(target=target, drafter=drafter, optimizer=optimizer, lr_=lr_, block_size=cfg.model.block_size,
                       gamma=cfg.model.loss_gamma, loss_chunk=cfg.step.loss_chunk, clip=o.clip, attn=cfg.step.attn,
                       mask_fn=mask_fn, loss_kind=cfg.loss.kind, dpace_alpha=cfg.loss.dpace_alpha,
-                      dpace_norm=cfg.loss.dpace_norm)
+                      dpace_norm=cfg.loss.dpace_norm,
+                      selector_weight_=(torch.zeros((), dtype=torch.float32, device=device)
+                                        if dcfg.dflash2 is not None else None),
+                      selector_stop_gradient=bool(cfg.loss.selector("selector_stop_gradient")))
+
+
+def dflash2_config(m, *, vocab_size: int) -> Dflash2Config | None:
+    """The drafter's DFlash2 structure from the config (model.drafter=dflash2, model.dflash2.*), or None (dflash)."""
+    if m.drafter != "dflash2":
+        return None
+    d = m.dflash2
+    return Dflash2Config(block_size=m.block_size, vocab_size=vocab_size,
+                         conv_kernel_size=d.resolved("conv_kernel_size"), conv_group_size=d.resolved("conv_group_size"),
+                         selector_rank=d.resolved("selector_rank"), selector_top_k=d.resolved("selector_top_k"),
+                         output_multiplier=d.output_multiplier if d.output_multiplier is not None else 1.0,
+                         final_logit_softcapping=d.final_logit_softcapping)
 
 
 def check_device_support(cfg: TrainCfg, device: torch.device) -> None:

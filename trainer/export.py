@@ -1,13 +1,15 @@
 """The drafter export, in the form DFlash serving stacks load: `config.json` (DFlash fields) + `model.safetensors`.
 
 Only drafter weights are written (the serving side reuses the target's embedding and LM head). Names follow z-lab's
-`DFlashDraftModel` (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`, ...).
+`DFlashDraftModel` (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`, ...);
+a DFlash2 drafter's are `DFlash2DraftModel`'s as SGLang and vLLM load it (docs/dflash2.md).
 `ExportConfig` is the export's `config.json` as a value: written from a trained run, read back (by evaluation and
 decoding) into the same value, so no caller indexes the JSON by hand. Written to a temp dir and renamed, like
 checkpoints.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +19,10 @@ from pathlib import Path
 import torch
 
 from trainer.errors import ConfigError
-from trainer.model.drafter import Drafter, DrafterConfig
+from trainer.model.drafter import Dflash2Config, Drafter, DrafterConfig
+
+# The `dflash_config` fields a DFlash2 drafter adds, as SGLang's and vLLM's DFlash2 loaders read them (docs/dflash2.md).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,14 +58,17 @@ class ExportConfig:
     def to_json(self) -> dict:
         """What SGLang's, vLLM's and SpecForge's DFlash loaders read: a Qwen3-shaped config with its `layer_types`
         and sliding window, RoPE in the legacy (`rope_theta`, `rope_scaling`) and the transformers-5
-        (`rope_parameters`) form, and `dflash_config`."""
+        (`rope_parameters`) form, and `dflash_config`. A DFlash2 drafter: `DFlash2DraftModel` and its
+        `dflash_config` fields (`dflash2_fields`)."""
         d = self.drafter
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
                   "block_size": self.block_size, "num_target_layers": self.num_target_layers}
         if self.mask_token is not None:
             dflash["mask_token"] = self.mask_token
+        if d.dflash2 is not None:
+            dflash.update(dflash2_fields(d.dflash2))
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DFlashDraftModel" if d.dflash2 is None else "DFlash2DraftModel"],
             "model_type": "qwen3",
             "hidden_size": d.hidden_size,
             "intermediate_size": d.intermediate_size,
@@ -124,6 +132,13 @@ class ExportConfig:
             block_size = int(dflash.get("block_size", config.get("block_size", 0)) or 0)
             if block_size < 2:
                 raise refuse("no block_size (dflash_config.block_size or block_size)")
+            if "DFlash2DraftModel" in (config.get("architectures") or ()):
+                softcap = dflash.get("final_logit_softcapping")
+                drafter = dataclasses.replace(drafter, dflash2=Dflash2Config(
+                    block_size=block_size, vocab_size=int(config["vocab_size"]),
+                    **{k: int(dflash[k]) for k in DFLASH2_FIELDS},
+                    output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+                    final_logit_softcapping=float(softcap) if softcap else None))
             return ExportConfig(drafter=drafter, block_size=block_size, target_layer_ids=layer_ids,
                                 num_target_layers=int(dflash.get("num_target_layers", config.get("num_target_layers",
                                                                                                   0)) or 0),
@@ -135,6 +150,17 @@ class ExportConfig:
         except KeyError as e:
             raise ConfigError(f"{source}: a DFlash drafter config needs the field {e.args[0]!r}",
                               hint="point at a drafter export directory (config.json + model.safetensors)") from None
+
+
+def dflash2_fields(d2: Dflash2Config) -> dict:
+    """A DFlash2 drafter's `dflash_config` fields: its four structure fields, and the unary-logit transform where it
+    is not the identity (the loaders default `output_multiplier` to 1 and no `final_logit_softcapping`)."""
+    fields = {k: getattr(d2, k) for k in DFLASH2_FIELDS}
+    if d2.output_multiplier != 1.0:
+        fields["output_multiplier"] = d2.output_multiplier
+    if d2.final_logit_softcapping is not None:
+        fields["final_logit_softcapping"] = d2.final_logit_softcapping
+    return fields
 
 
 def _rope_of(config: dict) -> tuple[float, str | None]:

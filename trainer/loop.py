@@ -25,6 +25,7 @@ from trainer.checkpoint import Cursor
 from trainer.data.batching import StaticBatch
 from trainer.errors import ConfigError, NonFiniteLoss, TrainerError
 from trainer.metrics import DeviceMetrics, peak_mem_gib
+from trainer.model.selector_loss import selector_weight_at
 from trainer.signals import StopRequest
 from trainer.step.step import lr_at
 
@@ -146,7 +147,7 @@ class TrainLoop:
         accum = self.s.cfg.optim.accum_steps
         while self.cursor.step < end:
             micro = self.cursor.micro
-            self.s.state.lr_.fill_(self.lr(self.cursor.step))
+            self._fill_schedules(self.cursor.step)
             outs = self.s.runner.step([self._host_batch(m) for m in range(micro, micro + accum)])
             self._after_step(outs, end, clock)
 
@@ -170,7 +171,7 @@ class TrainLoop:
                 yield encode([self.s.batches.batch(m) for m in range(first, first + accum)])
 
         def before() -> None:  # consumer thread, on its stream, before the step's replay
-            self.s.state.lr_.fill_(self.lr(self.cursor.step))
+            self._fill_schedules(self.cursor.step)
 
         try:
             self.s.pipe.run(steps, feed, before, lambda outs: self._after_step(outs, end, clock))
@@ -181,6 +182,20 @@ class TrainLoop:
             raise
 
     # ------------------------------------------------------------ per step
+
+    def _fill_schedules(self, step: int) -> None:
+        """The step's scheduled scalars into their device tensors (a captured step reads them there): the LR and, for
+        a DFlash2 drafter, the selector term's weight."""
+        state = self.s.state
+        state.lr_.fill_(self.lr(step))
+        if state.selector_weight_ is not None:
+            state.selector_weight_.fill_(self.selector_weight(step))
+
+    def selector_weight(self, step: int) -> float:
+        loss = self.s.cfg.loss
+        return selector_weight_at(step, total_steps=self.horizon, alpha=loss.selector("selector_alpha"),
+                                  warmup_ratio=loss.selector("selector_warmup_ratio"),
+                                  ramp_ratio=loss.selector("selector_ramp_ratio"))
 
     def lr(self, step: int) -> float:
         o = self.s.cfg.optim

@@ -314,6 +314,20 @@ def check_model_fits(shape: TargetShape, *, num_draft_layers: int, layer_ids: tu
         check_mask_row(mask_token_id, "model.mask_token_id", shape.vocab_size)
 
 
+def check_drafter_fits(shape: TargetShape, m: ModelCfg) -> None:
+    """A DFlash2 drafter's convolution groups and selector top-k against the target's hidden size (the drafter's
+    width) and vocabulary. Pure; what config.json does not say is left to building the drafter."""
+    if m.drafter != "dflash2":
+        return
+    group, top_k = m.dflash2.resolved("conv_group_size"), m.dflash2.resolved("selector_top_k")
+    if shape.hidden_size is not None and shape.hidden_size % group:
+        raise ConfigError(f"model.dflash2.conv_group_size={group} does not divide the drafter's width (the target's hidden "
+                          f"size {shape.hidden_size})", hint="set model.dflash2.conv_group_size to a divisor of it")
+    if shape.vocab_size is not None and top_k > shape.vocab_size:
+        raise ConfigError(f"model.dflash2.selector_top_k={top_k} is more than the target's vocabulary ({shape.vocab_size})",
+                          hint="set model.dflash2.selector_top_k to at most the vocabulary size")
+
+
 def check_mask_row(mask_id: int, source: str, rows: int) -> None:
     """The mask id must be a row of the target's embedding of `rows` rows; `source` says where the id came from.
     Before torch (check_model_fits) and when the target loads (trainer.model.target.resolve_mask_token_id)."""
@@ -346,12 +360,14 @@ def check_target_dir(cfg: TrainCfg) -> None:
                           hint="set model.target to a local Hugging Face model directory")
     if cfg.model.target:
         check_target_loads(cfg.model, cfg.model.target)
+        check_drafter_fits(read_shape(cfg.model.target), cfg.model)
     else:  # the tiny target, built later (trainer.tiny): its layer count is known now
-        from trainer.tiny import TINY_NUM_LAYERS
+        from trainer.tiny import TINY_HIDDEN, TINY_NUM_LAYERS
 
-        check_model_fits(TargetShape(num_layers=TINY_NUM_LAYERS, hidden_size=None, vocab_size=None),
-                         num_draft_layers=cfg.model.num_draft_layers, layer_ids=cfg.model.target_layer_ids,
+        tiny = TargetShape(num_layers=TINY_NUM_LAYERS, hidden_size=TINY_HIDDEN, vocab_size=None)
+        check_model_fits(tiny, num_draft_layers=cfg.model.num_draft_layers, layer_ids=cfg.model.target_layer_ids,
                          mask_token_id=None)
+        check_drafter_fits(tiny, cfg.model)
 
 
 def check_target_loads(m: ModelCfg, target: str) -> None:

@@ -36,6 +36,7 @@ def build_tokenizer():
 
 FAMILIES = ("qwen3", "llama")
 TINY_NUM_LAYERS = 6  # the smoke recipe's target: its taps are checked against this before it is built
+TINY_HIDDEN = 64  # and its width, which a DFlash2 drafter's convolution groups must divide
 
 
 def check_out_dir(out_dir: str | Path) -> None:
@@ -81,7 +82,7 @@ def model_config(family: str, vocab: int, num_layers: int, hidden: int, tie_word
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
-def build_tiny_target(out_dir: str | Path, *, num_layers: int = TINY_NUM_LAYERS, hidden: int = 64, seed: int = 0,
+def build_tiny_target(out_dir: str | Path, *, num_layers: int = TINY_NUM_LAYERS, hidden: int = TINY_HIDDEN, seed: int = 0,
                       tie_word_embeddings: bool = True, train_steps: int = 100, family: str = "qwen3") -> Path:
     """A causal LM of `family` (default: Qwen3, hidden 64, 4 heads / 2 KV heads) + tokenizer, saved to `out_dir`.
 

@@ -132,7 +132,8 @@ def test_a_short_training_run_with_dpace(tmp_path, tiny_target_dir):
     cfg = small_cfg(tiny_target_dir, "loss.kind=dpace", "optim.max_steps=12", "optim.lr=3e-3", "log.every=4")
     TrainLoop(build(cfg, tmp_path / "run")).run()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["loss"] == {
-        "kind": "dpace", "dpace_alpha": 0.5, "dpace_norm": "rows"}
+        "kind": "dpace", "dpace_alpha": 0.5, "dpace_norm": "rows", "selector_alpha": None,
+        "selector_warmup_ratio": None, "selector_ramp_ratio": None, "selector_stop_gradient": None}
     loss = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
     assert sorted(loss) == [4, 8, 12] and all(math.isfinite(v) for v in loss.values())
     assert loss[12] < loss[4], loss

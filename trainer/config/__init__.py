@@ -13,8 +13,9 @@ from trainer.config.loader import (apply_overrides, from_dict, from_tree, load_c
                                    parse_overrides, set_override, to_dict, user_path, with_home_expanded)
 from trainer.config.recipes import (PIPELINE_COMMAND, PIPELINE_SECTION, bundled_recipes, pipeline_recipe_error,
                                     recipe_kind, recipe_text, recipe_tree)
-from trainer.config.schema import (ATTN_BACKENDS, CE_KERNELS, DIST_BACKENDS, DPACE_NORMS, DTYPES, LOSS_KINDS,
-                                   PAPER_GAMMA, STEP_MODES, TRACK_BACKENDS, CkptCfg, DataCfg, DistCfg, LogCfg,
+from trainer.config.schema import (ATTN_BACKENDS, CE_KERNELS, DIST_BACKENDS, DPACE_NORMS, DRAFTER_KINDS, DTYPES,
+                                   LOSS_KINDS,
+                                   PAPER_GAMMA, STEP_MODES, TRACK_BACKENDS, CkptCfg, DataCfg, DistCfg, Dflash2Cfg, LogCfg,
                                    LossCfg, ModelCfg, OptimCfg, PipelineCfg, StepCfg, TrackCfg, TrainCfg, cuda_only,
                                    device_spec_ok, on_cpu, require)
 
@@ -23,7 +24,7 @@ __all__ = [
     "set_override", "to_dict", "user_path", "with_home_expanded",
     "PIPELINE_COMMAND", "PIPELINE_SECTION", "bundled_recipes", "pipeline_recipe_error", "recipe_kind", "recipe_text",
     "recipe_tree",
-    "ATTN_BACKENDS", "CE_KERNELS", "DIST_BACKENDS", "DPACE_NORMS", "DTYPES", "LOSS_KINDS", "PAPER_GAMMA",
-    "STEP_MODES", "TRACK_BACKENDS", "CkptCfg", "DataCfg", "DistCfg", "LogCfg", "LossCfg", "ModelCfg", "OptimCfg",
+    "ATTN_BACKENDS", "CE_KERNELS", "DIST_BACKENDS", "DPACE_NORMS", "DRAFTER_KINDS", "DTYPES", "LOSS_KINDS", "PAPER_GAMMA",
+    "STEP_MODES", "TRACK_BACKENDS", "CkptCfg", "DataCfg", "DistCfg", "Dflash2Cfg", "LogCfg", "LossCfg", "ModelCfg", "OptimCfg",
     "PipelineCfg", "StepCfg", "TrackCfg", "TrainCfg", "cuda_only", "device_spec_ok", "on_cpu", "require",
 ]

@@ -25,6 +25,48 @@ def require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+DRAFTER_KINDS = ("dflash", "dflash2")  # trainer/model/drafter.py
+# What the published DFlash2 drafters use (SpecForge's configs/qwen3.6-27b-dflash2.json, docs/dflash2.md): the
+# DFlash2 fields' values when `model.drafter=dflash2` leaves them unset.
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dflash2Cfg:
+    """A DFlash2 drafter's `dflash_config` fields (model.drafter=dflash2; docs/dflash2.md). Unset (null) they take
+    DFLASH2_DEFAULTS; a dflash drafter refuses any of them."""
+
+    conv_kernel_size: int | None = None  # the convolution's causal taps inside a block (<= model.block_size)
+    conv_group_size: int | None = None  # channels that share one dynamic coefficient (divides the hidden size)
+    selector_rank: int | None = None  # the selector's codebooks' rank (vocabulary x rank)
+    selector_top_k: int | None = None  # candidates per block position the selector re-scores (<= vocabulary)
+    output_multiplier: float | None = None  # the serving stacks' unary-logit multiplier (null: 1, none written)
+    final_logit_softcapping: float | None = None  # their soft cap tanh(x / c) * c of the unary logits (null: none)
+
+    def __post_init__(self) -> None:
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, key)
+            require(value is None or value >= 1, f"model.dflash2.{key} must be >= 1, got {value}")
+        for key in ("output_multiplier", "final_logit_softcapping"):
+            value = getattr(self, key)
+            require(value is None or (value > 0 and math.isfinite(value)),
+                    f"model.dflash2.{key} must be a finite number > 0 (or null), got {value!r}")
+
+    def set_fields(self) -> list[str]:
+        return [f"model.dflash2.{f.name}" for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
+    def resolved(self, key: str) -> int:
+        """A structure field's value: the one set, else DFLASH2_DEFAULTS'."""
+        value = getattr(self, key)
+        return DFLASH2_DEFAULTS[key] if value is None else value
+
+
+SELECTOR_LOSS_FIELDS = ("selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio", "selector_stop_gradient")
+# SpecForge's DFlash2 recipe (docs/sections/concepts/DFlash2.md): alpha 1, warm-up and ramp 0.0005 of the run each.
+SELECTOR_LOSS_DEFAULTS = {"selector_alpha": 1.0, "selector_warmup_ratio": 0.0005, "selector_ramp_ratio": 0.0005,
+                          "selector_stop_gradient": False}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelCfg:
     target: str = ""  # local HF directory; "" is refused unless allow_tiny_target
@@ -44,9 +86,24 @@ class ModelCfg:
     # the `draft_sliding_window` positions ending at itself (causal inside its block).
     draft_layer_types: tuple[str, ...] | None = None
     draft_sliding_window: int | None = None
+    # The drafter's architecture: dflash (z-lab's DFlashDraftModel) or dflash2 (DFlash2DraftModel: the DFlash backbone,
+    # a grouped dynamic convolution around every attention and MLP, a low-rank candidate selector; docs/dflash2.md),
+    # whose `dflash_config` fields are model.dflash2.
+    drafter: str = "dflash"
+    dflash2: Dflash2Cfg = field(default_factory=Dflash2Cfg)
 
     def __post_init__(self) -> None:
         require(self.num_draft_layers >= 1, "model.num_draft_layers must be >= 1")
+        require(self.drafter in DRAFTER_KINDS, f"model.drafter must be one of {DRAFTER_KINDS}, got {self.drafter!r}")
+        if self.drafter == "dflash":
+            set_ = self.dflash2.set_fields()
+            require(not set_, f"{set_[0] if set_ else ''} is a DFlash2 option and model.drafter=dflash; "
+                              "add --set model.drafter=dflash2 or drop it")
+        else:
+            taps = self.dflash2.resolved("conv_kernel_size")
+            require(taps <= self.block_size,
+                    f"model.dflash2.conv_kernel_size={taps} is longer than the block (model.block_size="
+                    f"{self.block_size}); the convolution mixes positions of one block only")
         if self.draft_layer_types is not None:
             kinds = ("full_attention", "sliding_attention")
             require(len(self.draft_layer_types) == self.num_draft_layers and set(self.draft_layer_types) <= set(kinds),
@@ -112,9 +169,28 @@ class LossCfg:
     kind: str = "dflash"
     dpace_alpha: float = 0.5
     dpace_norm: str = "rows"
+    # DFlash2's selector objective (model.drafter=dflash2 only; null: SELECTOR_LOSS_DEFAULTS): a CE over the unary
+    # top-k candidates, weighted by selector_alpha after a warm-up (weight 0) and a linear ramp, each a fraction of
+    # the run's optimizer steps; stop_gradient: the selector term trains the selector's parameters alone.
+    selector_alpha: float | None = None
+    selector_warmup_ratio: float | None = None
+    selector_ramp_ratio: float | None = None
+    selector_stop_gradient: bool | None = None
 
     def __post_init__(self) -> None:
         require(self.kind in LOSS_KINDS, f"loss.kind must be one of {LOSS_KINDS}, got {self.kind!r}")
+        require(self.selector_alpha is None or (self.selector_alpha >= 0 and math.isfinite(self.selector_alpha)),
+                f"loss.selector_alpha must be a finite number >= 0, got {self.selector_alpha!r}")
+        for key in ("selector_warmup_ratio", "selector_ramp_ratio"):
+            value = getattr(self, key)
+            require(value is None or 0.0 <= value <= 1.0, f"loss.{key} must be in [0, 1], got {value!r}")
+        require((self.selector_warmup_ratio or 0.0) + (self.selector_ramp_ratio or 0.0) <= 1.0,
+                "loss.selector_warmup_ratio + loss.selector_ramp_ratio must be <= 1")
+
+    def selector(self, key: str):
+        """A selector-loss field's value: the one set, else SELECTOR_LOSS_DEFAULTS'."""
+        value = getattr(self, key)
+        return SELECTOR_LOSS_DEFAULTS[key] if value is None else value
         require(0.0 <= self.dpace_alpha <= 1.0, "loss.dpace_alpha must be in [0, 1]")
         require(self.dpace_norm in DPACE_NORMS,
                  f"loss.dpace_norm must be one of {DPACE_NORMS}, got {self.dpace_norm!r}")
@@ -303,6 +379,10 @@ class TrainCfg:
                 "pipeline.target_device=same")
         # Anchors sit at 0..seq_len-2 (data/anchors.py: an anchor and its first label in the row), so a longer block
         # always runs past the row's end: positions that are never labels, yet drafted, attended and decoded.
+        if self.model.drafter == "dflash":
+            set_ = [f"loss.{k}" for k in SELECTOR_LOSS_FIELDS if getattr(self.loss, k) is not None]
+            require(not set_, f"{set_[0] if set_ else ''} is a DFlash2 option and model.drafter=dflash; "
+                              "add --set model.drafter=dflash2 or drop it")
         require(self.model.block_size <= self.data.seq_len,
                 f"model.block_size={self.model.block_size} does not fit in a row of data.seq_len={self.data.seq_len} "
                 "tokens; use --set model.block_size=N with N <= data.seq_len (or raise data.seq_len)")

@@ -52,6 +52,14 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     engine captures its graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if drafter.cfg.dflash2 is not None:
+        # Both engines compute a DFlash layer (no convolution) and propose the unary argmax (no selector walk): they
+        # would decode a DFlash2 drafter as another model.
+        from trainer.errors import ConfigError
+
+        raise ConfigError("speculative decoding of a DFlash2 drafter is not supported by this trainer's engines",
+                          hint="serve the export with SGLang or vLLM (docs/dflash2.md); the simulated tau of "
+                               "`trainer eval` covers its unary proposal")
     if engine == "hf":
         from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
 

@@ -5,6 +5,8 @@ H / Hkv query / key-value heads, Dh head dim, F intermediate (MLP) size.
 
 Parameter names follow z-lab's `DFlashDraftModel` (`layers.{i}.self_attn.q_proj`, ..., `fc`, `hidden_norm`, `norm`), so
 `state_dict()` is the serving checkpoint. The drafter has no embedding and no LM head: the target's frozen ones are used.
+A DFlash2 drafter (`DrafterConfig.dflash2`) adds, under the serving stacks' names, `layers.{i}.attention_conv` and
+`layers.{i}.mlp_conv` (trainer/model/dynconv.py) and `candidate_selector` (trainer/model/selector.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.model.attention import FULL, SLIDING, BlockLayout, block_attention, mask_of
+from trainer.model.dynconv import GroupedDynamicConv
+from trainer.model.selector import CandidateSelector
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dflash2Config:
+    """DFlash2's structure: its `dflash_config` fields, the block size the convolution runs over and the vocabulary
+    the selector's codebooks span."""
+
+    block_size: int
+    vocab_size: int
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +52,7 @@ class DrafterConfig:
     # sees the `sliding_window` positions ending at p: causal inside its block, and the context just before it.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    dflash2: Dflash2Config | None = None  # None: a DFlash drafter
 
     def __post_init__(self) -> None:
         if self.layer_types:
@@ -52,7 +72,7 @@ class DrafterConfig:
 
     @staticmethod
     def from_target(hf_cfg, *, num_layers: int, num_taps: int, layer_types: tuple[str, ...] = (),
-                    sliding_window: int | None = None) -> "DrafterConfig":
+                    sliding_window: int | None = None, dflash2: Dflash2Config | None = None) -> "DrafterConfig":
         """As wide as the target (DFlash paper section 4.2): copy its dims, RoPE theta and norm eps; a dense MLP."""
         heads = hf_cfg.num_attention_heads
         return DrafterConfig(
@@ -61,7 +81,7 @@ class DrafterConfig:
             head_dim=getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads,
             num_layers=num_layers, num_taps=num_taps, rms_norm_eps=hf_cfg.rms_norm_eps,
             rope_theta=rope_theta_of(hf_cfg), attention_bias=bool(getattr(hf_cfg, "attention_bias", False)),
-            layer_types=tuple(layer_types), sliding_window=sliding_window)
+            layer_types=tuple(layer_types), sliding_window=sliding_window, dflash2=dflash2)
 
 
 def dense_mlp_size(hf_cfg) -> int:
@@ -168,6 +188,25 @@ class DraftLayer(nn.Module):
         return x_RQD + self.mlp(self.post_attention_layernorm(x_RQD))
 
 
+class Dflash2Layer(DraftLayer):
+    """A DraftLayer with DFlash2's convolution around its attention and around its MLP (SGLang's and SpecForge's
+    order: norm -> conv -> sublayer -> conv -> residual)."""
+
+    def __init__(self, cfg: DrafterConfig, kind: str = FULL) -> None:
+        super().__init__(cfg, kind)
+        d2 = cfg.dflash2
+        conv = (cfg.hidden_size, d2.block_size, d2.conv_kernel_size, d2.conv_group_size)
+        self.attention_conv = GroupedDynamicConv(*conv)
+        self.mlp_conv = GroupedDynamicConv(*conv)
+
+    def forward(self, x_RQD, ctx_RSD, rope_q, rope_k, layout: BlockLayout, backend: str) -> torch.Tensor:
+        h, kernel = self.attention_conv.prepare(self.input_layernorm(x_RQD))
+        h = self.self_attn(h, ctx_RSD, rope_q, rope_k, mask_of(layout, self.kind), backend)
+        x_RQD = x_RQD + self.attention_conv.finish(h, kernel)
+        h, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x_RQD))
+        return x_RQD + self.mlp_conv.finish(self.mlp(h), kernel)
+
+
 class Drafter(nn.Module):
     """forward(features [R, S, T*D], block embeddings [R, Q, D], layout) -> final-normed hidden [R, Q, D] in
     `stream_dtype` (bf16 under bf16 autocast; the parameters' dtype otherwise)."""
@@ -178,8 +217,13 @@ class Drafter(nn.Module):
         self.backend = backend
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg, cfg.kind(i)) for i in range(cfg.num_layers))
+        layer = DraftLayer if cfg.dflash2 is None else Dflash2Layer
+        self.layers = nn.ModuleList(layer(cfg, cfg.kind(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.dflash2 is not None:
+            d2 = cfg.dflash2
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, d2.vocab_size, d2.selector_rank,
+                                                        d2.selector_top_k)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -192,6 +236,10 @@ class Drafter(nn.Module):
                     m.bias.zero_()
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+        # DFlash2's additions start as no-ops (after the loop above, which drew their projections like any linear).
+        for m in self.modules():
+            if isinstance(m, (GroupedDynamicConv, CandidateSelector)):
+                m.reset_parameters()
 
     def forward(self, feats_RSTD: torch.Tensor, block_RQD: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         dtype = stream_dtype(self.fc.weight.dtype, feats_RSTD.device.type)

@@ -174,7 +174,8 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk, dpace=None, head8=None):
+    def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk, dpace=None, head8=None,
+                top_k: int = 0):
         M = h_MD.shape[0]
         if dpace is None:
             wsum = w_M.sum().clamp_min(1e-12)  # device scalar; all-padding micro-batch -> loss 0, grad 0
@@ -185,6 +186,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         correct_M = torch.empty(M, dtype=torch.bool, device=h_MD.device)
         want_grad = ctx.needs_input_grad[0]
         grad_MD = torch.empty_like(h_MD) if want_grad else None
+        cand_MK = torch.empty(M, top_k, dtype=torch.long, device=h_MD.device) if top_k else None
         extra = {} if dpace is None else {"dpace": dpace}
         if head8 is not None:
             extra["grad_fp8"] = True
@@ -197,24 +199,31 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             loss_c, correct_M[start:end], g = chunk_fn(logits, labels_M[start:end], scale_M[start:end], want_grad,
                                                        **extra)
             loss = loss + loss_c
+            if cand_MK is not None:
+                cand_MK[start:end] = torch.topk(logits, top_k, dim=-1).indices
             if grad_MD is not None:
                 g_MD = g.to(weight_VD.dtype) @ weight_VD if head8 is None else head8.input_grad(*g)
                 grad_MD[start:end] = g_MD.to(h_MD.dtype)
         ctx.save_for_backward(grad_MD)
-        ctx.mark_non_differentiable(correct_M)
-        return loss, correct_M
+        if cand_MK is None:
+            ctx.mark_non_differentiable(correct_M)
+            return loss, correct_M
+        ctx.mark_non_differentiable(correct_M, cand_MK)
+        return loss, correct_M, cand_MK
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
+    def backward(ctx, grad_loss, *_grad_non_differentiable):
         (grad_MD,) = ctx.saved_tensors
         grad_h = None if grad_MD is None else grad_MD * grad_loss.to(grad_MD.dtype)
-        return grad_h, None, None, None, None, None, None, None, None
+        return grad_h, None, None, None, None, None, None, None, None, None
 
 
 def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, labels_M: torch.Tensor,
                     w_M: torch.Tensor, chunk: int, chunk_fn=None, dpace: DPace | None = None,
-                    head8=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (loss: scalar fp32, correct [M] bool = argmax == label). Weights must be 0 where invalid.
+                    head8=None, top_k: int = 0) -> tuple[torch.Tensor, ...]:
+    """-> (loss: scalar fp32, correct [M] bool = argmax == label), and with top_k > 0 (DFlash2's selector) a third
+    value, the ids of each position's top_k logits [M, top_k] long (from the same chunks' logits: no extra head GEMM).
+    Weights must be 0 where invalid.
 
     dpace None: the weighted mean CE, sum(CE * w) / sum(w). dpace: sum(CE * w * D-PACE weights), w the normalized
     base scale (`dpace_scale`); consecutive runs of dpace.span positions are one block each (M a multiple of it), so
@@ -227,7 +236,7 @@ def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.T
             raise ValueError(f"D-PACE needs whole blocks: {h_MD.shape[0]} positions, {dpace.span} per block")
         chunk = max(dpace.span, chunk - chunk % dpace.span)
     return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), chunk, chunk_fn or ce_chunk, dpace,
-                                  head8)
+                                  head8, top_k)
 
 
 def naive_lm_loss(h_MD, weight_VD, bias_V, labels_M, w_M) -> torch.Tensor:

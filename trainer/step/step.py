@@ -23,6 +23,7 @@ from trainer.data.batching import StaticBatch
 from trainer.model.attention import BlockLayout, make_layout
 from trainer.model.drafter import Drafter
 from trainer.model.loss import DPace, block_input_ids, block_labels, chunked_lm_loss, decay_weights, dpace_scale
+from trainer.model.selector_loss import selector_loss
 from trainer.model.target import Target
 
 
@@ -55,6 +56,11 @@ class TrainState:
     loss_kind: str = "dflash"
     dpace_alpha: float = 0.5
     dpace_norm: str = "rows"
+    # A DFlash2 drafter's selector objective (trainer/model/selector_loss.py): its weight, a 0-d fp32 device tensor the
+    # schedule fills before every step as it fills lr_ (None: a DFlash drafter, no selector term), and whether the
+    # term trains the selector's parameters alone.
+    selector_weight_: torch.Tensor | None = None
+    selector_stop_gradient: bool = False
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
@@ -69,7 +75,9 @@ class TrainState:
 class StepOut:
     """Device tensors of one micro-step. No host sync has happened."""
 
-    loss_: torch.Tensor  # 0-d fp32: this micro-batch's objective (dflash: weighted mean CE; dpace: D-PACE's sum / norm)
+    # 0-d fp32: this micro-batch's objective (dflash: weighted mean CE; dpace: D-PACE's sum / norm; a DFlash2 drafter
+    # adds the scheduled selector term)
+    loss_: torch.Tensor
     correct_by_pos_: torch.Tensor  # [B] fp32: valid positions where argmax == label, per block position
     valid_by_pos_: torch.Tensor  # [B] fp32: valid (supervised) positions per block position
 
@@ -143,9 +151,25 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
     # which saves 1/B of the head GEMMs and of the CE passes. One copy: slice + cast into a contiguous [M', D] (the
     # reshape copies only when the cast did not, i.e. when the dtypes already match).
     h = hidden.view(R, N, B, -1)[:, :, 1:].to(head.weight.dtype, memory_format=torch.contiguous_format)
-    loss, correct = chunked_lm_loss(h.reshape(R * N * (B - 1), -1), head.weight, getattr(head, "bias", None),
-                                    labels[:, :, 1:].reshape(-1), w[:, :, 1:].reshape(-1), state.loss_chunk,
-                                    state.ce_chunk_fn, dpace, state.head_fp8)
+    h = h.reshape(R * N * (B - 1), -1)
+    bias = getattr(head, "bias", None)
+    d2 = state.drafter.cfg.dflash2
+    if state.selector_weight_ is None or d2 is None:
+        loss, correct = chunked_lm_loss(h, head.weight, bias, labels[:, :, 1:].reshape(-1), w[:, :, 1:].reshape(-1),
+                                        state.loss_chunk, state.ce_chunk_fn, dpace, state.head_fp8)
+    else:
+        loss, correct, cand = chunked_lm_loss(h, head.weight, bias, labels[:, :, 1:].reshape(-1),
+                                              w[:, :, 1:].reshape(-1), state.loss_chunk, state.ce_chunk_fn, dpace,
+                                              state.head_fp8, top_k=d2.selector_top_k)
+        # The selector scales a position as the unary objective does before D-PACE's confidence weights.
+        scale = w if dpace is not None else w / w.sum().clamp_min(1e-12)
+        with _autocast(feats.device):  # the selector's matmuls in the drafter's numerics (bf16 on CUDA)
+            term = selector_loss(state.drafter.candidate_selector, h, head.weight, bias, cand,
+                                 labels[:, :, 1:].reshape(-1), labels[:, :, :-1].reshape(-1),
+                                 scale[:, :, 1:].reshape(-1), chunk=state.loss_chunk,
+                                 multiplier=d2.output_multiplier, softcap=d2.final_logit_softcapping,
+                                 stop_gradient=state.selector_stop_gradient)
+        loss = loss + state.selector_weight_ * term.loss
     validf = valid.float()
     correct = torch.cat([torch.zeros_like(valid[:, :, :1]), correct.view(R, N, B - 1)], dim=2)  # k = 0: never valid
     correct_by_pos = (correct.float() * validf).sum(dim=(0, 1))

@@ -78,3 +78,8 @@ def test_overrides_reach_every_section_through_one_parser():
         load_recipe("quality_cpu", ["nosuch.x=1"])
     with pytest.raises(ConfigError, match="drafter.optim.lr must be a number"):
         load_recipe("quality_cpu", ["drafter.optim.lr=fast"])
+
+
+def test_a_dflash2_drafter_is_refused_before_any_stage_its_decoders_cannot_run_it():
+    with pytest.raises(ConfigError, match=r"^drafter.model.drafter=dflash2: the quality pipeline decodes"):
+        load_recipe("quality_cpu", ["drafter.model.drafter=dflash2"])
