@@ -139,7 +139,9 @@ def build_state(cfg: TrainCfg, target: Target, device: torch.device) -> TrainSta
     drafter = Drafter(dcfg, backend=cfg.step.attn).to(device)
     o = cfg.optim
     optimizer, lr_ = build_optimizer(drafter, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                     device=device)
+                                     device=device, name=o.name, muon_momentum=o.muon_momentum,
+                                     muon_nesterov=o.muon_nesterov, muon_ns_steps=o.muon_ns_steps,
+                                     muon_weight_decay=o.muon_weight_decay, muon_adjust_lr=o.muon_adjust_lr)
     mask_fn = None
     if cfg.step.attn == "flex":  # every mode: the static, in-place-updated BlockMask (GPU branch)
         from trainer.model.flex import build_block_mask as mask_fn

@@ -247,8 +247,23 @@ class OptimCfg:
     accum_steps: int = 1
     epochs: int = 6
     max_steps: int = 0  # > 0 = run length in optimizer steps (overrides epochs); 0 = epochs * steps_per_epoch
+    name: str = "adamw"  # adamw | muon (Muon on the drafter's 2-D weight matrices, AdamW on the rest)
+    # name=muon only (torch.optim.Muon's settings; the LR is `lr`, scheduled, times the shape factor of adjust_lr)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_weight_decay: float = 0.1
+    muon_adjust_lr: str = "match_rms_adamw"  # original | match_rms_adamw
 
     def __post_init__(self) -> None:
+        require(self.name in ("adamw", "muon"), f"optim.name must be 'adamw' or 'muon', got {self.name!r}")
+        require(0.0 <= self.muon_momentum < 1.0, f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
+        require(isinstance(self.muon_nesterov, bool), "optim.muon_nesterov must be true or false")
+        require(1 <= self.muon_ns_steps < 100, f"optim.muon_ns_steps must be in [1, 99], got {self.muon_ns_steps!r}")
+        require(self.muon_weight_decay >= 0 and math.isfinite(self.muon_weight_decay),
+                f"optim.muon_weight_decay must be a finite number >= 0, got {self.muon_weight_decay!r}")
+        require(self.muon_adjust_lr in ("original", "match_rms_adamw"),
+                f"optim.muon_adjust_lr must be 'original' or 'match_rms_adamw', got {self.muon_adjust_lr!r}")
         require(self.lr > 0 and math.isfinite(self.lr), "optim.lr must be a finite number > 0")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                  "optim.betas must be two floats in [0, 1)")

@@ -94,12 +94,24 @@ def adamw_options(device: torch.device) -> dict[str, bool]:
 
 
 def build_optimizer(drafter: Drafter, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                    device: torch.device) -> tuple[torch.optim.Optimizer, torch.Tensor]:
-    """AdamW with the LR held as a device tensor (a float LR would be baked into a captured graph)."""
+                    device: torch.device, name: str = "adamw", muon_momentum: float = 0.95,
+                    muon_nesterov: bool = True, muon_ns_steps: int = 5, muon_weight_decay: float = 0.1,
+                    muon_adjust_lr: str = "match_rms_adamw") -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """The run's optimizer, every group's LR the one device tensor returned (a float LR would be baked into a
+    captured graph). name "adamw": AdamW on every parameter. "muon": trainer.step.muon's capturable Muon on the
+    drafter's 2-D weight matrices (is_muon_param), AdamW on the rest, seen as one optimizer (MuonAdamW)."""
     lr_ = torch.tensor(lr, dtype=torch.float32, device=device)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr_, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                            **adamw_options(device))
-    return opt, lr_
+    adamw = dict(lr=lr_, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **adamw_options(device))
+    if name == "adamw":
+        return torch.optim.AdamW(drafter.parameters(), **adamw), lr_
+    from trainer.step.muon import CapturableMuon, MuonAdamW, is_muon_param
+
+    split = [is_muon_param(n, p) for n, p in drafter.named_parameters()]
+    params = [p for _, p in drafter.named_parameters()]
+    muon = CapturableMuon([p for p, m in zip(params, split) if m], lr=lr_, weight_decay=muon_weight_decay,
+                          momentum=muon_momentum, nesterov=muon_nesterov, ns_steps=muon_ns_steps,
+                          adjust_lr=muon_adjust_lr, capturable=device.type == "cuda")
+    return MuonAdamW(muon, torch.optim.AdamW([p for p, m in zip(params, split) if not m], **adamw)), lr_
 
 
 def lr_at(step: int, *, base_lr: float, total_steps: int, warmup_ratio: float, schedule: str,
@@ -185,7 +197,8 @@ def forward_backward(state: TrainState, batch: StaticBatch, loss_scale: float = 
 
 
 def optimizer_step(state: TrainState) -> torch.Tensor:
-    """Clip (global norm, foreach, no error_if_nonfinite: that would sync) + AdamW step. Returns the grad norm (device)."""
+    """Clip (global norm, foreach, no error_if_nonfinite: that would sync) + optimizer step (AdamW or MuonAdamW).
+    Returns the grad norm (device)."""
     params = [p for p in state.drafter.parameters() if p.grad is not None]
     if state.clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, state.clip, foreach=True)
