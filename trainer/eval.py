@@ -162,7 +162,7 @@ def evaluate_run(run_dir, rows=None, stream=None) -> dict:
     cfg = rundir.load_run_config(run_dir)
     export = rundir.require_export(run_dir)
     device = local_device(cfg.device, cpu_hint=f"the run trained with device={cfg.device}; evaluate its export here "
-                                                f"with `python -m trainer eval --drafter {export} --target "
+                                                f"with `python -m trainer eval export --drafter {export} --target "
                                                 f"{cfg.model.target} --data FILE`")
     # Evaluation runs the dense sdpa block mask whatever the run trained with: same attention semantics, no static
     # mask buffers to set up, and it is off the hot path (flex needs a mask_fn that only the training step owns).

@@ -313,7 +313,7 @@ def done_line(record: dict) -> str:
                "supervised tokens; check data.eval_paths / data.eval_fraction)")
     else:
         tau = ("tau not evaluated (eval_at_end=false or no held-out data; "
-               f"python -m trainer eval --run-dir {record.get('run_dir', 'D')})")
+               f"python -m trainer eval run --run-dir {record.get('run_dir', 'D')})")
     return f"run finished after {record.get('step', '?')} optimizer steps: export {record.get('export', '?')}, {tau}"
 
 
