@@ -224,43 +224,87 @@ def make_driver(cfg: TrainCfg, state: TrainState, batches: EpochBatches, target_
 def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=None, *,
           env: place.DistEnv = place.DistEnv(0, 1, 0), placement: place.Placement | None = None,
           console: Console | None = None) -> Session:
-    """Build everything, capture in the main thread. Under torchrun the process group must already exist."""
+    """Build everything, capture in the main thread. Under torchrun the process group must already exist. A start
+    that fails (a config or data error, or Ctrl-C) removes what it created (Rollback)."""
     console = console or Console(stream, quiet=not env.is_main)
     run_dir = Path(run_dir).resolve()
-    created = not run_dir.exists()
-    made: list[Path] = []  # what this start created, removed again if it fails before training
-    try:
-        return _build(cfg, run_dir, resume, stream, env, placement, console, made)
-    except BaseException:  # a config or data error, or Ctrl-C during start-up
+    with Rollback(run_dir, active=env.is_main) as rollback:
+        placement = placement or resolve_placement(cfg, env)  # train() resolved (and checked) it before the group
+        device, target_device = torch.device(placement.drafter), torch.device(placement.target)
+        cfg, tiny = _check_start(cfg, run_dir, resume, env)
+        datasets, vocab = _read_data(cfg, run_dir, tiny, env, console)
+        target = _load_target(cfg, tiny, target_device, env, console, rollback)
+        rows = target.embed_tokens.weight.shape[0]
+        if rows < vocab:
+            _check_ids_fit(datasets, rows)
+        batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed,
+                               target.tokenizer.pad_token_id or 0, rank=env.rank, world_size=env.world,
+                               anchor_fraction=cfg.data.anchor_fraction)
+        with console.phase(f"building the drafter and its optimizer on {device}") as notes:
+            state = build_state(cfg, target, device)
+            notes.append(f"{sum(p.numel() for p in state.drafter.parameters()) / 1e6:.1f}M parameters, "
+                         f"{cfg.model.num_draft_layers} layers")
+        planned = cfg.optim.max_steps or cfg.optim.epochs * max(1, batches.per_epoch // cfg.optim.accum_steps)
+        start = _restore(run_dir, state, env, console) if resume else Cursor(step=0, micro=0, world=env.world)
+        grad_sync = ddp.make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], env.world)
+        runner, pipe = make_driver(cfg, state, batches, target_device, device, grad_sync, console)
+        if state.head_fp8 is not None:
+            console.say(f"step.head_fp8={cfg.step.head_fp8}: the LM head's loss GEMMs run on the FP8 tensor cores")
         if env.is_main:
-            _remove_created(run_dir, created, made)
-        raise
+            _write_run_config(cfg, run_dir, resume, console, rollback)
+        sink = _make_sink(cfg, run_dir, stream, env, start, resume, rollback)
+        console.say(f"training: {planned - start.step} of {planned} optimizer steps to go, in {run_dir}")
+        return Session(cfg=cfg, run_dir=run_dir, env=env, device=device, state=state, datasets=datasets,
+                       batches=batches, planned_steps=planned, start=start, sink=sink, runner=runner, pipe=pipe,
+                       console=console)
 
 
-def _remove_created(run_dir: Path, created: bool, made: list[Path]) -> None:
-    """Remove what a failed start made: its tiny target, and the run directory it created when nothing else is in
-    it (a bad_lines.txt stays: the error names it). Nothing that was there before is touched."""
-    for path in reversed(made):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    if created and run_dir.is_dir() and not any(run_dir.iterdir()):
-        run_dir.rmdir()
+class Rollback:
+    """A start's undo, as a context manager: the paths it created (`add`), removed again -- newest first, with the run
+    directory where the start created it and nothing else is in it -- when the block raises anything (a config or
+    data error, Ctrl-C), on rank 0 alone (`active`: it owns the run directory). A bad_lines.txt stays: the error
+    names it. Nothing that was there before the start is touched. On success it does nothing."""
+
+    def __init__(self, run_dir: Path, active: bool) -> None:
+        self.run_dir = run_dir
+        self.active = active
+        self.created = not run_dir.exists()
+        self.made: list[Path] = []
+
+    def add(self, path: Path) -> None:
+        self.made.append(Path(path))
+
+    def __enter__(self) -> Rollback:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and self.active:
+            for path in reversed(self.made):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            if self.created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()
+        return False  # the error goes on
 
 
-def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEnv,
-           placement: place.Placement | None, console: Console, made: list[Path]) -> Session:
-    placement = placement or resolve_placement(cfg, env)  # train() resolved (and checked) it before joining the group
-    device, target_device = torch.device(placement.drafter), torch.device(placement.target)
+def _check_start(cfg: TrainCfg, run_dir: Path, resume: bool, env: place.DistEnv) -> tuple[TrainCfg, bool]:
+    """The CPU threads, the resolved target (-> cfg) and whether it is the tiny one, and rank 0's run-directory
+    checks (on several nodes, the other ranks may not even have it)."""
     threads = place.cpu_threads(cfg.threads, os.environ, place.free_cores())
     if threads:
         torch.set_num_threads(threads)
     cfg = resolve_target(cfg, run_dir)
-    tiny = uses_tiny_target(cfg, run_dir)
-    if env.is_main:  # rank 0 owns the run directory (on several nodes, the others may not even have it)
+    if env.is_main:
         rundir.check_start(cfg, run_dir, resume, env.world)
+    return cfg, uses_tiny_target(cfg, run_dir)
 
+
+def _read_data(cfg: TrainCfg, run_dir: Path, tiny: bool, env: place.DistEnv,
+               console: Console) -> tuple[Datasets, int]:
+    """The tokenizer alone, then the whole data set, tokenized and packed (rank 0 records bad lines and warns) ->
+    (datasets, the vocabulary rows of the target's embedding)."""
     with console.phase("loading the tokenizer" + (" of the tiny target" if tiny else f" of {cfg.model.target}")):
         tokenizer, vocab = load_tokenizer(cfg, tiny)
         # the mask id needs only the tokenizer and the embedding's rows: refuse a target without one before the data
@@ -276,14 +320,21 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
     if bad_file is not None:
         bad_file.finish()
     _warn_data(datasets, cfg, env)
+    return datasets, vocab
 
+
+def _load_target(cfg: TrainCfg, tiny: bool, target_device: torch.device, env: place.DistEnv, console: Console,
+                 rollback: Rollback) -> Target:
+    """Rank 0 makes the run directory and, for a tiny target not built yet, builds it (a path of the rollback);
+    every rank then loads the target, in FP8 under model.target_fp8."""
     if env.is_main:
+        run_dir = rollback.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         if tiny and not (Path(cfg.model.target) / "config.json").is_file():
             from trainer.tiny import build_tiny_target
 
             with console.phase(f"building the tiny target into {cfg.model.target}"):
-                made.append(Path(cfg.model.target))
+                rollback.add(Path(cfg.model.target))
                 build_tiny_target(cfg.model.target, seed=cfg.seed)
     ddp.barrier()  # the tiny target exists for every rank
     with console.phase(f"loading the target {cfg.model.target} on {target_device}") as notes:
@@ -292,59 +343,52 @@ def _build(cfg: TrainCfg, run_dir: Path, resume: bool, stream, env: place.DistEn
                      f"{str(target.embed_tokens.weight.dtype).replace('torch.', '')}")
         if cfg.model.target_fp8:
             notes.append(f"{to_fp8(target)} linears in FP8")
-    rows = target.embed_tokens.weight.shape[0]
-    if rows < vocab:
-        _check_ids_fit(datasets, rows)
-    pad_id = target.tokenizer.pad_token_id or 0
-    batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed, pad_id,
-                           rank=env.rank, world_size=env.world, anchor_fraction=cfg.data.anchor_fraction)
-    with console.phase(f"building the drafter and its optimizer on {device}") as notes:
-        state = build_state(cfg, target, device)
-        notes.append(f"{sum(p.numel() for p in state.drafter.parameters()) / 1e6:.1f}M parameters, "
-                     f"{cfg.model.num_draft_layers} layers")
-    per_epoch_steps = max(1, batches.per_epoch // cfg.optim.accum_steps)
-    planned = cfg.optim.max_steps or cfg.optim.epochs * per_epoch_steps
-    start = Cursor(step=0, micro=0, world=env.world)
-    if resume:
-        with console.phase("restoring the newest checkpoint") as notes:
-            # Under torchrun on several nodes, only the node that held rank 0 has the checkpoints: it sends them.
-            start = checkpoint.restore(checkpoint.read_latest_any_rank(run_dir), state.drafter, state.optimizer,
-                                       state.lr_)
-            notes.append(f"{start.step} optimizer steps done")
-        if start.world != env.world:
-            raise ConfigError(f"--resume with {env.world} data-parallel rank(s); the run was checkpointed with "
-                              f"{start.world} (its data cursor counts per-rank micro-batches)",
-                              hint=f"relaunch with --nproc-per-node {start.world}" if start.world > 1 else
-                              "resume as one process (without torchrun)")
-    grad_sync = ddp.make_grad_sync([p for p in state.drafter.parameters() if p.requires_grad], env.world)
-    runner, pipe = make_driver(cfg, state, batches, target_device, device, grad_sync, console)
-    if state.head_fp8 is not None:
-        console.say(f"step.head_fp8={cfg.step.head_fp8}: the LM head's loss GEMMs run on the FP8 tensor cores")
-    if env.is_main:
-        for path in (rundir.config_path(run_dir), rundir.data_record_path(run_dir)):
-            if not (resume and path.is_file()):
-                made.append(path)  # a start that fails after this (a tracker's login) keeps none
-        moved = rundir.write_config(cfg, run_dir, resume)
-        if moved:
-            console.say(f"the run's files moved: {'; '.join(moved)} (config.json and data.json now say so)")
-    resume_step = start.step if resume else None
-    if env.is_main and cfg.track.backends:
-        from trainer.config import to_dict
-        from trainer.tracking import TrackedSink, Tracker, tracking_dir
+    return target
 
-        where = tracking_dir(cfg.track, run_dir)
-        missing = [p for p in (where, *where.parents) if not p.exists()]
-        if missing:  # the outermost folder this start creates goes again if the start fails
-            made.append(missing[-1])
-        sink = TrackedSink(run_dir / "metrics.jsonl", stream,
-                           Tracker(cfg.track, run_dir, to_dict(cfg), start.step, resume=resume),
-                           resume_step=resume_step)
-    else:
-        sink = (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream, resume_step=resume_step)
-    console.say(f"training: {planned - start.step} of {planned} optimizer steps to go, in {run_dir}")
-    return Session(cfg=cfg, run_dir=run_dir, env=env, device=device, state=state, datasets=datasets,
-                   batches=batches, planned_steps=planned, start=start, sink=sink, runner=runner, pipe=pipe,
-                   console=console)
+
+def _restore(run_dir: Path, state: TrainState, env: place.DistEnv, console: Console) -> Cursor:
+    """--resume: the newest checkpoint into the drafter, optimizer and schedule -> its cursor, refused where the run
+    was checkpointed with another number of ranks."""
+    with console.phase("restoring the newest checkpoint") as notes:
+        # Under torchrun on several nodes, only the node that held rank 0 has the checkpoints: it sends them.
+        start = checkpoint.restore(checkpoint.read_latest_any_rank(run_dir), state.drafter, state.optimizer,
+                                   state.lr_)
+        notes.append(f"{start.step} optimizer steps done")
+    if start.world != env.world:
+        raise ConfigError(f"--resume with {env.world} data-parallel rank(s); the run was checkpointed with "
+                          f"{start.world} (its data cursor counts per-rank micro-batches)",
+                          hint=f"relaunch with --nproc-per-node {start.world}" if start.world > 1 else
+                          "resume as one process (without torchrun)")
+    return start
+
+
+def _write_run_config(cfg: TrainCfg, run_dir: Path, resume: bool, console: Console, rollback: Rollback) -> None:
+    """Rank 0: config.json and data.json (new ones are the rollback's: a start that fails after this, at a tracker's
+    login, keeps none), and a line where a resumed run's target or data moved."""
+    for path in (rundir.config_path(run_dir), rundir.data_record_path(run_dir)):
+        if not (resume and path.is_file()):
+            rollback.add(path)
+    moved = rundir.write_config(cfg, run_dir, resume)
+    if moved:
+        console.say(f"the run's files moved: {'; '.join(moved)} (config.json and data.json now say so)")
+
+
+def _make_sink(cfg: TrainCfg, run_dir: Path, stream, env: place.DistEnv, start: Cursor, resume: bool,
+               rollback: Rollback) -> MetricsSink:
+    """The metrics sink: rank 0's (with the tracking backends of track.backends, whose outermost new folder is the
+    rollback's), a quiet one on the other ranks."""
+    resume_step = start.step if resume else None
+    if not (env.is_main and cfg.track.backends):
+        return (MetricsSink if env.is_main else QuietSink)(run_dir / "metrics.jsonl", stream, resume_step=resume_step)
+    from trainer.config import to_dict
+    from trainer.tracking import TrackedSink, Tracker, tracking_dir
+
+    where = tracking_dir(cfg.track, run_dir)
+    missing = [p for p in (where, *where.parents) if not p.exists()]
+    if missing:  # the outermost folder this start creates goes again if the start fails
+        rollback.add(missing[-1])
+    return TrackedSink(run_dir / "metrics.jsonl", stream,
+                       Tracker(cfg.track, run_dir, to_dict(cfg), start.step, resume=resume), resume_step=resume_step)
 
 
 def _check_ids_fit(datasets: Datasets, rows: int) -> None:
