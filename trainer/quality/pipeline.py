@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dflash_ops.wire import QUALITY_PREFIX
 from trainer.errors import ConfigError, run_cli
+from trainer.quality.result import DrafterResult, EvalResult, QualityResult, stage_record
 
 
 def log(message: str) -> None:
@@ -68,7 +69,7 @@ def drafter_budget(q, elapsed_s: float) -> float:
     return max(0.0, min(q.drafter_budget_s, q.total_budget_s - elapsed_s - q.eval_reserve_s))
 
 
-def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
+def train_drafter(cfg, run_dir: Path, budget_s: float) -> DrafterResult:
     """The real trainer (build -> loop -> finish/export) inside budget_s, reading the data, compilation and capture
     included: the loop's stop rule sets the LR schedule's length to the steps that fit, at every log interval once
     the step time is known, so a cut run still anneals. A graph mode that the trainer refuses with a ConfigError (not
@@ -91,10 +92,10 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> dict:
     # The budget is the stage's: what compiling and capturing took in build() is not left to the loop.
     result = finish(session, loop, loop.run(StopRule(budget_s=max(0.0, budget_s - (time.perf_counter() - t0)))))
     last = result.last
-    return {"steps": result.step, "total_steps": result.horizon, "mode": cfg.step.mode,
-            "loss": last.get("loss"), "acc": last.get("acc"), "tokens_per_s": last.get("tokens_per_s"),
-            "seconds": round(time.perf_counter() - t0, 1), "planned_steps": result.planned_steps,
-            "stopped_by": result.stopped_by}
+    return DrafterResult(steps=result.step, total_steps=result.horizon, mode=cfg.step.mode, loss=last.get("loss"),
+                         acc=last.get("acc"), tokens_per_s=last.get("tokens_per_s"),
+                         seconds=round(time.perf_counter() - t0, 1), planned_steps=result.planned_steps,
+                         stopped_by=result.stopped_by)
 
 
 def heldout_rows(cfg, target_dir: Path):
@@ -157,10 +158,11 @@ def reused_stages(earlier: Path, out: Path):
     return pre, regen
 
 
-def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path | None = None) -> dict:
+def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path | None = None) -> QualityResult:
+    """Every stage into `out` (stages.json as each finishes, then quality.json and the DFLASH_QUALITY line) -> the
+    run's result. What can refuse comes before torch, and the device check before anything is written."""
     from trainer.quality.config import load_recipe
 
-    # What can refuse comes before torch, and the device check before anything is written.
     q = load_recipe(recipe_name, overrides)
     check_out_dir(out)
     reused = reused_stages(reuse, out) if reuse is not None else None
@@ -168,10 +170,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     from transformers.utils import logging as hf_logging
 
     from trainer.config import to_dict
-    from trainer.eval import evaluate_run
-    from trainer.export import load_pair
     from trainer.placement import cpu_threads, free_cores, local_device
-    from trainer.quality.evaluate import decode_benchmark, heldout_prompts
     from trainer.quality.pretrain import make_target
     from trainer.quality.regenerate import regenerate
 
@@ -182,10 +181,9 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
     threads = cpu_threads(q.threads, os.environ, free_cores())
     if threads:
         torch.set_num_threads(threads)
+    reused_from = str(reuse.resolve()) if reuse else None
     (out / "recipe.json").write_text(json.dumps({"recipe": recipe_name, "overrides": overrides,
-                                                "reused_from": str(reuse.resolve()) if reuse else None,
-                                                 "quality": to_dict(q)},
-                                                indent=1) + "\n")
+                                                "reused_from": reused_from, "quality": to_dict(q)}, indent=1) + "\n")
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
 
@@ -195,7 +193,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
         result = fn()
         timings[name] = round(time.perf_counter() - t0, 1)
         log(f"== stage {name}: {timings[name]}s")
-        record_stage(out, name, result if isinstance(result, dict) else dataclasses.asdict(result))
+        record_stage(out, name, stage_record(result))
         return result
 
     if reused is None:
@@ -206,7 +204,7 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
         log(f"== reusing the target and data of {reuse} (pretrain and regenerate skipped; the recipe's corpus, "
             f"target, pretrain and regen sections do not apply)")
         for name, result in (("pretrain", pre), ("regenerate", regen)):
-            record_stage(out, name, {**dataclasses.asdict(result), "reused_from": str(reuse.resolve())})
+            record_stage(out, name, {**dataclasses.asdict(result), "reused_from": reused_from})
     target_dir = Path(pre.path)
     cfg = drafter_train_cfg(q, target_dir, regen, device)
     # Time spent before the drafter: this run's, or under --reuse the reused stages' own (so that a reusing run
@@ -218,39 +216,36 @@ def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path 
             f"{q.total_budget_s:.0f} - {used:.0f}s used{' by the reused stages' if reused else ''} - eval_reserve_s "
             f"{q.eval_reserve_s:.0f})")
     drafted = stage("drafter", lambda: train_drafter(cfg, out / "drafter", budget))
-
-    def evaluate() -> dict:
-        t0 = time.perf_counter()
-        simulated = evaluate_run(out / "drafter", rows=heldout_rows(cfg, target_dir))
-        log(f"simulated eval: {time.perf_counter() - t0:.1f}s")
-        prompts = heldout_prompts(regen.eval_path)
-        result = {"simulated": simulated}
-        for key, dtype in (("decode", q.eval.target_dtype), ("decode_also", q.eval.also_dtype)):
-            if dtype:
-                target, drafter, ecfg = load_pair(out / "drafter" / "export", target_dir, device, dtype)
-                result[key] = {"target_dtype": dtype,
-                               **decode_benchmark(target, drafter, ecfg.block_size, prompts, q.eval, log)}
-        return result
-    ev = stage("eval", evaluate)
+    ev = stage("eval", lambda: evaluate_drafter(q, cfg, out / "drafter", target_dir, regen.eval_path, device))
     timings["total"] = round(time.perf_counter() - t_all, 1)
-    result = {"recipe": recipe_name, "reused_from": str(reuse.resolve()) if reuse else None, "device": str(device),
-              "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "target": dataclasses.asdict(pre), "regen": dataclasses.asdict(regen), "drafter": drafted,
-              "tau": ev["decode"]["tau"], "accept_by_pos": ev["decode"]["accept_by_pos"],
-              "speedup": ev["decode"]["speedup"], "simulated_tau": ev["simulated"]["tau"],
-              "replayed_tau": ev["decode"].get("replayed_tau"),
-              "identical": f'{ev["decode"]["identical"]}/{ev["decode"]["prompts"]}',
-              "lossless_by_construction": ev["decode"]["lossless"]["guaranteed"],
-              "repeated_4gram_frac": ev["decode"]["repeated_4gram_frac"], "eval": ev,
-              **({"also": {k: ev["decode_also"][k] for k in ("target_dtype", "tau", "speedup", "identical",
-                                                              "target_tok_s", "speculative_tok_s")}}
-                 if "decode_also" in ev else {}),
-              "timings_s": timings}
-    (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = QualityResult(recipe=recipe_name, reused_from=reused_from, device=str(device), torch=torch.__version__,
+                           gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None, target=pre,
+                           regen=regen, drafter=drafted, eval=ev, timings_s=timings)
+    record = result.to_dict()
+    (out / "quality.json").write_text(json.dumps(record, indent=1) + "\n")
     log(f"stage timings (s): {json.dumps(timings)}")
-    log(QUALITY_PREFIX + json.dumps(result))
+    log(QUALITY_PREFIX + json.dumps(record))
     return result
+
+
+def evaluate_drafter(q, cfg, run_dir: Path, target_dir: Path, eval_path: str, device) -> EvalResult:
+    """The eval stage: the simulated tau on the held-out rows, then real decoding of the held-out prompts at
+    eval.target_dtype (and eval.also_dtype where set)."""
+    from trainer.eval import evaluate_run
+    from trainer.export import load_pair
+    from trainer.quality.evaluate import decode_benchmark, heldout_prompts
+
+    t0 = time.perf_counter()
+    simulated = evaluate_run(run_dir, rows=heldout_rows(cfg, target_dir))
+    log(f"simulated eval: {time.perf_counter() - t0:.1f}s")
+    prompts = heldout_prompts(eval_path)
+    decoded = {}
+    for key, dtype in (("decode", q.eval.target_dtype), ("decode_also", q.eval.also_dtype)):
+        if dtype:
+            target, drafter, ecfg = load_pair(run_dir / "export", target_dir, device, dtype)
+            decoded[key] = {"target_dtype": dtype,
+                            **decode_benchmark(target, drafter, ecfg.block_size, prompts, q.eval, log)}
+    return EvalResult(simulated=simulated, **decoded)
 
 
 def main(argv: list[str] | None = None) -> int:
