@@ -1,4 +1,4 @@
-"""Where an answer ends: the one stop rule of regenerate, `eval --prompts` and the quality pipeline.
+"""Where an answer ends: the one stop rule of regenerate, `eval prompts` and the quality pipeline.
 
 `stop_ids` says which token ids end an answer: the tokenizer's EOS, the generation config's eos ids, the chat
 template's end-of-turn marker (when it is one token), and the known end-of-turn tokens the vocabulary has. A target
