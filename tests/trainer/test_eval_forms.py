@@ -60,6 +60,14 @@ def test_a_flag_of_another_form_is_refused_naming_its_form_before_torch(tmp_path
     assert "torch" not in imported(p.stderr)
 
 
+def test_a_bare_eval_is_told_the_forms(tmp_path):
+    p = run_cli("eval", cwd=tmp_path)
+    assert p.returncode == 2 and error_lines(p.stderr) == [
+        "error: eval needs a form: eval run --run-dir D | eval export --drafter EXPORT_DIR --target T --data F | "
+        "eval prompts --drafter EXPORT_DIR --target T --prompts FILE...",
+        "hint: python -m trainer eval FORM --help lists a form's flags"]
+
+
 @pytest.mark.parametrize("form, own, foreign", [
     ("run", ["--run-dir"], ["--drafter", "--data", "--prompts", "--limit"]),
     ("export", ["--drafter", "--target", "--data", "--max-bad-fraction"], ["--run-dir", "--prompts", "--engine"]),

@@ -73,7 +73,11 @@ def given_flags(args) -> dict[str, object]:
 
 
 def legacy_form(given: dict[str, object]) -> str:
-    """The form a form-less `eval` asks for, by its one form flag (--run-dir, --data or --prompts)."""
+    """The form a form-less `eval` asks for, by its one form flag (--run-dir, --data or --prompts); a bare `eval` is
+    told the forms."""
+    if not given:
+        raise ConfigError(f"eval needs a form: {' | '.join('eval ' + NEW.usage[f] for f in FORMS)}",
+                          hint="python -m trainer eval FORM --help lists a form's flags")
     forms = [f for f in FORMS if LEGACY.name[f] in given]
     if not forms:
         raise ConfigError(LEGACY_USAGE)
