@@ -183,9 +183,9 @@ def launch_problems(args: list[str], runbooks: Path) -> list[str]:
 
 @cache
 def trainer_parser() -> argparse.ArgumentParser:
-    from trainer.__main__ import _parser
+    from trainer.cli.parser import build_parser
 
-    return _parser()
+    return build_parser()
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
