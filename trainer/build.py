@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,9 +30,10 @@ from trainer import placement as place
 from trainer.checkpoint import Cursor
 from trainer.config import TrainCfg, cuda_only
 from trainer.data.batching import EpochBatches, StaticBatch
+from trainer.data.checks import check_ids_fit, warn_data
 from trainer.data.dataset import Datasets, build_datasets
 from trainer.data.source import BadLineFile
-from trainer.errors import ConfigError, DataError
+from trainer.errors import ConfigError
 from trainer.metrics import Console, MetricsSink, QuietSink
 from trainer.model.drafter import Dflash2Config, Drafter, DrafterConfig
 from trainer.model.target import Target, load_target, resolve_mask_token_id
@@ -236,7 +236,7 @@ def build(cfg: TrainCfg, run_dir: Path, resume: bool = False, stream=None, *,
         target = _load_target(cfg, tiny, target_device, env, console, rollback)
         rows = target.embed_tokens.weight.shape[0]
         if rows < vocab:
-            _check_ids_fit(datasets, rows)
+            check_ids_fit(datasets, rows)
         batches = EpochBatches(datasets.train, cfg.data.rows_per_step, cfg.data.num_anchors, cfg.seed,
                                target.tokenizer.pad_token_id or 0, rank=env.rank, world_size=env.world,
                                anchor_fraction=cfg.data.anchor_fraction)
@@ -319,7 +319,7 @@ def _read_data(cfg: TrainCfg, run_dir: Path, tiny: bool, env: place.DistEnv,
                      f"{cfg.data.seq_len} tokens, {datasets.num_eval_samples} held out")
     if bad_file is not None:
         bad_file.finish()
-    _warn_data(datasets, cfg, env)
+    warn_data(datasets, cfg, env)
     return datasets, vocab
 
 
@@ -389,38 +389,3 @@ def _make_sink(cfg: TrainCfg, run_dir: Path, stream, env: place.DistEnv, start: 
         rollback.add(missing[-1])
     return TrackedSink(run_dir / "metrics.jsonl", stream,
                        Tracker(cfg.track, run_dir, to_dict(cfg), start.step, resume=resume), resume_step=resume_step)
-
-
-def _check_ids_fit(datasets: Datasets, rows: int) -> None:
-    """Token ids were checked against the config's vocab_size; an embedding with fewer rows must still hold them."""
-    for name, packed in (("data.paths", datasets.train), ("data.eval_paths", datasets.eval)):
-        if packed is not None and int(packed.input_ids.max()) >= rows:
-            raise DataError(f"{name}: token id {int(packed.input_ids.max())} is not a row of the target's "
-                            f"embedding (0..{rows - 1})")
-
-
-def _warn_data(datasets: Datasets, cfg: TrainCfg, env: place.DistEnv) -> None:
-    if not env.is_main:
-        return
-    for report in datasets.reports:
-        if report.bad:
-            print(f"warning: {report.summary()}", file=sys.stderr, flush=True)
-    if datasets.train.truncated:
-        print(f"warning: {datasets.train.truncated} samples longer than data.seq_len={cfg.data.seq_len} were truncated",
-              file=sys.stderr, flush=True)
-    warning = small_data_warning(datasets.train.num_rows, datasets.num_eval_samples, cfg, env.world)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-
-
-def small_data_warning(rows: int, held_out: int, cfg: TrainCfg, world: int) -> str | None:
-    """Data that packs into fewer rows than one optimizer step takes: every step trains on all of it again (the rest
-    of the step is padding), which looks like training and learns the rows by heart. Pure."""
-    d = cfg.data
-    need = d.rows_per_step * cfg.optim.accum_steps * world
-    if rows >= need:
-        return None
-    return (f"the training data packs into {rows} row(s) of data.seq_len={d.seq_len} tokens, less than one optimizer "
-            f"step's {need} (data.rows_per_step x optim.accum_steps x ranks): every step reuses the same row(s), and "
-            f"{held_out} sample(s) are held out{' (no simulated tau)' if not held_out else ''}; add data, or lower "
-            "data.seq_len / data.rows_per_step")

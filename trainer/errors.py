@@ -25,6 +25,12 @@ class ConfigError(TrainerError):
     exit_code = 2
 
 
+def require(cond: bool, message: str) -> None:
+    """The config checks' one form: `cond`, or ConfigError(message)."""
+    if not cond:
+        raise ConfigError(message)
+
+
 class DataError(TrainerError):
     exit_code = 3
 

@@ -30,6 +30,9 @@ def test_set_overrides_with_types():
     ("data.seq_len=1.5", "data.seq_len must be an integer"),
     ("step.mode=turbo", "step.mode must be one of"),
     ("optim.accum_steps=0", "optim.accum_steps must be >= 1"),
+    ("loss.dpace_alpha=1.5", "loss.dpace_alpha must be in [0, 1]"),
+    ("loss.dpace_norm=tokens", "loss.dpace_norm must be one of"),
+    ("loss.selector_alpha=-1", "loss.selector_alpha must be a finite number >= 0"),
     ("optim=3", "is a section"),
     ("novalue", "expects key=value"),
 ])

@@ -8,7 +8,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from trainer.errors import ConfigError
+from trainer.config.dflash2 import DRAFTER_KINDS, SELECTOR_LOSS_DEFAULTS, SELECTOR_LOSS_FIELDS, Dflash2Cfg
+from trainer.errors import require
 
 STEP_MODES = ("eager", "compile", "graph", "compile+graph")
 ATTN_BACKENDS = ("sdpa", "flex")
@@ -17,54 +18,6 @@ DTYPES = ("auto", "float32", "bfloat16")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 # Paper (DFlash App. A.1): gamma = 7 / 5 / 4 for block sizes 16 / 10 / 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-
-
-def require(cond: bool, message: str) -> None:
-    """The config checks' one form: `cond`, or ConfigError(message)."""
-    if not cond:
-        raise ConfigError(message)
-
-
-DRAFTER_KINDS = ("dflash", "dflash2")  # trainer/model/drafter.py
-# What the published DFlash2 drafters use (SpecForge's configs/qwen3.6-27b-dflash2.json, docs/dflash2.md): the
-# DFlash2 fields' values when `model.drafter=dflash2` leaves them unset.
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Dflash2Cfg:
-    """A DFlash2 drafter's `dflash_config` fields (model.drafter=dflash2; docs/dflash2.md). Unset (null) they take
-    DFLASH2_DEFAULTS; a dflash drafter refuses any of them."""
-
-    conv_kernel_size: int | None = None  # the convolution's causal taps inside a block (<= model.block_size)
-    conv_group_size: int | None = None  # channels that share one dynamic coefficient (divides the hidden size)
-    selector_rank: int | None = None  # the selector's codebooks' rank (vocabulary x rank)
-    selector_top_k: int | None = None  # candidates per block position the selector re-scores (<= vocabulary)
-    output_multiplier: float | None = None  # the serving stacks' unary-logit multiplier (null: 1, none written)
-    final_logit_softcapping: float | None = None  # their soft cap tanh(x / c) * c of the unary logits (null: none)
-
-    def __post_init__(self) -> None:
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            value = getattr(self, key)
-            require(value is None or value >= 1, f"model.dflash2.{key} must be >= 1, got {value}")
-        for key in ("output_multiplier", "final_logit_softcapping"):
-            value = getattr(self, key)
-            require(value is None or (value > 0 and math.isfinite(value)),
-                    f"model.dflash2.{key} must be a finite number > 0 (or null), got {value!r}")
-
-    def set_fields(self) -> list[str]:
-        return [f"model.dflash2.{f.name}" for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
-
-    def resolved(self, key: str) -> int:
-        """A structure field's value: the one set, else DFLASH2_DEFAULTS'."""
-        value = getattr(self, key)
-        return DFLASH2_DEFAULTS[key] if value is None else value
-
-
-SELECTOR_LOSS_FIELDS = ("selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio", "selector_stop_gradient")
-# SpecForge's DFlash2 recipe (docs/sections/concepts/DFlash2.md): alpha 1, warm-up and ramp 0.0005 of the run each.
-SELECTOR_LOSS_DEFAULTS = {"selector_alpha": 1.0, "selector_warmup_ratio": 0.0005, "selector_ramp_ratio": 0.0005,
-                          "selector_stop_gradient": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +132,9 @@ class LossCfg:
 
     def __post_init__(self) -> None:
         require(self.kind in LOSS_KINDS, f"loss.kind must be one of {LOSS_KINDS}, got {self.kind!r}")
+        require(0.0 <= self.dpace_alpha <= 1.0, "loss.dpace_alpha must be in [0, 1]")
+        require(self.dpace_norm in DPACE_NORMS,
+                f"loss.dpace_norm must be one of {DPACE_NORMS}, got {self.dpace_norm!r}")
         require(self.selector_alpha is None or (self.selector_alpha >= 0 and math.isfinite(self.selector_alpha)),
                 f"loss.selector_alpha must be a finite number >= 0, got {self.selector_alpha!r}")
         for key in ("selector_warmup_ratio", "selector_ramp_ratio"):
@@ -191,9 +147,6 @@ class LossCfg:
         """A selector-loss field's value: the one set, else SELECTOR_LOSS_DEFAULTS'."""
         value = getattr(self, key)
         return SELECTOR_LOSS_DEFAULTS[key] if value is None else value
-        require(0.0 <= self.dpace_alpha <= 1.0, "loss.dpace_alpha must be in [0, 1]")
-        require(self.dpace_norm in DPACE_NORMS,
-                 f"loss.dpace_norm must be one of {DPACE_NORMS}, got {self.dpace_norm!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
