@@ -5,7 +5,7 @@ parallel and each under `timeout`, the GPU probe (gpus.scripts.probe_script, on 
 listing per target (through `pct exec` for a container), then prints their outputs as sections:
 
     %%DFLASH gpu <rc>                    then the probe's output
-    %%DFLASH target <i> <rc>             then target i's listing: shellcmd.list_script, then ours:
+    %%DFLASH target <i> <rc>             then target i's listing: read_scripts.list_script, then ours:
         DFLASH_PIDNS pid:[inode]         the target's PID namespace (maps GPU holders when cgroups do not)
         DFLASH_MLINES <run id>           then "M <log line>" for the last metrics/progress/done lines of its log
     %%DFLASH err <i>                     then the last bytes of target i's stderr
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from dflash_ops import metrics_line, names, wire
 from dflash_ops.gpus import facts, scripts
-from dflash_ops.runs import parse, shellcmd
+from dflash_ops.runs import parse, read_scripts, shellcmd
 from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
 
 SECTION = wire.SECTION
@@ -77,9 +77,9 @@ def targets_of(host: Host, ct: str | None = None) -> list[Target]:
 
 
 def target_script(runs_dir: str) -> str:
-    """Runs listing (shellcmd.list_script) plus the PID namespace and each run's last metrics lines."""
+    """Runs listing (read_scripts.list_script) plus the PID namespace and each run's last metrics lines."""
     q = shlex.quote
-    return (shellcmd.list_script(runs_dir) +
+    return (read_scripts.list_script(runs_dir) +
             f"printf '{wire.PIDNS} %s\\n' \"$(readlink /proc/self/ns/pid 2>/dev/null)\"\n"
             f'for d in "$RUNS"/*{shellcmd.RUN_ID_GLOB}; do\n'
             '  [ -d "$d" ] || continue\n'

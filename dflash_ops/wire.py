@@ -2,7 +2,7 @@
 the CLI, defined once (docs/contracts.md says what each carries).
 
 Three parties meet here. The trainer prints its lines into the run's log; `dflash-ops` reads them (`status`,
-`tail`, the launch's checks). The remote scripts (runs/shellcmd.py, runs/pull.py, hoststatus.py: bash run on the
+`tail`, the launch's checks). The remote scripts (runs/*_scripts.py, runs/manifest.py, hoststatus.py: bash run on the
 target) answer the CLI with tagged lines and exit codes. `launch` gives the job its environment, which every
 process of the job inherits, the trainer's included.
 

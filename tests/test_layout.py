@@ -114,12 +114,13 @@ OPS_LAYERS = (
     # values and vocabulary: frozen dataclasses, names, the wire protocol, the parsers of the trainer's lines
     ("errors", "names", "spec", "wire", "multinode.record", "yamlsrc", "metrics_line", "logview"),
     # pure builders of what is sent and parsers of what comes back, and the configuration they are built from
-    ("runs.shellcmd", "runs.parse", "runs.pull", "runs.runbooks", "gpus.facts", "gpus.scripts", "ssh.config",
+    ("runs.shellcmd", "runs.launch_scripts", "runs.stop_scripts", "runs.read_scripts", "runs.parse",
+     "runs.manifest", "runs.runbooks", "gpus.facts", "gpus.scripts", "ssh.config",
      "ssh.routing", "inventory", "multinode.rendezvous", "multinode.state"),
     # effects: SSH and local processes, threads over many hosts, the multi-node records on this machine
     ("ssh.transport", "fanout", "multinode.recordfile"),
     # use cases: they return values and raise OpsError
-    ("runs.lifecycle", "hoststatus", "gpus.reset", "multinode.fan", "multinode.plan", "multinode.launch",
+    ("runs.lifecycle", "runs.pull", "hoststatus", "gpus.reset", "multinode.fan", "multinode.plan", "multinode.launch",
      "multinode.watch"),
     # the commands and their views (one error boundary: cli/_common.py)
     ("cli", "__main__"),

@@ -11,7 +11,7 @@ import typer
 from dflash_ops.cli._common import CtOpt, HostOpt, JsonOpt, open_session, rendered_errors
 
 
-class What(str, enum.Enum):   # the keys of runs.pull.WHAT (not imported here: --help imports nothing heavy)
+class What(str, enum.Enum):   # the keys of runs.manifest.WHAT (not imported here: --help imports nothing heavy)
     export = "export"
     metrics = "metrics"
     log = "log"
@@ -35,14 +35,15 @@ def pull(
     computed; nothing is overwritten without --force (exit 5)."""
     from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle
+    from dflash_ops.runs.pull import pull_files
 
     with rendered_errors(json_out):
         session = open_session(ctx, host, ct)
         try:
             status = lifecycle.find_run(session, run)
             dest = to if to is not None else Path(status.run_id)
-            done = lifecycle.pull_files(session, status, what.value, dest, force=force,
-                                        on_file=render.pulled_file if not json_out else lambda f, d: None)
+            done = pull_files(session, status, what.value, dest, force=force,
+                              on_file=render.pulled_file if not json_out else lambda f, d: None)
             render.pulled(done, json_out=json_out)
         finally:
             session.transport.close()

@@ -20,7 +20,7 @@ from dflash_ops import names, wire
 from dflash_ops.errors import OpsError, RemoteFailed
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.hoststatus import GpuSettings
-from dflash_ops.runs import shellcmd
+from dflash_ops.runs import shellcmd, stop_scripts
 from dflash_ops.spec import PROXMOX, Container, Host, Target
 
 MAX_ROUNDS = 3
@@ -93,7 +93,7 @@ class HostGpus:
                 where.setdefault(h.ctid, []).append((h.ct_pid, h.starttime))
         found = []
         for ctid, holders in sorted(where.items(), key=lambda kv: kv[0] or 0):
-            out, error = self._in(ctid, lambda runs_dir: shellcmd.runs_of_holders_script(runs_dir, holders))
+            out, error = self._in(ctid, lambda runs_dir: stop_scripts.runs_of_holders_script(runs_dir, holders))
             found.append(Marked(ctid, _tagged_ids(out, wire.RUN_OF), error))
         return tuple(found)
 
@@ -106,7 +106,7 @@ class HostGpus:
                     marked.append(runs)
                 continue
             ids = runs.run_ids
-            out, error = self._in(runs.ctid, lambda runs_dir: shellcmd.mark_ended_stopped_script(runs_dir, ids))
+            out, error = self._in(runs.ctid, lambda runs_dir: stop_scripts.mark_ended_stopped_script(runs_dir, ids))
             failed = _tagged_ids(out, wire.UNMARKED)
             if failed and error is None:
                 error = f"could not write stopped for {', '.join(failed)}"

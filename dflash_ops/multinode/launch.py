@@ -18,7 +18,7 @@ from dflash_ops.multinode.fan import SLACK_S, connect_s, raise_bugs, together
 from dflash_ops.multinode.plan import NodePlan
 from dflash_ops.multinode.record import NodeRun
 from dflash_ops.multinode.watch import Located, NodeStopped, stop
-from dflash_ops.runs import lifecycle, parse, shellcmd
+from dflash_ops.runs import launch_scripts, lifecycle, parse, read_scripts
 from dflash_ops.spec import Launched, RunSpec
 
 JOIN_SLACK_S = 10.0  # beyond --rdzv-timeout: for torchrun's line to reach the log and a poll to read it
@@ -46,7 +46,7 @@ def find_rendezvous(p: NodePlan) -> NodeRun:
     """The run's record, from what rank 0's node says (rank 0 connected): a port free there, and rank 0's
     address when it is to be found in its container."""
     s = p.sessions[0]
-    done = s.run(shellcmd.rendezvous_script(p.port_candidates, find_address=p.address is None),
+    done = s.run(launch_scripts.rendezvous_script(p.port_candidates, find_address=p.address is None),
                  "checking the rendezvous port", ok=(0, 1))
     words = parse.tagged(done.out, wire.PORT)
     if done.exit_code != 0 or not words or not names.is_digits(words[0]):
@@ -166,7 +166,7 @@ def await_rendezvous(p: NodePlan, specs: Sequence[RunSpec], run: NodeRun) -> lis
         s, spec = p.sessions[i], specs[i]
         poll = JOIN_POLL_S[0]
         while True:
-            done = s.run(shellcmd.joined_script(spec.run_dir, rendezvous.JOINED_ERE), f"checking {spec.run_id}")
+            done = s.run(read_scripts.joined_script(spec.run_dir, rendezvous.JOINED_ERE), f"checking {spec.run_id}")
             probe = parse.probe(done.stdout)
             tail = probe.log_tail.decode("utf-8", "replace").splitlines()[-LAST_LINES:]
             if parse.joined(done.stdout):

@@ -128,7 +128,7 @@ _IPV4_RE = re.compile(r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}")
 
 
 def own_ipv4(text: str) -> str | None:
-    """The container's own address, from what shellcmd.rendezvous_script printed there: the first global IPv4
+    """The container's own address, from what launch_scripts.rendezvous_script printed there: the first global IPv4
     of `ip -4 -o addr show scope global` (`DFLASH_IP4 2: eth0    inet 10.0.0.5/24 brd ... scope global eth0`),
     else the first one `hostname -I` lists (`DFLASH_HOSTIPS 10.0.0.5 fd00::5`); None when there is none.
     Loopback, link-local, multicast and unspecified addresses never count."""

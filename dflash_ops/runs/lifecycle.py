@@ -1,4 +1,4 @@
-"""Use cases: launch, prove alive, list, find, follow, stop. shellcmd + transport + parse; no typer, no rich.
+"""Use cases: launch, prove alive, list, find, follow, stop. The scripts (shellcmd, *_scripts) + transport + parse; no typer, no rich.
 
 Every function takes a Session (a Target and the Transport that reaches it), returns values, raises OpsError.
 """
@@ -10,11 +10,10 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from dflash_ops import names, wire
 from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
-from dflash_ops.runs import parse, pull, shellcmd
+from dflash_ops.runs import launch_scripts, parse, read_scripts, shellcmd, stop_scripts
 from dflash_ops.runs.runbooks import run_spec
 from dflash_ops.spec import EXITED, LOCAL, RUNNING, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.ssh.transport import Transport
@@ -92,7 +91,7 @@ def _refusal(words: list[str], target: Target) -> Refused:
 
 # -- listing and lookup ---------------------------------------------------------------------------------------
 def list_runs(s: Session) -> list[RunStatus]:
-    done = s.run(shellcmd.list_script(s.target.runs_dir), "listing runs")
+    done = s.run(read_scripts.list_script(s.target.runs_dir), "listing runs")
     return parse.run_list(done.out, s.target.runs_dir)
 
 
@@ -145,14 +144,14 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
 
 
 def dry_run(s: Session, spec: RunSpec, *, wait_s: float | None = None) -> DryRun:
-    script = shellcmd.launch_script(spec, probe_after_s=spec.liveness.wait_s if wait_s is None else wait_s)
+    script = launch_scripts.launch_script(spec, probe_after_s=spec.liveness.wait_s if wait_s is None else wait_s)
     return DryRun(spec=spec, command=s.transport.describe(s.argv(script)))
 
 
 def check_launch(s: Session, spec: RunSpec, *, forced: bool = False) -> None:
     """Raise the Refused (exit 5) that launching `spec` would meet now, changing nothing (a multi-node launch asks
     every node before it starts any). `forced`: what is left to refuse once the live runs of its name are stopped."""
-    s.run(shellcmd.launch_check_script(spec, forced=forced), f"checking {spec.run_id} can start")
+    s.run(launch_scripts.launch_check_script(spec, forced=forced), f"checking {spec.run_id} can start")
 
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
@@ -184,7 +183,7 @@ def _start(s: Session, spec: RunSpec, *, wait_s: float | None, sleep: Callable[[
     seen = _StartWatch(on_started)
     t0 = time.monotonic()
     try:
-        done = s.run(shellcmd.launch_script(spec, probe_after_s=wait), f"launching {spec.run_id}",
+        done = s.run(launch_scripts.launch_script(spec, probe_after_s=wait), f"launching {spec.run_id}",
                      timeout_s=wait + 60, on_stdout=seen.feed)
     except HostUnreachable as exc:  # the connection dropped while the launch script ran
         where = s.target.cli_args
@@ -249,7 +248,7 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
                                  f"`dflash-ops stop {spec.run_id} {where}`",
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         sleep(POLL_S)
-        probe = parse.probe(s.run(shellcmd.probe_script(spec.run_dir), "checking the run").stdout)
+        probe = parse.probe(s.run(read_scripts.probe_script(spec.run_dir), "checking the run").stdout)
 
 
 _PATH_PIECE = re.compile(r"[^\s=,\[\]'\"]+")
@@ -291,7 +290,7 @@ class _StopAnswer:
 
 
 def _stop_call(s: Session, run_id: str, grace_s: float, *, fence: bool, now: bool = False) -> _StopAnswer:
-    done = s.run(shellcmd.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence, now=now),
+    done = s.run(stop_scripts.stop_script(s.target.runs_dir, run_id, grace_s, fence=fence, now=now),
                  f"stopping {run_id}", timeout_s=(0 if now else grace_s) + (60 if fence else 30))
     how = (parse.tagged(done.out, wire.STOP) or ["?"])[0]
     left = parse.tagged(done.out, wire.LEFT) or []
@@ -301,7 +300,7 @@ def _stop_call(s: Session, run_id: str, grace_s: float, *, fence: bool, now: boo
 
 
 def stop(s: Session, run: RunStatus, *, grace_s: float = wire.STOP_GRACE_S, now: bool = False) -> Stopped:
-    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (shellcmd.stop_script); the default grace
+    """SIGTERM, then SIGKILL after `grace_s`, every process of the run (stop_scripts.stop_script); the default grace
     lets the trainer write its checkpoint first. `now`: SIGKILL at once (the work since the last checkpoint is
     lost)."""
     a = _stop_call(s, run.run_id, grace_s, fence=False, now=now)
@@ -309,7 +308,7 @@ def stop(s: Session, run: RunStatus, *, grace_s: float = wire.STOP_GRACE_S, now:
 
 
 def fence(s: Session, run_id: str, *, grace_s: float = wire.STOP_GRACE_S) -> Stopped:
-    """`stop` for a run whose launch may still be on its way to the target (shellcmd.stop_script's `fence`): it
+    """`stop` for a run whose launch may still be on its way to the target (stop_scripts.stop_script's `fence`): it
     is stopped once that launch has started it, or, where it never started, kept from starting (`fenced`)."""
     a = _stop_call(s, run_id, grace_s, fence=True)
     if a.raw is None:
@@ -320,7 +319,7 @@ def fence(s: Session, run_id: str, *, grace_s: float = wire.STOP_GRACE_S) -> Sto
 
 def mark_stopped(s: Session, run: RunStatus) -> None:
     """Mark `run` stopped, if it runs, without signalling it: a multi-node stop's first phase."""
-    s.run(shellcmd.mark_stopped_script(s.target.runs_dir, run.run_id), f"marking {run.run_id} stopped")
+    s.run(stop_scripts.mark_stopped_script(s.target.runs_dir, run.run_id), f"marking {run.run_id} stopped")
 
 
 # -- tail -----------------------------------------------------------------------------------------------------
@@ -329,7 +328,7 @@ def tail_start(s: Session, run: RunStatus, lines: int, *, follow: bool = True, h
     `lines == 0` while following a running run starts at the line being written (if any), so it comes out whole;
     otherwise 0 lines start at the end of the log."""
     whole = follow and run.state == RUNNING
-    done = s.run(shellcmd.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
+    done = s.run(read_scripts.tail_start_script(run.run_dir, lines, whole_partial=whole, hidden_ere=hidden_ere),
                  f"reading {run.run_id}'s log")
     words = parse.tagged(done.out, wire.START)
     return int(words[0]) if words and names.is_digits(words[0].removeprefix("-")) else 0
@@ -350,7 +349,7 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
     backoff, lost_since = 0.25, None
     while True:
         try:
-            done = s.run(shellcmd.tail_chunk_script(run.run_dir, asm.offset), f"reading {run.run_id}'s log",
+            done = s.run(read_scripts.tail_chunk_script(run.run_dir, asm.offset), f"reading {run.run_id}'s log",
                          timeout_s=30.0)
         except HostUnreachable as exc:
             if lost_since is None:
@@ -368,7 +367,7 @@ def follow(s: Session, run: RunStatus, *, start: int, emit: Callable[[bytes], No
             emit(line)
         if raw is None:
             raise RemoteFailed(f"cannot read the state of {run.run_id}", detail=done.out[-2000:])
-        if len(data) >= shellcmd.CHUNK_BYTES:
+        if len(data) >= read_scripts.CHUNK_BYTES:
             continue  # more is already there
         if not keep_following or not raw.alive:
             for line in asm.flush():
@@ -383,7 +382,7 @@ def _marked_procs(s: Session, run_id: str) -> int:
     """How many live processes carry `run_id`'s marker now; 0 where the host cannot be asked (the log is all
     emitted by then: a lost connection must not turn a finished tail into an error)."""
     try:
-        done = s.run(shellcmd.procs_script(), f"counting {run_id}'s processes", timeout_s=30.0)
+        done = s.run(read_scripts.procs_script(), f"counting {run_id}'s processes", timeout_s=30.0)
     except (HostUnreachable, RemoteFailed):
         return 0
     return len(parse.proc_lines(done.out).get(run_id, []))
@@ -395,7 +394,7 @@ def _kept_step(s: Session, run: RunStatus, raw: parse.RawState) -> int | None:
     if raw.exit_code not in wire.STOP_EXITS:
         return None
     try:
-        done = s.run(shellcmd.kept_script(run.run_dir), f"reading how {run.run_id} ended", timeout_s=30.0)
+        done = s.run(read_scripts.kept_script(run.run_dir), f"reading how {run.run_id} ended", timeout_s=30.0)
     except (HostUnreachable, RemoteFailed):
         return None
     return parse.kept_steps(done.out).get(run.run_id)
@@ -406,126 +405,3 @@ def _try_reconnect(s: Session) -> None:
         s.transport.reconnect()
     except HostUnreachable:
         pass  # the next run() raises again and the backoff continues
-
-
-# -- pull -----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Pulled:
-    run_id: str
-    what: str
-    to: Path
-    files: tuple[tuple[pull.RemoteFile, Path], ...]
-    links: tuple[str, ...] = ()        # symbolic links in the selection, left out (never followed)
-
-
-PULL_STAGE_DIR = "/var/tmp"     # on a Proxmox host (disk, not tmpfs): one file at a time, removed after it
-
-
-def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool = False,
-               on_file: Callable[[pull.RemoteFile, Path], None] = lambda f, dest: None) -> Pulled:
-    """Bring `what` of `run` to the directory `to` on this machine. The files are listed, with size and SHA-256,
-    where the run lives; each is read there (in a container: `pct pull` into a private directory on the Proxmox
-    host, whose filesystem view is the container's), fetched over SFTP on the same connection (or read, for this
-    machine), checked against its listed size and hash, and only then renamed into place. Refused (exit 5), with
-    nothing written, if a file would be overwritten and not `force`. Symbolic links are never followed nor
-    pulled. A failure on this machine's side (a name too long, a full disk) is one OpsError line."""
-    listing = s.run(pull.manifest_script(run.run_dir, what), f"listing the {what} of {run.run_id}")
-    manifest = pull.parse_manifest(listing.out)
-    if manifest.missing or not manifest.files:
-        if manifest.links:
-            raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} to pull: {manifest.links[0]} is "
-                              "a symbolic link, and links are not followed")
-        raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} yet",
-                          hint="`dflash-ops tail` shows how far it got; the export is written when training ends"
-                          if what == "export" else None)
-    try:
-        return _pull_listed(s, run, what, to, manifest, force=force, on_file=on_file)
-    except OSError as exc:      # this machine's side: what the steps below did not say themselves
-        raise OpsError(f"cannot write the {what} of {run.run_id} to {exc.filename or to}: "
-                       f"{exc.strerror or exc}") from None
-
-
-def _pull_listed(s: Session, run: RunStatus, what: str, to: Path, manifest: pull.Manifest, *, force: bool,
-                 on_file: Callable[[pull.RemoteFile, Path], None]) -> Pulled:
-    plan = pull.destinations(manifest, to)
-    there = [dest for _, dest in plan if _taken(dest)]
-    if there and not force:
-        more = f" (and {len(there) - 1} more)" if len(there) > 1 else ""
-        raise Refused(f"{there[0]} exists{more}; nothing was pulled",
-                      hint="pass --force to overwrite, or --to another directory")
-    stage = _pull_stage(s) if s.target.container is not None else None
-    try:
-        for i, (f, dest) in enumerate(plan):
-            source = f"{manifest.root}/{f.rel}"
-            if stage is not None:
-                held = f"{stage}/{i}"
-                _host_run(s, [s.target.host.pct, "pull", s.target.container.ctid, source, held],
-                          f"pct pull of {f.rel}", timeout_s=3600)
-                source = held
-            _fetch_checked(s, source, f, dest)
-            if stage is not None:
-                _host_run(s, ["rm", "-f", "--", source], "removing the staged copy")
-            on_file(f, dest)
-    finally:
-        if stage is not None:
-            try:
-                _host_run(s, ["rm", "-rf", "--", stage], "removing the staging directory")
-            except OpsError:
-                pass    # the pull's own error (a dropped connection) is the one to show
-    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan), links=manifest.links)
-
-
-def _taken(dest: Path) -> bool:
-    """Something (a file, a link, a directory) is at `dest` on this machine."""
-    try:
-        os.lstat(dest)
-    except (FileNotFoundError, NotADirectoryError):
-        return False        # (a file where a directory must go: making that directory says so)
-    except OSError as exc:
-        raise OpsError(f"cannot use {dest}: {exc.strerror or exc}") from None
-    return True
-
-
-def _fetch_checked(s: Session, source: str, f: pull.RemoteFile, dest: Path) -> None:
-    """Fetch into a hidden temp file beside `dest`, check size and SHA-256, then rename it into place."""
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OpsError(f"cannot create {dest.parent}: {exc.strerror or exc}") from None
-    part = dest.with_name(f".{dest.name}.dflash-pull")
-    try:
-        got = s.transport.fetch(source, part, f.size)
-        if got != f.sha256:
-            raise RemoteFailed(f"{f.rel}: SHA-256 {got} of the bytes fetched is not the listed {f.sha256} "
-                               "(it changed while being pulled?); nothing kept", hint="pull it again")
-        try:
-            os.replace(part, dest)
-        except OSError as exc:
-            raise OpsError(f"cannot write {dest}: {exc.strerror or exc}") from None
-    finally:
-        try:
-            part.unlink(missing_ok=True)
-        except OSError:
-            pass     # it was never created (its name is what failed): the error above says so
-
-
-def _pull_stage(s: Session) -> str:
-    """A private (0700) directory on the Proxmox host that `pct pull` writes into."""
-    done = _host_run(s, ["mktemp", "-d", "-p", PULL_STAGE_DIR, "dflash-pull.XXXXXXXX"], "making a staging directory")
-    stage = done.out.strip()
-    if not re.fullmatch(re.escape(PULL_STAGE_DIR) + r"/dflash-pull\.[A-Za-z0-9]{8}", stage):
-        raise RemoteFailed(f"mktemp on {s.target.host.name} printed {stage[:100]!r}")
-    return stage
-
-
-def _host_run(s: Session, argv: list[str], what: str, *, timeout_s: float = 60.0) -> Completed:
-    """`argv` on the host itself (for a container: the Proxmox host, not inside the container)."""
-    try:
-        done = s.transport.run(argv, timeout_s=timeout_s)
-    except HostUnreachable as exc:
-        raise s._hinted(exc) from None
-    if done.exit_code != 0:
-        last = "\n".join((done.err + done.out).strip().splitlines()[-LAST_LINES:])
-        raise RemoteFailed(f"{what} on {s.target.host.name} failed with exit code {done.exit_code}",
-                           detail=last or None)
-    return done

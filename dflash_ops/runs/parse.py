@@ -1,4 +1,4 @@
-"""PURE parsers of what the shellcmd scripts print, and the byte-exact line assembler used by `tail`."""
+"""PURE parsers of what the remote scripts (*_scripts.py) print, and the byte-exact line assembler used by `tail`."""
 
 from __future__ import annotations
 

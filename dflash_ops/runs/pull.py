@@ -1,125 +1,136 @@
-"""PURE parts of `pull`: which files of a run dir a selection means, the script that lists them with their size and
-SHA-256 (run where the run lives), the parser of its answer, and where each file lands on this machine.
+"""Use case: `pull`, a run's files brought to this machine, each checked against the size and SHA-256 listed where
+the run lives before it is renamed into place. manifest.py (the listing, pure) + the transport; no typer, no rich."""
 
-Every path that comes back from the remote side is checked here before it names a local file: relative, no `..`,
-no empty or control-character components, so a hostile listing cannot write outside the destination directory.
-"""
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from dflash_ops import names, wire
-from dflash_ops.errors import RemoteFailed
-from dflash_ops.runs.shellcmd import NO_RUN_DIR, path_word, q
-
-# what -> (path under the run dir, is a directory). `ckpt` means the newest checkpoint, `ckpt/step_<N>` with the
-# largest N (the trainer writes each one to a temp dir and renames it, so a listed one is complete).
-WHAT = {"export": ("export", True), "metrics": ("metrics.jsonl", False), "log": ("output.log", False),
-        "ckpt": ("ckpt", True)}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
+from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunNotFound
+from dflash_ops.runs.manifest import Manifest, RemoteFile, destinations, manifest_script, parse_manifest
+from dflash_ops.runs.lifecycle import LAST_LINES, Session
+from dflash_ops.spec import Completed, RunStatus
 
 @dataclass(frozen=True)
-class RemoteFile:
-    rel: str          # relative to the run dir, e.g. "export/model.safetensors"
-    size: int         # bytes to fetch (a file still being appended to is fetched up to this size)
-    sha256: str       # of those bytes, computed where the run lives
+class Pulled:
+    run_id: str
+    what: str
+    to: Path
+    files: tuple[tuple[RemoteFile, Path], ...]
+    links: tuple[str, ...] = ()        # symbolic links in the selection, left out (never followed)
 
 
-@dataclass(frozen=True)
-class Manifest:
-    root: str         # the run dir's absolute path where the run lives (inside the container for --ct)
-    files: tuple[RemoteFile, ...]
-    missing: bool     # the selection is not there (no export yet, no checkpoint)
-    links: tuple[str, ...] = ()    # symbolic links met at or in the selection: never followed, never pulled
+PULL_STAGE_DIR = "/var/tmp"     # on a Proxmox host (disk, not tmpfs): one file at a time, removed after it
 
 
-def manifest_script(run_dir: str, what: str) -> str:
-    """Bash for the target: `DFLASH_ROOT <abs run dir>`, then `DFLASH_FILE <size> <sha256> <rel path>` for every
-    regular file of the selection, or `DFLASH_NONE` when there is nothing. Symbolic links are never followed: a
-    link at the selection (output.log, export/, ckpt/, a ckpt/step_N) or inside it is named in a `DFLASH_LINK`
-    line instead (its control characters as `?`), and a file whose name has a newline makes the answer
-    `DFLASH_BADNAME`, which refuses the whole pull."""
-    sub, is_dir = WHAT[what]
-    head = (f"D={path_word(run_dir)}\n" + NO_RUN_DIR +
-            f'cd -- "$D" || exit {wire.EXIT_FAILED}\n'
-            f"printf '{wire.ROOT} %s\\n' \"$(pwd -P)\"\n"
-            "one() {\n"
-            '  local size sum\n'
-            '  size=$(stat -c %s -- "$1") || return 1\n'
-            # the hash of exactly `size` bytes: a log that grows meanwhile is pulled up to that size
-            '  sum=$(head -c "$size" -- "$1" | sha256sum) || return 1\n'
-            f"  printf '{wire.FILE} %s %s %s\\n' \"$size\" \"${{sum%% *}}\" \"$1\"\n"
-            "}\n"
-            f"link() {{ printf '{wire.LINK} %s\\n' \"${{1//[[:cntrl:]]/?}}\"; }}\n"
-            f"none() {{ echo {wire.NOTHING}; exit 0; }}\n")
-    if what == "ckpt":
-        pick = ('[ -L ckpt ] && { link ckpt; none; }\n'
-                'best=; n=-1\n'
-                'for d in ckpt/step_*; do\n'
-                '  [ -L "$d" ] && { link "$d"; continue; }\n'
-                '  [ -d "$d" ] || continue; k=${d##*_}\n'
-                '  case $k in ""|*[!0-9]*) continue;; esac\n'
-                '  [ "$k" -gt "$n" ] && { n=$k; best=$d; }\n'
-                'done\n'
-                '[ -n "$best" ] || none\n'
-                'sel=$best\n')
-    else:
-        pick = f"sel={q(sub)}\n" + '[ -L "$sel" ] && { link "$sel"; none; }\n'
-    if is_dir:
-        walk = ('[ -d "$sel" ] || none\n'
-                'found=0\n'
-                'while IFS= read -r -d "" f; do\n'
-                f"  case $f in *$'\\n'*) echo {wire.BAD_NAME}; exit 0;; esac\n"
-                f'  one "${{f#./}}" || exit {wire.EXIT_FAILED}; found=1\n'
-                'done < <(find -P "./$sel" -type f -print0 | sort -z)\n'
-                'while IFS= read -r -d "" f; do link "${f#./}"; done < <(find -P "./$sel" -type l -print0 | sort -z)\n'
-                '[ "$found" = 1 ] || none\n')
-    else:
-        walk = f'[ -f "$sel" ] || none\none "$sel" || exit {wire.EXIT_FAILED}\n'
-    return head + pick + walk
+def pull_files(s: Session, run: RunStatus, what: str, to: Path, *, force: bool = False,
+               on_file: Callable[[RemoteFile, Path], None] = lambda f, dest: None) -> Pulled:
+    """Bring `what` of `run` to the directory `to` on this machine. The files are listed, with size and SHA-256,
+    where the run lives; each is read there (in a container: `pct pull` into a private directory on the Proxmox
+    host, whose filesystem view is the container's), fetched over SFTP on the same connection (or read, for this
+    machine), checked against its listed size and hash, and only then renamed into place. Refused (exit 5), with
+    nothing written, if a file would be overwritten and not `force`. Symbolic links are never followed nor
+    pulled. A failure on this machine's side (a name too long, a full disk) is one OpsError line."""
+    listing = s.run(manifest_script(run.run_dir, what), f"listing the {what} of {run.run_id}")
+    manifest = parse_manifest(listing.out)
+    if manifest.missing or not manifest.files:
+        if manifest.links:
+            raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} to pull: {manifest.links[0]} is "
+                              "a symbolic link, and links are not followed")
+        raise RunNotFound(f"run {run.run_id} has no {what} on {s.target.label} yet",
+                          hint="`dflash-ops tail` shows how far it got; the export is written when training ends"
+                          if what == "export" else None)
+    try:
+        return _pull_listed(s, run, what, to, manifest, force=force, on_file=on_file)
+    except OSError as exc:      # this machine's side: what the steps below did not say themselves
+        raise OpsError(f"cannot write the {what} of {run.run_id} to {exc.filename or to}: "
+                       f"{exc.strerror or exc}") from None
 
 
-def safe_rel(text: str) -> str:
-    """`text` if it is a plain relative path (no `..`, `.`, empty or control-character parts), else RemoteFailed."""
-    parts = text.split("/")
-    if (not text or text.startswith("/") or _CONTROL.search(text)
-            or any(p in ("", ".", "..") for p in parts)):
-        raise RemoteFailed(f"the run's file listing names an unsafe path {text!r}; nothing was pulled")
-    return str(PurePosixPath(*parts))
+def _pull_listed(s: Session, run: RunStatus, what: str, to: Path, manifest: Manifest, *, force: bool,
+                 on_file: Callable[[RemoteFile, Path], None]) -> Pulled:
+    plan = destinations(manifest, to)
+    there = [dest for _, dest in plan if _taken(dest)]
+    if there and not force:
+        more = f" (and {len(there) - 1} more)" if len(there) > 1 else ""
+        raise Refused(f"{there[0]} exists{more}; nothing was pulled",
+                      hint="pass --force to overwrite, or --to another directory")
+    stage = _pull_stage(s) if s.target.container is not None else None
+    try:
+        for i, (f, dest) in enumerate(plan):
+            source = f"{manifest.root}/{f.rel}"
+            if stage is not None:
+                held = f"{stage}/{i}"
+                _host_run(s, [s.target.host.pct, "pull", s.target.container.ctid, source, held],
+                          f"pct pull of {f.rel}", timeout_s=3600)
+                source = held
+            _fetch_checked(s, source, f, dest)
+            if stage is not None:
+                _host_run(s, ["rm", "-f", "--", source], "removing the staged copy")
+            on_file(f, dest)
+    finally:
+        if stage is not None:
+            try:
+                _host_run(s, ["rm", "-rf", "--", stage], "removing the staging directory")
+            except OpsError:
+                pass    # the pull's own error (a dropped connection) is the one to show
+    return Pulled(run_id=run.run_id, what=what, to=to, files=tuple(plan), links=manifest.links)
 
 
-def parse_manifest(text: str) -> Manifest:
-    root, files, missing, links = None, [], False, []
-    for line in text.splitlines():
-        if line.startswith(wire.ROOT + " "):
-            root = line[len(wire.ROOT) + 1:]
-        elif line == wire.NOTHING:
-            missing = True
-        elif line.startswith(wire.LINK + " "):
-            links.append(_CONTROL.sub("?", line[len(wire.LINK) + 1:]))
-        elif line == wire.BAD_NAME:
-            raise RemoteFailed("a file of the selection has a newline in its name; nothing was pulled",
-                               hint="rename it in the run dir, then pull again")
-        elif line.startswith(wire.FILE + " "):
-            words = line.split(" ", 3)
-            if len(words) != 4 or not names.is_digits(words[1]) or not re.fullmatch(r"[0-9a-f]{64}", words[2]):
-                raise RemoteFailed(f"unreadable file listing line {line[:200]!r}")
-            files.append(RemoteFile(rel=safe_rel(words[3]), size=int(words[1]), sha256=words[2]))
-    if root is None or not root.startswith("/"):
-        raise RemoteFailed("the run's file listing did not say where the run dir is")
-    return Manifest(root=root, files=tuple(files), missing=missing and not files, links=tuple(links))
+def _taken(dest: Path) -> bool:
+    """Something (a file, a link, a directory) is at `dest` on this machine."""
+    try:
+        os.lstat(dest)
+    except (FileNotFoundError, NotADirectoryError):
+        return False        # (a file where a directory must go: making that directory says so)
+    except OSError as exc:
+        raise OpsError(f"cannot use {dest}: {exc.strerror or exc}") from None
+    return True
 
 
-def destinations(manifest: Manifest, to: Path) -> list[tuple[RemoteFile, Path]]:
-    """Each file and where it lands: `to/<its path in the run dir>` (checked to stay under `to`)."""
-    base = to.resolve()
-    out = []
-    for f in manifest.files:
-        dest = (base / f.rel).resolve()
-        if base not in dest.parents:
-            raise RemoteFailed(f"{f.rel!r} would land outside {base}; nothing was pulled")
-        out.append((f, dest))
-    return out
+def _fetch_checked(s: Session, source: str, f: RemoteFile, dest: Path) -> None:
+    """Fetch into a hidden temp file beside `dest`, check size and SHA-256, then rename it into place."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OpsError(f"cannot create {dest.parent}: {exc.strerror or exc}") from None
+    part = dest.with_name(f".{dest.name}.dflash-pull")
+    try:
+        got = s.transport.fetch(source, part, f.size)
+        if got != f.sha256:
+            raise RemoteFailed(f"{f.rel}: SHA-256 {got} of the bytes fetched is not the listed {f.sha256} "
+                               "(it changed while being pulled?); nothing kept", hint="pull it again")
+        try:
+            os.replace(part, dest)
+        except OSError as exc:
+            raise OpsError(f"cannot write {dest}: {exc.strerror or exc}") from None
+    finally:
+        try:
+            part.unlink(missing_ok=True)
+        except OSError:
+            pass     # it was never created (its name is what failed): the error above says so
+
+
+def _pull_stage(s: Session) -> str:
+    """A private (0700) directory on the Proxmox host that `pct pull` writes into."""
+    done = _host_run(s, ["mktemp", "-d", "-p", PULL_STAGE_DIR, "dflash-pull.XXXXXXXX"], "making a staging directory")
+    stage = done.out.strip()
+    if not re.fullmatch(re.escape(PULL_STAGE_DIR) + r"/dflash-pull\.[A-Za-z0-9]{8}", stage):
+        raise RemoteFailed(f"mktemp on {s.target.host.name} printed {stage[:100]!r}")
+    return stage
+
+
+def _host_run(s: Session, argv: list[str], what: str, *, timeout_s: float = 60.0) -> Completed:
+    """`argv` on the host itself (for a container: the Proxmox host, not inside the container)."""
+    try:
+        done = s.transport.run(argv, timeout_s=timeout_s)
+    except HostUnreachable as exc:
+        raise s._hinted(exc) from None
+    if done.exit_code != 0:
+        last = "\n".join((done.err + done.out).strip().splitlines()[-LAST_LINES:])
+        raise RemoteFailed(f"{what} on {s.target.host.name} failed with exit code {done.exit_code}",
+                           detail=last or None)
+    return done

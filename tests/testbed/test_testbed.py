@@ -50,7 +50,7 @@ def wait_for(predicate, *, timeout_s: float = 15.0, what: str) -> None:
 
 
 def detach_script(workdir: Path, job: str, *, env: dict[str, str] | None = None) -> str:
-    """The launch recipe (runs/shellcmd.py): a bash script that detaches `job` and prints its PID."""
+    """The launch recipe (runs/launch_scripts.py): a bash script that detaches `job` and prints its PID."""
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
     return (
         f"cd {shlex.quote(str(workdir))} || exit 1; {exports}"

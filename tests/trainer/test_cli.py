@@ -374,7 +374,7 @@ def test_a_fresh_start_into_a_run_dir_as_dflash_ops_launches_it_is_not_refused(t
     past the run-directory check and stops at the (deliberately bad) data, exit 3."""
     import time
 
-    from dflash_ops.runs import shellcmd
+    from dflash_ops.runs import launch_scripts
     from dflash_ops.spec import Liveness, RunSpec
 
     bad = tmp_path / "bad.jsonl"
@@ -386,7 +386,7 @@ def test_a_fresh_start_into_a_run_dir_as_dflash_ops_launches_it_is_not_refused(t
                                                                         for a in argv),
                    workdir=str(runs / rid), env=(("PYTHONPATH", str(REPO_ROOT)),), pre=(), runs_dir=str(runs),
                    host="local", ct=None, liveness=Liveness())
-    launched = subprocess.run(["bash", "-c", shellcmd.launch_script(spec)], capture_output=True, text=True)
+    launched = subprocess.run(["bash", "-c", launch_scripts.launch_script(spec)], capture_output=True, text=True)
     assert "DFLASH_LAUNCHED" in launched.stdout, launched
     deadline = time.monotonic() + 120
     while not (runs / rid / "exit_code").exists() and time.monotonic() < deadline:

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_ops import inventory
 from dflash_ops.errors import RemoteFailed
-from dflash_ops.runs import lifecycle, pull
+from dflash_ops.runs import lifecycle, manifest, pull
 from dflash_ops.ssh import transport
 
 
@@ -50,7 +50,7 @@ def test_bytes_that_do_not_match_their_listed_hash_are_not_kept(ops_env, tmp_pat
     s = lifecycle.Session(target, TamperingTransport())
     [run] = [r for r in lifecycle.list_runs(s) if r.run_id == run_dir.name]
     with pytest.raises(RemoteFailed, match="is not the listed"):
-        lifecycle.pull_files(s, run, "export", tmp_path / "out")
+        pull.pull_files(s, run, "export", tmp_path / "out")
     assert [p for p in (tmp_path / "out").rglob("*") if p.is_file()] == []
 
 
@@ -58,13 +58,13 @@ def test_bytes_that_do_not_match_their_listed_hash_are_not_kept(ops_env, tmp_pat
 def test_an_unsafe_path_in_a_listing_is_refused_before_anything_is_written(name):
     listing = f"DFLASH_ROOT /r/x\nDFLASH_FILE 1 {'0' * 64} {name}\n"
     with pytest.raises(RemoteFailed):
-        pull.parse_manifest(listing)
+        manifest.parse_manifest(listing)
 
 
 def test_the_cli_choices_are_the_selections():
     from dflash_ops.cli.pull import What
 
-    assert {w.value for w in What} == set(pull.WHAT)
+    assert {w.value for w in What} == set(manifest.WHAT)
 
 
 def test_pull_never_follows_a_link_and_says_so(ops_env, tmp_path):

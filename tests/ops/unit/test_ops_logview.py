@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 
 from dflash_ops import logview
-from dflash_ops.runs import shellcmd
+from dflash_ops.runs import read_scripts
 
 
 def test_machine_lines_are_hidden_done_is_said_in_words_and_the_rest_is_kept():
@@ -30,7 +30,7 @@ def _start(tmp_path, log: bytes, n: int) -> int:
     run = tmp_path / "r-20260101T000000-abcd"
     run.mkdir(exist_ok=True)
     (run / "output.log").write_bytes(log)
-    out = subprocess.run(["bash", "-c", shellcmd.tail_start_script(str(run), n, hidden_ere=logview.HIDDEN_ERE)],
+    out = subprocess.run(["bash", "-c", read_scripts.tail_start_script(str(run), n, hidden_ere=logview.HIDDEN_ERE)],
                          capture_output=True, text=True, check=True).stdout
     return int(out.split()[1])
 

@@ -18,7 +18,7 @@ from dflash_ops.multinode import state as nodestate
 from dflash_ops.multinode.record import Node, NodeRun, Rendezvous
 from dflash_ops.multinode.rendezvous import Machine
 from dflash_ops.multinode.state import NodeState
-from dflash_ops.runs import parse, runbooks, shellcmd
+from dflash_ops.runs import launch_scripts, parse, runbooks, stop_scripts
 from dflash_ops.spec import Container, Host, Liveness, Runbook, RunStatus, Target
 
 RUN_ID = "pair-20260101T120000-ab12"
@@ -240,10 +240,10 @@ def test_the_free_port_script_skips_ports_in_use():
         held.listen()
         busy = held.getsockname()[1]
         others = [p for p in range(*rendezvous.PORT_RANGE)][:8]     # whatever this machine does with them meanwhile
-        found = subprocess.run(["bash", "-c", shellcmd.rendezvous_script([busy, *others])], capture_output=True,
+        found = subprocess.run(["bash", "-c", launch_scripts.rendezvous_script([busy, *others])], capture_output=True,
                                text=True)
         assert found.returncode in (0, 1) and f"DFLASH_PORT {busy}\n" not in found.stdout, found.stderr
-        none = subprocess.run(["bash", "-c", shellcmd.rendezvous_script([busy])], capture_output=True, text=True)
+        none = subprocess.run(["bash", "-c", launch_scripts.rendezvous_script([busy])], capture_output=True, text=True)
         assert (none.returncode, none.stdout) == (1, "DFLASH_ERROR no free port\n")
 
 
@@ -253,10 +253,10 @@ def test_a_fenced_stop_keeps_a_late_launch_from_starting_its_job(tmp_path):
     target = Target(Host(name="local", transport="local", runs_dir=str(tmp_path / "runs")))
     spec = runbooks.run_spec(Runbook(name="late", command=("touch", str(tmp_path / "started")), liveness=Liveness()),
                              target, name="late", run_id=RUN_ID)
-    fenced = subprocess.run(["bash", "-c", shellcmd.stop_script(target.runs_dir, RUN_ID, 1, fence=True)],
+    fenced = subprocess.run(["bash", "-c", stop_scripts.stop_script(target.runs_dir, RUN_ID, 1, fence=True)],
                             capture_output=True, text=True)
     assert fenced.returncode == 0 and "DFLASH_STOP fenced\n" in fenced.stdout, fenced.stderr
-    late = subprocess.run(["bash", "-c", shellcmd.launch_script(spec)], capture_output=True, text=True)
+    late = subprocess.run(["bash", "-c", launch_scripts.launch_script(spec)], capture_output=True, text=True)
     assert late.returncode == 1 and "DFLASH_ERROR" in late.stdout and "DFLASH_LAUNCHED" not in late.stdout
     assert not (tmp_path / "started").exists() and (tmp_path / "runs" / RUN_ID / "stopped").is_file()
     state = parse.state_line(next(ln for ln in fenced.stdout.splitlines() if ln.startswith("DFLASH_RUN ")))

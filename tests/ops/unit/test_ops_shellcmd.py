@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dflash_ops import wire
-from dflash_ops.runs import shellcmd
+from dflash_ops.runs import launch_scripts, read_scripts, shellcmd, stop_scripts
 from dflash_ops.spec import Container, Host, Liveness, RunSpec, Target
 
 HOSTILE = ("it's \"q\"", "$(id)", "`id`", "a; b && c | d", "new\nline", "back\\slash", " ", "", "\u4e2d\U0001f600",
@@ -41,7 +41,7 @@ def _wrapped(script: str) -> str:
 
 
 def test_two_parses_give_back_the_pct_argv_and_the_script():
-    script = shellcmd.launch_script(spec())
+    script = launch_scripts.launch_script(spec())
     sent = shellcmd.command_string(shellcmd.target_argv(PVE, script))
     argv = shlex.split(sent)  # parse 1: the PVE host's login shell
     assert argv[:9] == ["/usr/sbin/pct", "exec", "200", "--", "env", "-i", "HOME=/root", argv[7], "bash"]
@@ -50,7 +50,7 @@ def test_two_parses_give_back_the_pct_argv_and_the_script():
 
 def test_the_job_argv_survives_every_layer_byte_exact():
     s = spec()
-    wrapped = _wrapped(shellcmd.launch_script(s))      # parse 2: bash -c SCRIPT
+    wrapped = _wrapped(launch_scripts.launch_script(s))      # parse 2: bash -c SCRIPT
     run_line = wrapped[wrapped.index("cd -- "):wrapped.index("\nrc=$?")]
     words = shlex.split(run_line)                      # parse 3: bash -c WRAPPED
     assert words[:4] == ["cd", "--", s.workdir, "&&"] and tuple(words[4:]) == s.argv
@@ -65,7 +65,7 @@ def test_the_plain_host_argv_is_bash_c():
 def test_trap_ordering_nohup_line_is_alone():
     """The `&` must background only the nohup command: never `a && nohup ... &`
     (`&` would then background the whole and-list, and `$!` would be a subshell's PID, not the job's)."""
-    script = shellcmd.launch_script(spec())
+    script = launch_scripts.launch_script(spec())
     command = _launch_command(script)
     start = script.index(command)
     assert script[start - 1] == "\n" and script[start + len(command)] == "\n"
@@ -76,29 +76,29 @@ def test_run_json_prefix_is_json_once_closed():
     import json
 
     s = spec()
-    body = json.loads(shellcmd.run_json_prefix(s) + "1700000000}")
+    body = json.loads(launch_scripts.run_json_prefix(s) + "1700000000}")
     assert body["argv"] == list(s.argv) and body["env_keys"] == ["HOSTILE"] and body["started_at"] == 1700000000
-    assert "\n" not in shellcmd.run_json_prefix(s)
+    assert "\n" not in launch_scripts.run_json_prefix(s)
 
 
 def test_clear_cache_uses_the_runbooks_cache_dir_quoted():
     s = spec(env=(("TORCHINDUCTOR_CACHE_DIR", "/c a/$(id)"),), pre=("clear_inductor_cache",))
-    script = shellcmd.launch_script(s)
+    script = launch_scripts.launch_script(s)
     assert "TORCHINDUCTOR_CACHE_DIR='/c a/$(id)'" in script
     assert 'rm -rf -- "$cache"' in script
     assert script.index("DFLASH_REFUSED cache") < script.index("rm -rf") < script.index("nohup")
 
 
 @pytest.mark.parametrize("build", [
-    lambda: shellcmd.launch_script(spec(pre=("clear_inductor_cache",))),
-    lambda: shellcmd.wrapper_script(spec()),
-    lambda: shellcmd.list_script("/r'uns"),
-    lambda: shellcmd.probe_script("/r/x-20260101T000000-abcd"),
-    lambda: shellcmd.tail_start_script("/r/x", 5),
-    lambda: shellcmd.tail_chunk_script("/r/x", 10),
-    lambda: shellcmd.stop_script("/r", "x-20260101T000000-abcd", 2.5),
-    lambda: shellcmd.runs_of_holders_script("~/r", [(12, 99), (34, 100)]),
-    lambda: shellcmd.mark_ended_stopped_script("~/r", ["x-20260101T000000-abcd"]),
+    lambda: launch_scripts.launch_script(spec(pre=("clear_inductor_cache",))),
+    lambda: launch_scripts.wrapper_script(spec()),
+    lambda: read_scripts.list_script("/r'uns"),
+    lambda: read_scripts.probe_script("/r/x-20260101T000000-abcd"),
+    lambda: read_scripts.tail_start_script("/r/x", 5),
+    lambda: read_scripts.tail_chunk_script("/r/x", 10),
+    lambda: stop_scripts.stop_script("/r", "x-20260101T000000-abcd", 2.5),
+    lambda: stop_scripts.runs_of_holders_script("~/r", [(12, 99), (34, 100)]),
+    lambda: stop_scripts.mark_ended_stopped_script("~/r", ["x-20260101T000000-abcd"]),
 ])
 def test_every_script_is_valid_bash(build):
     done = subprocess.run(["bash", "-n", "-c", build()], capture_output=True, text=True)
@@ -120,7 +120,7 @@ def test_stop_grace_is_wall_clock_time_however_slow_each_round(tmp_path):
     try:
         assert job.stdout.readline() == b"up\n"  # its trap is set
         t0 = time.monotonic()
-        done = subprocess.run(["bash", "-c", shellcmd.stop_script(str(tmp_path / "runs"), rid, 2.0)],
+        done = subprocess.run(["bash", "-c", stop_scripts.stop_script(str(tmp_path / "runs"), rid, 2.0)],
                               env={**os.environ, "PATH": f"{slow}:{os.environ['PATH']}"}, capture_output=True,
                               text=True, timeout=120)
         took = time.monotonic() - t0
@@ -140,7 +140,7 @@ def test_home_relative_paths_expand_on_the_remote_side_in_quoted_pieces():
     out = subprocess.run(["bash", "-c", f"printf %s {shellcmd.path_word('~/it' + chr(39) + 's $(id)')}"],
                          capture_output=True, text=True, env={"HOME": "/h o"}, check=True).stdout
     assert out == "/h o/it's $(id)"
-    assert 'RUNS="$HOME"/dflash-runs\n' in shellcmd.list_script("~/dflash-runs")
+    assert 'RUNS="$HOME"/dflash-runs\n' in read_scripts.list_script("~/dflash-runs")
 
 
 def test_a_home_relative_run_dir_reaches_the_job_as_the_wrappers_first_argument():
@@ -148,7 +148,7 @@ def test_a_home_relative_run_dir_reaches_the_job_as_the_wrappers_first_argument(
     s = RunSpec(run_id=rid, name="r1", runbook="rb", argv=("python3", f"--out=~/runs/{rid}/x y", "~/runs"),
                 workdir="~/code", env=(("CKPT", f"~/runs/{rid}"),), pre=(), runs_dir="~/runs", host="h", ct=None,
                 liveness=Liveness())
-    wrapped = _wrapped(shellcmd.launch_script(s))
+    wrapped = _wrapped(launch_scripts.launch_script(s))
     assert "export CKPT=\"$1\"\n" in wrapped and "cd -- \"$HOME\"/code && python3 " in wrapped
     words = wrapped[wrapped.index("python3 "):wrapped.index("\nrc=$?")]
     got = subprocess.run(["bash", "-c", f"printf '%s\\0' {words}", "dflash-run", "/abs/run dir"],
@@ -184,7 +184,7 @@ def test_gpu_resets_runs_of_holders_are_found_by_marker_start_time_and_plain_nam
     try:
         listed = [(procs[n].pid, _starttime(procs[n].pid)) for n in (held, "evil")]
         listed.append((procs[reused].pid, _starttime(procs[reused].pid) + 1))
-        done = subprocess.run(["bash", "-c", shellcmd.runs_of_holders_script(str(runs), listed)],
+        done = subprocess.run(["bash", "-c", stop_scripts.runs_of_holders_script(str(runs), listed)],
                               capture_output=True, text=True, timeout=60)
     finally:
         for p in procs.values():
@@ -211,7 +211,7 @@ def test_gpu_reset_marks_only_runs_that_ended_without_an_exit_code(tmp_path):
         if exit_code is not None:
             (d / "exit_code").write_text(exit_code + "\n")
     try:
-        done = subprocess.run(["bash", "-c", shellcmd.mark_ended_stopped_script(str(runs), list(ids.values()) +
+        done = subprocess.run(["bash", "-c", stop_scripts.mark_ended_stopped_script(str(runs), list(ids.values()) +
                                                                                 ["gone-20260101T000000-abcd"])],
                               capture_output=True, text=True, timeout=60)
     finally:
