@@ -25,13 +25,22 @@ from dflash_ops.spec import CT_BASE_ENV, Target
 q = shlex.quote
 RUN_ID_GLOB = "-" + "[0-9]" * 8 + "T" + "[0-9]" * 6 + "-" + "[0-9a-f]" * 4
 
-# Shared helpers. A run is alive when its recorded pid (the wrapper: group leader) is not a zombie and carries
-# the marker (wire.MARKER_VAR=<run id>) in /proc/<pid>/environ: a reused pid never matches (zombies have no environ).
-# Every process that carries the marker belongs to the run, whatever its group or session (a child that called
-# setsid keeps it): `dflash_procs` finds them all, also for a run whose directory was deleted; `stop` signals
-# them and the wrapper's group, and launches are refused while any lives.
+# Shared helpers. A run is alive when its recorded pid (the wrapper: group leader) is not a zombie, runs as the
+# user this script runs as (real and effective uid), and carries the marker (wire.MARKER_VAR=<run id>) as one
+# whole entry of /proc/<pid>/environ: a reused pid never matches (zombies have no environ). Every such process
+# belongs to the run, whatever its group or session (a child that called setsid keeps it): `dflash_procs` finds
+# them all, also for a run whose directory was deleted; `stop` signals them and the wrapper's group, and launches
+# are refused while any lives. An environment is any process's to write: it is read split at NULs only (a value
+# may hold newlines), a run id must have a run id's shape, and another user's process is never the run's.
 _PRELUDE = r"""set -u
-dflash_marked() { grep -qzxF -- "__MARKER__=$2" "/proc/$1/environ" 2>/dev/null; }
+dflash_mine() {
+  local k r e _
+  while read -r k r e _; do [ "$k" = Uid: ] && { [ "$r" = "$EUID" ] && [ "$e" = "$EUID" ]; return; }; done \
+    2>/dev/null < "/proc/$1/status"
+  return 1
+}
+dflash_is_id() { local re='__RUN_ID_ERE__'; [[ $1 =~ $re ]]; }
+dflash_marked() { dflash_mine "$1" && grep -qzxF -- "__MARKER__=$2" "/proc/$1/environ" 2>/dev/null; }
 dflash_group_alive() {
   local s line f p
   dflash_marked "$1" "$2" && return 0
@@ -48,18 +57,21 @@ dflash_group_alive() {
 # __RUN_DIR_VAR__ is "$RUNS/<its run id>", or, for a run started without that variable, when that directory
 # exists. One grep reads every environ; zombies and kernel threads have none.
 dflash_procs() {
-  local line pid kv f
+  local rec pid kv line f
   local -A id=() dir=()
-  while IFS= read -r line; do
-    pid=${line#/proc/}; pid=${pid%%/*}; kv=${line#*/environ:}
+  # one record per NUL: "/proc/<pid>/environ:<entry>", the entry whole, newlines and all
+  while IFS= read -r -d '' rec; do
+    pid=${rec#/proc/}; pid=${pid%%/*}; kv=${rec#/proc/"$pid"/environ:}
+    case $pid in ''|*[!0-9]*) continue;; esac
     case $kv in
       __MARKER__=*) id[$pid]=${kv#__MARKER__=} ;;
       __RUN_DIR_VAR__=*) dir[$pid]=${kv#__RUN_DIR_VAR__=} ;;
     esac
-  done < <(grep -Hazx -e '__MARKER__=.*' -e '__RUN_DIR_VAR__=.*' /proc/[0-9]*/environ 2>/dev/null \
-           | tr '\0' '\n')
+  done < <(grep -Hazx -e '__MARKER__=.*' -e '__RUN_DIR_VAR__=.*' /proc/[0-9]*/environ 2>/dev/null)
   [ "${#id[@]}" -gt 0 ] || return 0    # bash < 4.4 calls an empty "${!id[@]}" unbound under set -u
   for pid in "${!id[@]}"; do
+    dflash_is_id "${id[$pid]}" || continue
+    dflash_mine "$pid" || continue
     if [ -n "${dir[$pid]-}" ]; then [ "${dir[$pid]}" = "$RUNS/${id[$pid]}" ] || continue
     else [ -d "$RUNS/${id[$pid]}" ] || continue; fi
     read -r line < "/proc/$pid/stat" 2>/dev/null || continue
@@ -102,7 +114,10 @@ def _filled(template: str, **words: str) -> str:
     return template
 
 
-PRELUDE = _filled(_PRELUDE, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR, STATE=wire.STATE, KEPT=wire.KEPT,
+# names.RUN_ID_RE as a POSIX extended regex, anchored: what a run id read from a remote file or environment must be
+RUN_ID_ERE = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9]{8}T[0-9]{6}-[0-9a-f]{4}$"
+PRELUDE = _filled(_PRELUDE, RUN_ID_ERE=RUN_ID_ERE, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR,
+                  STATE=wire.STATE, KEPT=wire.KEPT,
                   STOPPED=wire.STOPPED_PREFIX, STOP_EXITS="|".join(map(str, wire.STOP_EXITS)))
 # The lines that end a script whose run dir `$D` is not there, or print the time on the target.
 NO_RUN_DIR = f'[ -d "$D" ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n'

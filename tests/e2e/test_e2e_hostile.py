@@ -3,11 +3,14 @@ environment value arrives byte-exact, nothing in them is ever executed, and inva
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 import pytest
 
 from e2e_bed import hostile_values, wait_for
+from support import procfs
 
 pytestmark = pytest.mark.ssh
 CONTAINERS = 1
@@ -57,3 +60,46 @@ def test_hostile_container_ids_and_hosts_are_refused(bed):
         done = bed.cli("runs", "--host", host, "--ct", "300")
         assert done.returncode == 2 and done.stderr.startswith(b"error: unknown host"), (host, done.stderr)
     assert not c.exists()
+
+
+def _spawn(ct, *argv: str, user: int | None = None) -> int:
+    """Start `argv` detached inside `ct` (as uid/gid `user` if given); its host pid."""
+    if user is not None:
+        argv = ("setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv)
+    done = ct.pct_exec("bash", "-c", 'setsid "$@" >/dev/null 2>&1 </dev/null & echo "$!"', "spawn", *argv)
+    assert done.returncode == 0, done.stderr
+    host = ct.host_pid(int(done.stdout.strip()))
+    assert host is not None and procfs.is_alive(host)
+    return host
+
+
+def test_stop_signals_only_this_users_processes_that_carry_the_marker_exactly(bed):
+    """Any process in the container can put what it likes in its environment: a value with a newline that, read
+    line by line, names another process as the run's (`x\n/proc/<victim>/environ:DFLASH_OPS_RUN_ID=<run id>`), or
+    the run's exact marker under another uid. `stop` signals neither the named process nor the other user's."""
+    ct = bed.container(0)
+    doc = bed.launch(ct.ctid, "--gate", str(bed.gate("forged-marker")), name="forged")
+    rid = doc["run_id"]
+    runs_dir = bed.tb.runs_dirs[ct.ctid]
+    victim = _spawn(ct, "sleep", "300")
+    strangers = [
+        _spawn(ct, "env", f"DFLASH_OPS_RUN_ID=x\n/proc/{ct.container_pid(victim)}/environ:DFLASH_OPS_RUN_ID={rid}",
+               "sleep", "300"),
+        _spawn(ct, "env", f"DFLASH_OPS_RUN_ID={rid}", f"DFLASH_OPS_RUN_DIR={runs_dir}/{rid}", "sleep", "300",
+               user=65534)]
+    try:
+        job = ct.host_pid(doc["pid"])
+        done = bed.cli("stop", rid, *bed.target(ct.ctid), "--now")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: not procfs.is_alive(job), "the run's own job to be killed")
+        assert procfs.is_alive(victim), "stop killed a process named by a forged environment entry"
+        assert all(procfs.is_alive(p) for p in strangers), "stop killed another user's process"
+        [run] = [r for r in bed.runs(ct.ctid) if r["run_id"] == rid]
+        assert run["state"] == "killed" and run["procs"] == 0, run
+    finally:
+        for p in [victim, *strangers]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from dflash_ops import wire
+from dflash_ops import names, wire
 from dflash_ops.runs import launch_scripts, read_scripts, shellcmd, stop_scripts
 from dflash_ops.spec import Container, Host, Liveness, RunSpec, Target
 
@@ -38,6 +39,16 @@ def _wrapped(script: str) -> str:
                          "nohup", "setsid", "bash", "-c"]
     assert words[7:] == ["dflash-run", "$PWD", ">>output.log", "2>&1", "</dev/null", "9>&-", "&"]  # $1: the run dir
     return words[6]
+
+
+@pytest.mark.parametrize("text", ["r1-20260101T000000-abcd", "a.b_c-d-20261203T235959-0f9e", "a" * 64 + "-20260101T000000-abcd",
+                                  "a" * 65 + "-20260101T000000-abcd", "-x-20260101T000000-abcd", "r1", "r1-20260101T000000-ABCD",
+                                  "x\nr1-20260101T000000-abcd", "r1-20260101T000000-abcd\n", "a b-20260101T000000-abcd"])
+def test_the_remote_run_id_rule_is_the_run_id_rule(text):
+    """What the scripts accept as a run id (read from an environment or a directory name) is what names accepts."""
+    assert (re.fullmatch(shellcmd.RUN_ID_ERE.strip("^$"), text) is not None) == names.is_run_id(text)
+    done = subprocess.run(["bash", "-c", shellcmd.PRELUDE + 'dflash_is_id "$1"', "-", text])
+    assert (done.returncode == 0) == names.is_run_id(text)
 
 
 def test_two_parses_give_back_the_pct_argv_and_the_script():
