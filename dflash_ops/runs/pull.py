@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ class Pulled:
     links: tuple[str, ...] = ()        # symbolic links in the selection, left out (never followed)
 
 
+STAGE_PREFIX = ".dflash-pull."     # a private directory beside a destination, one per file being fetched
 PULL_STAGE_DIR = "/var/tmp"     # on a Proxmox host (disk, not tmpfs): one file at a time, removed after it
 
 
@@ -92,13 +94,18 @@ def _taken(dest: Path) -> bool:
 
 
 def _fetch_checked(s: Session, source: str, f: RemoteFile, dest: Path) -> None:
-    """Fetch into a hidden temp file beside `dest`, check size and SHA-256, then rename it into place."""
+    """Fetch into a staging file, check size and SHA-256, then rename it into place. The staging file is created
+    exclusively (never through a link, mode 0600) in a private directory of its own made beside `dest` (so the
+    rename stays on one file system): nothing planted in the destination can be written through, no file of the
+    run is taken for a staging file, and the staging name adds nothing to the length of `dest`'s name."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest.parent))
     except OSError as exc:
-        raise OpsError(f"cannot create {dest.parent}: {exc.strerror or exc}") from None
-    part = dest.with_name(f".{dest.name}.dflash-pull")
+        raise OpsError(f"cannot create a staging directory in {dest.parent}: {exc.strerror or exc}") from None
+    part = stage / "part"
     try:
+        os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         got = s.transport.fetch(source, part, f.size)
         if got != f.sha256:
             raise RemoteFailed(f"{f.rel}: SHA-256 {got} of the bytes fetched is not the listed {f.sha256} "
@@ -110,8 +117,9 @@ def _fetch_checked(s: Session, source: str, f: RemoteFile, dest: Path) -> None:
     finally:
         try:
             part.unlink(missing_ok=True)
+            stage.rmdir()
         except OSError:
-            pass     # it was never created (its name is what failed): the error above says so
+            pass     # what failed here is said by the error above
 
 
 def _pull_stage(s: Session) -> str:

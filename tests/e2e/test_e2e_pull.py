@@ -1,7 +1,7 @@
 """`pull` over real SSH: from an emulated container (pct pull on the Proxmox host, then SFTP on the same
 connection) and from a plain SSH host (SFTP), every file checked by size and SHA-256, nothing overwritten without
 --force, nothing followed out of the run dir, host keys checked. ct0: the export and friends, ct1: a live log,
-ct2: links and odd names where pct pull would follow them."""
+ct2: links and odd names where pct pull would follow them, ct3: names a staging file could collide with."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +13,7 @@ import pytest
 from e2e_bed import wait_for
 
 pytestmark = pytest.mark.ssh
-CONTAINERS = 3
+CONTAINERS = 4
 
 
 def sha(path) -> str:
@@ -53,7 +53,7 @@ def test_pull_export_from_a_container_checks_every_file_and_never_overwrites(bed
     assert forced.returncode == 0, forced.stderr
     assert (to / "export" / "config.json").read_bytes() == (run_dir / "export" / "config.json").read_bytes()
     assert b"sizes and SHA-256 checked" in forced.stderr
-    assert [p for p in to.rglob(".*dflash-pull")] == []     # no temp file left beside the results
+    assert [p for p in to.rglob("*dflash-pull*")] == []     # no staging file or directory left behind
 
     # the newest checkpoint is step_10, not the lexically last step_2; the metrics file; the default --to
     ckpt = bed.cli("pull", doc["run_id"], *bed.target(ctid), "--what", "ckpt", "--to", str(tmp_path / "c"), "--json")
@@ -132,3 +132,36 @@ def test_pull_from_a_container_never_follows_a_link_and_refuses_a_newline_name(b
                                                     "nothing was pulled")
     assert not (tmp_path / "e").exists()
     assert [p for p in os.listdir("/var/tmp") if p.startswith("dflash-pull.")] == []
+
+
+def test_pull_stages_privately_so_nothing_planted_is_written_through_and_every_name_pulls(bed, tmp_path):
+    """Each file is fetched into a staging file created exclusively in a private directory beside its destination,
+    then renamed into place: a link planted where a staging file could go is never written through nor moved into
+    place, a run's file named like a staging file pulls like any other, and so does a name of 255 bytes."""
+    ctid = bed.ct(3)
+    doc = bed.launch(ctid, "--export", "4", name="staged")
+    run_dir = bed.tb.runs_dirs[ctid] / doc["run_id"]
+    wait_for((run_dir / "exit_code").exists, "the job to write its files and end")
+
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    to = tmp_path / "log"
+    to.mkdir()
+    os.symlink(victim, to / ".output.log.dflash-pull")
+    done = bed.cli("pull", "staged", *bed.target(ctid), "--what", "log", "--to", str(to))
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "mine\n"
+    assert not (to / "output.log").is_symlink()
+    assert (to / "output.log").read_bytes() == (run_dir / "output.log").read_bytes()
+
+    extra = ["a", ".a.dflash-pull", "L" * 255]
+    for name in extra:
+        (run_dir / "export" / name).write_bytes(f"the bytes of {name}\n".encode())
+    to = tmp_path / "e"
+    done = bed.cli("pull", "staged", *bed.target(ctid), "--to", str(to), "--json")
+    assert done.returncode == 0, done.stderr
+    pulled = sorted(f["path"] for f in json.loads(done.stdout)["files"])
+    assert all(f"export/{name}" in pulled for name in extra), pulled
+    for rel in pulled:
+        assert (to / rel).read_bytes() == (run_dir / rel).read_bytes(), rel
+    assert sorted(p.name for p in (to / "export").iterdir()) == sorted(p.split("/")[1] for p in pulled)
