@@ -19,6 +19,7 @@ import shlex
 from dataclasses import dataclass, replace
 
 from dflash_ops import metrics_line, names, wire
+from dflash_ops.errors import RemoteFailed
 from dflash_ops.gpus import facts, scripts
 from dflash_ops.runs import parse, read_scripts, shellcmd
 from dflash_ops.spec import PROXMOX, RUNNING, Container, Host, RunStatus, Target
@@ -82,7 +83,7 @@ def target_script(runs_dir: str) -> str:
     return (read_scripts.list_script(runs_dir) +
             f"printf '{wire.PIDNS} %s\\n' \"$(readlink /proc/self/ns/pid 2>/dev/null)\"\n"
             f'for d in "$RUNS"/*{shellcmd.RUN_ID_GLOB}; do\n'
-            '  [ -d "$d" ] || continue\n'
+            + read_scripts.RUN_DIR_ONLY +
             f"  printf '{wire.MLINES} %s\\n' \"${{d##*/}}\"\n"
             f'  tail -c {LOG_WINDOW_BYTES} -- "$d/output.log" 2>/dev/null'
             f" | grep -a -e {q(metrics_line.GREP_PATTERN)} | tail -n 2 | sed 's/^/M /'\n"
@@ -112,7 +113,7 @@ def host_script(targets: list[Target], gpu: GpuSettings, *, part_timeout_s: int 
 
 def _sections(text: str) -> list[tuple[list[str], list[str]]]:
     out: list[tuple[list[str], list[str]]] = []
-    for line in text.splitlines():
+    for line in text.split("\n"):    # only a newline ends a line: a log line may hold any other line break
         if line.startswith(SECTION):
             out.append((line[len(SECTION):].split(), []))
         elif out:
@@ -159,7 +160,10 @@ def parse_host(text: str, host: Host, targets: list[Target], *,
             i, rc = int(head[1]), int(head[2]) if names.is_digits(head[2]) else -1
             rcs[i] = rc
             if rc == 0:
-                per_target[i] = _target_runs(body, targets[i].runs_dir)
+                try:
+                    per_target[i] = _target_runs(body, targets[i].runs_dir)
+                except RemoteFailed as exc:
+                    errors[i] = exc.message
         elif head[0] == "err" and len(head) == 2:
             i = int(head[1])
             if rcs.get(i, 0) != 0:
@@ -209,7 +213,6 @@ def query_host(host: Host, targets: list[Target], gpu: GpuSettings, *,
                part_timeout_s: int = PART_TIMEOUT_S, transport=None) -> HostStatus:
     """One connection, one command. Raises OpsError (HostUnreachable, AuthFailed, ...) when the host fails.
     `transport`: an open one to `host` to use (and leave open), else one is made and closed."""
-    from dflash_ops.errors import RemoteFailed
     from dflash_ops.ssh.transport import for_host
 
     t = transport or for_host(host)

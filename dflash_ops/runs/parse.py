@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from dflash_ops import names, wire
+from dflash_ops.errors import RemoteFailed
 from dflash_ops.multinode import record
 from dflash_ops.spec import EXITED, KILLED, LOST, RUNNING, STOPPED, RunStatus
 
@@ -87,11 +88,17 @@ def updated(run: RunStatus, raw: RawState, now: float, procs: int | None = None,
                    stopped_step=kept_step if state == STOPPED else None)
 
 
+def lines(text: str) -> list[str]:
+    """`text` split at newlines only: what a script prints is one line per newline, whatever other line breaks
+    (a carriage return, U+2028) a value read from a log or a file carries."""
+    return text.split("\n")
+
+
 def kept_steps(text: str) -> dict[str, int]:
     """`DFLASH_KEPT <run id> <json>` lines -> run id -> the step of the checkpoint it stopped at (a line whose JSON
     names no step is none)."""
     steps = {}
-    for line in text.splitlines():
+    for line in lines(text):
         words = line.split(" ", 2)
         if len(words) != 3 or words[0] != wire.KEPT or not names.is_run_id(words[1]):
             continue
@@ -105,7 +112,7 @@ def kept_steps(text: str) -> dict[str, int]:
 
 
 def now_line(text: str) -> float | None:
-    for line in text.splitlines():
+    for line in lines(text):
         if line.startswith(wire.NOW + " "):
             try:
                 return float(line.split()[1])
@@ -117,7 +124,7 @@ def now_line(text: str) -> float | None:
 def proc_lines(text: str) -> dict[str, list[tuple[int, int]]]:
     """`DFLASH_PROC <pid> <run id> <sid>` lines (the marked processes, dflash_procs) -> run id -> [(pid, sid)]."""
     procs: dict[str, list[tuple[int, int]]] = {}
-    for line in text.splitlines():
+    for line in lines(text):
         words = line.split()
         if (len(words) == 4 and words[0] == wire.PROC and names.is_digits(words[1])
                 and names.is_digits(words[3]) and names.is_run_id(words[2])):
@@ -134,26 +141,35 @@ def orphan(run_id: str, procs: list[tuple[int, int]], now: float, runs_dir: str)
                      ended_at=None, now=now, run_dir=f"{runs_dir}/{run_id}", procs=len(procs), dir_missing=True)
 
 
+_LISTING_TAGS = (wire.NOW, wire.PROC, wire.KEPT)   # read above, by their own parsers
+
+
 def run_list(text: str, runs_dir: str) -> list[RunStatus]:
     """Output of `list_script` -> statuses, oldest first (run ids sort by their UTC stamp); runs whose directory
-    is gone but whose processes live are listed too (see `orphan`)."""
+    is gone but whose processes live are listed too (see `orphan`). A line outside the listing's protocol (an
+    unknown tag, a state line that does not parse, a run.json line not right after a state line) is RemoteFailed:
+    the listing is refused whole rather than read as something else."""
     now = now_line(text) or 0.0
     procs = proc_lines(text)
     kept = kept_steps(text)
     out: list[RunStatus] = []
     pending: RawState | None = None
-    for line in text.splitlines():
-        raw = state_line(line)
+    for line in lines(text):
+        tag = line.split(" ", 1)[0]
+        raw = state_line(line) if tag == wire.STATE else None
         if raw is not None:
             pending = raw
-        elif line.startswith(wire.RUN_JSON) and pending is not None:
+            continue
+        if tag == wire.RUN_JSON and pending is not None:
             try:
                 meta = json.loads(line[len(wire.RUN_JSON):].strip() or "{}")
             except json.JSONDecodeError:
                 meta = {}
             found = status(pending, meta if isinstance(meta, dict) else {}, now, runs_dir, kept.get(pending.run_id))
             out.append(replace(found, procs=len(procs.pop(found.run_id, []))))
-            pending = None
+        elif line and tag not in _LISTING_TAGS:
+            raise RemoteFailed(f"the runs listing has a line outside its protocol: {line[:120]!r}")
+        pending = None
     out += [orphan(run_id, ps, now, runs_dir) for run_id, ps in procs.items()]
     return sorted(out, key=lambda s: (names.RUN_ID_RE.fullmatch(s.run_id).group("stamp"), s.started_at or 0, s.run_id))
 

@@ -17,13 +17,19 @@ def procs_script() -> str:
     return PRELUDE + PROC_LINES
 
 
+# In a loop over "$RUNS"/*: skip what is not a run directory. Only a name with a run id's shape (no space, no
+# newline) is one: any other name could print lines of its own into a listing.
+RUN_DIR_ONLY = '  [ -d "$d" ] && dflash_is_id "${d##*/}" || continue\n'
+
+
 def list_script(runs_dir: str) -> str:
-    """Every run dir under `runs_dir`: a DFLASH_RUN state line followed by a DFLASH_JSON line (run.json)."""
+    """Every run dir under `runs_dir` (RUN_DIR_ONLY): a DFLASH_RUN state line followed by a DFLASH_JSON line
+    (run.json on one line), and its DFLASH_KEPT line if it has one."""
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\n"
             + PRINT_NOW + PROC_LINES +
             '[ -d "$RUNS" ] || exit 0\n'
             f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
-            '  [ -d "$d" ] || continue\n'
+            + RUN_DIR_ONLY +
             '  dflash_state "$d"\n'
             f"  printf '{wire.RUN_JSON} '; {{ head -c 65536 -- \"$d/run.json\" 2>/dev/null || true; }} | tr -d '\\n'; echo\n"
             '  dflash_kept "$d"\n'

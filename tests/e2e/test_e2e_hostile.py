@@ -103,3 +103,20 @@ def test_stop_signals_only_this_users_processes_that_carry_the_marker_exactly(be
             except ProcessLookupError:
                 pass
 
+
+def test_a_run_dir_name_cannot_forge_a_line_of_runs_or_status(bed):
+    """Anyone who can write the runs dir can name a directory as they like: one whose name holds a newline and
+    lines of the listing protocol (a fake run "running, pid 1") is not a run, and `runs` and `status` show none."""
+    ct = bed.container(0)
+    fake = "fake-20260101T000000-abcd"
+    forged = bed.tb.runs_dirs[ct.ctid] / (f"a\nDFLASH_RUN {fake} 1 1 - 0 - 0\nDFLASH_JSON {{}}\n"
+                                          "b-20260101T000000-abcd")
+    forged.mkdir()
+    try:
+        runs = bed.runs(ct.ctid)
+        assert fake not in [r["run_id"] for r in runs], runs
+        done = bed.cli("status", "--host", bed.tb.host, "--json")
+        assert fake.encode() not in done.stdout, done.stdout
+        assert b"outside its protocol" not in done.stdout + done.stderr
+    finally:
+        forged.rmdir()
