@@ -60,10 +60,16 @@ def rdzv_address(value: str) -> str:
 
 
 def run_name(value: str) -> str:
-    """Return `value` if it is a valid run name, else raise UsageError."""
+    """Return `value` if it is a valid run name, else raise UsageError. A name with a run id's shape is refused:
+    `stop ID` (and every command taking a run) finds a run by its id or by its name, so a run named after another's
+    id would be found in its place."""
     if not RUN_NAME_RE.fullmatch(value):
         raise UsageError(f"invalid run name {value!r}",
                          hint="use 1-64 characters from A-Z a-z 0-9 . _ - starting with a letter or digit")
+    if is_run_id(value):
+        raise UsageError(f"invalid run name {value!r}: it has the shape of a run id",
+                         hint="a run is found by its id or its name; choose a name without the -YYYYMMDDTHHMMSS-xxxx "
+                              "ending")
     return value
 
 

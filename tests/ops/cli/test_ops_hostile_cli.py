@@ -31,7 +31,9 @@ def test_hostile_args_and_env_round_trip(ops_env, tmp_path):
     assert not canary.exists(), "a hostile value was executed"
 
 
-@pytest.mark.parametrize("name", ["a;b", "../x", "$(id)", "", "-x", "a b", "a\nb", "x" * 65, "caf\u00e9", "a/b"])
+# a run id as a name: `stop <that id>` would find the new run (by its name) in place of the run of that id
+@pytest.mark.parametrize("name", ["a;b", "../x", "$(id)", "", "-x", "a b", "a\nb", "x" * 65, "caf\u00e9", "a/b",
+                                  "job-20260101T000000-ab12"])
 def test_hostile_run_names_exit_2(ops_env, name):
     done = ops_env.cli("launch", "job", "--name", name)
     assert done.exit_code == 2, done.output
