@@ -98,7 +98,8 @@ def list_runs(s: Session) -> list[RunStatus]:
 def find_run(s: Session, ref: str | None) -> RunStatus:
     """`ref` is a run id, a run name (its latest run), or None (the latest run of the target)."""
     check_ref(ref)
-    return pick_run(list_runs(s), ref, s.target)
+    done = s.run(read_scripts.find_script(s.target.runs_dir, ref), "finding the run")
+    return pick_run(parse.run_list(done.out, s.target.runs_dir), ref, s.target)
 
 
 def check_ref(ref: str | None) -> None:
