@@ -85,3 +85,61 @@ def test_stop_by_name_among_many_finished_runs_stops_the_live_one(ops_env):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["run_id"] == live["run_id"]
     assert not ops_env.pid_alive(live["pid"])
+
+
+def _ids(runs: Path) -> set[str]:
+    return {p.name for p in runs.iterdir() if names.is_run_id(p.name)}
+
+
+def test_prune_lists_by_default_and_with_yes_removes_finished_runs_only(ops_env, tmp_path):
+    runs = ops_env.runs_dir
+    live = json.loads(ops_env.sub("launch", "job", "--json", "--", "--hold").stdout)
+    old = [_run(runs, f"old-2026010{i}T000000-000{i}") for i in range(1, 6)]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not a run's")
+    (runs / "lnk-20260101T000000-0009").symlink_to(outside)      # a link is never removed, nor what it points at
+    before = _ids(runs)
+    dry = ops_env.sub("runs", "--prune", "--keep", "1", "--json")
+    assert dry.returncode == 0, dry.stderr
+    listed = json.loads(dry.stdout)
+    assert listed["dry_run"] and set(listed["runs"]) >= set(old[:4]) and old[4] not in listed["runs"]
+    assert live["run_id"] not in listed["runs"] and listed["removed"] == []
+    assert _ids(runs) == before                                   # a dry run removes nothing
+    done = ops_env.sub("runs", "--prune", "--keep", "1", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert _ids(runs) == {live["run_id"], old[4], "lnk-20260101T000000-0009"}
+    assert (outside / "keep.txt").read_text() == "not a run's"
+    assert ops_env.pid_alive(live["pid"])
+
+
+def test_the_prune_script_itself_spares_a_live_run_whatever_it_is_asked(ops_env):
+    from dflash_ops.runs import prune
+
+    live = json.loads(ops_env.sub("launch", "job", "--json", "--", "--hold").stdout)
+    gone = _run(ops_env.runs_dir, "gone-20260101T000000-0001")
+    done = prune.prune(_session(), [live["run_id"], gone, "absent-20260101T000000-0002"])
+    assert done.removed == (gone,) and done.spared == (live["run_id"],)
+    assert (ops_env.runs_dir / live["run_id"]).is_dir() and ops_env.pid_alive(live["pid"])
+
+
+def test_prune_older_than_goes_by_the_time_the_run_ended(ops_env):
+    import os
+    import time
+
+    runs = ops_env.runs_dir
+    ended_long_ago = _run(runs, "a-20260101T000000-0001")
+    recent = _run(runs, "a-20260102T000000-0002")
+    week = time.time() - 8 * 86400
+    os.utime(runs / ended_long_ago / "exit_code", (week, week))
+    done = ops_env.sub("runs", "--prune", "--older-than", "7", "--yes", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["removed"] == [ended_long_ago]
+    assert _ids(runs) == {recent}
+
+
+@pytest.mark.parametrize("argv", [["--keep", "2"], ["--yes"], ["--older-than", "1"],
+                                  ["a-20260101T000000-0001", "--prune"], ["--prune", "--keep", "-1"]])
+def test_prune_options_without_prune_or_with_a_run_are_usage_errors(ops_env, argv):
+    done = ops_env.sub("runs", *argv)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
