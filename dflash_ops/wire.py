@@ -58,6 +58,7 @@ PRE = "DFLASH_PRE"                   # <step> <detail>: a runbook's pre step ran
 CHECKED = "DFLASH_OK"                # the launch would not be refused
 LAUNCHED = "DFLASH_LAUNCHED"         # <pid>: the job started, its pid recorded
 START = "DFLASH_START"               # <byte offset>: where `tail -n N` starts
+OLDER = "DFLASH_OLDER"               # <count>: runs a limited listing left out (neither alive nor newest)
 PRUNED = "DFLASH_PRUNED"             # <run id>: `runs --prune` removed that finished run's directory
 SPARED = "DFLASH_SPARED"             # <run id>: `runs --prune` kept that run: a process of it is alive
 RUN_OF = "DFLASH_RUNOF"              # <run id>: a GPU holder belongs to that run

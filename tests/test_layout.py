@@ -115,7 +115,7 @@ OPS_LAYERS = (
     ("errors", "names", "spec", "wire", "multinode.record", "yamlsrc", "metrics_line", "logview"),
     # pure builders of what is sent and parsers of what comes back, and the configuration they are built from
     ("runs.shellcmd", "runs.launch_scripts", "runs.stop_scripts", "runs.read_scripts", "runs.parse",
-     "runs.manifest", "runs.runbooks", "gpus.facts", "gpus.scripts", "ssh.config",
+     "runs.manifest", "runs.prune", "runs.runbooks", "gpus.facts", "gpus.scripts", "ssh.config",
      "ssh.routing", "inventory", "multinode.rendezvous", "multinode.state"),
     # effects: SSH and local processes, threads over many hosts, the multi-node records on this machine
     ("ssh.transport", "fanout", "multinode.recordfile"),

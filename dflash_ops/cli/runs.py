@@ -15,14 +15,19 @@ KeepOpt = Annotated[Optional[int], typer.Option("--keep", min=0, max=10**9, show
 OlderOpt = Annotated[Optional[float], typer.Option(
     "--older-than", min=0, max=100000, metavar="DAYS", show_default=False,
     help="With --prune: only runs that ended more than DAYS days ago.")]
+LimitOpt = Annotated[int, typer.Option("--limit", min=0, max=10**9, metavar="N",
+                                        help="List the live runs and the newest N others; the older ones are "
+                                             "counted on stderr.")]
+AllOpt = Annotated[bool, typer.Option("--all", help="List every run (reads every run dir: slow with thousands).")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="With --prune: remove them (else only list them).")]
 
 
 def runs(ctx: typer.Context,
          run: Annotated[Optional[str], typer.Argument(help=RUN_HELP)] = None,
          host: HostOpt = None, ct: CtOpt = None, json_out: JsonOpt = False, prune: PruneOpt = False,
-         keep: KeepOpt = None, older_than: OlderOpt = None, yes: YesOpt = False) -> None:
-    """List runs: run id (its name first), state (running, exited N, stopped at
+         keep: KeepOpt = None, older_than: OlderOpt = None, yes: YesOpt = False, limit: LimitOpt = 50,
+         all_runs: AllOpt = False) -> None:
+    """List runs (the live ones and the newest --limit others, or --all): run id (its name first), state (running, exited N, stopped at
     step N, killed, lost), pid, start, duration; sized
     to the terminal (80 columns piped), a run's values wrapped, never cut, when the table does not fit.
 
@@ -54,10 +59,13 @@ def runs(ctx: typer.Context,
             raise typer.Exit(state.exit_code(states))
         session = open_session(ctx, host, ct)
         try:
-            render.runs_table(lifecycle.list_runs(session), target=session.target.label, json_out=json_out,
-                              where=session.target.cli_args)
+            listed, older = (lifecycle.list_runs(session), 0) if all_runs else lifecycle.list_newest(session, limit)
+            render.runs_table(listed, target=session.target.label, json_out=json_out, where=session.target.cli_args)
         finally:
             session.transport.close()
+        if older:
+            render.info(f"and {older} older run(s) not listed: --all lists them, `dflash-ops runs --prune` removes "
+                        "finished ones")
 
 
 def _prune(ctx: typer.Context, host, ct, *, keep: int, older_than: float | None, yes: bool, json_out: bool) -> None:
@@ -71,7 +79,7 @@ def _prune(ctx: typer.Context, host, ct, *, keep: int, older_than: float | None,
     try:
         gone = prune.select(lifecycle.list_runs(session), keep=keep, older_than_days=older_than, now=time.time())
         ids = [r.run_id for r in gone]
-        done = prune.prune(session, ids) if yes and ids else prune.Pruned((), ())
+        done = lifecycle.prune(session, ids) if yes and ids else prune.Pruned((), ())
     finally:
         session.transport.close()
     label, where = session.target.label, session.target.cli_args

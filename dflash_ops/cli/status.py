@@ -106,7 +106,8 @@ class _Finder:
         target = session.target
         session.connect()               # an unreachable host fails here, with the hint that names --host/--ct
         hs = hoststatus.query_host(target.host, [target], hoststatus.GpuSettings.from_env(),
-                                   part_timeout_s=watch.part_timeout_s(self.timeout_s), transport=session.transport)
+                                   part_timeout_s=watch.part_timeout_s(self.timeout_s), transport=session.transport,
+                                   also=ref)    # listed even when older than the finished runs shown
         (there,) = hs.targets
         if there.error is not None:
             raise RemoteFailed(f"listing runs on {there.label} failed: {there.error}",

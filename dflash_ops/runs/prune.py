@@ -1,5 +1,6 @@
-"""`runs --prune`: which finished runs go (PURE `select`), the script that removes them (PURE `prune_script`), and
-the use case (`prune`). A run is removed by its exact, validated id; never a live one."""
+"""PURE `runs --prune`: which finished runs go (`select`), the script that removes them (`prune_script`) and what
+it printed (`pruned`); the use case is lifecycle.prune. A run is removed by its exact, validated id; never a live
+one."""
 
 from __future__ import annotations
 
@@ -66,17 +67,12 @@ class Pruned:
     spared: tuple[str, ...]      # alive when the script looked: kept
 
 
-def prune(s, run_ids: Sequence[str]) -> Pruned:
-    """Remove the run dirs of `run_ids` on the session's target (prune_script), in batches of BATCH."""
-    from dflash_ops.runs import parse
-
+def pruned(text: str) -> Pruned:
+    """What prune_script printed -> the run ids it removed and those it kept alive."""
     removed: list[str] = []
     spared: list[str] = []
-    ids = list(run_ids)
-    for i in range(0, len(ids), BATCH):
-        done = s.run(prune_script(s.target.runs_dir, ids[i:i + BATCH]), "pruning runs", timeout_s=300)
-        for line in parse.lines(done.out):
-            tag, _, rid = line.partition(" ")
-            if names.is_run_id(rid):
-                (removed if tag == wire.PRUNED else spared if tag == wire.SPARED else []).append(rid)
+    for line in text.split("\n"):
+        tag, _, rid = line.partition(" ")
+        if names.is_run_id(rid):
+            (removed if tag == wire.PRUNED else spared if tag == wire.SPARED else []).append(rid)
     return Pruned(tuple(removed), tuple(spared))

@@ -23,20 +23,34 @@ RUN_DIR_ONLY = '  [ -d "$d" ] && dflash_is_id "${d##*/}" || continue\n'
 
 
 # The marked processes, printed as PROC_LINES print them and kept in LIVE["<run id> <pid>"]: a run is alive when
-# its recorded pid is among them (what dflash_state's dflash_marked asks, for every run at once).
-LIVE_MAP = ('declare -A LIVE=()\n'
+# its recorded pid is among them (what dflash_state's dflash_marked asks, for every run at once). LIVE_ID[<run id>]:
+# some process of it lives.
+LIVE_MAP = ('declare -A LIVE=() LIVE_ID=()\n'
             'while read -r p id sid; do\n'
-            f"  printf '{wire.PROC} %s %s %s\\n' \"$p\" \"$id\" \"$sid\"; LIVE[\"$id $p\"]=1\n"
+            f"  printf '{wire.PROC} %s %s %s\\n' \"$p\" \"$id\" \"$sid\"; LIVE[\"$id $p\"]=1; LIVE_ID[$id]=1\n"
             'done < <(dflash_procs)\n')
 
 # One `find` pass for the times and sizes dflash_state reads with a `stat` per run: ENDED_X/ENDED_S[<run id>]
 # (mtime of exit_code / stopped), SIZE[<run id>] (of output.log). Records end at NULs, so no name forges one.
-STAT_MAP = ('declare -A ENDED_X=() ENDED_S=() SIZE=()\n'
+def _stat_map(where: str) -> str:
+    return ('declare -A ENDED_X=() ENDED_S=() SIZE=()\n'
             'while IFS= read -r -d \'\' rec; do\n'
-            '  t=${rec%% *}; rest=${rec#* }; sz=${rest%% *}; p=${rest#* }; id=${p%/*}; t=${t%.*}\n'
+            '  t=${rec%% *}; rest=${rec#* }; sz=${rest%% *}; p=${rest#* }; id=${p%/*}; id=${id##*/}; t=${t%.*}\n'
             '  case ${p##*/} in exit_code) ENDED_X[$id]=$t;; stopped) ENDED_S[$id]=$t;; output.log) SIZE[$id]=$sz;; esac\n'
-            'done < <(find -L "$RUNS"/ -mindepth 2 -maxdepth 2 \\( -name exit_code -o -name stopped -o -name output.log \\)'
-            " -printf '%T@ %s %P\\0' 2>/dev/null)\n")
+            f'done < <(find -L {where} \\( -name exit_code -o -name stopped -o -name output.log \\)'
+            " -printf '%T@ %s %h/%f\\0' 2>/dev/null)\n")
+
+
+STAT_MAP = _stat_map('"$RUNS"/ -mindepth 2 -maxdepth 2')
+# a limited listing: the dirs it shows only (SHOW and LIVE_ID, as NEWEST_MAP leaves them), in "${shown[@]}"
+STAT_MAP_SHOWN = ('shown=()\n'
+                  'declare -A seen=()\n'
+                  'for id in ${SHOW[@]+"${!SHOW[@]}"} ${LIVE_ID[@]+"${!LIVE_ID[@]}"}; do\n'
+                  '  [ -z "${seen[$id]-}" ] && [ -d "$RUNS/$id" ] && { seen[$id]=1; shown+=("$RUNS/$id"); }\n'
+                  'done\n'
+                  'declare -A ENDED_X=() ENDED_S=() SIZE=()\n'
+                  '[ "${#shown[@]}" -gt 0 ] && ' + _stat_map('"${shown[@]}" -mindepth 1 -maxdepth 1')
+                  .split("declare -A ENDED_X=() ENDED_S=() SIZE=()\n", 1)[1])
 
 # dflash_state's line for "$d" from the maps above, with shell builtins only (no process per run).
 STATE_FROM_MAPS = (
@@ -54,20 +68,52 @@ RUN_JSON_LINE = ('  j=; [ -r "$d/run.json" ] && IFS= read -r -d \'\' -N 65536 j 
                  f"  printf '{wire.RUN_JSON} %s\\n' \"${{j//$'\\n'/}}\"\n")
 
 
-def list_script(runs_dir: str) -> str:
+# With a limit: SHOW[<run id>] for the newest "$n" run dirs by stamp and tag (one `sort`), the others counted
+NEWEST_MAP = ('keys=()\n'
+              f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
+              + RUN_DIR_ONLY +
+              '  keys+=("${d: -20} ${d##*/}")\n'
+              'done\n'
+              'declare -A SHOW=()\n'
+              '[ "${#keys[@]}" -gt 0 ] && while read -r _k id; do SHOW[$id]=1; done < '
+              '<(printf \'%s\\n\' "${keys[@]}" | sort | tail -n "$n")\n'
+              'listed=0\n')
+
+
+def _also(ref: str) -> str:
+    """SHOW the run `ref` names: that id, or the newest directory of that name (the glob's order is theirs)."""
+    if names.is_run_id(ref):
+        return f"SHOW[{q(ref)}]=1\n"
+    return (f'c=( "$RUNS"/{q(names.run_name(ref))}{RUN_ID_GLOB} )\n'
+            'for ((i = ${#c[@]} - 1; i >= 0; i--)); do [ -d "${c[i]}" ] && { SHOW[${c[i]##*/}]=1; break; }; done\n')
+
+
+def list_script(runs_dir: str, newest: int | None = None, also: str | None = None) -> str:
     """Every run dir under `runs_dir` (RUN_DIR_ONLY): a DFLASH_RUN state line followed by a DFLASH_JSON line
     (run.json on one line), and its DFLASH_KEPT line if it has one.
 
+    With `newest`: only the runs a process of which lives and the `newest` newest others (plus one per live run,
+    so that the `newest` newest finished runs are among them); the others are counted, unread, on a
+    `DFLASH_OLDER <count>` line. `also`: a run id, or a run name (its newest run), listed however old.
+
     Its cost does not grow by a process per run: one scan of the processes, one `find` for the times and sizes,
     then shell builtins per run (dflash_kept reads a log only for a run that exited on SIGTERM/SIGINT)."""
+    limited = newest is not None
     return (PRELUDE + f"RUNS={path_word(runs_dir)}\n"
             + PRINT_NOW + LIVE_MAP +
             '[ -d "$RUNS" ] || exit 0\n'
-            + STAT_MAP +
+            + (f'n=$(( {int(newest)} + ${{#LIVE_ID[@]}} ))\n' + NEWEST_MAP if limited else "")
+            + (_also(also) if limited and also is not None else "")
+            + (STAT_MAP_SHOWN if limited else STAT_MAP) +
             f'for d in "$RUNS"/*{RUN_ID_GLOB}; do\n'
-            + RUN_DIR_ONLY + STATE_FROM_MAPS + RUN_JSON_LINE +
+            # a limited listing looks a name up before anything else: most are not shown
+            + ('  [ -n "${SHOW[${d##*/}]-}${LIVE_ID[${d##*/}]-}" ] || continue\n' if limited else "")
+            + RUN_DIR_ONLY
+            + ('  listed=$((listed + 1))\n' if limited else "")
+            + STATE_FROM_MAPS + RUN_JSON_LINE +
             '  dflash_kept "$d"\n'
-            "done\n")
+            "done\n"
+            + (f'echo "{wire.OLDER} $(( ${{#keys[@]}} - listed ))"\n' if limited else ""))
 
 
 def find_script(runs_dir: str, ref: str | None) -> str:

@@ -114,11 +114,9 @@ def test_prune_lists_by_default_and_with_yes_removes_finished_runs_only(ops_env,
 
 
 def test_the_prune_script_itself_spares_a_live_run_whatever_it_is_asked(ops_env):
-    from dflash_ops.runs import prune
-
     live = json.loads(ops_env.sub("launch", "job", "--json", "--", "--hold").stdout)
     gone = _run(ops_env.runs_dir, "gone-20260101T000000-0001")
-    done = prune.prune(_session(), [live["run_id"], gone, "absent-20260101T000000-0002"])
+    done = lifecycle.prune(_session(), [live["run_id"], gone, "absent-20260101T000000-0002"])
     assert done.removed == (gone,) and done.spared == (live["run_id"],)
     assert (ops_env.runs_dir / live["run_id"]).is_dir() and ops_env.pid_alive(live["pid"])
 
