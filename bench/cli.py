@@ -67,7 +67,7 @@ def launch_overheads(s, k: int, wait_s: float) -> list[float]:
 
 
 def tail_latencies(s, seconds: float) -> list[float]:
-    from dflash_ops.runs import lifecycle
+    from dflash_ops.runs import follow, lifecycle
 
     spec = lifecycle.plan(s, _book(seconds, 0.2), name="bench-tail")
     launched = lifecycle.launch(s, spec)
@@ -77,7 +77,7 @@ def tail_latencies(s, seconds: float) -> list[float]:
         if line.startswith(b"t="):
             lat.append(time.time() - float(line[2:]))
 
-    lifecycle.follow(s, launched.status, start=0, emit=emit)
+    follow.follow(s, launched.status, start=0, emit=emit)
     return lat
 
 

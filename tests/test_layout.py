@@ -120,8 +120,8 @@ OPS_LAYERS = (
     # effects: SSH and local processes, threads over many hosts, the multi-node records on this machine
     ("ssh.transport", "fanout", "multinode.recordfile"),
     # use cases: they return values and raise OpsError
-    ("runs.lifecycle", "runs.pull", "hoststatus", "gpus.reset", "multinode.fan", "multinode.plan", "multinode.launch",
-     "multinode.watch"),
+    ("runs.lifecycle", "runs.follow", "runs.pull", "hoststatus", "gpus.reset", "multinode.fan", "multinode.plan",
+     "multinode.launch", "multinode.watch"),
     # the commands and their views (one error boundary: cli/_common.py)
     ("cli", "__main__"),
 )

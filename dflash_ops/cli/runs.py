@@ -27,8 +27,8 @@ def runs(ctx: typer.Context,
          host: HostOpt = None, ct: CtOpt = None, json_out: JsonOpt = False, prune: PruneOpt = False,
          keep: KeepOpt = None, older_than: OlderOpt = None, yes: YesOpt = False, limit: LimitOpt = 50,
          all_runs: AllOpt = False) -> None:
-    """List runs (the live ones and the newest --limit others, or --all): run id (its name first), state (running, exited N, stopped at
-    step N, killed, lost), pid, start, duration; sized
+    """List runs (the live ones and the newest --limit others, or --all): run id (its name first), state
+    (running, exited N, stopped at step N, killed, lost), pid, start, duration; sized
     to the terminal (80 columns piped), a run's values wrapped, never cut, when the table does not fit.
 
     With RUN: that run, a row per node (a multi-node run: every node, read at once, and the run's state); exit 0

@@ -57,11 +57,12 @@ def status(ctx: typer.Context,
            host: HostOpt = None, ct: CtOpt = None, watch: WatchOpt = False,
            interval: IntervalOpt = 2.0, json_out: JsonOpt = False, timeout: TimeoutOpt = 15.0) -> None:
     """Runs (state, pid, uptime, exit code, latest step/loss/tokens/s/acc) and GPUs (memory, utilization,
-    holders mapped to runs) of every host and container in scope. Exit 0 when every host answered, else the
-    first failed host's code (69 unreachable, 77 host key/auth).
+    holders mapped to runs) of every host and container in scope. Exit 0 when every host and container answered,
+    else the first failed host's code (69 unreachable, 77 host key/auth), else 69 (a container down).
 
     With RUN: that run alone, a row per node (state, pid, uptime, GPUs; rank 0's metrics) and the run's state
-    (running, exited 0, stopped, failed: the node that failed first, unknown); exit as above, per node."""
+    (running, exited 0, stopped, failed: the node that failed first, unknown); exit as above, per node, else 4
+    when the run failed."""
     from dflash_ops.cli import status_view
 
     with rendered_errors(json_out):
@@ -80,7 +81,7 @@ def status(ctx: typer.Context,
             if last is not None:
                 from dflash_ops.multinode import state
 
-                raise typer.Exit(state.exit_code([r.state for r in last[2]]))
+                raise typer.Exit(state.verdict_code(last[1], [r.state for r in last[2]]))
             return
         pairs = scope(ctx, host, ct)
         last = _show(lambda: collect(pairs, timeout), status_view.report_dict, status_view.report_renderable,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dflash_ops.cli.lines import Cell, as_text, state_style, wrap
-from dflash_ops.errors import OpsError
+from dflash_ops.errors import HostUnreachable, OpsError
 from dflash_ops.fanout import Outcome
 from dflash_ops.gpus import facts
 from dflash_ops.hoststatus import HostStatus, RunRow
@@ -226,8 +226,12 @@ def report_renderable(outcomes: list[Outcome], elapsed_s: float, width: int):
 
 
 def exit_code(outcomes: list[Outcome]) -> int:
-    """0 when every host answered; else the first failed host's exit code (69 unreachable, 77 auth, ...)."""
+    """0 when every host and every target in scope answered; else the first failed host's exit code (69
+    unreachable, 77 auth, ...), else 69 (unreachable) when a target of a host that answered did not (a stopped
+    container: its row says why)."""
     for o in outcomes:
         if isinstance(o.error, OpsError):
             return o.error.exit_code
+    if any(t.error is not None for o in outcomes if o.value is not None for t in o.value.targets):
+        return HostUnreachable.exit_code
     return 0

@@ -35,6 +35,7 @@ def tail(
     """
     from dflash_ops import logview
     from dflash_ops.cli import render
+    from dflash_ops.runs import follow as following
     from dflash_ops.runs import lifecycle
 
     with rendered_errors():
@@ -45,7 +46,7 @@ def tail(
                 session = lifecycle.Session.of(loc.targets[rank])
                 status = lifecycle.find_run(session, loc.run_id)
                 render.info(f"node {rank} of {loc.run_id} ({loc.targets[rank].label}):")
-            start = lifecycle.tail_start(session, status, lines, follow=follow,
+            start = following.tail_start(session, status, lines, follow=follow,
                                          hidden_ere=None if raw else logview.HIDDEN_ERE)
             follow_run(session, status, start=start, keep_following=follow, raw=raw)
         finally:
@@ -58,7 +59,7 @@ def follow_run(session, status, *, start: int, keep_following: bool = True, raw:
     following ends."""
     from dflash_ops import logview
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle
+    from dflash_ops.runs import follow
 
     out = sys.stdout.buffer
 
@@ -69,8 +70,8 @@ def follow_run(session, status, *, start: int, keep_following: bool = True, raw:
             out.flush()
 
     try:
-        final = lifecycle.follow(session, status, start=start, emit=emit, keep_following=keep_following,
-                                 notify=render.info)
+        final = follow.follow(session, status, start=start, emit=emit, keep_following=keep_following,
+                              notify=render.info)
     except KeyboardInterrupt:
         render.info(f"stopped tailing; run {status.run_id} goes on")
         raise typer.Exit(130) from None

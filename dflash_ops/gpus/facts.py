@@ -176,7 +176,7 @@ def _parse_proc_row(cells: list[str]) -> ProcInfo | None:
 def _split_sections(text: str) -> dict[str, list[str]]:
     sections: dict[str, list[str]] = {}
     current = None
-    for line in text.splitlines():
+    for line in text.split("\n"):      # newlines only: a comm may hold any other line break
         if line.startswith("@@"):
             name, _, arg = line[2:].partition(" ")
             current = name

@@ -42,6 +42,7 @@ pids=$({ printf '%s\n' "${apps:-}" | cut -d, -f1; printf '%s\n' "$fds" | cut -d'
 pgs=" "; cands=" $(printf '%s ' $pids)"
 for pid in $pids; do
   stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
+  stat=${stat//$'\n'/ }   # a comm may hold a newline: one process, one line
   nspid=$(grep -m1 '^NSpid:' "/proc/$pid/status" 2>/dev/null | tr '\t' ' ')
   cg=$(tr '\n\t' '| ' < "/proc/$pid/cgroup" 2>/dev/null)
   printf 'P\t%s\t%s\t%s\t%s\t%s\n' "$pid" "$nspid" "$cg" "$(readlink "/proc/$pid/ns/pid" 2>/dev/null)" "$stat"

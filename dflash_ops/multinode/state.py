@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dflash_ops.errors import RunFailed
 from dflash_ops.multinode.record import Node
 from dflash_ops.spec import EXITED, RUNNING, STOPPED, RunStatus
 
@@ -51,3 +52,9 @@ def exit_code(items) -> int:
     """`runs`, `status` and `stop` of a multi-node run: 0 when every node answered, else the first failed node's
     exit code (`items`: NodeState or watch.NodeStopped, in rank order; each has an `exit_code`)."""
     return next((x.exit_code for x in items if x.exit_code), 0)
+
+
+def verdict_code(run: Overall, items) -> int:
+    """`status RUN`: `exit_code(items)` where a node could not be read, else 4 (RunFailed) when the run failed,
+    else 0 (running, exited 0, stopped)."""
+    return exit_code(items) or (RunFailed.exit_code if run.state == "failed" else 0)

@@ -45,6 +45,7 @@ def wrapper_script(spec: RunSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
+PID_RESERVE_BYTES = 24          # the pid file's room, taken before the job starts (a pid has at most 7 digits)
 PID_WAIT_S = 30                 # the wrapper's wait for its pid to be recorded (the launch writes it in ms)
 RC_RESERVE = ".exit_code.reserve"
 RC_RESERVE_BYTES = 32
@@ -135,6 +136,13 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         f" && mv -f -- {rd}/run.json.tmp {rd}/run.json; }} 2>&1) || dflash_fail \"cannot write run.json: ${{err##*: }}\"\n",
         f"err=$({{ printf '\\n%.0s' {{1..{RC_RESERVE_BYTES}}} > {rd}/{RC_RESERVE}; }} 2>&1)"
         f" || dflash_fail \"cannot reserve room for the exit status: ${{err##*: }}\"\n",
+        # The pid file's room is taken now (rewritten in place once the job has its pid), then the log is proven
+        # writable (a line written, then cut away: the log holds the job's bytes alone), so that a disk with room
+        # for the run's files but not for its log starts nothing rather than a job that can never write.
+        f"err=$({{ printf '%{PID_RESERVE_BYTES - 1}s\\n' '' > {rd}/pid.tmp; }} 2>&1)"
+        f" || dflash_fail \"cannot write the pid file: ${{err##*: }}\"\n",
+        f"err=$({{ echo 'log check' > {rd}/output.log && : > {rd}/output.log; }} 2>&1)"
+        f" || dflash_fail \"cannot write the log: ${{err##*: }}\"\n",
         f"cd -- {rd} || dflash_fail 'cannot enter the run dir'\n",
         f"{wire.MARKER_VAR}={q(spec.run_id)} {wire.RUN_DIR_VAR}=\"$RUNS\"/{q(spec.run_id)}"
         f" nohup setsid bash -c {q(wrapper_script(spec))} dflash-run \"$PWD\""
@@ -144,7 +152,9 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         f"i=0; while [ $i -lt 200 ] && kill -0 \"$pid\" 2>/dev/null && ! dflash_marked \"$pid\" {q(spec.run_id)};"
         " do sleep 0.01; i=$((i+1)); done\n",
         # a job whose pid cannot be recorded could not be told from a stranger later: end it (ours, just started)
-        "if ! err=$({ printf '%s\\n' \"$pid\" > pid.tmp && mv -f -- pid.tmp pid; } 2>&1); then\n"
+        # (in place through fd 3: bash sends a `1<>` of a builtin inside `$(...)` to the capture instead)
+        "if ! err=$({ { printf '%s\\n' \"$pid\" >&3; } 3<> pid.tmp && truncate -s $(( ${#pid} + 1 )) -- pid.tmp"
+        " && mv -f -- pid.tmp pid; } 2>&1); then\n"
         '  kill -KILL -- "-$pid" 2>/dev/null\n'
         f'  while read -r p i s; do [ "$i" = {q(spec.run_id)} ] && kill -KILL "$p" 2>/dev/null; done < <(dflash_procs)\n'
         '  dflash_fail "cannot write the pid file: ${err##*: }"\n'
@@ -157,7 +167,6 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
                   f'i=0; while [ $i -lt {tenths} ] && dflash_marked "$pid" {q(spec.run_id)}; do sleep 0.1; i=$((i+1)); done\n',
                   probe_body(spec.run_dir, LOG_TAIL_BYTES)]
     return "".join(parts)
-
 
 
 def rendezvous_script(candidates: Sequence[int], *, find_address: bool = False) -> str:

@@ -100,6 +100,9 @@ def _fetch_checked(s: Session, source: str, f: RemoteFile, dest: Path) -> None:
     run is taken for a staging file, and the staging name adds nothing to the length of `dest`'s name."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OpsError(f"cannot create {dest.parent}: {exc.strerror or exc}") from None
+    try:
         stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest.parent))
     except OSError as exc:
         raise OpsError(f"cannot create a staging directory in {dest.parent}: {exc.strerror or exc}") from None

@@ -36,7 +36,9 @@ def _stat_map(where: str) -> str:
     return ('declare -A ENDED_X=() ENDED_S=() SIZE=()\n'
             'while IFS= read -r -d \'\' rec; do\n'
             '  t=${rec%% *}; rest=${rec#* }; sz=${rest%% *}; p=${rest#* }; id=${p%/*}; id=${id##*/}; t=${t%.*}\n'
-            '  case ${p##*/} in exit_code) ENDED_X[$id]=$t;; stopped) ENDED_S[$id]=$t;; output.log) SIZE[$id]=$sz;; esac\n'
+            '  case ${p##*/} in\n'
+            '    exit_code) ENDED_X[$id]=$t;; stopped) ENDED_S[$id]=$t;; output.log) SIZE[$id]=$sz;;\n'
+            '  esac\n'
             f'done < <(find -L {where} \\( -name exit_code -o -name stopped -o -name output.log \\)'
             " -printf '%T@ %s %h/%f\\0' 2>/dev/null)\n")
 
@@ -61,7 +63,8 @@ STATE_FROM_MAPS = (
     '    read -r ex < "$d/exit_code" || ex=-; case $ex in \'\'|*[!0-9]*) ex=-;; esac; ended=${ENDED_X[$id]--}\n'
     '  fi\n'
     '  if [ -e "$d/stopped" ]; then st=1; [ "$ended" = - ] && ended=${ENDED_S[$id]--}; fi\n'
-    f"  printf '{wire.STATE} %s %s %s %s %s %s %s\\n' \"$id\" \"$alive\" \"$pid\" \"$ex\" \"$st\" \"$ended\" \"${{SIZE[$id]-0}}\"\n")
+    f"  printf '{wire.STATE} %s %s %s %s %s %s %s\\n' \"$id\" \"$alive\" \"$pid\" \"$ex\" \"$st\" \"$ended\""
+    ' "${SIZE[$id]-0}"\n')
 
 # run.json on one line, read with `read -N` (a builtin: no head/tr per run)
 RUN_JSON_LINE = ('  j=; [ -r "$d/run.json" ] && IFS= read -r -d \'\' -N 65536 j < "$d/run.json"\n'

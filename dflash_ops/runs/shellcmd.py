@@ -43,7 +43,7 @@ dflash_mine() {
 # at every call, and listings ask this of every run dir
 dflash_is_id() {
   local n=${1%-*-*} t=${1#"${1%-*-*}"}
-  case $t in -[0123456789][0123456789][0123456789][0123456789][0123456789][0123456789][0123456789][0123456789]T[0123456789][0123456789][0123456789][0123456789][0123456789][0123456789]-[0123456789abcdef][0123456789abcdef][0123456789abcdef][0123456789abcdef]) ;; *) return 1;; esac
+  case $t in __STAMP_TAG__) ;; *) return 1;; esac
   case $n in ''|[!__ALNUM__]*|*[!__ALNUM__._-]*) return 1;; esac
   [ "${#n}" -le 64 ]
 }
@@ -122,9 +122,11 @@ def _filled(template: str, **words: str) -> str:
 
 
 _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+_DIGIT, _HEX = "[0123456789]", "[0123456789abcdef]"
 # names.RUN_ID_RE as a POSIX extended regex, anchored: what a run id read from a remote file or environment must be
 RUN_ID_ERE = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9]{8}T[0-9]{6}-[0-9a-f]{4}$"
-PRELUDE = _filled(_PRELUDE, ALNUM=_ALNUM, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR,
+PRELUDE = _filled(_PRELUDE, ALNUM=_ALNUM, STAMP_TAG="-" + _DIGIT * 8 + "T" + _DIGIT * 6 + "-" + _HEX * 4,
+                  MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR,
                   STATE=wire.STATE, KEPT=wire.KEPT,
                   STOPPED=wire.STOPPED_PREFIX, STOP_EXITS="|".join(map(str, wire.STOP_EXITS)))
 # The lines that end a script whose run dir `$D` is not there, or print the time on the target.

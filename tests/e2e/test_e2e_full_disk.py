@@ -97,7 +97,7 @@ def test_a_run_that_ends_on_a_full_disk_keeps_its_exit_code(small_disk, testbed,
 
 
 def test_a_launch_that_cannot_record_its_pid_never_runs_the_job(small_disk, testbed, tmp_path):
-    """The disk has room for the run dir, run.json, the reserve and the log, but no inode for the pid file. The
+    """The disk has room for the run dir, run.json and the reserve, but no inode for the pid file. The
     job must not run at all: a kill after it started races its forks (here a child that leaves the process group
     at once, as torchrun's ranks do), and a job that ran may have written elsewhere. Launched several times, as a
     race shows itself only sometimes."""
@@ -112,8 +112,8 @@ def test_a_launch_that_cannot_record_its_pid_never_runs_the_job(small_disk, test
     (runs_dir / ".launch.lock").touch()
     st = os.statvfs(small_disk)
     used = st.f_files - st.f_ffree
-    # the run dir, run.json, .exit_code.reserve and output.log; not pid.tmp
-    subprocess.run(["mount", "-o", f"remount,nr_inodes={used + 4}", str(small_disk)], check=True)
+    # the run dir, run.json, .exit_code.reserve; not pid.tmp
+    subprocess.run(["mount", "-o", f"remount,nr_inodes={used + 3}", str(small_disk)], check=True)
     for i in range(5):
         done = _cli(tb, books, "launch", "racer", "--host", tb.host, "--ct", str(ctid), "--name", f"racer{i}")
         assert done.returncode == 1, done.stderr
@@ -122,3 +122,34 @@ def test_a_launch_that_cannot_record_its_pid_never_runs_the_job(small_disk, test
         assert not canary.exists(), "the job ran although its launch failed"
         assert sorted(p.name for p in runs_dir.iterdir()) == [".launch.lock"]
     assert not children.exists()
+
+
+def test_a_launch_with_room_for_its_files_but_not_its_log_starts_nothing(small_disk, testbed, tmp_path):
+    """Room for run.json, the exit status's reserve and the pid file, and not one page more: the job could never
+    write a line of its log. The launch proves the log writable before the job starts: one line saying so (the
+    disk is full), exit 1, nothing left behind, and the job never ran."""
+    tb = testbed(1)
+    ctid, runs_dir = tb.containers[0].ctid, tb.runs_dirs[tb.containers[0].ctid]
+    canary = tmp_path / "ran"                                        # off the small disk
+    books = tmp_path / "runbooks"
+    books.mkdir()
+    job = f"echo ran >> {canary}; echo job started; sleep 300"
+    (books / "quiet.yaml").write_text(f"command: {json.dumps(['bash', '-c', job])}\n"
+                                      'liveness: {wait_s: 0.2, pattern: "job started", timeout_s: 5}\n')
+    (runs_dir / ".launch.lock").touch()
+    filler = small_disk / "filler"
+    fill(filler)
+    os.truncate(filler, filler.stat().st_size - 3 * os.sysconf("SC_PAGE_SIZE"))    # one page per file, none for the log
+    done = _cli(tb, books, "launch", "quiet", "--host", tb.host, "--ct", str(ctid), "--name", "nolog")
+    assert done.returncode == 1, done.stderr
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert error.endswith(f"on {tb.host}/ct{ctid} failed: cannot write the log: No space left on device"), error
+    assert not canary.exists(), "the job ran although its log cannot be written"
+    assert sorted(p.name for p in runs_dir.iterdir()) == [".launch.lock"]
+
+    os.truncate(filler, filler.stat().st_size - os.sysconf("SC_PAGE_SIZE"))       # and now one for the log
+    again = _cli(tb, books, "launch", "quiet", "--host", tb.host, "--ct", str(ctid), "--name", "nolog", "--json")
+    assert again.returncode == 0, again.stderr
+    run = json.loads(again.stdout)
+    assert (runs_dir / run["run_id"] / "output.log").read_bytes() == b"job started\n"
+    assert _cli(tb, books, "stop", run["run_id"], "--host", tb.host, "--ct", str(ctid), "--now").returncode == 0

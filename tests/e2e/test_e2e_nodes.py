@@ -198,10 +198,10 @@ def test_the_nodes_get_one_run_id_and_the_rendezvous_and_status_tail_stop_cover_
     assert human[1].endswith("  gpus 0") and human[3].endswith("  gpus 0"), human
     assert human[2] == "    step 2  loss 3.8000  tok/s 200", human          # rank 0's line; rank 1 prints none
 
-    # Node 1 dies outright. Nothing stops node 0 here: the state says which node failed first, and the run is found
-    # from either node's --host/--ct too.
+    # Node 1 dies outright. Nothing stops node 0 here: the state says which node failed first (exit 4: a script
+    # reads a failed run), and the run is found from either node's --host/--ct too.
     kill_node(bed, 1, run_id)
-    status = cli_json(bed, "status", run_id, "--timeout", "60")
+    status = cli_json(bed, "status", run_id, "--timeout", "60", code=4)
     assert (status["state"], status["first_failed"]) == ("failed", {"rank": 1, "target": labels(bed)[1]})
     assert [n["run"]["state"] for n in status["nodes"]] == ["running", "lost"]
     assert status["state_text"] == f"failed: node 1 ({labels(bed)[1]}) first: lost"

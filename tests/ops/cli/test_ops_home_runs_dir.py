@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from dflash_ops import inventory
-from dflash_ops.runs import lifecycle, runbooks
+from dflash_ops.runs import follow, lifecycle, runbooks
 from dflash_ops.spec import SSH, Host, Target
 from dflash_ops.ssh import transport
 
@@ -50,7 +50,7 @@ def test_home_runs_dir_is_expanded_by_the_remote_shell_for_every_command(ops_env
     got = json.loads(out.read_text())
     assert got["argv"][:2] == ["--run-dir", str(real)] and got["cwd"] == str(real)
     chunks: list[bytes] = []
-    final = lifecycle.follow(s, launched.status, start=0, emit=chunks.append, poll_s=0.02)
+    final = follow.follow(s, launched.status, start=0, emit=chunks.append, poll_s=0.02)
     assert final.state == "exited" and final.exit_code == 0
     assert b"".join(chunks) == (real / "output.log").read_bytes() and (real / "exit_code").read_text() == "0\n"
     [listed] = lifecycle.list_runs(s)

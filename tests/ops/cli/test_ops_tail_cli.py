@@ -10,7 +10,7 @@ import time
 
 from dflash_ops import inventory
 from dflash_ops.errors import HostUnreachable
-from dflash_ops.runs import lifecycle
+from dflash_ops.runs import follow, lifecycle
 from dflash_ops.ssh import transport
 
 
@@ -74,7 +74,7 @@ def test_follow_resumes_at_the_byte_offset_across_drops(ops_env):
     status = next(r for r in lifecycle.list_runs(lifecycle.Session(target, transport.LocalTransport()))
                   if r.run_id == run["run_id"])
     got: list[bytes] = []
-    final = lifecycle.follow(s, status, start=0, emit=got.append, poll_s=0.01, sleep=lambda s: time.sleep(min(s, 0.01)))
+    final = follow.follow(s, status, start=0, emit=got.append, poll_s=0.01, sleep=lambda s: time.sleep(min(s, 0.01)))
     log = (ops_env.run_dirs()[-1] / "output.log").read_bytes()
     assert b"".join(got) == log and len(got) == 61
     assert final.state == "exited" and final.exit_code == 0
@@ -112,7 +112,7 @@ def test_follow_gives_up_after_its_reconnect_budget(ops_env):
     dead = DeadTransport()
     notes: list[str] = []
     with pytest.raises(HostUnreachable):
-        lifecycle.follow(lifecycle.Session(target, dead), status, start=0, emit=lambda line: None,
+        follow.follow(lifecycle.Session(target, dead), status, start=0, emit=lambda line: None,
                          sleep=lambda s: None, reconnect_budget_s=0.3, notify=notes.append)
     assert dead.reconnects >= 1 and len(notes) == 1 and "resuming at byte 0" in notes[0]
 
@@ -156,11 +156,11 @@ def test_tail_n0_of_a_running_run_does_not_cut_the_line_being_written(ops_env, t
         assert time.monotonic() < deadline, log_path.read_bytes()
         time.sleep(0.02)
     s, status = _session_and_status(run["run_id"])
-    start = lifecycle.tail_start(s, status, 0)
+    start = follow.tail_start(s, status, 0)
     assert ops_env.sub("tail", run["run_id"], "-n", "0", "--no-follow").stdout == ""
     gate.write_text("go")
     got: list[bytes] = []
-    final = lifecycle.follow(s, status, start=start, emit=got.append, poll_s=0.02)
+    final = follow.follow(s, status, start=start, emit=got.append, poll_s=0.02)
     assert got == [b"half and done\n", b"last\n"]
     assert final.state == "exited" and final.exit_code == 0
 

@@ -2,6 +2,8 @@
 process groups, the SIGTERM->grace->SIGKILL ladder, and PID mapping across a PID namespace + cgroup `lxc/<ctid>`."""
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -112,3 +114,28 @@ def test_holder_started_through_pct_maps_by_pid_namespace(tmp_path, fake_gpus):
         (holder,) = facts.find_holders(snap)
         assert (holder.pid, holder.ctid, holder.ct_pid) == (pid, 412, ct.container_pid(pid))
         assert holder.ct_pgid == holder.ct_pid and [c for c, _ in snap.ct_pidns] == [412]
+
+
+def test_a_holder_named_with_a_newline_hides_no_other_holder(fake_gpus, holders, tmp_path):
+    """A process names itself (its comm, which /proc/PID/stat carries) as it likes, newlines included: a holder
+    named `x\\n@@END` must not end the probe's section of holders early and hide the holders listed after it."""
+    ready = tmp_path / "named.ready"
+    code = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'x\\n@@END', 0, 0, 0); "
+            "f = open(sys.argv[1], 'rb'); open(sys.argv[2], 'w').close(); time.sleep(120)")
+    named = subprocess.Popen([sys.executable, "-c", code, fake_gpus.dev("nvidia1"), str(ready)],
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the named holder did not start"
+            time.sleep(0.01)
+        parent = holders.start(gpu=2, mib=1024)
+        assert named.pid < parent      # listed first (pids in order), so a forged line would hide the other
+        snap = probe(fake_gpus)
+        procs = {p.pid: p for p in snap.procs}
+        assert parent in procs and named.pid in procs, sorted(procs)
+        assert procs[named.pid].comm == "x @@END"
+        assert {h.pid for h in facts.find_holders(snap)} >= {parent, named.pid}
+    finally:
+        named.kill()
+        named.wait()

@@ -169,8 +169,14 @@ def test_eight_containers_one_connection_with_a_hung_host_and_a_stopped_containe
         human = cli(*base, "status")
         assert human.exit_code == 69 and "hung: UNREACHABLE (unreachable)" in human.stdout
         assert run["run_id"] in human.stdout and "not running" in human.stdout and "GPUs on pve-test" in human.stdout
-        one = json.loads(cli(*base, "status", "--host", tb.host, "--ct", str(ct_run.ctid), "--json").stdout)
+        one = cli(*base, "status", "--host", tb.host, "--ct", str(ct_run.ctid), "--json")
+        assert one.exit_code == 0, one.output
+        one = json.loads(one.stdout)
         assert [(h["host"], [t["ct"] for t in h["targets"]]) for h in one["hosts"]] == [(tb.host, [str(ct_run.ctid)])]
+        # the host answers, but a container in scope is down: 69, whether it is the only one in scope or not
+        down = cli(*base, "status", "--host", tb.host, "--ct", str(ct_stopped.ctid))
+        assert down.exit_code == 69 and f"ct{ct_stopped.ctid}:  unreachable" in down.stdout, down.output
+        assert cli(*base, "status", "--host", tb.host, "--json").exit_code == 69
     finally:
         silent.close()
         _stop(tb.inventory, tb.host, run["run_id"], ct_run.ctid)
@@ -262,4 +268,5 @@ def test_status_shows_the_newest_finished_runs_and_counts_the_others(tmp_path, m
         one = cli("--inventory", str(inv), "status", ref, "--json")
         assert one.exit_code == 0, one.output
         doc = json.loads(one.stdout)
-        assert doc["run_id"] == (made[0] if ref != "old" else made[-1]) and doc["nodes"][0]["run"]["state"] == "exited", doc
+        assert doc["run_id"] == (made[0] if ref != "old" else made[-1]), doc
+        assert doc["nodes"][0]["run"]["state"] == "exited", doc

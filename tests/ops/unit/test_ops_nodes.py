@@ -234,6 +234,15 @@ def test_the_runs_state_names_the_node_that_failed_first():
     assert nodestate.overall(states(late, None)).state == "failed"
 
 
+def test_status_of_a_run_exits_4_when_it_failed_and_with_the_node_error_first():
+    run, done, failed = status("running"), status("exited", 0, 50.0), status("exited", 1, 60.0)
+    cut = status("killed", 143, 70.0, stopped=True)
+    for nodes, code in (((run, run), 0), ((done, done), 0), ((cut, done), 0), ((failed,), 4), ((failed, run), 4),
+                        ((run, None), 69), ((failed, None), 69)):
+        st = states(*nodes)
+        assert nodestate.verdict_code(nodestate.overall(st), st) == code, nodes
+
+
 def test_the_free_port_script_skips_ports_in_use():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
