@@ -6,6 +6,9 @@
   status_wall_s         wall time of N fresh `python -m dflash_ops status --json` processes (`--status-only`
                         skips the sections above; tests/ops/status/testbed_bench.py runs it against 8 emulated
                         containers behind the loopback sshd, with and without a hung host)
+  runs_latency_s        with `--runs N`: wall time of one fresh `dflash-ops runs`, `status`, `tail NAME
+                        --no-follow` and `stop NAME` process each, against N finished runs made in a throwaway
+                        runs dir of the local host (plus one live run of NAME for `stop` to stop)
 
 Against the local transport by default; `--inventory FILE --host H [--ct N]` measures a remote target (the
 tail latency then also contains the clock offset between the two machines).
@@ -101,6 +104,54 @@ def print_status(n: int, inventory: str | None, host: str | None, label: str = "
           f"(n={n}, exit {rc}{', ' + label if label else ''})")
 
 
+def make_finished_runs(runs_dir: Path, n: int, name: str = "old", now: float | None = None) -> list[str]:
+    """`n` finished runs (exit 0, a one-line log) of `name` under `runs_dir`, one a minute back from `now`, as
+    docs/contracts.md section 2 lays a run dir out; their ids, oldest first."""
+    import json
+
+    from dflash_ops import names
+
+    now = time.time() if now is None else now
+    ids = []
+    for i in range(n):
+        started = now - 60 * (n - i)
+        rid = names.new_run_id(name, started, f"{i % 65536:04x}")
+        d = runs_dir / rid
+        d.mkdir(parents=True)
+        (d / "run.json").write_text(json.dumps({"run_id": rid, "name": name, "runbook": "bench", "argv": ["true"],
+                                                "started_at": started}))
+        (d / "pid").write_text("999999999\n")
+        (d / "output.log").write_text("done\n")
+        (d / "exit_code").write_text("0\n")
+        ids.append(rid)
+    return ids
+
+
+def runs_latencies(n: int) -> dict[str, tuple[float, int]]:
+    """Wall seconds and exit code of one fresh `runs`, `status`, `tail old --no-follow`, `stop live` process each,
+    against `n` finished runs (and one live run named `live`) in a throwaway local runs dir."""
+    import os
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    out = {}
+    with tempfile.TemporaryDirectory() as state:
+        env = {**os.environ, "PYTHONPATH": repo, "XDG_STATE_HOME": state}
+        os.environ["XDG_STATE_HOME"] = state
+        from dflash_ops import inventory, spec
+
+        make_finished_runs(Path(spec.local_runs_dir()), n)
+        from dflash_ops.runs import lifecycle
+
+        s = lifecycle.Session.of(spec.Target(inventory.LOCAL_HOST))
+        lifecycle.launch(s, lifecycle.plan(s, _book(120, 0.2), name="live"))
+        for cmd in (["runs"], ["status", "--json"], ["tail", "old", "--no-follow"], ["stop", "live", "--grace", "5"]):
+            t0 = time.perf_counter()
+            rc = subprocess.run([sys.executable, "-m", "dflash_ops", *cmd], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, cwd=state, env=env, timeout=600).returncode
+            out[" ".join(cmd)] = (time.perf_counter() - t0, rc)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--inventory")
@@ -111,7 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wait", type=float, default=1.0, help="liveness wait of the bench launches")
     p.add_argument("--tail-seconds", type=float, default=6.0)
     p.add_argument("--status-only", action="store_true", help="only the status section")
+    p.add_argument("--runs", type=int, metavar="N", help="only the latency of runs/status/tail/stop against N "
+                                                          "finished runs on the local host")
     args = p.parse_args(argv)
+    if args.runs is not None:
+        for cmd, (wall, rc) in runs_latencies(args.runs).items():
+            print(f"runs_latency_s      {wall:7.3f}  dflash-ops {cmd}  (exit {rc}, {args.runs} finished runs)")
+        return
     if args.status_only:
         print_status(args.n, args.inventory, args.host)
         return

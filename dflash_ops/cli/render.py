@@ -34,6 +34,10 @@ def error(exc: OpsError, *, json_out: bool) -> None:
         _err(f"hint: {exc.hint}")
 
 
+def out(text: str) -> None:
+    _out(text)
+
+
 def info(text: str) -> None:
     _err(text)
 

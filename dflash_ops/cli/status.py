@@ -109,7 +109,8 @@ class _Finder:
         target = session.target
         session.connect()               # an unreachable host fails here, with the hint that names --host/--ct
         hs = hoststatus.query_host(target.host, [target], facts.GpuSettings.from_env(),
-                                   part_timeout_s=watch.part_timeout_s(self.timeout_s), transport=session.transport)
+                                   part_timeout_s=watch.part_timeout_s(self.timeout_s), transport=session.transport,
+                                   also=ref)    # listed even when older than the finished runs shown
         (there,) = hs.targets
         if there.error is not None:
             raise RemoteFailed(f"listing runs on {there.label} failed: {there.error}",
@@ -121,7 +122,6 @@ class _Finder:
 def _run_report(loc, timeout: float, *, reuse=None, known=None, t0: float | None = None):
     """`status RUN`'s report maker: (run id, overall state, a row per node, elapsed s). The first report uses
     what `known` holds (the query that found the run, from `t0`); later ones (--watch) ask again."""
-    from dflash_ops import hoststatus
     from dflash_ops.gpus import facts
     from dflash_ops.multinode import state, watch
 

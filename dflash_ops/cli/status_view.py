@@ -59,8 +59,8 @@ def host_dict(o: Outcome) -> dict:
     gpu = ({"available": False, "reason": hs.gpu_error or hs.snapshot.no_gpu_reason, "gpus": []}
            if hs.snapshot is None or hs.snapshot.no_gpu_reason else
            {"available": True, "reason": None, "gpus": gpu_dicts(hs.snapshot, hs.holders, runs)})
-    targets = [{"target": t.label, "ct": t.ct, "error": t.error, "runs": [_run_dict(r) for r in t.runs]}
-               for t in hs.targets]
+    targets = [{"target": t.label, "ct": t.ct, "error": t.error, "runs": [_run_dict(r) for r in t.runs],
+                "finished_hidden": t.finished_hidden} for t in hs.targets]
     return {**base, "reachable": True, "error": None, "gpu": gpu, "targets": targets}
 
 
@@ -159,6 +159,9 @@ def runs_lines(hs: HostStatus, width: int):
             out += wrap(head, width, 4, 8)
             if figures:
                 out += wrap(figures, width, 6, 8)
+        if t.finished_hidden:
+            out += wrap([(f"and {t.finished_hidden} older finished run(s): `dflash-ops runs --all` lists them, "
+                          "`dflash-ops runs --prune` removes them", "dim")], width, 4, 8)
     return out
 
 

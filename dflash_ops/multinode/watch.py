@@ -145,7 +145,7 @@ def status_rows(loc: Located, gpu: GpuSettings, *, timeout_s: float,
         if have is not None and [t.label for t in have.targets] == [loc.targets[i].label for i in by_host[h]]:
             return have
         return hoststatus.query_host(hosts[h], [loc.targets[i] for i in by_host[h]], gpu, part_timeout_s=part,
-                                     transport=reuse if len(by_host) == 1 else None)
+                                     transport=reuse if len(by_host) == 1 else None, also=loc.run_id)
 
     outcomes = together(by_host, query, deadline_s=timeout_s, describe=lambda h: f"host {h}")
     rows: dict[int, NodeRow] = {}

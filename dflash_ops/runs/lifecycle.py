@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from dflash_ops import names, wire
 from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, RunFailed, RunNotFound, UsageError
 from dflash_ops.runs import launch_scripts, parse, read_scripts, shellcmd, stop_scripts
+from dflash_ops.runs import prune as prune_mod
 from dflash_ops.runs.runbooks import run_spec
 from dflash_ops.spec import EXITED, LOCAL, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.ssh.transport import Transport
@@ -94,10 +95,34 @@ def list_runs(s: Session) -> list[RunStatus]:
     return parse.run_list(done.out, s.target.runs_dir)
 
 
+def list_newest(s: Session, newest: int) -> tuple[list[RunStatus], int]:
+    """The runs a process of which lives and the `newest` newest others (read_scripts.list_script's limit), and
+    how many older runs were left out, unread."""
+    done = s.run(read_scripts.list_script(s.target.runs_dir, newest=newest), "listing runs")
+    runs = parse.run_list(done.out, s.target.runs_dir)
+    others = [r for r in runs if prune_mod.finished(r)]      # the live ones are all kept
+    cut = others[:max(0, len(others) - newest)]
+    return [r for r in runs if r not in cut], len(cut) + parse.older_count(done.out)
+
+
+def prune(s: Session, run_ids: list[str]) -> "prune_mod.Pruned":
+    """Remove the run dirs of `run_ids` on the target (prune.prune_script: never a live run), in batches."""
+    removed: list[str] = []
+    spared: list[str] = []
+    for i in range(0, len(run_ids), prune_mod.BATCH):
+        done = s.run(prune_mod.prune_script(s.target.runs_dir, run_ids[i:i + prune_mod.BATCH]), "pruning runs",
+                      timeout_s=300)
+        got = prune_mod.pruned(done.out)
+        removed += got.removed
+        spared += got.spared
+    return prune_mod.Pruned(tuple(removed), tuple(spared))
+
+
 def find_run(s: Session, ref: str | None) -> RunStatus:
     """`ref` is a run id, a run name (its latest run), or None (the latest run of the target)."""
     check_ref(ref)
-    return pick_run(list_runs(s), ref, s.target)
+    done = s.run(read_scripts.find_script(s.target.runs_dir, ref), "finding the run")
+    return pick_run(parse.run_list(done.out, s.target.runs_dir), ref, s.target)
 
 
 def check_ref(ref: str | None) -> None:

@@ -111,6 +111,12 @@ def kept_steps(text: str) -> dict[str, int]:
     return steps
 
 
+def older_count(text: str) -> int:
+    """A limited listing's `DFLASH_OLDER <count>`: the runs it left out (0 without one)."""
+    words = next((ln.split() for ln in lines(text) if ln.startswith(wire.OLDER + " ")), [])
+    return int(words[1]) if len(words) == 2 and names.is_digits(words[1]) else 0
+
+
 def now_line(text: str) -> float | None:
     for line in lines(text):
         if line.startswith(wire.NOW + " "):
@@ -141,7 +147,7 @@ def orphan(run_id: str, procs: list[tuple[int, int]], now: float, runs_dir: str)
                      ended_at=None, now=now, run_dir=f"{runs_dir}/{run_id}", procs=len(procs), dir_missing=True)
 
 
-_LISTING_TAGS = (wire.NOW, wire.PROC, wire.KEPT)   # read above, by their own parsers
+_LISTING_TAGS = (wire.NOW, wire.PROC, wire.KEPT, wire.OLDER)   # read above, by their own parsers
 
 
 def run_list(text: str, runs_dir: str) -> list[RunStatus]:

@@ -38,7 +38,14 @@ dflash_mine() {
     2>/dev/null < "/proc/$1/status"
   return 1
 }
-dflash_is_id() { local re='__RUN_ID_ERE__'; [[ $1 =~ $re ]]; }
+# glob patterns with the characters spelled out (no ranges: no locale widens them), not a regex: a regex is compiled
+# at every call, and listings ask this of every run dir
+dflash_is_id() {
+  local n=${1%-*-*} t=${1#"${1%-*-*}"}
+  case $t in __STAMP_TAG__) ;; *) return 1;; esac
+  case $n in ''|[!__ALNUM__]*|*[!__ALNUM__._-]*) return 1;; esac
+  [ "${#n}" -le 64 ]
+}
 dflash_marked() { dflash_mine "$1" && grep -qzxF -- "__MARKER__=$2" "/proc/$1/environ" 2>/dev/null; }
 dflash_group_alive() {
   local s line f p
@@ -113,9 +120,12 @@ def _filled(template: str, **words: str) -> str:
     return template
 
 
+_ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+_DIGIT, _HEX = "[0123456789]", "[0123456789abcdef]"
 # names.RUN_ID_RE as a POSIX extended regex, anchored: what a run id read from a remote file or environment must be
 RUN_ID_ERE = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9]{8}T[0-9]{6}-[0-9a-f]{4}$"
-PRELUDE = _filled(_PRELUDE, RUN_ID_ERE=RUN_ID_ERE, MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR,
+PRELUDE = _filled(_PRELUDE, ALNUM=_ALNUM, STAMP_TAG="-" + _DIGIT * 8 + "T" + _DIGIT * 6 + "-" + _HEX * 4,
+                  MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR,
                   STATE=wire.STATE, KEPT=wire.KEPT,
                   STOPPED=wire.STOPPED_PREFIX, STOP_EXITS="|".join(map(str, wire.STOP_EXITS)))
 # The lines that end a script whose run dir `$D` is not there, or print the time on the target.

@@ -241,3 +241,32 @@ def test_status_is_readable_at_80_120_and_200_columns_and_piped(tmp_path, gpu_en
         assert "6144 / 143771 MiB" in done.stdout and f"run {run['run_id']}" in done.stdout
     finally:
         _stop(inv, "local", run["run_id"])
+
+
+def test_status_shows_the_newest_finished_runs_and_counts_the_others(tmp_path, monkeypatch):
+    """Finished runs beyond hoststatus.FINISHED_SHOWN are counted, not shown (nor their logs read)."""
+    from dflash_ops import hoststatus
+
+    monkeypatch.setenv("DFLASH_OPS_NVIDIA_SMI", str(tmp_path / "no-such-nvidia-smi"))
+    runs = tmp_path / "runs"
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "runs_dir": str(runs)}}}))
+    made = []
+    for i in range(hoststatus.FINISHED_SHOWN + 5):
+        rid = f"old-20260101T0000{i:02d}-{i:04x}"
+        (runs / rid).mkdir(parents=True)
+        (runs / rid / "output.log").write_text('DFLASH_DONE {"step": 3}\n')
+        (runs / rid / "exit_code").write_text("0\n")
+        made.append(rid)
+    res = cli("--inventory", str(inv), "status", "--json")
+    assert res.exit_code == 0, res.output
+    (target,) = json.loads(res.stdout)["hosts"][0]["targets"]
+    assert [r["run_id"] for r in target["runs"]] == made[5:] and target["finished_hidden"] == 5
+    human = cli("--inventory", str(inv), "status")
+    assert "and 5 older finished run(s)" in human.stdout and made[4] not in human.stdout
+    for ref in (made[0], "old"):                 # a run older than those shown is found by its id; a name: its newest
+        one = cli("--inventory", str(inv), "status", ref, "--json")
+        assert one.exit_code == 0, one.output
+        doc = json.loads(one.stdout)
+        assert doc["run_id"] == (made[0] if ref != "old" else made[-1]), doc
+        assert doc["nodes"][0]["run"]["state"] == "exited", doc

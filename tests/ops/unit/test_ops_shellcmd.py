@@ -45,7 +45,10 @@ def _wrapped(script: str) -> str:
 @pytest.mark.parametrize("text", [
     "r1-20260101T000000-abcd", "a.b_c-d-20261203T235959-0f9e", "a" * 64 + "-20260101T000000-abcd",
     "a" * 65 + "-20260101T000000-abcd", "-x-20260101T000000-abcd", "r1", "r1-20260101T000000-ABCD",
-    "x\nr1-20260101T000000-abcd", "r1-20260101T000000-abcd\n", "a b-20260101T000000-abcd"])
+    "x\nr1-20260101T000000-abcd", "r1-20260101T000000-abcd\n", "a b-20260101T000000-abcd",
+    "\u00e9-20260101T000000-abcd", "a\u00e9-20260101T000000-abcd", "*-20260101T000000-abcd",
+    "r1-20260101T000000-abcd-20260102T000000-0000", "r1-2026010xT000000-abcd", "r1-20260101T000000-abcde",
+    "r1--20260101T000000-abcd", "r1-20260101T000000-ab\u00b2d"])
 def test_the_remote_run_id_rule_is_the_run_id_rule(text):
     """What the scripts accept as a run id (read from an environment or a directory name) is what names accepts."""
     assert (re.fullmatch(shellcmd.RUN_ID_ERE.strip("^$"), text) is not None) == names.is_run_id(text)
