@@ -37,8 +37,9 @@ def test_the_launch_help_example_is_accepted_by_the_trainer(ops_env):
     from trainer import config
 
     done = ops_env.cli("launch", "--help")
-    example = " ".join(done.stdout.split())
-    sets = re.findall(r"--set (\S+)", example.split("Example:", 1)[1])
+    example = " ".join(done.stdout.split()).split("Example:", 1)[1].split("Two nodes:", 1)[0]
+    words = shlex.split(example)  # as the user's shell reads the pasted example
+    sets = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--set"]
     assert sets, example
     recipe = next(a for a in Path(REPO / "runbooks" / "graphwarm.yaml").read_text().split('"') if a in ("gpu",))
     cfg = config.load_config(recipe, sets)           # raises ConfigError on an unknown key (as the trainer would)
