@@ -10,6 +10,7 @@ for: an import loop built on disk, a loop of folders built on disk, and a synthe
 from __future__ import annotations
 
 import ast
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,13 +197,15 @@ def test_the_layering_check_finds_what_it_looks_for():
     assert level["errors"] == 0 and level["cli"] > level["runs"] > level["ssh"] > level["spec"] > level["noderecord"]
 
 
+def write_module(root: Path, rel: str, text: str) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(text)
+
+
 def test_the_folder_check_finds_a_loop_of_folders_on_disk(tmp_path):
     """Two folders importing each other through different modules: no module-level cycle, yet a folder-level one
     (a bottom value importing from a folder above it); gone once the value moves down to a top-level module."""
-    def write(rel: str, text: str) -> None:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
-
+    write = partial(write_module, tmp_path)
     write("pkg/__init__.py", "")
     write("pkg/spec.py", "from pkg.multi.record import Record\n")
     write("pkg/multi/__init__.py", "")
@@ -221,10 +224,7 @@ def test_the_check_finds_an_import_loop_on_disk(tmp_path):
     """The loop bench/step.py <-> bench/step_run.py had (one side's import inside a function), a loop through a
     relative import, and a package __init__ re-exporting its submodules (no loop: the submodules' own imports of the
     package do not count)."""
-    def write(rel: str, text: str) -> None:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
-
+    write = partial(write_module, tmp_path)
     write("pkg/__init__.py", "from pkg.sub import VALUE\n")
     write("pkg/step.py", "def run_child():\n    from pkg.step_run import run_mode\n    return run_mode\n")
     write("pkg/step_run.py", "from pkg import sub\n\n\ndef run_mode():\n    from pkg.step import HEAD_FP8\n")
