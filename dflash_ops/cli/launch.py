@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -17,7 +18,9 @@ def launch(
     host: HostOpt = None,
     ct: CtOpt = None,
     name: Annotated[Optional[str], typer.Option("--name", "-n", help="Run name [default: the runbook name].")] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Continue into `tail` once the run is alive.")] = False,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="Show the log as it comes: the start-up while the run is proven alive, then `tail` "
+                               "on (with --node: `tail` of rank 0 once every node is alive).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact remote command; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Stop a live run of the same name first.")] = False,
     wait: Annotated[Optional[float], typer.Option(
@@ -70,25 +73,36 @@ def launch(
         if dry_run:
             render.dry_run(spec, lifecycle.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
             return
+        echo = lifecycle.LogEcho(_human_out) if follow else None
         try:
-            launched = _launch(session, spec, force=force, wait_s=wait)
+            launched = _launch(session, spec, force=force, wait_s=wait, echo=echo)
             render.launched(launched, json_out=json_out)
-            if follow and launched.status is not None:
+            if echo is not None and launched.status is not None:
                 from dflash_ops.cli.tail import follow_run
 
-                follow_run(session, launched.status, start=0)
+                follow_run(session, launched.status, start=echo.shown)
         finally:
             session.transport.close()
 
 
-def _launch(session, spec, *, force: bool, wait_s: float | None):
+def _human_out(line: bytes) -> None:
+    """One log line on stdout as `tail` shows it (its human view)."""
+    from dflash_ops import logview
+
+    shown = logview.human_line(line)
+    if shown is not None:
+        sys.stdout.buffer.write(shown)
+        sys.stdout.buffer.flush()
+
+
+def _launch(session, spec, *, force: bool, wait_s: float | None, echo=None):
     """lifecycle.launch, saying what it waits for once the job has started; Ctrl-C exits 130 and leaves the run
     alone."""
     from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle
 
     try:
-        return lifecycle.launch(session, spec, force=force, wait_s=wait_s,
+        return lifecycle.launch(session, spec, force=force, wait_s=wait_s, echo=echo,
                                 on_started=lambda pid: render.started(spec, session.target.label, pid, wait_s))
     except KeyboardInterrupt:
         where = session.target.cli_args

@@ -180,10 +180,11 @@ def check_launch(s: Session, spec: RunSpec, *, forced: bool = False) -> None:
 
 def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | None = None,
            grace_s: float = wire.STOP_GRACE_S, sleep: Callable[[float], None] = time.sleep,
-           on_started: Callable[[int], None] = lambda pid: None) -> Launched:
+           on_started: Callable[[int], None] = lambda pid: None, echo: LogEcho | None = None) -> Launched:
     """Start `spec` detached and prove it alive (see `prove_alive`). Refused (exit 5) if a run of that name lives,
     unless `force`, which stops those runs first. Launch and the first liveness probe are ONE remote call;
-    `on_started(pid)` is called as soon as that call reports the job started (never for a refused launch)."""
+    `on_started(pid)` is called as soon as that call reports the job started (never for a refused launch); `echo`
+    is shown the log's lines while the run is proven alive."""
     s.connect()                # unreachable: nothing was sent (the hint names --host/--ct)
     stopped: tuple[str, ...] = ()
     if force:
@@ -194,7 +195,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
             stop(s, r, grace_s=grace_s)
         stopped = tuple(r.run_id for r in alive)
     try:
-        return _start(s, spec, wait_s=wait_s, sleep=sleep, on_started=on_started, stopped=stopped)
+        return _start(s, spec, wait_s=wait_s, sleep=sleep, on_started=on_started, stopped=stopped, echo=echo)
     except OpsError as exc:
         if stopped:  # what --force did stays said, whatever came after it
             exc.hint = "; ".join(x for x in (exc.hint, f"stopped first (--force): {', '.join(stopped)}") if x)
@@ -202,7 +203,7 @@ def launch(s: Session, spec: RunSpec, *, force: bool = False, wait_s: float | No
 
 
 def _start(s: Session, spec: RunSpec, *, wait_s: float | None, sleep: Callable[[float], None],
-           on_started: Callable[[int], None], stopped: tuple[str, ...]) -> Launched:
+           on_started: Callable[[int], None], stopped: tuple[str, ...], echo: LogEcho | None) -> Launched:
     wait = spec.liveness.wait_s if wait_s is None else wait_s
     seen = _StartWatch(on_started)
     t0 = time.monotonic()
@@ -218,7 +219,7 @@ def _start(s: Session, spec: RunSpec, *, wait_s: float | None, sleep: Callable[[
     if not words or not names.is_digits(words[0]):
         raise RemoteFailed(f"launch of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
     deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
-    status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep)
+    status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep, echo=echo)
     return Launched(spec=spec, target=s.target.label, pid=int(words[0]), status=status,
                     matched_line=line, verified_after_s=time.monotonic() - t0, stopped_first=stopped)
 
@@ -242,14 +243,38 @@ class _StartWatch:
                 return
 
 
+class LogEcho:
+    """The log's complete lines, shown (`emit`, one line at a time) as each liveness probe brings them, from the
+    log's start: `launch --follow` shows a run's start-up while it is being proven alive. `shown` is the byte offset
+    where following goes on. A probe holds the log's last LOG_TAIL_BYTES only: once the log is longer, where its
+    window starts is unknown, so nothing more is shown here and following takes over from `shown`."""
+
+    def __init__(self, emit: Callable[[bytes], None]) -> None:
+        self.emit, self.shown, self.blind = emit, 0, False
+
+    def feed(self, log_tail: bytes) -> None:
+        if self.blind or len(log_tail) >= read_scripts.LOG_TAIL_BYTES:
+            self.blind = True
+            return
+        new = log_tail[self.shown:]
+        complete = new[:new.rfind(b"\n") + 1]
+        for line in complete.splitlines(keepends=True):
+            self.emit(line)
+        self.shown += len(complete)
+
+
 def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: float,
-                sleep: Callable[[float], None] = time.sleep) -> tuple[RunStatus, str | None]:
+                sleep: Callable[[float], None] = time.sleep,
+                echo: LogEcho | None = None) -> tuple[RunStatus, str | None]:
     """The run must still be alive and some log line must match the liveness pattern; re-probed every POLL_S
-    until `deadline` (monotonic). A run that already exited 0 counts as proven. Else RunFailed (exit 4)."""
+    until `deadline` (monotonic). A run that already exited 0 counts as proven. Else RunFailed (exit 4). `echo`
+    is fed every probe's log."""
     pattern = re.compile(spec.liveness.pattern)
     while True:
         if probe.raw is None:
             raise RemoteFailed(f"run dir of {spec.run_id} is unreadable on {s.target.label}")
+        if echo is not None:
+            echo.feed(probe.log_tail)
         status = parse.status(probe.raw, {"name": spec.name, "runbook": spec.runbook}, probe.now, spec.runs_dir)
         lines = probe.log_tail.decode("utf-8", "replace").splitlines()
         matched = next((ln for ln in lines if pattern.search(ln)), None)
