@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -73,26 +72,16 @@ def launch(
         if dry_run:
             render.dry_run(spec, lifecycle.dry_run(session, spec, wait_s=wait).command, json_out=json_out)
             return
-        echo = lifecycle.LogEcho(_human_out) if follow else None
+        from dflash_ops.cli.tail import follow_run, show_line
+
+        echo = lifecycle.LogEcho(show_line) if follow else None
         try:
             launched = _launch(session, spec, force=force, wait_s=wait, echo=echo)
             render.launched(launched, json_out=json_out)
             if echo is not None and launched.status is not None:
-                from dflash_ops.cli.tail import follow_run
-
                 follow_run(session, launched.status, start=echo.shown)
         finally:
             session.transport.close()
-
-
-def _human_out(line: bytes) -> None:
-    """One log line on stdout as `tail` shows it (its human view)."""
-    from dflash_ops import logview
-
-    shown = logview.human_line(line)
-    if shown is not None:
-        sys.stdout.buffer.write(shown)
-        sys.stdout.buffer.flush()
 
 
 def _launch(session, spec, *, force: bool, wait_s: float | None, echo=None):

@@ -54,23 +54,25 @@ def tail(
                 session.transport.close()
 
 
+def show_line(line: bytes, *, raw: bool = False) -> None:
+    """One log line on stdout: its human view (logview), or the bytes as they are with `raw`."""
+    from dflash_ops import logview
+
+    shown = line if raw else logview.human_line(line)
+    if shown is not None:
+        sys.stdout.buffer.write(shown)
+        sys.stdout.buffer.flush()
+
+
 def follow_run(session, status, *, start: int, keep_following: bool = True, raw: bool = False) -> None:
     """Stream the log to stdout (its human view unless `raw`); exits the program with the run's verdict when
     following ends."""
-    from dflash_ops import logview
     from dflash_ops.cli import render
     from dflash_ops.runs import follow
 
-    out = sys.stdout.buffer
-
-    def emit(line: bytes) -> None:
-        shown = line if raw else logview.human_line(line)
-        if shown is not None:
-            out.write(shown)
-            out.flush()
-
     try:
-        final = follow.follow(session, status, start=start, emit=emit, keep_following=keep_following,
+        final = follow.follow(session, status, start=start, emit=lambda line: show_line(line, raw=raw),
+                              keep_following=keep_following,
                               notify=render.info)
     except KeyboardInterrupt:
         render.info(f"stopped tailing; run {status.run_id} goes on")
