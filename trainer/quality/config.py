@@ -155,10 +155,6 @@ class QualityCfg:
         require(self.drafter_budget_s > 0, "drafter_budget_s must be > 0")
         require(device_spec_ok(self.device), f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         require(self.total_budget_s >= 0 and self.eval_reserve_s >= 0, "total_budget_s and eval_reserve_s must be >= 0")
-        # Its decoding stage runs this trainer's engines, which do not decode a DFlash2 drafter (docs/dflash2.md).
-        require(self.drafter.model.drafter == "dflash",
-                f"drafter.model.drafter={self.drafter.model.drafter}: the quality pipeline decodes with this trainer's "
-                "engines, which run DFlash drafters only; use drafter.model.drafter=dflash")
 
 
 def load_recipe(recipe: str, overrides: list[str] = ()) -> QualityCfg:
