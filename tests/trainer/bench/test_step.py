@@ -23,9 +23,9 @@ TINY = ["--shape", "tiny", "--batch", "2", "--seq", "256", "--anchors", "16", "-
         "--interval", "2"]
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    """Run to exit (the session's pytest timeout guards hangs)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+def bench(*args: str, cuda: bool = False) -> subprocess.CompletedProcess:
+    """Run to exit (the session's pytest timeout guards hangs); on the CPU unless `cuda`."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}))
     return subprocess.run([sys.executable, "-m", "bench.step", *args], cwd=REPO_ROOT, env=env, text=True,
                           capture_output=True)
 
@@ -75,6 +75,21 @@ def test_drafter_and_optim_reach_the_built_step_and_the_headline_names_them():
         assert all(v == v and abs(v) < 40 for v in r["loss_first_last"])
     assert runs["dflash2"]["drafter_params"] > runs["dflash"]["drafter_params"]
     assert runs["dflash2"]["flops"] == runs["dflash"]["flops"]  # the same useful FLOPs: compare by tokens/s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter, optim", [("dflash2", "adamw"), ("dflash", "muon")])
+def test_the_dflash2_and_muon_steps_run_captured_on_the_gpu(drafter, optim):
+    """What docs/benchmarks.md ("DFlash2 against DFlash, Muon against AdamW") measures, at the tiny shape: each
+    captured mode builds the named drafter and optimizer and trains with finite losses."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    proc = bench(*TINY, "--modes", "graph,compile+graph", "--drafter", drafter, "--optim", optim, cuda=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for mode, r in results(proc.stdout).items():
+        assert (r["drafter"], r["optim"], r["attn"]) == (drafter, optim, "flex"), mode
+        assert all(v == v and abs(v) < 40 for v in r["loss_first_last"]) and r["tokens_per_s_per_gpu"] > 0, mode
+    assert f"drafter {drafter}, optim {optim}, shape tiny" in proc.stdout
 
 
 def test_the_headline_names_the_flags_when_no_mode_finished():
