@@ -157,6 +157,23 @@ class QualityCfg:
         require(self.total_budget_s >= 0 and self.eval_reserve_s >= 0, "total_budget_s and eval_reserve_s must be >= 0")
 
 
+def check_drafter_fits_target(q: QualityCfg, reused_target: str | None = None) -> None:
+    """The drafter's settings against the target it will train on, before anything runs (a DFlash2 drafter's groups
+    and top-k: trainer.targetdir.check_drafter_fits): the reused target's config.json under --reuse, else the one the
+    recipe's `target` section builds, whose vocabulary is at most `corpus.vocab_size` (the tokenizer may learn fewer
+    merges: building the drafter checks the rest). One ConfigError naming the `drafter.` key. Pure but for reading
+    config.json."""
+    from trainer.errors import ConfigError
+    from trainer.targetdir import TargetShape, check_drafter_fits, read_shape
+
+    shape = read_shape(reused_target) if reused_target else TargetShape(
+        num_layers=q.target.num_layers, hidden_size=q.target.hidden_size, vocab_size=q.corpus.vocab_size)
+    try:
+        check_drafter_fits(shape, q.drafter.model)
+    except ConfigError as e:
+        raise ConfigError(f"drafter.{e}", hint=e.hint.replace("set model.", "set drafter.model.")) from None
+
+
 def load_recipe(recipe: str, overrides: list[str] = ()) -> QualityCfg:
     """Bundled NAME (trainer/recipes/NAME.yaml) or PATH.yaml, plus `--set` overrides -> validated QualityCfg (the
     drafter's trainer config included: a bad drafter key fails here, before minutes of pretraining)."""
