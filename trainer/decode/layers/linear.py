@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from trainer.model.linear_attention import (
-    CHUNK, BlockTerms, fla_gated_delta_rule_from, gated_delta_block, gated_output, gates, packed_causal_conv1d,
+    CHUNK, BlockTerms, PackedGatedDeltaNet, fla_gated_delta_rule_from, gated_delta_block, gated_output, gates, packed_causal_conv1d,
     project, split_heads, state_after,
 )
 
@@ -33,7 +33,8 @@ KERNELS = ("torch", "fla")
 
 
 class GatedDeltaNetDecode:
-    """The static decode form of HF Gated DeltaNet layer `inner` for `rows` rows.
+    """The static decode form of HF Gated DeltaNet layer `inner` for `rows` rows (the training target's
+    `PackedGatedDeltaNet` is looked through to the HF module it wraps).
 
     Buffers: `conv` [R, C, K-1] in the conv weight's dtype (HF keeps its conv state in the model dtype) and
     `state` [R, Hv, dk, dv] fp32 (HF's and fla's recurrent state), both zero at construction; the pending block of
@@ -46,6 +47,8 @@ class GatedDeltaNetDecode:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if block < 1:
             raise ValueError(f"block must be at least 1, got {block}")
+        if isinstance(inner, PackedGatedDeltaNet):
+            inner = inner.inner
         self.inner, self.rows, self.block, self.kernel = inner, rows, block, kernel
         weight = inner.conv1d.weight  # [C, 1, K]
         channels, taps = weight.shape[0], weight.shape[-1]
@@ -160,14 +163,9 @@ class GatedDeltaNetDecode:
 
 
 def decode_layers(model: nn.Module, rows: int, block: int, kernel: str = "torch") -> dict[int, GatedDeltaNetDecode]:
-    """layer index -> its decode layer, for every Gated DeltaNet layer of HF causal LM `model` (a training wrapper,
-    `PackedGatedDeltaNet`, is looked through to the HF module it wraps)."""
-    out = {}
-    for i, layer in enumerate(model.model.layers):
-        inner = getattr(layer, "linear_attn", None)
-        if inner is not None:
-            out[i] = GatedDeltaNetDecode(getattr(inner, "inner", inner), rows, block, kernel)
-    return out
+    """layer index -> its decode layer, for every Gated DeltaNet layer of HF causal LM `model`."""
+    return {i: GatedDeltaNetDecode(layer.linear_attn, rows, block, kernel)
+            for i, layer in enumerate(model.model.layers) if hasattr(layer, "linear_attn")}
 
 
 def kernel_for(device: torch.device) -> str:
