@@ -29,6 +29,9 @@ from trainer.errors import ConfigError
 from trainer.model.target import Target
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# what `hybrid_decoders` serves on every device: dense MLPs. An MoE MLP runs HF's forward, eager-correct but not
+# known to be graph-safe; MoE hybrids join when the stack's MoE layer (layers/moe.py) takes their MLPs.
+SERVED_MODEL_TYPES = ("qwen3_5_text",)
 
 
 def check_hybrid(cfg) -> None:
@@ -173,3 +176,20 @@ class HybridDecoder(StaticDecoder):
         self.result.copy_(torch.cat([a[None], block, post]))
         self.anchor.copy_(post.gather(0, a[None]))
         self.start.add_(a + 1)
+
+
+def serves(cfg) -> bool:
+    """Whether `hybrid_decoders` decodes this target (from its config alone)."""
+    return getattr(cfg, "model_type", None) in SERVED_MODEL_TYPES
+
+
+def hybrid_decoders(target: Target, drafter, block_size: int, capacity: int):
+    """`decoders.decoders`'s result for a hybrid target the static engine's StaticTarget refuses (`serves`): a
+    `HybridDecoder` with the static DFlash proposer; uncompiled, SDPA attention, HF's norms."""
+    from trainer.decode.decoders import Decoders
+    from trainer.decode.static_draft import StaticDFlashProposer
+
+    check_hybrid(target.hf_config)
+    proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
+    decoder = HybridDecoder(target, capacity, proposer, block_size)
+    return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")

@@ -9,8 +9,8 @@ import torch
 from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
 from tests.trainer.decode.test_static_decode import _WrongAt
 from tests.trainer.families import build_family_target
-from trainer.decode.hybrid import HybridDecoder, HybridStaticTarget
-from trainer.decode.reference import generate_target_only
+from trainer.decode.hybrid import HybridDecoder, HybridStaticTarget, hybrid_decoders, serves
+from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
 from trainer.errors import ConfigError
 from trainer.model.target import load_target
@@ -83,3 +83,16 @@ def test_a_softmax_only_target_is_refused_in_one_line(tmp_path):
                          truncate=False)
     with pytest.raises(ConfigError, match="hybrid static target takes"):
         HybridStaticTarget(target, slots=16)
+
+
+def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
+    target = targets["qwen3_5"]
+    assert serves(target.hf_config) and not serves(targets["qwen3_next"].hf_config)  # its MoE MLPs: not yet
+    drafter = _drafter(target)
+    made = hybrid_decoders(target, drafter, 4, capacity=64)
+    assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
+    ids = _prompt_ids(target, PROMPTS[1])
+    want = generate_speculative(target, DFlashProposer(target, drafter, 4), ids, 20)
+    assert made.target_only(ids, 20) == want.tokens == generate_target_only(target, ids, 20)
+    got = made.speculative(ids, 20)
+    assert got.tokens == want.tokens and got.accepted == want.accepted  # the same drafter proposes the same blocks

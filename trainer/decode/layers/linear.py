@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from trainer.model.linear_attention import (
-    CHUNK, BlockTerms, PackedGatedDeltaNet, fla_gated_delta_rule_from, gated_delta_block, gated_output, gates, packed_causal_conv1d,
-    project, split_heads, state_after,
+    CHUNK, BlockTerms, PackedGatedDeltaNet, fla_gated_delta_rule_from, gated_delta_block, gated_output, gates,
+    packed_causal_conv1d, project, split_heads, state_after,
 )
 
 KERNELS = ("torch", "fla")
