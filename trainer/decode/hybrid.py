@@ -1,6 +1,7 @@
 """A hybrid target (Qwen3.5, Qwen3.6, Qwen3-Next: Gated DeltaNet layers beside gated full attention) over static
-buffers, and the batch-1 decoder over it: the pieces `engine.StaticDecoder` needs to serve hybrids, kept apart from
-`static_target.py` until the layer stack takes a linear mixer slot (docs/architecture.md, "Decode layers per mixer").
+buffers, the batch-1 decoder (`HybridDecoder`) and the batch generator (`HybridBatchGenerator`) over it: what
+`engine.StaticDecoder` and `generate.BatchGenerator` need to serve hybrids, kept apart from `static_target.py` until
+the layer stack takes a linear mixer slot (docs/architecture.md, "Decode layers per mixer").
 
 `HybridStaticTarget.forward` has `StaticTarget.forward`'s contract, plus what a recurrent layer needs:
 - a forward of one token (a decode step) takes it into every linear layer's state;
@@ -23,7 +24,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from trainer.decode.engine import GraphProgram, Prefill, StaticDecoder
+from trainer.decode.engine import GraphProgram, Prefill, StaticDecoder, prefill_buckets
+from trainer.decode.generate import BatchGenerator
 from trainer.decode.layers.linear import GatedDeltaNetDecode, decode_layers, kernel_for
 from trainer.errors import ConfigError
 from trainer.model.target import Target
@@ -44,9 +46,15 @@ def check_hybrid(cfg) -> None:
 
 class HybridStaticTarget:
     """A full (untruncated) hybrid `Target` with static buffers for `rows` rows: K/V caches of `slots` positions
-    for the attention layers, a `GatedDeltaNetDecode` (verify blocks up to `block` tokens) per linear layer."""
+    for the attention layers, a `GatedDeltaNetDecode` (verify blocks up to `block` tokens) per linear layer.
 
-    def __init__(self, target: Target, slots: int, rows: int = 1, block: int = 16, kernel: str | None = None) -> None:
+    padded: rows of different prompt lengths, left-padded, as `StaticTarget(padded=True)`: row r's first real token
+    at slot `row_start[r]`; attention sees no slot before it, RoPE takes slot - row_start, and a padding token enters
+    a linear layer as zeros (HF's `apply_mask_to_padding_states`), which leaves the zero state of a new sequence
+    zero, so each row computes what it would alone."""
+
+    def __init__(self, target: Target, slots: int, rows: int = 1, block: int = 16, kernel: str | None = None,
+                 padded: bool = False) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
         check_hybrid(target.hf_config)
@@ -67,6 +75,9 @@ class HybridStaticTarget:
         # HF's RoPE application of the family's modeling file (partial rotary: the first dims of each head)
         self.apply_rope = sys.modules[type(self.model.model).__module__].apply_rotary_pos_emb
         self.slot_ids = torch.arange(slots, device=dev)
+        self.padded = padded
+        self.row_start = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.heads = target.hf_config.num_attention_heads
         self.taps = set(target.layer_ids)
         self.final_norm = self.model.model.norm
 
@@ -111,12 +122,23 @@ class HybridStaticTarget:
         span = self.slots if span is None else span
         pos = pos0 + torch.arange(L, device=ids_RL.device)
         x = self.target.embed_tokens(ids_RL)
-        rope = self.model.model.rotary_emb(x, pos[None].expand(R, L))
-        visible = (self.slot_ids[:span][None, :] <= pos[:, None])[None, None]  # [1, 1, L, span]
+        s = self.slot_ids[:span]
+        visible = (s[None, :] <= pos[:, None])[None, None]  # [1, 1, L, span]
+        if self.padded:
+            real = pos[None, :] >= self.row_start[:, None]  # [R, L]
+            rope = self.model.model.rotary_emb(x, pos[None, :] - self.row_start[:, None])
+            # a padding query sees its own slot (one that sees nothing would be NaN), a real one no slot before
+            # its row's start (StaticTarget's rule)
+            lo = torch.minimum(self.row_start[:, None], pos[None, :])  # [R, L]
+            visible = visible & (s[None, None, None, :] >= lo[:, None, :, None])  # [R, 1, L, span]
+        else:
+            real = None
+            rope = self.model.model.rotary_emb(x, pos[None].expand(R, L))
         taps = {}
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             if i in self.linear:
+                h = h if real is None else h * real[..., None].to(h.dtype)
                 x = x + self._linear(self.linear[i], h, pos0, logits_at, verify)
             else:
                 x = x + self._attention(i, layer.self_attn, h, pos, rope, visible, span)
@@ -193,3 +215,34 @@ def hybrid_decoders(target: Target, drafter, block_size: int, capacity: int):
     proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
     decoder = HybridDecoder(target, capacity, proposer, block_size)
     return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")
+
+
+class HybridBatchGenerator(BatchGenerator):
+    """`BatchGenerator` (rows of different prompt lengths, one graph replay per token for the batch) over a padded
+    `HybridStaticTarget`: its contract, its device programs and host loop, unchanged."""
+
+    def __init__(self, target: Target, rows: int, max_len: int, stop_ids, graphs: bool = True) -> None:
+        # BatchGenerator.__init__ builds a StaticTarget, which refuses hybrids: the same fields, set here.
+        if rows < 1 or max_len < 2:
+            raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
+        self.rows, self.max_len, self.graphs = rows, max_len, graphs
+        self.stop_ids = [int(s) for s in stop_ids]
+        self.static = HybridStaticTarget(target, max_len, rows=rows, block=1, padded=True)
+        dev = self.device = self.static.device
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        self.stops = torch.tensor(self.stop_ids, dtype=torch.long, device=dev)
+        self.filler = torch.tensor(self.stop_ids[0] if self.stop_ids else 0, dtype=torch.long, device=dev)
+        self.tok, self.pos, self.done = zeros(rows, 1), zeros(), zeros(rows, dtype=torch.bool)
+        self.history = zeros(rows, max_len + 2)
+        self.seed, self.draw = zeros(), zeros()
+        self.temperature, self.top_p = zeros(dtype=torch.float32), zeros(dtype=torch.float32)
+        self.row_ids = torch.arange(rows, device=dev)
+        self.vocab_ids = torch.arange(target.embed_tokens.weight.shape[0], device=dev)
+        self.streams = zeros(rows)
+        self.spans = prefill_buckets(max_len, smallest=min(64, max_len))
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
+        self.programs = {}
+        self.replays = 0

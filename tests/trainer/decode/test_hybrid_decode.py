@@ -9,7 +9,9 @@ import torch
 from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
 from tests.trainer.decode.test_static_decode import _WrongAt
 from tests.trainer.families import build_family_target
-from trainer.decode.hybrid import HybridDecoder, HybridStaticTarget, hybrid_decoders, serves
+from trainer.decode.generate import Sampling, hf_generate
+from trainer.decode.hybrid import (HybridBatchGenerator, HybridDecoder, HybridStaticTarget, hybrid_decoders,
+                                   serves)
 from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
 from trainer.errors import ConfigError
@@ -96,3 +98,30 @@ def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
     assert made.target_only(ids, 20) == want.tokens == generate_target_only(target, ids, 20)
     got = made.speculative(ids, 20)
     assert got.tokens == want.tokens and got.accepted == want.accepted  # the same drafter proposes the same blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_of_different_prompt_lengths_equals_hf_generate(targets, family):
+    """Left-padded rows: each row's padding enters the linear layers as zeros and attention skips it, so every row
+    continues as HF's generate (its own left padding and mask) continues it."""
+    target = targets[family]
+    prompts = [_prompt_ids(target, text) for text in PROMPTS[:3]]
+    prompts[1] = prompts[1][:5]  # lengths far apart
+    assert len({len(p) for p in prompts}) == 3
+    sampling = Sampling(max_new_tokens=12)
+    stops = [target.tokenizer.eos_token_id]
+    want = hf_generate(target.model, prompts, sampling, stops, target.tokenizer.pad_token_id)
+    gen = HybridBatchGenerator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
+    assert gen.generate(prompts, sampling) == want
+    for p, w in zip(prompts, want):  # and each row as it decodes alone
+        assert w == generate_target_only(target, p, 12, stops)
+    # the logits too, of a prefill padded with a real token (the pad id's embedding row is zero, which would hide
+    # padding that reached the recurrent state)
+    P = max(map(len, prompts))
+    static = HybridStaticTarget(target, slots=64, rows=3, padded=True)
+    static.row_start.copy_(torch.tensor([P - len(p) for p in prompts]))
+    ids = torch.tensor([[prompts[0][0]] * (P - len(p)) + p for p in prompts])
+    logits, _ = static.forward(ids, torch.zeros((), dtype=torch.long), want_features=False)
+    for r, p in enumerate(prompts):
+        torch.testing.assert_close(logits[r:r + 1, P - len(p):], hf_logits(target, torch.tensor([p])), atol=1e-4,
+                                   rtol=1e-4)

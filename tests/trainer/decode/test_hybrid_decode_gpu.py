@@ -38,3 +38,18 @@ def test_graph_replayed_hybrid_decoding_equals_hfs_greedy(tmp_path):
             got = spec.generate_speculative(ids, new)
             assert got.tokens == want, (text, type(proposer).__name__)
             assert accepted in set(got.accepted), got.accepted
+
+
+def test_graph_replayed_hybrid_batch_equals_hf_generate(tmp_path):
+    from trainer.decode.generate import Sampling, hf_generate
+    from trainer.decode.hybrid import HybridBatchGenerator
+
+    target = load_target(build_family_target(tmp_path / "q", "qwen3_5"), num_draft_layers=2, layer_ids=(1, 3),
+                         truncate=False, device="cuda", dtype="float32")
+    prompts = [_prompt_ids(target, text) for text in PROMPTS[:3]]
+    prompts[1] = prompts[1][:5]
+    sampling, stops = Sampling(max_new_tokens=20), [target.tokenizer.eos_token_id]
+    want = hf_generate(target.model, prompts, sampling, stops, target.tokenizer.pad_token_id)
+    gen = HybridBatchGenerator(target, rows=4, max_len=64, stop_ids=stops)
+    assert gen.generate(prompts, sampling) == want
+    assert all(p.graph is not None for p in gen.programs.values())
