@@ -4,6 +4,7 @@ token decode the states. A verify followed by a commit must leave exactly the st
 alone, for every accepted count, rows at different depths."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -156,3 +157,28 @@ def test_decode_layers_finds_every_linear_layer_and_refuses_a_long_block(model):
     assert sorted(layers) == expected
     with pytest.raises(ValueError, match="longer than this layer keeps"):
         layers[expected[0]].forward(torch.zeros(2, 4, DIM))
+
+
+@pytest.mark.slow
+def test_a_verify_and_commit_trace_as_one_graph_without_host_syncs():
+    """torch.compile(fullgraph=True) fails on a graph break: a host sync (.item(), .tolist()) or a value-dependent
+    shape in the verify or the commit would fail here, as it would break a CUDA graph capture."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(family_config("qwen3_5", 64)).float().eval()
+    inner = hf.model.layers[0].linear_attn
+    layer, eager = GatedDeltaNetDecode(inner, 2, block=4), GatedDeltaNetDecode(inner, 2, block=4)
+
+    def verify_commit(target, x, accepted):
+        out = target.forward(x)
+        target.commit(accepted)
+        return out
+
+    compiled = torch.compile(functools.partial(verify_commit, layer), fullgraph=True, dynamic=False)
+    x, accepted = inputs(2, 4, seed=11), torch.tensor([1, 4])
+    with torch.no_grad():
+        got, want = compiled(x, accepted), verify_commit(eager, x, accepted)
+    assert_near(got, want)
+    torch.testing.assert_close(layer.state, eager.state, atol=1e-6, rtol=1e-5)
