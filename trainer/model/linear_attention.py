@@ -63,6 +63,14 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.T
     return F.silu(out)
 
 
+def causal_conv1d_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """HF's causal depthwise convolution + SiLU of one sequence whose first K-1 inputs are the state it continues:
+    window [R, K-1+L, C], weight [C, K] -> [R, L, C] (`packed_causal_conv1d` of a single document, without its
+    per-tap document masks: one depthwise conv1d, as HF's `causal_conv1d_fn`)."""
+    out = F.conv1d(window.transpose(1, 2), weight[:, None].to(window.dtype), groups=weight.shape[0])
+    return F.silu(out).transpose(1, 2)
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)  # HF's (and fla's) normalization
 
@@ -158,6 +166,19 @@ def gated_delta_block(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tens
     v_new = new_values - k_cumdecay @ state
     out = q_state @ state + intra @ v_new
     return out.transpose(1, 2).to(out_dtype).contiguous(), BlockTerms(k, v_new, cum)
+
+
+def gated_delta_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule for one token (HF's recurrent form; `gated_delta_block` of L = 1 up to rounding) from `state`
+    [R, Hv, dk, dv] fp32: q, k [R, 1, Hk, dk]; v [R, 1, Hv, dv]; g, beta [R, 1, Hv] -> (out [R, 1, Hv, dv] in v's
+    dtype, the new state: S = exp(g) S; S += k (beta (v - S^T k))^T; out = S^T q)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = (x[:, :, 0] for x in _heads_first(q, k, v, g, beta))  # [R, H, d] / [R, H]
+    state = state * g.exp()[..., None, None]
+    delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    out = (state * q[..., None]).sum(-2)
+    return out[:, None].to(out_dtype), state
 
 
 def state_after(state: torch.Tensor, terms: BlockTerms, n: torch.Tensor) -> torch.Tensor:

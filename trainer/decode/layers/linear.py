@@ -10,8 +10,8 @@ A speculative verify needs no second forward. `forward(x)` over a block of L tok
 keeps, per row, what rebuilds the state after any prefix of the block: the convolution's input window and the
 block's rule terms (`BlockTerms`: keys, corrected values, decays; O(L (dk + dv)) per head, not L states).
 `commit(accepted)` then sets each row's state to the one after its accepted prefix, on the device. A decode step
-is a block of one token, committed whole; `prefill` runs blocks of CHUNK tokens (or fla's chunked kernel on CUDA)
-and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the state.
+is one token through the rule's recurrent form; `prefill` runs blocks of CHUNK tokens (or fla's chunked kernel on
+CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the state.
 
 Every method is free of host syncs and value-dependent shapes: the counts are device tensors, the block length a
 Python int fixed per captured graph.
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from trainer.model.linear_attention import (
-    CHUNK, BlockTerms, PackedGatedDeltaNet, fla_gated_delta_rule_from, gated_delta_block, gated_output, gates,
-    packed_causal_conv1d, project, split_heads, state_after,
+    CHUNK, BlockTerms, PackedGatedDeltaNet, causal_conv1d_window, fla_gated_delta_rule_from, gated_delta_block,
+    gated_delta_step, gated_output, gates, project, split_heads, state_after,
 )
 
 KERNELS = ("torch", "fla")
@@ -78,12 +78,9 @@ class GatedDeltaNetDecode:
         return gated_output(m, core, z), window, terms
 
     def _convolve(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv [R, L, C] -> (the window: committed inputs then qkv [R, K-1+L, C]; the causal conv + SiLU [R, L, C]):
-        the training target's convolution of one document, run over the window, its first K-1 outputs dropped."""
+        """qkv [R, L, C] -> (the window: committed inputs then qkv [R, K-1+L, C]; the causal conv + SiLU [R, L, C])."""
         window = torch.cat([self.conv.transpose(1, 2).to(qkv.dtype), qkv], dim=1)
-        one_doc = torch.zeros(window.shape[:2], dtype=torch.long, device=qkv.device)
-        mixed = packed_causal_conv1d(window, self.inner.conv1d.weight.squeeze(1), one_doc)
-        return window, mixed[:, self.taps - 1:]
+        return window, causal_conv1d_window(window, self.inner.conv1d.weight.squeeze(1))
 
     def _advance(self, window: torch.Tensor, terms: BlockTerms, n: torch.Tensor) -> None:
         """Set each row's buffers to those after the first n[r] tokens of the block (`window`, `terms`)."""
@@ -116,10 +113,21 @@ class GatedDeltaNetDecode:
         self._advance(self.window[:, :self.taps - 1 + length], terms, n)
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
-        """A decode step: x [R, L, D] (L small, usually 1) taken whole into every row's state -> out [R, L, D]."""
-        out, window, terms = self._block(x)
-        self._advance(window, terms, torch.full((self.rows,), x.shape[1], dtype=torch.long, device=x.device))
-        return out
+        """A decode step: x [R, L, D] (L small, usually 1) taken whole into every row's state -> out [R, L, D]. One
+        token runs the rule's recurrent form (`gated_delta_step`: about half the kernels of a block of one)."""
+        if x.shape[1] > 1:
+            out, window, terms = self._block(x)
+            self._advance(window, terms, torch.full((self.rows,), x.shape[1], dtype=torch.long, device=x.device))
+            return out
+        m = self.inner
+        qkv, z, b, a = project(m, x)
+        window, mixed = self._convolve(qkv)
+        q, k, v = split_heads(m, mixed)
+        g, beta = gates(m, a, b)
+        core, state = gated_delta_step(q, k, v, g, beta, self.state)
+        self.conv.copy_(window[:, 1:].transpose(1, 2))
+        self.state.copy_(state)
+        return gated_output(m, core, z)
 
     def prefill(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """x [R, L, D] (any L) from the committed state -> out [R, L, D]; row r takes its first valid[r] tokens
