@@ -114,7 +114,7 @@ class GatedDeltaNetDecode:
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         """A decode step: x [R, L, D] (L small, usually 1) taken whole into every row's state -> out [R, L, D]. One
-        token runs the rule's recurrent form (`gated_delta_step`: about half the kernels of a block of one)."""
+        token runs the rule's recurrent form (`gated_delta_step`: fewer kernels than a block of one and its commit)."""
         if x.shape[1] > 1:
             out, window, terms = self._block(x)
             self._advance(window, terms, torch.full((self.rows,), x.shape[1], dtype=torch.long, device=x.device))
