@@ -19,6 +19,10 @@ S = 0, where g of its first token multiplies nothing. Two forms of that:
   decays after a start within one 64-token chunk are differences of fp32 numbers near -FLA_RESET, about 4e-6
   relative, three orders below bf16's rounding.
 
+Decoding (trainer/decode/layers/linear.py) runs the same rule from a start state: `gated_delta_block` (one chunk),
+`state_after` (the state after any prefix of that chunk), `gated_delta_step` (one token, the recurrent form), and
+fla's chunked kernel given the state (`fla_gated_delta_rule_from`); the projections, gates and output are shared.
+
 Shape legend: R rows, S tokens per row, C conv channels (2 * key dim + value dim), K conv taps, Hk / Hv key / value
 heads, dk / dv head dims, N chunks of L tokens.
 """
