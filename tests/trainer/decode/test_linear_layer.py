@@ -70,7 +70,7 @@ def test_a_verify_then_commit_equals_decoding_the_accepted_prefix_alone(model):
     inner = model.model.layers[0].linear_attn
     block, rounds = 6, 4
     prompt = inputs(ROWS, 11, seed=2)
-    layer = GatedDeltaNetDecode(inner, ROWS, block=block)
+    layer = GatedDeltaNetDecode(inner, ROWS, block=block + 2)  # a verify shorter than the buffers hold
     buffers = [t.data_ptr() for t in (layer.conv, layer.state, layer.window, layer.terms.k, layer.terms.v_new)]
     kept = [prompt[r] for r in range(ROWS)]  # each row's committed inputs
     accepted_per_round = [[0, 3, 6], [6, 1, 2], [2, 0, 5], [1, 6, 0]]
