@@ -207,12 +207,14 @@ def serves(cfg) -> bool:
 
 def hybrid_decoders(target: Target, drafter, block_size: int, capacity: int):
     """`decoders.decoders`'s result for a hybrid target the static engine's StaticTarget refuses (`serves`): a
-    `HybridDecoder` with the static DFlash proposer; uncompiled, SDPA attention, HF's norms."""
+    `HybridDecoder` with the drafter kind's static proposer; uncompiled, SDPA attention, HF's norms."""
     from trainer.decode.decoders import Decoders
+    from trainer.decode.drafters.dflash2 import StaticDFlash2Proposer
     from trainer.decode.static_draft import StaticDFlashProposer
 
     check_hybrid(target.hf_config)
-    proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
+    proposer_cls = StaticDFlashProposer if drafter.cfg.dflash2 is None else StaticDFlash2Proposer
+    proposer = proposer_cls(target, drafter, block_size, capacity)
     decoder = HybridDecoder(target, capacity, proposer, block_size)
     return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")
 
