@@ -31,8 +31,9 @@ from trainer.errors import ConfigError
 from trainer.model.target import Target
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-# what `hybrid_decoders` serves on every device: dense MLPs. An MoE MLP runs HF's forward, eager-correct but not
-# known to be graph-safe; MoE hybrids join when the stack's MoE layer (layers/moe.py) takes their MLPs.
+# what `hybrid_decoders` and `batch_generator` serve on every device: dense MLPs. An MoE MLP runs HF's forward,
+# eager-correct but not known to be graph-safe; MoE hybrids join when the stack's MoE layer (layers/moe.py) takes
+# their MLPs.
 SERVED_MODEL_TYPES = ("qwen3_5_text",)
 
 
@@ -248,3 +249,10 @@ class HybridBatchGenerator(BatchGenerator):
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
         self.programs = {}
         self.replays = 0
+
+
+def batch_generator(target: Target, rows: int, max_len: int, stop_ids, graphs: bool = True) -> BatchGenerator:
+    """The static batch generator for `target`: `HybridBatchGenerator` for a hybrid it serves (`serves`), else
+    `BatchGenerator` (which refuses, as it does, the families it does not compute)."""
+    cls = HybridBatchGenerator if serves(target.hf_config) else BatchGenerator
+    return cls(target, rows, max_len, stop_ids, graphs=graphs)
