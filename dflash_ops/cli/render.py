@@ -274,26 +274,24 @@ def resume_command(run_id: str, target_args: str) -> str:
 
 
 def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool, target_args: str | None = None) -> None:
-    """What `stop` did; for a run stopped at a checkpoint, with `target_args` (its `--host`/`--ct`), the command
+    """What `stop` did; for a run it stopped at a checkpoint, with `target_args` (its `--host`/`--ct`), the command
     that resumes it (JSON: `resume`)."""
-    resume = (resume_command(run_id, target_args) if target_args is not None and status.state == "stopped"
-              else None)
+    resume = (resume_command(run_id, target_args)
+              if target_args is not None and status.state == "stopped" and how != "not_running" else None)
     if json_out:
         doc = {"run_id": run_id, "action": how, "status": status_dict(status)}
         _out(json.dumps(doc if resume is None else {**doc, "resume": resume}))
         return
-    if resume is not None:
-        _out(f"stopped {run_id} with {_signal(how)}; state: {status.state_text}")
-        _out(f"resume with: {resume}")
-        return
     if how == "not_running":
         _out(f"run {run_id} is not running ({status.state_text}); nothing to stop")
+        return
+    signal = _signal(how)
+    if status.state == "exited":
+        _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
     else:
-        signal = _signal(how)
-        if status.state == "exited":
-            _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
-        else:
-            _out(f"stopped {run_id} with {signal}; state: {status.state_text}")
+        _out(f"stopped {run_id} with {signal}; state: {status.state_text}")
+    if resume is not None:
+        _out(f"resume with: {resume}")
 
 
 def _signal(how: str) -> str:

@@ -151,12 +151,13 @@ def test_resume_refuses_in_one_line_what_it_cannot_resume(resume_bed):
                                "(it ended before its first)")
     assert not (fake_dir / "attempts").exists() and (fake_dir / "exit_code").read_text() == "1\n"   # as it was
     (fake_dir / "ckpt" / "step_4").mkdir(parents=True)
-    done = bed.cli("resume", fake, *where, "--json")
-    assert done.returncode == 0 and json.loads(done.stdout)["state"] in ("running", "exited 0"), done.stdout
-    wait_for(lambda: (fake_dir / "exit_code").exists(), "the resumed stand-in to end")       # with --resume: 0
+    done = bed.cli("resume", fake, *where, "--follow")      # follows this attempt to its end: exit 0 (--resume)
+    resumed_line = f"job started train --run-dir {fake_dir} --gate {gate} --resume\n".encode()
+    assert done.returncode == 0, done.stderr
+    assert f"resumed {fake}\n".encode() in done.stdout      # after the start-up lines shown while proven alive
+    assert [ln for ln in done.stdout.splitlines(keepends=True) if ln.startswith(b"job started")] == [resumed_line]
     assert (fake_dir / "exit_code").read_text() == "0\n"
-    assert (fake_dir / "output.log").read_bytes().endswith(f"job started train --run-dir {fake_dir} --gate {gate} "
-                                                           "--resume\n".encode())
+    assert (fake_dir / "output.log").read_bytes().endswith(resumed_line)
     assert (fake_dir / "attempts" / "1" / "exit_code").read_text() == "1\n"
 
     node_run = "nodes-20261203T000000-abcd"      # one node of a multi-node run: not resumed (not supported)
