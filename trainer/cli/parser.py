@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _regenerate_parser(sub) -> None:
     from trainer.config import DTYPES, user_path
     from trainer.regen.plan import ENGINES
+    from trainer.regen.rows import THINKING_MODES
 
     r = sub.add_parser("regenerate", help="answer prompt files with the target: the drafter's training data",
                        description="Answer every prompt of the prompt files with the target itself, into a training "
@@ -103,6 +104,17 @@ def _regenerate_parser(sub) -> None:
     r.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     r.add_argument("--max-bad-fraction", type=float, default=0.01,
                    help="malformed prompt lines tolerated, as for training data (default: %(default)s)")
+    r.add_argument("--thinking", default="keep", choices=THINKING_MODES,
+                   help="a chat template's reasoning segment (<think>...</think>) in the training rows: keep it (the "
+                        "drafter learns to draft what the target writes when served with thinking on) or drop it "
+                        "(default: %(default)s)")
+    r.add_argument("--drop-truncated", action="store_true",
+                   help="leave answers that reach --max-new without a stop id out of the training data (they go to "
+                        "OUT.skipped.jsonl, counted in OUT.meta.json); without it they are kept and marked truncated")
+    r.add_argument("--memory-gib", type=float, default=0.0, metavar="G",
+                   help="the memory the job may plan for: weights + --batch x (longest prompt + --max-new) of cache "
+                        "must fit, else exit 2 naming a --batch that does (default: the GPU's free memory; on CPU "
+                        "no check)")
 
 
 def _eval_parser(sub) -> None:
