@@ -75,7 +75,7 @@ def _regenerate_parser(sub) -> None:
     r = sub.add_parser("regenerate", help="answer prompt files with the target: the drafter's training data",
                        description="Answer every prompt of the prompt files with the target itself, into a training "
                                    "JSONL of token lines (the target's exact tokens, loss on the answer) and a "
-                                   "FILE.meta.json of what made them. A restarted job with the same --out continues "
+                                   "FILE.meta.json of what made them and their counts (answered, failed, skipped). A restarted job with the same --out continues "
                                    "where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
                                    "MATH-500, HumanEval, MBPP, MT-Bench, Alpaca, {\"prompt\": ...}, plain text lines; a "
                                    "conversation is answered after its last user turn.")
@@ -83,7 +83,9 @@ def _regenerate_parser(sub) -> None:
     r.add_argument("--prompts", type=user_path, required=True, nargs="+", metavar="FILE", help="prompt files")
     r.add_argument("--out", type=user_path, required=True,
                    help="the training JSONL to write (appended to when it is resumed)")
-    r.add_argument("--max-new", type=int, default=512, help="new tokens per answer at most (default: %(default)s)")
+    r.add_argument("--max-new", type=int, default=512,
+                   help="new tokens per answer at most, up to the target's context less the prompt (default: "
+                        "%(default)s)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
