@@ -142,6 +142,9 @@ def make_chain(model, seed: int) -> list[int]:
             if any(w in name for w in RESIDUAL_WRITES):
                 param.zero_()
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        if head.data_ptr() == embed.data_ptr():  # tied: the head gets its own rows
+            model.get_output_embeddings().weight = head = torch.nn.Parameter(embed.detach().clone(),
+                                                                             requires_grad=False)
         order = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed))
         # head row of order[i + 1] = embedding of order[i]: the argmax after order[i] is order[i + 1]
         head[order.roll(-1).to(head.device)] = embed[order.to(embed.device)]

@@ -331,3 +331,45 @@ def test_a_batch_that_does_not_fit_is_refused_before_the_weights_load_naming_one
     assert not any("loading the target" in x for x in out)  # refused before the model
     code, out, err = regenerate(capsys, *args, "--batch", str(fits))
     assert code == 0 and any("memory: about" in x for x in out), err
+
+
+def test_a_job_interrupted_for_real_says_what_it_did_and_its_resume_adds_up(tiny_target_dir, tmp_path, capsys):
+    """SIGINT into a running `python -m trainer regenerate`: it exits 130 with the sidecar `stopped` and its counts
+    those of the files (answered + skipped + pending = expected); the same command then ends where an uninterrupted
+    job ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dflash_ops.wire import EXIT_INTERRUPTED
+
+    asks = [f"repeat twice : {w} {v}" for w in ("bird", "bread", "lamp", "house") for v in ("stone", "sun", "moon")]
+    asks += [f"add {i} and {i + 2}" for i in range(12)]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(a + "\n" for a in asks))
+    common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--max-new", "6", "--drop-truncated",
+              "--batch", "1"]
+    cut, whole = tmp_path / "cut.jsonl", tmp_path / "whole.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "regenerate", "--engine", "hf", *common, "--out",
+                             str(cut)], cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while len(records(cut)) + len(records(outfile.skipped_path(cut))) < 3 and proc.poll() is None:
+        assert time.monotonic() < deadline, "no answer within 10 minutes"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_INTERRUPTED and "interrupted" in err, err[-2000:]
+    meta = json.loads(outfile.meta_path(cut).read_text())
+    a = meta["accounting"]
+    assert meta["state"] == "stopped" and 0 < a["pending"] < 24
+    assert a["answered"] == len(records(cut)) and a["skipped"] == len(records(outfile.skipped_path(cut)))
+    assert a["answered"] + a["skipped"] + a["failed"] + a["pending"] == a["expected"] == 24
+
+    assert regenerate(capsys, *common, "--out", str(cut))[0] == 0
+    assert regenerate(capsys, *common, "--out", str(whole))[0] == 0
+    assert json.loads(outfile.meta_path(cut).read_text())["state"] == "done"
+    assert accounting(cut) == accounting(whole) and accounting(cut)["pending"] == 0
+    assert accounting(cut)["answered"] + accounting(cut)["skipped"] == 24

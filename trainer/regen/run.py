@@ -300,6 +300,10 @@ def _run(job: Job, console) -> dict:
     finally:
         writer.close()
         left_out.close()
+        # counted from the files as they are: an interrupt between a line's write and its count is no miscount
+        ended_with = outfile.scan_out(job.out)
+        rows, truncated = set(ended_with.answered), set(ended_with.truncated)
+        skipped = list(ended_with.skipped.reasons)
         outfile.write_meta(job.out, meta("done" if done == total else "stopped"))
     record = {"done": done, "total": total, "new": answered, "left_out": dropped, "out": str(job.out),
               "meta": str(outfile.meta_path(job.out)), "engine": used, "tokens": tokens,

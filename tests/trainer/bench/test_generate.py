@@ -106,3 +106,17 @@ def test_bench_refuses_bad_arguments(capsys):
         assert e.value.code == 2 and needle in capsys.readouterr().err
     assert bench.main(["--shape", "small", "--device", "cpu"]) == 2
     assert "GPU shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
+def test_the_chain_target_answers_the_drawn_length_in_every_family(family, family_dirs):
+    """The mixed workload's chain rule (every residual write zeroed, the head a permutation of the embeddings)
+    holds in each family's layers: a prompt ending 5 steps before the stop id answers those 5 tokens."""
+    from trainer.decode.generate import Sampling, hf_generate
+    from trainer.model.target import load_target
+
+    target = load_target(family_dirs[family], num_draft_layers=1, truncate=False)
+    order = bench.make_chain(target.model, seed=3)
+    prompts = bench.mixed_prompts([(6, 5), (3, 2)], order, seed=3)
+    answers = hf_generate(target.model, prompts, Sampling(max_new_tokens=9), [order[0]], pad_id=0)
+    assert answers == [order[-4:] + [order[0]], order[-1:] + [order[0]]]
