@@ -54,7 +54,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="small", help=f"named target shape: {', '.join(SHAPES)} (default: small)")
     p.add_argument("--engines", default="static,hf", help="comma list of static, hf (default: %(default)s)")
-    p.add_argument("--workload", default="equal", choices=WORKLOADS, help="(default: %(default)s)")
+    p.add_argument("--workload", default="equal", choices=WORKLOADS,
+                   help="equal: one batch, every row --new-tokens, no stop id; mixed: --prompts prompts of varied "
+                        "lengths, each answer ending on a stop id at a seeded length (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="rows generated together (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=0, help="mixed: prompts in all (default: 2 x --batch)")
     p.add_argument("--prompt-tokens", type=int, default=None, help="the longest prompt (equal 128, mixed 1024)")
