@@ -75,8 +75,8 @@ def _regenerate_parser(sub) -> None:
     r = sub.add_parser("regenerate", help="answer prompt files with the target: the drafter's training data",
                        description="Answer every prompt of the prompt files with the target itself, into a training "
                                    "JSONL of token lines (the target's exact tokens, loss on the answer) and a "
-                                   "FILE.meta.json of what made them and their counts (answered, failed, skipped). A restarted job with the same --out continues "
-                                   "where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
+                                   "FILE.meta.json of what made them and their counts (answered, failed, skipped). "
+                                   "A restarted job with the same --out continues where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
                                    "MATH-500, HumanEval, MBPP, MT-Bench, Alpaca, {\"prompt\": ...}, plain text lines; a "
                                    "conversation is answered after its last user turn.")
     r.add_argument("--target", type=user_path, required=True, help="the target's local Hugging Face directory")
