@@ -20,6 +20,7 @@ On failure, the sshd log and the container init logs are attached to the test re
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +40,12 @@ FIRST_CTID = 200
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The Ctrl-C tests send SIGINT to a CLI they started, as a terminal does. A shell starts a background job (`pytest &`,
+# a CI step's job) with SIGINT ignored; its children inherit that, and Python then installs no KeyboardInterrupt
+# handler, so the CLI would never see the Ctrl-C. A handled signal is reset to its default across exec: every
+# subprocess of the suite meets SIGINT as from a terminal, however pytest itself was started.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ------------------------------------------------------------------------------------------------ every test
