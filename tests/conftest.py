@@ -13,13 +13,15 @@ and refuses tests not marked `@pytest.mark.ssh`):
 - `host_tools`    factory: `host_tools(name, script_text) -> Path` puts an executable on the PATH of every SSH
                   session of `sshd` (e.g. a fake `nvidia-smi`); removed at teardown
 - `repo_root`     the repository root (pass it as PYTHONPATH to subprocesses, with sys.executable)
-- `tiny_target_dir`  one tiny Qwen3 target + tokenizer built once per session and saved to disk (trainer.tiny),
-                  for the trainer's tests and the end-to-end runs of the real trainer
+- `tiny_target_dir`  one tiny Qwen3 target + tokenizer saved to disk (trainer.tiny), built once per run and shared by
+                  xdist's workers (`built_once`), for the trainer's tests and the end-to-end runs of the real trainer
 On failure, the sshd log and the container init logs are attached to the test report.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +41,12 @@ FIRST_CTID = 200
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The Ctrl-C tests send SIGINT to a CLI they started, as a terminal does. A shell starts a background job (`pytest &`,
+# a CI step's job) with SIGINT ignored; its children inherit that, and Python then installs no KeyboardInterrupt
+# handler, so the CLI would never see the Ctrl-C. A handled signal is reset to its default across exec: every
+# subprocess of the suite meets SIGINT as from a terminal, however pytest itself was started.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ------------------------------------------------------------------------------------------------ every test
@@ -74,11 +82,33 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Path:
+    """`build(dir)` once per pytest run, its directory shared: under pytest-xdist every worker's temp dir lies in
+    one per-run root, and the first worker there builds while the others wait on a lock (fcntl; released when its
+    holder dies). Without xdist it is the session's temp dir. Callers must not write into the directory."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run:                    # the same in every worker of this run, new in the next (a --basetemp is reused)
+        root, name = root.parent, f"{name}-{run}"
+    out, done = root / name, root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            if out.exists():       # a builder that died half-way
+                shutil.rmtree(out)
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
+    """Built once per run (~10 s of CPU: a few dozen training steps), shared by the xdist workers."""
     from trainer.tiny import build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"), train_steps=60)
+    return built_once(tmp_path_factory, "tiny_target", lambda out: build_tiny_target(out, train_steps=60))
 
 
 # ------------------------------------------------------------------------------------------------ ssh tier

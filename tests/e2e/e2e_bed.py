@@ -191,7 +191,7 @@ class E2E:
         return [sys.executable, "-m", "dflash_ops", "--inventory", str(inventory or self.inventory),
                 "--runbooks", str(self.runbooks), *args]
 
-    def proc(self, *args: str, inventory: Path | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
+    def proc(self, *args: str, inventory: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
         """A real `python -m dflash_ops` process; stdout and stderr are bytes."""
         return subprocess.run(self.argv(*args, inventory=inventory), capture_output=True, env=self.env(),
                               cwd=self.work, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -232,7 +232,7 @@ class E2E:
         return self.work / label
 
 
-def wait_for(predicate, what: str, timeout_s: float = 30.0, poll_s: float = 0.1) -> None:
+def wait_for(predicate, what: str, timeout_s: float = 300.0, poll_s: float = 0.1) -> None:
     """Poll `predicate` (something cheap: a file, /proc; not the CLI over SSH) every `poll_s` until it holds."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -273,14 +273,14 @@ class LineReader:
             self.lines.put(line)
         self.lines.put(b"")
 
-    def until(self, wanted: bytes, timeout_s: float = 30.0) -> None:
+    def until(self, wanted: bytes, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while wanted not in self.seen:
             line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
             assert line, f"stream ended before {wanted!r}; got {self.seen[-5:]!r}"
             self.seen.append(line)
 
-    def rest(self, timeout_s: float = 60.0) -> bytes:
+    def rest(self, timeout_s: float = 300.0) -> bytes:
         self._thread.join(timeout_s)
         while not self.lines.empty():
             self.seen.append(self.lines.get())

@@ -72,7 +72,8 @@ def _script(bed, name: str, text: str) -> str:
 def nodes_bed(bed):
     """The bed with its nodes inventory (`bed.nodes_inventory`), and the runbooks
     - `nodesjob`: the JOB script as a `nodes: true` runbook standing in for torchrun (it prints torchrun's
-      rendezvous line at once); `nodesjob-brief`: the same with 2 s to prove alive;
+      rendezvous line at once); `nodesjob-brief`: the same with 2 s to prove alive, `nodesjob-patient` with an
+      hour;
     - `torchjob`, `gloojob`: the real torchrun running, one process per node, the JOB script, or GLOO_WORKER;
     - `trainnodes`: the shipped graphwarm-nodes as a CPU box runs it (one process per node, the smoke recipe, no
       graphs, the inductor cache pre-step on a cache dir of the bed's); `trainone`: its trainer on one node, as
@@ -83,6 +84,8 @@ def nodes_bed(bed):
     (bed.runbooks / "nodesjob.yaml").write_text(yaml.safe_dump(nodes_job))
     brief = dict(job["liveness"], timeout_s=2)
     (bed.runbooks / "nodesjob-brief.yaml").write_text(yaml.safe_dump(dict(nodes_job, liveness=brief)))
+    patient = dict(job["liveness"], timeout_s=3600)
+    (bed.runbooks / "nodesjob-patient.yaml").write_text(yaml.safe_dump(dict(nodes_job, liveness=patient)))
     torchrun = ["{python}", "-m", "torch.distributed.run", "--nproc-per-node", "1"]
     started = {"wait_s": 0.5, "pattern": "Starting elastic_operator", "timeout_s": 120}
     gloo = bed.work / "gloo_worker.py"
@@ -284,16 +287,19 @@ def test_a_launch_that_fails_on_one_node_leaves_nothing_running(nodes_bed):
 def test_ctrl_c_or_a_bug_during_a_launch_stops_the_nodes_that_started(nodes_bed):
     bed = nodes_bed
     mute = _inventory(bed, "mute-ctrl-c", python={bed.ct(1): _script(bed, "mute-python2", "#!/bin/sh\nexec sleep 300\n")})
-    proc = subprocess.Popen(bed.argv("launch", "nodesjob", *node_args(bed), "--name", "ctrlc", inventory=mute),
+    # node 1 waits for a liveness line that never comes, for longer than any test runs: only the Ctrl-C ends the
+    # launch, however slowly a loaded machine brings node 1 up
+    proc = subprocess.Popen(bed.argv("launch", "nodesjob-patient", *node_args(bed), "--name", "ctrlc",
+                                     inventory=mute),
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=bed.env(), cwd=bed.work)
     said = b""
-    while b"started node 1 of ctrlc-" not in said:       # node 1 waits for a liveness line that never comes
+    while b"started node 1 of ctrlc-" not in said:
         line = proc.stderr.readline()
         assert line, said
         said += line
     proc.send_signal(signal.SIGINT)
-    said += proc.stderr.read()
-    assert proc.wait(timeout=120) == 130, said
+    said += proc.communicate(timeout=300)[1]
+    assert proc.returncode == 130, said
     assert b"interrupted; rolled back ctrlc-" in said and b"stopped with SIGTERM" in said, said
     nothing_runs(bed, "ctrlc")
     assert records("ctrlc") == []

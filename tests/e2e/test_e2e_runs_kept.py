@@ -37,7 +37,7 @@ def test_stop_ends_a_child_that_left_the_process_group_with_setsid(bed):
     stop = bed.cli("stop", "setsid", *bed.target(ctid), "--grace", "10", "--json")
     assert stop.returncode == 0, stop.stderr
     assert json.loads(stop.stdout)["status"]["state"] == "killed"
-    wait_for(lambda: not procfs.is_alive(child), "the setsid child to die", timeout_s=10)
+    wait_for(lambda: not procfs.is_alive(child), "the setsid child to die", timeout_s=120)
     assert marked_processes(ct, doc["run_id"]) == []
 
 

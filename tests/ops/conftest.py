@@ -109,12 +109,12 @@ class Env:
 
         return CliRunner().invoke(app, ["--runbooks", str(self.runbooks), *args], env=self.env)
 
-    def sub(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    def sub(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """A real `python -m dflash_ops` process."""
         return subprocess.run([sys.executable, "-m", "dflash_ops", "--runbooks", str(self.runbooks), *args],
                               capture_output=True, text=True, env=self.env, cwd=self.root, timeout=timeout)
 
-    def wait_for(self, path: Path, timeout: float = 20) -> None:
+    def wait_for(self, path: Path, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while not path.exists():
             assert time.monotonic() < deadline, f"{path} did not appear"

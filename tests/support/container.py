@@ -88,7 +88,7 @@ class EmulatedContainer:
         self._unshare: subprocess.Popen | None = None
 
     # ----------------------------------------------------------------------------------------------- lifecycle
-    def start(self, *, timeout_s: float = 10.0) -> "EmulatedContainer":
+    def start(self, *, timeout_s: float = 120.0) -> "EmulatedContainer":
         """Start the container and return once its PID 1 is ready."""
         self._spawn()
         self._await_ready(timeout_s)
@@ -151,7 +151,7 @@ class EmulatedContainer:
         chain = procfs.nspid(host_pid)
         return chain[-1] if same_ns and chain else None
 
-    def pct_exec(self, *argv: str, timeout: float = 30, **kwargs) -> subprocess.CompletedProcess:
+    def pct_exec(self, *argv: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
         """Run `pct exec CTID -- argv…` locally through the shim (for test setup; the CLI goes through SSH)."""
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
@@ -213,7 +213,7 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
     return buf.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def start_containers(ctids: list[int], state_dir: Path, *, timeout_s: float = 20.0) -> list[EmulatedContainer]:
+def start_containers(ctids: list[int], state_dir: Path, *, timeout_s: float = 120.0) -> list[EmulatedContainer]:
     """Start one container per ctid, all spawned before any is awaited; on any failure stop them all and raise."""
     cts = [EmulatedContainer(ctid, state_dir) for ctid in ctids]
     try:

@@ -38,7 +38,7 @@ def connect(sshd: Sshd, *, known_hosts: Path | None = None, timeout_s: float = 1
     return client
 
 
-def run(client: paramiko.SSHClient, command: str, *, timeout_s: float = 30.0) -> Result:
+def run(client: paramiko.SSHClient, command: str, *, timeout_s: float = 300.0) -> Result:
     """Run one command string (parsed by the remote login shell) and wait for it to finish."""
     _stdin, stdout, stderr = client.exec_command(command, timeout=timeout_s)
     _stdin.close()

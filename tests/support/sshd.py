@@ -111,7 +111,7 @@ class Sshd:
         self._proc: subprocess.Popen | None = None
 
     # ----------------------------------------------------------------------------------------------- lifecycle
-    def start(self, *, timeout_s: float = 10.0) -> "Sshd":
+    def start(self, *, timeout_s: float = 120.0) -> "Sshd":
         """Start sshd (keys and port are made on first start, reused afterwards) and wait until it serves a banner."""
         if self._proc is not None:
             raise SshdError("sshd already started")

@@ -40,7 +40,7 @@ def pct_command(ct, *argv: str) -> str:
     return shlex.join([str(ct.pct), "exec", str(ct.ctid), "--", *argv])
 
 
-def wait_for(predicate, *, timeout_s: float = 15.0, what: str) -> None:
+def wait_for(predicate, *, timeout_s: float = 120.0, what: str) -> None:
     """Poll `predicate` until true; fail naming `what` at the deadline (a bound on waiting, not a timing assertion)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -14,7 +14,7 @@ import pytest
 
 
 
-def _wait_state(env, run_id: str, want: str, timeout: float = 20) -> dict:
+def _wait_state(env, run_id: str, want: str, timeout: float = 300) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         run = next(r for r in env.runs_json() if r["run_id"] == run_id)

@@ -90,7 +90,7 @@ def test_ctrl_c_stops_tailing_only(ops_env):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline() == "job started\n"
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130
     assert f"stopped tailing; run {run['run_id']} goes on" in err
     assert ops_env.pid_alive(run["pid"])
@@ -118,7 +118,7 @@ def test_follow_gives_up_after_its_reconnect_budget(ops_env):
 
 
 def _ended(env, run_id: str) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300
     while next(r for r in env.runs_json() if r["run_id"] == run_id)["state"] == "running":
         assert time.monotonic() < deadline, f"{run_id} did not end"
         time.sleep(0.1)
@@ -151,7 +151,7 @@ def test_tail_n0_of_a_running_run_does_not_cut_the_line_being_written(ops_env, t
     run = _launch(ops_env, "--lines", "2", "--every", "0.01", "--partial", "half", "--gate", str(gate),
                   "--then", " and done\nlast\n")
     log_path = ops_env.run_dirs()[-1] / "output.log"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 300
     while not log_path.read_bytes().endswith(b"half"):
         assert time.monotonic() < deadline, log_path.read_bytes()
         time.sleep(0.02)

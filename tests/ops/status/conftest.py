@@ -94,7 +94,7 @@ class Holders:
         proc = subprocess.Popen(argv, env=env, start_new_session=new_session)
         self.procs.append(proc)
         threading.Thread(target=proc.wait, daemon=True).start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 300
         while not ready.exists():
             assert time.monotonic() < deadline, "holder did not start"
             time.sleep(0.01)

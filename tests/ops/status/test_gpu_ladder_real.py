@@ -103,7 +103,7 @@ def test_holder_started_through_pct_maps_by_pid_namespace(tmp_path, fake_gpus):
         argv = [sys.executable, str(HOLDER), "--hold", fake_gpus.hold(7, 900), "--ready", str(ready),
                 "--dev", fake_gpus.dev("nvidia7")]
         ct.pct_exec("bash", "-c", f"setsid {shlex.join(argv)} </dev/null >/dev/null 2>&1 &", check=True)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 300
         while not ready.exists():
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -125,7 +125,7 @@ def test_a_holder_named_with_a_newline_hides_no_other_holder(fake_gpus, holders,
     named = subprocess.Popen([sys.executable, "-c", code, fake_gpus.dev("nvidia1"), str(ready)],
                              start_new_session=True)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 300
         while not ready.exists():
             assert time.monotonic() < deadline, "the named holder did not start"
             time.sleep(0.01)

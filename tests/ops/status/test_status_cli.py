@@ -198,7 +198,8 @@ def test_watch_json_prints_one_document_per_refresh_until_ctrl_c(tmp_path, gpu_e
         docs = [json.loads(proc.stdout.readline()) for _ in range(3)]
     finally:
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
+        proc.communicate(timeout=300)     # drained: a child blocked on a full pipe would never exit
+    rc = proc.returncode
     assert rc == 0 and all(d["hosts"][0]["host"] == "local" and d["hosts"][0]["gpu"]["available"] for d in docs)
 
 
