@@ -15,6 +15,7 @@ signs are one value. NaN is not supported (logits are finite; -inf is fine).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # c = 128: the selections cost about C + k*c key reads a row, least near c = sqrt(V / k) (~97 for V = 151936 and
 # DFlash2's k = 16), and 128 divides Qwen's 151936 (1187 chunks: no ragged tail to fill). A 128-wide bf16 chunk is
@@ -64,19 +65,21 @@ def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor
         top = torch.topk(_keys(x, torch.arange(V, device=x.device), _tie_bits(x, V)), k, dim=-1).indices
         return x.gather(1, top), top
     full = V // chunk
-    maxes = x[:, :full * chunk].reshape(N, full, chunk).amax(dim=-1)  # [N, full]: one read of the row
+    blocks = x[:, :full * chunk].reshape(N, full, chunk)  # a view of a row-contiguous x
+    maxes = blocks.amax(dim=-1)  # [N, full]: one read of the row
     if full < n_chunks:  # the ragged tail chunk
         maxes = torch.cat([maxes, x[:, full * chunk:].amax(dim=-1, keepdim=True)], dim=1)
     chunk_ids = torch.arange(n_chunks, device=x.device)
     picked = torch.topk(_keys(maxes, chunk_ids, _tie_bits(x, n_chunks)), k, dim=-1).indices  # [N, k]
     # ascending chunk order: a candidate's position in the [N, k*c] gather then ranks it as its column does
     picked = picked.sort(dim=-1).values
-    cols = (picked[:, :, None] * chunk + torch.arange(chunk, device=x.device)).flatten(1)  # [N, k*c]
-    inside = cols < V
-    cols = torch.where(inside, cols, V - 1)
-    values = x.gather(1, cols)
-    # the tail chunk's fill: -inf at positions after every real column, so it ranks after any real -inf
-    values = torch.where(inside, values, torch.full_like(values, float("-inf")))
+    # the index broadcasts over the chunk: no [N, k*c] column tensor
+    values = blocks.gather(1, picked.clamp(max=full - 1)[:, :, None].expand(N, k, chunk))  # [N, k, c]
+    if full < n_chunks:
+        # the tail filled with -inf at positions after every real column, so the fill ranks after any real -inf
+        tail = F.pad(x[:, full * chunk:], (0, n_chunks * chunk - V), value=float("-inf"))  # [N, c]
+        values = torch.where((picked == full)[:, :, None], tail[:, None, :], values)
+    values = values.reshape(N, k * chunk)
     width = k * chunk
     top = torch.topk(_keys(values, torch.arange(width, device=x.device), _tie_bits(x, width)), k, dim=-1).indices
     return values.gather(1, top), picked.gather(1, top // chunk) * chunk + top % chunk
