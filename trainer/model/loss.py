@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from trainer.model.topk import fast_topk
+
 
 def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """[B] float: 0 at k=0, exp(-(k-1)/gamma) for k >= 1."""
@@ -200,7 +202,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                                                        **extra)
             loss = loss + loss_c
             if cand_MK is not None:
-                cand_MK[start:end] = torch.topk(logits, top_k, dim=-1).indices
+                cand_MK[start:end] = fast_topk(logits, top_k)[1]
             if grad_MD is not None:
                 g_MD = g.to(weight_VD.dtype) @ weight_VD if head8 is None else head8.input_grad(*g)
                 grad_MD[start:end] = g_MD.to(h_MD.dtype)
@@ -222,7 +224,8 @@ def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.T
                     w_M: torch.Tensor, chunk: int, chunk_fn=None, dpace: DPace | None = None,
                     head8=None, top_k: int = 0) -> tuple[torch.Tensor, ...]:
     """-> (loss: scalar fp32, correct [M] bool = argmax == label), and with top_k > 0 (DFlash2's selector) a third
-    value, the ids of each position's top_k logits [M, top_k] long (from the same chunks' logits: no extra head GEMM).
+    value, the ids of each position's top_k logits [M, top_k] long (from the same chunks' logits: no extra head GEMM;
+`fast_topk`'s, so tied logits rank by the lower id).
     Weights must be 0 where invalid.
 
     dpace None: the weighted mean CE, sum(CE * w) / sum(w). dpace: sum(CE * w * D-PACE weights), w the normalized

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 def transform_unary(logits: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None) -> torch.Tensor:
@@ -58,9 +59,11 @@ class CandidateSelector(nn.Module):
               pred_M: torch.Tensor) -> torch.Tensor:
         """Candidates [..., K] (ids), their unary logits [..., K], hidden [..., D], predecessor ids [...] ->
         scores [..., K], fp32 at least."""
-        context = self.predecessor_codebook[pred_M] * self.hidden_projection(h_MD)  # [..., r]
+        # embedding rather than indexing: the same gather, and on CUDA its backward is a sort and segment sum, where
+        # indexing's (index_put accumulate) walks each repeated id's rows in one warp; ids repeat a lot here
+        context = F.embedding(pred_M, self.predecessor_codebook) * self.hidden_projection(h_MD)  # [..., r]
         # a batched product: the [..., K, r] elementwise product is never materialized
-        transition = torch.einsum("...r,...kr->...k", context, self.successor_codebook[cand_MK])  # [..., K]
+        transition = torch.einsum("...r,...kr->...k", context, F.embedding(cand_MK, self.successor_codebook))
         dtype = _score_dtype(unary_MK)
         return unary_MK.to(dtype) + transition.to(dtype)
 
