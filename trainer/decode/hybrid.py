@@ -45,6 +45,16 @@ def check_hybrid(cfg) -> None:
                           f"{model_type!r}", hint="use eval.engine=hf for this target")
 
 
+def rope_position_ids(rotary, pos_RL: torch.Tensor) -> torch.Tensor:
+    """Text positions pos_RL [R, L] in the form HF rotary module `rotary` takes on every supported transformers
+    release. Qwen3.5's is multimodal RoPE (it has `mrope_section`): position ids [3, R, L], one row per section
+    (temporal, height, width), equal for text; some releases index them as [3, R, L] only (`position_ids[:, :, None,
+    :]`), others expand [R, L] themselves, so the explicit 3-D form serves both. Qwen3-Next's is plain RoPE: [R, L]."""
+    if hasattr(rotary, "mrope_section"):
+        return pos_RL[None].expand(3, -1, -1)
+    return pos_RL
+
+
 class HybridStaticTarget:
     """A full (untruncated) hybrid `Target` with static buffers for `rows` rows: K/V caches of `slots` positions
     for the attention layers, a `GatedDeltaNetDecode` (verify blocks up to `block` tokens) per linear layer.
@@ -85,6 +95,12 @@ class HybridStaticTarget:
     @property
     def device(self) -> torch.device:
         return self.slot_ids.device
+
+    def rope(self, x: torch.Tensor, pos_RL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's rotary module at positions pos_RL [R, L] -> (cos, sin), in the form its `apply_rotary_pos_emb`
+        takes (`rope_position_ids`)."""
+        rotary = self.model.model.rotary_emb
+        return rotary(x, rope_position_ids(rotary, pos_RL))
 
     def _attention(self, i: int, attn, h: torch.Tensor, pos: torch.Tensor, rope, visible: torch.Tensor,
                    span: int) -> torch.Tensor:
@@ -127,14 +143,14 @@ class HybridStaticTarget:
         visible = (s[None, :] <= pos[:, None])[None, None]  # [1, 1, L, span]
         if self.padded:
             real = pos[None, :] >= self.row_start[:, None]  # [R, L]
-            rope = self.model.model.rotary_emb(x, pos[None, :] - self.row_start[:, None])
+            rope = self.rope(x, pos[None, :] - self.row_start[:, None])
             # a padding query sees its own slot (one that sees nothing would be NaN), a real one no slot before
             # its row's start (StaticTarget's rule)
             lo = torch.minimum(self.row_start[:, None], pos[None, :])  # [R, L]
             visible = visible & (s[None, None, None, :] >= lo[:, None, :, None])  # [R, 1, L, span]
         else:
             real = None
-            rope = self.model.model.rotary_emb(x, pos[None].expand(R, L))
+            rope = self.rope(x, pos[None].expand(R, L))
         taps = {}
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)

@@ -80,6 +80,40 @@ def test_target_only_and_speculative_equal_hfs_greedy_decoding(targets, family):
         assert got.tokens == want, (family, text)
 
 
+def rotary_positions_5_17(position_ids: torch.Tensor) -> torch.Tensor:
+    """transformers 5.17's `Qwen3_5TextRotaryEmbedding.forward` reads its position ids as
+    `position_ids[:, :, None, :]` with dim 0 the three mrope sections, so it takes [3, R, L] only (a 2-D [R, L] is
+    `IndexError: too many indices`); later releases expand [R, L] themselves. Returns what it indexes."""
+    assert position_ids.ndim == 3 and position_ids.shape[0] == 3, tuple(position_ids.shape)
+    return position_ids[:, :, None, :]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotary_position_ids_take_the_form_every_release_accepts(targets, family, padded):
+    """What the static target hands HF's rotary module (seen through a forward pre-hook on the real module):
+    Qwen3.5's mrope form [3, R, L] (which 5.17's rule indexes), Qwen3-Next's plain [R, L]; cos/sin equal HF's own."""
+    target = targets[family]
+    rotary = target.model.model.rotary_emb
+    seen = []
+    handle = rotary.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+    try:
+        static = HybridStaticTarget(target, slots=16, rows=2, padded=padded)
+        static.forward(torch.tensor([[5, 9, 11], [13, 17, 19]]), torch.zeros((), dtype=torch.long))
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    ids = seen[0]
+    if family == "qwen3_5":
+        rotary_positions_5_17(ids)
+        assert ids.shape == (3, 2, 3) and (ids == torch.arange(3)).all()
+    else:
+        assert ids.shape == (2, 3)
+    x = torch.zeros(2, 3, target.hf_config.hidden_size)
+    for got, want in zip(rotary(x, ids), rotary(x, torch.arange(3)[None].expand(2, 3))):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_softmax_only_target_is_refused_in_one_line(tmp_path):
     target = load_target(build_family_target(tmp_path / "q", "qwen3"), num_draft_layers=2, layer_ids=(1, 3),
                          truncate=False)
