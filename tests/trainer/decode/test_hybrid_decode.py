@@ -134,6 +134,28 @@ def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
     assert got.tokens == want.tokens and got.accepted == want.accepted  # the same drafter proposes the same blocks
 
 
+def test_decoders_route_a_served_hybrid_to_the_static_engine_and_others_to_hf(targets):
+    """`decoders.engine_for` keeps the static engine for Qwen3.5 (no note) and hands Qwen3-Next (MoE MLPs) to hf
+    with one note; `decoders.decoders` builds the hybrid decoders, one note saying compile/invariant do not apply."""
+    from trainer.decode.decoders import decoders, engine_for
+
+    target = targets["qwen3_5"]
+    notes: list[str] = []
+    assert engine_for("static", target, notes.append) == "static" and notes == []
+    assert engine_for("static", targets["qwen3_next"], notes.append) == "hf"
+    assert len(notes) == 1 and notes[0].startswith("note: the static engine cannot serve this target")
+    notes.clear()
+    made = decoders(target, _drafter(target), 4, 64, compile="drafter", invariant=True, log=notes.append)
+    assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
+    assert notes == ["note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms "
+                     "(compile=drafter, invariant not applied)"]
+    ids = _prompt_ids(target, PROMPTS[0])
+    assert made.speculative(ids, 12).tokens == made.target_only(ids, 12) == generate_target_only(target, ids, 12)
+    notes.clear()
+    decoders(target, _drafter(target), 4, 64, log=notes.append)
+    assert notes == []
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_batch_of_different_prompt_lengths_equals_hf_generate(targets, family):
     """Left-padded rows: each row's padding enters the linear layers as zeros and attention skips it, so every row
