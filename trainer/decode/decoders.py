@@ -53,7 +53,7 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     A DFlash drafter proposes the head's argmax per mask position, a DFlash2 drafter its selector's greedy walk
     (docs/dflash2.md, "Decoding"). `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute
     the target's attention (sliding windows, soft-capping, Gemma's norms) decodes with SDPA or eager attention, with
-    a note. A dense hybrid (`hybrid.serves`) decodes through `hybrid.hybrid_decoders`: uncompiled, SDPA attention,
+    a note. A dense hybrid (`hybrid.serves`) decodes through `hybrid.hybrid_decoder`: uncompiled, SDPA attention,
     HF's norms, whatever `compile` and `invariant` ask (one note when they ask more). The static engine captures its
     graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
@@ -116,7 +116,8 @@ def _hybrid_decoders(target, drafter, block_size: int, capacity: int, compile: s
     if asked:
         log(f"note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms ({', '.join(asked)} "
             f"not applied)")
-    return hybrid.hybrid_decoders(target, drafter, block_size, capacity)
+    decoder = hybrid.hybrid_decoder(target, drafter, block_size, capacity)
+    return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")
 
 
 def sync(device: torch.device) -> None:

@@ -31,7 +31,7 @@ from trainer.errors import ConfigError
 from trainer.model.target import Target
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-# what `hybrid_decoders` and `batch_generator` serve on every device: dense MLPs. An MoE MLP runs HF's forward,
+# what `hybrid_decoder` and `batch_generator` serve on every device: dense MLPs. An MoE MLP runs HF's forward,
 # eager-correct but not known to be graph-safe; MoE hybrids join when the stack's MoE layer (layers/moe.py) takes
 # their MLPs.
 SERVED_MODEL_TYPES = ("qwen3_5_text",)
@@ -218,22 +218,20 @@ class HybridDecoder(StaticDecoder):
 
 
 def serves(cfg) -> bool:
-    """Whether `hybrid_decoders` decodes this target (from its config alone)."""
+    """Whether `hybrid_decoder` decodes this target (from its config alone)."""
     return getattr(cfg, "model_type", None) in SERVED_MODEL_TYPES
 
 
-def hybrid_decoders(target: Target, drafter, block_size: int, capacity: int):
-    """`decoders.decoders`'s result for a hybrid target the static engine's StaticTarget refuses (`serves`): a
-    `HybridDecoder` with the drafter kind's static proposer; uncompiled, SDPA attention, HF's norms."""
-    from trainer.decode.decoders import Decoders
+def hybrid_decoder(target: Target, drafter, block_size: int, capacity: int) -> HybridDecoder:
+    """What `decoders.decoders` decodes a hybrid target it serves (`serves`) with: a `HybridDecoder` with the drafter
+    kind's static proposer; uncompiled, SDPA attention, HF's norms."""
     from trainer.decode.drafters.dflash2 import StaticDFlash2Proposer
     from trainer.decode.static_draft import StaticDFlashProposer
 
     check_hybrid(target.hf_config)
     proposer_cls = StaticDFlashProposer if drafter.cfg.dflash2 is None else StaticDFlash2Proposer
     proposer = proposer_cls(target, drafter, block_size, capacity)
-    decoder = HybridDecoder(target, capacity, proposer, block_size)
-    return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")
+    return HybridDecoder(target, capacity, proposer, block_size)
 
 
 class HybridBatchGenerator(BatchGenerator):

@@ -9,9 +9,10 @@ import torch
 from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
 from tests.trainer.decode.test_static_decode import _WrongAt
 from tests.trainer.families import build_family_target
+from trainer.decode.decoders import decoders, engine_for
 from trainer.decode.generate import Sampling, hf_generate
 from trainer.decode.hybrid import (HybridBatchGenerator, HybridDecoder, HybridStaticTarget, batch_generator,
-                                   hybrid_decoders, serves)
+                                   serves)
 from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
 from trainer.errors import ConfigError
@@ -125,7 +126,7 @@ def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
     target = targets["qwen3_5"]
     assert serves(target.hf_config) and not serves(targets["qwen3_next"].hf_config)  # its MoE MLPs: not yet
     drafter = _drafter(target)
-    made = hybrid_decoders(target, drafter, 4, capacity=64)
+    made = decoders(target, drafter, 4, capacity=64)
     assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
     ids = _prompt_ids(target, PROMPTS[1])
     want = generate_speculative(target, DFlashProposer(target, drafter, 4), ids, 20)
@@ -137,8 +138,6 @@ def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
 def test_decoders_route_a_served_hybrid_to_the_static_engine_and_others_to_hf(targets):
     """`decoders.engine_for` keeps the static engine for Qwen3.5 (no note) and hands Qwen3-Next (MoE MLPs) to hf
     with one note; `decoders.decoders` builds the hybrid decoders, one note saying compile/invariant do not apply."""
-    from trainer.decode.decoders import decoders, engine_for
-
     target = targets["qwen3_5"]
     notes: list[str] = []
     assert engine_for("static", target, notes.append) == "static" and notes == []
