@@ -1,14 +1,15 @@
 """Batched generation benchmark: generated tokens/s of the engine regenerate uses (`trainer.regen.engines`: the
-static, graph-replayed `trainer.decode.generate.BatchGenerator`, or HF `generate` where the static engine does not
-serve the family) against HF `generate` (`hf_generate`), on the same prompts, with the step's floor beside them.
+static, graph-replayed batch generator of `trainer.decode.hybrid.batch_generator`, or HF `generate` where the static
+engine does not serve the family) against HF `generate` (`hf_generate`), on the same prompts, with the step's floor
+beside them.
 
     python3 -m bench.generate --shape small --batch 32 --prompt-tokens 128 --new-tokens 256
     python3 -m bench.generate --shape qwen3-8b --batch 256 --workload mixed --prompts 512 --engines static
 
 Run from the repository root. Target: a random-init model of a named shape (bench/shapes.py: every family shape),
 built on the device in bf16 on CUDA (fp32 on CPU, or --dtype), prepared by `prepare_target` (frozen, untruncated).
-Where BatchGenerator refuses the family, the `static` engine's line measures HF `generate` (what regenerate runs
-then) and says so (`asked`, `note`); a separate `hf` line is then not measured twice.
+Where the static batch generator refuses the family, the `static` engine's line measures HF `generate` (what regenerate
+runs then) and says so (`asked`, `note`); a separate `hf` line is then not measured twice.
 
 Workloads (`--workload`):
   equal   `--batch` random prompts of seeded lengths between half of `--prompt-tokens` and all of it; no stop ids:
@@ -171,8 +172,9 @@ def bench_prompts(batch: int, longest: int, vocab: int, seed: int = 1) -> list[l
 
 def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
     """-> (run(prompts, sampling) -> answers, the engine that runs, a note or None). The static engine where
-    BatchGenerator serves the target, else HF generate, as trainer.regen.engines.answerer decides."""
-    from trainer.decode.generate import BatchGenerator, hf_generate
+    `batch_generator` serves the target, else HF generate, as trainer.regen.engines.answerer decides."""
+    from trainer.decode.generate import hf_generate
+    from trainer.decode.hybrid import batch_generator
 
     def hf(prompts, sampling):
         return hf_generate(target.model, prompts, sampling, stops, pad_id=0)
@@ -180,7 +182,7 @@ def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
     if engine == "hf":
         return hf, "hf", None, None
     try:
-        gen = BatchGenerator(target, rows, max_len, stop_ids=stops)
+        gen = batch_generator(target, rows, max_len, stop_ids=stops)
     except Exception as exc:  # noqa: BLE001 -- a refused family: what regenerate does then
         note = (f"the static engine cannot serve {target.model.config.model_type} ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); measured HF generate, what "

@@ -24,8 +24,11 @@ class Decoders(NamedTuple):
 
 def engine_for(engine: str, target, log=print) -> str:
     """The engine a decode runs on: the one asked for, except that a target the static engine refuses (its family:
-    hybrids, attention sinks, MoE; dynamic RoPE) is decoded by the hf engine, after one note line."""
+    attention sinks, MoE, MoE hybrids; dynamic RoPE) is decoded by the hf engine, after one note line. A dense
+    hybrid (Qwen3.5) is served: `decoders` hands it to trainer/decode/hybrid.py."""
     if engine != "static":
+        return engine
+    if _hybrid_serves(target):
         return engine
     from trainer.decode.static_target import check_supported
     from trainer.errors import TrainerError
@@ -50,7 +53,9 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     A DFlash drafter proposes the head's argmax per mask position, a DFlash2 drafter its selector's greedy walk
     (docs/dflash2.md, "Decoding"). `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute
     the target's attention (sliding windows, soft-capping, Gemma's norms) decodes with SDPA or eager attention, with
-    a note. The static engine captures its graphs here, in the calling (main) thread, before any decoding."""
+    a note. A dense hybrid (`hybrid.serves`) decodes through `hybrid.hybrid_decoder`: uncompiled, SDPA attention,
+    HF's norms, whatever `compile` and `invariant` ask (one note when they ask more). The static engine captures its
+    graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "hf":
@@ -63,6 +68,8 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
 
         return Decoders(lambda ids, n, stops=(): generate_target_only(target, ids, n, stops), speculative, "none", "hf",
                         "hf")
+    if _hybrid_serves(target):
+        return _hybrid_decoders(target, drafter, block_size, capacity, compile, invariant, log)
     from trainer.decode.drafters.dflash2 import StaticDFlash2Proposer
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.lossless import norm_path
@@ -91,6 +98,26 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
             f"{'SDPA' if attention == 'sdpa' else 'eager attention'} (a verify is then not bitwise its decode steps)")
     return Decoders(decoder.generate_target_only, decoder.generate_speculative, compile, attention,
                     norm_path(decoder.static))
+
+
+# ---- hybrid targets (Qwen3.5): the static engine through trainer/decode/hybrid.py, apart from StaticTarget's path
+
+def _hybrid_serves(target) -> bool:
+    from trainer.decode import hybrid
+
+    return hybrid.serves(target.hf_config)
+
+
+def _hybrid_decoders(target, drafter, block_size: int, capacity: int, compile: str, invariant: bool,
+                     log) -> Decoders:
+    from trainer.decode import hybrid
+
+    asked = [f"compile={compile}"] * (compile != "none") + ["invariant"] * invariant
+    if asked:
+        log(f"note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms ({', '.join(asked)} "
+            f"not applied)")
+    decoder = hybrid.hybrid_decoder(target, drafter, block_size, capacity)
+    return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")
 
 
 def sync(device: torch.device) -> None:

@@ -31,7 +31,7 @@ from trainer.errors import ConfigError
 from trainer.model.target import Target
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-# what `hybrid_decoders` and `batch_generator` serve on every device: dense MLPs. An MoE MLP runs HF's forward,
+# what `hybrid_decoder` and `batch_generator` serve on every device: dense MLPs. An MoE MLP runs HF's forward,
 # eager-correct but not known to be graph-safe; MoE hybrids join when the stack's MoE layer (layers/moe.py) takes
 # their MLPs.
 SERVED_MODEL_TYPES = ("qwen3_5_text",)
@@ -43,6 +43,16 @@ def check_hybrid(cfg) -> None:
     if model_type not in HYBRID_MODEL_TYPES:
         raise ConfigError(f"the hybrid static target takes {', '.join(HYBRID_MODEL_TYPES)} targets, not "
                           f"{model_type!r}", hint="use eval.engine=hf for this target")
+
+
+def rope_position_ids(rotary, pos_RL: torch.Tensor) -> torch.Tensor:
+    """Text positions pos_RL [R, L] in the form HF rotary module `rotary` takes on every supported transformers
+    release. Qwen3.5's is multimodal RoPE (it has `mrope_section`): position ids [3, R, L], one row per section
+    (temporal, height, width), equal for text; some releases index them as [3, R, L] only (`position_ids[:, :, None,
+    :]`), others expand [R, L] themselves, so the explicit 3-D form serves both. Qwen3-Next's is plain RoPE: [R, L]."""
+    if hasattr(rotary, "mrope_section"):
+        return pos_RL[None].expand(3, -1, -1)
+    return pos_RL
 
 
 class HybridStaticTarget:
@@ -86,6 +96,12 @@ class HybridStaticTarget:
     def device(self) -> torch.device:
         return self.slot_ids.device
 
+    def rope(self, x: torch.Tensor, pos_RL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's rotary module at positions pos_RL [R, L] -> (cos, sin), in the form its `apply_rotary_pos_emb`
+        takes (`rope_position_ids`)."""
+        rotary = self.model.model.rotary_emb
+        return rotary(x, rope_position_ids(rotary, pos_RL))
+
     def _attention(self, i: int, attn, h: torch.Tensor, pos: torch.Tensor, rope, visible: torch.Tensor,
                    span: int) -> torch.Tensor:
         """HF's gated attention of layer i over the static cache: h [R, L, D] at slots `pos` [L] -> [R, L, D]."""
@@ -127,14 +143,14 @@ class HybridStaticTarget:
         visible = (s[None, :] <= pos[:, None])[None, None]  # [1, 1, L, span]
         if self.padded:
             real = pos[None, :] >= self.row_start[:, None]  # [R, L]
-            rope = self.model.model.rotary_emb(x, pos[None, :] - self.row_start[:, None])
+            rope = self.rope(x, pos[None, :] - self.row_start[:, None])
             # a padding query sees its own slot (one that sees nothing would be NaN), a real one no slot before
             # its row's start (StaticTarget's rule)
             lo = torch.minimum(self.row_start[:, None], pos[None, :])  # [R, L]
             visible = visible & (s[None, None, None, :] >= lo[:, None, :, None])  # [R, 1, L, span]
         else:
             real = None
-            rope = self.model.model.rotary_emb(x, pos[None].expand(R, L))
+            rope = self.rope(x, pos[None].expand(R, L))
         taps = {}
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
@@ -202,22 +218,20 @@ class HybridDecoder(StaticDecoder):
 
 
 def serves(cfg) -> bool:
-    """Whether `hybrid_decoders` decodes this target (from its config alone)."""
+    """Whether `hybrid_decoder` decodes this target (from its config alone)."""
     return getattr(cfg, "model_type", None) in SERVED_MODEL_TYPES
 
 
-def hybrid_decoders(target: Target, drafter, block_size: int, capacity: int):
-    """`decoders.decoders`'s result for a hybrid target the static engine's StaticTarget refuses (`serves`): a
-    `HybridDecoder` with the drafter kind's static proposer; uncompiled, SDPA attention, HF's norms."""
-    from trainer.decode.decoders import Decoders
+def hybrid_decoder(target: Target, drafter, block_size: int, capacity: int) -> HybridDecoder:
+    """What `decoders.decoders` decodes a hybrid target it serves (`serves`) with: a `HybridDecoder` with the drafter
+    kind's static proposer; uncompiled, SDPA attention, HF's norms."""
     from trainer.decode.drafters.dflash2 import StaticDFlash2Proposer
     from trainer.decode.static_draft import StaticDFlashProposer
 
     check_hybrid(target.hf_config)
     proposer_cls = StaticDFlashProposer if drafter.cfg.dflash2 is None else StaticDFlash2Proposer
     proposer = proposer_cls(target, drafter, block_size, capacity)
-    decoder = HybridDecoder(target, capacity, proposer, block_size)
-    return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")
+    return HybridDecoder(target, capacity, proposer, block_size)
 
 
 class HybridBatchGenerator(BatchGenerator):

@@ -9,9 +9,10 @@ import torch
 from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
 from tests.trainer.decode.test_static_decode import _WrongAt
 from tests.trainer.families import build_family_target
+from trainer.decode.decoders import decoders, engine_for
 from trainer.decode.generate import Sampling, hf_generate
 from trainer.decode.hybrid import (HybridBatchGenerator, HybridDecoder, HybridStaticTarget, batch_generator,
-                                   hybrid_decoders, serves)
+                                   serves)
 from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
 from trainer.errors import ConfigError
@@ -80,6 +81,40 @@ def test_target_only_and_speculative_equal_hfs_greedy_decoding(targets, family):
         assert got.tokens == want, (family, text)
 
 
+def rotary_positions_5_17(position_ids: torch.Tensor) -> torch.Tensor:
+    """transformers 5.17's `Qwen3_5TextRotaryEmbedding.forward` reads its position ids as
+    `position_ids[:, :, None, :]` with dim 0 the three mrope sections, so it takes [3, R, L] only (a 2-D [R, L] is
+    `IndexError: too many indices`); later releases expand [R, L] themselves. Returns what it indexes."""
+    assert position_ids.ndim == 3 and position_ids.shape[0] == 3, tuple(position_ids.shape)
+    return position_ids[:, :, None, :]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotary_position_ids_take_the_form_every_release_accepts(targets, family, padded):
+    """What the static target hands HF's rotary module (seen through a forward pre-hook on the real module):
+    Qwen3.5's mrope form [3, R, L] (which 5.17's rule indexes), Qwen3-Next's plain [R, L]; cos/sin equal HF's own."""
+    target = targets[family]
+    rotary = target.model.model.rotary_emb
+    seen = []
+    handle = rotary.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+    try:
+        static = HybridStaticTarget(target, slots=16, rows=2, padded=padded)
+        static.forward(torch.tensor([[5, 9, 11], [13, 17, 19]]), torch.zeros((), dtype=torch.long))
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    ids = seen[0]
+    if family == "qwen3_5":
+        rotary_positions_5_17(ids)
+        assert ids.shape == (3, 2, 3) and (ids == torch.arange(3)).all()
+    else:
+        assert ids.shape == (2, 3)
+    x = torch.zeros(2, 3, target.hf_config.hidden_size)
+    for got, want in zip(rotary(x, ids), rotary(x, torch.arange(3)[None].expand(2, 3))):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_softmax_only_target_is_refused_in_one_line(tmp_path):
     target = load_target(build_family_target(tmp_path / "q", "qwen3"), num_draft_layers=2, layer_ids=(1, 3),
                          truncate=False)
@@ -91,13 +126,33 @@ def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
     target = targets["qwen3_5"]
     assert serves(target.hf_config) and not serves(targets["qwen3_next"].hf_config)  # its MoE MLPs: not yet
     drafter = _drafter(target)
-    made = hybrid_decoders(target, drafter, 4, capacity=64)
+    made = decoders(target, drafter, 4, capacity=64)
     assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
     ids = _prompt_ids(target, PROMPTS[1])
     want = generate_speculative(target, DFlashProposer(target, drafter, 4), ids, 20)
     assert made.target_only(ids, 20) == want.tokens == generate_target_only(target, ids, 20)
     got = made.speculative(ids, 20)
     assert got.tokens == want.tokens and got.accepted == want.accepted  # the same drafter proposes the same blocks
+
+
+def test_decoders_route_a_served_hybrid_to_the_static_engine_and_others_to_hf(targets):
+    """`decoders.engine_for` keeps the static engine for Qwen3.5 (no note) and hands Qwen3-Next (MoE MLPs) to hf
+    with one note; `decoders.decoders` builds the hybrid decoders, one note saying compile/invariant do not apply."""
+    target = targets["qwen3_5"]
+    notes: list[str] = []
+    assert engine_for("static", target, notes.append) == "static" and notes == []
+    assert engine_for("static", targets["qwen3_next"], notes.append) == "hf"
+    assert len(notes) == 1 and notes[0].startswith("note: the static engine cannot serve this target")
+    notes.clear()
+    made = decoders(target, _drafter(target), 4, 64, compile="drafter", invariant=True, log=notes.append)
+    assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
+    assert notes == ["note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms "
+                     "(compile=drafter, invariant not applied)"]
+    ids = _prompt_ids(target, PROMPTS[0])
+    assert made.speculative(ids, 12).tokens == made.target_only(ids, 12) == generate_target_only(target, ids, 12)
+    notes.clear()
+    decoders(target, _drafter(target), 4, 64, log=notes.append)
+    assert notes == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -153,8 +153,8 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(cpu_run, 
 
 @pytest.mark.slow
 def test_a_hybrid_target_goes_through_every_stage_and_decodes_losslessly(tmp_path):
-    """target.family=qwen3_5: a Gated DeltaNet hybrid pretrained, regenerating and decoding through the hf engine
-    (one note each: the static engine does not serve it), every output equal to the target's alone."""
+    """target.family=qwen3_5: a Gated DeltaNet hybrid pretrained, regenerating and decoding through the static engine
+    (trainer/decode/hybrid.py; no fallback note), every output equal to the target's alone."""
     out = tmp_path / "q"
     proc = _run("--recipe", "quality_cpu", "--out", str(out), "--set", "target.family=qwen3_5",
                 "--set", "pretrain.steps=30", "--set", "regen.train_prompts=16", "--set", "regen.continuations=8",
@@ -163,9 +163,9 @@ def test_a_hybrid_target_goes_through_every_stage_and_decodes_losslessly(tmp_pat
     result = json.loads((out / "quality.json").read_text())
     assert json.loads((out / "target" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     decode = result["eval"]["decode"]
-    assert decode["engine"] == "hf" and decode["prompts"] == 2 and decode["identical"] == 2
-    assert decode["replayed_equal"] == 2 and result["regen"]["continuation_engine"] == "static->hf"
-    assert "note: the static engine cannot serve this target" in proc.stdout
+    assert decode["engine"] == "static" and decode["prompts"] == 2 and decode["identical"] == 2
+    assert decode["replayed_equal"] == 2 and result["regen"]["continuation_engine"] == "static"
+    assert "note: the static engine cannot serve this target" not in proc.stdout
 
 
 DFLASH2_MUON = ("--set", "drafter.model.drafter=dflash2", "--set", "drafter.optim.name=muon")
