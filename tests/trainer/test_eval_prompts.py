@@ -156,9 +156,10 @@ def test_every_prompt_format_decodes_on_every_family(family, family_dirs, tmp_pa
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "gpt_oss", "qwen3_moe", "mixtral"])
-def test_the_2026_families_decode_through_the_hf_engine_losslessly(family, family_dirs, tmp_path, capsys):
-    """Hybrids (a recurrent state the static engine's caches do not hold), attention sinks and MoE: the static engine
-    says in one line that it hands them to the hf engine, whose speculative output equals the target's alone."""
+def test_the_2026_families_decode_losslessly(family, family_dirs, tmp_path, capsys):
+    """Attention sinks and MoE decode on the static engine; hybrids (a recurrent state the static engine has no
+    decode layer for yet): the static engine says in one line that it hands them to the hf engine. Either way the
+    speculative output equals the target's alone."""
     from tests.trainer.conftest import make_state
     from trainer.__main__ import main
     from trainer.export import ExportConfig, export_drafter
@@ -174,5 +175,6 @@ def test_the_2026_families_decode_through_the_hf_engine_losslessly(family, famil
     out = capsys.readouterr().out.splitlines()
     records = [json.loads(x.split(" ", 1)[1]) for x in out if x.startswith("DFLASH_EVAL ")]
     assert [r["set"] for r in records] == ["gsm8k", "mtbench"]
-    assert all(r["identical"] == 1 and r["engine"] == "hf" for r in records), records
-    assert len([x for x in out if x.startswith("note: the static engine cannot serve this target")]) == 1
+    hybrid = family in ("qwen3_5", "qwen3_next")
+    assert all(r["identical"] == 1 and r["engine"] == ("hf" if hybrid else "static") for r in records), records
+    assert len([x for x in out if x.startswith("note: the static engine cannot serve this target")]) == hybrid

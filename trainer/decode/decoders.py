@@ -23,11 +23,12 @@ class Decoders(NamedTuple):
 
 
 def engine_for(engine: str, target, log=print) -> str:
-    """The engine a decode runs on: the one asked for, except that a target the static engine refuses (its family:
-    hybrids, attention sinks, MoE; dynamic RoPE) is decoded by the hf engine, after one note line."""
+    """The engine a decode runs on: the one asked for, except that a target the static engine refuses (a layer kind
+    it has no decode layer for, as the hybrids' Gated DeltaNet layers; dynamic RoPE: `stack.check_supported`) is
+    decoded by the hf engine, after one note line."""
     if engine != "static":
         return engine
-    from trainer.decode.static_target import check_supported
+    from trainer.decode.stack import check_supported
     from trainer.errors import TrainerError
 
     try:
@@ -48,8 +49,8 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     """Target-only and speculative decoding for `engine`. A compilation that fails (torch.compile raises while the
     graphs are captured) falls back to the uncompiled engine, with a note, and the mode used is then "none".
     `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute the target's attention
-    (sliding windows, soft-capping, Gemma's norms) decodes with SDPA or eager attention, with a note. The static
-    engine captures its graphs here, in the calling (main) thread, before any decoding."""
+    (sliding windows, soft-capping, sinks, Gemma's norms, MoE experts) decodes with SDPA or eager attention, with a
+    note. The static engine captures its graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if drafter.cfg.dflash2 is not None:
