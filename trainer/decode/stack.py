@@ -11,8 +11,8 @@ or length state: the write position is a device tensor.
               offset    (1 + w) * x / rms(x): the HF modules run (Gemma, the hybrids)
     mixers    attention        softmax attention, full or sliding-window, soft-capped (Gemma 2) or with sinks
                                (gpt-oss): layers/attention.py
+              gated_attention  the hybrids' output-gated softmax attention with partial RoPE: the same layer, gated
               linear           Gated DeltaNet: no decode layer yet (`MIXERS` is where it plugs in)
-              gated_attention  the hybrids' output-gated softmax attention with partial RoPE: no decode layer yet
     MLPs      dense     the HF module
               moe       router top-k and grouped expert GEMMs: layers/moe.py
 
@@ -35,6 +35,7 @@ from trainer.errors import ConfigError
 from trainer.model.attention import SLIDING
 from trainer.model.linear_attention import LINEAR
 from trainer.model.target import Target, attention_kinds
+from trainer.targetdir import GATED_DELTANET_FAMILIES
 
 # model_type -> (layout, norms, the mixer kind of its softmax attention layers)
 FAMILIES = {
@@ -88,13 +89,14 @@ def _text(cfg):
 def _attention_layer(static: StaticTarget, i: int, layer) -> AttentionLayer:
     attn = layer.self_attn
     return AttentionLayer(attn, static.kinds[i], static.q_norms[i], static.k_norms[i], static.rows, static.slots,
-                          static.heads, static.kv_heads, static.head_dim, static.dtype, static.device)
+                          static.heads, static.kv_heads, static.head_dim, static.dtype, static.device,
+                          gated=static.plan.mixers[i] == "gated_attention")
 
 
 # mixer kind -> its decode layer's builder, (StaticTarget, layer index, HF layer) -> a callable (h [R, L, D] normed,
 # Step, layer kind) -> [R, L, D] that owns its static buffers. None: no decode layer yet, and check_supported
 # refuses a plan that has one. The Gated DeltaNet layer (layers/linear.py) plugs in at "linear".
-MIXERS = {"attention": _attention_layer, "linear": None, "gated_attention": None}
+MIXERS = {"attention": _attention_layer, "gated_attention": _attention_layer, "linear": None}
 
 
 def _rope_types(cfg) -> set[str]:
@@ -118,7 +120,8 @@ def check_supported(cfg) -> None:
     cfg = _text(cfg)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in FAMILIES:
-        served = [t for t, (_, _, kind) in FAMILIES.items() if MIXERS[kind] is not None]
+        served = [t for t, (_, _, kind) in FAMILIES.items() if MIXERS[kind] is not None
+                  and (t not in GATED_DELTANET_FAMILIES or MIXERS["linear"] is not None)]
         raise ConfigError(f"static decoding supports {', '.join(served)} targets, not {model_type!r}", hint=HINT)
     dynamic = sorted(t for t in _rope_types(cfg) if any(d in t for d in DYNAMIC_ROPE))
     if dynamic:

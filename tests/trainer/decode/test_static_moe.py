@@ -161,3 +161,32 @@ def test_gpt_oss_without_its_sinks_or_its_window_differs_from_hf(family_dirs):
             static.kinds = (FULL,) * len(static.kinds)
         want, got, _, _ = hf_and_static(target, static)
         assert (got - want).abs().max() > 1e-2, drop
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_hybrid_full_attention_layer_decodes_as_hf_computes_it(family, family_dirs):
+    """The hybrids' output-gated attention with partial RoPE (layer 1 of the tiny hybrid; the whole stack waits for
+    the linear layer): a prefill then single-token steps over the static cache give HF's attention output over the
+    whole sequence."""
+    from trainer.decode.layers.attention import (SDPA, AttentionLayer, Step, rope_from_inv_freq, ropes_of,
+                                                 visible_masks)
+    from trainer.model.attention import FULL
+
+    target = family_target(family_dirs, family)
+    model, cfg = target.model, target.hf_config
+    attn = model.model.layers[1].self_attn
+    inv, scale = ropes_of(model, (FULL,))[FULL]
+    assert 2 * inv.numel() < attn.head_dim  # a partial RoPE: some dims pass through unturned
+    layer = AttentionLayer(attn, FULL, attn.q_norm, attn.k_norm, 1, 16, cfg.num_attention_heads,
+                           cfg.num_key_value_heads, attn.head_dim, torch.float32, torch.device("cpu"), gated=True)
+    h = torch.randn(1, 12, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, _ = attn(hidden_states=h, position_embeddings=model.model.rotary_emb(h, torch.arange(12)[None]),
+                       attention_mask=None)
+        got = []
+        for a, b in [(0, 9), (9, 10), (10, 11), (11, 12)]:
+            pos = torch.arange(a, b)
+            ropes = {FULL: rope_from_inv_freq(pos, inv, scale, h.dtype)}
+            step = Step(pos, ropes, visible_masks(torch.arange(16), pos, 16, None, None), 16, SDPA, None, False)
+            got.append(layer(h[:, a:b], step))
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-4, atol=1e-5)

@@ -1,5 +1,7 @@
 """The softmax attention decode layer: one HF attention module over its static K/V cache, full or sliding-window,
-with soft-capped scores (Gemma 2) or attention sinks (gpt-oss) where the family has them.
+with soft-capped scores (Gemma 2) or attention sinks (gpt-oss) where the family has them, or output-gated with a
+partial RoPE (`gated`: the hybrids' full-attention layers, Qwen3-Next and Qwen3.5, whose q_proj gives each head its
+query and a gate; the output is multiplied by sigmoid(gate) before o_proj, and RoPE turns the first dims only).
 
 Slot = absolute position. A forward over tokens at positions p0..p0+L-1 first writes their K/V into slots
 p0..p0+L-1, then lets each query at position p attend to slots <= p (and, in a sliding-window layer, only to the
@@ -126,6 +128,14 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
     return out.reshape(R, H, L, Dh).transpose(1, 2)
 
 
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of the head (all of them for most families), the rest passed through."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+
+
 def identity(x: torch.Tensor) -> torch.Tensor:
     """Stands for a q/k norm the layer does not have."""
     return x
@@ -135,11 +145,11 @@ class AttentionLayer:
     """One HF attention module (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `scaling`; `sinks` where the family has
     them) over its own K/V cache [R, Hkv, M, Dh]. q_norm / k_norm: the callables that stand for the module's q/k
     norms (the stack's row-invariant wrappers), or None. `kind` (FULL or SLIDING) picks the RoPE and mask of a
-    `Step`; the stack may change it (the layer reads it at each call)."""
+    `Step`; the stack may change it (the layer reads it at each call). gated: see the module docstring."""
 
     def __init__(self, module, kind: str, q_norm, k_norm, rows: int, slots: int, heads: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.module, self.kind = module, kind
+                 head_dim: int, dtype: torch.dtype, device: torch.device, gated: bool = False) -> None:
+        self.module, self.kind, self.gated = module, kind, gated
         self.q_norm, self.k_norm = q_norm or identity, k_norm or identity
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.sinks = getattr(module, "sinks", None)
@@ -154,12 +164,16 @@ class AttentionLayer:
         R, L, _ = h.shape
         H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
         cos, sin = step.ropes[kind]
-        q = self.q_norm(attn.q_proj(h).view(R, L, H, Dh)).transpose(1, 2)
+        if self.gated:
+            q, gate = attn.q_proj(h).view(R, L, H, 2 * Dh).chunk(2, dim=-1)
+        else:
+            q, gate = attn.q_proj(h).view(R, L, H, Dh), None
+        q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
         v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
-        self.k.index_copy_(2, step.pos, apply_rope(k, cos, sin))
+        self.k.index_copy_(2, step.pos, partial_rope(k, cos, sin))
         self.v.index_copy_(2, step.pos, v)
-        q = apply_rope(q, cos, sin)
+        q = partial_rope(q, cos, sin)
         if step.how == INVARIANT:
             out = decode_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, L, H, Dh]
         else:
@@ -171,4 +185,7 @@ class AttentionLayer:
             else:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling,
                                                      enable_gqa=H != Hkv).transpose(1, 2)
-        return attn.o_proj(out.reshape(R, L, H * Dh))
+        out = out.reshape(R, L, H * Dh)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(R, L, H * Dh))
+        return attn.o_proj(out)
