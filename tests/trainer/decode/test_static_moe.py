@@ -190,3 +190,21 @@ def test_a_hybrid_full_attention_layer_decodes_as_hf_computes_it(family, family_
             step = Step(pos, ropes, visible_masks(torch.arange(16), pos, 16, None, None), 16, SDPA, None, False)
             got.append(layer(h[:, a:b], step))
     torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_plan_reads_every_family_as_its_model_is_built(family_dirs):
+    """From the config alone, each layer's MLP kind is what the HF model built (an experts block or a dense MLP) and
+    each mixer kind what it has (softmax attention, gated in the hybrids, or a linear-attention layer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for family, path in family_dirs.items():
+        cfg = AutoConfig.from_pretrained(path)
+        plan = layer_plan(cfg)
+        with torch.device("meta"):
+            layers = AutoModelForCausalLM.from_config(cfg).model.layers
+        assert plan.mlps == tuple("moe" if hasattr(layer.mlp, "experts") else "dense" for layer in layers), family
+        gated = tuple(hasattr(layer, "self_attn") and layer.self_attn.q_proj.out_features == 2 *
+                      cfg.num_attention_heads * layer.self_attn.head_dim for layer in layers)
+        want = tuple("gated_attention" if g else "attention" if hasattr(layer, "self_attn") else "linear"
+                     for g, layer in zip(gated, layers))
+        assert plan.mixers == want, family

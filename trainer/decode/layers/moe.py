@@ -97,7 +97,7 @@ class MoeMLP:
     MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the kernel where it serves the weights' device."""
 
     def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None) -> None:
-        experts = block.experts
+        experts = getattr(block, "experts", None)
         if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3):
             raise RuntimeError(f"{type(block).__name__}: the static engine needs the experts as 3-D weight tensors "
                                f"(transformers 5); this one keeps them another way")
