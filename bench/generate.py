@@ -5,9 +5,10 @@ max_new_tokens.
     python3 -m bench.generate --shape small --batch 32 --prompt-tokens 128 --new-tokens 256
     python3 -m bench.generate --shape qwen3-8b --batch 32 --prompt-tokens 128 --new-tokens 256
 
-Run from the repository root. Target: a random-init Qwen3 of a named shape (bench/shapes.py: tiny, small,
-qwen3-8b), built on the device in bf16 on CUDA (fp32 on CPU, or --dtype), prepared by `prepare_target` (frozen,
-untruncated). Prompts: `--batch` random token sequences of seeded lengths between half of `--prompt-tokens` and
+Run from the repository root. Target: a random-init model of a named shape (bench/shapes.py: the Qwen3 shapes tiny,
+small, qwen3-8b; the MoE and sink shapes qwen3-30b-a3b, gpt-oss-20b; the hybrids, which the static engine refuses:
+`--engines hf` only), built on the device in bf16 on CUDA (fp32 on CPU, or --dtype) with the options the trainer
+loads it with (its experts as grouped GEMMs), prepared by `prepare_target` (frozen, untruncated). Prompts: `--batch` random token sequences of seeded lengths between half of `--prompt-tokens` and
 all of it (the rows' lengths differ, so the static engine's left padding is exercised). No stop ids: every row
 generates exactly `--new-tokens` tokens in both engines. Greedy by default (`--temperature`, `--top-p` sample).
 
@@ -35,8 +36,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     from bench.shapes import SHAPES
 
     p = argparse.ArgumentParser(prog="python -m bench.generate", description=__doc__.split("\n\n")[0])
-    qwen3 = ", ".join(n for n, f in SHAPES.items() if f["model_type"] == "qwen3")
-    p.add_argument("--shape", default="small", help=f"named Qwen3 target shape: {qwen3} (default: small)")
+    p.add_argument("--shape", default="small", help=f"named target shape: {', '.join(SHAPES)} (default: small)")
     p.add_argument("--engines", default="static,hf", help="comma list of static, hf (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="prompts per batch (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="the longest prompt (default: %(default)s)")
@@ -63,18 +63,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def random_target(shape: str, max_len: int, device, dtype: str):
-    """A random-init Qwen3ForCausalLM of the named shape on `device`, prepared as a full (untruncated) target."""
+    """A random-init causal LM of the named shape on `device` (a Qwen3ForCausalLM for the Qwen3 shapes; the others as
+    `load_target` loads their family: HF's attention for it, the experts as grouped GEMMs), prepared as a full
+    (untruncated) target."""
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-    from bench.shapes import qwen3_config
-    from trainer.model.target import pick_dtype, prepare_target
+    from bench.shapes import SHAPES, qwen3_config, target_config
+    from trainer.model.target import hf_attention, load_options, pick_dtype, prepare_target
     from trainer.tiny import build_tokenizer
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(qwen3_config(shape, max_len), dtype=pick_dtype(dtype, device),
-                                              attn_implementation="sdpa")
+        if SHAPES[shape]["model_type"] == "qwen3":
+            model = Qwen3ForCausalLM._from_config(qwen3_config(shape, max_len), dtype=pick_dtype(dtype, device),
+                                                  attn_implementation="sdpa")
+        else:
+            config = target_config(shape, max_len)
+            model = AutoModelForCausalLM.from_config(config, dtype=pick_dtype(dtype, device),
+                                                     attn_implementation=hf_attention(config), **load_options(config))
     model = model.to(device)  # a no-op where the device context was honoured
     # The tokenizer only supplies the mask token id the Target needs (decoding never uses it).
     return prepare_target(model, build_tokenizer(), num_draft_layers=1, truncate=False)
@@ -145,6 +152,21 @@ def table(results: list[dict], ratio: float | None) -> str:
     return "\n".join(lines)
 
 
+def static_refusal(shape: str, engines: list[str]) -> str | None:
+    """Why the static engine cannot serve this shape's family (from its config alone), or None."""
+    if "static" not in engines:
+        return None
+    from bench.shapes import target_config
+    from trainer.decode.stack import check_supported
+    from trainer.errors import ConfigError
+
+    try:
+        check_supported(target_config(shape, 1))
+    except ConfigError as e:
+        return f"--shape {shape}: {e}; use --engines hf"
+    return None
+
+
 def cpu_refusal(shape: str, cuda: bool) -> str | None:
     """Pure: why this bench cannot run here, or None (a GPU shape on a CPU takes minutes and models nothing)."""
     if cuda or shape == "tiny":
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.placement import local_device
 
     device = local_device(args.device)
-    refusal = cpu_refusal(args.shape, device.type == "cuda")
+    refusal = static_refusal(args.shape, args.engines) or cpu_refusal(args.shape, device.type == "cuda")
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2

@@ -35,3 +35,12 @@ def test_bench_refuses_bad_arguments(capsys):
         assert e.value.code == 2 and needle in capsys.readouterr().err
     assert bench.main(["--shape", "small", "--device", "cpu"]) == 2
     assert "GPU shape" in capsys.readouterr().err
+    # the MoE and sink shapes pass the static engine's check (then meet the CPU's refusal); a hybrid does not
+    for shape in ("qwen3-30b-a3b", "gpt-oss-20b"):
+        assert bench.main(["--shape", shape, "--device", "cpu"]) == 2
+        assert "GPU shape" in capsys.readouterr().err
+    assert bench.main(["--shape", "qwen3.5-9b", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no decode layer for linear mixers" in err and "use --engines hf" in err
+    assert bench.main(["--shape", "qwen3.5-9b", "--engines", "hf", "--device", "cpu"]) == 2
+    assert "GPU shape" in capsys.readouterr().err
