@@ -95,21 +95,26 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     1, L, M] bool -> [R, L, H, Dh].
     cap (Gemma 2): scores * scale -> cap * tanh(scores / cap) -> masked -> fp32 softmax, cast back -> @ v.
     sinks [H] (gpt-oss): one extra logit per head beside the keys, in the softmax (minus the row max, in the scores'
-    dtype) and then dropped, so a query can give weight to no key."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # HF's repeat_kv
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    dtype) and then dropped, so a query can give weight to no key.
+    Each KV head's G query heads are laid out as G x L query rows of that head (head h uses KV head h // G, HF's
+    repeat_kv), so the K/V span is read as it is cached, not copied G times."""
+    R, H, L, Dh = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    G = H // Hkv
+    scores = torch.matmul(q.reshape(R, Hkv, G * L, Dh), k.transpose(2, 3)) * scale  # [R, Hkv, G*L, M]
     if cap is not None:
         scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    rows = visible.shape[0]
+    mask = visible[:, :, None].expand(rows, 1, G, L, M).reshape(rows, 1, G * L, M)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     if sinks is None:
         weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
-        R, H, L, _ = scores.shape
-        combined = torch.cat([scores, sinks.reshape(1, H, 1, 1).expand(R, H, L, 1).to(scores.dtype)], dim=-1)
+        sink = sinks.reshape(1, Hkv, G, 1, 1).expand(R, Hkv, G, L, 1).reshape(R, Hkv, G * L, 1)
+        combined = torch.cat([scores, sink.to(scores.dtype)], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
-    return torch.matmul(weights, v).transpose(1, 2)
+    return torch.matmul(weights, v).reshape(R, H, L, Dh).transpose(1, 2)
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
