@@ -10,8 +10,8 @@ The formula (docs/benchmarks.md "What is measured"; a matmul m x k by k x n = 2m
            attention 4*hd*Hq*(query-key pairs the block mask allows, counted exactly); x3 (forward + backward);
            fc (taps*D -> D) on the T context positions: forward + weight grad (x2).
   LM head  the frozen head on the rows*anchors*(block-1) supervised positions: forward + input grad, 2 * 2*D*V each.
-  Not counted: norms, RoPE, softmax/CE elementwise work, gates and convolutions, optimizer, recomputation, the k = 0
-  block position.
+  Not counted: norms, RoPE, softmax/CE elementwise work, gates and convolutions (a DFlash2 drafter's too), a DFlash2
+  drafter's candidate selector, optimizer, recomputation, the k = 0 block position.
 """
 from __future__ import annotations
 

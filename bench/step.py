@@ -24,11 +24,16 @@ events. Under torchrun
 averaged by trainer.distributed.make_grad_sync between the fwd/bwd and update graphs; figures are per GPU, rank 0
 prints.
 
+--drafter dflash2 builds a DFlash2 drafter at the same dims (its convolution and selector at their defaults,
+docs/dflash2.md; the selector term at its full weight, as after its ramp); --optim muon steps Muon on the drafter's 2-D
+weights and AdamW on the rest (docs/training.md "Optimizer"). The line above the table names both, as built.
+
 Timing: CUDA events around every step, read once at the end (no host sync in the loop; host launch gaps count);
 on CPU the host clock. Reported: median step time and its min-max over the timed steps (after warm-up or capture
 and 2 untimed steps). tokens/s = accum * batch * seq / median.
 MFU = useful FLOPs per step / median step time / 989 TFLOP/s (H200 SXM dense bf16, datasheet); the FLOPs formula is
-in bench/shapes.py and takes its dims from the HF config and the DrafterConfig.
+in bench/shapes.py and takes its dims from the HF config and the DrafterConfig. It leaves out a DFlash2 drafter's
+convolutions and selector, so the FLOPs of both drafters at the same dims are equal: compare them by tokens/s.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ from dataclasses import asdict, dataclass
 
 MODES = ("eager", "compile", "graph", "compile+graph")
 ATTNS = ("auto", "flex", "sdpa")
+DRAFTERS = ("dflash", "dflash2")  # --drafter -> model.drafter (DFlash2's fields at their defaults: docs/dflash2.md)
+OPTIMS = ("adamw", "muon")  # --optim -> optim.name
 HEAD_FP8 = {"auto": "auto", "1": True, "0": False}  # --head-fp8 -> step.head_fp8
 
 
@@ -66,6 +73,8 @@ class BenchConfig:
     profile: int = 0  # >0: after timing, profile this many steps and print the top kernels (PROF lines; CUDA)
     pipeline: int = 0  # 1: run the steps through the loader/producer/consumer threads (CUDA)
     inductor: str = ""  # KEY=VALUE,...: torch._inductor.config settings for each mode's process (experiments)
+    drafter: str = "dflash"  # model.drafter: dflash | dflash2
+    optim: str = "adamw"  # optim.name: adamw | muon
 
     def check(self) -> None:
         """Raise SystemExit with one line naming the fix."""
@@ -77,6 +86,10 @@ class BenchConfig:
             raise SystemExit(f"unknown --attn {self.attn!r}; choose one of {list(ATTNS)}")
         if self.ce not in CE_KERNELS:
             raise SystemExit(f"unknown --ce {self.ce!r}; choose one of {list(CE_KERNELS)}")
+        if self.drafter not in DRAFTERS:
+            raise SystemExit(f"unknown --drafter {self.drafter!r}; choose one of {list(DRAFTERS)}")
+        if self.optim not in OPTIMS:
+            raise SystemExit(f"unknown --optim {self.optim!r}; choose one of {list(OPTIMS)}")
         if self.head_fp8 not in HEAD_FP8:
             raise SystemExit(f"unknown --head-fp8 {self.head_fp8!r}; choose one of {list(HEAD_FP8)}")
         if self.target and not os.path.isfile(os.path.join(self.target, "config.json")):
@@ -95,6 +108,26 @@ class BenchConfig:
             raise SystemExit("--anchors must be <= --seq - --docs (every anchor needs a candidate position)")
         if self.inductor:
             check_inductor(inductor_settings(self.inductor))
+        if self.drafter == "dflash2":
+            self.check_dflash2()
+
+    def check_dflash2(self) -> None:
+        """DFlash2's default convolution groups and selector top-k against the target's width and vocabulary: the
+        trainer's own check (trainer.targetdir.check_drafter_fits), before any build."""
+        from bench.shapes import SHAPES
+
+        from trainer.config import ModelCfg
+        from trainer.errors import ConfigError
+        from trainer.targetdir import TargetShape, check_drafter_fits, read_shape
+
+        try:
+            model = ModelCfg(drafter="dflash2", block_size=self.block, num_draft_layers=self.draft_layers)
+            named = SHAPES.get(self.shape, {})
+            shape = read_shape(self.target) if self.target else TargetShape(
+                num_layers=None, hidden_size=named["hidden_size"], vocab_size=named["vocab_size"])
+            check_drafter_fits(shape, model)
+        except ConfigError as e:
+            raise SystemExit(f"--drafter dflash2: {e}") from None
 
     @property
     def step_head_fp8(self) -> bool | str:
@@ -125,6 +158,9 @@ HELP = {
     "pipeline": "1: run the steps through the loader / producer / consumer threads (CUDA)",
     "inductor": "comma list of torch._inductor.config KEY=VALUE set in each mode's process before it compiles, to "
                 "measure a compiler setting the trainer does not use (e.g. coordinate_descent_tuning=True)",
+    "drafter": "the drafter's architecture (model.drafter): dflash, or dflash2 with its default convolution and "
+               "selector (docs/dflash2.md)",
+    "optim": "the optimizer (optim.name): adamw, or muon on the drafter's 2-D weights and AdamW on the rest",
 }
 
 
@@ -235,6 +271,14 @@ def outcome(mode: str, returncode: int, stdout: str, stderr: str) -> dict:
     return {"mode": mode, "error": f"rc={returncode}: " + " | ".join(tail)[-600:]}
 
 
+def headline(cfg: BenchConfig, results: list[dict]) -> str:
+    """Pure: the line above the table: what was built (the drafter's architecture and the optimizer, as the first
+    finished mode reports them; the flags where none finished) and the step's shape."""
+    built = next((r for r in results if "error" not in r), {})
+    return (f"drafter {built.get('drafter', cfg.drafter)}, optim {built.get('optim', cfg.optim)}, "
+            f"shape {cfg.target or cfg.shape}, {cfg.accum} x {cfg.batch} rows x {cfg.seq} tokens per step")
+
+
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r.get("mode") == "eager" and "error" not in r), None)
     lines = [
@@ -278,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith(keep)))
         results.append(outcome(mode, proc.returncode, proc.stdout, proc.stderr))
         say("RESULT " + json.dumps(results[-1]), flush=True)
+    say(headline(cfg, results), flush=True)
     say(table(results), flush=True)
     return 0 if all("error" not in r for r in results) else 1
 

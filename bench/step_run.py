@@ -24,10 +24,12 @@ from trainer.errors import ConfigError
 
 def train_config(cfg, mode: str, attn: str) -> TrainCfg:
     """The TrainCfg the bench's step corresponds to (only the fields build_state / make_runner read matter)."""
-    return TrainCfg(model=ModelCfg(target=cfg.target, num_draft_layers=cfg.draft_layers, block_size=cfg.block),
+    return TrainCfg(model=ModelCfg(target=cfg.target, num_draft_layers=cfg.draft_layers, block_size=cfg.block,
+                                   drafter=cfg.drafter),
                     data=DataCfg(seq_len=cfg.seq, rows_per_step=cfg.batch, num_anchors=cfg.anchors),
                     step=step_config(cfg, mode, attn),
-                    optim=OptimCfg(accum_steps=cfg.accum), pipeline=PipelineCfg(enabled=bool(cfg.pipeline)))
+                    optim=OptimCfg(accum_steps=cfg.accum, name=cfg.optim),
+                    pipeline=PipelineCfg(enabled=bool(cfg.pipeline)))
 
 
 def step_config(cfg, mode: str, attn: str) -> StepCfg:
@@ -91,6 +93,8 @@ def run_mode(cfg, mode: str) -> dict:
     torch.manual_seed(0)
     target = bench_target(cfg, dev)
     state = build_state(tcfg, target, dev)
+    if state.selector_weight_ is not None:  # DFlash2: the selector term at its full weight, as after the ramp
+        state.selector_weight_.fill_(tcfg.loss.selector("selector_alpha"))
     if cuda:
         torch.cuda.empty_cache()  # the target layers truncation dropped: not part of the footprint
     vocab = target.embed_tokens.weight.shape[0]
@@ -122,11 +126,20 @@ def run_mode(cfg, mode: str) -> dict:
     result = figures(cfg, mode, timed, flops, dev, info.world) | {"attn": attn, "target_attn": target.attn,
                                                                   "docs_per_row": docs,
                                                                   "head_fp8": state.head_fp8 is not None,
-                                                                  "inductor": cfg.inductor}
+                                                                  "inductor": cfg.inductor, **built_kinds(state)}
     if cuda:
         torch.cuda.synchronize(dev)
     shutdown()
     return result
+
+
+def built_kinds(state) -> dict:
+    """What was built, read off the state (not echoed from the flags): the drafter's architecture and the optimizer."""
+    from trainer.step.muon import MuonAdamW
+
+    return {"drafter": "dflash" if state.drafter.cfg.dflash2 is None else "dflash2",
+            "optim": "muon" if isinstance(state.optimizer, MuonAdamW) else "adamw",
+            "drafter_params": sum(p.numel() for p in state.drafter.parameters())}
 
 
 def run_pipeline(cfg, mode: str, state, steps_in, dev: torch.device, sync) -> Timed:

@@ -2,9 +2,10 @@
 
 The trainer prints each interval twice: a machine line (`DFLASH_METRICS {json}`, for `status`) and a human line
 next to it (docs/contracts.md section 3); the same holds for `DFLASH_EVAL` and `DFLASH_PROGRESS`. The human view drops those machine
-lines, turns the one machine line that has no human twin (`DFLASH_DONE {json}`) into a short sentence, and keeps
-every other line as it is. Each line is mapped on its own, with no state, so a view assembled from exactly-once
-lines (parse.LineAssembler, across reconnects) is itself exactly-once.
+lines, turns the machine lines that have no human twin (`DFLASH_DONE {json}`, and `dflash-ops resume`'s
+`DFLASH_RESUMED {json}`) into short sentences, and keeps every other line as it is. Each line is mapped on its
+own, with no state, so a view assembled from exactly-once lines (parse.LineAssembler, across reconnects) is itself
+exactly-once.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dflash_ops import wire
 
 HIDDEN_PREFIXES = tuple(p.encode() for p in (wire.METRICS_PREFIX, wire.EVAL_PREFIX, wire.PROGRESS_PREFIX))
 DONE_PREFIX = wire.DONE_PREFIX.encode()
+RESUMED_PREFIX = wire.RESUMED_PREFIX.encode()
 # The same rule as an ERE for the remote `grep -v -E` that counts the shown lines for `tail -n N`.
 HIDDEN_ERE = "^(" + "|".join(p.decode().rstrip() for p in HIDDEN_PREFIXES) + ") "
 
@@ -24,7 +26,20 @@ def human_line(line: bytes) -> bytes | None:
         return None
     if line.startswith(DONE_PREFIX):
         return _done(line) or line
+    if line.startswith(RESUMED_PREFIX):
+        return _resumed(line) or line
     return line
+
+
+def _resumed(line: bytes) -> bytes | None:
+    """`DFLASH_RESUMED {"attempt": N, ...}` (written by `dflash-ops resume`) -> `resumed: attempt N`."""
+    try:
+        record = json.loads(line[len(RESUMED_PREFIX):])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or type(record.get("attempt")) is not int:
+        return None
+    return f"resumed: attempt {record['attempt']}".encode() + (b"\n" if line.endswith(b"\n") else b"")
 
 
 def _done(line: bytes) -> bytes | None:

@@ -30,6 +30,7 @@ EVAL_PREFIX = "DFLASH_EVAL "         # an evaluation's result; a human line foll
 PROGRESS_PREFIX = "DFLASH_PROGRESS "  # a long job that is not training (regenerate); a human line follows
 DONE_PREFIX = "DFLASH_DONE "         # the job finished
 STOPPED_PREFIX = "DFLASH_STOPPED "   # stopped by SIGTERM/SIGINT once its checkpoint was written: {"step": N, ...}
+RESUMED_PREFIX = "DFLASH_RESUMED "   # `dflash-ops resume` wrote it before the next attempt: {"attempt": N, "at": epoch}
 QUALITY_PREFIX = "DFLASH_QUALITY "   # the quality pipeline's result (for people and scripts; no CLI command reads it)
 SWEEP_PREFIX = "DFLASH_SWEEP "       # the quality sweep's result (likewise)
 
@@ -57,7 +58,7 @@ ERROR = "DFLASH_ERROR"               # <what failed>: a script's own account of 
 PRE = "DFLASH_PRE"                   # <step> <detail>: a runbook's pre step ran
 CHECKED = "DFLASH_OK"                # the launch would not be refused
 LAUNCHED = "DFLASH_LAUNCHED"         # <pid>: the job started, its pid recorded
-START = "DFLASH_START"               # <byte offset>: where `tail -n N` starts
+START = "DFLASH_START"               # <byte offset>: where `tail -n N` starts, or a resumed attempt's first byte
 OLDER = "DFLASH_OLDER"               # <count>: runs a limited listing left out (neither alive nor newest)
 PRUNED = "DFLASH_PRUNED"             # <run id>: `runs --prune` removed that finished run's directory
 SPARED = "DFLASH_SPARED"             # <run id>: `runs --prune` kept that run: a process of it is alive

@@ -335,7 +335,8 @@ def stopped_lines(record: dict) -> str:
     take a stopped run for a training one)."""
     return (f"stopped by {record.get('signal', '?')} after {record.get('step', '?')} of "
             f"{record.get('total_steps', '?')} optimizer steps: checkpoint {record.get('checkpoint', '?')}\n"
-            f"resume with: {record.get('resume', '?')}")
+            f"resume with: {record.get('resume', '?')}"
+            + (" (where it was launched from, with its --host/--ct)" if "resume_in_place" in record else ""))
 
 
 class QuietSink(MetricsSink):

@@ -80,7 +80,7 @@ def train(cfg: TrainCfg, run_dir: Path, resume: bool = False, environ=None, stop
         with stop_requests(quiet=not env.is_main) as request:
             loop = TrainLoop(session, request)
             ran = loop.run(stop)
-            return finish(session, loop, ran, request, nodes=_nodes(env.world, environ))
+            return finish(session, loop, ran, request, nodes=_nodes(env.world, environ), environ=environ)
     finally:
         ddp.shutdown()
 
@@ -107,7 +107,7 @@ def check_placement(cfg: TrainCfg, env: place.DistEnv, environ) -> place.Placeme
 
 
 def finish(session: Session, loop: TrainLoop, ran: LoopResult, request: StopRequest | None = None,
-           nodes: int = 1) -> TrainResult:
+           nodes: int = 1, environ=None) -> TrainResult:
     """Final checkpoint, export and (optionally) eval; prints DFLASH_EVAL and DFLASH_DONE. A loop a signal stopped
     (its checkpoint written) and a signal during the final checkpoint end in `stopped` instead: no export.
 
@@ -117,7 +117,7 @@ def finish(session: Session, loop: TrainLoop, ran: LoopResult, request: StopRequ
     """
     s, cursor = session, loop.cursor
     if ran.signal:
-        return stopped(s, ran, nodes)
+        return stopped(s, ran, nodes, environ)
     loop.check_finite(cursor.step)
     digests = ddp.replica_digests(s.state.drafter)
     if len(set(digests)) != 1:  # the replicas must never drift apart; a checkpoint of one would not be the model
@@ -133,7 +133,7 @@ def finish(session: Session, loop: TrainLoop, ran: LoopResult, request: StopRequ
     if request is not None:
         signum = ddp.max_over_ranks(request.signum, s.device)  # a signal during the last checkpoint: stop here
         if signum:
-            return stopped(s, dataclasses.replace(ran, stopped_by="signal", signal=signum), nodes)
+            return stopped(s, dataclasses.replace(ran, stopped_by="signal", signal=signum), nodes, environ)
         request.release()  # the checkpoint holds the run: a signal from here on acts as it did before
     export = rundir.export_dir(s.run_dir)
     if s.env.is_main:
@@ -169,9 +169,10 @@ def done_record(result: TrainResult) -> dict:
     return record
 
 
-def stopped(session: Session, ran: LoopResult, nodes: int = 1) -> TrainResult:
+def stopped(session: Session, ran: LoopResult, nodes: int = 1, environ=None) -> TrainResult:
     """A run a signal stopped, its checkpoint written by rank 0: every rank waits for that write, leaves the process
-    group, and rank 0 prints DFLASH_STOPPED and the resume command."""
+    group, and rank 0 prints DFLASH_STOPPED and the resume command (rundir.resume_fields: `dflash-ops resume` for
+    a run dflash-ops launched, read from `environ`)."""
     s, step = session, ran.cursor.step
     ddp.barrier()
     ddp.shutdown()
@@ -182,7 +183,8 @@ def stopped(session: Session, ran: LoopResult, nodes: int = 1) -> TrainResult:
     if s.env.is_main:
         s.sink.stopped({"step": step, "total_steps": ran.horizon, "checkpoint": str(ckpt),
                         "signal": signal_name(ran.signal), "exit_code": result.exit_code, "run_dir": str(s.run_dir),
-                        "world": s.env.world, "resume": rundir.resume_command(s.run_dir, s.env.world, nodes)})
+                        "world": s.env.world,
+                        **rundir.resume_fields(s.run_dir, s.env.world, nodes, os.environ if environ is None else environ)})
     return result
 
 

@@ -1,5 +1,5 @@
-"""Root Typer app: global options, then one module per command (launch, tail, stop, runs, trust-host, status,
-gpu-reset, pull)."""
+"""Root Typer app: global options, then one module per command (launch, resume, tail, stop, runs, trust-host,
+status, gpu-reset, pull)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli import gpu_reset, launch, pull, runs, status, stop, tail, trust
+from dflash_ops.cli import gpu_reset, launch, pull, resume, runs, status, stop, tail, trust
 from dflash_ops.cli._common import Settings
 
 app = typer.Typer(
@@ -54,6 +54,7 @@ def root(
 
 
 app.command("launch")(launch.launch)
+app.command("resume")(resume.resume)
 app.command("tail")(tail.tail)
 app.command("stop")(stop.stop)
 app.command("runs")(runs.runs)

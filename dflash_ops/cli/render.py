@@ -268,20 +268,52 @@ def nodes_stopped(run_id: str, results, *, json_out: bool) -> None:
         _out(f"  node {r.node.rank} ({r.label}) {r.text}")
 
 
-def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool) -> None:
+def resume_command(run_id: str, target_args: str) -> str:
+    """The command that continues run `run_id` of the target `target_args` (`--host H --ct N`), shell-quoted."""
+    return f"dflash-ops resume {shlex.quote(run_id)} {target_args}"
+
+
+def stopped(run_id: str, how: str, status: RunStatus, *, json_out: bool, target_args: str | None = None) -> None:
+    """What `stop` did; for a run it stopped at a checkpoint, with `target_args` (its `--host`/`--ct`), the command
+    that resumes it (JSON: `resume`)."""
+    resume = (resume_command(run_id, target_args)
+              if target_args is not None and status.state == "stopped" and how != "not_running" else None)
     if json_out:
-        _out(json.dumps({"run_id": run_id, "action": how, "status": status_dict(status)}))
+        doc = {"run_id": run_id, "action": how, "status": status_dict(status)}
+        _out(json.dumps(doc if resume is None else {**doc, "resume": resume}))
         return
     if how == "not_running":
         _out(f"run {run_id} is not running ({status.state_text}); nothing to stop")
+        return
+    signal = _signal(how)
+    if status.state == "exited":
+        _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
     else:
-        from dflash_ops.runs.lifecycle import signal_text
+        _out(f"stopped {run_id} with {signal}; state: {status.state_text}")
+    if resume is not None:
+        _out(f"resume with: {resume}")
 
-        signal = signal_text(how)
-        if status.state == "exited":
-            _out(f"killed leftover processes of {run_id} with {signal}; the run itself {status.state_text}")
-        else:
-            _out(f"stopped {run_id} with {signal}; state: {status.state_text}")
+
+def _signal(how: str) -> str:
+    from dflash_ops.runs.lifecycle import signal_text
+
+    return signal_text(how)
+
+
+def resumed(r, *, json_out: bool) -> None:
+    """`resume`'s answer: launch's, with where this attempt's log starts (JSON `log_start`)."""
+    if json_out:
+        _out(json.dumps({**_launched_dict(r.launched), "resumed": True, "log_start": r.log_start}))
+        return
+    l = r.launched
+    state = l.status.state_text if l.status else "?"
+    _out(f"resumed {l.spec.run_id}")
+    _out(f"  host      {l.spec.host}" + (f"  container {l.spec.ct}" if l.spec.ct else ""))
+    _out(f"  pid       {l.pid}  (process group {l.pid})")
+    _out(f"  log       {l.spec.log_path} (appended to, from byte {r.log_start})")
+    _out(f"  state     {state} after {l.verified_after_s or 0:.1f} s")
+    if l.matched_line is not None:
+        _out(f"  matched   {l.matched_line[:200]}")
 
 
 def _size(n: int) -> str:

@@ -28,7 +28,8 @@ def stop(
     """Stop a run: SIGTERM every process of it, wait up to --grace seconds, SIGKILL what is left.
 
     On SIGTERM the trainer trains on to its next log step (`log.every`), writes a checkpoint there and exits 143:
-    the run then reads `stopped at step N`, and `--resume` continues it. --now skips that: SIGKILL at once.
+    the run then reads `stopped at step N`, and `dflash-ops resume RUN_ID` (with the same --host/--ct; the line
+    after the stop names it) continues it as the same run. --now skips that: SIGKILL at once.
 
     A run's processes are those carrying its marker (DFLASH_OPS_RUN_ID) in their environment, wherever their
     process group or session, and also when the run's directory is gone; a reused pid is never hit. Stopping a
@@ -56,6 +57,7 @@ def stop(
             raise typer.Exit(RunNotFound.exit_code if none_there else state.exit_code(results))
         try:
             result = lifecycle.stop(session, status, grace_s=grace_s, now=now)
-            render.stopped(status.run_id, result.how, result.status, json_out=json_out)
+            render.stopped(status.run_id, result.how, result.status, json_out=json_out,
+                           target_args=session.target.cli_args)
         finally:
             session.transport.close()

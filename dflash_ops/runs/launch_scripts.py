@@ -109,41 +109,35 @@ def launch_check_script(spec: RunSpec, *, forced: bool = False) -> str:
             + "".join(PRE_CHECKS[step](spec, spared) for step in spec.pre) + f"echo {wire.CHECKED}\n")
 
 
-def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
-    """Create the run dir, refuse a live duplicate, run pre-steps, start the job detached, print its pid.
-
-    `flock` on `<runs>/.launch.lock` serialises launches in one runs dir (fd 9 is closed for the job so the lock
-    is released when this script ends). The `cd ... || exit 1;` then `nohup ... &` on its own line avoids the
-    `a && b & ` trap (which would background the whole list and hold the channel open).
-    With `probe_after_s`, the same call then releases the lock, waits that long or until the job has ended,
-    whichever comes first (a job that dies at once is reported then), and prints `probe_script`'s output, so
-    launch-to-verified costs one round trip after the liveness wait.
-    """
-    rd = path_word(spec.run_dir)
-    parts = [
+def _locked_head(spec: RunSpec) -> list[str]:
+    """The prelude, "$RUNS" made, and `flock` on `<runs>/.launch.lock`: launches and resumes in one runs dir take
+    turns (fd 9 is closed for the job, so the lock is released when the script ends)."""
+    return [
         PRELUDE,
         f"RUNS={path_word(spec.runs_dir)}\n",
         f'mkdir -p -- "$RUNS" || {{ printf \'{wire.ERROR} cannot create %s\\n\' "$RUNS"; exit {wire.EXIT_FAILED}; }}\n',
         'if command -v flock >/dev/null 2>&1; then\n'
         f'  exec 9>>"$RUNS/.launch.lock" && flock -w 15 9 || {{ echo "{wire.REFUSED} lock -"; exit {wire.EXIT_REFUSED}; }}\n'
         'fi\n',
-        _alive_loop(spec.name, "alive"),
-        *(PRE_BUILDERS[step](spec) for step in spec.pre),
-        f"mkdir -- {rd} || {{ printf '{wire.ERROR} cannot create %s\\n' {rd}; exit {wire.EXIT_FAILED}; }}\n",
-        # from here on a failure (a full disk) removes what this launch created: no phantom run is left behind
-        f"dflash_fail() {{ rm -rf -- {rd}; printf '{wire.ERROR} %s\\n' \"$1\"; exit {wire.EXIT_FAILED}; }}\n",
-        f"err=$({{ printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
-        f" && mv -f -- {rd}/run.json.tmp {rd}/run.json; }} 2>&1) || dflash_fail \"cannot write run.json: ${{err##*: }}\"\n",
+    ]
+
+
+def _reserve(rd: str, fail: str) -> list[str]:
+    """Room for the exit status and the pid file, taken before the job starts (a full disk fails here, `fail`)."""
+    return [
         f"err=$({{ printf '\\n%.0s' {{1..{RC_RESERVE_BYTES}}} > {rd}/{RC_RESERVE}; }} 2>&1)"
-        f" || dflash_fail \"cannot reserve room for the exit status: ${{err##*: }}\"\n",
-        # The pid file's room is taken now (rewritten in place once the job has its pid), then the log is proven
-        # writable (a line written, then cut away: the log holds the job's bytes alone), so that a disk with room
-        # for the run's files but not for its log starts nothing rather than a job that can never write.
+        f" || {fail} \"cannot reserve room for the exit status: ${{err##*: }}\"\n",
         f"err=$({{ printf '%{PID_RESERVE_BYTES - 1}s\\n' '' > {rd}/pid.tmp; }} 2>&1)"
-        f" || dflash_fail \"cannot write the pid file: ${{err##*: }}\"\n",
-        f"err=$({{ echo 'log check' > {rd}/output.log && : > {rd}/output.log; }} 2>&1)"
-        f" || dflash_fail \"cannot write the log: ${{err##*: }}\"\n",
-        f"cd -- {rd} || dflash_fail 'cannot enter the run dir'\n",
+        f" || {fail} \"cannot write the pid file: ${{err##*: }}\"\n",
+    ]
+
+
+def _start_job(spec: RunSpec, fail: str) -> list[str]:
+    """Start the detached wrapper in the run dir, its log appended to; record its pid; `DFLASH_LAUNCHED <pid>`.
+    `fail` ends the script on an error."""
+    rd = path_word(spec.run_dir)
+    return [
+        f"cd -- {rd} || {fail} 'cannot enter the run dir'\n",
         f"{wire.MARKER_VAR}={q(spec.run_id)} {wire.RUN_DIR_VAR}=\"$RUNS\"/{q(spec.run_id)}"
         f" nohup setsid bash -c {q(wrapper_script(spec))} dflash-run \"$PWD\""
         " >>output.log 2>&1 </dev/null 9>&- &\n",
@@ -157,15 +151,106 @@ def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
         " && mv -f -- pid.tmp pid; } 2>&1); then\n"
         '  kill -KILL -- "-$pid" 2>/dev/null\n'
         f'  while read -r p i s; do [ "$i" = {q(spec.run_id)} ] && kill -KILL "$p" 2>/dev/null; done < <(dflash_procs)\n'
-        '  dflash_fail "cannot write the pid file: ${err##*: }"\n'
+        f'  {fail} "cannot write the pid file: ${{err##*: }}"\n'
         "fi\n",
         f"printf '{wire.LAUNCHED} %s\\n' \"$pid\"\n",
     ]
-    if probe_after_s is not None:
-        tenths = max(0, math.ceil(float(probe_after_s) * 10))
-        parts += ["exec 9>&-\n",
-                  f'i=0; while [ $i -lt {tenths} ] && dflash_marked "$pid" {q(spec.run_id)}; do sleep 0.1; i=$((i+1)); done\n',
-                  probe_body(spec.run_dir, LOG_TAIL_BYTES)]
+
+
+def _probe_after(spec: RunSpec, probe_after_s: float | None, since: str | None = None) -> list[str]:
+    """With `probe_after_s`: release the lock, wait that long or until the job has ended, then probe it."""
+    if probe_after_s is None:
+        return []
+    tenths = max(0, math.ceil(float(probe_after_s) * 10))
+    return ["exec 9>&-\n",
+            f'i=0; while [ $i -lt {tenths} ] && dflash_marked "$pid" {q(spec.run_id)}; do sleep 0.1; i=$((i+1)); done\n',
+            probe_body(spec.run_dir, LOG_TAIL_BYTES, since)]
+
+
+def launch_script(spec: RunSpec, probe_after_s: float | None = None) -> str:
+    """Create the run dir, refuse a live duplicate, run pre-steps, start the job detached, print its pid.
+
+    `flock` on `<runs>/.launch.lock` serialises launches in one runs dir (fd 9 is closed for the job so the lock
+    is released when this script ends). The `cd ... || exit 1;` then `nohup ... &` on its own line avoids the
+    `a && b & ` trap (which would background the whole list and hold the channel open).
+    With `probe_after_s`, the same call then releases the lock, waits that long or until the job has ended,
+    whichever comes first (a job that dies at once is reported then), and prints `probe_script`'s output, so
+    launch-to-verified costs one round trip after the liveness wait.
+    """
+    rd = path_word(spec.run_dir)
+    parts = [
+        *_locked_head(spec),
+        _alive_loop(spec.name, "alive"),
+        *(PRE_BUILDERS[step](spec) for step in spec.pre),
+        f"mkdir -- {rd} || {{ printf '{wire.ERROR} cannot create %s\\n' {rd}; exit {wire.EXIT_FAILED}; }}\n",
+        # from here on a failure (a full disk) removes what this launch created: no phantom run is left behind
+        f"dflash_fail() {{ rm -rf -- {rd}; printf '{wire.ERROR} %s\\n' \"$1\"; exit {wire.EXIT_FAILED}; }}\n",
+        f"err=$({{ printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp"
+        f" && mv -f -- {rd}/run.json.tmp {rd}/run.json; }} 2>&1) || dflash_fail \"cannot write run.json: ${{err##*: }}\"\n",
+        # The pid file's room is taken now (rewritten in place once the job has its pid), then the log is proven
+        # writable (a line written, then cut away: the log holds the job's bytes alone), so that a disk with room
+        # for the run's files but not for its log starts nothing rather than a job that can never write.
+        *_reserve(rd, "dflash_fail"),
+        f"err=$({{ echo 'log check' > {rd}/output.log && : > {rd}/output.log; }} 2>&1)"
+        f" || dflash_fail \"cannot write the log: ${{err##*: }}\"\n",
+        *_start_job(spec, "dflash_fail"),
+        *_probe_after(spec, probe_after_s),
+    ]
+    return "".join(parts)
+
+
+ATTEMPTS = "attempts"      # <run dir>/attempts/<N>/: attempt N's run.json, pid, exit_code and stopped, kept by a resume
+ATTEMPT_RECORDS = ("run.json", "pid", "exit_code", "stopped")
+
+
+def resume_script(spec: RunSpec, probe_after_s: float | None = None, checkpoints: str | None = None) -> str:
+    """Start the run `spec` again in its own run dir, as launch_script starts a run, under the same lock.
+
+    Refused (exit 5) while a process of the run lives (`DFLASH_REFUSED running <id>`) or of another run of its
+    name (`alive`), and, with `checkpoints` (the trainer's run dir, as the job sees it), where it holds no
+    `ckpt/step_<N>` directory (`nockpt`); a run dir that is not there is DFLASH_MISSING (exit 3). Nothing the run
+    had is removed: the last attempt's records (ATTEMPT_RECORDS) are copied to `attempts/<N>/` before they are
+    replaced, and the log is appended to, after a `DFLASH_RESUMED {"attempt": N+1, "at": <epoch>}` line (which
+    proves it writable). Prints `DFLASH_START <offset>` (the new attempt's first byte of the log) and
+    `DFLASH_LAUNCHED <pid>`; with `probe_after_s`, the probe reads the log from that offset.
+    """
+    rd, rid = path_word(spec.run_dir), q(spec.run_id)
+    check = ""
+    if checkpoints is not None:
+        check = (f"found=; for c in {path_word(checkpoints)}/ckpt/step_*; do\n"
+                 '  case ${c##*/step_} in \'\'|*[!0-9]*) ;; *) [ -d "$c" ] && found=1;; esac\n'
+                 "done\n"
+                 f"[ -n \"$found\" ] || {{ printf '{wire.REFUSED} nockpt %s\\n' {rid}; exit {wire.EXIT_REFUSED}; }}\n")
+    keep = " ".join(ATTEMPT_RECORDS)
+    parts = [
+        *_locked_head(spec),
+        f'[ -d {rd} ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n',
+        f'while read -r p i s; do [ "$i" = {rid} ] || continue\n'
+        f"  printf '{wire.REFUSED} running %s\\n' {rid}; exit {wire.EXIT_REFUSED}\n"
+        "done < <(dflash_procs)\n",
+        _alive_loop(spec.name, "alive"),
+        check,
+        *(PRE_BUILDERS[step](spec) for step in spec.pre),
+        f'n=1; while [ -e {rd}/{ATTEMPTS}/$n ]; do n=$((n+1)); done; A={rd}/{ATTEMPTS}/$n\n',
+        # until the records are replaced, a failure leaves the run as it was
+        f"dflash_undo() {{ rm -rf -- \"$A\"; rm -f -- {rd}/run.json.tmp {rd}/pid.tmp;"
+        f" printf '{wire.ERROR} %s\\n' \"$1\"; exit {wire.EXIT_FAILED}; }}\n",
+        f"err=$({{ mkdir -p -- \"$A\" && for f in {keep}; do [ ! -e {rd}/$f ] || cp -p -- {rd}/$f \"$A\"/ || exit 1;"
+        f" done; }} 2>&1) || dflash_undo \"cannot keep the last attempt's records: ${{err##*: }}\"\n",
+        f"err=$({{ printf '%s%s}}\\n' {q(run_json_prefix(spec))} \"$(date +%s)\" > {rd}/run.json.tmp; }} 2>&1)"
+        f" || dflash_undo \"cannot write run.json: ${{err##*: }}\"\n",
+        *_reserve(rd, "dflash_undo"),
+        f"err=$({{ printf '%s{{\"attempt\": %s, \"at\": %s}}\\n' {q(wire.RESUMED_PREFIX)} \"$((n + 1))\" \"$(date +%s)\""
+        f" >> {rd}/output.log; }} 2>&1) || dflash_undo \"cannot write the log: ${{err##*: }}\"\n",
+        # the records are replaced: from here on a failure leaves them in "$A"
+        f"dflash_fail() {{ printf '{wire.ERROR} %s\\n' \"$1\"; exit {wire.EXIT_FAILED}; }}\n",
+        f"rm -f -- {rd}/exit_code {rd}/stopped {rd}/pid && mv -f -- {rd}/run.json.tmp {rd}/run.json"
+        " || dflash_fail 'cannot replace the records of the last attempt'\n",
+        f"off=$(stat -c %s -- {rd}/output.log) || dflash_fail 'cannot read the size of the log'\n",
+        f"printf '{wire.START} %s\\n' \"$off\"\n",
+        *_start_job(spec, "dflash_fail"),
+        *_probe_after(spec, probe_after_s, '"$off"'),
+    ]
     return "".join(parts)
 
 

@@ -1,4 +1,4 @@
-"""Use cases: launch, prove alive, list, find, stop. The scripts (shellcmd, *_scripts) + transport + parse; no
+"""Use cases: launch, prove alive, list, find, resume, stop. The scripts (shellcmd, *_scripts) + transport + parse; no
 typer, no rich.
 
 Every function takes a Session (a Target and the Transport that reaches it), returns values, raises OpsError.
@@ -86,6 +86,12 @@ def _refusal(words: list[str], target: Target) -> Refused:
     if kind == "cache":
         return Refused(f"not clearing the inductor cache: run {run} is alive on {target.label}",
                        hint=f"wait for it or `dflash-ops stop {run} {where}` first")
+    if kind == "running":
+        return Refused(f"run {run} is still running on {target.label}: only a run that ended can be resumed",
+                       hint=f"stop it first (`dflash-ops stop {run} {where}`)")
+    if kind == "nockpt":
+        return Refused(f"run {run} on {target.label} holds no checkpoint to resume from (it ended before its first)",
+                       hint=f"launch it again: `dflash-ops launch RUNBOOK {where} -- ...`")
     return Refused(f"another launch holds the lock on {target.label}", hint="retry in a few seconds")
 
 
@@ -157,6 +163,12 @@ def plan(s: Session, book: Runbook, *, name: str | None, extra_args: tuple[str, 
     here = s.target.host.transport == LOCAL and s.target.container is None
     spec = run_spec(book, s.target, name=name, run_id=run_id or names.new_run_id(name), extra_args=extra_args,
                     extra_env=extra_env, caller_dir=os.getcwd() if here else None)
+    return checked(spec)
+
+
+def checked(spec: RunSpec) -> RunSpec:
+    """`spec`, or UsageError where it could not run as a tracked job: a NUL byte in an argument or value, or an
+    environment that sets dflash-ops's own variables."""
     if any("\0" in v for v in spec.argv + tuple(v for _, v in spec.env)):
         raise UsageError("arguments and environment values cannot contain NUL bytes")
     for key in (wire.MARKER_VAR, wire.RUN_DIR_VAR):
@@ -264,11 +276,11 @@ class LogEcho:
 
 
 def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: float,
-                sleep: Callable[[float], None] = time.sleep,
-                echo: LogEcho | None = None) -> tuple[RunStatus, str | None]:
+                sleep: Callable[[float], None] = time.sleep, echo: LogEcho | None = None,
+                since: int | None = None) -> tuple[RunStatus, str | None]:
     """The run must still be alive and some log line must match the liveness pattern; re-probed every POLL_S
     until `deadline` (monotonic). A run that already exited 0 counts as proven. Else RunFailed (exit 4). `echo`
-    is fed every probe's log."""
+    is fed every probe's log. `since`: the probes read the log from that byte (a resumed attempt's lines)."""
     pattern = re.compile(spec.liveness.pattern)
     while True:
         if probe.raw is None:
@@ -297,7 +309,7 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
                                  f"`dflash-ops stop {spec.run_id} {where}`",
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         sleep(POLL_S)
-        probe = parse.probe(s.run(read_scripts.probe_script(spec.run_dir), "checking the run").stdout)
+        probe = parse.probe(s.run(read_scripts.probe_script(spec.run_dir, since=since), "checking the run").stdout)
 
 
 _PATH_PIECE = re.compile(r"[^\s=,\[\]'\"]+")
@@ -315,6 +327,69 @@ def relative_paths(args: tuple[str, ...]) -> list[str]:
             if "/" in piece or piece.endswith(_FILE_SUFFIXES):
                 found.append(piece)
     return found
+
+
+# -- resume ---------------------------------------------------------------------------------------------------
+def resumable(s: Session, run_id: str) -> tuple[RunStatus, dict]:
+    """The run `run_id` (a run id, checked before anything is sent) on the target and its run.json, if it can be
+    resumed: RunNotFound where it is not there; UsageError for a multi-node run (not supported); Refused (exit 5)
+    while anything of it lives, or once it exited 0 (finished: nothing to resume)."""
+    check_run_id(run_id)
+    s.connect()
+    done = s.run(read_scripts.find_script(s.target.runs_dir, run_id), "finding the run")
+    status = pick_run(parse.run_list(done.out, s.target.runs_dir), run_id, s.target)
+    where = s.target.cli_args
+    if status.multinode is not None:
+        raise UsageError(f"run {run_id} is one node of a multi-node run: resume does not take multi-node runs",
+                         hint="launch it again on its nodes with `-- --run-dir ../<run id> --resume` (docs/cli.md, "
+                              "Multi-node runs)")
+    if status.holds_on:
+        raise _refusal(["running", run_id], s.target)
+    if status.state == EXITED and status.exit_code == 0:
+        raise Refused(f"run {run_id} on {s.target.label} exited 0: it finished, there is nothing to resume",
+                      hint=f"`dflash-ops runs {run_id} {where}`")
+    return status, parse.run_meta(done.out, run_id)
+
+
+def check_run_id(ref: str) -> None:
+    """`ref` is a run id (else UsageError, before anything is sent): what names one run, never a name's latest."""
+    if not names.is_run_id(ref):
+        raise UsageError(f"{ref!r} is not a run id (NAME-YYYYMMDDTHHMMSS-xxxx): resume takes the id of one run",
+                         hint="`dflash-ops runs` (with --host/--ct) lists them")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    launched: Launched
+    log_start: int          # the byte of the log where this attempt starts (after its DFLASH_RESUMED line)
+
+
+def resume(s: Session, spec: RunSpec, *, checkpoints: str | None = None, wait_s: float | None = None,
+           sleep: Callable[[float], None] = time.sleep, on_started: Callable[[int], None] = lambda pid: None,
+           echo: LogEcho | None = None) -> Resumed:
+    """Start `spec` (runbooks.resume_spec: a run that ended, in its own run dir) detached and prove it alive as
+    `launch` does, from the lines of this attempt alone (launch_scripts.resume_script; `checkpoints`: the trainer's
+    run dir, which must hold a checkpoint). `echo` is shown this attempt's lines while it is proven alive."""
+    checked(spec)
+    wait = spec.liveness.wait_s if wait_s is None else wait_s
+    seen = _StartWatch(on_started)
+    t0 = time.monotonic()
+    try:
+        done = s.run(launch_scripts.resume_script(spec, probe_after_s=wait, checkpoints=checkpoints),
+                     f"resuming {spec.run_id}", timeout_s=wait + 60, on_stdout=seen.feed)
+    except HostUnreachable as exc:
+        where = s.target.cli_args
+        hint = (f"{spec.run_id} started again (pid {seen.pid}) and goes on: `dflash-ops tail {spec.run_id} {where}`"
+                if seen.pid is not None else f"{spec.run_id} may have started again: check `dflash-ops runs {where}`")
+        raise HostUnreachable(exc.message, hint=hint) from None
+    words, start = parse.tagged(done.out, wire.LAUNCHED), parse.tagged(done.out, wire.START)
+    if not words or not names.is_digits(words[0]) or not start or not names.is_digits(start[0]):
+        raise RemoteFailed(f"resume of {spec.run_id} printed no pid", detail=(done.out + done.err)[-2000:])
+    deadline = t0 + max(wait, spec.liveness.timeout_s or 0.0)
+    status, line = prove_alive(s, spec, parse.probe(done.stdout), deadline=deadline, sleep=sleep, echo=echo,
+                               since=int(start[0]))
+    return Resumed(Launched(spec=spec, target=s.target.label, pid=int(words[0]), status=status, matched_line=line,
+                            verified_after_s=time.monotonic() - t0), log_start=int(start[0]))
 
 
 # -- stop -----------------------------------------------------------------------------------------------------

@@ -180,6 +180,22 @@ def run_list(text: str, runs_dir: str) -> list[RunStatus]:
     return sorted(out, key=lambda s: (names.RUN_ID_RE.fullmatch(s.run_id).group("stamp"), s.started_at or 0, s.run_id))
 
 
+def run_meta(text: str, run_id: str) -> dict:
+    """A listing's run.json of `run_id` (its DFLASH_JSON line, right after its state line) as an object; {} where
+    there is none or it does not parse as one."""
+    after = False
+    for line in lines(text):
+        if after and line.startswith(wire.RUN_JSON + " "):
+            try:
+                meta = json.loads(line[len(wire.RUN_JSON):].strip() or "{}")
+            except json.JSONDecodeError:
+                return {}
+            return meta if isinstance(meta, dict) else {}
+        raw = state_line(line)
+        after = raw is not None and raw.run_id == run_id
+    return {}
+
+
 @dataclass(frozen=True)
 class Probe:
     raw: RawState | None

@@ -163,16 +163,21 @@ def kept_script(run_dir: str) -> str:
     return PRELUDE + f"D={path_word(run_dir)}\n" + '[ -d "$D" ] && dflash_kept "$D"\nexit 0\n'
 
 
-def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
-    """State of one run, then `DFLASH_LOG` and the last `tail_bytes` of its log."""
-    return PRELUDE + probe_body(run_dir, tail_bytes)
+def probe_script(run_dir: str, tail_bytes: int = LOG_TAIL_BYTES, since: int | None = None) -> str:
+    """State of one run, then `DFLASH_LOG` and the last `tail_bytes` of its log; with `since`, the first
+    `tail_bytes` from that byte offset instead (a resumed attempt's lines, not its earlier attempts')."""
+    return PRELUDE + probe_body(run_dir, tail_bytes, None if since is None else str(int(since)))
 
 
-def probe_body(run_dir: str, tail_bytes: int) -> str:
+def probe_body(run_dir: str, tail_bytes: int, since: str | None = None) -> str:
+    """probe_script's lines; `since` is a shell word for the byte offset (a number, or `"$off"` in a script that
+    computed it)."""
+    read = (f'tail -c {int(tail_bytes)} -- "$D/output.log"' if since is None else
+            f'tail -c +$(( {since} + 1 )) -- "$D/output.log" | head -c {int(tail_bytes)}')
     return (f"D={path_word(run_dir)}\n" + PRINT_NOW + NO_RUN_DIR +
             'dflash_state "$D"\n'
             f"echo {wire.LOG}\n"
-            f'tail -c {int(tail_bytes)} -- "$D/output.log" 2>/dev/null || true\n')
+            f'{read} 2>/dev/null || true\n')
 
 
 def tail_start_script(run_dir: str, lines: int, *, whole_partial: bool = False, hidden_ere: str | None = None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from dflash_ops import names
@@ -90,3 +91,58 @@ def run_spec(book: Runbook, target: Target, *, name: str, run_id: str, extra_arg
         liveness=book.liveness, extra_args=tuple(extra_args),
     )
 
+
+
+TRAIN = ("-m", "trainer", "train")
+RESUME_FLAG = "--resume"
+
+
+def _train_at(argv: tuple[str, ...]) -> int | None:
+    """Where the trainer's `train` arguments start in `argv` (after `-m trainer train`), or None."""
+    n = len(TRAIN)
+    return next((i + n for i in range(len(argv) - n + 1) if tuple(argv[i:i + n]) == TRAIN), None)
+
+
+def trainer_run_dir(argv: tuple[str, ...], workdir: str) -> str | None:
+    """The run directory a trainer `train` command writes (its last `--run-dir`), as a path the job's shell reads
+    (a relative one joined to `workdir`); None for another command or one without `--run-dir`."""
+    at = _train_at(argv)
+    if at is None:
+        return None
+    found = None
+    args = argv[at:]
+    for i, arg in enumerate(args):
+        if arg == "--run-dir" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--run-dir="):
+            found = arg.split("=", 1)[1]
+    if not found:
+        return None
+    return found if found.startswith(("/", "~")) else f"{workdir.rstrip('/')}/{found}"
+
+
+def resume_spec(book: Runbook, target: Target, meta: dict, *, run_id: str,
+                extra_env: tuple[tuple[str, str], ...] = ()) -> RunSpec:
+    """PURE: the run `run_id` (its run.json: `meta`), started again in its own run dir on `target`: the argv and
+    working directory it recorded, with `--resume` added to a trainer `train` command that lacks it (any other
+    command runs again as it was: it continues only where it continues by itself, as `regenerate` does its
+    `--out`); the env, pre steps and liveness of `book` (the runbook it was launched with, as it is now) and of
+    the inventory, and `extra_env` (`resume --env`). UsageError where run.json lacks what this needs, or where
+    the run had a variable that neither the runbook nor the inventory sets (a `launch --env`) and `extra_env`
+    does not give again: run.json keeps the names of the variables, never their values."""
+    argv, workdir, keys = meta.get("argv"), meta.get("workdir"), meta.get("env_keys", [])
+    if (not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv)
+            or not isinstance(workdir, str) or not workdir or not isinstance(keys, list)):
+        raise UsageError(f"run {run_id} has no readable run.json (its argv, workdir, env_keys): it cannot be resumed",
+                         hint="launch it again with `dflash-ops launch`")
+    name = meta.get("name") if isinstance(meta.get("name"), str) else names.RUN_ID_RE.fullmatch(run_id).group("name")
+    spec = run_spec(book, target, name=names.run_name(name), run_id=run_id, extra_env=extra_env)
+    missing = [k for k in keys if isinstance(k, str) and k not in {k2 for k2, _ in spec.env}]
+    if missing:
+        given = " ".join(f"--env {k}=..." for k in missing)
+        raise UsageError(f"run {run_id} was launched with {', '.join(missing)} set, which neither its runbook "
+                         f"{book.name!r} nor the inventory sets, and whose value is not kept", hint=f"give it again: {given}")
+    argv = tuple(argv)
+    if _train_at(argv) is not None and RESUME_FLAG not in argv[_train_at(argv):]:
+        argv += (RESUME_FLAG,)
+    return replace(spec, argv=argv, workdir=workdir, extra_args=())

@@ -99,12 +99,15 @@ dflash_state() {
   size=$(stat -c %s -- "$d/output.log" 2>/dev/null || echo 0)
   printf '__STATE__ %s %s %s %s %s %s %s\n' "${d##*/}" "$alive" "$pid" "$ex" "$st" "$ended" "$size"
 }
-# A run that exited on SIGTERM/SIGINT after its checkpoint: the JSON of the last stopped line of its log.
+# A run that exited on SIGTERM/SIGINT after its checkpoint: the JSON of the last stopped line of its log, unless a
+# resume's line follows it (that stop was an earlier attempt's: the attempt that exited now wrote none).
 dflash_kept() {
   local d=$1 ex= line
   [ -r "$d/exit_code" ] && read -r ex < "$d/exit_code"
   case $ex in __STOP_EXITS__) ;; *) return 0;; esac
-  line=$(tail -c 65536 -- "$d/output.log" 2>/dev/null | grep -a -F -e '__STOPPED__{' | tail -n 1 | head -c 4096)
+  line=$(tail -c 65536 -- "$d/output.log" 2>/dev/null | grep -a -F -e '__STOPPED__{' -e '__RESUMED__{' | tail -n 1 \
+    | head -c 4096)
+  case $line in *'__RESUMED__{'*) return 0;; esac
   [ -n "$line" ] && printf '__KEPT__ %s %s\n' "${d##*/}" "${line#*__STOPPED__}"
   return 0
 }
@@ -127,7 +130,7 @@ RUN_ID_ERE = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9]{8}T[0-9]{6}-[0-9a-f]{4}$"
 PRELUDE = _filled(_PRELUDE, ALNUM=_ALNUM, STAMP_TAG="-" + _DIGIT * 8 + "T" + _DIGIT * 6 + "-" + _HEX * 4,
                   MARKER=wire.MARKER_VAR, RUN_DIR_VAR=wire.RUN_DIR_VAR,
                   STATE=wire.STATE, KEPT=wire.KEPT,
-                  STOPPED=wire.STOPPED_PREFIX, STOP_EXITS="|".join(map(str, wire.STOP_EXITS)))
+                  STOPPED=wire.STOPPED_PREFIX, RESUMED=wire.RESUMED_PREFIX, STOP_EXITS="|".join(map(str, wire.STOP_EXITS)))
 # The lines that end a script whose run dir `$D` is not there, or print the time on the target.
 NO_RUN_DIR = f'[ -d "$D" ] || {{ echo {wire.MISSING}; exit {wire.EXIT_MISSING}; }}\n'
 PRINT_NOW = f"printf '{wire.NOW} %s\\n' \"$(date +%s)\"\n"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -114,11 +113,3 @@ def test_a_dflash_export_is_byte_for_byte_what_it_was(tmp_path):
     out = export_drafter(tmp_path / "e", fixed_drafter(ecfg.drafter), ecfg)
     assert hashlib.sha256((out / "config.json").read_bytes()).hexdigest() == DFLASH_CONFIG_SHA
     assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == DFLASH_WEIGHTS_SHA
-
-
-def test_the_engines_refuse_to_decode_a_dflash2_drafter_rather_than_decode_another_model():
-    from trainer.decode.decoders import decoders
-    from trainer.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="DFlash2 drafter is not supported"):
-        decoders(None, Drafter(export_config(d2()).drafter), B, 64, engine="hf")

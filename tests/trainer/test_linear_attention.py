@@ -141,3 +141,31 @@ def test_documents_ending_just_before_a_chunk_boundary_leak_nothing_into_the_nex
         want = recurrent_reference(q[r, span], k[r, span], v[r, span], g[r, span], beta[r, span])
         torch.testing.assert_close(got[r, span], want, atol=2e-5, rtol=1e-4, msg=f"row {r}, tokens {span}")
     assert {61, 62, 63, 0} <= ends  # the layouts do end documents where they say
+
+
+def test_a_block_from_a_start_state_and_the_state_after_each_prefix_are_hfs(hf_rules):
+    """`gated_delta_block` (one chunk from a start state), `state_after` (the state after any prefix of it) and
+    `gated_delta_step` (one token) against HF's rules given an initial state, every row with its own prefix."""
+    from trainer.model.linear_attention import gated_delta_block, gated_delta_step, state_after
+
+    chunk_rule, recurrent_rule = hf_rules
+    rows, length = 3, 7
+    q, k, v, g, beta = rule_inputs(rows, length, seed=5)
+    start = torch.randn(rows, 4, 8, 6, generator=torch.Generator().manual_seed(6))
+    out, terms = gated_delta_block(q, k, v, g, beta, start)
+    want, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    for n in range(length + 1):
+        prefix = [x[:, :n] for x in (q, k, v, g, beta)]
+        want_state = start if n == 0 else recurrent_rule(*prefix[:3], g=prefix[3], beta=prefix[4], initial_state=start,
+                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)[1]
+        got = state_after(start, terms, torch.full((rows,), n))
+        torch.testing.assert_close(got, want_state, atol=2e-5, rtol=1e-4)
+    mixed = state_after(start, terms, torch.tensor([0, 3, length]))  # each row its own count
+    torch.testing.assert_close(mixed[2], final[2], atol=2e-5, rtol=1e-4)
+    step_out, step_state = gated_delta_step(*(x[:, :1] for x in (q, k, v, g, beta)), start)
+    want_out, want_state = recurrent_rule(*(x[:, :1] for x in (q, k, v)), g=g[:, :1], beta=beta[:, :1],
+                                          initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(step_out, want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(step_state, want_state, atol=2e-5, rtol=1e-4)

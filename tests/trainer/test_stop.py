@@ -26,7 +26,8 @@ HANG_GUARD_S = 600  # only a hang reaches it; every wait below ends on an event
 
 def env() -> dict:
     out = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    # DFLASH_OPS_RUN_ID too: under dflash-ops the resume command is `dflash-ops resume` (test_stop_message.py)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DFLASH_OPS_RUN_ID"):
         out.pop(key, None)
     return out
 

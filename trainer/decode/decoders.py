@@ -48,19 +48,13 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
              invariant: bool = False, log=print) -> Decoders:
     """Target-only and speculative decoding for `engine`. A compilation that fails (torch.compile raises while the
     graphs are captured) falls back to the uncompiled engine, with a note, and the mode used is then "none".
-    `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute the target's attention
-    (sliding windows, soft-capping, sinks, Gemma's norms, MoE experts) decodes with SDPA or eager attention, with a
-    note. The static engine captures its graphs here, in the calling (main) thread, before any decoding."""
+    A DFlash drafter proposes the head's argmax per mask position, a DFlash2 drafter its selector's greedy walk
+    (docs/dflash2.md, "Decoding"). `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute
+    the target's attention (sliding windows, soft-capping, sinks, Gemma's norms, MoE experts) decodes with SDPA or
+    eager attention, with a note. The static engine captures its graphs here, in the calling (main) thread, before
+    any decoding."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if drafter.cfg.dflash2 is not None:
-        # Both engines compute a DFlash layer (no convolution) and propose the unary argmax (no selector walk): they
-        # would decode a DFlash2 drafter as another model.
-        from trainer.errors import ConfigError
-
-        raise ConfigError("speculative decoding of a DFlash2 drafter is not supported by this trainer's engines",
-                          hint="serve the export with SGLang or vLLM (docs/dflash2.md); the simulated tau of "
-                               "`trainer eval` covers its unary proposal")
     if engine == "hf":
         from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
 
@@ -71,12 +65,17 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
 
         return Decoders(lambda ids, n, stops=(): generate_target_only(target, ids, n, stops), speculative, "none", "hf",
                         "hf")
+    from trainer.decode.drafters.dflash2 import StaticDFlash2Proposer
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.lossless import norm_path
     from trainer.decode.static_draft import StaticDFlashProposer
 
+    # A DFlash2 drafter: its convolutions and selector walk (trainer/decode/drafters/dflash2.py); the hf engine's
+    # DFlashProposer picks the same by the drafter's config.
+    proposer_cls = StaticDFlashProposer if drafter.cfg.dflash2 is None else StaticDFlash2Proposer
+
     def build(how: str):
-        proposer = StaticDFlashProposer(target, drafter, block_size, capacity)
+        proposer = proposer_cls(target, drafter, block_size, capacity)
         return StaticDecoder(target, capacity, proposer, block_size, compile=how, invariant=invariant)
 
     try:

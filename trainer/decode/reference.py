@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.decode.drafters.dflash2 import attention_input, attention_output, mlp_residual, select_drafts
 from trainer.decode.rounds import SpecResult, leading_matches
 from trainer.decode.stops import stop_index
 from trainer.model.attention import SLIDING, window_visible
@@ -160,7 +161,8 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
     (block K/V are never cached) -> final-normed hidden [1, B, D].
 
     Same arithmetic as `Drafter.forward` for a single anchor whose visible context is everything cached (a sliding
-    layer: the window ending at each query, as in training).
+    layer: the window ending at each query, as in training); a DFlash2 drafter's convolutions run over the block's B
+    positions (trainer/decode/drafters/dflash2.py).
     """
     cfg = drafter.cfg
     dtype = stream_dtype(drafter.fc.weight.dtype, new_feats.device.type)  # as in training: bf16 under autocast
@@ -181,7 +183,7 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
         k_c = apply_rope(attn.k_norm(attn.k_proj(ctx).view(1, n, Hkv, Dh)).transpose(1, 2), *rope_c)
         v_c = attn.v_proj(ctx).view(1, n, Hkv, Dh).transpose(1, 2)
         k_ctx, v_ctx = cache.append(i, k_c, v_c)
-        h = layer.input_layernorm(x)
+        h, kernel = attention_input(layer, x)
         q = apply_rope(attn.q_norm(attn.q_proj(h).view(1, B, H, Dh)).transpose(1, 2), *rope_q)
         k_b = apply_rope(attn.k_norm(attn.k_proj(h).view(1, B, Hkv, Dh)).transpose(1, 2), *rope_q)
         v_b = attn.v_proj(h).view(1, B, Hkv, Dh).transpose(1, 2)
@@ -190,14 +192,16 @@ def draft_block_hidden(drafter: Drafter, cache: DraftContextCache, new_feats: to
         mask = sliding if layer.kind == SLIDING else None
         out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k_b], 2), torch.cat([v_ctx, v_b], 2),
                                              attn_mask=mask, enable_gqa=H != Hkv)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + attention_output(layer, attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh)), kernel)
+        x = x + mlp_residual(layer, x)
     cache.length = start
     return drafter.norm(x)
 
 
 class DFlashProposer(nn.Module):
-    """The trained drafter + the target's frozen embedding and LM head, with its own context K/V cache."""
+    """The trained drafter + the target's frozen embedding and LM head, with its own context K/V cache. A DFlash
+    drafter proposes the head's argmax at each mask position; a DFlash2 drafter its selector's greedy walk over the
+    head's top-k (trainer/decode/drafters/dflash2.py `select_drafts`)."""
 
     def __init__(self, target: Target, drafter: Drafter, block_size: int, autocast: bool | None = None) -> None:
         """autocast: run the drafter under bf16 autocast, as training does on CUDA (default: on CUDA only)."""
@@ -209,20 +213,38 @@ class DFlashProposer(nn.Module):
     def begin(self) -> None:
         self.cache = DraftContextCache(len(self.drafter.layers))
 
+    def _autocast(self, device: torch.device):
+        # Same numerics as training: the trainer's CUDA step runs the fp32 drafter under bf16 autocast.
+        # CUDA's autocast only: on CPU `autocast=True` changes nothing, as the DFlash proposer always had it.
+        enabled = device.type == "cuda" if self.autocast is None else self.autocast
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled)
+
+    @torch.no_grad()
+    def draft_hidden(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        """[B - 1, D]: the drafter's final-normed hidden states at the block's mask positions (advances the
+        context cache)."""
+        block = torch.full((1, self.block_size), self.target.mask_token_id, dtype=torch.long, device=committed.device)
+        block[0, 0] = committed[0, -1]
+        with self._autocast(block.device):
+            return draft_block_hidden(self.drafter, self.cache, new_feats, self.target.embed_tokens(block))[0, 1:]
+
     @torch.no_grad()
     def draft_logits(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
         """[B - 1, vocab]: the LM head's logits at the block's mask positions (advances the context cache)."""
-        block = torch.full((1, self.block_size), self.target.mask_token_id, dtype=torch.long, device=committed.device)
-        block[0, 0] = committed[0, -1]
-        on_cuda = block.device.type == "cuda"
-        # Same numerics as training: the trainer's CUDA step runs the fp32 drafter under bf16 autocast.
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda if self.autocast is None else self.autocast):
-            hidden = draft_block_hidden(self.drafter, self.cache, new_feats, self.target.embed_tokens(block))
-        head = self.target.lm_head
-        return head(hidden[0, 1:].to(head.weight.dtype))
+        return self._head(self.draft_hidden(new_feats, committed))
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.target.lm_head
+        return head(hidden.to(head.weight.dtype))
+
+    @torch.no_grad()
     def propose(self, new_feats: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
-        return self.draft_logits(new_feats, committed).argmax(-1)
+        if self.drafter.cfg.dflash2 is None:
+            return self.draft_logits(new_feats, committed).argmax(-1)
+        hidden = self.draft_hidden(new_feats, committed)
+        logits = self._head(hidden)
+        with self._autocast(hidden.device):
+            return select_drafts(self.drafter, logits, hidden, committed[0, -1:])
 
 
 class OracleProposer(nn.Module):

@@ -110,7 +110,7 @@ class StaticDFlashProposer:
             cos, sin = rope_cos_sin(pos[None], Dh, self.theta, dtype)
             for i, layer in enumerate(d.layers):
                 attn = layer.self_attn
-                h = layer.input_layernorm(x)
+                h, kernel = self.attention_input(layer, x)
                 q = apply_rope(attn.q_norm(attn.q_proj(h).view(1, B, H, Dh)).transpose(1, 2), cos, sin)
                 k_b = apply_rope(attn.k_norm(attn.k_proj(h).view(1, B, Hkv, Dh)).transpose(1, 2), cos, sin)
                 v_b = attn.v_proj(h).view(1, B, Hkv, Dh).transpose(1, 2)
@@ -119,9 +119,20 @@ class StaticDFlashProposer:
                 mask = sliding if layer.kind == SLIDING else visible
                 out = F.scaled_dot_product_attention(q.to(self.k[i].dtype), self.k[i], self.v[i], attn_mask=mask,
                                                      enable_gqa=H != Hkv)
-                x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh))
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = x + self.attention_output(layer, attn.o_proj(out.transpose(1, 2).reshape(1, B, H * Dh)), kernel)
+                x = x + self.mlp_residual(layer, x)
             return d.norm(x)
+
+    # The block's sublayers around attention and MLP: a DFlash layer's plain norms here; a DFlash2 proposer
+    # (trainer/decode/drafters/dflash2.py) wraps them in its convolutions. kernel: what the output side needs.
+    def attention_input(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return layer.input_layernorm(x), None
+
+    def attention_output(self, layer, y: torch.Tensor, kernel: torch.Tensor | None) -> torch.Tensor:
+        return y
+
+    def mlp_residual(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return layer.mlp(layer.post_attention_layernorm(x))
 
 
 def _with_bf16_linears(drafter: Drafter) -> Drafter:

@@ -155,10 +155,23 @@ class QualityCfg:
         require(self.drafter_budget_s > 0, "drafter_budget_s must be > 0")
         require(device_spec_ok(self.device), f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         require(self.total_budget_s >= 0 and self.eval_reserve_s >= 0, "total_budget_s and eval_reserve_s must be >= 0")
-        # Its decoding stage runs this trainer's engines, which do not decode a DFlash2 drafter (docs/dflash2.md).
-        require(self.drafter.model.drafter == "dflash",
-                f"drafter.model.drafter={self.drafter.model.drafter}: the quality pipeline decodes with this trainer's "
-                "engines, which run DFlash drafters only; use drafter.model.drafter=dflash")
+
+
+def check_drafter_fits_target(q: QualityCfg, reused_target: str | None = None) -> None:
+    """The drafter's settings against the target it will train on, before anything runs (a DFlash2 drafter's groups
+    and top-k: trainer.targetdir.check_drafter_fits): the reused target's config.json under --reuse, else the one the
+    recipe's `target` section builds, whose vocabulary is at most `corpus.vocab_size` (the tokenizer may learn fewer
+    merges: building the drafter checks the rest). One ConfigError naming the `drafter.` key. Pure but for reading
+    config.json."""
+    from trainer.errors import ConfigError
+    from trainer.targetdir import TargetShape, check_drafter_fits, read_shape
+
+    shape = read_shape(reused_target) if reused_target else TargetShape(
+        num_layers=q.target.num_layers, hidden_size=q.target.hidden_size, vocab_size=q.corpus.vocab_size)
+    try:
+        check_drafter_fits(shape, q.drafter.model)
+    except ConfigError as e:
+        raise ConfigError(f"drafter.{e}", hint=e.hint.replace("set model.", "set drafter.model.")) from None
 
 
 def load_recipe(recipe: str, overrides: list[str] = ()) -> QualityCfg:

@@ -95,7 +95,7 @@ def train_drafter(cfg, run_dir: Path, budget_s: float) -> DrafterResult:
     return DrafterResult(steps=result.step, total_steps=result.horizon, mode=cfg.step.mode, loss=last.get("loss"),
                          acc=last.get("acc"), tokens_per_s=last.get("tokens_per_s"),
                          seconds=round(time.perf_counter() - t0, 1), planned_steps=result.planned_steps,
-                         stopped_by=result.stopped_by)
+                         stopped_by=result.stopped_by, kind=cfg.model.drafter, optim=cfg.optim.name)
 
 
 def heldout_rows(cfg, target_dir: Path):
@@ -161,11 +161,12 @@ def reused_stages(earlier: Path, out: Path):
 def run_pipeline(recipe_name: str, out: Path, overrides: list[str], reuse: Path | None = None) -> QualityResult:
     """Every stage into `out` (stages.json as each finishes, then quality.json and the DFLASH_QUALITY line) -> the
     run's result. What can refuse comes before torch, and the device check before anything is written."""
-    from trainer.quality.config import load_recipe
+    from trainer.quality.config import check_drafter_fits_target, load_recipe
 
     q = load_recipe(recipe_name, overrides)
     check_out_dir(out)
     reused = reused_stages(reuse, out) if reuse is not None else None
+    check_drafter_fits_target(q, reused[0].path if reused else None)
     import torch
     from transformers.utils import logging as hf_logging
 

@@ -30,6 +30,8 @@ class DrafterResult:
     seconds: float
     planned_steps: int
     stopped_by: str
+    kind: str  # model.drafter: the drafter's architecture (dflash | dflash2)
+    optim: str  # optim.name: the optimizer it trained with (adamw | muon)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ DIR/NAME (its output in DIR/NAME.log) on its own slot: a GPU index (CUDA_VISIBLE
 runs two at a time on the CPU. Default: every visible GPU, else one CPU slot. With fewer slots than variants, a
 variant waits for a free slot: `--slots 0` runs them one after another on one GPU.
 
+The drafter's architecture and optimizer are overrides too (`--variant "dflash2 drafter.model.drafter=dflash2"`,
+`--variant "muon drafter.optim.name=muon"`); the table names each variant's as its quality.json records them.
+
 Shared target: when every variant overrides what builds the target and its data (corpus, target, pretrain, regen) in
 the same way (or not at all), the first variant runs the whole pipeline. The others, once its regenerate stage is
 recorded, train and evaluate their drafters on its target and data (`--reuse`). Their drafters then differ by their
@@ -127,7 +130,8 @@ def summarize(job: Job) -> dict:
     also = q.get("also") or {}
     drafter = q.get("drafter") or {}
     return {**row, "status": "ok" if job.rc == 0 else job.note or "failed",
-            "tau": q.get("tau"), "replayed_tau": q.get("replayed_tau"), "simulated_tau": q.get("simulated_tau"),
+            "drafter": drafter.get("kind"), "optim": drafter.get("optim"), "tau": q.get("tau"),
+            "replayed_tau": q.get("replayed_tau"), "simulated_tau": q.get("simulated_tau"),
             "speedup": q.get("speedup"),
             "identical": q.get("identical"), "also_tau": also.get("tau"), "also_speedup": also.get("speedup"),
             "also_identical": also.get("identical"), "drafter_steps": drafter.get("steps"),
@@ -135,8 +139,8 @@ def summarize(job: Job) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ("variant", "status", "tau", "replayed_tau", "simulated_tau", "speedup", "identical", "also_tau",
-            "also_speedup", "drafter_steps", "total_s")
+    cols = ("variant", "status", "drafter", "optim", "tau", "replayed_tau", "simulated_tau", "speedup", "identical",
+            "also_tau", "also_speedup", "drafter_steps", "total_s")
     cells = [[str(r.get(c, "") if r.get(c) is not None else "-") for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
@@ -177,7 +181,7 @@ def _interrupted(signum, frame):
 def check_variants(recipe: str, variants: list[Variant], slots: list[str] = ()) -> None:
     """Every variant's overrides applied to the recipe before anything starts: a typo, or a GPU recipe given CPU
     slots, is one line now, not a failed run later."""
-    from trainer.quality.config import load_recipe
+    from trainer.quality.config import check_drafter_fits_target, load_recipe
     from trainer.quality.pipeline import check_device_fits
 
     names = [v.name for v in variants]
@@ -187,6 +191,7 @@ def check_variants(recipe: str, variants: list[Variant], slots: list[str] = ()) 
     for v in variants:
         try:
             q = load_recipe(recipe, list(v.overrides))
+            check_drafter_fits_target(q)
             if "cpu" in slots:
                 check_device_fits(q, recipe, "cpu")
         except ConfigError as exc:

@@ -226,6 +226,7 @@ def test_stop_waits_for_the_checkpoint_and_the_run_reads_stopped(ops_env):
     doc = json.loads(stopped.stdout)
     assert doc["action"] == "terminated" and doc["status"]["state"] == "stopped", doc
     assert doc["status"]["state_text"] == "stopped at step 7" and doc["status"]["stopped_step"] == 7
+    assert doc["resume"] == f"dflash-ops resume {run['run_id']} --host local"     # the same run, tracked
     assert (run_dir / "ckpt" / "step_7" / "state").read_text() == "weights at step 7\n"
     assert (run_dir / "exit_code").read_text() == "143\n"
     [listed] = [r for r in ops_env.runs_json() if r["run_id"] == run["run_id"]]

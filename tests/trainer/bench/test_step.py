@@ -23,9 +23,9 @@ TINY = ["--shape", "tiny", "--batch", "2", "--seq", "256", "--anchors", "16", "-
         "--interval", "2"]
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    """Run to exit (the session's pytest timeout guards hangs)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+def bench(*args: str, cuda: bool = False) -> subprocess.CompletedProcess:
+    """Run to exit (the session's pytest timeout guards hangs); on the CPU unless `cuda`."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}))
     return subprocess.run([sys.executable, "-m", "bench.step", *args], cwd=REPO_ROOT, env=env, text=True,
                           capture_output=True)
 
@@ -58,6 +58,46 @@ def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
     # LM-head FLOPs from the HF config: rows * anchors * (block - 1) positions, forward + input grad.
     assert res["eager"]["flops"]["lm_head"] == 2 * (2 * 2 * 16 * 15 * 128 * 1024)
     assert res["eager"]["head_fp8"] is False and res["compile"]["head_fp8"] is False  # auto: no FP8 cores on a CPU
+
+
+@pytest.mark.slow
+def test_drafter_and_optim_reach_the_built_step_and_the_headline_names_them():
+    """--drafter dflash2 --optim muon: one tiny eager step each way, the kinds read off the built state (a DFlash2
+    drafter has more parameters than a DFlash one of the same dims: its convolutions and selector)."""
+    one = [*TINY, "--steps", "1", "--warmup", "0", "--modes", "eager"]
+    runs = {}
+    for drafter, optim in (("dflash", "adamw"), ("dflash2", "muon")):
+        proc = bench(*one, "--drafter", drafter, "--optim", optim)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r = runs[drafter] = results(proc.stdout)["eager"]
+        assert (r["drafter"], r["optim"]) == (drafter, optim)
+        assert f"drafter {drafter}, optim {optim}, shape tiny, 1 x 2 rows x 256 tokens per step" in proc.stdout
+        assert all(v == v and abs(v) < 40 for v in r["loss_first_last"])
+    assert runs["dflash2"]["drafter_params"] > runs["dflash"]["drafter_params"]
+    assert runs["dflash2"]["flops"] == runs["dflash"]["flops"]  # the same useful FLOPs: compare by tokens/s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter, optim", [("dflash2", "adamw"), ("dflash", "muon")])
+def test_the_dflash2_and_muon_steps_run_captured_on_the_gpu(drafter, optim):
+    """What docs/benchmarks.md ("DFlash2 against DFlash, Muon against AdamW") measures, at the tiny shape: each
+    captured mode builds the named drafter and optimizer and trains with finite losses."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    proc = bench(*TINY, "--modes", "graph,compile+graph", "--drafter", drafter, "--optim", optim, cuda=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for mode, r in results(proc.stdout).items():
+        assert (r["drafter"], r["optim"], r["attn"]) == (drafter, optim, "flex"), mode
+        assert all(v == v and abs(v) < 40 for v in r["loss_first_last"]) and r["tokens_per_s_per_gpu"] > 0, mode
+    assert f"drafter {drafter}, optim {optim}, shape tiny" in proc.stdout
+
+
+def test_the_headline_names_the_flags_when_no_mode_finished():
+    from bench.step import headline, parse
+
+    cfg = parse(["--shape", "tiny", "--drafter", "dflash2", "--optim", "muon"])[0]
+    assert headline(cfg, [{"mode": "graph", "error": "x"}]) == \
+        "drafter dflash2, optim muon, shape tiny, 1 x 4 rows x 3072 tokens per step"
 
 
 def test_graph_modes_and_pipeline_refuse_clearly_on_cpu():
@@ -94,11 +134,23 @@ def test_target_dir_loads_through_load_target(tiny_target_dir):
     (["--shape", "tiny", "--inductor", "coordinate_descent_tuning=false"],
      "--inductor coordinate_descent_tuning='false': expected a bool like its default False"),
     ([], "--shape small is a GPU shape and this machine has no CUDA GPU"),  # the default shape
+    (["--shape", "tiny", "--drafter", "eagle3"], "unknown --drafter 'eagle3'; choose one of ['dflash', 'dflash2']"),
+    (["--shape", "tiny", "--optim", "sgd"], "unknown --optim 'sgd'; choose one of ['adamw', 'muon']"),
 ])
 def test_bad_arguments_are_one_line_and_nonzero(args, message):
     proc = bench(*args)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [message + proc.stderr.strip().split(message, 1)[1]]
+
+
+def test_a_dflash2_drafter_that_does_not_fit_the_target_is_refused_before_the_build(tmp_path):
+    """The trainer's check of DFlash2's default groups (16 channels) against --target's width, in the parent."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 72, "vocab_size": 512,
+                                                      "num_hidden_layers": 4}))
+    proc = bench("--target", str(tmp_path), "--drafter", "dflash2")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["--drafter dflash2: model.dflash2.conv_group_size=16 does not divide the "
+                                        "drafter's width (the target's hidden size 72)"]
 
 
 def test_inductor_settings_are_parsed_and_reach_the_nested_configs(monkeypatch):

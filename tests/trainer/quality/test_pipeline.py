@@ -166,3 +166,106 @@ def test_a_hybrid_target_goes_through_every_stage_and_decodes_losslessly(tmp_pat
     assert decode["engine"] == "hf" and decode["prompts"] == 2 and decode["identical"] == 2
     assert decode["replayed_equal"] == 2 and result["regen"]["continuation_engine"] == "static->hf"
     assert "note: the static engine cannot serve this target" in proc.stdout
+
+
+DFLASH2_MUON = ("--set", "drafter.model.drafter=dflash2", "--set", "drafter.optim.name=muon")
+
+
+@pytest.mark.parametrize("sets, message", [
+    (("drafter.model.dflash2.selector_top_k=4",),
+     "error: model.dflash2.selector_top_k is a DFlash2 option and model.drafter=dflash"),
+    (("drafter.model.drafter=dflash2", "drafter.model.dflash2.conv_kernel_size=9"),
+     "error: model.dflash2.conv_kernel_size=9 is longer than the block (model.block_size=8)"),
+    pytest.param(("drafter.model.drafter=dflash2", "drafter.model.dflash2.conv_group_size=24"),
+                 "error: drafter.model.dflash2.conv_group_size=24 does not divide the drafter's width (the target's "
+                 "hidden size 64)"),
+    pytest.param(("drafter.model.drafter=dflash2", "drafter.model.dflash2.selector_top_k=1000"),
+                 "error: drafter.model.dflash2.selector_top_k=1000 is more than the target's vocabulary (512)"),
+])
+def test_what_a_dflash2_drafter_cannot_run_is_one_line_exit_2_before_torch(tmp_path, sets, message):
+    """quality_cpu's target: hidden size 64, a vocabulary of at most 512; its drafter's block: 8."""
+    from tests.trainer.test_cli import imported
+
+    args = [x for s in sets for x in ("--set", s)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "trainer.quality.pipeline", "--recipe",
+                           "quality_cpu", "--out", str(tmp_path / "q"), *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True)
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith(("import time:", "hint:"))]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(message), proc.stderr[-2000:]
+    assert "torch" not in imported(proc.stderr) and not (tmp_path / "q").exists()
+
+
+def test_a_dflash2_drafter_is_checked_against_the_recipes_target_or_the_reused_one(tmp_path):
+    """check_drafter_fits_target: the width and vocabulary of the target the recipe builds, or under --reuse those of
+    the reused target's config.json (which the recipe's target section then does not describe)."""
+    import dataclasses
+
+    from trainer.errors import ConfigError
+    from trainer.quality.config import check_drafter_fits_target, load_recipe
+
+    def with_drafter(**dflash2):
+        q = load_recipe("quality_cpu")
+        model = dataclasses.replace(q.drafter.model, drafter="dflash2",
+                                    dflash2=dataclasses.replace(q.drafter.model.dflash2, **dflash2))
+        object.__setattr__(q, "drafter", dataclasses.replace(q.drafter, model=model))
+        return q
+
+    check_drafter_fits_target(with_drafter())  # 16 divides 64, 16 candidates of at most 512
+    with pytest.raises(ConfigError, match=r"^drafter\.model\.dflash2\.conv_group_size=24 does not divide .* 64\)$"):
+        check_drafter_fits_target(with_drafter(conv_group_size=24))
+    with pytest.raises(ConfigError, match=r"^drafter\.model\.dflash2\.selector_top_k=600 is more than .*\(512\)$"):
+        check_drafter_fits_target(with_drafter(selector_top_k=600))
+    reused = tmp_path / "target"
+    reused.mkdir()
+    (reused / "config.json").write_text(json.dumps({"hidden_size": 48, "vocab_size": 1000, "num_hidden_layers": 6}))
+    check_drafter_fits_target(with_drafter(selector_top_k=600), str(reused))  # the reused vocabulary is larger
+    with pytest.raises(ConfigError, match="conv_group_size=32 does not divide the drafter's width .* 48"):
+        check_drafter_fits_target(with_drafter(conv_group_size=32), str(reused))
+
+
+@pytest.mark.slow
+def test_a_dflash2_drafter_with_muon_trains_and_exports_through_the_drafter_stage(cpu_run, tmp_path):
+    """The pipeline's drafter stage (drafter_train_cfg, train_drafter) on a reused run's target and data trains a
+    DFlash2 drafter with Muon, records both, and exports it as DFlash2DraftModel; the simulated eval reads it. (The
+    decode stage: test_a_dflash2_muon_variant_runs_end_to_end_on_a_reused_target.)"""
+    import dataclasses
+
+    import torch
+
+    from trainer.eval import evaluate_run
+    from trainer.quality.config import load_recipe
+    from trainer.quality.pipeline import drafter_train_cfg, heldout_rows, reused_stages, train_drafter
+
+    first, proc = cpu_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pre, regen = reused_stages(first, tmp_path / "out")
+    cfg = drafter_train_cfg(load_recipe("quality_cpu"), Path(pre.path), regen, torch.device("cpu"))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, drafter="dflash2"),
+                              optim=dataclasses.replace(cfg.optim, name="muon", max_steps=4))
+    drafted = train_drafter(cfg, tmp_path / "drafter", budget_s=300)
+    assert (drafted.kind, drafted.optim, drafted.steps, drafted.stopped_by) == ("dflash2", "muon", 4, "steps")
+    exported = json.loads((tmp_path / "drafter" / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"]
+    assert exported["dflash_config"]["selector_top_k"] == 16
+    simulated = evaluate_run(tmp_path / "drafter", rows=heldout_rows(cfg, Path(pre.path)))
+    assert 1.0 <= simulated["tau"] <= 8
+
+
+@pytest.mark.slow
+def test_a_dflash2_muon_variant_runs_end_to_end_on_a_reused_target(cpu_run, tmp_path):
+    """The variant the sweep runs: a DFlash2 drafter trained with Muon on the first run's target and data, decoded
+    speculatively, every output the target's own; quality.json names the drafter kind and the optimizer."""
+    first, proc = cpu_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "dflash2"
+    proc = _run("--recipe", "quality_cpu", "--out", str(out), "--reuse", str(first), "--set", "eval.prompts=2",
+                *DFLASH2_MUON)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "quality.json").read_text())
+    assert (result["drafter"]["kind"], result["drafter"]["optim"]) == ("dflash2", "muon")
+    assert json.loads((out / "drafter" / "export" / "config.json").read_text())["architectures"] == [
+        "DFlash2DraftModel"]
+    decode = result["eval"]["decode"]
+    assert decode["prompts"] == 2 and decode["identical"] == 2 and 1.0 <= result["tau"] <= 8
+    assert 1.0 <= result["simulated_tau"] <= 8 and result["speedup"] > 0

@@ -80,6 +80,7 @@ def test_overrides_reach_every_section_through_one_parser():
         load_recipe("quality_cpu", ["drafter.optim.lr=fast"])
 
 
-def test_a_dflash2_drafter_is_refused_before_any_stage_its_decoders_cannot_run_it():
-    with pytest.raises(ConfigError, match=r"^drafter.model.drafter=dflash2: the quality pipeline decodes"):
-        load_recipe("quality_cpu", ["drafter.model.drafter=dflash2"])
+def test_a_dflash2_drafter_is_a_quality_recipes_drafter():
+    """Its decode stage decodes a DFlash2 drafter (tests/trainer/decode/test_dflash2_decode.py)."""
+    q = load_recipe("quality_cpu", ["drafter.model.drafter=dflash2", "drafter.model.dflash2.selector_rank=8"])
+    assert (q.drafter.model.drafter, q.drafter.model.dflash2.selector_rank) == ("dflash2", 8)

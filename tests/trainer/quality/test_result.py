@@ -10,7 +10,7 @@ PRE = PretrainResult(path="t", params=10, files_heldin=2, files_heldout=1, corpu
 REGEN = RegenResult(train_path="d/train.jsonl", eval_path="d/eval.jsonl", train_samples=4, eval_samples=2,
                     continuations=1, ended_with_eos=0.5, generated_tokens=40, seconds=1.0, stopped_by="done")
 DRAFTED = DrafterResult(steps=5, total_steps=5, mode="eager", loss=2.0, acc=0.25, tokens_per_s=100.0, seconds=3.0,
-                        planned_steps=6, stopped_by="budget")
+                        planned_steps=6, stopped_by="budget", kind="dflash2", optim="muon")
 
 
 def decode(dtype: str, tau: float) -> dict:
@@ -50,6 +50,8 @@ def test_quality_json_is_the_same_bytes_with_and_without_a_second_dtype():
 
 
 def test_a_stage_record_is_the_dataclass_s_fields_in_order():
+    # The fields a run of the plain DFlash drafter always wrote keep their names and order; kind and optim follow.
     assert list(stage_record(DRAFTED)) == ["steps", "total_steps", "mode", "loss", "acc", "tokens_per_s", "seconds",
-                                          "planned_steps", "stopped_by"]
+                                          "planned_steps", "stopped_by", "kind", "optim"]
+    assert (stage_record(DRAFTED)["kind"], stage_record(DRAFTED)["optim"]) == ("dflash2", "muon")
     assert stage_record(PRE) == PRE.__dict__

@@ -62,6 +62,33 @@ def test_bad_overrides_and_duplicate_names_are_refused_before_anything_runs(tmp_
         check_variants("quality_cpu", [Variant("a"), Variant("a")])
 
 
+def test_a_dflash2_variant_is_checked_against_the_target_before_anything_runs():
+    """A DFlash2 variant (the drafter kind as an override) whose groups do not divide quality_cpu's width of 64."""
+    bad = Variant("d2", ("drafter.model.drafter=dflash2", "drafter.model.dflash2.conv_group_size=24"))
+    with pytest.raises(ConfigError, match=r"^--variant d2: drafter\.model\.dflash2\.conv_group_size=24 does not "
+                                          r"divide the drafter's width \(the target's hidden size 64\)$"):
+        check_variants("quality_cpu", [Variant("a"), bad])
+    check_variants("quality_cpu", [Variant("a"), Variant("d2", ("drafter.model.drafter=dflash2",
+                                                               "drafter.optim.name=muon"))])
+
+
+def test_the_table_names_each_variants_drafter_and_optimizer(tmp_path):
+    """From quality.json's drafter record; a run that did not record them (an older pipeline) shows a dash."""
+    from trainer.quality.sweep import Job, summarize, table
+
+    jobs = []
+    for name, drafter in (("d2", {"steps": 3, "kind": "dflash2", "optim": "muon"}), ("old", {"steps": 4})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "quality.json").write_text(json.dumps({"tau": 2.0, "drafter": drafter}))
+        jobs.append(Job(Variant(name), None, tmp_path / name, tmp_path / f"{name}.log", rc=0))
+    d2, old = rows = [summarize(job) for job in jobs]
+    assert (d2["drafter"], d2["optim"], d2["drafter_steps"]) == ("dflash2", "muon", 3)
+    assert (old["drafter"], old["optim"], old["drafter_steps"]) == (None, None, 4)
+    header, first, second = (line.split() for line in table(rows).splitlines())
+    assert header[:5] == ["variant", "status", "drafter", "optim", "tau"]
+    assert first[:5] == ["d2", "ok", "dflash2", "muon", "2.0"] and second[:5] == ["old", "ok", "-", "-", "2.0"]
+
+
 def test_a_gpu_recipe_on_cpu_slots_is_refused_before_anything_runs(tmp_path):
     check_variants("quality_gpu", [Variant("a")], ["0", "1"])  # GPU slots: it runs there
     proc = _sweep("--recipe", "quality_gpu", "--out", str(tmp_path / "s"), "--variant", "a", "--slots", "cpu")
@@ -88,6 +115,7 @@ def test_two_variants_side_by_side_on_one_target(tmp_path):
     assert result["shared_target"] is True
     base, b4 = result["variants"]
     assert base["status"] == b4["status"] == "ok" and base["reused_from"] is None
+    assert (base["drafter"], base["optim"], b4["drafter"], b4["optim"]) == ("dflash", "adamw", "dflash", "adamw")
     assert b4["reused_from"] == str(out / "base")
     q4 = json.loads((out / "b4" / "quality.json").read_text())
     assert q4["reused_from"] == str((out / "base").resolve()) and q4["eval"]["decode"]["block_size"] == 4

@@ -1,0 +1,133 @@
+"""Hybrid targets (Qwen3.5, Qwen3-Next) through the static decoder (trainer/decode/hybrid.py): its forward against
+HF's forward, and greedy decoding, target-only and speculative, token for token against the HF-cache reference --
+the speculative rounds keeping the recurrent state of the accepted prefix with no second target forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
+from tests.trainer.decode.test_static_decode import _WrongAt
+from tests.trainer.families import build_family_target
+from trainer.decode.generate import Sampling, hf_generate
+from trainer.decode.hybrid import (HybridBatchGenerator, HybridDecoder, HybridStaticTarget, batch_generator,
+                                   hybrid_decoders, serves)
+from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
+from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
+from trainer.errors import ConfigError
+from trainer.model.target import load_target
+
+FAMILIES = ("qwen3_5", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrids")
+    return {f: load_target(build_family_target(root / f, f), num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+            for f in FAMILIES}
+
+
+def hf_logits(target, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return target.model(input_ids=ids).logits.float()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_forward_verify_and_commit_equal_hfs_forward(targets, family):
+    target = targets[family]
+    ids = torch.tensor([_prompt_ids(target, PROMPTS[0])])
+    P = ids.shape[1]
+    block = torch.tensor([[5, 9, 11, 13]])
+    nxt = torch.tensor([[17]])
+    static = HybridStaticTarget(target, slots=64, block=4)
+    zero = torch.zeros((), dtype=torch.long)
+    logits, feats = static.forward(ids, zero)
+    want = hf_logits(target, ids)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    assert feats.shape == (1, P, 2 * target.hf_config.hidden_size)
+
+    verified, _ = static.forward(block, zero + P, verify=True)
+    torch.testing.assert_close(verified, hf_logits(target, torch.cat([ids, block], 1))[:, P:], atol=1e-4, rtol=1e-4)
+    static.commit(torch.tensor([2]))  # the state of prompt + block[:2]; block[2:]'s K/V are stale slots
+    stepped, _ = static.forward(nxt, zero + P + 2, want_features=False)
+    want = hf_logits(target, torch.cat([ids, block[:, :2], nxt], 1))[:, -1:]
+    torch.testing.assert_close(stepped, want, atol=1e-4, rtol=1e-4)
+    # a new prompt from position 0 starts the recurrent states afresh
+    again, _ = static.forward(ids, zero)
+    torch.testing.assert_close(again, hf_logits(target, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_target_only_and_speculative_equal_hfs_greedy_decoding(targets, family):
+    target = targets[family]
+    vocab = target.embed_tokens.weight.shape[0]
+    block_size, new = 5, 23
+    for text in PROMPTS[:2]:
+        ids = _prompt_ids(target, text)
+        want = generate_target_only(target, ids, new)
+        greedy = generate_target_only(target, ids, new + block_size)  # the last round drafts past `new`
+        table = torch.tensor(ids + greedy)
+        plain = HybridDecoder(target, capacity=64, graphs=False)
+        assert plain.generate_target_only(ids, new) == want, (family, text)
+        perfect = HybridDecoder(target, 64, TableProposer(table, block_size), block_size, graphs=False)
+        got = perfect.generate_speculative(ids, new)
+        assert got.tokens == want and set(got.accepted[:-1]) == {block_size - 1}, (family, text, got.accepted)
+        wrong = HybridDecoder(target, 64, _WrongAt(table, block_size, 3, vocab), block_size, graphs=False)
+        got = wrong.generate_speculative(ids, new)
+        assert got.tokens == want and set(got.accepted) == {2}, (family, text, got.accepted)
+        drafter = StaticDFlashProposer(target, _drafter(target), block_size, slots=64 + block_size)
+        got = HybridDecoder(target, 64, drafter, block_size, graphs=False).generate_speculative(ids, new)
+        assert got.tokens == want, (family, text)
+
+
+def test_a_softmax_only_target_is_refused_in_one_line(tmp_path):
+    target = load_target(build_family_target(tmp_path / "q", "qwen3"), num_draft_layers=2, layer_ids=(1, 3),
+                         truncate=False)
+    with pytest.raises(ConfigError, match="hybrid static target takes"):
+        HybridStaticTarget(target, slots=16)
+
+
+def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
+    target = targets["qwen3_5"]
+    assert serves(target.hf_config) and not serves(targets["qwen3_next"].hf_config)  # its MoE MLPs: not yet
+    drafter = _drafter(target)
+    made = hybrid_decoders(target, drafter, 4, capacity=64)
+    assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
+    ids = _prompt_ids(target, PROMPTS[1])
+    want = generate_speculative(target, DFlashProposer(target, drafter, 4), ids, 20)
+    assert made.target_only(ids, 20) == want.tokens == generate_target_only(target, ids, 20)
+    got = made.speculative(ids, 20)
+    assert got.tokens == want.tokens and got.accepted == want.accepted  # the same drafter proposes the same blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_of_different_prompt_lengths_equals_hf_generate(targets, family):
+    """Left-padded rows: each row's padding enters the linear layers as zeros and attention skips it, so every row
+    continues as HF's generate (its own left padding and mask) continues it."""
+    target = targets[family]
+    prompts = [_prompt_ids(target, text) for text in PROMPTS[:3]]
+    prompts[1] = prompts[1][:5]  # lengths far apart
+    assert len({len(p) for p in prompts}) == 3
+    sampling = Sampling(max_new_tokens=12)
+    stops = [target.tokenizer.eos_token_id]
+    want = hf_generate(target.model, prompts, sampling, stops, target.tokenizer.pad_token_id)
+    if family == "qwen3_5":
+        gen = batch_generator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
+        assert isinstance(gen, HybridBatchGenerator)
+    else:  # MoE MLPs: not served yet, so BatchGenerator's own refusal
+        with pytest.raises(ConfigError, match="static decoding supports"):
+            batch_generator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
+        gen = HybridBatchGenerator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
+    assert gen.generate(prompts, sampling) == want
+    for p, w in zip(prompts, want):  # and each row as it decodes alone
+        assert w == generate_target_only(target, p, 12, stops)
+    # the logits too, of a prefill padded with a real token (the pad id's embedding row is zero, which would hide
+    # padding that reached the recurrent state)
+    P = max(map(len, prompts))
+    static = HybridStaticTarget(target, slots=64, rows=3, padded=True)
+    static.row_start.copy_(torch.tensor([P - len(p) for p in prompts]))
+    ids = torch.tensor([[prompts[0][0]] * (P - len(p)) + p for p in prompts])
+    logits, _ = static.forward(ids, torch.zeros((), dtype=torch.long), want_features=False)
+    for r, p in enumerate(prompts):
+        torch.testing.assert_close(logits[r:r + 1, P - len(p):], hf_logits(target, torch.tensor([p])), atol=1e-4,
+                                   rtol=1e-4)

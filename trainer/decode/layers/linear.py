@@ -1,0 +1,183 @@
+"""One Gated DeltaNet layer of a hybrid target (Qwen3.5, Qwen3.6, Qwen3-Next; dense and MoE) decoding over static
+state buffers: per row, the convolution's last K-1 inputs and the recurrent state, allocated once and never
+reallocated.
+
+Written against the HF layer's own submodules and weights (projections, conv1d, A_log, dt_bias, gated norm,
+out_proj) and the training target's math (`trainer.model.linear_attention`: the projections, the convolution, the
+gates, HF's chunked rule given a start state), so a decode layer and a training layer differ in their buffers only.
+
+A speculative verify needs no second forward. `forward(x)` over a block of L tokens reads the committed state and
+keeps, per row, what rebuilds the state after any prefix of the block: the convolution's input window and the
+block's rule terms (`BlockTerms`: keys, corrected values, decays; O(L (dk + dv)) per head, not L states).
+`commit(accepted)` then sets each row's state to the one after its accepted prefix, on the device. A decode step
+is one token through the rule's recurrent form; `prefill` runs blocks of CHUNK tokens (or fla's chunked kernel on
+CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the state.
+
+Every method is free of host syncs and value-dependent shapes: the counts are device tensors, the block length a
+Python int fixed per captured graph.
+
+Shape legend: R rows, L tokens, D hidden, C conv channels (2 * key dim + value dim), K conv taps, Hv value heads,
+dk / dv head dims, B the longest block `forward` keeps.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.model.linear_attention import (
+    CHUNK, BlockTerms, PackedGatedDeltaNet, causal_conv1d_window, fla_gated_delta_rule_from, gated_delta_block,
+    gated_delta_step, gated_output, gates, project, split_heads, state_after,
+)
+
+KERNELS = ("torch", "fla")
+
+
+class GatedDeltaNetDecode:
+    """The static decode form of HF Gated DeltaNet layer `inner` for `rows` rows (the training target's
+    `PackedGatedDeltaNet` is looked through to the HF module it wraps).
+
+    Buffers: `conv` [R, C, K-1] in the conv weight's dtype (HF keeps its conv state in the model dtype) and
+    `state` [R, Hv, dk, dv] fp32 (HF's and fla's recurrent state), both zero at construction; the pending block of
+    the last `forward` (at most `block` tokens). kernel: "fla" runs `prefill` through fla's chunked kernel (CUDA,
+    fla installed), "torch" through `gated_delta_block` per CHUNK tokens; `forward` and `step` always run
+    `gated_delta_block` (a block of a few tokens)."""
+
+    def __init__(self, inner: nn.Module, rows: int, block: int, kernel: str = "torch") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if block < 1:
+            raise ValueError(f"block must be at least 1, got {block}")
+        if isinstance(inner, PackedGatedDeltaNet):
+            inner = inner.inner
+        self.inner, self.rows, self.block, self.kernel = inner, rows, block, kernel
+        weight = inner.conv1d.weight  # [C, 1, K]
+        channels, taps = weight.shape[0], weight.shape[-1]
+        self.taps = taps
+        dev, dtype = weight.device, weight.dtype
+        heads, dk, dv = inner.num_v_heads, inner.head_k_dim, inner.head_v_dim
+        self.conv = torch.zeros(rows, channels, taps - 1, dtype=dtype, device=dev)
+        self.state = torch.zeros(rows, heads, dk, dv, dtype=torch.float32, device=dev)
+        # the last forward's block: the conv input window (the committed K-1 inputs, then the block's) and its terms
+        self.window = torch.zeros(rows, taps - 1 + block, channels, dtype=dtype, device=dev)
+        self.terms = BlockTerms(k=torch.zeros(rows, heads, block, dk, device=dev),
+                                v_new=torch.zeros(rows, heads, block, dv, device=dev),
+                                cum=torch.zeros(rows, heads, block, device=dev))
+        self.pending = 0  # the last forward's L (a Python int: fixed per captured graph)
+        self.taps_at = torch.arange(taps - 1, device=dev)
+
+    # ------------------------------------------------------------ the block computation
+
+    def _block(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, BlockTerms]:
+        """x [R, L, D] after the committed state -> (out [R, L, D], window [R, K-1+L, C], terms). Changes nothing."""
+        m = self.inner
+        qkv, z, b, a = project(m, x)
+        window, mixed = self._convolve(qkv)
+        q, k, v = split_heads(m, mixed)
+        g, beta = gates(m, a, b)
+        core, terms = gated_delta_block(q, k, v, g, beta, self.state)
+        return gated_output(m, core, z), window, terms
+
+    def _convolve(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv [R, L, C] -> (the window: committed inputs then qkv [R, K-1+L, C]; the causal conv + SiLU [R, L, C])."""
+        window = torch.cat([self.conv.transpose(1, 2).to(qkv.dtype), qkv], dim=1)
+        return window, causal_conv1d_window(window, self.inner.conv1d.weight.squeeze(1))
+
+    def _advance(self, window: torch.Tensor, terms: BlockTerms, n: torch.Tensor) -> None:
+        """Set each row's buffers to those after the first n[r] tokens of the block (`window`, `terms`)."""
+        at = (n.view(-1, 1) + self.taps_at)[..., None].expand(-1, -1, window.shape[-1])  # [R, K-1, C]
+        self.conv.copy_(window.gather(1, at).transpose(1, 2))
+        self.state.copy_(state_after(self.state, terms, n))
+
+    # ------------------------------------------------------------ the decode API
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A block x [R, L, D] (L <= block) from the committed state -> the layer's output [R, L, D]. The state is not
+        changed: the block is kept until `commit` (a later forward replaces it)."""
+        length = x.shape[1]
+        if length > self.block:
+            raise ValueError(f"a block of {length} tokens is longer than this layer keeps ({self.block})")
+        out, window, terms = self._block(x)
+        self.window[:, :self.taps - 1 + length].copy_(window)
+        for mine, new in ((self.terms.k, terms.k), (self.terms.v_new, terms.v_new), (self.terms.cum, terms.cum)):
+            mine[:, :, :length].copy_(new)
+        self.pending = length
+        return out
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """accepted [R] long (device): how many of the last forward's L tokens row r keeps, 0..L (a speculative round
+        keeps a + 1: the anchor and its a accepted drafts; 0 leaves the row as it was). Each row's conv and recurrent
+        state become those after its kept prefix, computed from the kept block on the device."""
+        length = self.pending
+        n = accepted.clamp(0, length)
+        terms = BlockTerms(*(t[:, :, :length] for t in (self.terms.k, self.terms.v_new, self.terms.cum)))
+        self._advance(self.window[:, :self.taps - 1 + length], terms, n)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """A decode step: x [R, L, D] (L small, usually 1) taken whole into every row's state -> out [R, L, D]. One
+        token runs the rule's recurrent form (`gated_delta_step`: fewer kernels than a block of one and its commit)."""
+        if x.shape[1] > 1:
+            out, window, terms = self._block(x)
+            self._advance(window, terms, torch.full((self.rows,), x.shape[1], dtype=torch.long, device=x.device))
+            return out
+        m = self.inner
+        qkv, z, b, a = project(m, x)
+        window, mixed = self._convolve(qkv)
+        q, k, v = split_heads(m, mixed)
+        g, beta = gates(m, a, b)
+        core, state = gated_delta_step(q, k, v, g, beta, self.state)
+        self.conv.copy_(window[:, 1:].transpose(1, 2))
+        self.state.copy_(state)
+        return gated_output(m, core, z)
+
+    def prefill(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, L, D] (any L) from the committed state -> out [R, L, D]; row r takes its first valid[r] tokens
+        (valid [R] long, device; default L) into its state, so a right-padded chunk leaves its padding out and a row
+        with valid 0 is unchanged. Outputs past a row's valid tokens are not meaningful."""
+        rows, length, _ = x.shape
+        if valid is None:
+            valid = torch.full((rows,), length, dtype=torch.long, device=x.device)
+        if self.kernel == "fla":
+            return self._prefill_fla(x, valid)
+        outs = []
+        for lo in range(0, length, CHUNK):
+            hi = min(lo + CHUNK, length)
+            out, window, terms = self._block(x[:, lo:hi])
+            self._advance(window, terms, (valid - lo).clamp(0, hi - lo))
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    def _prefill_fla(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`prefill` through fla's chunked kernel: the tokens past valid[r] get g = 0 and beta = 0 (no decay, no
+        write), so the kernel's final state is the state after the valid ones."""
+        m = self.inner
+        length = x.shape[1]
+        qkv, z, b, a = project(m, x)
+        window, mixed = self._convolve(qkv)
+        q, k, v = split_heads(m, mixed)
+        g, beta = gates(m, a, b)
+        past = (torch.arange(length, device=x.device)[None] >= valid[:, None])[..., None]  # [R, L, 1]
+        g, beta = g.masked_fill(past, 0.0), beta.masked_fill(past, 0.0)
+        core, final = fla_gated_delta_rule_from(q, k, v, g.float(), beta.to(q.dtype), self.state)
+        at = (valid.view(-1, 1) + self.taps_at)[..., None].expand(-1, -1, window.shape[-1])
+        self.conv.copy_(window.gather(1, at).transpose(1, 2))
+        self.state.copy_(final)
+        return gated_output(m, core, z)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """rows [R] bool (device): zero those rows' conv and recurrent state (a new sequence starts there, as a
+        document starts from zero in training)."""
+        self.conv.masked_fill_(rows.view(-1, 1, 1), 0)
+        self.state.masked_fill_(rows.view(-1, 1, 1, 1), 0)
+
+
+def decode_layers(model: nn.Module, rows: int, block: int, kernel: str = "torch") -> dict[int, GatedDeltaNetDecode]:
+    """layer index -> its decode layer, for every Gated DeltaNet layer of HF causal LM `model`."""
+    return {i: GatedDeltaNetDecode(layer.linear_attn, rows, block, kernel)
+            for i, layer in enumerate(model.model.layers) if hasattr(layer, "linear_attn")}
+
+
+def kernel_for(device: torch.device) -> str:
+    """fla on CUDA where it imports, else torch (the training target's rule)."""
+    from trainer.model.linear_attention import fla_available
+
+    return "fla" if device.type == "cuda" and fla_available() else "torch"
