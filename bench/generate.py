@@ -1,35 +1,51 @@
-"""Batched generation benchmark: generated tokens/s of the static, graph-replayed engine
-(`trainer.decode.generate.BatchGenerator`) against HF `generate` (`hf_generate`) on the same batch, prompts and
-max_new_tokens.
+"""Batched generation benchmark: generated tokens/s of the engine regenerate uses (`trainer.regen.engines`: the
+static, graph-replayed `trainer.decode.generate.BatchGenerator`, or HF `generate` where the static engine does not
+serve the family) against HF `generate` (`hf_generate`), on the same prompts, with the step's floor beside them.
 
     python3 -m bench.generate --shape small --batch 32 --prompt-tokens 128 --new-tokens 256
-    python3 -m bench.generate --shape qwen3-8b --batch 32 --prompt-tokens 128 --new-tokens 256
+    python3 -m bench.generate --shape qwen3-8b --batch 256 --workload mixed --prompts 512 --engines static
 
-Run from the repository root. Target: a random-init model of a named shape (bench/shapes.py: the Qwen3 shapes tiny,
-small, qwen3-8b; the MoE and sink shapes qwen3-30b-a3b, gpt-oss-20b; the hybrids, which the static engine refuses:
-`--engines hf` only), built on the device in bf16 on CUDA (fp32 on CPU, or --dtype) with the options the trainer
-loads it with (its experts as grouped GEMMs), prepared by `prepare_target` (frozen, untruncated). Prompts: `--batch` random token sequences of seeded lengths between half of `--prompt-tokens` and
-all of it (the rows' lengths differ, so the static engine's left padding is exercised). No stop ids: every row
-generates exactly `--new-tokens` tokens in both engines. Greedy by default (`--temperature`, `--top-p` sample).
+Run from the repository root. Target: a random-init model of a named shape (bench/shapes.py: every family shape),
+built on the device in bf16 on CUDA (fp32 on CPU, or --dtype), prepared by `prepare_target` (frozen, untruncated).
+Where BatchGenerator refuses the family, the `static` engine's line measures HF `generate` (what regenerate runs
+then) and says so (`asked`, `note`); a separate `hf` line is then not measured twice.
 
-Per engine, after one untimed warm-up batch (the static engine captures its graphs there; HF warms its kernels):
-the median over `--repeats` batches of the wall time of a whole batch (prefill included, synced before and after).
-tokens/s = batch * new_tokens / wall; ms per token step = wall / new_tokens (one step serves the whole batch);
-peak memory: the allocator's peak during the engine's batches (CUDA; CPU: the process's peak RSS). Each engine's
-state is freed before the next one is built. Prints one `GENERATE_BENCH {json}` per engine, then
-`GENERATE_RATIO {json}` (static tokens/s over HF's; greedy: the fraction of rows whose tokens agree, which bf16
-rounding may lower below 1) and a table.
+Workloads (`--workload`):
+  equal   `--batch` random prompts of seeded lengths between half of `--prompt-tokens` and all of it; no stop ids:
+          every row generates exactly `--new-tokens` tokens (defaults 128 and 256).
+  mixed   `--prompts` prompts (default 2 x --batch) of `--min-prompt-tokens`..`--prompt-tokens` tokens (64..1024),
+          each answer ending on a stop id after a seeded length, exponential of mean `--mean-new-tokens` (512), at
+          most `--new-tokens` (2048; the first prompt is the longest and gets the longest answer); answered in
+          chunks of `--batch`, longest prompt first, as regenerate does. The lengths are made real by a chain
+          target: the random model with every residual write (o_proj, down_proj, out_proj and their biases) zeroed
+          and its LM head set to the embedding of a seeded cyclic permutation of the vocabulary, so its greedy next
+          token is the permutation's successor of the current one whatever the context; a row whose last prompt
+          token lies L steps before the stop id answers exactly L tokens. Zeroed weights cost a GEMM what random
+          ones do; `answers_as_drawn` checks every row's length.
+Greedy by default (`--temperature`, `--top-p` sample; the mixed lengths hold only greedy).
+
+Per engine, after an untimed warm-up (equal: one batch; mixed, static: the whole workload, so that every cache
+span's graph is captured; mixed, hf: the first chunk): the median over `--repeats` runs of the wall time of the
+whole workload (prefill included, synced before and after). tokens/s = generated tokens / wall; ms per token step =
+wall x batch / generated tokens (the time of one full-batch step); peak memory: the allocator's peak during the
+engine's runs (CUDA; CPU: the process's peak RSS). The step's floor (bench/floor.py: weights + KV cache read once
+at HBM_BYTES_PER_S, the GEMMs at GEMM_FLOPS_PER_S) is computed at the workload's mean context. Prints one
+`GENERATE_BENCH {json}` per engine, then `GENERATE_RATIO {json}` (static tokens/s over HF's; greedy: the fraction
+of rows whose tokens agree, which bf16 rounding may lower below 1) and a table.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import random
 import statistics
 import sys
 import time
 
 ENGINES = ("static", "hf")
+WORKLOADS = ("equal", "mixed")
+DEFAULTS = {"equal": {"prompt_tokens": 128, "new_tokens": 256}, "mixed": {"prompt_tokens": 1024, "new_tokens": 2048}}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -38,10 +54,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="small", help=f"named target shape: {', '.join(SHAPES)} (default: small)")
     p.add_argument("--engines", default="static,hf", help="comma list of static, hf (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=32, help="prompts per batch (default: %(default)s)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="the longest prompt (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed batches per engine (default: %(default)s)")
+    p.add_argument("--workload", default="equal", choices=WORKLOADS,
+                   help="equal: one batch, every row --new-tokens, no stop id; mixed: --prompts prompts of varied "
+                        "lengths, each answer ending on a stop id at a seeded length (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=32, help="rows generated together (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=0, help="mixed: prompts in all (default: 2 x --batch)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="the longest prompt (equal 128, mixed 1024)")
+    p.add_argument("--min-prompt-tokens", type=int, default=64, help="mixed: the shortest prompt (default: 64)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="max_new_tokens: equal, every answer; mixed, the longest (equal 256, mixed 2048)")
+    p.add_argument("--mean-new-tokens", type=int, default=512, help="mixed: the mean answer asked (default: 512)")
+    p.add_argument("--seed", type=int, default=1, help="the workload's lengths and tokens (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
@@ -53,38 +77,87 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--engines must be a comma list of {', '.join(ENGINES)}, got {a.engines!r}")
     if a.shape not in SHAPES:
         p.error(f"unknown --shape {a.shape!r}; choose one of {', '.join(SHAPES)}")
-    low = [name for name in ("batch", "prompt_tokens", "new_tokens", "repeats") if getattr(a, name) < 1]
+    for name, value in DEFAULTS[a.workload].items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    a.prompts = a.prompts or (2 * a.batch if a.workload == "mixed" else a.batch)
+    low = [name for name in ("batch", "prompt_tokens", "new_tokens", "repeats", "prompts", "min_prompt_tokens",
+                             "mean_new_tokens") if getattr(a, name) < 1]
     if low:
         p.error(f"--{low[0].replace('_', '-')} must be >= 1")
     if not (a.temperature >= 0 and 0 < a.top_p <= 1):
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if a.workload == "mixed":
+        vocab = SHAPES[a.shape]["vocab_size"]
+        if a.min_prompt_tokens > a.prompt_tokens or a.mean_new_tokens > a.new_tokens:
+            p.error("--workload mixed needs --min-prompt-tokens <= --prompt-tokens and --mean-new-tokens <= "
+                    "--new-tokens")
+        if a.new_tokens >= vocab:
+            p.error(f"--workload mixed: --new-tokens must be below the vocabulary ({vocab}): the chain target's "
+                    "cycle is that long")
+        if a.temperature > 0:
+            p.error("--workload mixed is greedy: its answer lengths come from the chain target's greedy tokens")
     a.engines = engines
     return a
 
 
-def random_target(shape: str, max_len: int, device, dtype: str):
-    """A random-init causal LM of the named shape on `device` (a Qwen3ForCausalLM for the Qwen3 shapes; the others as
-    `load_target` loads their family: HF's attention for it, the experts as grouped GEMMs), prepared as a full
-    (untruncated) target."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+def mixed_lengths(n: int, seed: int, min_prompt: int, max_prompt: int, mean_new: int, max_new: int) \
+        -> list[tuple[int, int]]:
+    """(prompt tokens, answer tokens) of `n` prompts, seeded: prompts uniform in [min_prompt, max_prompt], answers
+    exponential of mean `mean_new` cut to [1, max_new]; the first is (max_prompt, max_new). Pure."""
+    rng = random.Random(seed)
+    out = [(max_prompt, max_new)]
+    for _ in range(n - 1):
+        out.append((rng.randint(min_prompt, max_prompt), min(max_new, max(1, round(rng.expovariate(1 / mean_new))))))
+    return out[:n]
 
-    from bench.shapes import SHAPES, qwen3_config, target_config
-    from trainer.model.target import hf_attention, load_options, pick_dtype, prepare_target
+
+def random_target(shape: str, max_len: int, device, dtype: str):
+    """A random-init causal LM of the named shape on `device`, prepared as a full (untruncated) target."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.shapes import SHAPES, target_config
+    from trainer.model.target import pick_dtype, prepare_target
     from trainer.tiny import build_tokenizer
 
     torch.manual_seed(0)
+    attn = {"attn_implementation": "sdpa"} if SHAPES[shape]["model_type"] == "qwen3" else {}
     with torch.device(device):
-        if SHAPES[shape]["model_type"] == "qwen3":
-            model = Qwen3ForCausalLM._from_config(qwen3_config(shape, max_len), dtype=pick_dtype(dtype, device),
-                                                  attn_implementation="sdpa")
-        else:
-            config = target_config(shape, max_len)
-            model = AutoModelForCausalLM.from_config(config, dtype=pick_dtype(dtype, device),
-                                                     attn_implementation=hf_attention(config), **load_options(config))
+        model = AutoModelForCausalLM.from_config(target_config(shape, max_len), dtype=pick_dtype(dtype, device),
+                                                 **attn)
     model = model.to(device)  # a no-op where the device context was honoured
     # The tokenizer only supplies the mask token id the Target needs (decoding never uses it).
     return prepare_target(model, build_tokenizer(), num_draft_layers=1, truncate=False)
+
+
+RESIDUAL_WRITES = ("o_proj", "down_proj", "out_proj")
+
+
+def make_chain(model, seed: int) -> list[int]:
+    """Turn a random model into the chain target (module docstring) -> the cycle: order[i + 1] follows order[i],
+    order[0] is the stop id."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(w in name for w in RESIDUAL_WRITES):
+                param.zero_()
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        if head.data_ptr() == embed.data_ptr():  # tied: the head gets its own rows
+            model.get_output_embeddings().weight = head = torch.nn.Parameter(embed.detach().clone(),
+                                                                             requires_grad=False)
+        order = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed))
+        # head row of order[i + 1] = embedding of order[i]: the argmax after order[i] is order[i + 1]
+        head[order.roll(-1).to(head.device)] = embed[order.to(embed.device)]
+    return order.tolist()
+
+
+def mixed_prompts(lengths: list[tuple[int, int]], order: list[int], seed: int) -> list[list[int]]:
+    """Prompts of the drawn lengths whose last token lies `answer` steps before the stop id (order[0])."""
+    rng = random.Random(seed + 1)
+    vocab = len(order)
+    return [[rng.randrange(vocab) for _ in range(p - 1)] + [order[-a % vocab]] for p, a in lengths]
 
 
 def bench_prompts(batch: int, longest: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -96,46 +169,66 @@ def bench_prompts(batch: int, longest: int, vocab: int, seed: int = 1) -> list[l
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def measure(engine: str, target, prompts: list[list[int]], sampling, repeats: int) -> tuple[dict, list]:
-    """-> (figures, the last batch's tokens)."""
+def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
+    """-> (run(prompts, sampling) -> answers, the engine that runs, a note or None). The static engine where
+    BatchGenerator serves the target, else HF generate, as trainer.regen.engines.answerer decides."""
+    from trainer.decode.generate import BatchGenerator, hf_generate
+
+    def hf(prompts, sampling):
+        return hf_generate(target.model, prompts, sampling, stops, pad_id=0)
+
+    if engine == "hf":
+        return hf, "hf", None, None
+    try:
+        gen = BatchGenerator(target, rows, max_len, stop_ids=stops)
+    except Exception as exc:  # noqa: BLE001 -- a refused family: what regenerate does then
+        note = (f"the static engine cannot serve {target.model.config.model_type} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); measured HF generate, what "
+                "regenerate uses")
+        return hf, "hf", note, None
+    return (lambda prompts, sampling: gen.generate(prompts, sampling)), "static", None, gen
+
+
+def measure(engine: str, target, chunks: list[list[list[int]]], sampling, repeats: int, stops: list[int],
+            full_warmup: bool) -> tuple[dict, list]:
+    """-> (figures, the last run's answers in prompt order)."""
     import torch
 
     from bench.timing import peak_memory, reset_peak
     from trainer.decode.decoders import sync
-    from trainer.decode.generate import BatchGenerator, hf_generate
 
     device = target.device
+    rows = max(map(len, chunks))
+    max_len = max(len(p) for c in chunks for p in c) + sampling.max_new_tokens
     t0 = time.perf_counter()
-    if engine == "static":
-        gen = BatchGenerator(target, len(prompts), max(map(len, prompts)) + sampling.max_new_tokens, stop_ids=[])
-        run = lambda: gen.generate(prompts, sampling)  # noqa: E731
-    else:
-        run = lambda: hf_generate(target.model, prompts, sampling, [], pad_id=0)  # noqa: E731
-    run()  # warm-up; the static engine captures its graphs here
+    run, used, note, gen = engine_run(engine, target, rows, max_len, stops)
+    for chunk in (chunks if full_warmup and used == "static" else chunks[:1]):
+        run(chunk, sampling)  # warm-up; the static engine captures its graphs here
     setup_s = time.perf_counter() - t0
     reset_peak(device)
     walls = []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        out = run()
+        out = [a for chunk in chunks for a in run(chunk, sampling)]
         sync(device)
         walls.append(time.perf_counter() - start)
     peak, _reserved = peak_memory(device)
     tokens = sum(map(len, out))
     wall = statistics.median(walls)
-    figures = {"engine": engine, "batch": len(prompts), "prompt_tokens": [min(map(len, prompts)),
-                                                                          max(map(len, prompts))],
-               "new_tokens": sampling.max_new_tokens, "generated_tokens": tokens,
+    lengths = [len(p) for c in chunks for p in c]
+    figures = {"engine": used, "asked": engine, "batch": rows, "prompts": len(lengths),
+               "prompt_tokens": [min(lengths), max(lengths)], "new_tokens": sampling.max_new_tokens,
+               "generated_tokens": tokens, "mean_answer": round(tokens / len(out), 1),
                "wall_s": round(wall, 4), "wall_s_spread": [round(min(walls), 4), round(max(walls), 4)],
-               "tokens_per_s": round(tokens / wall, 1),
-               "ms_per_token_step": round(1e3 * wall / sampling.max_new_tokens, 3),
+               "tokens_per_s": round(tokens / wall, 1), "ms_per_token_step": round(1e3 * wall * rows / tokens, 3),
                "peak_gib": round(peak, 3), "setup_s": round(setup_s, 2),
-               "attention": gen.static.attention if engine == "static" else "hf",
+               "attention": gen.static.attention if gen is not None else "hf",
                "device": str(device), "dtype": str(target.embed_tokens.weight.dtype).replace("torch.", ""),
                "torch": torch.__version__}
-    if engine == "static":
-        del gen, run
+    if note:
+        figures["note"] = note
+    del gen, run
     gc.collect()  # a generator's graphs refer back to it (a cycle): free its cache before the next engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -143,28 +236,17 @@ def measure(engine: str, target, prompts: list[list[int]], sampling, repeats: in
 
 
 def table(results: list[dict], ratio: float | None) -> str:
-    lines = [f"{'engine':8} {'tok/s':>10} {'ms/step':>9} {'wall s':>8} {'peak GiB':>9} {'setup s':>8}"]
+    lines = [f"{'engine':8} {'tok/s':>10} {'ms/step':>9} {'floor ms':>9} {'wall s':>8} {'peak GiB':>9} "
+             f"{'setup s':>8}"]
     for r in results:
-        lines.append(f"{r['engine']:8} {r['tokens_per_s']:10.1f} {r['ms_per_token_step']:9.3f} {r['wall_s']:8.3f} "
-                     f"{r['peak_gib']:9.2f} {r['setup_s']:8.2f}")
+        name = r["engine"] if r["engine"] == r["asked"] else f"{r['asked']}->{r['engine']}"
+        lines.append(f"{name:8} {r['tokens_per_s']:10.1f} {r['ms_per_token_step']:9.3f} {r['floor_ms']:9.3f} "
+                     f"{r['wall_s']:8.3f} {r['peak_gib']:9.2f} {r['setup_s']:8.2f}")
+        if "note" in r:
+            lines.append(f"  note: {r['note']}")
     if ratio is not None:
         lines.append(f"static / hf tokens/s: {ratio:.2f}x")
     return "\n".join(lines)
-
-
-def static_refusal(shape: str, engines: list[str]) -> str | None:
-    """Why the static engine cannot serve this shape's family (from its config alone), or None."""
-    if "static" not in engines:
-        return None
-    from bench.shapes import target_config
-    from trainer.decode.stack import check_supported
-    from trainer.errors import ConfigError
-
-    try:
-        check_supported(target_config(shape, 1))
-    except ConfigError as e:
-        return f"--shape {shape}: {e}; use --engines hf"
-    return None
 
 
 def cpu_refusal(shape: str, cuda: bool) -> str | None:
@@ -174,34 +256,65 @@ def cpu_refusal(shape: str, cuda: bool) -> str | None:
     return f"--shape {shape} is a GPU shape and this run has no CUDA device; on a CPU use --shape tiny"
 
 
+def workload(args, target) -> tuple[list[list[list[int]]], list[int], list[int] | None, float]:
+    """-> (chunks of prompts, longest first; stop ids; each prompt's drawn answer length or None; the mean
+    context of a decode step)."""
+    vocab = target.embed_tokens.weight.shape[0]
+    if args.workload == "equal":
+        prompts = bench_prompts(args.batch, args.prompt_tokens, vocab, args.seed)
+        return [prompts], [], None, statistics.mean(map(len, prompts)) + args.new_tokens / 2
+    lengths = mixed_lengths(args.prompts, args.seed, args.min_prompt_tokens, args.prompt_tokens,
+                            args.mean_new_tokens, args.new_tokens)
+    lengths.sort(key=lambda pa: -pa[0])  # stable: regenerate's order
+    order = make_chain(target.model, args.seed)
+    prompts = mixed_prompts(lengths, order, args.seed)
+    chunks = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    context = statistics.mean(p + a / 2 for p, a in lengths)
+    return chunks, [order[0]], [a for _, a in lengths], context
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     import torch
 
+    from bench.floor import GEMM_FLOPS_PER_S, HBM_BYTES_PER_S, step_floor
     from trainer.decode.generate import Sampling
     from trainer.placement import local_device
 
     device = local_device(args.device)
-    refusal = static_refusal(args.shape, args.engines) or cpu_refusal(args.shape, device.type == "cuda")
+    refusal = cpu_refusal(args.shape, device.type == "cuda")
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p)
     target = random_target(args.shape, args.prompt_tokens + args.new_tokens, device, args.dtype)
-    prompts = bench_prompts(args.batch, args.prompt_tokens, target.embed_tokens.weight.shape[0])
+    chunks, stops, drawn, context = workload(args, target)
+    floor = step_floor(target.model.config, args.batch, context, target.embed_tokens.weight.element_size())
+    print("GENERATE_FLOOR " + json.dumps({"shape": args.shape, "workload": args.workload, "rows": args.batch,
+                                          "context": round(context, 1), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+                                          "gemm_flops_per_s": GEMM_FLOPS_PER_S,
+                                          **{k: round(v, 4) for k, v in floor.items()
+                                             if k not in ("bandwidth", "gemm_flops")}}), flush=True)
     results, outputs = [], {}
     with torch.no_grad():
         for engine in args.engines:
-            figures, outputs[engine] = measure(engine, target, prompts, sampling, args.repeats)
+            if engine == "hf" and any(r["engine"] == "hf" for r in results):
+                continue  # the static engine's line already measured HF generate
+            figures, outputs[engine] = measure(engine, target, chunks, sampling, args.repeats, stops,
+                                               full_warmup=args.workload == "mixed")
+            figures.update(workload=args.workload, shape=args.shape, floor_ms=round(floor["floor_ms"], 3))
+            if drawn is not None:
+                figures["answers_as_drawn"] = round(sum(len(a) == n and a[-1] == stops[0]
+                                                        for a, n in zip(outputs[engine], drawn)) / len(drawn), 4)
             results.append(figures)
             print("GENERATE_BENCH " + json.dumps(figures), flush=True)
     speed = {r["engine"]: r["tokens_per_s"] for r in results}
     ratio = None
-    if set(speed) == set(ENGINES):
+    if len(results) == 2 and set(speed) == set(ENGINES):
         ratio = round(speed["static"] / speed["hf"], 3)
         agree = None
         if sampling.mode == "greedy":
-            agree = round(sum(a == b for a, b in zip(outputs["static"], outputs["hf"])) / len(prompts), 4)
+            agree = round(sum(a == b for a, b in zip(outputs["static"], outputs["hf"])) / len(outputs["hf"]), 4)
         print("GENERATE_RATIO " + json.dumps({"shape": args.shape, "static_over_hf": ratio,
                                               "greedy_rows_equal": agree}), flush=True)
     print(table(results, ratio), flush=True)

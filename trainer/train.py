@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, rundir
+from trainer import checkpoint, resumeline, rundir
 from trainer import distributed as ddp
 from trainer import placement as place
 from trainer.build import Session, build, build_state, load_run_target, resolve_placement
@@ -171,7 +171,7 @@ def done_record(result: TrainResult) -> dict:
 
 def stopped(session: Session, ran: LoopResult, nodes: int = 1, environ=None) -> TrainResult:
     """A run a signal stopped, its checkpoint written by rank 0: every rank waits for that write, leaves the process
-    group, and rank 0 prints DFLASH_STOPPED and the resume command (rundir.resume_fields: `dflash-ops resume` for
+    group, and rank 0 prints DFLASH_STOPPED and the resume command (resumeline.resume_fields: `dflash-ops resume` for
     a run dflash-ops launched, read from `environ`)."""
     s, step = session, ran.cursor.step
     ddp.barrier()
@@ -184,7 +184,7 @@ def stopped(session: Session, ran: LoopResult, nodes: int = 1, environ=None) -> 
         s.sink.stopped({"step": step, "total_steps": ran.horizon, "checkpoint": str(ckpt),
                         "signal": signal_name(ran.signal), "exit_code": result.exit_code, "run_dir": str(s.run_dir),
                         "world": s.env.world,
-                        **rundir.resume_fields(s.run_dir, s.env.world, nodes, os.environ if environ is None else environ)})
+                        **resumeline.resume_fields(s.run_dir, s.env.world, nodes, os.environ if environ is None else environ)})
     return result
 
 

@@ -39,6 +39,7 @@ def resume(
     from dflash_ops import names
     from dflash_ops.cli import render
     from dflash_ops.runs import lifecycle, runbooks
+    from dflash_ops.runs import resume as resume_mod
 
     with rendered_errors(json_out):
         from dflash_ops.errors import UsageError
@@ -47,10 +48,10 @@ def resume(
         if json_out and follow:  # --json promises one document on stdout; a followed log is not one
             raise UsageError("--json and --follow do not go together: --json prints one document",
                              hint="drop --follow and run `dflash-ops tail RUN` after, or drop --json")
-        lifecycle.check_run_id(run)
+        resume_mod.check_run_id(run)
         session = open_session(ctx, host, ct)
         try:
-            status, meta = lifecycle.resumable(session, run)
+            status, meta = resume_mod.resumable(session, run)
             book = runbooks.load_runbook(runbooks_dir(ctx), status.runbook or str(meta.get("runbook", "")))
             spec = runbooks.resume_spec(book, session.target, meta, run_id=run, extra_env=extra_env)
             from dflash_ops.cli.tail import follow_run, show_line
@@ -65,13 +66,13 @@ def resume(
 
 
 def _resume(session, spec, checkpoints: str | None, wait_s: float | None, echo):
-    """lifecycle.resume, saying what it waits for once the job has started; Ctrl-C exits 130 and leaves the run
+    """runs.resume.resume, saying what it waits for once the job has started; Ctrl-C exits 130 and leaves the run
     alone."""
     from dflash_ops.cli import render
-    from dflash_ops.runs import lifecycle
+    from dflash_ops.runs import resume as resume_mod
 
     try:
-        return lifecycle.resume(session, spec, checkpoints=checkpoints, wait_s=wait_s, echo=echo,
+        return resume_mod.resume(session, spec, checkpoints=checkpoints, wait_s=wait_s, echo=echo,
                                 on_started=lambda pid: render.started(spec, session.target.label, pid, wait_s))
     except KeyboardInterrupt:
         where = session.target.cli_args

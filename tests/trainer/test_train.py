@@ -346,11 +346,11 @@ def test_the_resume_command_pastes_anywhere(tmp_path, monkeypatch):
     import shlex
     import sys
 
-    from trainer import rundir
+    from trainer import resumeline
 
     monkeypatch.chdir(tmp_path)
-    argv = shlex.split(rundir.resume_command(Path("runs/a b"), python="/opt/py 3/bin/python"))
+    argv = shlex.split(resumeline.resume_command(Path("runs/a b"), python="/opt/py 3/bin/python"))
     assert argv == ["/opt/py 3/bin/python", "-m", "trainer", "train", "--run-dir", str(tmp_path / "runs" / "a b"),
                     "--resume"]
-    assert shlex.split(rundir.resume_command(Path("r"), world=4))[:6] == [
+    assert shlex.split(resumeline.resume_command(Path("r"), world=4))[:6] == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]

@@ -70,19 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _regenerate_parser(sub) -> None:
     from trainer.config import DTYPES, user_path
     from trainer.regen.plan import ENGINES
+    from trainer.regen.rows import THINKING_MODES
 
     r = sub.add_parser("regenerate", help="answer prompt files with the target: the drafter's training data",
                        description="Answer every prompt of the prompt files with the target itself, into a training "
                                    "JSONL of token lines (the target's exact tokens, loss on the answer) and a "
-                                   "FILE.meta.json of what made them. A restarted job with the same --out continues "
-                                   "where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
+                                   "FILE.meta.json of what made them and their counts (answered, failed, skipped). "
+                                   "A restarted job with the same --out continues where it stopped. Formats: chat (conversations / messages), ShareGPT, GSM8K, "
                                    "MATH-500, HumanEval, MBPP, MT-Bench, Alpaca, {\"prompt\": ...}, plain text lines; a "
                                    "conversation is answered after its last user turn.")
     r.add_argument("--target", type=user_path, required=True, help="the target's local Hugging Face directory")
     r.add_argument("--prompts", type=user_path, required=True, nargs="+", metavar="FILE", help="prompt files")
     r.add_argument("--out", type=user_path, required=True,
                    help="the training JSONL to write (appended to when it is resumed)")
-    r.add_argument("--max-new", type=int, default=512, help="new tokens per answer at most (default: %(default)s)")
+    r.add_argument("--max-new", type=int, default=512,
+                   help="new tokens per answer at most, up to the target's context less the prompt (default: "
+                        "%(default)s)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
@@ -103,6 +106,17 @@ def _regenerate_parser(sub) -> None:
     r.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     r.add_argument("--max-bad-fraction", type=float, default=0.01,
                    help="malformed prompt lines tolerated, as for training data (default: %(default)s)")
+    r.add_argument("--thinking", default="keep", choices=THINKING_MODES,
+                   help="a chat template's reasoning segment (<think>...</think>) in the training rows: keep it (the "
+                        "drafter learns to draft what the target writes when served with thinking on) or drop it "
+                        "(default: %(default)s)")
+    r.add_argument("--drop-truncated", action="store_true",
+                   help="leave answers that reach --max-new without a stop id out of the training data (they go to "
+                        "OUT.skipped.jsonl, counted in OUT.meta.json); without it they are kept and marked truncated")
+    r.add_argument("--memory-gib", type=float, default=0.0, metavar="G",
+                   help="the memory the job may plan for: weights + --batch x (longest prompt + --max-new) of cache "
+                        "must fit, else exit 2 naming a --batch that does (default: the GPU's free memory; on CPU "
+                        "no check)")
 
 
 def _eval_parser(sub) -> None:

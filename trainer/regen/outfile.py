@@ -2,7 +2,8 @@
 
 OUT holds one training line per answer, in the order answers finish:
   {"input_ids": prompt + answer, "loss_mask": 0 on the prompt, 1 on the answer,
-   "regen": {"key": prompt key, "sample": i, "stopped": the answer ended on a stop id, "source": "path:line"}}
+   "regen": {"key": prompt key, "sample": i, "stopped": the answer ended on a stop id,
+             "truncated": it reached --max-new without one, "source": "path:line"}}
 The ids are the target's own tokens (its chat template's rendering of the prompt, then exactly what it generated,
 the stop id kept): decoding and re-tokenizing could merge them differently. The trainer reads these lines as
 pre-tokenized data and ignores `regen`.
@@ -15,7 +16,9 @@ teach the drafter two distributions).
 
 Each line is written and flushed on its own, so a job killed mid-write loses at most that line; the torn rest it
 leaves after the last newline is cut off when the job resumes. OUT.bad_lines.txt lists every malformed prompt line
-(`path:line: reason`).
+(`path:line: reason`). OUT.skipped.jsonl holds, in the same line format plus `regen.skipped` (the reason), each
+answer left out of the training data (`--drop-truncated`, `--thinking drop`): written and resumed as OUT is, so a
+restarted job neither answers them again nor loses their count.
 """
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ def meta_path(out: Path) -> Path:
 
 def bad_lines_path(out: Path) -> Path:
     return out.with_name(out.name + ".bad_lines.txt")
+
+
+def skipped_path(out: Path) -> Path:
+    return out.with_name(out.name + ".skipped.jsonl")
 
 
 def check_writable(out: Path) -> None:
@@ -69,27 +76,75 @@ def check_writable(out: Path) -> None:
 
 
 @dataclass(frozen=True)
+class Lines:
+    """What one of regenerate's line files (OUT, OUT.skipped.jsonl) holds."""
+
+    pairs: frozenset[tuple[str, int]] = frozenset()  # (prompt key, sample) of its complete lines
+    truncated: frozenset[tuple[str, int]] = frozenset()  # those that reached --max-new without a stop id
+    reasons: tuple[tuple[tuple[str, int], str], ...] = ()  # OUT.skipped.jsonl: (pair, why it was left out)
+    keep_bytes: int = 0  # the file's size without a torn last line
+    torn: bool = False
+
+
+@dataclass(frozen=True)
 class Resume:
     answered: frozenset[tuple[str, int]]  # (prompt key, sample) already in OUT
     keep_bytes: int  # OUT's size without a torn last line
     torn: bool
     meta: dict | None  # the sidecar of the earlier run
+    truncated: frozenset[tuple[str, int]] = frozenset()  # answers in OUT that reached --max-new
+    skipped: Lines = Lines()  # OUT.skipped.jsonl
+
+    @property
+    def done(self) -> frozenset[tuple[str, int]]:
+        """Pairs not to answer again: in OUT or left out of it."""
+        return self.answered | self.skipped.pairs
 
 
-def _line_key(line: bytes, out: Path, number: int) -> tuple[str, int]:
+def _line_regen(line: bytes, out: Path, number: int) -> dict:
     try:
         regen = json.loads(line)["regen"]
-        return str(regen["key"]), int(regen["sample"])
+        regen["key"], regen["sample"] = str(regen["key"]), int(regen["sample"])
+        return regen
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"{out}:{number} is not a line regenerate writes",
                           hint="pass a new --out (regenerate appends only to its own files)") from None
 
 
+def scan_lines(path: Path) -> Lines:
+    """Read one of regenerate's line files (reads only; a torn last line is noted, not cut)."""
+    if not path.is_file():
+        return Lines()
+    pairs, truncated, reasons = set(), set(), []
+    keep, torn = 0, False
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                torn = True  # killed mid-write: this line goes
+                break
+            keep += len(line)
+            if not line.strip():
+                continue
+            regen = _line_regen(line, path, number)
+            pair = (regen["key"], regen["sample"])
+            pairs.add(pair)
+            # a line from before `truncated` was written: not stopped is the same fact
+            if regen.get("truncated", not regen.get("stopped", True)):
+                truncated.add(pair)
+            if "skipped" in regen:
+                reasons.append((pair, str(regen["skipped"])))
+    return Lines(frozenset(pairs), frozenset(truncated), tuple(reasons), keep, torn)
+
+
+def _empty(path: Path) -> bool:
+    return not path.is_file() or path.stat().st_size == 0
+
+
 def scan_out(out: Path) -> Resume:
     """What an earlier run left in OUT (reads only; nothing is cut here). An OUT with lines but no sidecar is not
-    one of ours: refused. A sidecar beside no answer (a start that failed before its first) binds nothing: it is
-    ignored, so the next start may change any setting."""
-    if not out.is_file() or out.stat().st_size == 0:
+    one of ours: refused. A sidecar beside no answer, in OUT or OUT.skipped.jsonl (a start that failed before its
+    first), binds nothing: it is ignored, so the next start may change any setting."""
+    if _empty(out) and _empty(skipped_path(out)):
         return Resume(frozenset(), 0, False, None)
     meta = None
     if meta_path(out).is_file() and meta_path(out).stat().st_size:
@@ -100,18 +155,8 @@ def scan_out(out: Path) -> Resume:
     if meta is None or meta.get("format") != META_FORMAT:
         raise ConfigError(f"--out {out} exists and was not written by regenerate (no {meta_path(out).name})",
                           hint="pass a new --out, or remove the file")
-    answered: set[tuple[str, int]] = set()
-    keep = 0
-    torn = False
-    with out.open("rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.endswith(b"\n"):
-                torn = True  # killed mid-write: this line goes
-                break
-            keep += len(line)
-            if line.strip():
-                answered.add(_line_key(line, out, number))
-    return Resume(frozenset(answered), keep, torn, meta)
+    rows = scan_lines(out)
+    return Resume(rows.pairs, rows.keep_bytes, rows.torn, meta, rows.truncated, scan_lines(skipped_path(out)))
 
 
 def check_same_run(meta: dict | None, target: dict, settings: dict) -> None:
@@ -153,10 +198,14 @@ def write_meta(out: Path, record: dict) -> None:
 
 
 def answer_line(prompt_ids: list[int], answer_ids: list[int], key: str, sample: int, stopped: bool,
-                source: str) -> bytes:
+                source: str, skipped: str | None = None) -> bytes:
+    """One training line; `skipped` (the reason) for a line of OUT.skipped.jsonl. An answer that did not end on a
+    stop id reached --max-new: `truncated`."""
+    regen = {"key": key, "sample": sample, "stopped": stopped, "truncated": not stopped, "source": source}
+    if skipped is not None:
+        regen["skipped"] = skipped
     return (json.dumps({"input_ids": prompt_ids + answer_ids,
-                        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer_ids),
-                        "regen": {"key": key, "sample": sample, "stopped": stopped, "source": source}},
+                        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer_ids), "regen": regen},
                        separators=(",", ":")) + "\n").encode("utf-8")
 
 
@@ -179,17 +228,26 @@ def lock_out(out: Path):
 
 
 class AnswerWriter:
-    """Appends answer lines to OUT, one write + flush each, after cutting a torn last line off."""
+    """Appends answer lines to a line file (OUT, OUT.skipped.jsonl), one write + flush each, after cutting a torn
+    last line off. A file that is not there is made at the first line."""
 
     def __init__(self, out: Path, keep_bytes: int) -> None:
-        self.f = out.open("ab")
-        if self.f.tell() != keep_bytes:
-            self.f.truncate(keep_bytes)
-            self.f.seek(keep_bytes)
+        self.path, self.f = out, None
+        if out.exists():
+            self._open()
+            if self.f.tell() != keep_bytes:
+                self.f.truncate(keep_bytes)
+                self.f.seek(keep_bytes)
+
+    def _open(self) -> None:
+        self.f = self.path.open("ab")
 
     def write(self, line: bytes) -> None:
+        if self.f is None:
+            self._open()
         self.f.write(line)
         self.f.flush()
 
     def close(self) -> None:
-        self.f.close()
+        if self.f is not None:
+            self.f.close()

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from trainer.config import DTYPES, device_spec_ok
 from trainer.errors import ConfigError
 from trainer.prompts import PromptLine
+from trainer.regen.rows import THINKING_MODES
 
 ENGINES = ("static", "hf")
 
@@ -41,11 +42,20 @@ class RegenSettings:
     batch: int = 64  # rows generated together
     limit: int = 0  # 0 = every prompt; else the first N distinct prompts
     max_bad_fraction: float = 0.01
+    thinking: str = "keep"  # the reasoning segment in the training rows: keep | drop (trainer.regen.rows)
+    drop_truncated: bool = False  # answers that reach max_new_tokens leave the training data
+    memory_gib: float = 0.0  # the memory budget the sizing checks against (0: the GPU's free memory; none on CPU)
 
     def output_settings(self) -> dict:
-        """What decides the answers: a restarted job must run with the same (checked against the sidecar)."""
-        return {"sampling": asdict(self.sampling), "continuations": self.continuations,
-                "chat_template_kwargs": self.chat_template_kwargs, "system": self.system, "dtype": self.dtype}
+        """What decides the rows: a restarted job must run with the same (checked against the sidecar). The row
+        options appear only when not at their defaults, so an OUT written without them resumes at the defaults."""
+        out = {"sampling": asdict(self.sampling), "continuations": self.continuations,
+               "chat_template_kwargs": self.chat_template_kwargs, "system": self.system, "dtype": self.dtype}
+        if self.thinking != "keep":
+            out["thinking"] = self.thinking
+        if self.drop_truncated:
+            out["drop_truncated"] = True
+        return out
 
 
 def check_settings(s: RegenSettings) -> None:
@@ -62,6 +72,8 @@ def check_settings(s: RegenSettings) -> None:
         (s.batch >= 1, "--batch must be >= 1"),
         (s.limit >= 0, "--limit must be >= 0 (0 = every prompt)"),
         (0.0 <= s.max_bad_fraction <= 1.0, "--max-bad-fraction must be in [0, 1]"),
+        (s.thinking in THINKING_MODES, f"--thinking must be one of {', '.join(THINKING_MODES)}"),
+        (math.isfinite(s.memory_gib) and s.memory_gib >= 0, "--memory-gib must be a finite number >= 0"),
         (s.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}"),
         (s.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}"),
         (device_spec_ok(s.device), f"--device must be auto, cpu, cuda or cuda:N, got {s.device!r}"),
@@ -140,6 +152,7 @@ def stream_of(key: str, sample: int) -> int:
     return int(hashlib.sha256(f"{key}:{sample}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
 
-def pending(prompts: list[Prompt], continuations: int, answered: set[tuple[str, int]]) -> list[tuple[Prompt, int]]:
-    """(prompt, sample) pairs still to answer."""
+def pending(prompts: list[Prompt], continuations: int, answered: frozenset[tuple[str, int]]) \
+        -> list[tuple[Prompt, int]]:
+    """(prompt, sample) pairs still to answer (`answered`: those in OUT or left out of it)."""
     return [(p, i) for p in prompts for i in range(continuations) if (p.key, i) not in answered]

@@ -4,11 +4,15 @@
       [--max-new N] [--temperature T] [--top-p P] [--seed S] [--continuations N] [--batch R] [--limit N]
       [--enable-thinking on|off] [--chat-template-kwargs JSON] [--system TEXT] [--engine static|hf]
       [--dtype auto|float32|bfloat16] [--device auto|cpu|cuda|cuda:N] [--max-bad-fraction F]
+      [--thinking keep|drop] [--drop-truncated] [--memory-gib G]
 
 Order of work: everything that can refuse without torch (`check_before_torch`: the settings, the target directory,
 --out and an earlier run's sidecar, every prompt line), then the tokenizer (each prompt rendered with the target's
-chat template), then the model and the engine, then batches of --batch prompts, longest first (a shape that does
-not fit fails in the first minute, not the last). Each answer is one line of OUT (trainer.regen.outfile), flushed.
+chat template), then the memory estimate (trainer.regen.memory: refused in one line before any weight loads),
+then the model and the engine, then batches of --batch prompts, longest first (a shape that does
+not fit fails in the first minute, not the last). Each answer is one line of OUT (trainer.regen.outfile), flushed,
+or of OUT.skipped.jsonl where its row is left out (trainer.regen.rows); OUT.meta.json counts them
+(trainer.regen.accounting).
 Progress: `DFLASH_PROGRESS` lines (trainer.metrics.JobProgress) and a bar on a TTY; the end: `DFLASH_DONE`.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from trainer.data.source import BadLine, BadLineFile, LoadReport, MalformedLine,
 from trainer.errors import ConfigError
 from trainer.prompts import read_prompt_files
 from trainer.regen import outfile
+from trainer.regen.accounting import PROMPT_TOO_LONG, TEMPLATE_REFUSED, Failure, tally
 from trainer.regen.plan import (Prompt, RegenSettings, SamplingSettings, check_settings, distinct_prompts, pending,
                                 stream_of, template_kwargs)
 from trainer.targetdir import TargetDir, read_target_dir, weights_fingerprint
@@ -50,7 +55,8 @@ def settings_of(args) -> RegenSettings:
         continuations=args.continuations, chat_template_kwargs=template_kwargs(args.chat_template_kwargs,
                                                                                args.enable_thinking),
         system=args.system, engine=args.engine, dtype=args.dtype, device=args.device, batch=args.batch,
-        limit=args.limit, max_bad_fraction=args.max_bad_fraction)
+        limit=args.limit, max_bad_fraction=args.max_bad_fraction, thinking=args.thinking,
+        drop_truncated=args.drop_truncated, memory_gib=args.memory_gib)
     check_settings(s)
     return s
 
@@ -99,34 +105,38 @@ def render(tokenizer, turns: tuple[dict, ...], kwargs: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize(job: Job, tokenizer) -> tuple[dict[str, list[int]], list[BadLine]]:
+def tokenize(job: Job, tokenizer) -> tuple[dict[str, list[int]], list[BadLine], list[Failure]]:
     """prompt key -> prompt ids; a prompt the template refuses or that leaves no room for --max-new tokens in the
-    target's positions is a malformed line (the same rule: skipped, counted, listed)."""
-    ids, bad = {}, []
+    target's positions is a malformed line (the same rule: skipped, counted, listed) and a failed prompt."""
+    ids, bad, failures = {}, [], []
     limit = job.target.max_positions
     for p in job.prompts:
+        reason = TEMPLATE_REFUSED
         try:
             rendered = render(tokenizer, p.turns, job.settings.chat_template_kwargs)
+            reason = PROMPT_TOO_LONG
             if limit is not None and len(rendered) + job.settings.sampling.max_new_tokens > limit:
                 raise MalformedLine(f"{len(rendered)} prompt tokens + --max-new {job.settings.sampling.max_new_tokens}"
                                     f" exceed the target's {limit} positions")
         except MalformedLine as e:
             bad.append(BadLine(p.path, p.line_no, str(e)))
+            failures.append(Failure(p.key, p.source, reason, str(e)))
             continue
         ids[p.key] = rendered
-    return ids, bad
+    return ids, bad, failures
 
 
-def meta_record(job: Job, stops, engines: list[str], answers: int, total: int, state: str) -> dict:
+def meta_record(job: Job, stops, engines: list[str], answers: int, total: int, state: str,
+                accounting: dict | None = None) -> dict:
     return {"target": target_record(job.target), "settings": job.settings.output_settings(),
             "stop_ids": list(stops), "engines": engines, "engine_asked": job.settings.engine,
             "prompts": [str(Path(p).resolve()) for p in job.prompt_files], "answers": answers, "total": total,
-            "state": state}
+            "state": state, "accounting": accounting}
 
 
 def prepare(job: Job, console):
     """-> (tokenizer, stop ids, prompt key -> prompt ids, the (prompt, sample) pairs to answer, longest prompt
-    first). The malformed-line rule is applied again with the lines the tokenizer found."""
+    first, the failed prompts). The malformed-line rule is applied again with the lines the tokenizer found."""
     from transformers import AutoTokenizer
 
     from trainer.decode.stops import stop_ids
@@ -135,13 +145,13 @@ def prepare(job: Job, console):
     with console.phase(f"loading the tokenizer and rendering {len(job.prompts)} prompts") as notes:
         tokenizer = AutoTokenizer.from_pretrained(job.target.path, local_files_only=True)
         stops = stop_ids(tokenizer, job.target.generation_eos_ids)
-        ids, token_bad = tokenize(job, tokenizer)
+        ids, token_bad, failures = tokenize(job, tokenizer)
         job.bad_file.write(token_bad)
         bad = list(job.report.bad) + token_bad
         report = enforce_bad_lines(job.prompt_files, job.report.lines, bad, s.max_bad_fraction, None, what="prompt",
                                    knob="--max-bad-fraction", hint="check --prompts")
         job.bad_file.finish()
-        todo = [(p, i) for p, i in pending(job.prompts, s.continuations, job.resume.answered) if p.key in ids]
+        todo = [(p, i) for p, i in pending(job.prompts, s.continuations, job.resume.done) if p.key in ids]
         todo.sort(key=lambda pi: -len(ids[pi[0].key]))  # stable: longest first, file order among equals
         notes.append(f"stop ids {list(stops)}")
         if job.repeats:
@@ -151,7 +161,7 @@ def prepare(job: Job, console):
     if not stops:
         raise ConfigError(f"target {job.target.path}: no stop id (no EOS, no end-of-turn token)",
                           hint="set eos_token_id in its generation_config.json")
-    return tokenizer, stops, ids, todo
+    return tokenizer, stops, ids, todo, failures
 
 
 def build_engine(job: Job, tokenizer, stops, prompt_ids: list[list[int]], console):
@@ -162,17 +172,43 @@ def build_engine(job: Job, tokenizer, stops, prompt_ids: list[list[int]], consol
 
     s = job.settings
     device = local_device(s.device)
+    rows = min(s.batch, len(prompt_ids))
+    check_memory(job, device, rows, prompt_ids, console)
     with console.phase(f"loading the target {job.target.path}") as notes:
         target = load_generation_target(job.target.path, device, s.dtype)
         notes.append(f"{job.target.model_type}, {target.num_layers} layers, {device}, "
                      f"{target.embed_tokens.weight.dtype}")
-    rows = min(s.batch, len(prompt_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     with console.phase(f"building the {s.engine} engine ({rows} rows)") as notes:
         engine = answerer(s.engine, target, rows=rows, stops=stops, sampling=s.sampling, pad_id=pad,
                           max_len=capacity_for(prompt_ids, s.sampling.max_new_tokens), log=console.say)
         notes.append(f"engine {engine.used}")
     return engine, rows
+
+
+def check_memory(job: Job, device, rows: int, prompt_ids: list[list[int]], console) -> None:
+    """trainer.regen.memory against --memory-gib, else the GPU's free memory (on CPU without it: nothing)."""
+    import json
+
+    import torch
+
+    from trainer.decode.decoders import capacity_for
+    from trainer.regen.memory import GIB, dtype_bytes, estimate, check_fits, weight_bytes
+
+    s = job.settings
+    if s.memory_gib:
+        budget, where = int(s.memory_gib * GIB), "--memory-gib"
+    elif device.type == "cuda":
+        budget, where = torch.cuda.mem_get_info(device)[0], f"{device} (free)"
+    else:
+        return
+    size = dtype_bytes(s.dtype, device.type)
+    slots = capacity_for(prompt_ids, s.sampling.max_new_tokens)
+    config = json.loads((job.target.path / "config.json").read_text(encoding="utf-8"))
+    est = estimate(config, weight_bytes(job.target.path, size), slots, max(map(len, prompt_ids)), size)
+    check_fits(est, rows, budget, where, slots)
+    console.say(f"memory: about {est.total(rows) / GIB:.1f} GiB planned for {rows} rows of {slots} slots, "
+                f"{budget / GIB:.1f} GiB in {where}")
 
 
 def run(job: Job, console) -> dict:
@@ -185,49 +221,96 @@ def run(job: Job, console) -> dict:
         return _run(dataclasses.replace(job, resume=resume), console)
 
 
+def row_rule(job: Job, tokenizer):
+    """-> (prompt ids, answer ids, stopped) -> trainer.regen.rows.Row, under --thinking and --drop-truncated.
+    --thinking drop on a tokenizer without `<think>` / `</think>` tokens is one ConfigError."""
+    from trainer.regen.rows import finish, thinking_markers
+
+    s = job.settings
+    markers = thinking_markers(tokenizer) if s.thinking == "drop" else None
+    if s.thinking == "drop" and markers is None:
+        raise ConfigError(f"--thinking drop: the tokenizer of {job.target.path} has no <think> and </think> tokens",
+                          hint="leave --thinking at keep for a target without a reasoning segment")
+
+    @functools.lru_cache(maxsize=None)
+    def is_blank(token: int) -> bool:
+        return not tokenizer.decode([token]).strip()
+
+    return lambda prompt, answer, stopped: finish(prompt, answer, stopped, thinking=s.thinking, markers=markers,
+                                                  drop_truncated=s.drop_truncated, is_blank=is_blank)
+
+
 def _run(job: Job, console) -> dict:
     import time
 
     from trainer.metrics import JobProgress
 
-    tokenizer, stops, ids, todo = prepare(job, console)
+    tokenizer, stops, ids, todo, failures = prepare(job, console)
+    row_of = row_rule(job, tokenizer)
     total = len(ids) * job.settings.continuations
     done = total - len(todo)
     engines = list((job.resume.meta or {}).get("engines", []))
     if done:
-        torn = ", a torn last line (killed mid-write) dropped" if job.resume.torn else ""
+        torn = ", a torn last line (killed mid-write) dropped" if job.resume.torn or job.resume.skipped.torn else ""
         console.say(f"resuming {job.out}: {done} answers kept{torn}")
+    # what OUT and OUT.skipped.jsonl hold, kept up to date as lines are written: the accounting is read from them
+    rows, truncated = set(job.resume.answered), set(job.resume.truncated)
+    skipped = list(job.resume.skipped.reasons)
+
+    def meta(state: str) -> dict:
+        counts = tally(list(dict.fromkeys(p.key for p in job.prompts)), job.settings.continuations, failures,
+                       frozenset(rows), frozenset(truncated), tuple(skipped), lines=job.report.lines,
+                       malformed=len(job.report.bad), repeats=job.repeats)
+        return meta_record(job, stops, engines, done, total, state, counts)
+
     writer = outfile.AnswerWriter(job.out, job.resume.keep_bytes)
-    tokens = stopped = answered = 0
-    used, rows = "none", 1
+    left_out = outfile.AnswerWriter(outfile.skipped_path(job.out), job.resume.skipped.keep_bytes)
+    tokens = stopped = answered = dropped = 0
+    used, batch = "none", 1
     try:
-        outfile.write_meta(job.out, meta_record(job, stops, engines, done, total, "running"))
+        outfile.write_meta(job.out, meta("running"))
         if todo:
-            engine, rows = build_engine(job, tokenizer, stops, [ids[p.key] for p, _ in todo], console)
+            engine, batch = build_engine(job, tokenizer, stops, [ids[p.key] for p, _ in todo], console)
             used = engine.used
             engines += [used] if used not in engines else []
-            outfile.write_meta(job.out, meta_record(job, stops, engines, done, total, "running"))
+            outfile.write_meta(job.out, meta("running"))
         t0 = time.perf_counter()
         progress = JobProgress("regenerate", total, "answers", console, resumed=done)
         progress.update(done, 0)
-        for at in range(0, len(todo), rows):
-            chunk = todo[at:at + rows]
+        for at in range(0, len(todo), batch):
+            chunk = todo[at:at + batch]
             streams = [stream_of(p.key, sample) for p, sample in chunk]
             for (p, sample), answer in zip(chunk, engine.answer([ids[p.key] for p, _ in chunk], streams)):
                 ended = bool(answer) and answer[-1] in stops
-                writer.write(outfile.answer_line(ids[p.key], answer, p.key, sample, ended, p.source))
+                row = row_of(ids[p.key], answer, ended)
+                pair = (p.key, sample)
+                if row.skipped:
+                    left_out.write(outfile.answer_line(row.prompt, row.answer, p.key, sample, ended, p.source,
+                                                       skipped=row.skipped))
+                    skipped.append((pair, row.skipped))
+                    dropped += 1
+                else:
+                    writer.write(outfile.answer_line(row.prompt, row.answer, p.key, sample, ended, p.source))
+                    rows.add(pair)
+                    if not ended:
+                        truncated.add(pair)
                 tokens, stopped, answered = tokens + len(answer), stopped + ended, answered + 1
             done += len(chunk)
             progress.update(done, tokens)
     finally:
         writer.close()
-        outfile.write_meta(job.out, meta_record(job, stops, engines, done, total,
-                                                "done" if done == total else "stopped"))
-    record = {"done": done, "total": total, "new": answered, "out": str(job.out),
+        left_out.close()
+        # counted from the files as they are: an interrupt between a line's write and its count is no miscount
+        ended_with = outfile.scan_out(job.out)
+        rows, truncated = set(ended_with.answered), set(ended_with.truncated)
+        skipped = list(ended_with.skipped.reasons)
+        outfile.write_meta(job.out, meta("done" if done == total else "stopped"))
+    record = {"done": done, "total": total, "new": answered, "left_out": dropped, "out": str(job.out),
               "meta": str(outfile.meta_path(job.out)), "engine": used, "tokens": tokens,
               "stopped_frac": round(stopped / answered, 4) if answered else None,
               "seconds": round(time.perf_counter() - t0, 1)}
     ended = f", {stopped / answered:.0%} of them ended on a stop id" if answered else ""
-    progress.done(record, f"regenerated {answered} new answers ({done}/{total} in all) into {job.out}{ended}; "
-                          f"provenance in {outfile.meta_path(job.out)}")
+    out_of = f", {dropped} left out of the training data ({outfile.skipped_path(job.out)})" if dropped else ""
+    progress.done(record, f"regenerated {answered} new answers ({done}/{total} in all) into {job.out}{ended}"
+                          f"{out_of}; provenance in {outfile.meta_path(job.out)}")
     return record

@@ -1,5 +1,6 @@
 """`python -m bench.generate` on CPU at the tiny shape: it prints consistent figures per engine and the ratio (not
-timed here), and refuses bad arguments in one line."""
+timed here), the mixed workload's answers end where they were drawn, the step's floor is what its formula says,
+every family shape is taken, and bad arguments are refused in one line."""
 from __future__ import annotations
 
 import json
@@ -18,29 +19,106 @@ def test_bench_prints_its_figures_and_the_ratio(capsys):
     static, hf = lines["GENERATE_BENCH"]
     assert (static["engine"], hf["engine"]) == ("static", "hf") and static["attention"] == "sdpa"
     for r in (static, hf):
+        assert r["workload"] == "equal" and r["asked"] == r["engine"] and r["floor_ms"] > 0 and "note" not in r
         assert r["generated_tokens"] == 3 * 5 and r["prompt_tokens"][1] == 6 and r["prompt_tokens"][0] >= 3
         assert r["tokens_per_s"] == pytest.approx(15 / r["wall_s"], rel=0.01)
         assert r["ms_per_token_step"] == pytest.approx(1e3 * r["wall_s"] / 5, rel=0.01) and r["peak_gib"] > 0
     ratio = lines["GENERATE_RATIO"][0]
     assert ratio["static_over_hf"] == pytest.approx(static["tokens_per_s"] / hf["tokens_per_s"], rel=0.01)
     assert ratio["greedy_rows_equal"] == 1.0  # fp32 on CPU: the two engines agree token for token
-    assert "static / hf tokens/s:" in out
+    assert "static / hf tokens/s:" in out and "floor ms" in out
+
+
+def test_the_mixed_workload_answers_end_on_the_stop_id_where_they_were_drawn(capsys):
+    argv = ["--shape", "tiny", "--workload", "mixed", "--batch", "3", "--prompts", "5", "--prompt-tokens", "12",
+            "--min-prompt-tokens", "4", "--new-tokens", "9", "--mean-new-tokens", "4", "--seed", "5",
+            "--repeats", "1", "--device", "cpu"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    tagged = {tag: [json.loads(l.split(" ", 1)[1]) for l in out.splitlines() if l.startswith(tag + " ")]
+              for tag in ("GENERATE_BENCH", "GENERATE_RATIO", "GENERATE_FLOOR")}
+    lengths = bench.mixed_lengths(5, 5, 4, 12, 4, 9)
+    assert lengths == bench.mixed_lengths(5, 5, 4, 12, 4, 9) and lengths[0] == (12, 9)  # seeded
+    assert all(4 <= p <= 12 and 1 <= a <= 9 for p, a in lengths) and len({a for _, a in lengths}) > 1
+    floor = tagged["GENERATE_FLOOR"][0]
+    assert floor["rows"] == 3 and floor["context"] == pytest.approx(sum(p + a / 2 for p, a in lengths) / 5, abs=0.1)
+    assert floor["hbm_bytes_per_s"] == 4.8e12 and floor["gemm_flops_per_s"] == 790e12
+    for r in tagged["GENERATE_BENCH"]:
+        assert r["workload"] == "mixed" and r["prompts"] == 5 and r["batch"] == 3
+        assert r["prompt_tokens"] == [min(p for p, _ in lengths), 12]
+        assert r["answers_as_drawn"] == 1.0 and r["generated_tokens"] == sum(a for _, a in lengths)
+        assert r["ms_per_token_step"] == pytest.approx(1e3 * r["wall_s"] * 3 / r["generated_tokens"], rel=0.01)
+        assert r["floor_ms"] == pytest.approx(floor["floor_ms"], abs=1e-3)
+    assert tagged["GENERATE_RATIO"][0]["greedy_rows_equal"] == 1.0
+
+
+def test_the_step_floor_of_the_8b_shape_at_batch_256():
+    """Qwen3-8B, 256 rows at a 320-token context: 7.57B weights read (the head included, the embedding a gather)
+    and 256 x 320 tokens of 36 x 2 x 8 x 128 bf16 KV, at 4.8 TB/s; the GEMMs, 2 x 256 x those weights at 790
+    TFLOP/s, take less."""
+    from bench.floor import experts_touched, step_floor
+    from bench.shapes import target_config
+
+    f = step_floor(target_config("qwen3-8b", 4096), 256, 320)
+    d, layers = 4096, 36
+    per_layer = d * 32 * 128 + 2 * d * 8 * 128 + 32 * 128 * d + 3 * d * 12288
+    weights = 2 * (layers * per_layer + d * 151936)
+    kv = 256 * 320 * layers * 2 * 8 * 128 * 2
+    assert f["weight_bytes"] == weights and f["kv_bytes"] == kv
+    assert f["memory_ms"] == pytest.approx(1e3 * (weights + kv) / 4.8e12)
+    assert f["compute_ms"] == pytest.approx(1e3 * (256 * weights + 4 * 128 * 32 * 320 * 256 * layers) / 790e12)
+    assert f["floor_ms"] == max(f["memory_ms"], f["compute_ms"]) == pytest.approx(5.67, abs=0.01)
+    # MoE: at 256 rows nearly every expert is read; at 1 row, top-k of them
+    assert experts_touched(128, 8, 1) == pytest.approx(8) and experts_touched(128, 8, 256) > 127.9
+    one, many = (step_floor(target_config("qwen3-30b-a3b", 4096), rows, 320) for rows in (1, 256))
+    assert one["weight_bytes"] < many["weight_bytes"] / 5
+    # a sliding-window layer reads its window; a Gated DeltaNet layer reads and writes its fp32 state
+    oss = step_floor(target_config("gpt-oss-20b", 4096), 4, 1000)
+    assert oss["kv_bytes"] == 4 * (12 * 128 + 12 * 1000) * 2 * 8 * 64 * 2
+    hybrid = step_floor(target_config("qwen3.5-9b", 4096), 4, 1000)
+    assert hybrid["state_bytes"] == 24 * 2 * 4 * 32 * 128 * 128 * 4
+    assert hybrid["kv_bytes"] == 4 * 1000 * 8 * 2 * 4 * 256 * 2
+
+
+def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_not_serve(family_dirs):
+    """--shape names every family of bench/shapes.py; on a family BatchGenerator refuses, the static engine's run is
+    HF generate with a note (the tiny gpt-oss target: the shapes themselves are GPU-sized)."""
+    from bench.shapes import SHAPES
+    from trainer.model.target import load_target
+
+    for shape in ("qwen3.5-9b", "qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "qwen3-8b"):
+        assert shape in SHAPES and bench.parse(["--shape", shape]).shape == shape
+    target = load_target(family_dirs["gpt_oss"], num_draft_layers=1, truncate=False)
+    run, used, note, gen = bench.engine_run("static", target, rows=2, max_len=32, stops=[0])
+    if used == "static":
+        pytest.skip("the static engine serves gpt-oss here")
+    assert gen is None and note.startswith("the static engine cannot serve gpt_oss") and "measured HF generate" in note
+    assert len(run([[1, 2, 3], [4, 5]], __import__("trainer.decode.generate", fromlist=["Sampling"]).Sampling(
+        max_new_tokens=3))) == 2
 
 
 def test_bench_refuses_bad_arguments(capsys):
     for argv, needle in ((["--engines", "static,turbo"], "--engines must be"), (["--shape", "huge"], "unknown --shape"),
+                         (["--workload", "mixed", "--shape", "tiny", "--new-tokens", "1024"], "below the vocabulary"),
+                         (["--workload", "mixed", "--temperature", "0.5"], "is greedy"),
+                         (["--workload", "mixed", "--min-prompt-tokens", "2000"], "--min-prompt-tokens <="),
                          (["--batch", "0"], "--batch must be >= 1"), (["--top-p", "0"], "--top-p in (0, 1]")):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2 and needle in capsys.readouterr().err
     assert bench.main(["--shape", "small", "--device", "cpu"]) == 2
     assert "GPU shape" in capsys.readouterr().err
-    # the MoE and sink shapes pass the static engine's check (then meet the CPU's refusal); a hybrid does not
-    for shape in ("qwen3-30b-a3b", "gpt-oss-20b"):
-        assert bench.main(["--shape", shape, "--device", "cpu"]) == 2
-        assert "GPU shape" in capsys.readouterr().err
-    assert bench.main(["--shape", "qwen3.5-9b", "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no decode layer for linear mixers" in err and "use --engines hf" in err
-    assert bench.main(["--shape", "qwen3.5-9b", "--engines", "hf", "--device", "cpu"]) == 2
-    assert "GPU shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
+def test_the_chain_target_answers_the_drawn_length_in_every_family(family, family_dirs):
+    """The mixed workload's chain rule (every residual write zeroed, the head a permutation of the embeddings)
+    holds in each family's layers: a prompt ending 5 steps before the stop id answers those 5 tokens."""
+    from trainer.decode.generate import Sampling, hf_generate
+    from trainer.model.target import load_target
+
+    target = load_target(family_dirs[family], num_draft_layers=1, truncate=False)
+    order = bench.make_chain(target.model, seed=3)
+    prompts = bench.mixed_prompts([(6, 5), (3, 2)], order, seed=3)
+    answers = hf_generate(target.model, prompts, Sampling(max_new_tokens=9), [order[0]], pad_id=0)
+    assert answers == [order[-4:] + [order[0]], order[-1:] + [order[0]]]
