@@ -24,7 +24,8 @@ def _row_by_row(fn, x: torch.Tensor, dim: int) -> torch.Tensor:
 def count(dtype: torch.dtype, device: torch.device, blocks: int) -> dict[str, str]:
     from trainer.decode import kernels
     from bench.decode import random_pair
-    from trainer.decode.static_target import StaticTarget, rope_from_inv_freq
+    from trainer.decode.layers.attention import rope_from_inv_freq
+    from trainer.decode.stack import StaticTarget
     from trainer.model.drafter import apply_rope
 
     target = random_pair(device, 16, dtype, num_layers=8)[0]

@@ -13,8 +13,9 @@ SOFTMAX_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "gemma2")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers beside full attention
 FAMILIES = SOFTMAX_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
-# what the static engine's StaticTarget computes; qwen3_5 it serves through trainer/decode/hybrid.py; the rest: HF's
-STATIC_ENGINE_FAMILIES = SOFTMAX_FAMILIES
+# what the static engine computes: StaticTarget (trainer/decode/stack.py) these; qwen3_5 it serves through
+# trainer/decode/hybrid.py; the other hybrids decode through HF's
+STATIC_ENGINE_FAMILIES = SOFTMAX_FAMILIES + MOE_FAMILIES
 # 4 layers, two of each kind, so that taps (1, 3) read a linear-attention and a full-attention layer's output
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 

@@ -23,14 +23,15 @@ class Decoders(NamedTuple):
 
 
 def engine_for(engine: str, target, log=print) -> str:
-    """The engine a decode runs on: the one asked for, except that a target the static engine refuses (its family:
-    attention sinks, MoE, MoE hybrids; dynamic RoPE) is decoded by the hf engine, after one note line. A dense
-    hybrid (Qwen3.5) is served: `decoders` hands it to trainer/decode/hybrid.py."""
+    """The engine a decode runs on: the one asked for, except that a target the static engine refuses (a layer kind
+    it has no decode layer for, as the Gated DeltaNet layers of a hybrid other than a dense Qwen3.5; dynamic RoPE:
+    `stack.check_supported`) is decoded by the hf engine, after one note line. A dense hybrid (Qwen3.5) is served:
+    `decoders` hands it to trainer/decode/hybrid.py."""
     if engine != "static":
         return engine
     if _hybrid_serves(target):
         return engine
-    from trainer.decode.static_target import check_supported
+    from trainer.decode.stack import check_supported
     from trainer.errors import TrainerError
 
     try:
@@ -52,10 +53,10 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     graphs are captured) falls back to the uncompiled engine, with a note, and the mode used is then "none".
     A DFlash drafter proposes the head's argmax per mask position, a DFlash2 drafter its selector's greedy walk
     (docs/dflash2.md, "Decoding"). `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute
-    the target's attention (sliding windows, soft-capping, Gemma's norms) decodes with SDPA or eager attention, with
-    a note. A dense hybrid (`hybrid.serves`) decodes through `hybrid.hybrid_decoder`: uncompiled, SDPA attention,
-    HF's norms, whatever `compile` and `invariant` ask (one note when they ask more). The static engine captures its
-    graphs here, in the calling (main) thread, before any decoding."""
+    the target's attention (sliding windows, soft-capping, sinks, Gemma's norms, MoE experts) decodes with SDPA or
+    eager attention, with a note. A dense hybrid (`hybrid.serves`) decodes through `hybrid.hybrid_decoder`:
+    uncompiled, SDPA attention, HF's norms, whatever `compile` and `invariant` ask (one note when they ask more). The
+    static engine captures its graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "hf":

@@ -24,7 +24,7 @@ import torch
 from trainer.capture import capture
 from trainer.decode.rounds import SpecResult
 from trainer.decode.stops import stop_index
-from trainer.decode.static_target import StaticTarget
+from trainer.decode.stack import StaticTarget
 
 
 COMPILE_CHOICES = ("none", "drafter", "all")

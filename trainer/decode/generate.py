@@ -38,7 +38,7 @@ import torch
 
 from trainer.decode.engine import GraphProgram, prefill_buckets
 from trainer.decode.stops import cut_at_stop
-from trainer.decode.static_target import StaticTarget
+from trainer.decode.stack import StaticTarget
 from trainer.model.target import Target
 
 CHECK_EVERY = 16  # tokens between the host's "have all rows stopped?" reads (each one host sync)

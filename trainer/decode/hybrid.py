@@ -1,7 +1,7 @@
 """A hybrid target (Qwen3.5, Qwen3.6, Qwen3-Next: Gated DeltaNet layers beside gated full attention) over static
 buffers, the batch-1 decoder (`HybridDecoder`) and the batch generator (`HybridBatchGenerator`) over it: what
-`engine.StaticDecoder` and `generate.BatchGenerator` need to serve hybrids, kept apart from `static_target.py` until
-the layer stack takes a linear mixer slot (docs/architecture.md, "Decode layers per mixer").
+`engine.StaticDecoder` and `generate.BatchGenerator` need to serve hybrids, kept apart from `stack.py` until its
+`MIXERS` takes this linear layer at its `linear` slot (docs/architecture.md, "Decode layers per mixer").
 
 `HybridStaticTarget.forward` has `StaticTarget.forward`'s contract, plus what a recurrent layer needs:
 - a forward of one token (a decode step) takes it into every linear layer's state;

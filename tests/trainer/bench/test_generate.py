@@ -81,18 +81,20 @@ def test_the_step_floor_of_the_8b_shape_at_batch_256():
 
 
 def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_not_serve(family_dirs):
-    """--shape names every family of bench/shapes.py; on a family BatchGenerator refuses, the static engine's run is
-    HF generate with a note (the tiny gpt-oss target: the shapes themselves are GPU-sized)."""
+    """--shape names every family of bench/shapes.py; the static engine runs gpt-oss (and the MoE families); on a
+    family BatchGenerator refuses, the static engine's run is HF generate with a note (the tiny gpt-oss and Qwen3.5
+    targets: the shapes themselves are GPU-sized)."""
     from bench.shapes import SHAPES
     from trainer.model.target import load_target
 
     for shape in ("qwen3.5-9b", "qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "qwen3-8b"):
         assert shape in SHAPES and bench.parse(["--shape", shape]).shape == shape
-    target = load_target(family_dirs["gpt_oss"], num_draft_layers=1, truncate=False)
+    oss = load_target(family_dirs["gpt_oss"], num_draft_layers=1, truncate=False)
+    _run, used, note, gen = bench.engine_run("static", oss, rows=2, max_len=32, stops=[0])
+    assert used == "static" and note is None and gen is not None
+    target = load_target(family_dirs["qwen3_5"], num_draft_layers=1, truncate=False)
     run, used, note, gen = bench.engine_run("static", target, rows=2, max_len=32, stops=[0])
-    if used == "static":
-        pytest.skip("the static engine serves gpt-oss here")
-    assert gen is None and note.startswith("the static engine cannot serve gpt_oss") and "measured HF generate" in note
+    assert gen is None and note.startswith("the static engine cannot serve qwen3_5") and "measured HF generate" in note
     assert len(run([[1, 2, 3], [4, 5]], __import__("trainer.decode.generate", fromlist=["Sampling"]).Sampling(
         max_new_tokens=3))) == 2
 

@@ -11,7 +11,7 @@ from tests.trainer.decode.test_reference import PROMPTS, _prompt_ids
 from trainer.decode import kernels
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.static_draft import StaticDFlashProposer
-from trainer.decode.static_target import StaticTarget
+from trainer.decode.stack import StaticTarget
 from trainer.decode.reference import generate_target_only, new_cache, target_forward
 
 

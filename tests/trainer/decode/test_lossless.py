@@ -49,7 +49,7 @@ def test_the_gemm_probe_on_a_linear_without_sums():
 
 def test_the_norm_probe_reads_what_the_static_target_runs(interpreter, full_target):  # noqa: F811
     from trainer import triton_device
-    from trainer.decode.static_target import StaticTarget
+    from trainer.decode.stack import StaticTarget
 
     static = StaticTarget(full_target, 32)
     assert norm_path(static) == "invariant"  # every RMSNorm of the model wrapped, the kernel usable here

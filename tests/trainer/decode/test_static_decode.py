@@ -11,7 +11,7 @@ import torch
 from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
 from trainer.decode.engine import StaticDecoder, prefill_buckets
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
-from trainer.decode.static_target import StaticTarget
+from trainer.decode.stack import StaticTarget
 from trainer.decode.rounds import acceptance_stats
 from trainer.decode.reference import (DFlashProposer, DraftContextCache, draft_block_hidden,
                                  generate_speculative, generate_target_only, new_cache, target_forward)

@@ -171,7 +171,7 @@ def test_bf16_verify_rows_equal_decode_steps_bitwise():
     and tapped features bitwise as 16 successive 1-token forwards do, in bf16 (where rounding differences would flip
     near-ties). Failed with SDPA in bf16 (the first row's logits, in their last bits), which the Triton attention
     kernel replaces here."""
-    from trainer.decode.static_target import StaticTarget
+    from trainer.decode.stack import StaticTarget
 
     target = _quality_shaped_bf16_target()
     static = StaticTarget(target, slots=256, invariant=True)

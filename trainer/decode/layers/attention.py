@@ -1,0 +1,196 @@
+"""The softmax attention decode layer: one HF attention module over its static K/V cache, full or sliding-window,
+with soft-capped scores (Gemma 2) or attention sinks (gpt-oss) where the family has them, or output-gated with a
+partial RoPE (`gated`: the hybrids' full-attention layers, Qwen3-Next and Qwen3.5, whose q_proj gives each head its
+query and a gate; the output is multiplied by sigmoid(gate) before o_proj, and RoPE turns the first dims only).
+
+Slot = absolute position. A forward over tokens at positions p0..p0+L-1 first writes their K/V into slots
+p0..p0+L-1, then lets each query at position p attend to slots <= p (and, in a sliding-window layer, only to the
+`window` slots ending at p: HF's rule). Slots beyond p may hold stale K/V of rejected draft tokens; the mask hides
+them and a later forward overwrites them, so "cropping" the cache costs nothing.
+
+Rows of different prompt lengths (`padded`): each row's prompt is left-padded to a common length and starts at its
+own slot `row_start[r]`; a query sees no slot before its row's start, and RoPE takes the position slot - row_start
+(HF `generate`'s left padding: positions count real tokens only).
+
+Shape legend: L tokens, M cache slots, R rows, H / Hkv query / key-value heads, Dh head dim, D hidden.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from trainer.decode.kernels import decode_attention
+from trainer.model.attention import FULL, SLIDING
+from trainer.model.drafter import apply_rope
+
+# What computes a layer's scores: the row-invariant Triton kernel, SDPA, or HF's eager math (soft-capped scores,
+# sinks), which SDPA cannot compute.
+INVARIANT, SDPA, EAGER = "invariant", "sdpa", "eager"
+
+
+class Step(NamedTuple):
+    """What every mixer of one forward shares (built once per forward by the stack). Device tensors only."""
+
+    pos: torch.Tensor  # [L] long: the slots written and read
+    ropes: dict  # layer kind -> (cos, sin), [1 or R, 1, L, Dh]
+    masks: dict | None  # layer kind -> visible [R or 1, 1, L, span] bool; None under the invariant kernel
+    span: int  # attention reads slots 0..span-1
+    how: str  # INVARIANT | SDPA | EAGER
+    softcap: float | None  # Gemma 2's attention score cap
+    padded: bool  # rows of different prompt lengths
+
+
+def ropes_of(hf_model, kinds) -> dict[str, tuple[torch.Tensor, float]]:
+    """Per layer kind: (inv_freq [Dh/2] fp32, attention_scaling) from the HF rotary module(s). Gemma 3 keeps one
+    per layer type (`sliding_attention_inv_freq`, ...; transformers 4.x: a second module, `rotary_emb_local`)."""
+    model = hf_model.model
+    ropes = {}
+    for kind in kinds:
+        rotary = model.rotary_emb
+        if kind == SLIDING and hasattr(model, "rotary_emb_local"):
+            rotary = model.rotary_emb_local
+        if hasattr(rotary, f"{kind}_inv_freq"):
+            inv, scale = getattr(rotary, f"{kind}_inv_freq"), getattr(rotary, f"{kind}_attention_scaling", 1.0)
+        else:
+            inv, scale = rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0)
+        ropes[kind] = (inv.float(), float(scale))
+    return ropes
+
+
+def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos [L] (or [R, L]) long -> cos, sin [1, 1, L, Dh] (or [R, 1, L, Dh]) in `dtype` (HF rotate_half layout,
+    HF's arithmetic; gpt-oss's half-split rotation computes the same products)."""
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    if pos.dim() == 1:
+        return cos[None, None], sin[None, None]
+    return cos[:, None], sin[:, None]
+
+
+def visible_masks(slot_ids: torch.Tensor, pos: torch.Tensor, span: int, row_start: torch.Tensor | None,
+                  window: int | None) -> dict[str, torch.Tensor]:
+    """Per layer kind: visible [R or 1, 1, L, span] bool (SLIDING only when `window`). A padded row (`row_start`
+    given) sees no slot before the row's start, except its own slot when it is padding itself (a query that sees
+    nothing would turn into NaN, and NaN K/V in a masked slot still poison the rows through 0 * NaN)."""
+    s = slot_ids[:span]
+    visible = s[None, :] <= pos[:, None]  # [L, span]
+    if row_start is not None:
+        lo = torch.minimum(row_start[:, None], pos[None, :])  # [R, L]
+        visible = visible[None] & (s[None, None, :] >= lo[:, :, None])  # [R, L, span]
+    else:
+        visible = visible[None]
+    masks = {FULL: visible[:, None]}
+    if window:
+        masks[SLIDING] = (visible & (s > pos[:, None] - window))[:, None]
+    return masks
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                    cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's eager attention, for what SDPA cannot compute. q [R, H, L, Dh], k / v [R, Hkv, M, Dh], visible [R or 1,
+    1, L, M] bool -> [R, L, H, Dh].
+    cap (Gemma 2): scores * scale -> cap * tanh(scores / cap) -> masked -> fp32 softmax, cast back -> @ v.
+    sinks [H] (gpt-oss): one extra logit per head beside the keys, in the softmax (minus the row max, in the scores'
+    dtype) and then dropped, so a query can give weight to no key.
+    Each KV head's G query heads are laid out as G x L query rows of that head (head h uses KV head h // G, HF's
+    repeat_kv), so the K/V span is read as it is cached, not copied G times."""
+    R, H, L, Dh = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    G = H // Hkv
+    scores = torch.matmul(q.reshape(R, Hkv, G * L, Dh), k.transpose(2, 3)) * scale  # [R, Hkv, G*L, M]
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    rows = visible.shape[0]
+    mask = visible[:, :, None].expand(rows, 1, G, L, M).reshape(rows, 1, G * L, M)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sinks is None:
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.reshape(1, Hkv, G, 1, 1).expand(R, Hkv, G, L, 1).reshape(R, Hkv, G * L, 1)
+        combined = torch.cat([scores, sink.to(scores.dtype)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
+    return torch.matmul(weights, v).reshape(R, H, L, Dh).transpose(1, 2)
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """SDPA for grouped-query attention with a mask, without `enable_gqa`: on CUDA only SDPA's math backend takes
+    a mask together with enable_gqa (it copies the K/V span per group and materializes the scores), while each KV
+    head's G query heads, laid out as G x L query rows of one head, reach the memory-efficient kernel. q [R, H, L,
+    Dh] (head h uses KV head h // G, HF's repeat_kv), k / v [R, Hkv, M, Dh], visible [R or 1, 1, L, M] ->
+    [R, L, H, Dh]."""
+    R, H, L, Dh = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    G = H // Hkv
+    rows = visible.shape[0]
+    mask = visible[:, :, None].expand(rows, 1, G, L, M).reshape(rows, 1, G * L, M)
+    out = F.scaled_dot_product_attention(q.reshape(R, Hkv, G * L, Dh), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(R, H, L, Dh).transpose(1, 2)
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of the head (all of them for most families), the rest passed through."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    """Stands for a q/k norm the layer does not have."""
+    return x
+
+
+class AttentionLayer:
+    """One HF attention module (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `scaling`; `sinks` where the family has
+    them) over its own K/V cache [R, Hkv, M, Dh]. q_norm / k_norm: the callables that stand for the module's q/k
+    norms (the stack's row-invariant wrappers), or None. `kind` (FULL or SLIDING) picks the RoPE and mask of a
+    `Step`; the stack may change it (the layer reads it at each call). gated: see the module docstring."""
+
+    def __init__(self, module, kind: str, q_norm, k_norm, rows: int, slots: int, heads: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, gated: bool = False) -> None:
+        self.module, self.kind, self.gated = module, kind, gated
+        self.q_norm, self.k_norm = q_norm or identity, k_norm or identity
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.sinks = getattr(module, "sinks", None)
+        shape = (rows, kv_heads, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def __call__(self, h: torch.Tensor, step: Step, kind: str | None = None) -> torch.Tensor:
+        """h [R, L, D] (the normed input) -> the attention output after o_proj, [R, L, D]. Writes the tokens' K/V
+        into slots step.pos first. kind: the layer kind to compute as (default: this layer's)."""
+        attn, kind = self.module, kind or self.kind
+        R, L, _ = h.shape
+        H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
+        cos, sin = step.ropes[kind]
+        if self.gated:
+            q, gate = attn.q_proj(h).view(R, L, H, 2 * Dh).chunk(2, dim=-1)
+        else:
+            q, gate = attn.q_proj(h).view(R, L, H, Dh), None
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
+        v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
+        self.k.index_copy_(2, step.pos, partial_rope(k, cos, sin))
+        self.v.index_copy_(2, step.pos, v)
+        q = partial_rope(q, cos, sin)
+        if step.how == INVARIANT:
+            out = decode_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, L, H, Dh]
+        else:
+            keys, values, visible = self.k[:, :, :step.span], self.v[:, :, :step.span], step.masks[kind]
+            if step.softcap or self.sinks is not None:
+                out = eager_attention(q, keys, values, visible, attn.scaling, step.softcap, self.sinks)
+            elif step.padded and H != Hkv:  # the batched generator (the batch-1 decoders keep enable_gqa)
+                out = grouped_sdpa(q, keys, values, visible, attn.scaling)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling,
+                                                     enable_gqa=H != Hkv).transpose(1, 2)
+        out = out.reshape(R, L, H * Dh)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(R, L, H * Dh))
+        return attn.o_proj(out)

@@ -1,0 +1,137 @@
+"""The MoE MLP at decode: the family's router, then the experts as grouped GEMMs over token copies sorted by expert,
+with static shapes and no host sync, so a decode step or a verify that runs it can be captured in a CUDA graph.
+
+For T = R x L tokens and top-k experts each there are S = T x k token copies, always S rows: the copies are sorted
+by expert (a stable argsort), each expert's rows end at `offsets[e]` (a device tensor, found by searchsorted), and
+one GEMM per projection covers every expert: `torch.nn.functional.grouped_mm` on CUDA (the kernel the training target
+runs through transformers' `grouped_mm` experts, `model/target.load_options`), else the exact torch rule, each copy
+times its expert's gathered weight (S x in x out of memory: a CPU reference, not a fast path). The arithmetic after
+the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own gate (`_apply_gate`:
+SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in token order, summed
+over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
+
+Routing, per family (`ROUTING`, from the config's model type):
+    softmax_topk   softmax over all experts in fp32, top-k, renormalised to sum 1 where the family does (`renorm`),
+                   cast back to the logits' dtype where the family does (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE; Mixtral
+                   keeps fp32)
+    topk_softmax   top-k of the (biased) logits, softmax over those k in the logits' dtype (gpt-oss)
+
+Shape legend: R rows, L tokens, T = R x L, k experts per token, S = T x k copies, E experts, D hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A family's router rule (see the module docstring)."""
+
+    order: str  # softmax_topk | topk_softmax
+    renorm: bool = False
+    cast: bool = False
+
+
+def routing_of(cfg) -> Routing | None:
+    """The router rule of an MoE config, or None for a family this module has no rule for."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in ("qwen3_moe", "qwen3_next"):
+        return Routing("softmax_topk", renorm=bool(getattr(cfg, "norm_topk_prob", False)), cast=True)
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return Routing("softmax_topk", renorm=True, cast=True)
+    if model_type == "mixtral":
+        return Routing("softmax_topk", renorm=True, cast=False)
+    if model_type == "gpt_oss":
+        return Routing("topk_softmax")
+    return None
+
+
+def route(logits: torch.Tensor, k: int, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k], experts [T, k] long), as the family's HF router computes them."""
+    if routing.order == "topk_softmax":
+        top, experts = torch.topk(logits, k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), experts
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if routing.renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights.to(logits.dtype) if routing.cast else weights), experts
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts [T, k] -> (order [S]: copy indices sorted by expert, stably; expert of each sorted copy [S];
+    offsets [E] int32: where each expert's rows end, grouped_mm's `offs`). Static shapes, no host sync."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    bounds = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(sorted_experts, bounds, right=True).to(torch.int32)
+    return order, sorted_experts, offsets
+
+
+def grouped_available(device: torch.device) -> bool:
+    """Whether the grouped GEMM kernel serves this device: CUDA at compute capability 8.0 or above with
+    `torch.nn.functional.grouped_mm`. Elsewhere (CPU included) the exact rule runs."""
+    return (device.type == "cuda" and hasattr(F, "grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offsets: torch.Tensor,
+                   sorted_experts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """x [S, in] sorted by expert; weight [E, out, in] ([E, in, out] when `transposed`, gpt-oss's layout) ->
+    [S, out]: each row times its expert's weight. grouped: one grouped_mm over `offsets`; else the exact rule."""
+    w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
+    x = x.to(w.dtype)
+    if grouped:
+        return F.grouped_mm(x, w, offs=offsets)
+    return torch.bmm(x[:, None], w[sorted_experts]).squeeze(1)
+
+
+class MoeMLP:
+    """An HF sparse MoE block (`gate` or `router`: weight [E, D], bias where the family has one; `experts`:
+    gate_up_proj / down_proj as 3-D tensors, their biases where the family has them, `_apply_gate`; a
+    `shared_expert` with `shared_expert_gate` where the family has one) computed at decode. Callable like a dense
+    MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the kernel where it serves the weights' device."""
+
+    def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None) -> None:
+        experts = getattr(block, "experts", None)
+        if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3):
+            raise RuntimeError(f"{type(block).__name__}: the static engine needs the experts as 3-D weight tensors "
+                               f"(transformers 5); this one keeps them another way")
+        self.block, self.experts, self.routing, self.top_k = block, experts, routing, top_k
+        self.router = getattr(block, "gate", None) or block.router
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.transposed = bool(getattr(experts, "is_transposed", False))
+        self.grouped = grouped_available(experts.gate_up_proj.device) if grouped is None else grouped
+        self.shared = getattr(block, "shared_expert", None)
+
+    def _bias(self, name: str, sorted_experts: torch.Tensor) -> torch.Tensor | None:
+        bias = getattr(self.experts, f"{name}_bias", None)
+        return None if bias is None else bias[sorted_experts]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        R, L, D = h.shape
+        x = h.reshape(R * L, D)
+        logits = F.linear(x, self.router.weight, getattr(self.router, "bias", None))
+        weights, experts = route(logits, self.top_k, self.routing)
+        order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
+        copies = x[order // self.top_k]  # [S, D]
+        up = grouped_linear(copies, self.experts.gate_up_proj, self.transposed, offsets, sorted_experts,
+                            self.grouped)
+        bias = self._bias("gate_up_proj", sorted_experts)
+        if bias is not None:
+            up = up + bias
+        act = self.experts._apply_gate(up)
+        out = grouped_linear(act, self.experts.down_proj, self.transposed, offsets, sorted_experts, self.grouped)
+        bias = self._bias("down_proj", sorted_experts)
+        if bias is not None:
+            out = out + bias
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # copy order back: token t's k copies adjacent
+        y = unsorted.view(R * L, self.top_k, D).sum(dim=1).to(h.dtype)
+        if self.shared is not None:
+            y = y + torch.sigmoid(self.block.shared_expert_gate(x)) * self.shared(x)
+        return y.view(R, L, D)

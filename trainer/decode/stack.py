@@ -1,0 +1,287 @@
+"""The target's forward over static buffers (`StaticTarget`), assembled per layer from a plan read from the config
+alone (`layer_plan`): the family's layout and norms, each layer's mixer kind and MLP kind. Each kind is computed by
+its decode layer on the HF model's own submodules (same weights, norms and projections), with no Python-side shape
+or length state: the write position is a device tensor.
+
+    layouts   plain     x += mixer(norm(x)); x += mlp(norm(x))             (Qwen3/2, Llama, Mistral, Qwen3-MoE,
+                                                                          Mixtral, gpt-oss; the hybrids)
+              sandwich  x += norm(mixer(norm(x))); x += norm(mlp(norm(x)))  (Gemma 2/3: scaled embeddings, the HF
+                                                                          embedding module scales)
+    norms     plain     w * x / rms(x): the row-invariant kernel's (kernels.RowInvariantRMSNorm)
+              offset    (1 + w) * x / rms(x): the HF modules run (Gemma, the hybrids)
+    mixers    attention        softmax attention, full or sliding-window, soft-capped (Gemma 2) or with sinks
+                               (gpt-oss): layers/attention.py
+              gated_attention  the hybrids' output-gated softmax attention with partial RoPE: the same layer, gated
+              linear           Gated DeltaNet: no decode layer yet (`MIXERS` is where it plugs in)
+    MLPs      dense     the HF module
+              moe       router top-k and grouped expert GEMMs: layers/moe.py
+
+`check_supported` refuses a plan with a kind that has no decode layer, so the hf-engine fallback
+(`decoders.engine_for`) follows from the plan. Gemma 2 soft-caps the final logits too.
+
+Shape legend: L tokens, M cache slots, R rows, T taps, D hidden, V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.decode.kernels import RowInvariantRMSNorm, head_dim_supported, usable_for
+from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLayer, Step, identity,
+                                             rope_from_inv_freq, ropes_of, visible_masks)
+from trainer.decode.layers.moe import MoeMLP, Routing, routing_of
+from trainer.errors import ConfigError
+from trainer.model.attention import SLIDING
+from trainer.model.linear_attention import LINEAR
+from trainer.model.target import Target, attention_kinds
+from trainer.targetdir import GATED_DELTANET_FAMILIES
+
+# model_type -> (layout, norms, the mixer kind of its softmax attention layers)
+FAMILIES = {
+    **{t: ("plain", "plain", "attention") for t in ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral",
+                                                    "gpt_oss")},
+    **{t: ("sandwich", "offset", "attention") for t in ("gemma2", "gemma3_text")},
+    **{t: ("plain", "offset", "gated_attention") for t in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                                            "qwen3_5_moe_text")},
+}
+# RoPE types whose frequencies change with the sequence length: a static forward cannot recompute them.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+HINT = "use eval.engine=hf for this target"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the static forward computes, per family and per layer, from the config alone."""
+
+    model_type: str
+    layout: str  # plain | sandwich
+    norms: str  # plain | offset
+    mixers: tuple[str, ...]  # per layer: attention | linear | gated_attention
+    mlps: tuple[str, ...]  # per layer: dense | moe
+    routing: Routing | None  # the MoE router rule (None: no MoE layer, or a family without a rule)
+    top_k: int  # experts per token (0: no MoE layer)
+
+
+def layer_plan(cfg) -> LayerPlan:
+    """The plan of a config whose model type is in FAMILIES (check_supported refuses the others first). MoE layers
+    as the families place them: every layer, except those in `mlp_only_layers` or off the `decoder_sparse_step`
+    (Qwen3-MoE, Qwen3-Next)."""
+    cfg = _text(cfg)
+    model_type = cfg.model_type
+    layout, norms, softmax_kind = FAMILIES[model_type]
+    types = attention_kinds(cfg).layer_types
+    mixers = tuple("linear" if t == LINEAR else softmax_kind for t in types)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    dense_only, step = set(getattr(cfg, "mlp_only_layers", None) or ()), getattr(cfg, "decoder_sparse_step", 1) or 1
+    mlps = tuple("moe" if experts and i not in dense_only and (i + 1) % step == 0 else "dense"
+                 for i in range(len(types)))
+    moe = "moe" in mlps
+    return LayerPlan(model_type, layout, norms, mixers, mlps, routing_of(cfg) if moe else None,
+                     cfg.num_experts_per_tok if moe else 0)
+
+
+def _text(cfg):
+    """The language model's config (a multimodal config's text config; what load_target reads the layers from)."""
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _attention_layer(static: StaticTarget, i: int, layer) -> AttentionLayer:
+    attn = layer.self_attn
+    return AttentionLayer(attn, static.kinds[i], static.q_norms[i], static.k_norms[i], static.rows, static.slots,
+                          static.heads, static.kv_heads, static.head_dim, static.dtype, static.device,
+                          gated=static.plan.mixers[i] == "gated_attention")
+
+
+# mixer kind -> its decode layer's builder, (StaticTarget, layer index, HF layer) -> a callable (h [R, L, D] normed,
+# Step, layer kind) -> [R, L, D] that owns its static buffers. None: no decode layer yet, and check_supported
+# refuses a plan that has one. The Gated DeltaNet layer (layers/linear.py) plugs in at "linear".
+MIXERS = {"attention": _attention_layer, "gated_attention": _attention_layer, "linear": None}
+
+
+def _rope_types(cfg) -> set[str]:
+    """The RoPE types a config names: transformers 5 `rope_parameters` (one dict, or one per layer type, Gemma 3),
+    or 4.x `rope_scaling` (`rope_type` or the older `type` key)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    dicts = [params] if "rope_type" in params or "type" in params else [p for p in params.values()
+                                                                        if isinstance(p, dict)]
+    return {str(d.get("rope_type", d.get("type", "default"))) for d in dicts}
+
+
+def _layers_of(kinds: tuple[str, ...], kind: str) -> str:
+    at = [str(i) for i, k in enumerate(kinds) if k == kind]
+    return ", ".join(at[:4]) + (", ..." if len(at) > 4 else "")
+
+
+def check_supported(cfg) -> None:
+    """Refuse, in one line and from the config alone, a target whose layers `StaticTarget.forward` would compute
+    differently from HF (target-only and speculative decoding would then agree with each other while both being
+    wrong), or has no decode layer for."""
+    cfg = _text(cfg)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in FAMILIES:
+        served = [t for t, (_, _, kind) in FAMILIES.items() if MIXERS[kind] is not None
+                  and (t not in GATED_DELTANET_FAMILIES or MIXERS["linear"] is not None)]
+        raise ConfigError(f"static decoding supports {', '.join(served)} targets, not {model_type!r}", hint=HINT)
+    dynamic = sorted(t for t in _rope_types(cfg) if any(d in t for d in DYNAMIC_ROPE))
+    if dynamic:
+        raise ConfigError(f"static decoding does not support rope_type {dynamic[0]!r} (its frequencies change with "
+                          f"the sequence length)", hint=HINT)
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ConfigError(f"static decoding is causal; this {model_type} target uses bidirectional attention",
+                          hint=HINT)
+    plan = layer_plan(cfg)
+    for kind in dict.fromkeys(plan.mixers):
+        if MIXERS[kind] is None:
+            raise ConfigError(f"static decoding has no decode layer for {kind} mixers ({model_type} layers "
+                              f"{_layers_of(plan.mixers, kind)})", hint=HINT)
+    if "moe" in plan.mlps and plan.routing is None:
+        raise ConfigError(f"static decoding has no MoE router rule for {model_type} (layers "
+                          f"{_layers_of(plan.mlps, 'moe')})", hint=HINT)
+
+
+class StaticTarget:
+    """A full (untruncated) `Target` plus its static buffers (each layer's K/V cache of `slots` positions) for `rows`
+    sequences that advance together (batch-1 decoding: rows = 1; a batch of prompts: rows = R, `padded` when their
+    lengths differ).
+
+    `forward` is free of host syncs and allocates nothing that depends on values, so it can run inside a CUDA graph
+    capture for a fixed L (and span).
+
+    `attention` says what computes attention: "invariant" (the row-invariant Triton kernel, asked for with
+    `invariant`), "sdpa", or "eager" (soft-capped scores, sinks); `fallback` why an `invariant` request got another
+    one."""
+
+    def __init__(self, target: Target, slots: int, rows: int = 1, invariant: bool = False,
+                 padded: bool = False) -> None:
+        if target.truncated:
+            raise RuntimeError("static decoding needs the full target; load it with truncate=False")
+        cfg = target.hf_config
+        check_supported(cfg)
+        self.plan = layer_plan(cfg)
+        self.target = target
+        self.model = target.model
+        self.layers = list(self.model.model.layers)
+        kinds = attention_kinds(cfg)
+        self.kinds = kinds.layer_types  # per layer: FULL or SLIDING (LINEAR for a linear mixer)
+        self.window = kinds.window
+        attn0 = next(layer.self_attn for layer in self.layers if hasattr(layer, "self_attn"))
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = attn0.head_dim
+        self.slots, self.rows, self.padded = slots, rows, padded
+        weight = target.embed_tokens.weight
+        self.dtype = weight.dtype
+        self.slot_ids = torch.arange(slots, device=weight.device)
+        softmax = tuple(k for k in kinds.kinds if k != LINEAR)
+        self.ropes = {kind: (inv.to(self.device), scale) for kind, (inv, scale) in ropes_of(self.model,
+                                                                                             softmax).items()}
+        self.inv_freq, self.rope_scaling = self.ropes[softmax[0]]
+        self.softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.sinks = any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in self.layers)
+        self.sandwich = self.plan.layout == "sandwich"
+        # invariant: attention through the row-invariant Triton kernel (trainer/decode/kernels.py), so that a verify
+        # computes each token bitwise as a decode step does, in bf16 too (SDPA does not: docs/quality.md, "Exact
+        # bf16"). The kernel computes plain causal softmax attention with plain RMSNorms; where it cannot run, SDPA
+        # (eager attention for soft-capped scores and sinks), and `fallback` says why.
+        self.fallback = self._why_not_invariant(weight) if invariant else None
+        self.attention = INVARIANT if invariant and self.fallback is None else \
+            EAGER if self.softcap or self.sinks else SDPA
+        # padded: row r's first real token sits at slot row_start[r] (the caller writes it before the prefill).
+        self.row_start = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.taps = set(target.layer_ids)
+
+        # Plain RMSNorms are row-invariant (trainer/decode/kernels.py): a verify forward over 16 tokens must compute
+        # each token exactly as a 1-token step does. (1 + w) norms run as HF's modules.
+        def wrap(module):
+            if module is None:
+                return None
+            return RowInvariantRMSNorm(module) if self.plan.norms == "plain" else module
+
+        def attn_norm(layer, name):
+            return wrap(getattr(getattr(layer, "self_attn", None), name, None)) or identity
+
+        self.input_norms = [wrap(layer.input_layernorm) for layer in self.layers]
+        self.post_norms = [wrap(layer.post_attention_layernorm) for layer in self.layers]
+        self.pre_ff_norms = [layer.pre_feedforward_layernorm if self.sandwich else None for layer in self.layers]
+        self.post_ff_norms = [layer.post_feedforward_layernorm if self.sandwich else None for layer in self.layers]
+        self.q_norms = [attn_norm(layer, "q_norm") for layer in self.layers]
+        self.k_norms = [attn_norm(layer, "k_norm") for layer in self.layers]
+        self.final_norm = wrap(self.model.model.norm)
+        self.mixers = [MIXERS[kind](self, i, layer) for i, (kind, layer) in enumerate(zip(self.plan.mixers,
+                                                                                          self.layers))]
+        self.mlps = [MoeMLP(layer.mlp, self.plan.routing, self.plan.top_k) if kind == "moe" else layer.mlp
+                     for kind, layer in zip(self.plan.mlps, self.layers)]
+        # the K/V caches by layer (None for a layer without one), as the row-invariance probe (bench.invariance) reads
+        self.k = [getattr(m, "k", None) for m in self.mixers]
+        self.v = [getattr(m, "v", None) for m in self.mixers]
+
+    def _why_not_invariant(self, weight: torch.Tensor) -> str | None:
+        if self.softcap:
+            return "the target soft-caps its attention scores"
+        if self.sinks:
+            return "the target's attention has sinks"
+        if SLIDING in self.kinds:
+            return "the target has sliding-window layers"
+        if self.plan.norms != "plain":
+            return "the target's (1 + w) RMSNorms"
+        if "moe" in self.plan.mlps:
+            return "the target's MoE experts (grouped GEMMs, not probed for equal rows at 1 and B tokens)"
+        if self.padded:
+            return "rows of different prompt lengths"
+        if not (head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0):
+            return f"head dim {self.head_dim} (the kernel takes powers of two >= 16)"
+        if not usable_for(weight):
+            return "the Triton kernel cannot run here (no Triton, or not CUDA)"
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_ids.device
+
+    def _step(self, pos: torch.Tensor, span: int, dtype: torch.dtype) -> Step:
+        rope_pos = pos[None, :] - self.row_start[:, None] if self.padded else pos
+        ropes = {kind: rope_from_inv_freq(rope_pos, inv, scale, dtype) for kind, (inv, scale) in self.ropes.items()}
+        # the invariant kernel masks by position itself (full causal attention, rows unpadded)
+        masks = None if self.attention == INVARIANT else visible_masks(
+            self.slot_ids, pos, span, self.row_start if self.padded else None,
+            self.window if SLIDING in self.kinds else None)
+        return Step(pos, ropes, masks, span, self.attention, self.softcap, self.padded)
+
+    @torch.no_grad()
+    def forward(self, ids_RL: torch.Tensor, pos0: torch.Tensor, want_features: bool = True,
+                last_only: bool = False, logits_at: torch.Tensor | None = None, span: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [R, L] (R = rows) at slots pos0..pos0+L-1 (pos0: 0-dim long device tensor) -> (logits [R, L, V]
+        fp32 -- [R, 1, V] of the last position when `last_only`, of index `logits_at` ([1] long device tensor) when
+        given --, tapped features [R, L, T*D] or None). Writes the layers' buffers at slots pos0..pos0+L-1;
+        pos0 + L <= slots. span: attention reads slots 0..span-1 only (pos0 + L <= span; default: every slot), so a
+        short sequence in a long cache does not pay for the whole cache."""
+        L = ids_RL.shape[1]
+        span = self.slots if span is None else span
+        pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L] slots
+        x = self.target.embed_tokens(ids_RL)
+        step = self._step(pos, span, x.dtype)
+        taps: dict[int, torch.Tensor] = {}
+        for i in range(len(self.layers)):
+            out = self.mixers[i](self.input_norms[i](x), step, self.kinds[i])
+            if self.sandwich:
+                x = x + self.post_norms[i](out)
+                x = x + self.post_ff_norms[i](self.mlps[i](self.pre_ff_norms[i](x)))
+            else:
+                x = x + out
+                x = x + self.mlps[i](self.post_norms[i](x))
+            if want_features and i in self.taps:
+                taps[i] = x
+        # last_only: a batch prefill needs only the next token ([R, P, V] fp32 logits would be GBs); logits_at: a
+        # padded prefill needs the next token after its last real one.
+        if logits_at is not None:
+            x_out = x.index_select(1, logits_at)
+        else:
+            x_out = x[:, -1:] if last_only else x
+        logits = self.target.lm_head(self.final_norm(x_out))
+        if self.final_softcap:  # HF's order: in the model dtype, before the fp32 cast
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        feats = self.target.join_taps(taps, self.final_norm) if want_features else None
+        return logits.float(), feats
