@@ -34,32 +34,3 @@ def test_fast_topk_at_the_real_vocab_equals_torch_topk_under_graph_replay(dtype)
     if dtype == torch.float32:
         assert int(distinct.sum()) > N - 8
     assert torch.equal(static_i[distinct], want_i[distinct])
-
-
-def _replay_ms(fn, x, k, reps=20):
-    """fn(x, k) captured once, replayed `reps` times -> ms per replay."""
-    fn(x, k)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(x, k)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def test_fast_topk_is_faster_at_the_training_chunk_and_reports_the_decode_shape():
-    """DFlash2's CE chunk (4096 x 151936 bf16, k = 16): the reason for the two stages. The decode shape (one block's
-    15 mask positions, fp32 logits) is printed for the choice there (decode keeps torch.topk unless it loses)."""
-    g = torch.Generator(device=DEV).manual_seed(1)
-    x = (3 * torch.randn(4096, 151936, generator=g, device=DEV)).to(torch.bfloat16)
-    torch_ms, fast_ms = _replay_ms(torch.topk, x, 16), _replay_ms(fast_topk, x, 16)
-    d = 3 * torch.randn(15, 151936, generator=g, device=DEV)
-    decode = _replay_ms(torch.topk, d, 16), _replay_ms(fast_topk, d, 16)
-    print(f"train chunk: torch.topk {torch_ms:.3f} ms, fast_topk {fast_ms:.3f} ms; "
-          f"decode block: torch.topk {decode[0]:.4f} ms, fast_topk {decode[1]:.4f} ms")
-    assert fast_ms < torch_ms / 2
