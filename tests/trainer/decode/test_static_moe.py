@@ -127,15 +127,18 @@ def test_target_only_and_speculative_decoding_equal_hf(family, family_dirs):
 
 
 def test_the_engine_serves_moe_and_hands_hybrids_to_hf(family_dirs):
-    """decoders.engine_for: an MoE target stays on the static engine, silently; a hybrid goes to hf after one note
-    naming the kind of layer the static engine has no decode layer for."""
+    """decoders.engine_for: an MoE target stays on the static engine, silently, and so does a dense hybrid (Qwen3.5,
+    served by trainer/decode/hybrid.py); another hybrid (Qwen3-Next) goes to hf after one note naming the kind of
+    layer the static engine has no decode layer for."""
     from trainer.decode.decoders import engine_for
 
     notes: list[str] = []
     for family in MOE:
         assert engine_for("static", family_target(family_dirs, family), notes.append) == "static"
     assert notes == []
-    hybrid = load_target(family_dirs["qwen3_5"], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    dense_hybrid = load_target(family_dirs["qwen3_5"], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
+    assert engine_for("static", dense_hybrid, notes.append) == "static" and notes == []  # trainer/decode/hybrid.py's
+    hybrid = load_target(family_dirs["qwen3_next"], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
     assert engine_for("static", hybrid, notes.append) == "hf"
     assert len(notes) == 1 and "no decode layer for linear mixers" in notes[0]
 
