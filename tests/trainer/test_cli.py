@@ -41,6 +41,33 @@ def trainer_liveness_patterns() -> dict[str, re.Pattern]:
     return out
 
 
+SHORT_SETS = ("optim.max_steps=4", "ckpt.every=2", "log.every=2", "data.seq_len=96", "data.rows_per_step=2",
+              "data.num_anchors=8", "eval_at_end=false")
+
+
+def short_argv(run_dir, target) -> list[str]:
+    """`train` of a short smoke run: 4 steps, metrics at 2 and 4, checkpoints at 2 and 4, an export, no eval."""
+    sets = [f"model.target={target}", *SHORT_SETS]
+    return ["train", "--recipe", "smoke", "--run-dir", str(run_dir), *[x for s in sets for x in ("--set", s)]]
+
+
+@pytest.fixture(scope="module")
+def finished_short_run(tmp_path_factory, tiny_target_dir):
+    """One finished `short_argv` run on the session's tiny target, trained once for the tests that start from such a
+    run: (the process, its run dir). Each of them asserts the exit status and works on its own copy of the dir."""
+    run = tmp_path_factory.mktemp("short") / "run"
+    return run_cli(*short_argv(run, tiny_target_dir)), run
+
+
+def copy_of_short_run(finished_short_run, dest):
+    """`dest`: a copy of the module's finished short run (asserted finished: its failure fails the caller)."""
+    import shutil
+
+    p, run = finished_short_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    return shutil.copytree(run, dest)
+
+
 @pytest.mark.slow
 def test_train_export_eval_end_to_end(tmp_path, tiny_target_dir):
     run_dir = tmp_path / "run"
@@ -191,13 +218,10 @@ def test_a_leading_tilde_is_the_home_directory_as_the_shell_would_have_made_it(t
         assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
 
 
-def test_resume_needs_no_set_it_reads_the_runs_own_config(tmp_path, tiny_target_dir):
+def test_resume_needs_no_set_it_reads_the_runs_own_config(tmp_path, finished_short_run):
     """`train --recipe gpu --run-dir R --resume`, as the README shows it: the run's config.json is the config, so the
     --set values of the first start need not be repeated; a --set that would change what is trained is refused."""
-    run = tmp_path / "run"
-    sets = ["--set", f"model.target={tiny_target_dir}", "--set", "optim.max_steps=4", "--set", "ckpt.every=2",
-            "--set", "data.seq_len=128", "--set", "eval_at_end=false"]
-    assert run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets).returncode == 0
+    run = copy_of_short_run(finished_short_run, tmp_path / "run")  # started with --recipe smoke and --set values
     again = run_cli("train", "--recipe", "gpu", "--run-dir", str(run), "--resume", "--set", "log.every=1")
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"checking the config ({run}/config.json, as the run started; --recipe gpu not used)" in again.stdout
@@ -397,20 +421,17 @@ def test_a_fresh_start_into_a_run_dir_as_dflash_ops_launches_it_is_not_refused(t
     assert (runs / rid / "run.json").is_file() and (runs / rid / "pid").is_file()
 
 
-def test_a_rerun_after_ctrl_c_before_any_checkpoint_keeps_the_metrics(tmp_path, tiny_target_dir):
+def test_a_rerun_after_ctrl_c_before_any_checkpoint_keeps_the_metrics(tmp_path, tiny_target_dir, finished_short_run):
     """The review's repro with the real trainer: a run stopped before its first checkpoint left config.json and
     metrics.jsonl; the same command again refused, the records are not doubled."""
-    run = tmp_path / "run"
-    sets = ["--set", f"model.target={tiny_target_dir}", "--set", "optim.max_steps=2", "--set", "log.every=1",
-            "--set", "data.seq_len=128", "--set", "eval_at_end=false"]
-    assert run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets).returncode == 0
+    run = copy_of_short_run(finished_short_run, tmp_path / "run")
     import shutil
 
     shutil.rmtree(run / "ckpt")  # as if stopped before its first checkpoint
     shutil.rmtree(run / "export")
     records = (run / "metrics.jsonl").read_text()
     assert len(records.splitlines()) == 2
-    p = run_cli("train", "--recipe", "smoke", "--run-dir", str(run), *sets)
+    p = run_cli(*short_argv(run, tiny_target_dir))
     assert p.returncode == 2 and f"error: {run} is not empty (config.json, data.json, metrics.jsonl)" in p.stderr, p.stderr
     assert (run / "metrics.jsonl").read_text() == records
 
@@ -683,8 +704,12 @@ def _short_run(tmp_path, target, *sets, name="run"):
     return run
 
 
-def test_export_of_a_newest_checkpoint_cut_short_is_one_line_naming_the_file(tmp_path, tiny_target_dir):
-    run = _short_run(tmp_path, tiny_target_dir)
+def test_export_of_a_newest_checkpoint_cut_short_is_one_line_naming_the_file(tmp_path, finished_short_run):
+    import shutil
+
+    run = copy_of_short_run(finished_short_run, tmp_path / "run")
+    shutil.rmtree(run / "ckpt" / "step_4")  # stopped after its step-2 checkpoint, as _short_run leaves it
+    shutil.rmtree(run / "export")
     weights = run / "ckpt" / "step_2" / "drafter.pt"
     weights.write_bytes(weights.read_bytes()[:100])  # a copy that stopped early
     p = run_cli("export", "--run-dir", str(run))
