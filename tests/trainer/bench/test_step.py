@@ -40,9 +40,16 @@ def table_row(out: str, mode: str) -> list[str]:
     return next(line.split() for line in out.splitlines()[header + 1:] if line.split()[0] == mode)
 
 
+@pytest.fixture(scope="module")
+def eager_and_compiled() -> subprocess.CompletedProcess:
+    """One default (DFlash drafter, AdamW) tiny bench of eager and compile, read by the tests below that need such a
+    run; each of them asserts its exit status, so a failed run fails each of them."""
+    return bench(*TINY, "--modes", "eager,compile")
+
+
 @pytest.mark.slow
-def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
-    proc = bench(*TINY, "--modes", "eager,compile")
+def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table(eager_and_compiled):
+    proc = eager_and_compiled
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = results(proc.stdout)
     for mode in ("eager", "compile"):
@@ -61,13 +68,15 @@ def test_cpu_bench_runs_the_trainer_eager_and_compiled_and_prints_the_table():
 
 
 @pytest.mark.slow
-def test_drafter_and_optim_reach_the_built_step_and_the_headline_names_them():
-    """--drafter dflash2 --optim muon: one tiny eager step each way, the kinds read off the built state (a DFlash2
-    drafter has more parameters than a DFlash one of the same dims: its convolutions and selector)."""
+def test_drafter_and_optim_reach_the_built_step_and_the_headline_names_them(eager_and_compiled):
+    """--drafter dflash2 --optim muon: one tiny eager step, against the module's default run (dflash, adamw; its
+    eager mode), the kinds read off the built state (a DFlash2 drafter has more parameters than a DFlash one of the
+    same dims: its convolutions and selector)."""
     one = [*TINY, "--steps", "1", "--warmup", "0", "--modes", "eager"]
     runs = {}
     for drafter, optim in (("dflash", "adamw"), ("dflash2", "muon")):
-        proc = bench(*one, "--drafter", drafter, "--optim", optim)
+        # the defaults are dflash and adamw: the module's run built them
+        proc = eager_and_compiled if drafter == "dflash" else bench(*one, "--drafter", drafter, "--optim", optim)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         r = runs[drafter] = results(proc.stdout)["eager"]
         assert (r["drafter"], r["optim"]) == (drafter, optim)
@@ -115,7 +124,8 @@ def test_graph_modes_and_pipeline_refuse_clearly_on_cpu():
 def test_target_dir_loads_through_load_target(tiny_target_dir):
     from transformers import AutoConfig
 
-    proc = bench(*TINY, "--target", str(tiny_target_dir), "--draft-layers", "2", "--modes", "eager")
+    proc = bench(*TINY, "--steps", "1", "--warmup", "0", "--target", str(tiny_target_dir), "--draft-layers", "2",
+                 "--modes", "eager")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = results(proc.stdout)["eager"]
     assert r["shape"] == str(tiny_target_dir)
@@ -201,7 +211,7 @@ def test_pair_counts_match_the_trainers_dense_masks():
 
 @pytest.mark.slow
 def test_accum_makes_one_step_of_several_micro_batches_and_docs_sets_the_documents_per_row():
-    proc = bench(*TINY, "--accum", "2", "--docs", "1", "--modes", "eager")
+    proc = bench(*TINY, "--steps", "1", "--warmup", "0", "--accum", "2", "--docs", "1", "--modes", "eager")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = results(proc.stdout)["eager"]
     assert r["tokens_per_step"] == 2 * 2 * 256  # accum x batch x seq
