@@ -126,7 +126,7 @@ class StaticDecoder:
         if proposer is not None and (getattr(proposer, "capacity", None) or capacity) < capacity:
             raise ValueError(f"the proposer's caches hold {proposer.capacity} positions, the decoder needs {capacity}")
         # B spare slots: a verify at the last start writes a whole block. invariant: see StaticTarget.
-        self.static = StaticTarget(target, capacity + block_size, invariant=invariant)
+        self.static = self._static_target(target, capacity + block_size, block_size, invariant)
         # compile: "all" sends the target's step/verify forwards and the drafter's draft/append through torch.compile
         # (fused norms and RoPE: fewer kernels per replay); "drafter" only the drafter's, so both target paths keep
         # the same uncompiled forward. The prefill (one graph per prompt-length bucket) always runs uncompiled.
@@ -157,6 +157,10 @@ class StaticDecoder:
             self.start = torch.zeros((), dtype=torch.long, device=dev)
             self.result = torch.zeros(1 + 2 * block_size, dtype=torch.long, device=dev)
             self.round = GraphProgram(self._spec_round, dev, graphs)
+
+    def _static_target(self, target, slots: int, block_size: int, invariant: bool):
+        """The static target the programs run over `slots` positions (a subclass serves other layer kinds)."""
+        return StaticTarget(target, slots, invariant=invariant)
 
     # ------------------------------------------------------------ device programs (no host sync inside)
 

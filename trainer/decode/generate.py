@@ -118,7 +118,7 @@ class BatchGenerator:
             raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
         self.rows, self.max_len, self.graphs = rows, max_len, graphs
         self.stop_ids = [int(s) for s in stop_ids]
-        self.static = StaticTarget(target, max_len, rows=rows, padded=True)
+        self.static = self._static_target(target, rows, max_len)
         dev = self.static.device
         self.device = dev
         vocab = target.embed_tokens.weight.shape[0]
@@ -141,6 +141,10 @@ class BatchGenerator:
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
         self.programs: dict[tuple[str, int], GraphProgram] = {}
         self.replays = 0  # step replays of the last batch (its tokens per row, less the prefill's)
+
+    def _static_target(self, target: Target, rows: int, max_len: int):
+        """The padded static target of `rows` rows over `max_len` slots (a subclass serves other layer kinds)."""
+        return StaticTarget(target, max_len, rows=rows, padded=True)
 
     # ------------------------------------------------------------ device programs (no host sync inside)
 

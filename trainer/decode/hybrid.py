@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from trainer.decode.engine import GraphProgram, Prefill, StaticDecoder, prefill_buckets
+from trainer.decode.engine import StaticDecoder
 from trainer.decode.generate import BatchGenerator
 from trainer.decode.layers.linear import GatedDeltaNetDecode, decode_layers, kernel_for
 from trainer.errors import ConfigError
@@ -182,27 +182,8 @@ class HybridDecoder(StaticDecoder):
     a `HybridStaticTarget`: the round verifies with `verify=True` and commits the anchor plus the accepted drafts.
     Uncompiled; the attention runs through SDPA."""
 
-    def __init__(self, target: Target, capacity: int, proposer=None, block_size: int = 16,
-                 graphs: bool = True) -> None:
-        # StaticDecoder.__init__ builds a StaticTarget, which refuses hybrids: the same fields, set here.
-        if proposer is not None and block_size != proposer.block_size:
-            raise ValueError(f"block_size {block_size} differs from the proposer's {proposer.block_size}")
-        if proposer is not None and (getattr(proposer, "capacity", None) or capacity) < capacity:
-            raise ValueError(f"the proposer's caches hold {proposer.capacity} positions, the decoder needs {capacity}")
-        self.static = HybridStaticTarget(target, capacity + block_size, block=block_size)
-        self._forward = self.static.forward
-        self.capacity, self.proposer, self.block_size = capacity, proposer, block_size
-        dev = self.device = self.static.device
-        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros((), dtype=torch.long, device=dev)
-        self.step = GraphProgram(self._decode_step, dev, graphs)
-        self.prefill = Prefill(self.static, self.static.slots, None, graphs)
-        if proposer is not None:
-            self.prefill_spec = Prefill(self.static, self.static.slots, proposer, graphs)
-            self.anchor = torch.zeros(1, dtype=torch.long, device=dev)
-            self.start = torch.zeros((), dtype=torch.long, device=dev)
-            self.result = torch.zeros(1 + 2 * block_size, dtype=torch.long, device=dev)
-            self.round = GraphProgram(self._spec_round, dev, graphs)
+    def _static_target(self, target: Target, slots: int, block_size: int, invariant: bool) -> "HybridStaticTarget":
+        return HybridStaticTarget(target, slots, block=block_size)
 
     def _spec_round(self) -> None:
         draft = self.proposer.draft(self.anchor, self.start)  # [B-1]
@@ -238,31 +219,8 @@ class HybridBatchGenerator(BatchGenerator):
     """`BatchGenerator` (rows of different prompt lengths, one graph replay per token for the batch) over a padded
     `HybridStaticTarget`: its contract, its device programs and host loop, unchanged."""
 
-    def __init__(self, target: Target, rows: int, max_len: int, stop_ids, graphs: bool = True) -> None:
-        # BatchGenerator.__init__ builds a StaticTarget, which refuses hybrids: the same fields, set here.
-        if rows < 1 or max_len < 2:
-            raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
-        self.rows, self.max_len, self.graphs = rows, max_len, graphs
-        self.stop_ids = [int(s) for s in stop_ids]
-        self.static = HybridStaticTarget(target, max_len, rows=rows, block=1, padded=True)
-        dev = self.device = self.static.device
-
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=dev)
-
-        self.stops = torch.tensor(self.stop_ids, dtype=torch.long, device=dev)
-        self.filler = torch.tensor(self.stop_ids[0] if self.stop_ids else 0, dtype=torch.long, device=dev)
-        self.tok, self.pos, self.done = zeros(rows, 1), zeros(), zeros(rows, dtype=torch.bool)
-        self.history = zeros(rows, max_len + 2)
-        self.seed, self.draw = zeros(), zeros()
-        self.temperature, self.top_p = zeros(dtype=torch.float32), zeros(dtype=torch.float32)
-        self.row_ids = torch.arange(rows, device=dev)
-        self.vocab_ids = torch.arange(target.embed_tokens.weight.shape[0], device=dev)
-        self.streams = zeros(rows)
-        self.spans = prefill_buckets(max_len, smallest=min(64, max_len))
-        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
-        self.programs = {}
-        self.replays = 0
+    def _static_target(self, target: Target, rows: int, max_len: int) -> "HybridStaticTarget":
+        return HybridStaticTarget(target, max_len, rows=rows, block=1, padded=True)
 
 
 def batch_generator(target: Target, rows: int, max_len: int, stop_ids, graphs: bool = True) -> BatchGenerator:
