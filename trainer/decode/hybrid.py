@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.generate import BatchGenerator
 from trainer.decode.layers.linear import GatedDeltaNetDecode, decode_layers, kernel_for
+from trainer.decode.stack import head_and_taps
 from trainer.errors import ConfigError
 from trainer.model.target import Target
 
@@ -163,13 +164,8 @@ class HybridStaticTarget:
             x = x + (mlp[0] if isinstance(mlp, tuple) else mlp)
             if want_features and i in self.taps:
                 taps[i] = x
-        if logits_at is not None:
-            x_out = x.index_select(1, logits_at)
-        else:
-            x_out = x[:, -1:] if last_only else x
-        logits = self.target.lm_head(self.final_norm(x_out))
-        feats = self.target.join_taps(taps, self.final_norm) if want_features else None
-        return logits.float(), feats
+        return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
+                             want_features=want_features)
 
     def commit(self, accepted: torch.Tensor) -> None:
         """After a `verify` forward: row r keeps the first accepted[r] tokens of the block (device tensor [R])."""

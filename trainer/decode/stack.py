@@ -274,14 +274,21 @@ class StaticTarget:
                 x = x + self.mlps[i](self.post_norms[i](x))
             if want_features and i in self.taps:
                 taps[i] = x
-        # last_only: a batch prefill needs only the next token ([R, P, V] fp32 logits would be GBs); logits_at: a
-        # padded prefill needs the next token after its last real one.
-        if logits_at is not None:
-            x_out = x.index_select(1, logits_at)
-        else:
-            x_out = x[:, -1:] if last_only else x
-        logits = self.target.lm_head(self.final_norm(x_out))
-        if self.final_softcap:  # HF's order: in the model dtype, before the fp32 cast
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        feats = self.target.join_taps(taps, self.final_norm) if want_features else None
-        return logits.float(), feats
+        return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
+                             want_features=want_features, softcap=self.final_softcap)
+
+
+def head_and_taps(target: Target, final_norm, x: torch.Tensor, taps: dict, *, logits_at: torch.Tensor | None,
+                  last_only: bool, want_features: bool, softcap: float | None = None):
+    """A static forward's end: the head's fp32 logits at the positions asked for and the joined taps (or None).
+    last_only: a batch prefill needs only the next token ([R, P, V] fp32 logits would be GBs); logits_at: a padded
+    prefill needs the next token after its last real one."""
+    if logits_at is not None:
+        x_out = x.index_select(1, logits_at)
+    else:
+        x_out = x[:, -1:] if last_only else x
+    logits = target.lm_head(final_norm(x_out))
+    if softcap:  # HF's order: in the model dtype, before the fp32 cast
+        logits = torch.tanh(logits / softcap) * softcap
+    feats = target.join_taps(taps, final_norm) if want_features else None
+    return logits.float(), feats
