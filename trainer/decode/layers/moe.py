@@ -3,9 +3,11 @@ with static shapes and no host sync, so a decode step or a verify that runs it c
 
 For T = R x L tokens and top-k experts each there are S = T x k token copies, always S rows: the copies are sorted
 by expert (a stable argsort), each expert's rows end at `offsets[e]` (a device tensor, found by searchsorted), and
-one GEMM per projection covers every expert: `torch.nn.functional.grouped_mm` on CUDA (the kernel the training target
-runs through transformers' `grouped_mm` experts, `model/target.load_options`), else the exact torch rule, each copy
-times its expert's gathered weight (S x in x out of memory: a CPU reference, not a fast path). The arithmetic after
+one GEMM per projection covers every expert: `torch.nn.functional.grouped_mm` on CUDA for bf16 weights (the kernel the
+training target runs through transformers' `grouped_mm` experts, `model/target.load_options`), else the exact torch
+rule, each copy times its expert's gathered weight (S x in x out of memory: a reference, not a fast path). Other
+dtypes take torch's grouped_mm fallback, which reads the offsets on the host and so cannot be captured; they run the
+exact rule. The arithmetic after
 the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own gate (`_apply_gate`:
 SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in token order, summed
 over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
@@ -72,10 +74,10 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, sorted_experts, offsets
 
 
-def grouped_available(device: torch.device) -> bool:
-    """Whether the grouped GEMM kernel serves this device: CUDA at compute capability 8.0 or above with
-    `torch.nn.functional.grouped_mm`. Elsewhere (CPU included) the exact rule runs."""
-    return (device.type == "cuda" and hasattr(F, "grouped_mm")
+def grouped_available(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the grouped GEMM kernel serves weights of this dtype on this device: bf16 on CUDA at compute
+    capability 8.0 or above with `torch.nn.functional.grouped_mm`. Elsewhere (CPU, fp32) the exact rule runs."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
@@ -105,7 +107,8 @@ class MoeMLP:
         self.router = getattr(block, "gate", None) or block.router
         self.num_experts = experts.gate_up_proj.shape[0]
         self.transposed = bool(getattr(experts, "is_transposed", False))
-        self.grouped = grouped_available(experts.gate_up_proj.device) if grouped is None else grouped
+        weight = experts.gate_up_proj
+        self.grouped = grouped_available(weight.device, weight.dtype) if grouped is None else grouped
         self.shared = getattr(block, "shared_expert", None)
 
     def _bias(self, name: str, sorted_experts: torch.Tensor) -> torch.Tensor | None:
