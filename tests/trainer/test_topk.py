@@ -5,7 +5,7 @@ import torch
 from trainer.model.loss import chunked_lm_loss
 from trainer.model.selector import CandidateSelector
 from trainer.model.selector_loss import selector_loss
-from trainer.model.topk import CHUNK, chunk_max, fast_topk
+from trainer.model.topk import CHUNK, fast_topk
 
 
 def rule_topk(x: torch.Tensor, k: int):
@@ -56,16 +56,6 @@ def test_planted_ties_rank_by_the_lower_index_across_chunks_and_at_the_cut(dtype
 def test_zeros_of_both_signs_tie():
     x = torch.tensor([[-0.0, 0.0, -1.0] + [-2.0] * (2 * CHUNK)])
     assert fast_topk(x, 2)[1].tolist() == [[0, 1]]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("width", [1, 2, 128, 96])
-def test_the_chunk_max_tree_equals_amax(dtype, width):
-    x = torch.randn(5, 7, width, generator=torch.Generator().manual_seed(width)).to(dtype)
-    x[0, 0] = float("-inf")
-    x[1, 2, -1] = 1e4  # the max in the last column
-    got = chunk_max(x)
-    assert got.dtype == dtype and torch.equal(got, x.amax(dim=-1))
 
 
 def test_fp64_and_bad_k():

@@ -95,6 +95,11 @@ def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_no
     dense_hybrid = load_target(family_dirs["qwen3_5"], num_draft_layers=1, truncate=False)
     _run, used, note, gen = bench.engine_run("static", dense_hybrid, rows=2, max_len=32, stops=[0])
     assert used == "static" and note is None and type(gen).__name__ == "HybridBatchGenerator"
+    from trainer.decode.generate import Sampling
+
+    figures, answers = bench.measure("static", dense_hybrid, [[[1, 2, 3], [4, 5]]], Sampling(max_new_tokens=3), 1, [0],
+                                     False)
+    assert figures["engine"] == "static" and figures["attention"] == "sdpa" and len(answers) == 2
     target = load_target(family_dirs["qwen3_next"], num_draft_layers=1, truncate=False)
     run, used, note, gen = bench.engine_run("static", target, rows=2, max_len=32, stops=[0])
     assert gen is None and note.startswith("the static engine cannot serve qwen3_next") and "measured HF generate" in note
