@@ -1,5 +1,6 @@
-"""An exact top-k over a wide last dimension (a vocabulary), in two narrow selections instead of one wide one. Pure
-torch, static shapes, no host sync: CUDA-graph capturable and traceable by torch.compile(fullgraph=True).
+"""An exact top-k over a wide last dimension (a vocabulary), in two narrow selections instead of one wide one. Torch
+(the chunk maxes on CUDA: one Triton kernel, trainer/model/chunk_max.py), static shapes, no host sync: CUDA-graph
+capturable and traceable by torch.compile(fullgraph=True).
 
 Shape legend: N rows, V columns (the vocabulary), c chunk width, C = ceil(V / c) chunks, k selected.
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from trainer.model.chunk_max import chunk_max
 
 # c = 128: the selections cost about C + k*c key reads a row, least near c = sqrt(V / k) (~97 for V = 151936 and
 # DFlash2's k = 16), and 128 divides Qwen's 151936 (1187 chunks: no ragged tail to fill). A 128-wide bf16 chunk is
@@ -66,7 +69,7 @@ def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor
         return x.gather(1, top), top
     full = V // chunk
     blocks = x[:, :full * chunk].reshape(N, full, chunk)  # a view of a row-contiguous x
-    maxes = blocks.amax(dim=-1)  # [N, full]: one read of the row
+    maxes = chunk_max(x, full, chunk)  # [N, full]: one read of the row
     if full < n_chunks:  # the ragged tail chunk
         maxes = torch.cat([maxes, x[:, full * chunk:].amax(dim=-1, keepdim=True)], dim=1)
     chunk_ids = torch.arange(n_chunks, device=x.device)
