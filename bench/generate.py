@@ -1,5 +1,5 @@
 """Batched generation benchmark: generated tokens/s of the engine regenerate uses (`trainer.regen.engines`: the
-static, graph-replayed batch generator of `trainer.decode.hybrid.batch_generator`, or HF `generate` where the static
+static, graph-replayed batch generator of `trainer.decode.generate.BatchGenerator`, or HF `generate` where the static
 engine does not serve the family) against HF `generate` (`hf_generate`), on the same prompts, with the step's floor
 beside them.
 
@@ -172,9 +172,8 @@ def bench_prompts(batch: int, longest: int, vocab: int, seed: int = 1) -> list[l
 
 def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
     """-> (run(prompts, sampling) -> answers, the engine that runs, a note or None). The static engine where
-    `batch_generator` serves the target, else HF generate, as trainer.regen.engines.answerer decides."""
-    from trainer.decode.generate import hf_generate
-    from trainer.decode.hybrid import batch_generator
+    `BatchGenerator` serves the target, else HF generate, as trainer.regen.engines.answerer decides."""
+    from trainer.decode.generate import BatchGenerator, hf_generate
 
     def hf(prompts, sampling):
         return hf_generate(target.model, prompts, sampling, stops, pad_id=0)
@@ -182,7 +181,7 @@ def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
     if engine == "hf":
         return hf, "hf", None, None
     try:
-        gen = batch_generator(target, rows, max_len, stop_ids=stops)
+        gen = BatchGenerator(target, rows, max_len, stop_ids=stops)
     except Exception as exc:  # noqa: BLE001 -- a refused family: what regenerate does then
         note = (f"the static engine cannot serve {target.model.config.model_type} ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); measured HF generate, what "

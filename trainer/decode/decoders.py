@@ -23,13 +23,10 @@ class Decoders(NamedTuple):
 
 
 def engine_for(engine: str, target, log=print) -> str:
-    """The engine a decode runs on: the one asked for, except that a target the static engine refuses (a layer kind
-    it has no decode layer for, as the Gated DeltaNet layers of a hybrid other than a dense Qwen3.5; dynamic RoPE:
-    `stack.check_supported`) is decoded by the hf engine, after one note line. A dense hybrid (Qwen3.5) is served:
-    `decoders` hands it to trainer/decode/hybrid.py."""
+    """The engine a decode runs on: the one asked for, except that a target the static engine refuses (a family or
+    layer kind it has no decode layer for, dynamic RoPE, bidirectional attention: `stack.check_supported`) is decoded
+    by the hf engine, after one note line. The hybrids (Qwen3.5, Qwen3.6, Qwen3-Next; dense and MoE) are served."""
     if engine != "static":
-        return engine
-    if _hybrid_serves(target):
         return engine
     from trainer.decode.stack import check_supported
     from trainer.errors import TrainerError
@@ -54,9 +51,10 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     A DFlash drafter proposes the head's argmax per mask position, a DFlash2 drafter its selector's greedy walk
     (docs/dflash2.md, "Decoding"). `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute
     the target's attention (sliding windows, soft-capping, sinks, Gemma's norms, MoE experts) decodes with SDPA or
-    eager attention, with a note. A dense hybrid (`hybrid.serves`) decodes through `hybrid.hybrid_decoder`:
-    uncompiled, SDPA attention, HF's norms, whatever `compile` and `invariant` ask (one note when they ask more). The
-    static engine captures its graphs here, in the calling (main) thread, before any decoding."""
+    eager attention, with a note. A hybrid (a target with Gated DeltaNet layers) decodes uncompiled, with SDPA
+    attention and HF's norms, whatever `compile` and `invariant` ask (one note when they ask more: its linear layers
+    are not traced by torch.compile, and its (1 + w) norms rule the invariant kernel out). The static engine captures
+    its graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "hf":
@@ -69,8 +67,12 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
 
         return Decoders(lambda ids, n, stops=(): generate_target_only(target, ids, n, stops), speculative, "none", "hf",
                         "hf")
-    if _hybrid_serves(target):
-        return _hybrid_decoders(target, drafter, block_size, capacity, compile, invariant, log)
+    if _hybrid(target):
+        asked = [f"compile={compile}"] * (compile != "none") + ["invariant"] * invariant
+        if asked:
+            log(f"note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms "
+                f"({', '.join(asked)} not applied)")
+        compile, invariant = "none", False
     from trainer.decode.drafters.dflash2 import StaticDFlash2Proposer
     from trainer.decode.engine import StaticDecoder
     from trainer.decode.lossless import norm_path
@@ -101,24 +103,12 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
                     norm_path(decoder.static))
 
 
-# ---- hybrid targets (Qwen3.5): the static engine through trainer/decode/hybrid.py, apart from StaticTarget's path
+def _hybrid(target) -> bool:
+    """Whether the target has Gated DeltaNet layers (refused first, in one line, where the stack refuses it)."""
+    from trainer.decode.stack import check_supported, layer_plan
 
-def _hybrid_serves(target) -> bool:
-    from trainer.decode import hybrid
-
-    return hybrid.serves(target.hf_config)
-
-
-def _hybrid_decoders(target, drafter, block_size: int, capacity: int, compile: str, invariant: bool,
-                     log) -> Decoders:
-    from trainer.decode import hybrid
-
-    asked = [f"compile={compile}"] * (compile != "none") + ["invariant"] * invariant
-    if asked:
-        log(f"note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms ({', '.join(asked)} "
-            f"not applied)")
-    decoder = hybrid.hybrid_decoder(target, drafter, block_size, capacity)
-    return Decoders(decoder.generate_target_only, decoder.generate_speculative, "none", "sdpa", "hf")
+    check_supported(target.hf_config)
+    return "linear" in layer_plan(target.hf_config).mixers
 
 
 def sync(device: torch.device) -> None:

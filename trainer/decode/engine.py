@@ -4,7 +4,8 @@ Two device-side programs, each captured once as a CUDA graph in the calling (mai
 - the decode step: target forward of 1 token at `pos` -> greedy next token; pos += 1;
 - the speculative round (DFlash, one drafter forward per block): draft B-1 tokens after `anchor` at `start`;
   verify [anchor, drafts] in one target forward; a = leading matches; the bonus token post[a] becomes the next
-  anchor; the block's tapped features go to the drafter's context; start += a + 1.
+  anchor; the block's tapped features go to the drafter's context; start += a + 1; the target commits the anchor
+  and the a accepted drafts (a hybrid's linear layers move their recurrent state past them: `stack.StaticTarget`).
 Per token (target-only) or per round (speculative) the host replays the graph and reads the result once -- the one
 sync the stop rule (EOS, max_new) needs. The prefill is a graph too, one per prompt-length bucket (`Prefill`): a
 prompt is padded up to its bucket, and the padding's K/V land in slots that no query sees before they are rewritten.
@@ -125,8 +126,9 @@ class StaticDecoder:
             raise ValueError(f"block_size {block_size} differs from the proposer's {proposer.block_size}")
         if proposer is not None and (getattr(proposer, "capacity", None) or capacity) < capacity:
             raise ValueError(f"the proposer's caches hold {proposer.capacity} positions, the decoder needs {capacity}")
-        # B spare slots: a verify at the last start writes a whole block. invariant: see StaticTarget.
-        self.static = self._static_target(target, capacity + block_size, block_size, invariant)
+        # B spare slots: a verify at the last start writes a whole block (and a hybrid's linear layers keep one).
+        # invariant: see StaticTarget.
+        self.static = StaticTarget(target, capacity + block_size, invariant=invariant, block=block_size)
         # compile: "all" sends the target's step/verify forwards and the drafter's draft/append through torch.compile
         # (fused norms and RoPE: fewer kernels per replay); "drafter" only the drafter's, so both target paths keep
         # the same uncompiled forward. The prefill (one graph per prompt-length bucket) always runs uncompiled.
@@ -158,10 +160,6 @@ class StaticDecoder:
             self.result = torch.zeros(1 + 2 * block_size, dtype=torch.long, device=dev)
             self.round = GraphProgram(self._spec_round, dev, graphs)
 
-    def _static_target(self, target, slots: int, block_size: int, invariant: bool):
-        """The static target the programs run over `slots` positions (a subclass serves other layer kinds)."""
-        return StaticTarget(target, slots, invariant=invariant)
-
     # ------------------------------------------------------------ device programs (no host sync inside)
 
     def _decode_step(self) -> None:
@@ -170,9 +168,10 @@ class StaticDecoder:
     def _spec_round(self) -> None:
         draft = self.proposer.draft(self.anchor, self.start)  # [B-1]
         block = torch.cat([self.anchor, draft])  # [B]
-        logits, feats = self._forward(block[None], self.start)
+        logits, feats = self._forward(block[None], self.start, verify=True)
         post = logits[0].argmax(-1)  # [B]: the target's greedy token after each block position
         a = (block[1:] == post[:-1]).long().cumprod(0).sum()  # leading accepted drafts
+        self.static.commit((a + 1).view(1))  # the anchor and the accepted drafts
         self.proposer.append(feats, self.start)
         self.result.copy_(torch.cat([a[None], block, post]))
         self.anchor.copy_(post.gather(0, a[None]))

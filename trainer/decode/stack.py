@@ -12,12 +12,22 @@ or length state: the write position is a device tensor.
     mixers    attention        softmax attention, full or sliding-window, soft-capped (Gemma 2) or with sinks
                                (gpt-oss): layers/attention.py
               gated_attention  the hybrids' output-gated softmax attention with partial RoPE: the same layer, gated
-              linear           Gated DeltaNet: no decode layer yet (`MIXERS` is where it plugs in)
+              linear           Gated DeltaNet over static recurrent state: layers/linear.py
     MLPs      dense     the HF module
               moe       router top-k and grouped expert GEMMs: layers/moe.py
 
 `check_supported` refuses a plan with a kind that has no decode layer, so the hf-engine fallback
 (`decoders.engine_for`) follows from the plan. Gemma 2 soft-caps the final logits too.
+
+A target with linear layers (the hybrids: Qwen3.5, Qwen3.6, Qwen3-Next; dense and MoE MLPs) adds a recurrent state
+per linear layer, and `forward` tells those layers what it is (`layers/linear.py` `LinearCall`):
+- a forward of one token (a decode step) takes it into every linear layer's state;
+- a prefill (`logits_at` or `last_only` given, or more than one token) takes its tokens into the state (with
+  `logits_at`: tokens 0..logits_at, leaving `engine.Prefill`'s bucket padding out); at position 0 it first zeroes
+  the state (a new sequence);
+- `verify=True` (a speculative verify of up to `block` tokens) leaves the state as it was and keeps the block, and
+  `commit(accepted [R])` then moves each row's state past its accepted prefix, on the device: no second forward.
+The attention layers write K/V at slot = position, so a rejected draft's K/V need no undo.
 
 Shape legend: L tokens, M cache slots, R rows, T taps, D hidden, V vocab.
 """
@@ -30,12 +40,12 @@ import torch
 from trainer.decode.kernels import RowInvariantRMSNorm, head_dim_supported, usable_for
 from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLayer, Step, identity,
                                              rope_from_inv_freq, ropes_of, visible_masks)
+from trainer.decode.layers.linear import PREFILL, STEP, VERIFY, GatedDeltaNetDecode, LinearCall, kernel_for
 from trainer.decode.layers.moe import MoeMLP, Routing, routing_of
 from trainer.errors import ConfigError
 from trainer.model.attention import SLIDING
 from trainer.model.linear_attention import LINEAR
 from trainer.model.target import Target, attention_kinds
-from trainer.targetdir import GATED_DELTANET_FAMILIES
 
 # model_type -> (layout, norms, the mixer kind of its softmax attention layers)
 FAMILIES = {
@@ -93,10 +103,14 @@ def _attention_layer(static: StaticTarget, i: int, layer) -> AttentionLayer:
                           gated=static.plan.mixers[i] == "gated_attention")
 
 
+def _linear_layer(static: StaticTarget, i: int, layer) -> GatedDeltaNetDecode:
+    return GatedDeltaNetDecode(layer.linear_attn, static.rows, static.block, static.kernel)
+
+
 # mixer kind -> its decode layer's builder, (StaticTarget, layer index, HF layer) -> a callable (h [R, L, D] normed,
-# Step, layer kind) -> [R, L, D] that owns its static buffers. None: no decode layer yet, and check_supported
-# refuses a plan that has one. The Gated DeltaNet layer (layers/linear.py) plugs in at "linear".
-MIXERS = {"attention": _attention_layer, "gated_attention": _attention_layer, "linear": None}
+# Step, layer kind) -> [R, L, D] that owns its static buffers. None would be a kind with no decode layer yet, which
+# check_supported refuses.
+MIXERS = {"attention": _attention_layer, "gated_attention": _attention_layer, "linear": _linear_layer}
 
 
 def _rope_types(cfg) -> set[str]:
@@ -120,9 +134,7 @@ def check_supported(cfg) -> None:
     cfg = _text(cfg)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in FAMILIES:
-        served = [t for t, (_, _, kind) in FAMILIES.items() if MIXERS[kind] is not None
-                  and (t not in GATED_DELTANET_FAMILIES or MIXERS["linear"] is not None)]
-        raise ConfigError(f"static decoding supports {', '.join(served)} targets, not {model_type!r}", hint=HINT)
+        raise ConfigError(f"static decoding supports {', '.join(FAMILIES)} targets, not {model_type!r}", hint=HINT)
     dynamic = sorted(t for t in _rope_types(cfg) if any(d in t for d in DYNAMIC_ROPE))
     if dynamic:
         raise ConfigError(f"static decoding does not support rope_type {dynamic[0]!r} (its frequencies change with "
@@ -150,10 +162,14 @@ class StaticTarget:
 
     `attention` says what computes attention: "invariant" (the row-invariant Triton kernel, asked for with
     `invariant`), "sdpa", or "eager" (soft-capped scores, sinks); `fallback` why an `invariant` request got another
-    one."""
+    one.
+
+    block: the longest verify a linear layer keeps (a speculative decoder's block size; 1 for a target that only
+    steps); kernel: a linear layer's prefill kernel (`layers/linear.py`; default: fla on CUDA where it imports).
+    In a padded batch a linear layer takes a padding token as zeros."""
 
     def __init__(self, target: Target, slots: int, rows: int = 1, invariant: bool = False,
-                 padded: bool = False) -> None:
+                 padded: bool = False, block: int = 1, kernel: str | None = None) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
         cfg = target.hf_config
@@ -169,8 +185,9 @@ class StaticTarget:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = attn0.head_dim
-        self.slots, self.rows, self.padded = slots, rows, padded
+        self.slots, self.rows, self.padded, self.block = slots, rows, padded, block
         weight = target.embed_tokens.weight
+        self.kernel = kernel or kernel_for(weight.device)
         self.dtype = weight.dtype
         self.slot_ids = torch.arange(slots, device=weight.device)
         softmax = tuple(k for k in kinds.kinds if k != LINEAR)
@@ -213,6 +230,7 @@ class StaticTarget:
                                                                                           self.layers))]
         self.mlps = [MoeMLP(layer.mlp, self.plan.routing, self.plan.top_k) if kind == "moe" else layer.mlp
                      for kind, layer in zip(self.plan.mlps, self.layers)]
+        self.linear = [m for m in self.mixers if isinstance(m, GatedDeltaNetDecode)]
         # the K/V caches by layer (None for a layer without one), as the row-invariance probe (bench.invariance) reads
         self.k = [getattr(m, "k", None) for m in self.mixers]
         self.v = [getattr(m, "v", None) for m in self.mixers]
@@ -240,29 +258,41 @@ class StaticTarget:
     def device(self) -> torch.device:
         return self.slot_ids.device
 
-    def _step(self, pos: torch.Tensor, span: int, dtype: torch.dtype) -> Step:
+    def _step(self, pos: torch.Tensor, span: int, dtype: torch.dtype, linear: LinearCall | None) -> Step:
         rope_pos = pos[None, :] - self.row_start[:, None] if self.padded else pos
         ropes = {kind: rope_from_inv_freq(rope_pos, inv, scale, dtype) for kind, (inv, scale) in self.ropes.items()}
         # the invariant kernel masks by position itself (full causal attention, rows unpadded)
         masks = None if self.attention == INVARIANT else visible_masks(
             self.slot_ids, pos, span, self.row_start if self.padded else None,
             self.window if SLIDING in self.kinds else None)
-        return Step(pos, ropes, masks, span, self.attention, self.softcap, self.padded)
+        return Step(pos, ropes, masks, span, self.attention, self.softcap, self.padded, linear)
+
+    def _linear_call(self, pos: torch.Tensor, rows: int, logits_at: torch.Tensor | None, last_only: bool,
+                     verify: bool) -> LinearCall | None:
+        """What this forward asks of the linear layers (the module docstring), or None for a target without any."""
+        if not self.linear:
+            return None
+        L = pos.shape[0]
+        mode = VERIFY if verify else STEP if L == 1 and logits_at is None and not last_only else PREFILL
+        valid = None if logits_at is None else (logits_at.view(-1)[-1:] + 1).expand(rows)
+        real = pos[None, :] >= self.row_start[:, None] if self.padded else None  # [R, L]
+        return LinearCall(mode, pos[0] == 0, valid, real)
 
     @torch.no_grad()
     def forward(self, ids_RL: torch.Tensor, pos0: torch.Tensor, want_features: bool = True,
-                last_only: bool = False, logits_at: torch.Tensor | None = None, span: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, logits_at: torch.Tensor | None = None, span: int | None = None,
+                verify: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [R, L] (R = rows) at slots pos0..pos0+L-1 (pos0: 0-dim long device tensor) -> (logits [R, L, V]
         fp32 -- [R, 1, V] of the last position when `last_only`, of index `logits_at` ([1] long device tensor) when
         given --, tapped features [R, L, T*D] or None). Writes the layers' buffers at slots pos0..pos0+L-1;
         pos0 + L <= slots. span: attention reads slots 0..span-1 only (pos0 + L <= span; default: every slot), so a
-        short sequence in a long cache does not pay for the whole cache."""
-        L = ids_RL.shape[1]
+        short sequence in a long cache does not pay for the whole cache. verify: a speculative verify (the linear
+        layers keep their state; `commit` follows; the module docstring)."""
+        R, L = ids_RL.shape
         span = self.slots if span is None else span
         pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L] slots
         x = self.target.embed_tokens(ids_RL)
-        step = self._step(pos, span, x.dtype)
+        step = self._step(pos, span, x.dtype, self._linear_call(pos, R, logits_at, last_only, verify))
         taps: dict[int, torch.Tensor] = {}
         for i in range(len(self.layers)):
             out = self.mixers[i](self.input_norms[i](x), step, self.kinds[i])
@@ -276,6 +306,13 @@ class StaticTarget:
                 taps[i] = x
         return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
                              want_features=want_features, softcap=self.final_softcap)
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """After a `verify` forward: row r keeps the first accepted[r] tokens of the block (device tensor [R]) in
+        its linear layers' states. Nothing to do for a target without linear layers (its K/V sit at slot =
+        position)."""
+        for layer in self.linear:
+            layer.commit(accepted)
 
 
 def head_and_taps(target: Target, final_norm, x: torch.Tensor, taps: dict, *, logits_at: torch.Tensor | None,

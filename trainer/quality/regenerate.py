@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from trainer.decode.generate import Sampling, hf_generate
-from trainer.decode.hybrid import batch_generator
+from trainer.decode.generate import BatchGenerator
 from trainer.decode.stops import model_stop_ids
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
@@ -122,7 +122,7 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
 
 class ContinuationEngine:
     """answer(windows: list of equal-length token lists) -> greedy continuations, each through the first
-    <|endoftext|> (kept). regen.engine "static": the static batch generator (`trainer.decode.hybrid.batch_generator`:
+    <|endoftext|> (kept). regen.engine "static": the static batch generator (`trainer.decode.generate.BatchGenerator`:
     one static cache, one graph replay per token for the whole batch), built on first use with min(batch size,
     windows) rows; if it raises, a one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`:
     left-padded batches, launch-bound). `used` says which ran."""
@@ -141,7 +141,7 @@ class ContinuationEngine:
             return self._hf(chunk)
         try:
             if self.gen is None:
-                self.gen = batch_generator(self.target, self.rows, self.cfg.continuation_prompt_tokens
+                self.gen = BatchGenerator(self.target, self.rows, self.cfg.continuation_prompt_tokens
                                           + self.cfg.continuation_new_tokens, [self.eot])
             return self.gen.generate(chunk, self.sampling)
         except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference

@@ -2,9 +2,8 @@
 first stop id (kept; an answer that reaches --max-new without one keeps all its tokens; which ids stop it:
 trainer/decode/stops.py).
 
-  static  trainer.decode.generate.BatchGenerator (a dense hybrid: trainer.decode.hybrid.HybridBatchGenerator, through
-          `batch_generator`): one static KV cache for `rows` prompts of varying length, one CUDA graph replay per
-          token. Where it refuses the target (a family it does not serve) or cannot be built, one
+  static  trainer.decode.generate.BatchGenerator: one static KV cache (and a hybrid's recurrent states) for `rows`
+          prompts of varying length, one CUDA graph replay per token. Where it refuses the target (a family it does not serve) or cannot be built, one
           note line and the hf engine instead.
   hf      trainer.decode.generate.hf_generate: HF `generate` over left-padded batches (KV cache, launch-bound), the
           reference.
@@ -57,9 +56,9 @@ def answerer(engine: str, target, *, rows: int, max_len: int, stops: Sequence[in
     if engine == "hf":
         return Answerer(hf, "hf")
     try:
-        from trainer.decode.hybrid import batch_generator
+        from trainer.decode.generate import BatchGenerator
 
-        gen = batch_generator(target, rows, max_len, list(stops))
+        gen = BatchGenerator(target, rows, max_len, list(stops))
     except Exception as exc:  # noqa: BLE001 -- a refused family, a failed build: hf is the reference
         log(f"note: the static engine cannot serve this target ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no message'}); generating with the hf engine")

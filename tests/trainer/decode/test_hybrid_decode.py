@@ -1,6 +1,7 @@
-"""Hybrid targets (Qwen3.5, Qwen3-Next) through the static decoder (trainer/decode/hybrid.py): its forward against
-HF's forward, and greedy decoding, target-only and speculative, token for token against the HF-cache reference --
-the speculative rounds keeping the recurrent state of the accepted prefix with no second target forward."""
+"""Hybrid targets (Qwen3.5 dense, Qwen3-Next and Qwen3.5-MoE with MoE MLPs) through the static engine
+(`stack.StaticTarget` with its Gated DeltaNet layers): its forward against HF's forward, greedy decoding, target-only
+and speculative, token for token against the HF-cache reference -- the speculative rounds keeping the recurrent state
+of the accepted prefix with one target forward per round --, and batched generation against HF `generate`."""
 from __future__ import annotations
 
 import pytest
@@ -10,15 +11,15 @@ from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
 from tests.trainer.decode.test_static_decode import _WrongAt
 from tests.trainer.families import build_family_target
 from trainer.decode.decoders import decoders, engine_for
-from trainer.decode.generate import Sampling, hf_generate
-from trainer.decode.hybrid import (HybridBatchGenerator, HybridDecoder, HybridStaticTarget, batch_generator,
-                                   serves)
+from trainer.decode.engine import StaticDecoder
+from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
+from trainer.decode.layers.moe import MoeMLP
 from trainer.decode.reference import DFlashProposer, generate_speculative, generate_target_only
+from trainer.decode.stack import StaticTarget
 from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
-from trainer.errors import ConfigError
 from trainer.model.target import load_target
 
-FAMILIES = ("qwen3_5", "qwen3_next")
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def test_static_forward_verify_and_commit_equal_hfs_forward(targets, family):
     P = ids.shape[1]
     block = torch.tensor([[5, 9, 11, 13]])
     nxt = torch.tensor([[17]])
-    static = HybridStaticTarget(target, slots=64, block=4)
+    static = StaticTarget(target, slots=64, block=4)
+    assert isinstance(static.mlps[1], MoeMLP) == (family != "qwen3_5")  # MoE MLPs through the stack's layer
     zero = torch.zeros((), dtype=torch.long)
     logits, feats = static.forward(ids, zero)
     want = hf_logits(target, ids)
@@ -68,64 +70,27 @@ def test_target_only_and_speculative_equal_hfs_greedy_decoding(targets, family):
         want = generate_target_only(target, ids, new)
         greedy = generate_target_only(target, ids, new + block_size)  # the last round drafts past `new`
         table = torch.tensor(ids + greedy)
-        plain = HybridDecoder(target, capacity=64, graphs=False)
+        plain = StaticDecoder(target, capacity=64, graphs=False)
         assert plain.generate_target_only(ids, new) == want, (family, text)
-        perfect = HybridDecoder(target, 64, TableProposer(table, block_size), block_size, graphs=False)
+        perfect = StaticDecoder(target, 64, TableProposer(table, block_size), block_size, graphs=False)
         got = perfect.generate_speculative(ids, new)
         assert got.tokens == want and set(got.accepted[:-1]) == {block_size - 1}, (family, text, got.accepted)
-        wrong = HybridDecoder(target, 64, _WrongAt(table, block_size, 3, vocab), block_size, graphs=False)
-        got = wrong.generate_speculative(ids, new)
+        wrong = StaticDecoder(target, 64, _WrongAt(table, block_size, 3, vocab), block_size, graphs=False)
+        forwards = []  # the target's forwards (the table proposer embeds nothing)
+        handle = target.embed_tokens.register_forward_hook(lambda *args: forwards.append(1))
+        try:
+            got = wrong.generate_speculative(ids, new)
+        finally:
+            handle.remove()
         assert got.tokens == want and set(got.accepted) == {2}, (family, text, got.accepted)
+        assert len(forwards) == 1 + len(got.accepted)  # the prefill, then one verify per round: no second forward
         drafter = StaticDFlashProposer(target, _drafter(target), block_size, slots=64 + block_size)
-        got = HybridDecoder(target, 64, drafter, block_size, graphs=False).generate_speculative(ids, new)
+        got = StaticDecoder(target, 64, drafter, block_size, graphs=False).generate_speculative(ids, new)
         assert got.tokens == want, (family, text)
 
 
-def rotary_positions_5_17(position_ids: torch.Tensor) -> torch.Tensor:
-    """transformers 5.17's `Qwen3_5TextRotaryEmbedding.forward` reads its position ids as
-    `position_ids[:, :, None, :]` with dim 0 the three mrope sections, so it takes [3, R, L] only (a 2-D [R, L] is
-    `IndexError: too many indices`); later releases expand [R, L] themselves. Returns what it indexes."""
-    assert position_ids.ndim == 3 and position_ids.shape[0] == 3, tuple(position_ids.shape)
-    return position_ids[:, :, None, :]
-
-
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_rotary_position_ids_take_the_form_every_release_accepts(targets, family, padded):
-    """What the static target hands HF's rotary module (seen through a forward pre-hook on the real module):
-    Qwen3.5's mrope form [3, R, L] (which 5.17's rule indexes), Qwen3-Next's plain [R, L]; cos/sin equal HF's own."""
-    target = targets[family]
-    rotary = target.model.model.rotary_emb
-    seen = []
-    handle = rotary.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
-    try:
-        static = HybridStaticTarget(target, slots=16, rows=2, padded=padded)
-        static.forward(torch.tensor([[5, 9, 11], [13, 17, 19]]), torch.zeros((), dtype=torch.long))
-    finally:
-        handle.remove()
-    assert len(seen) == 1
-    ids = seen[0]
-    if family == "qwen3_5":
-        rotary_positions_5_17(ids)
-        assert ids.shape == (3, 2, 3) and (ids == torch.arange(3)).all()
-    else:
-        assert ids.shape == (2, 3)
-    x = torch.zeros(2, 3, target.hf_config.hidden_size)
-    for got, want in zip(rotary(x, ids), rotary(x, torch.arange(3)[None].expand(2, 3))):
-        torch.testing.assert_close(got, want)
-
-
-def test_a_softmax_only_target_is_refused_in_one_line(tmp_path):
-    target = load_target(build_family_target(tmp_path / "q", "qwen3"), num_draft_layers=2, layer_ids=(1, 3),
-                         truncate=False)
-    with pytest.raises(ConfigError, match="hybrid static target takes"):
-        HybridStaticTarget(target, slots=16)
-
-
-def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
-    target = targets["qwen3_5"]
-    assert serves(target.hf_config) and not serves(targets["qwen3_next"].hf_config)  # its MoE MLPs: not yet
-    drafter = _drafter(target)
+def test_the_decoders_for_a_hybrid_equal_the_hf_engines(targets):
+    drafter = _drafter(target := targets["qwen3_5"])
     made = decoders(target, drafter, 4, capacity=64)
     assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
     ids = _prompt_ids(target, PROMPTS[1])
@@ -135,15 +100,14 @@ def test_the_decoders_for_a_served_hybrid_equal_the_hf_engines(targets):
     assert got.tokens == want.tokens and got.accepted == want.accepted  # the same drafter proposes the same blocks
 
 
-def test_decoders_route_a_served_hybrid_to_the_static_engine_and_others_to_hf(targets):
-    """`decoders.engine_for` keeps the static engine for Qwen3.5 (no note) and hands Qwen3-Next (MoE MLPs) to hf
-    with one note; `decoders.decoders` builds the hybrid decoders, one note saying compile/invariant do not apply."""
-    target = targets["qwen3_5"]
+def test_decoders_keep_every_hybrid_on_the_static_engine(targets):
+    """`decoders.engine_for` keeps the static engine for every hybrid, dense or MoE, with no note; `decoders.decoders`
+    builds them uncompiled, one note saying compile/invariant do not apply."""
     notes: list[str] = []
-    assert engine_for("static", target, notes.append) == "static" and notes == []
-    assert engine_for("static", targets["qwen3_next"], notes.append) == "hf"
-    assert len(notes) == 1 and notes[0].startswith("note: the static engine cannot serve this target")
-    notes.clear()
+    for family in FAMILIES:
+        assert engine_for("static", targets[family], notes.append) == "static", family
+    assert notes == []
+    target = targets["qwen3_next"]
     made = decoders(target, _drafter(target), 4, 64, compile="drafter", invariant=True, log=notes.append)
     assert (made.compile, made.attention, made.norms) == ("none", "sdpa", "hf")
     assert notes == ["note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms "
@@ -161,25 +125,19 @@ def test_a_batch_of_different_prompt_lengths_equals_hf_generate(targets, family)
     continues as HF's generate (its own left padding and mask) continues it."""
     target = targets[family]
     prompts = [_prompt_ids(target, text) for text in PROMPTS[:3]]
-    prompts[1] = prompts[1][:5]  # lengths far apart
+    prompts[0], prompts[1] = prompts[0] + prompts[2], prompts[1][:5]  # lengths far apart
     assert len({len(p) for p in prompts}) == 3
     sampling = Sampling(max_new_tokens=12)
     stops = [target.tokenizer.eos_token_id]
     want = hf_generate(target.model, prompts, sampling, stops, target.tokenizer.pad_token_id)
-    if family == "qwen3_5":
-        gen = batch_generator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
-        assert isinstance(gen, HybridBatchGenerator)
-    else:  # MoE MLPs: not served yet, so BatchGenerator's own refusal
-        with pytest.raises(ConfigError, match="static decoding has no decode layer for linear mixers"):
-            batch_generator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
-        gen = HybridBatchGenerator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
+    gen = BatchGenerator(target, rows=4, max_len=64, stop_ids=stops, graphs=False)
     assert gen.generate(prompts, sampling) == want
     for p, w in zip(prompts, want):  # and each row as it decodes alone
         assert w == generate_target_only(target, p, 12, stops)
     # the logits too, of a prefill padded with a real token (the pad id's embedding row is zero, which would hide
     # padding that reached the recurrent state)
     P = max(map(len, prompts))
-    static = HybridStaticTarget(target, slots=64, rows=3, padded=True)
+    static = StaticTarget(target, slots=64, rows=3, padded=True)
     static.row_start.copy_(torch.tensor([P - len(p) for p in prompts]))
     ids = torch.tensor([[prompts[0][0]] * (P - len(p)) + p for p in prompts])
     logits, _ = static.forward(ids, torch.zeros((), dtype=torch.long), want_features=False)

@@ -40,6 +40,7 @@ class Step(NamedTuple):
     how: str  # INVARIANT | SDPA | EAGER
     softcap: float | None  # Gemma 2's attention score cap
     padded: bool  # rows of different prompt lengths
+    linear: object = None  # what the Gated DeltaNet layers are asked (layers/linear.py `LinearCall`); None: none
 
 
 def ropes_of(hf_model, kinds) -> dict[str, tuple[torch.Tensor, float]]:

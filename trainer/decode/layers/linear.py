@@ -16,10 +16,20 @@ CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves
 Every method is free of host syncs and value-dependent shapes: the counts are device tensors, the block length a
 Python int fixed per captured graph.
 
+Called like the attention layer (`layer(h, step, kind)`), a `GatedDeltaNetDecode` is the stack's `linear` mixer
+(`stack.MIXERS`): what the forward asks of it arrives as the step's `LinearCall` --
+    prefill  from position 0 the state is zeroed first (a new sequence); row r takes its first valid[r] tokens
+    step     a decode step: every token enters the state
+    verify   a speculative verify: `forward` (the state kept; `commit` follows)
+and in a padded batch a padding token enters as zeros (HF's `apply_mask_to_padding_states`), which leaves the zero
+state of a new sequence zero.
+
 Shape legend: R rows, L tokens, D hidden, C conv channels (2 * key dim + value dim), K conv taps, Hv value heads,
 dk / dv head dims, B the longest block `forward` keeps.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,6 +40,16 @@ from trainer.model.linear_attention import (
 )
 
 KERNELS = ("torch", "fla")
+PREFILL, STEP, VERIFY = "prefill", "step", "verify"
+
+
+class LinearCall(NamedTuple):
+    """What every Gated DeltaNet layer of one forward is asked (the stack builds it once per forward)."""
+
+    mode: str  # PREFILL | STEP | VERIFY (a Python str: fixed per captured graph)
+    fresh: torch.Tensor  # 0-dim bool: the forward starts at position 0, a new sequence
+    valid: torch.Tensor | None  # [R] long: the tokens a prefill takes into the state (None: all of them)
+    real: torch.Tensor | None  # [R, L] bool: a padded batch's real tokens (None: unpadded rows)
 
 
 class GatedDeltaNetDecode:
@@ -87,6 +107,21 @@ class GatedDeltaNetDecode:
         at = (n.view(-1, 1) + self.taps_at)[..., None].expand(-1, -1, window.shape[-1])  # [R, K-1, C]
         self.conv.copy_(window.gather(1, at).transpose(1, 2))
         self.state.copy_(state_after(self.state, terms, n))
+
+    # ------------------------------------------------------------ the stack's mixer
+
+    def __call__(self, h: torch.Tensor, step, kind: str | None = None) -> torch.Tensor:
+        """h [R, L, D] (the normed input) -> the layer's output [R, L, D], as `step.linear` (a `LinearCall`) asks.
+        kind: unused (the attention layer's argument)."""
+        call: LinearCall = step.linear
+        if call.real is not None:
+            h = h * call.real[..., None].to(h.dtype)
+        if call.mode == VERIFY:
+            return self.forward(h)
+        if call.mode == STEP:
+            return self.step(h)
+        self.reset(call.fresh.expand(h.shape[0]))
+        return self.prefill(h, call.valid)
 
     # ------------------------------------------------------------ the decode API
 
