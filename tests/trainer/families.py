@@ -13,9 +13,11 @@ SOFTMAX_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "gemma2")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers beside full attention
 FAMILIES = SOFTMAX_FAMILIES + MOE_FAMILIES + HYBRID_FAMILIES
-# what the static engine computes: StaticTarget (trainer/decode/stack.py) these; qwen3_5 it serves through
-# trainer/decode/hybrid.py; the other hybrids decode through HF's
-STATIC_ENGINE_FAMILIES = SOFTMAX_FAMILIES + MOE_FAMILIES
+# what the static engine computes (StaticTarget, trainer/decode/stack.py): every family
+STATIC_ENGINE_FAMILIES = FAMILIES
+# a Llama whose RoPE frequencies change with the sequence length (rope_type dynamic): trained on, but refused by the
+# static engine, so eval, regenerate and the bench fall back to HF for it
+REFUSED_BY_STATIC = "llama_dynamic"
 # 4 layers, two of each kind, so that taps (1, 3) read a linear-attention and a full-attention layer's output
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
@@ -33,6 +35,8 @@ def family_config(family: str, vocab: int, layers: int = 4):
         return tf.LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 64})
+    if family == REFUSED_BY_STATIC:
+        return tf.LlamaConfig(**common, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     if family == "mistral":
         return tf.MistralConfig(**common, sliding_window=WINDOW)
     if family == "gemma3":

@@ -155,18 +155,22 @@ def test_every_prompt_format_decodes_on_every_family(family, family_dirs, tmp_pa
     assert {r["engine"] for r in records} == {"static"} and not notes
 
 
-@pytest.mark.parametrize("family, engine", [("qwen3_5", "static"), ("qwen3_next", "hf"), ("gpt_oss", "static"),
-                                            ("qwen3_moe", "static"), ("mixtral", "static")])
+@pytest.mark.parametrize("family, engine", [("qwen3_5", "static"), ("qwen3_next", "static"), ("gpt_oss", "static"),
+                                            ("qwen3_moe", "static"), ("mixtral", "static"), ("qwen3_5_moe", "static"),
+                                            ("llama_dynamic", "hf")])
 def test_the_2026_families_decode_losslessly(family, engine, family_dirs, tmp_path, capsys):
-    """Attention sinks and MoE on the static engine (its layer stack); a dense hybrid (Qwen3.5) on the static engine
-    too (trainer/decode/hybrid.py: SDPA attention and HF's norms, not the invariant ones eval asks for); an MoE-less
-    hybrid the stack has no layer for (Qwen3-Next): the static engine says in one line that it hands it to the hf
-    engine. Either way speculative output equals the target's alone."""
+    """Attention sinks, MoE and the hybrids, dense and MoE, on the static engine (its layer stack; a hybrid with SDPA
+    attention and HF's norms, not the invariant ones eval asks for); a target the stack refuses (dynamic RoPE): the
+    static engine says in one line that it hands it to the hf engine. Either way speculative output equals the
+    target's alone."""
     from tests.trainer.conftest import make_state
+    from tests.trainer.families import build_family_target
     from trainer.__main__ import main
     from trainer.export import ExportConfig, export_drafter
     from trainer.model.target import load_target
 
+    if family not in family_dirs:  # the refused one
+        family_dirs = {family: build_family_target(tmp_path / family, family)}
     target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3))
     state = make_state(target, block_size=4, seed=1)
     export_drafter(tmp_path / "export", state.drafter, ExportConfig.of(state.drafter.cfg, target, 4),
@@ -180,5 +184,5 @@ def test_the_2026_families_decode_losslessly(family, engine, family_dirs, tmp_pa
     assert all(r["identical"] == 1 and r["engine"] == engine for r in records), records
     fallbacks = [x for x in out if x.startswith("note: the static engine cannot serve this target")]
     assert len(fallbacks) == (0 if engine == "static" else 1), out
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5") or family == "qwen3_next":
         assert {(r["attention"], r["norms"]) for r in records} == {("sdpa", "hf")}, records

@@ -80,10 +80,11 @@ def test_the_step_floor_of_the_8b_shape_at_batch_256():
     assert hybrid["kv_bytes"] == 4 * 1000 * 8 * 2 * 4 * 256 * 2
 
 
-def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_not_serve(family_dirs):
-    """--shape names every family of bench/shapes.py; the static engine runs gpt-oss (and the MoE families) and a
-    dense hybrid (Qwen3.5, through trainer/decode/hybrid.py); on a family it refuses (Qwen3-Next), the static engine's
-    run is HF generate with a note (tiny targets: the shapes themselves are GPU-sized)."""
+def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_not_serve(family_dirs, tmp_path):
+    """--shape names every family of bench/shapes.py; the static engine runs gpt-oss (and the MoE families) and the
+    hybrids, dense and MoE; on a target it refuses (dynamic RoPE), the static engine's run is HF generate with a note
+    (tiny targets: the shapes themselves are GPU-sized)."""
+    from tests.trainer.families import REFUSED_BY_STATIC, build_family_target
     from bench.shapes import SHAPES
     from trainer.model.target import load_target
 
@@ -92,17 +93,19 @@ def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_no
     oss = load_target(family_dirs["gpt_oss"], num_draft_layers=1, truncate=False)
     _run, used, note, gen = bench.engine_run("static", oss, rows=2, max_len=32, stops=[0])
     assert used == "static" and note is None and gen is not None
-    dense_hybrid = load_target(family_dirs["qwen3_5"], num_draft_layers=1, truncate=False)
-    _run, used, note, gen = bench.engine_run("static", dense_hybrid, rows=2, max_len=32, stops=[0])
-    assert used == "static" and note is None and type(gen).__name__ == "HybridBatchGenerator"
     from trainer.decode.generate import Sampling
 
-    figures, answers = bench.measure("static", dense_hybrid, [[[1, 2, 3], [4, 5]]], Sampling(max_new_tokens=3), 1, [0],
-                                     False)
-    assert figures["engine"] == "static" and figures["attention"] == "sdpa" and len(answers) == 2
-    target = load_target(family_dirs["qwen3_next"], num_draft_layers=1, truncate=False)
+    for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
+        hybrid = load_target(family_dirs[family], num_draft_layers=1, truncate=False)
+        _run, used, note, gen = bench.engine_run("static", hybrid, rows=2, max_len=32, stops=[0])
+        assert used == "static" and note is None and gen is not None, family
+        figures, answers = bench.measure("static", hybrid, [[[1, 2, 3], [4, 5]]], Sampling(max_new_tokens=3), 1,
+                                         [0], False)
+        assert figures["engine"] == "static" and figures["attention"] == "sdpa" and len(answers) == 2, family
+    target = load_target(build_family_target(tmp_path / "refused", REFUSED_BY_STATIC), num_draft_layers=1,
+                         truncate=False)
     run, used, note, gen = bench.engine_run("static", target, rows=2, max_len=32, stops=[0])
-    assert gen is None and note.startswith("the static engine cannot serve qwen3_next") and "measured HF generate" in note
+    assert gen is None and note.startswith("the static engine cannot serve llama") and "measured HF generate" in note
     assert len(run([[1, 2, 3], [4, 5]], __import__("trainer.decode.generate", fromlist=["Sampling"]).Sampling(
         max_new_tokens=3))) == 2
 

@@ -126,21 +126,20 @@ def test_target_only_and_speculative_decoding_equal_hf(family, family_dirs):
         assert perfect.tokens == want and set(perfect.accepted[:-1]) == {B - 1}
 
 
-def test_the_engine_serves_moe_and_hands_hybrids_to_hf(family_dirs):
-    """decoders.engine_for: an MoE target stays on the static engine, silently, and so does a dense hybrid (Qwen3.5,
-    served by trainer/decode/hybrid.py); another hybrid (Qwen3-Next) goes to hf after one note naming the kind of
-    layer the static engine has no decode layer for."""
+def test_the_engine_serves_moe_and_hands_what_it_refuses_to_hf(family_dirs, tmp_path):
+    """decoders.engine_for: an MoE target stays on the static engine, silently, and so do the hybrids, dense and MoE;
+    a target the stack refuses (dynamic RoPE) goes to hf after one note naming why."""
+    from tests.trainer.families import REFUSED_BY_STATIC, build_family_target
     from trainer.decode.decoders import engine_for
 
     notes: list[str] = []
-    for family in MOE:
-        assert engine_for("static", family_target(family_dirs, family), notes.append) == "static"
+    for family in MOE + ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
+        assert engine_for("static", family_target(family_dirs, family), notes.append) == "static", family
     assert notes == []
-    dense_hybrid = load_target(family_dirs["qwen3_5"], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
-    assert engine_for("static", dense_hybrid, notes.append) == "static" and notes == []  # trainer/decode/hybrid.py's
-    hybrid = load_target(family_dirs["qwen3_next"], num_draft_layers=2, layer_ids=(1, 3), truncate=False)
-    assert engine_for("static", hybrid, notes.append) == "hf"
-    assert len(notes) == 1 and "no decode layer for linear mixers" in notes[0]
+    refused = load_target(build_family_target(tmp_path / "refused", REFUSED_BY_STATIC), num_draft_layers=2,
+                          layer_ids=(1, 3), truncate=False)
+    assert engine_for("static", refused, notes.append) == "hf"
+    assert len(notes) == 1 and "rope_type 'dynamic'" in notes[0]
 
 
 def test_gpt_oss_without_its_sinks_or_its_window_differs_from_hf(family_dirs):
