@@ -430,8 +430,7 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_holds_it(tiny_t
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
 def test_the_whole_path_on_a_2026_family(family, family_dirs, tmp_path, capsys):
-    """regenerate (a dense hybrid on the static engine, trainer/decode/hybrid.py; gpt-oss on the static engine's layer
-    stack) -> train -> export -> eval on a hybrid and on gpt-oss, and the export loads into SpecForge's DFlash drafter
+    """regenerate (a dense hybrid and gpt-oss on the static engine's layer stack) -> train -> export -> eval on a hybrid and on gpt-oss, and the export loads into SpecForge's DFlash drafter
     (an implementation written elsewhere) with every weight used."""
     from trainer.__main__ import main
 

@@ -154,7 +154,7 @@ def test_reuse_trains_a_new_drafter_on_an_earlier_runs_target_and_data(cpu_run, 
 @pytest.mark.slow
 def test_a_hybrid_target_goes_through_every_stage_and_decodes_losslessly(tmp_path):
     """target.family=qwen3_5: a Gated DeltaNet hybrid pretrained, regenerating and decoding through the static engine
-    (trainer/decode/hybrid.py; no fallback note), every output equal to the target's alone."""
+    (its layer stack; no fallback note), every output equal to the target's alone."""
     out = tmp_path / "q"
     proc = _run("--recipe", "quality_cpu", "--out", str(out), "--set", "target.family=qwen3_5",
                 "--set", "pretrain.steps=30", "--set", "regen.train_prompts=16", "--set", "regen.continuations=8",
