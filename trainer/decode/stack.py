@@ -187,7 +187,7 @@ class StaticTarget:
         self.head_dim = attn0.head_dim
         self.slots, self.rows, self.padded, self.block = slots, rows, padded, block
         weight = target.embed_tokens.weight
-        self.kernel = kernel or kernel_for(weight.device)
+        self.kernel = kernel or (kernel_for(weight.device) if "linear" in self.plan.mixers else "torch")
         self.dtype = weight.dtype
         self.slot_ids = torch.arange(slots, device=weight.device)
         softmax = tuple(k for k in kinds.kinds if k != LINEAR)
