@@ -224,7 +224,7 @@ def measure(engine: str, target, chunks: list[list[list[int]]], sampling, repeat
                "wall_s": round(wall, 4), "wall_s_spread": [round(min(walls), 4), round(max(walls), 4)],
                "tokens_per_s": round(tokens / wall, 1), "ms_per_token_step": round(1e3 * wall * rows / tokens, 3),
                "peak_gib": round(peak, 3), "setup_s": round(setup_s, 2),
-               "attention": getattr(gen.static, "attention", "sdpa") if gen is not None else "hf",
+               "attention": gen.static.attention if gen is not None else "hf",
                "device": str(device), "dtype": str(target.embed_tokens.weight.dtype).replace("torch.", ""),
                "torch": torch.__version__}
     if note:
