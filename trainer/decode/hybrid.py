@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.generate import BatchGenerator
+from trainer.decode.whole_batch import WholeBatchGenerator
 from trainer.decode.layers.linear import GatedDeltaNetDecode, decode_layers, kernel_for
 from trainer.decode.stack import head_and_taps
 from trainer.errors import ConfigError
@@ -211,9 +212,10 @@ def hybrid_decoder(target: Target, drafter, block_size: int, capacity: int) -> H
     return HybridDecoder(target, capacity, proposer, block_size)
 
 
-class HybridBatchGenerator(BatchGenerator):
-    """`BatchGenerator` (rows of different prompt lengths, one graph replay per token for the batch) over a padded
-    `HybridStaticTarget`: its contract, its device programs and host loop, unchanged."""
+class HybridBatchGenerator(WholeBatchGenerator):
+    """`BatchGenerator`'s contract over a padded `HybridStaticTarget`, on the whole-batch path (`whole_batch.py`:
+    chunks of `rows` prompts, no refilled slots): a refill would have to reset and prefill one row's linear-attention
+    states alone, which `layers/linear.py` does not do yet."""
 
     def _static_target(self, target: Target, rows: int, max_len: int) -> "HybridStaticTarget":
         return HybridStaticTarget(target, max_len, rows=rows, block=1, padded=True)

@@ -32,7 +32,7 @@ from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLa
                                              rope_from_inv_freq, ropes_of, visible_masks)
 from trainer.decode.layers.moe import MoeMLP, Routing, routing_of
 from trainer.errors import ConfigError
-from trainer.model.attention import SLIDING
+from trainer.model.attention import FULL, SLIDING
 from trainer.model.linear_attention import LINEAR
 from trainer.model.target import Target, attention_kinds
 from trainer.targetdir import GATED_DELTANET_FAMILIES
@@ -262,7 +262,36 @@ class StaticTarget:
         span = self.slots if span is None else span
         pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L] slots
         x = self.target.embed_tokens(ids_RL)
-        step = self._step(pos, span, x.dtype)
+        x, taps = self._layers(x, self._step(pos, span, x.dtype), want_features)
+        return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
+                             want_features=want_features, softcap=self.final_softcap)
+
+    @torch.no_grad()
+    def forward_rows(self, ids_RL: torch.Tensor, pos_RL: torch.Tensor, rows: torch.Tensor, span: int,
+                     last_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-row positions (layers/attention.py): ids [R', L] of cache rows `rows` ([R'] long device, ascending;
+        all R rows: arange) at positions pos [R', L] (each < span) -> the logits [R', V] fp32 after column
+        last_at[i] of row i ([R'] long device; default the last column). Writes those rows' K/V at their
+        positions, reads their slots <= each query's position; other rows are untouched. No host sync."""
+        if self.attention == INVARIANT:
+            raise RuntimeError("per-row positions run through SDPA or eager attention, not the invariant kernel")
+        x = self.target.embed_tokens(ids_RL)
+        ropes = {kind: rope_from_inv_freq(pos_RL, inv, scale, x.dtype) for kind, (inv, scale) in self.ropes.items()}
+        s = self.slot_ids[:span]
+        visible = s[None, None, :] <= pos_RL[:, :, None]  # [R', L, span]
+        masks = {FULL: visible[:, None]}
+        if SLIDING in self.kinds:
+            masks[SLIDING] = (visible & (s[None, None, :] > pos_RL[:, :, None] - self.window))[:, None]
+        step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, rows)
+        x, _ = self._layers(x, step, False)
+        if last_at is not None:
+            x = x.gather(1, last_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
+        logits, _ = head_and_taps(self.target, self.final_norm, x, {}, logits_at=None, last_only=True,
+                                  want_features=False, softcap=self.final_softcap)
+        return logits[:, -1]
+
+    def _layers(self, x: torch.Tensor, step: Step, want_features: bool) -> tuple[torch.Tensor, dict]:
+        """The decoder layers over the embedded tokens x [R, L, D] -> (the last hidden state, the tapped ones)."""
         taps: dict[int, torch.Tensor] = {}
         for i in range(len(self.layers)):
             out = self.mixers[i](self.input_norms[i](x), step, self.kinds[i])
@@ -274,8 +303,7 @@ class StaticTarget:
                 x = x + self.mlps[i](self.post_norms[i](x))
             if want_features and i in self.taps:
                 taps[i] = x
-        return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
-                             want_features=want_features, softcap=self.final_softcap)
+        return x, taps
 
 
 def head_and_taps(target: Target, final_norm, x: torch.Tensor, taps: dict, *, logits_at: torch.Tensor | None,
