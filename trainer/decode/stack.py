@@ -188,6 +188,11 @@ class StaticTarget:
         self.fallback = self._why_not_invariant(weight) if invariant else None
         self.attention = INVARIANT if invariant and self.fallback is None else \
             EAGER if self.softcap or self.sinks else SDPA
+        # Per-row one-token steps (`forward_rows`, the refilling batch generator) run the decode kernel where it
+        # computes this target's attention: it reads each row's slots up to the row's own position, where SDPA with
+        # a mask reads the whole span for every row.
+        self.row_kernel = not (self.softcap or self.sinks or SLIDING in self.kinds) and \
+            head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0 and usable_for(weight)
         # padded: row r's first real token sits at slot row_start[r] (the caller writes it before the prefill).
         self.row_start = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.taps = set(target.layer_ids)
@@ -277,12 +282,15 @@ class StaticTarget:
             raise RuntimeError("per-row positions run through SDPA or eager attention, not the invariant kernel")
         x = self.target.embed_tokens(ids_RL)
         ropes = {kind: rope_from_inv_freq(pos_RL, inv, scale, x.dtype) for kind, (inv, scale) in self.ropes.items()}
-        s = self.slot_ids[:span]
-        visible = s[None, None, :] <= pos_RL[:, :, None]  # [R', L, span]
-        masks = {FULL: visible[:, None]}
-        if SLIDING in self.kinds:
-            masks[SLIDING] = (visible & (s[None, None, :] > pos_RL[:, :, None] - self.window))[:, None]
-        step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, rows)
+        if self.row_kernel and ids_RL.shape == (self.rows, 1):  # a step of every row (rows: arange)
+            step = Step(pos_RL, ropes, None, span, INVARIANT, None, True, rows)
+        else:
+            s = self.slot_ids[:span]
+            visible = s[None, None, :] <= pos_RL[:, :, None]  # [R', L, span]
+            masks = {FULL: visible[:, None]}
+            if SLIDING in self.kinds:
+                masks[SLIDING] = (visible & (s[None, None, :] > pos_RL[:, :, None] - self.window))[:, None]
+            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, rows)
         x, _ = self._layers(x, step, False)
         if last_at is not None:
             x = x.gather(1, last_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
