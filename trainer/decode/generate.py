@@ -204,7 +204,11 @@ class BatchGenerator:
         dev, k = self.device, len(rows)
         lengths = [len(p) for p in prompts]
         longest = max(lengths)
-        chunk = max(16, min(PREFILL_CHUNK, SCORE_BUDGET // (k * self.static.heads * self._span(longest))))
+        # one chunk length per refill: a power of two, at most PREFILL_CHUNK and no longer than the longest prompt
+        # needs, smaller where the attention scores would pass SCORE_BUDGET
+        chunk = min(PREFILL_CHUNK, 1 << max(4, (longest - 1).bit_length()))
+        while chunk > 16 and k * self.static.heads * chunk * self._span(longest) > SCORE_BUDGET:
+            chunk //= 2
         logits = torch.empty(k, self.vocab_ids.shape[0], dtype=torch.float32, device=dev)
         for a in range(0, longest, chunk):
             sel = [i for i in range(k) if lengths[i] > a]
