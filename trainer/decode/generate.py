@@ -16,10 +16,12 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   max_new_tokens) stays put until the host refills it. The host reads nothing per token: every CHECK_EVERY tokens,
   and at the step where some row must have reached max_new_tokens, it reads which rows ended and their positions
   (one sync), then reads the ended rows' answers (one more), hands them out (prompt index, tokens) and refills.
-- Attention reads only the cache slots the longest live row has reached, rounded up to a power of two (`span`; the
-  host knows an upper bound of every row's position without reading it): one graph per (choice mode, span), all of
-  those a call can reach captured at its start, before any prefill, in the calling thread. The graphs share one
-  memory pool (they are never replayed concurrently).
+- A step's attention: where the decode kernel computes the target's (kernels.py: no soft cap, sinks or sliding
+  window; CUDA), each row reads its own slots up to its position only, and one graph per choice mode serves every
+  step. Elsewhere masked SDPA reads the slots the longest live row has reached, rounded up to a power of two
+  (`span`; the host knows an upper bound of every row's position without reading it): one graph per (choice mode,
+  span). The graphs a call can reach are captured at its start, before any prefill, in the calling thread, and share
+  one memory pool (they are never replayed concurrently).
 Slots are handed out in prompt order; answers come out as rows end (completion order).
 
 Choosing a token, on the device (no host sync, no value-dependent shape):
@@ -270,7 +272,9 @@ class BatchGenerator:
         # Every graph this call can replay, captured before any prefill: a live row's position stays below
         # prompt + max_new - 1.
         top = self._span(max(map(len, prompts)) + n_max - 1)
-        programs = {s: self._program(mode, s) for s in self.spans
+        # the per-row kernel reads each row's own slots whatever the span: one graph serves every position and call
+        span_of = (lambda slots: self.spans[-1]) if self.static.row_kernel else self._span
+        programs = {span_of(s): self._program(mode, span_of(s)) for s in self.spans
                     if self._span(min(map(len, prompts)) + 1) <= s <= top and n_max > 1}
         self.seed.fill_(seed32(sampling.seed))
         self.temperature.fill_(sampling.temperature or 1.0)
@@ -312,7 +316,7 @@ class BatchGenerator:
                     refill(ended)
                 continue
             reach = max(min(len(prompts[held[r]]) + t - since[r], len(prompts[held[r]]) + n_max - 2) for r in live)
-            programs[self._span(reach + 1)]()
+            programs[span_of(reach + 1)]()
             t += 1
             self.replays += 1
 
