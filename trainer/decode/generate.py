@@ -13,9 +13,9 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   sees them. It chooses each new row's first token;
 - then one replay per token for all rows: forward of each row's current token at its own position, choose the next
   one on the device, a live row writes it into a device history and advances; a row that ended (its stop id, or
-  max_new_tokens) stays put until the host refills it. The host reads nothing per token: every CHECK_EVERY tokens,
-  and at the step where some row must have reached max_new_tokens, it reads which rows ended and their positions
-  (one sync), then reads the ended rows' answers (one more), hands them out (prompt index, tokens) and refills.
+  max_new_tokens) steps at position 0 until the host refills it. The host reads nothing per token: every
+  CHECK_EVERY tokens, and at the step where some row must have reached max_new_tokens, it reads which rows ended
+  (one sync), then the ended rows' answers (one more), hands them out (prompt index, tokens) and refills.
 - A step's attention: where the decode kernel computes the target's (kernels.py: no soft cap, sinks or sliding
   window; CUDA), each row reads its own slots up to its position only, and one graph per choice mode serves every
   step. Elsewhere masked SDPA reads the slots the longest live row has reached, rounded up to a power of two
@@ -176,14 +176,15 @@ class BatchGenerator:
         return (tok[:, None] == self.stops[None, :]).any(-1)
 
     def _step(self, mode: str, span: int) -> None:
-        """Each row's current token at its own position -> its next one; attention over slots < span. Rows that
-        ended keep their position (their forward's result is dropped)."""
+        """Each row's current token at its own position -> its next one; attention over slots < span. A row that
+        ended steps at position 0 until it is refilled (its forward's result is dropped): through the per-row kernel
+        it then reads one slot block, not its whole sequence."""
         logits = self.static.forward_rows(self.tok, self.pos[:, None], self.row_ids, span)
         live, nxt = ~self.done, self.pos + 1
         new = self._choose(logits, mode, self.streams, nxt - self.plen)
         self.history.index_put_((self.row_ids, torch.where(live, nxt, self.trash)), new)
         self.done.logical_or_(self._is_stop(new) | (nxt >= self.end))
-        self.pos.copy_(torch.where(live, nxt, self.pos))
+        self.pos.copy_(torch.where(self.done, 0, nxt))
         self.tok.copy_(new[:, None])
 
     # ------------------------------------------------------------ host side
@@ -302,17 +303,21 @@ class BatchGenerator:
             due = min(since[r] + n_max - 1 for r in live)  # some row has surely ended by then
             if t >= due or ((t + 1) % CHECK_EVERY == 0 and t != checked):
                 checked = t
-                state = torch.stack([self.done.long(), self.pos]).tolist()  # SYNC: one per check
-                ended = [r for r in live if state[0][r]]
+                done = self.done.tolist()  # SYNC: one per check
+                ended = [r for r in live if done[r]]
                 if not ended and t >= due:
                     raise RuntimeError(f"no row ended by step {t}, where a row's max_new_tokens had run out")
                 if ended:
-                    lo, hi = min(len(prompts[held[r]]) for r in ended), max(state[1][r] for r in ended) + 1
+                    # An answer is its history from the prompt's end through its first stop id, or max_new_tokens
+                    # tokens without one: what lies after it (a previous prompt's tokens) is cut either way.
+                    lo = min(len(prompts[held[r]]) for r in ended)
+                    hi = max(len(prompts[held[r]]) for r in ended) + n_max
                     rows = self.history.index_select(0, torch.tensor(ended).to(self.device))[:, lo:hi].tolist()
                     for r, row in zip(ended, rows):  # SYNC above: once per check where rows ended
                         i = held[r]
                         held[r] = None
-                        yield i, cut_at_stop(row[len(prompts[i]) - lo:state[1][r] + 1 - lo], self.stop_ids)
+                        start = len(prompts[i]) - lo
+                        yield i, cut_at_stop(row[start:start + n_max], self.stop_ids)
                     refill(ended)
                 continue
             reach = max(min(len(prompts[held[r]]) + t - since[r], len(prompts[held[r]]) + n_max - 2) for r in live)
