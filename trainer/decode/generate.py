@@ -36,7 +36,8 @@ answer (0 for the prefill's choice), per row; a row's stream is its prompt's ind
 in (a resumed job's slots differ from the first run's). A seed gives the same tokens on every run of one device and
 dtype (floating point may differ across devices and batch shapes, which may move a near-tie; so may the tokens).
 
-Hybrid targets (linear-attention layers) run the whole-batch path of `whole_batch.py` (no refill).
+A hybrid target (hybrid.py's `HybridBatchGenerator`) runs the same host loop and programs over its own
+`forward_rows`: a refilled row's linear-attention states start from zero and take its prompt alone.
 """
 from __future__ import annotations
 
@@ -123,8 +124,6 @@ class BatchGenerator:
     """Continue any number of prompts of varying lengths (each prompt + max_new_tokens <= max_len) until each one's
     first stop id, through `rows` refilled slots of one static cache (module docstring). Construction allocates the
     cache; graphs are captured on first use. Not thread-safe: one call at a time, from the thread that captures."""
-
-    refills = True  # slots take the next prompt as they end (whole_batch.WholeBatchGenerator: False)
 
     def __init__(self, target: Target, rows: int, max_len: int, stop_ids: Sequence[int], graphs: bool = True) -> None:
         if rows < 1 or max_len < 2:

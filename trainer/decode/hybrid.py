@@ -10,6 +10,9 @@ buffers, the batch-1 decoder (`HybridDecoder`) and the batch generator (`HybridB
 - `verify=True` (a speculative verify of B tokens) leaves the state as it was and keeps the block, and
   `commit(accepted [R])` then moves each row's state past its accepted prefix (`layers/linear.py`), on the device.
 The attention layers write K/V at slot = position as `StaticTarget` does, so a rejected draft's K/V need no undo.
+`HybridStaticTarget.forward_rows` has `StaticTarget.forward_rows`' contract (per-row positions: the batch generator's
+refilled slots); a prefill chunk of some rows gathers their linear states (zeroed at a prompt's first chunk),
+advances them by each row's real tokens and writes them back.
 
 Full attention here is the hybrids' own: a sigmoid output gate from the doubled q projection, q/k RMSNorms, the
 family's partial RoPE (HF's rotary module and `apply_rotary_pos_emb`). Norms and MLPs run as HF's modules (an MoE
@@ -26,7 +29,6 @@ import torch.nn.functional as F
 
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.generate import BatchGenerator
-from trainer.decode.whole_batch import WholeBatchGenerator
 from trainer.decode.layers.linear import GatedDeltaNetDecode, decode_layers, kernel_for
 from trainer.decode.stack import head_and_taps
 from trainer.errors import ConfigError
@@ -91,6 +93,7 @@ class HybridStaticTarget:
         self.padded = padded
         self.row_start = torch.zeros(rows, dtype=torch.long, device=dev)
         self.heads = target.hf_config.num_attention_heads
+        self.row_kernel = False  # forward_rows' steps run SDPA (the gated attention is HF's)
         self.taps = set(target.layer_ids)
         self.final_norm = self.model.model.norm
 
@@ -168,6 +171,74 @@ class HybridStaticTarget:
         return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
                              want_features=want_features)
 
+    @torch.no_grad()
+    def forward_rows(self, ids_RL: torch.Tensor, pos_RL: torch.Tensor, rows: torch.Tensor, span: int,
+                     last_at: torch.Tensor | None = None) -> torch.Tensor:
+        """`StaticTarget.forward_rows` (per-row positions, the refilling batch generator): ids [R', L] of cache rows
+        `rows` at positions pos [R', L] -> the logits [R', V] after column last_at[i] of row i. A one-token forward
+        of every row is a decode step of each row's linear states; any other is a prefill chunk of those rows alone:
+        a row whose chunk starts at position 0 starts from zero states, and row i takes its first last_at[i] + 1
+        tokens into them (the rest is padding)."""
+        R, L = ids_RL.shape
+        x = self.target.embed_tokens(ids_RL)
+        s = self.slot_ids[:span]
+        visible = (s[None, None, :] <= pos_RL[:, :, None])[:, None]  # [R', 1, L, span]
+        rope = self.rope(x, pos_RL)
+        step = L == 1 and R == self.rows
+        valid = None if last_at is None else last_at + 1
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            if i in self.linear:
+                out = self.linear[i].step(h) if step else self._prefill_rows(self.linear[i], h, pos_RL, rows, valid)
+            else:
+                out = self._attention_rows(i, layer.self_attn, h, pos_RL, rows, rope, visible, span)
+            x = x + out
+            mlp = layer.mlp(layer.post_attention_layernorm(x))
+            x = x + (mlp[0] if isinstance(mlp, tuple) else mlp)
+        if last_at is not None:
+            x = x.gather(1, last_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
+        logits, _ = head_and_taps(self.target, self.final_norm, x, {}, logits_at=None, last_only=True,
+                                  want_features=False)
+        return logits[:, -1]
+
+    def _prefill_rows(self, layer: GatedDeltaNetDecode, h: torch.Tensor, pos_RL: torch.Tensor, rows: torch.Tensor,
+                      valid: torch.Tensor | None) -> torch.Tensor:
+        """A prefill chunk of cache rows `rows` only: their conv and recurrent states gathered (zeroed where the chunk
+        starts a sequence), advanced by the chunk's valid tokens, and written back; other rows untouched."""
+        conv, state = layer.conv, layer.state
+        fresh = pos_RL[:, 0] == 0
+        layer.conv = conv.index_select(0, rows).masked_fill(fresh.view(-1, 1, 1), 0)
+        layer.state = state.index_select(0, rows).masked_fill(fresh.view(-1, 1, 1, 1), 0)
+        try:
+            out = layer.prefill(h, valid)
+            conv.index_copy_(0, rows, layer.conv)
+            state.index_copy_(0, rows, layer.state)
+        finally:
+            layer.conv, layer.state = conv, state
+        return out
+
+    def _attention_rows(self, i: int, attn, h: torch.Tensor, pos_RL: torch.Tensor, rows: torch.Tensor, rope,
+                        visible: torch.Tensor, span: int) -> torch.Tensor:
+        """`_attention` with per-row positions: K/V into each row's own slots of its cache row, queries over that
+        cache row's slots (layers/attention.py)."""
+        R, L, _ = h.shape
+        Dh = attn.head_dim
+        q, gate = torch.chunk(attn.q_proj(h).view(R, L, -1, Dh * 2), 2, dim=-1)
+        q = attn.q_norm(q).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(h).view(R, L, -1, Dh)).transpose(1, 2)
+        v = attn.v_proj(h).view(R, L, -1, Dh).transpose(1, 2)
+        q, k = self.apply_rope(q, k, *rope)
+        at = (rows[:, None].expand_as(pos_RL), pos_RL)
+        self.k[i].transpose(1, 2).index_put_(at, k.transpose(1, 2))
+        self.v[i].transpose(1, 2).index_put_(at, v.transpose(1, 2))
+        keys, values = self.k[i][:, :, :span], self.v[i][:, :, :span]
+        if R != self.rows:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = out.transpose(1, 2).reshape(R, L, -1) * torch.sigmoid(gate.reshape(R, L, -1))
+        return attn.o_proj(out)
+
     def commit(self, accepted: torch.Tensor) -> None:
         """After a `verify` forward: row r keeps the first accepted[r] tokens of the block (device tensor [R])."""
         for layer in self.linear.values():
@@ -212,10 +283,9 @@ def hybrid_decoder(target: Target, drafter, block_size: int, capacity: int) -> H
     return HybridDecoder(target, capacity, proposer, block_size)
 
 
-class HybridBatchGenerator(WholeBatchGenerator):
-    """`BatchGenerator`'s contract over a padded `HybridStaticTarget`, on the whole-batch path (`whole_batch.py`:
-    chunks of `rows` prompts, no refilled slots): a refill would have to reset and prefill one row's linear-attention
-    states alone, which `layers/linear.py` does not do yet."""
+class HybridBatchGenerator(BatchGenerator):
+    """`BatchGenerator` (refilled slots, one graph replay per token for every slot) over a `HybridStaticTarget`'s
+    `forward_rows`: a refilled row's linear-attention states start from zero and take its prompt alone."""
 
     def _static_target(self, target: Target, rows: int, max_len: int) -> "HybridStaticTarget":
         return HybridStaticTarget(target, max_len, rows=rows, block=1, padded=True)

@@ -4,8 +4,7 @@ which ids stop it: trainer/decode/stops.py).
 
   static  trainer.decode.generate.BatchGenerator (a dense hybrid: trainer.decode.hybrid.HybridBatchGenerator, through
           `batch_generator`): one static KV cache of `rows` slots that every prompt passes through, a slot taking
-          the next prompt when its answer ends (a hybrid: chunks of `rows` prompts), one CUDA graph replay per
-          token. Where it refuses the target (a family it does not serve) or cannot be built, one note line and
+          the next prompt when its answer ends, one CUDA graph replay per token. Where it refuses the target (a family it does not serve) or cannot be built, one note line and
           the hf engine instead.
   hf      trainer.decode.generate.hf_generate: HF `generate` over left-padded batches (KV cache, launch-bound), the
           reference.
@@ -51,7 +50,7 @@ class Answerer:
 def answerer(engine: str, target, *, rows: int, max_len: int, stops: Sequence[int], sampling: SamplingSettings,
              pad_id: int, log=print) -> Answerer:
     """Build the engine (the static one captures its graphs on its first call, in the calling thread) -> Answerer.
-    static: all prompts through `rows` refilled slots (a hybrid: chunks of `rows`), answers as they end; hf:
+    static: all prompts through `rows` refilled slots, answers as they end; hf:
     batches of `rows` in order, each batch's answers when it ends."""
     from trainer.decode.generate import Sampling, hf_generate
 
