@@ -16,8 +16,9 @@ Workloads (`--workload`):
           every row generates exactly `--new-tokens` tokens (defaults 128 and 256).
   mixed   `--prompts` prompts (default 2 x --batch) of `--min-prompt-tokens`..`--prompt-tokens` tokens (64..1024),
           each answer ending on a stop id after a seeded length, exponential of mean `--mean-new-tokens` (512), at
-          most `--new-tokens` (2048; the first prompt is the longest and gets the longest answer); answered in
-          chunks of `--batch`, longest prompt first, as regenerate does. The lengths are made real by a chain
+          most `--new-tokens` (2048; the first prompt is the longest and gets the longest answer), longest prompt
+          first, as regenerate does: the static engine takes them all through `--batch` slots that refill as
+          answers end, HF generate in chunks of `--batch`. The lengths are made real by a chain
           target: the random model with every residual write (o_proj, down_proj, out_proj and their biases) zeroed
           and its LM head set to the embedding of a seeded cyclic permutation of the vocabulary, so its greedy next
           token is the permutation's successor of the current one whatever the context; a row whose last prompt
@@ -25,8 +26,8 @@ Workloads (`--workload`):
           ones do; `answers_as_drawn` checks every row's length.
 Greedy by default (`--temperature`, `--top-p` sample; the mixed lengths hold only greedy).
 
-Per engine, after an untimed warm-up (equal: one batch; mixed, static: the whole workload, so that every cache
-span's graph is captured; mixed, hf: the first chunk): the median over `--repeats` runs of the wall time of the
+Per engine, after an untimed warm-up (equal: one batch; mixed, static: the whole workload; mixed, hf: the first
+chunk): the median over `--repeats` runs of the wall time of the
 whole workload (prefill included, synced before and after). tokens/s = generated tokens / wall; ms per token step =
 wall x batch / generated tokens (the time of one full-batch step); peak memory: the allocator's peak during the
 engine's runs (CUDA; CPU: the process's peak RSS). The step's floor (bench/floor.py: weights + KV cache read once
@@ -190,21 +191,22 @@ def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
     return (lambda prompts, sampling: gen.generate(prompts, sampling)), "static", None, gen
 
 
-def measure(engine: str, target, chunks: list[list[list[int]]], sampling, repeats: int, stops: list[int],
-            full_warmup: bool) -> tuple[dict, list]:
-    """-> (figures, the last run's answers in prompt order)."""
+def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, repeats: int,
+            stops: list[int]) -> tuple[dict, list]:
+    """-> (figures, the last run's answers in prompt order). The static engine takes every prompt in one call
+    (its `rows` slots refill as answers end); HF generate takes chunks of `rows`."""
     import torch
 
     from bench.timing import peak_memory, reset_peak
     from trainer.decode.decoders import sync
 
     device = target.device
-    rows = max(map(len, chunks))
-    max_len = max(len(p) for c in chunks for p in c) + sampling.max_new_tokens
+    rows = min(rows, len(prompts))
+    max_len = max(map(len, prompts)) + sampling.max_new_tokens
     t0 = time.perf_counter()
     run, used, note, gen = engine_run(engine, target, rows, max_len, stops)
-    for chunk in (chunks if full_warmup and used == "static" else chunks[:1]):
-        run(chunk, sampling)  # warm-up; the static engine captures its graphs here
+    chunks = [prompts] if used == "static" else [prompts[i:i + rows] for i in range(0, len(prompts), rows)]
+    run(chunks[0], sampling)  # warm-up (the static engine: the whole workload); it captures its graphs here
     setup_s = time.perf_counter() - t0
     reset_peak(device)
     walls = []
@@ -217,7 +219,7 @@ def measure(engine: str, target, chunks: list[list[list[int]]], sampling, repeat
     peak, _reserved = peak_memory(device)
     tokens = sum(map(len, out))
     wall = statistics.median(walls)
-    lengths = [len(p) for c in chunks for p in c]
+    lengths = list(map(len, prompts))
     figures = {"engine": used, "asked": engine, "batch": rows, "prompts": len(lengths),
                "prompt_tokens": [min(lengths), max(lengths)], "new_tokens": sampling.max_new_tokens,
                "generated_tokens": tokens, "mean_answer": round(tokens / len(out), 1),
@@ -257,21 +259,20 @@ def cpu_refusal(shape: str, cuda: bool) -> str | None:
     return f"--shape {shape} is a GPU shape and this run has no CUDA device; on a CPU use --shape tiny"
 
 
-def workload(args, target) -> tuple[list[list[list[int]]], list[int], list[int] | None, float]:
-    """-> (chunks of prompts, longest first; stop ids; each prompt's drawn answer length or None; the mean
-    context of a decode step)."""
+def workload(args, target) -> tuple[list[list[int]], list[int], list[int] | None, float]:
+    """-> (the prompts, longest first; stop ids; each prompt's drawn answer length or None; the mean context of a
+    decode step)."""
     vocab = target.embed_tokens.weight.shape[0]
     if args.workload == "equal":
         prompts = bench_prompts(args.batch, args.prompt_tokens, vocab, args.seed)
-        return [prompts], [], None, statistics.mean(map(len, prompts)) + args.new_tokens / 2
+        return prompts, [], None, statistics.mean(map(len, prompts)) + args.new_tokens / 2
     lengths = mixed_lengths(args.prompts, args.seed, args.min_prompt_tokens, args.prompt_tokens,
                             args.mean_new_tokens, args.new_tokens)
     lengths.sort(key=lambda pa: -pa[0])  # stable: regenerate's order
     order = make_chain(target.model, args.seed)
     prompts = mixed_prompts(lengths, order, args.seed)
-    chunks = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
     context = statistics.mean(p + a / 2 for p, a in lengths)
-    return chunks, [order[0]], [a for _, a in lengths], context
+    return prompts, [order[0]], [a for _, a in lengths], context
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p)
     target = random_target(args.shape, args.prompt_tokens + args.new_tokens, device, args.dtype)
-    chunks, stops, drawn, context = workload(args, target)
+    prompts, stops, drawn, context = workload(args, target)
     floor = step_floor(target.model.config, args.batch, context, target.embed_tokens.weight.element_size())
     print("GENERATE_FLOOR " + json.dumps({"shape": args.shape, "workload": args.workload, "rows": args.batch,
                                           "context": round(context, 1), "hbm_bytes_per_s": HBM_BYTES_PER_S,
@@ -301,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in args.engines:
             if engine == "hf" and any(r["engine"] == "hf" for r in results):
                 continue  # the static engine's line already measured HF generate
-            figures, outputs[engine] = measure(engine, target, chunks, sampling, args.repeats, stops,
-                                               full_warmup=args.workload == "mixed")
+            figures, outputs[engine] = measure(engine, target, prompts, args.batch, sampling, args.repeats, stops)
             figures.update(workload=args.workload, shape=args.shape, floor_ms=round(floor["floor_ms"], 3))
             if drawn is not None:
                 figures["answers_as_drawn"] = round(sum(len(a) == n and a[-1] == stops[0]

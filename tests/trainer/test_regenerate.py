@@ -408,6 +408,39 @@ def test_the_static_engine_answers_as_hf_and_a_resumed_sampled_job_draws_the_sam
     assert len({tuple(v) for v in samples(whole).values()}) > 6  # sampled: the answers differ
 
 
+def test_more_prompts_than_slots_are_all_answered_with_their_provenance_and_a_resume_skips_them(
+        tiny_target_dir, full_target, tmp_path, capsys):
+    """6 prompts through --batch 2 static slots (each slot refilled): every prompt answered once, each line's key,
+    source and prompt tokens its own prompt's (the file is in completion order, not prompt order); a resume after 3
+    lines answers only the other 3 and ends with the lines an uninterrupted job wrote."""
+    from trainer.regen.run import render
+
+    out, cut = tmp_path / "all.jsonl", tmp_path / "cut.jsonl"
+    args = ["--target", str(tiny_target_dir), "--prompts", str(SMOKE), "--limit", "6", "--max-new", "10",
+            "--batch", "2"]
+    assert regenerate(capsys, *args, "--out", str(out), engine="static")[0] == 0
+    lines_, _ = read_prompt_files([str(SMOKE)], 0.0)
+    prompts, _ = distinct_prompts(lines_, None, 6)
+    by_key = {p.key: p for p in prompts}
+    rows = records(out)
+    assert sorted(r["regen"]["key"] for r in rows) == sorted(by_key) and len(rows) == 6
+    for r in rows:
+        p = by_key[r["regen"]["key"]]
+        prompt_ids = render(full_target.tokenizer, p.turns, {})
+        assert r["regen"]["source"] == p.source and r["input_ids"][:len(prompt_ids)] == prompt_ids
+        assert sum(r["loss_mask"]) == len(r["input_ids"]) - len(prompt_ids) and r["regen"]["sample"] == 0
+
+    assert regenerate(capsys, *args, "--out", str(cut), engine="static")[0] == 0
+    kept = cut.read_text().splitlines(keepends=True)[:3]  # as if killed after 3 of 6 answers
+    cut.write_text("".join(kept))
+    code, lines, _ = regenerate(capsys, *args, "--out", str(cut), engine="static")
+    assert code == 0 and any("3 answers kept" in x for x in lines)
+    resumed = records(cut)
+    assert cut.read_text().startswith("".join(kept)) and len(resumed) == 6
+    assert {r["regen"]["key"]: r["input_ids"] for r in resumed} == {r["regen"]["key"]: r["input_ids"] for r in rows}
+    assert latest(lines).done == 6
+
+
 def test_a_second_job_on_the_same_out_is_refused_while_the_first_holds_it(tiny_target_dir, tmp_path, capsys):
     """Two regenerate jobs appending to one --out would interleave and repeat answers: the second is refused while
     the first holds OUT, and once it is gone the same command goes on."""

@@ -1,37 +1,48 @@
-"""Batched generation over one static KV cache: up to `rows` prompts of any lengths, greedy or sampled, each new
-token one CUDA graph replay for the whole batch. HF `generate` (`hf_generate`) is the reference it is tested and
-benchmarked against; both keep the same contract.
+"""Batched generation over one static KV cache with refilled slots: any number of prompts of any lengths, greedy or
+sampled, through `rows` slots; each new token is one CUDA graph replay for every slot, and a slot whose answer ended
+takes the next prompt while the others keep decoding. HF `generate` (`hf_generate`) is the reference it is tested
+and benchmarked against; both keep the same contract (each prompt's answer through its first stop id, kept).
 
-How a batch runs (`BatchGenerator.generate`):
-- the prompts are left-padded to the longest, P tokens; row r's prompt starts at slot P - len(r), and the
-  static target hides the slots before it and gives RoPE the position slot - start (`StaticTarget(padded=True)`),
-  so a row computes what it would alone, as HF's left padding does;
-- the prefill runs eagerly, in chunks (their attention scores stay within a memory budget), and chooses every
-  row's first new token;
-- then one replay per token: forward of each row's last token, choose the next one on the device, rows that have
-  stopped are masked (they emit a filler that the result drops), the token is written into a device history.
-  The host reads nothing per token: it asks "have all rows stopped?" once every `CHECK_EVERY` tokens and reads the
-  history once at the end. Each row's answer runs through its first stop id (kept).
-- Attention reads only the cache slots the sequence has reached, rounded up to a power of two (`span`): one graph
-  per (choice mode, span), captured when a batch first needs it, in the calling thread, before that batch's
-  prefill. The graphs share one memory pool (they are never replayed concurrently).
+How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers in prompt order):
+- per-row positions: row r of the cache holds one prompt and its answer at slots 0, 1, ... (slot = the token's
+  position), its own `pos[r]` (the position of its current token), so rows never pad and never wait for each other
+  (`StaticTarget.forward_rows`, layers/attention.py);
+- a refill (at the start, and whenever slots have ended) prefills the next prompts into the freed rows only, all of
+  them in one forward per chunk of at most PREFILL_CHUNK positions (fewer when the attention scores would pass
+  SCORE_BUDGET), eagerly; padding past a shorter prompt's end writes slots its own decode rewrites before any query
+  sees them. It chooses each new row's first token;
+- then one replay per token for all rows: forward of each row's current token at its own position, choose the next
+  one on the device, a live row writes it into a device history and advances; a row that ended (its stop id, or
+  max_new_tokens) steps at position 0 until the host refills it. The host reads nothing per token: every
+  CHECK_EVERY tokens, and at the step where some row must have reached max_new_tokens, it reads which rows ended
+  (one sync), then the ended rows' answers (one more), hands them out (prompt index, tokens) and refills.
+- A step's attention: where the decode kernel computes the target's (kernels.py: no soft cap, sinks or sliding
+  window; CUDA), each row reads its own slots up to its position only, and one graph per choice mode serves every
+  step. Elsewhere masked SDPA reads the slots the longest live row has reached, rounded up to a power of two
+  (`span`; the host knows an upper bound of every row's position without reading it): one graph per (choice mode,
+  span). The graphs a call can reach are captured at its start, before any prefill, in the calling thread, and share
+  one memory pool (they are never replayed concurrently).
+Slots are handed out in prompt order; answers come out as rows end (completion order).
 
 Choosing a token, on the device (no host sync, no value-dependent shape):
     greedy     argmax of the logits (HF greedy: the first index of a tie)
     sampled    Gumbel-max: argmax(logits / temperature + g), g = -log(-log(u)), which draws from
                softmax(logits / temperature); with top_p < 1 the logits outside the nucleus (HF's TopPLogitsWarper:
                the smallest set of most likely tokens whose probability reaches top_p) are -inf first.
-u is a counter-based hash of (seed, draw, stream, token id): a seeded per-step stream that needs no generator
-state, so a graph replay, an eager run and every device draw the same u for the same seed. A row's stream is its
-index in the batch unless the caller names one (`streams`, e.g. the prompt's index in its file): a prompt then
-draws the same u whichever batch it lands in (a resumed job's batches differ from the first run's). A seed gives
-the same tokens on every run of one device and dtype (floating point may differ across devices, and the batch's
-padding may move a near-tie; so may the tokens).
+u is a counter-based hash of (seed, draw, stream, token id): a seeded stream that needs no generator state, so a
+graph replay, an eager run and every device draw the same u for the same seed. `draw` is the token's index in its
+answer (0 for the prefill's choice), per row; a row's stream is its prompt's index unless the caller names one
+(`streams`, e.g. the prompt's index in its file): a prompt then draws the same u whichever slot and time it lands
+in (a resumed job's slots differ from the first run's). A seed gives the same tokens on every run of one device and
+dtype (floating point may differ across devices and batch shapes, which may move a near-tie; so may the tokens).
+
+A hybrid target runs the same host loop and programs: in `StaticTarget.forward_rows` a refilled row's
+linear-attention states start from zero and take its prompt alone.
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +52,9 @@ from trainer.decode.stops import cut_at_stop
 from trainer.decode.stack import StaticTarget
 from trainer.model.target import Target
 
-CHECK_EVERY = 16  # tokens between the host's "have all rows stopped?" reads (each one host sync)
+CHECK_EVERY = 16  # tokens between the host's "which rows ended?" reads (each one host sync)
 SCORE_BUDGET = 2 ** 28  # attention score elements (rows x heads x chunk x slots) one prefill chunk may hold
+PREFILL_CHUNK = 512  # the most positions one prefill forward takes (a refill's rows together)
 GREEDY, SAMPLE, NUCLEUS = "greedy", "sample", "top_p"
 _M32 = 0xFFFFFFFF
 
@@ -109,16 +121,16 @@ def top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 class BatchGenerator:
-    """Continue up to `rows` prompts of varying lengths (prompt + max_new_tokens <= max_len) until each row's
-    first stop id, on one static cache. Construction allocates the cache; graphs are captured on first use
-    (module docstring). Not thread-safe: one batch at a time, from the thread that captures."""
+    """Continue any number of prompts of varying lengths (each prompt + max_new_tokens <= max_len) until each one's
+    first stop id, through `rows` refilled slots of one static cache (module docstring). Construction allocates the
+    cache; graphs are captured on first use. Not thread-safe: one call at a time, from the thread that captures."""
 
     def __init__(self, target: Target, rows: int, max_len: int, stop_ids: Sequence[int], graphs: bool = True) -> None:
         if rows < 1 or max_len < 2:
             raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
         self.rows, self.max_len, self.graphs = rows, max_len, graphs
         self.stop_ids = [int(s) for s in stop_ids]
-        self.static = self._static_target(target, rows, max_len)
+        self.static = StaticTarget(target, max_len, rows=rows, padded=True)
         dev = self.static.device
         self.device = dev
         vocab = target.embed_tokens.weight.shape[0]
@@ -127,48 +139,47 @@ class BatchGenerator:
             return torch.zeros(shape, dtype=dtype, device=dev)
 
         self.stops = torch.tensor(self.stop_ids, dtype=torch.long, device=dev)
-        # what a stopped row emits from then on (cut_at_stop drops it)
-        self.filler = torch.tensor(self.stop_ids[0] if self.stop_ids else 0, dtype=torch.long, device=dev)
-        self.tok, self.pos, self.done = zeros(rows, 1), zeros(), zeros(rows, dtype=torch.bool)
-        # history[r, s]: the token at slot s. Two spare columns: a capture's warm-up steps from slot 0 write there
-        # even when max_len is tiny.
-        self.history = zeros(rows, max_len + 2)
-        self.seed, self.draw = zeros(), zeros()
+        # per row: the current token, its position, the prompt's length, the last position its answer may reach,
+        # whether it ended (or holds no prompt)
+        self.tok, self.pos, self.plen, self.end = zeros(rows, 1), zeros(rows), zeros(rows), zeros(rows)
+        self.done = torch.ones(rows, dtype=torch.bool, device=dev)
+        # history[r, s]: the token at position s of row r; column max_len takes the writes of ended rows
+        self.history = zeros(rows, max_len + 1)
+        self.trash = torch.tensor(max_len, device=dev)
+        self.seed = zeros()
         self.temperature, self.top_p = zeros(dtype=torch.float32), zeros(dtype=torch.float32)
         self.row_ids, self.vocab_ids = torch.arange(rows, device=dev), torch.arange(vocab, device=dev)
-        self.streams = zeros(rows)  # each row's noise stream (see `generate`)
+        self.streams = zeros(rows)  # each row's noise stream
         self.spans = prefill_buckets(max_len, smallest=min(64, max_len))
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
         self.programs: dict[tuple[str, int], GraphProgram] = {}
-        self.replays = 0  # step replays of the last batch (its tokens per row, less the prefill's)
-
-    def _static_target(self, target: Target, rows: int, max_len: int):
-        """The padded static target of `rows` rows over `max_len` slots (a subclass serves other layer kinds)."""
-        return StaticTarget(target, max_len, rows=rows, padded=True)
+        self.replays = 0  # step replays of the last call
+        self.refilled = 0  # prompts the last call prefilled into a slot another prompt had held
 
     # ------------------------------------------------------------ device programs (no host sync inside)
 
-    def _choose(self, logits: torch.Tensor, mode: str) -> torch.Tensor:
-        """logits [R, V] fp32 -> the next token per row [R] long."""
+    def _choose(self, logits: torch.Tensor, mode: str, streams: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+        """logits [R', V] fp32 -> the next token per row [R'] long; streams, draw [R'] long: each row's noise key."""
         if mode == GREEDY:
             return logits.argmax(-1)
         scores = logits / self.temperature
         if mode == NUCLEUS:
             scores = top_p_filter(scores, self.top_p)
-        noise = gumbel_noise(self.seed, self.draw, self.streams, self.vocab_ids)
-        self.draw.add_(1)
-        return (scores + noise).argmax(-1)
+        return (scores + gumbel_noise(self.seed, draw, streams, self.vocab_ids)).argmax(-1)
 
     def _is_stop(self, tok: torch.Tensor) -> torch.Tensor:
         return (tok[:, None] == self.stops[None, :]).any(-1)
 
     def _step(self, mode: str, span: int) -> None:
-        """The token at slot `pos` -> the next one, at slot pos + 1, for every row; attention over slots < span."""
-        logits, _ = self.static.forward(self.tok, self.pos, want_features=False, span=span)
-        new = torch.where(self.done, self.filler, self._choose(logits[:, -1], mode))
-        self.done.logical_or_(self._is_stop(new))
-        self.pos.add_(1)
-        self.history.index_copy_(1, self.pos.view(1), new[:, None])
+        """Each row's current token at its own position -> its next one; attention over slots < span. A row that
+        ended steps at position 0 until it is refilled (its forward's result is dropped): through the per-row kernel
+        it then reads one slot block, not its whole sequence."""
+        logits = self.static.forward_rows(self.tok, self.pos[:, None], self.row_ids, span)
+        live, nxt = ~self.done, self.pos + 1
+        new = self._choose(logits, mode, self.streams, nxt - self.plen)
+        self.history.index_put_((self.row_ids, torch.where(live, nxt, self.trash)), new)
+        self.done.logical_or_(self._is_stop(new) | (nxt >= self.end))
+        self.pos.copy_(torch.where(self.done, 0, nxt))
         self.tok.copy_(new[:, None])
 
     # ------------------------------------------------------------ host side
@@ -179,30 +190,52 @@ class BatchGenerator:
     def _program(self, mode: str, span: int) -> GraphProgram:
         key = (mode, span)
         if key not in self.programs:
-            # The warm-up runs real steps: start them at slot 0 (inside any cache); the prefill resets everything.
+            # The warm-up runs real steps: every row ended at position 0 (the first refill sets them all).
             self.pos.zero_()
-            self.done.zero_()
+            self.done.fill_(True)
             self.programs[key] = GraphProgram(functools.partial(self._step, mode, span), self.device, self.graphs,
                                               pool=self.pool)
         return self.programs[key]
 
-    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [R, P] left-padded -> the logits after each row's prompt [R, V]."""
-        R, P = ids.shape
-        chunk = max(16, SCORE_BUDGET // (R * self.static.heads * P))
-        for a in range(0, P, chunk):
-            b = min(P, a + chunk)
-            logits, _ = self.static.forward(ids[:, a:b], torch.tensor(a, device=self.device), want_features=False,
-                                            last_only=True, span=b)
-        return logits[:, -1]
+    def _fill(self, rows: list[int], prompts: list[list[int]], streams: list[int], sampling: Sampling) -> None:
+        """Prefill `prompts` into cache rows `rows` (ascending) and choose their first tokens; other rows untouched."""
+        dev, k = self.device, len(rows)
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        # one chunk length per refill: a power of two, at most PREFILL_CHUNK and no longer than the longest prompt
+        # needs, smaller where the attention scores would pass SCORE_BUDGET
+        chunk = min(PREFILL_CHUNK, 1 << max(4, (longest - 1).bit_length()))
+        while chunk > 16 and k * self.static.heads * chunk * self._span(longest) > SCORE_BUDGET:
+            chunk //= 2
+        logits = torch.empty(k, self.vocab_ids.shape[0], dtype=torch.float32, device=dev)
+        for a in range(0, longest, chunk):
+            sel = [i for i in range(k) if lengths[i] > a]
+            ids = [prompts[i][a:a + chunk] + [0] * max(0, a + chunk - lengths[i]) for i in sel]
+            # padding past the cache's end writes its last slot, which no query of this prompt sees yet
+            pos = (a + torch.arange(chunk)).clamp(max=self.max_len - 1).expand(len(sel), chunk)
+            last = [min(lengths[i] - a, chunk) - 1 for i in sel]
+            out = self.static.forward_rows(torch.tensor(ids).to(dev), pos.to(dev),
+                                           torch.tensor([rows[i] for i in sel]).to(dev),
+                                           self._span(min(a + chunk, self.max_len)), torch.tensor(last).to(dev))
+            ending = [j for j, i in enumerate(sel) if lengths[i] <= a + chunk]
+            logits.index_copy_(0, torch.tensor([sel[j] for j in ending], device=dev),
+                               out.index_select(0, torch.tensor(ending, device=dev)))
+        at = torch.tensor(rows).to(dev)
+        plen, named = torch.tensor(lengths).to(dev), torch.tensor(streams).to(dev)
+        first = self._choose(logits, sampling.mode, named, torch.zeros_like(plen))
+        end = plen + sampling.max_new_tokens - 1
+        for buf, value in ((self.pos, plen), (self.plen, plen), (self.end, end), (self.streams, named),
+                           (self.tok, first[:, None]), (self.done, self._is_stop(first) | (plen >= end))):
+            buf.index_copy_(0, at, value)
+        self.history.index_put_((at, plen), first)
 
     def check_fits(self, prompts: list[list[int]], sampling: Sampling, streams: Sequence[int] | None = None) -> None:
-        """ValueError, in one line, for a batch `generate` cannot take."""
+        """ValueError, in one line, for prompts `generate` cannot take."""
         if streams is not None and (len(streams) != len(prompts) or not all(0 <= s < 2 ** 31 for s in streams)):
             raise ValueError(f"streams must be one id in 0..2^31-1 per prompt, got {len(streams)} for "
                              f"{len(prompts)} prompts")
-        if not 1 <= len(prompts) <= self.rows:
-            raise ValueError(f"{len(prompts)} prompts do not fit a batch of 1..{self.rows} rows")
+        if not prompts:
+            raise ValueError("no prompts")
         if not all(prompts):
             raise ValueError("an empty prompt: every row needs at least one token")
         longest = max(map(len, prompts))
@@ -210,42 +243,82 @@ class BatchGenerator:
             raise ValueError(f"a prompt of {longest} tokens + max_new_tokens {sampling.max_new_tokens} exceeds "
                              f"max_len {self.max_len}")
 
+    def generate_stream(self, prompts: list[list[int]], sampling: Sampling,
+                        streams: Sequence[int] | None = None) -> Iterator[tuple[int, list[int]]]:
+        """Prompts of varying lengths (each prompt + max_new_tokens <= max_len; refused here, before anything runs)
+        -> (prompt index, its new tokens through its first stop id, kept) as each answer ends. streams: sampling
+        only, each prompt's noise stream id (default: its index in `prompts`)."""
+        self.check_fits(prompts, sampling, streams)
+        self.replays = self.refilled = 0
+        return self._run(prompts, sampling, list(streams) if streams is not None else list(range(len(prompts))))
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling,
                  streams: Sequence[int] | None = None) -> list[list[int]]:
-        """Up to `rows` prompts of varying lengths (prompt + max_new_tokens <= max_len) -> each prompt's new
-        tokens through its first stop id (kept); rows that stopped are masked, the batch ends when all stopped or
-        max_new_tokens. One static cache, prefill, then one CUDA-graph replay per token for the whole batch.
-        streams: sampling only, each prompt's noise stream id (default: its index in `prompts`)."""
-        self.check_fits(prompts, sampling, streams)
-        r, R, mode, n_max = len(prompts), self.rows, sampling.mode, sampling.max_new_tokens
-        P = max(map(len, prompts))
-        # Every graph this batch replays, captured before its prefill: step k (1 <= k < n_max) reads P + k slots.
-        programs = {self._span(P + k): None for k in range(1, n_max)}
-        programs = {span: self._program(mode, span) for span in programs}
-        rows = list(prompts) + [prompts[0]] * (R - r)  # spare rows: copies of the first prompt, stopped at once
-        ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in rows], dtype=torch.long).to(self.device)
-        self.static.row_start.copy_(torch.tensor([P - len(p) for p in rows], dtype=torch.long))
-        named = list(streams) if streams is not None else list(range(r))
-        self.streams.copy_(torch.tensor(named + list(range(R - r)), dtype=torch.long))  # spare rows: any stream
+        """`generate_stream`'s answers in prompt order."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, answer in self.generate_stream(prompts, sampling, streams):
+            out[i] = answer
+        return out
+
+    @torch.no_grad()
+    def _run(self, prompts: list[list[int]], sampling: Sampling, streams: list[int]
+             ) -> Iterator[tuple[int, list[int]]]:
+        R, mode, n_max = self.rows, sampling.mode, sampling.max_new_tokens
+        # Every graph this call can replay, captured before any prefill: a live row's position stays below
+        # prompt + max_new - 1.
+        top = self._span(max(map(len, prompts)) + n_max - 1)
+        # the per-row kernel reads each row's own slots whatever the span: one graph serves every position and call
+        span_of = (lambda slots: self.spans[-1]) if self.static.row_kernel else self._span
+        programs = {span_of(s): self._program(mode, span_of(s)) for s in self.spans
+                    if self._span(min(map(len, prompts)) + 1) <= s <= top and n_max > 1}
         self.seed.fill_(seed32(sampling.seed))
-        self.draw.zero_()
         self.temperature.fill_(sampling.temperature or 1.0)
         self.top_p.fill_(sampling.top_p)
-        first = self._choose(self._prefill(ids), mode)
-        self.done.copy_((self.row_ids >= r) | self._is_stop(first))
-        self.history[:, P].copy_(first)
-        self.tok.copy_(first[:, None])
-        self.pos.fill_(P)
-        n = 1
-        while n < n_max:
-            programs[self._span(P + n)]()
-            n += 1
-            if n % CHECK_EVERY == 0 and bool(self.done.all()):  # SYNC: one per CHECK_EVERY tokens
-                break
-        self.replays = n - 1
-        out = self.history[:r, P:P + n].tolist()  # SYNC: once per batch
-        return [cut_at_stop(row, self.stop_ids) for row in out]
+        self.done.fill_(True)
+        held: list[int | None] = [None] * R  # the prompt each row holds
+        since = [0] * R  # the clock when it was filled
+        queue = iter(range(len(prompts)))
+        t, checked = 0, -1
+
+        def refill(free: list[int]) -> None:
+            taken = [(r, i) for r, i in zip(free, queue)]
+            if taken:
+                self._fill([r for r, _ in taken], [prompts[i] for _, i in taken], [streams[i] for _, i in taken],
+                           sampling)
+                for r, i in taken:
+                    held[r], since[r] = i, t
+            self.refilled += sum(1 for r, _ in taken if r in refilled_rows)
+            refilled_rows.update(r for r, _ in taken)
+
+        refilled_rows: set[int] = set()
+        refill(list(range(R)))
+        while any(i is not None for i in held):
+            live = [r for r in range(R) if held[r] is not None]
+            due = min(since[r] + n_max - 1 for r in live)  # some row has surely ended by then
+            if t >= due or ((t + 1) % CHECK_EVERY == 0 and t != checked):
+                checked = t
+                done = self.done.tolist()  # SYNC: one per check
+                ended = [r for r in live if done[r]]
+                if not ended and t >= due:
+                    raise RuntimeError(f"no row ended by step {t}, where a row's max_new_tokens had run out")
+                if ended:
+                    # An answer is its history from the prompt's end through its first stop id, or max_new_tokens
+                    # tokens without one: what lies after it (a previous prompt's tokens) is cut either way.
+                    lo = min(len(prompts[held[r]]) for r in ended)
+                    hi = max(len(prompts[held[r]]) for r in ended) + n_max
+                    rows = self.history.index_select(0, torch.tensor(ended).to(self.device))[:, lo:hi].tolist()
+                    for r, row in zip(ended, rows):  # SYNC above: once per check where rows ended
+                        i = held[r]
+                        held[r] = None
+                        start = len(prompts[i]) - lo
+                        yield i, cut_at_stop(row[start:start + n_max], self.stop_ids)
+                    refill(ended)
+                continue
+            reach = max(min(len(prompts[held[r]]) + t - since[r], len(prompts[held[r]]) + n_max - 2) for r in live)
+            programs[span_of(reach + 1)]()
+            t += 1
+            self.replays += 1
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ def _kernels():
 
     @triton.jit
     def attention_rows(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
-                       sq_r, sq_h, sq_l, sk_r, sk_h, sk_s, so_r, so_h, so_l,
+                       sq_r, sq_h, sq_l, sk_r, sk_h, sk_s, so_r, so_h, so_l, sp_r,
                        N_SLOTS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
         # One query (row l, head h, sequence r) at position p against cache slots 0..p, in slot blocks of BLOCK_S
         # from slot 0, fp32 online softmax; the slots of the last block after p are masked (weight exp(-inf) = 0).
@@ -62,7 +62,7 @@ def _kernels():
         kv = h // GROUPS
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + r * sq_r + h * sq_h + l * sq_l + d).to(tl.float32)
-        p = tl.load(pos_ptr + l)
+        p = tl.load(pos_ptr + r * sp_r + l)  # sp_r 0: one position per query for every row
         m = -1e30  # finite, so exp(m - m_new) is never NaN
         den = 0.0
         acc = tl.zeros((HEAD_DIM,), tl.float32)
@@ -128,14 +128,16 @@ class RowInvariantRMSNorm:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Causal attention of L queries over a static cache, row-invariant. q [R, H, L, Dh] (last dim contiguous), k / v
-    [R, Hkv, S, Dh] caches (slot = position; H a multiple of Hkv), pos [L] long positions of the queries -> [R, L, H,
-    Dh] in q's dtype (the layout the output projection reads). A query at position p sees slots <= p."""
+    [R, Hkv, S, Dh] caches (slot = position; H a multiple of Hkv), pos [L] long positions of the queries (or [R, L]:
+    each row's own, the refilling batch generator's) -> [R, L, H, Dh] in q's dtype (the layout the output projection
+    reads). A query at position p sees slots <= p, and the slot blocks after p are not read: a row's cost follows its
+    own length, not the cache's."""
     triton, _, kernel = _kernels()
     R, H, L, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride() or pos.stride(0) != 1:
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride() or pos.stride(-1) != 1:
         raise ValueError("decode_attention needs contiguous head dims and positions, and k / v of one layout")
-    if k.shape[0] != R or k.shape[-1] != Dh or pos.shape != (L,):
+    if k.shape[0] != R or k.shape[-1] != Dh or pos.shape not in ((L,), (R, L)):
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, cache {tuple(k.shape)} and pos {tuple(pos.shape)} "
                          f"disagree")
     if not head_dim_supported(Dh) or H % Hkv:
@@ -145,6 +147,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     # N_SLOTS is a compile-time constant (one compilation per cache size; a decoder has one): the loop bound then
     # is the same for every query, whatever L.
     kernel[(L, H, R)](q, k, v, pos, o, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                      k.stride(2), o.stride(0), o.stride(1), o.stride(2), N_SLOTS=S, GROUPS=H // Hkv, HEAD_DIM=Dh,
+                      k.stride(2), o.stride(0), o.stride(1), o.stride(2), pos.stride(0) if pos.dim() == 2 else 0,
+                      N_SLOTS=S, GROUPS=H // Hkv, HEAD_DIM=Dh,
                       BLOCK_S=64, num_warps=4)
     return out

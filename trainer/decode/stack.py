@@ -27,7 +27,9 @@ per linear layer, and `forward` tells those layers what it is (`layers/linear.py
   the state (a new sequence);
 - `verify=True` (a speculative verify of up to `block` tokens) leaves the state as it was and keeps the block, and
   `commit(accepted [R])` then moves each row's state past its accepted prefix, on the device: no second forward.
-The attention layers write K/V at slot = position, so a rejected draft's K/V need no undo.
+The attention layers write K/V at slot = position, so a rejected draft's K/V need no undo. `forward_rows` (per-row
+positions, the refilling batch generator) steps every row's linear states, or prefills a chunk of some rows alone:
+their states gathered, zeroed where the chunk starts a sequence, advanced by each row's real tokens, written back.
 
 Shape legend: L tokens, M cache slots, R rows, T taps, D hidden, V vocab.
 """
@@ -43,7 +45,7 @@ from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLa
 from trainer.decode.layers.linear import PREFILL, STEP, VERIFY, GatedDeltaNetDecode, LinearCall, kernel_for
 from trainer.decode.layers.moe import MoeMLP, Routing, routing_of
 from trainer.errors import ConfigError
-from trainer.model.attention import SLIDING
+from trainer.model.attention import FULL, SLIDING
 from trainer.model.linear_attention import LINEAR
 from trainer.model.target import Target, attention_kinds
 
@@ -205,6 +207,11 @@ class StaticTarget:
         self.fallback = self._why_not_invariant(weight) if invariant else None
         self.attention = INVARIANT if invariant and self.fallback is None else \
             EAGER if self.softcap or self.sinks else SDPA
+        # Per-row one-token steps (`forward_rows`, the refilling batch generator) run the decode kernel where it
+        # computes this target's attention: it reads each row's slots up to the row's own position, where SDPA with
+        # a mask reads the whole span for every row.
+        self.row_kernel = not (self.softcap or self.sinks or SLIDING in self.kinds) and \
+            head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0 and usable_for(weight)
         # padded: row r's first real token sits at slot row_start[r] (the caller writes it before the prefill).
         self.row_start = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.taps = set(target.layer_ids)
@@ -278,6 +285,17 @@ class StaticTarget:
         real = pos[None, :] >= self.row_start[:, None] if self.padded else None  # [R, L]
         return LinearCall(mode, pos[0] == 0, valid, real)
 
+    def _rows_call(self, pos_RL: torch.Tensor, rows: torch.Tensor, last_at: torch.Tensor | None) -> LinearCall | None:
+        """What `forward_rows` asks of the linear layers: a step of every row (no last_at: the generator's decode
+        step), else a prefill chunk of cache rows `rows` (row i takes its first last_at[i] + 1 tokens; a row whose
+        chunk starts at position 0 starts from zero states). None for a target without linear layers."""
+        if not self.linear:
+            return None
+        R, L = pos_RL.shape
+        if last_at is None and L == 1 and R == self.rows:
+            return LinearCall(STEP, pos_RL[0, 0] == 0, None, None)
+        return LinearCall(PREFILL, pos_RL[:, 0] == 0, None if last_at is None else last_at + 1, None, rows)
+
     @torch.no_grad()
     def forward(self, ids_RL: torch.Tensor, pos0: torch.Tensor, want_features: bool = True,
                 last_only: bool = False, logits_at: torch.Tensor | None = None, span: int | None = None,
@@ -293,6 +311,40 @@ class StaticTarget:
         pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L] slots
         x = self.target.embed_tokens(ids_RL)
         step = self._step(pos, span, x.dtype, self._linear_call(pos, R, logits_at, last_only, verify))
+        x, taps = self._layers(x, step, want_features)
+        return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
+                             want_features=want_features, softcap=self.final_softcap)
+
+    @torch.no_grad()
+    def forward_rows(self, ids_RL: torch.Tensor, pos_RL: torch.Tensor, rows: torch.Tensor, span: int,
+                     last_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-row positions (layers/attention.py): ids [R', L] of cache rows `rows` ([R'] long device, ascending;
+        all R rows: arange) at positions pos [R', L] (each < span) -> the logits [R', V] fp32 after column
+        last_at[i] of row i ([R'] long device; default the last column). Writes those rows' K/V at their
+        positions, reads their slots <= each query's position; other rows are untouched. No host sync."""
+        if self.attention == INVARIANT:
+            raise RuntimeError("per-row positions run through SDPA or eager attention, not the invariant kernel")
+        x = self.target.embed_tokens(ids_RL)
+        ropes = {kind: rope_from_inv_freq(pos_RL, inv, scale, x.dtype) for kind, (inv, scale) in self.ropes.items()}
+        if self.row_kernel and ids_RL.shape == (self.rows, 1):  # a step of every row (rows: arange)
+            step = Step(pos_RL, ropes, None, span, INVARIANT, None, True, self._rows_call(pos_RL, rows, last_at), rows)
+        else:
+            s = self.slot_ids[:span]
+            visible = s[None, None, :] <= pos_RL[:, :, None]  # [R', L, span]
+            masks = {FULL: visible[:, None]}
+            if SLIDING in self.kinds:
+                masks[SLIDING] = (visible & (s[None, None, :] > pos_RL[:, :, None] - self.window))[:, None]
+            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True,
+                        self._rows_call(pos_RL, rows, last_at), rows)
+        x, _ = self._layers(x, step, False)
+        if last_at is not None:
+            x = x.gather(1, last_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
+        logits, _ = head_and_taps(self.target, self.final_norm, x, {}, logits_at=None, last_only=True,
+                                  want_features=False, softcap=self.final_softcap)
+        return logits[:, -1]
+
+    def _layers(self, x: torch.Tensor, step: Step, want_features: bool) -> tuple[torch.Tensor, dict]:
+        """The decoder layers over the embedded tokens x [R, L, D] -> (the last hidden state, the tapped ones)."""
         taps: dict[int, torch.Tensor] = {}
         for i in range(len(self.layers)):
             out = self.mixers[i](self.input_norms[i](x), step, self.kinds[i])
@@ -304,8 +356,7 @@ class StaticTarget:
                 x = x + self.mlps[i](self.post_norms[i](x))
             if want_features and i in self.taps:
                 taps[i] = x
-        return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
-                             want_features=want_features, softcap=self.final_softcap)
+        return x, taps
 
     def commit(self, accepted: torch.Tensor) -> None:
         """After a `verify` forward: row r keeps the first accepted[r] tokens of the block (device tensor [R]) in

@@ -1,16 +1,17 @@
-"""The engine seam of regenerate: `answerer(...)` -> answer(prompts, streams) -> new tokens per prompt through its
-first stop id (kept; an answer that reaches --max-new without one keeps all its tokens; which ids stop it:
-trainer/decode/stops.py).
+"""The engine seam of regenerate: `answerer(...)` -> stream(prompts, streams) -> (prompt index, new tokens through
+its first stop id, kept) as each answer ends (an answer that reaches --max-new without one keeps all its tokens;
+which ids stop it: trainer/decode/stops.py).
 
-  static  trainer.decode.generate.BatchGenerator: one static KV cache (and a hybrid's recurrent states) for `rows`
-          prompts of varying length, one CUDA graph replay per token. Where it refuses the target (a family it does not serve) or cannot be built, one
-          note line and the hf engine instead.
+  static  trainer.decode.generate.BatchGenerator: one static KV cache (and a hybrid's recurrent states) of `rows`
+          slots that every prompt passes through, a slot taking the next prompt when its answer ends, one CUDA graph
+          replay per token. Where it refuses the target (a family it does not serve) or cannot be built, one note
+          line and the hf engine instead.
   hf      trainer.decode.generate.hf_generate: HF `generate` over left-padded batches (KV cache, launch-bound), the
           reference.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -33,25 +34,37 @@ def load_generation_target(path, device: torch.device, dtype: str):
 
 @dataclass
 class Answerer:
-    # (prompts, streams) -> new tokens per prompt; streams: one id per prompt, the static engine's sampling noise
-    # stream (a prompt's samples do not depend on the batch it lands in)
-    answer: Callable[[list[list[int]], list[int]], list[list[int]]]
+    # (prompts, streams) -> (prompt index, its new tokens) as each answer ends; streams: one id per prompt, the
+    # static engine's sampling noise stream (a prompt's samples do not depend on the slot or time it lands in)
+    stream: Callable[[list[list[int]], list[int]], Iterator[tuple[int, list[int]]]]
     used: str  # the engine that runs: "static" or "hf"
+
+    def answer(self, prompts: list[list[int]], streams: list[int]) -> list[list[int]]:
+        """Every answer, in prompt order."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, tokens in self.stream(prompts, streams):
+            out[i] = tokens
+        return out
 
 
 def answerer(engine: str, target, *, rows: int, max_len: int, stops: Sequence[int], sampling: SamplingSettings,
              pad_id: int, log=print) -> Answerer:
-    """Build the engine (the static one captures its graphs on its first batch, in the calling thread) -> Answerer."""
+    """Build the engine (the static one captures its graphs on its first call, in the calling thread) -> Answerer.
+    static: all prompts through `rows` refilled slots, answers as they end; hf:
+    batches of `rows` in order, each batch's answers when it ends."""
     from trainer.decode.generate import Sampling, hf_generate
 
     engine_sampling = Sampling(**asdict(sampling))
     batches = [0]
 
-    def hf(prompts: list[list[int]], streams: list[int]) -> list[list[int]]:
-        # HF draws from torch's RNG: one seed per batch, in order (reproducible for the same batches, not per prompt)
-        seeded = replace(engine_sampling, seed=engine_sampling.seed + batches[0])
-        batches[0] += 1
-        return hf_generate(target.model, prompts, seeded, stops, pad_id)
+    def hf(prompts: list[list[int]], streams: list[int]) -> Iterator[tuple[int, list[int]]]:
+        for at in range(0, len(prompts), rows):
+            # HF draws from torch's RNG: one seed per batch, in order (reproducible for the same batches, not per
+            # prompt)
+            seeded = replace(engine_sampling, seed=engine_sampling.seed + batches[0])
+            batches[0] += 1
+            for i, tokens in enumerate(hf_generate(target.model, prompts[at:at + rows], seeded, stops, pad_id)):
+                yield at + i, tokens
 
     if engine == "hf":
         return Answerer(hf, "hf")
@@ -63,4 +76,5 @@ def answerer(engine: str, target, *, rows: int, max_len: int, stops: Sequence[in
         log(f"note: the static engine cannot serve this target ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no message'}); generating with the hf engine")
         return Answerer(hf, "hf")
-    return Answerer(lambda prompts, streams: gen.generate(prompts, engine_sampling, streams=streams), "static")
+    return Answerer(lambda prompts, streams: gen.generate_stream(prompts, engine_sampling, streams=streams),
+                    "static")

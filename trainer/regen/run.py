@@ -9,9 +9,10 @@
 Order of work: everything that can refuse without torch (`check_before_torch`: the settings, the target directory,
 --out and an earlier run's sidecar, every prompt line), then the tokenizer (each prompt rendered with the target's
 chat template), then the memory estimate (trainer.regen.memory: refused in one line before any weight loads),
-then the model and the engine, then batches of --batch prompts, longest first (a shape that does
-not fit fails in the first minute, not the last). Each answer is one line of OUT (trainer.regen.outfile), flushed,
-or of OUT.skipped.jsonl where its row is left out (trainer.regen.rows); OUT.meta.json counts them
+then the model and the engine, then every pending prompt through it, longest first (a shape that does not fit
+fails in the first minute, not the last; the static engine's --batch slots take the next prompt as answers end).
+Each answer is one line of OUT (trainer.regen.outfile), flushed as it ends (completion order), or of
+OUT.skipped.jsonl where its row is left out (trainer.regen.rows); OUT.meta.json counts them
 (trainer.regen.accounting).
 Progress: `DFLASH_PROGRESS` lines (trainer.metrics.JobProgress) and a bar on a TTY; the end: `DFLASH_DONE`.
 """
@@ -266,36 +267,39 @@ def _run(job: Job, console) -> dict:
     writer = outfile.AnswerWriter(job.out, job.resume.keep_bytes)
     left_out = outfile.AnswerWriter(outfile.skipped_path(job.out), job.resume.skipped.keep_bytes)
     tokens = stopped = answered = dropped = 0
-    used, batch = "none", 1
+    used = "none"
     try:
         outfile.write_meta(job.out, meta("running"))
         if todo:
-            engine, batch = build_engine(job, tokenizer, stops, [ids[p.key] for p, _ in todo], console)
+            engine, _ = build_engine(job, tokenizer, stops, [ids[p.key] for p, _ in todo], console)
             used = engine.used
             engines += [used] if used not in engines else []
             outfile.write_meta(job.out, meta("running"))
         t0 = time.perf_counter()
         progress = JobProgress("regenerate", total, "answers", console, resumed=done)
         progress.update(done, 0)
-        for at in range(0, len(todo), batch):
-            chunk = todo[at:at + batch]
-            streams = [stream_of(p.key, sample) for p, sample in chunk]
-            for (p, sample), answer in zip(chunk, engine.answer([ids[p.key] for p, _ in chunk], streams)):
-                ended = bool(answer) and answer[-1] in stops
-                row = row_of(ids[p.key], answer, ended)
-                pair = (p.key, sample)
-                if row.skipped:
-                    left_out.write(outfile.answer_line(row.prompt, row.answer, p.key, sample, ended, p.source,
-                                                       skipped=row.skipped))
-                    skipped.append((pair, row.skipped))
-                    dropped += 1
-                else:
-                    writer.write(outfile.answer_line(row.prompt, row.answer, p.key, sample, ended, p.source))
-                    rows.add(pair)
-                    if not ended:
-                        truncated.add(pair)
-                tokens, stopped, answered = tokens + len(answer), stopped + ended, answered + 1
-            done += len(chunk)
+        streams = [stream_of(p.key, sample) for p, sample in todo]
+        # every pending prompt through the engine at once: a static engine's slots refill across what used to be
+        # batch boundaries; each answer is written as it ends (completion order), so an interrupted job loses the
+        # answers in flight only
+        answers = engine.stream([ids[p.key] for p, _ in todo], streams) if todo else iter(())
+        for at, answer in answers:
+            p, sample = todo[at]
+            ended = bool(answer) and answer[-1] in stops
+            row = row_of(ids[p.key], answer, ended)
+            pair = (p.key, sample)
+            if row.skipped:
+                left_out.write(outfile.answer_line(row.prompt, row.answer, p.key, sample, ended, p.source,
+                                                   skipped=row.skipped))
+                skipped.append((pair, row.skipped))
+                dropped += 1
+            else:
+                writer.write(outfile.answer_line(row.prompt, row.answer, p.key, sample, ended, p.source))
+                rows.add(pair)
+                if not ended:
+                    truncated.add(pair)
+            tokens, stopped, answered = tokens + len(answer), stopped + ended, answered + 1
+            done += 1
             progress.update(done, tokens)
     finally:
         writer.close()

@@ -1,5 +1,6 @@
 """Batched generation over the static cache (`trainer.decode.generate`): greedy output equals HF `generate` for
-every supported family, on prompts of different lengths stopping at different points; sampling is deterministic
+every supported family, on prompts of different lengths stopping at different points, and with more prompts than
+rows (slots refilled several times, answers streamed as they end); sampling is deterministic
 for a seed, differs for another, draws from the softmax and stays inside HF's top-p nucleus. Real tiny models of
 each family (tests/trainer/families.py), saved to disk and loaded through `load_target`. On CPU the graph flag only
 picks eager runs; tests/trainer/decode/test_generate_gpu.py replays the graphs."""
@@ -62,6 +63,44 @@ def test_the_batch_ends_at_the_first_check_after_every_row_stopped(graphs, famil
     assert gen.replays == CHECK_EVERY - 1  # not 39: the host saw "all stopped" at its first check
     endless = BatchGenerator(target, rows=3, max_len=60, stop_ids=[], graphs=graphs)  # every step runs
     assert endless.generate(prompts, Sampling(max_new_tokens=40)) == free and endless.replays == 39
+
+
+REFILL_LENGTHS = (2, 30, 5, 17, 9, 3, 25, 12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_refilled_slots_answer_as_hf_generate(family, family_dirs):
+    """Eight prompts of 2..30 tokens through 3 rows: rows end at different stop ids and at max_new_tokens at
+    different times and take the next prompt; every answer is HF's for its prompt, streamed once per prompt."""
+    target = family_target(family_dirs, family)
+    prompts = prompts_of(target, REFILL_LENGTHS, seed=3)
+    stops = stops_inside(target, prompts, 24)
+    gen = BatchGenerator(target, rows=3, max_len=60, stop_ids=stops)
+    streamed = list(gen.generate_stream(prompts, Sampling(max_new_tokens=24)))
+    want = hf_generate(target.model, prompts, Sampling(max_new_tokens=24), stops, target.tokenizer.pad_token_id)
+    assert sorted(i for i, _ in streamed) == list(range(8))
+    assert [answer for _, answer in sorted(streamed)] == want
+    assert gen.refilled >= 5  # 8 prompts in 3 rows, each row refilled, some several times
+    assert {len(a) for a in want} > {24} and any(len(a) == 24 for a in want)  # stop ids and max_new both ended rows
+    # the same generator again: the cache holds the last call's rows, every answer is still HF's
+    assert gen.generate(prompts[::-1], Sampling(max_new_tokens=24)) == want[::-1]
+
+
+def test_a_refilled_prompt_samples_what_it_samples_alone(family_dirs):
+    """Sampling noise is keyed by (stream, the token's index in its answer): a prompt refilled into a busy batch, at
+    another slot and time, samples the tokens it samples in a batch of one."""
+    target = family_target(family_dirs, "qwen3")
+    prompts = prompts_of(target, REFILL_LENGTHS, seed=4)
+    hot = Sampling(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=5)
+    stops = stops_inside(target, prompts, 20)
+    streams = [100 + i for i in range(len(prompts))]
+    busy = BatchGenerator(target, rows=3, max_len=60, stop_ids=stops)
+    together = busy.generate(prompts, hot, streams=streams)
+    assert busy.refilled >= 5
+    alone = BatchGenerator(target, rows=1, max_len=60, stop_ids=stops)
+    for i in (0, 4, 7):  # the first prompt and two that waited for a slot
+        assert alone.generate([prompts[i]], hot, streams=[streams[i]]) == [together[i]]
+    assert len({tuple(a) for a in together}) == len(prompts)
 
 
 def test_sampling_is_seeded(family_dirs):
@@ -127,9 +166,9 @@ def test_bad_settings_and_batches_are_one_line_errors(family_dirs):
         with pytest.raises(ValueError, match=needle):
             Sampling(**bad)
     gen = BatchGenerator(family_target(family_dirs, "qwen3"), rows=2, max_len=10, stop_ids=[0])
-    for prompts, needle in (([[1]] * 3, "do not fit a batch of 1..2"), ([], "do not fit"), ([[1], []], "empty"),
-                            ([[1] * 6], "exceeds max_len 10")):
+    for prompts, needle in (([], "no prompts"), ([[1], []], "empty"), ([[1] * 6], "exceeds max_len 10"),
+                            ([[1]] * 5 + [[1] * 6], "a prompt of 6 tokens \\+ max_new_tokens 5 exceeds max_len 10")):
         with pytest.raises(ValueError, match=needle):
-            gen.generate(prompts, Sampling(max_new_tokens=5))
+            gen.generate_stream(prompts, Sampling(max_new_tokens=5))  # refused before any answer is asked for
     with pytest.raises(ValueError, match="one id in 0..2"):
         gen.generate([[1], [2]], Sampling(max_new_tokens=5), streams=[3])

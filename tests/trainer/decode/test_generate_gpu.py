@@ -1,12 +1,13 @@
 """Batched generation with graph replay on CUDA (run on the H200: `python3 -m pytest -m gpu tests/trainer/decode`):
 the replayed steps give HF `generate`'s greedy answers (fp32 targets of three families: plain, sliding-window,
-soft-capped), and a sampled batch replays exactly what the same batch computes eagerly."""
+soft-capped), a sampled batch replays exactly what the same batch computes eagerly, and refilled slots under graph
+replay (the one-token steps through the per-row decode kernel) answer as the eager engine and HF do."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.trainer.decode.test_generate import LENGTHS, prompts_of, stops_inside
+from tests.trainer.decode.test_generate import LENGTHS, REFILL_LENGTHS, prompts_of, stops_inside
 from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
 from trainer.model.target import load_target
 
@@ -39,3 +40,22 @@ def test_sampled_replay_equals_the_eager_run(family_dirs):
     replayed = BatchGenerator(target, rows=3, max_len=64, stop_ids=[]).generate(prompts, hot)
     eager = BatchGenerator(target, rows=3, max_len=64, stop_ids=[], graphs=False).generate(prompts, hot)
     assert replayed == eager
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])  # mistral: a sliding window, so masked SDPA steps
+def test_refilled_slots_under_graph_replay_equal_the_eager_engine_and_hf(family, family_dirs):
+    """Eight prompts of 2..30 tokens (and one of 90, so spans change) through 3 rows, each row refilled: the
+    replayed engine's greedy answers are HF's and the eager engine's; sampled, replay and eager draw the same."""
+    target = cuda_family(family_dirs, family)
+    prompts = prompts_of(target, REFILL_LENGTHS + (90,), seed=3)
+    stops = stops_inside(target, prompts, 40)
+    greedy = Sampling(max_new_tokens=40)
+    gen = BatchGenerator(target, rows=3, max_len=160, stop_ids=stops)
+    got = gen.generate(prompts, greedy)
+    assert gen.refilled >= 6 and all(p.graph is not None for p in gen.programs.values())
+    assert gen.static.row_kernel == (family == "qwen3")
+    assert got == hf_generate(target.model, prompts, greedy, stops, target.tokenizer.pad_token_id)
+    eager = BatchGenerator(target, rows=3, max_len=160, stop_ids=stops, graphs=False)
+    assert eager.generate(prompts, greedy) == got
+    hot = Sampling(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=11)
+    assert gen.generate(prompts, hot) == eager.generate(prompts, hot)

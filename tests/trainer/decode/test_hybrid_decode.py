@@ -144,3 +144,24 @@ def test_a_batch_of_different_prompt_lengths_equals_hf_generate(targets, family)
     for r, p in enumerate(prompts):
         torch.testing.assert_close(logits[r:r + 1, P - len(p):], hf_logits(target, torch.tensor([p])), atol=1e-4,
                                    rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_refilled_slots_reset_and_prefill_each_rows_linear_states(targets, family):
+    """Seven prompts of 2..30 tokens through 2 rows, ending at a stop id or max_new at different times: a refilled
+    row's conv and recurrent states start from zero and take its prompt alone (the other row's untouched), so every
+    answer is HF's; sampled, a prompt refilled into a busy batch draws what it draws in a batch of one."""
+    from tests.trainer.decode.test_generate import prompts_of, stops_inside
+
+    target = targets[family]
+    prompts = prompts_of(target, (2, 30, 5, 17, 9, 3, 25), seed=3)
+    stops = stops_inside(target, prompts, 16)
+    gen = BatchGenerator(target, rows=2, max_len=60, stop_ids=stops, graphs=False)
+    greedy = Sampling(max_new_tokens=16)
+    assert gen.generate(prompts, greedy) == hf_generate(target.model, prompts, greedy, stops,
+                                                        target.tokenizer.pad_token_id)
+    assert gen.refilled == 5
+    hot = Sampling(max_new_tokens=16, temperature=1.0, seed=2)
+    busy = gen.generate(prompts, hot, streams=list(range(10, 17)))
+    alone = BatchGenerator(target, rows=1, max_len=60, stop_ids=stops, graphs=False)
+    assert alone.generate([prompts[5]], hot, streams=[15]) == [busy[5]]

@@ -50,6 +50,23 @@ def test_decode_attention_equals_sdpa(interpreter):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_attention_takes_each_rows_own_position(interpreter):
+    """Per-row positions ([R, L]: the refilling batch generator's step): each row's query sees its own slots <= its
+    position, as SDPA with that row's mask computes, and as the kernel computes that row alone at a shared position."""
+    torch.manual_seed(2)
+    R, H, Hkv, S, Dh = 3, 4, 2, 130, 16
+    q = torch.randn(R, 1, H, Dh).transpose(1, 2)
+    k, v = _cache_with_stale_slots(R, Hkv, S, Dh, torch.float32)
+    pos = torch.tensor([[3], [59], [20]])
+    got = kernels.decode_attention(q, k, v, pos, scale=0.25)
+    visible = (torch.arange(S)[None, None, :] <= pos[:, :, None])[:, None]  # [R, 1, 1, S]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for r in range(R):
+        alone = kernels.decode_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], pos[r], scale=0.25)
+        assert torch.equal(alone, got[r:r + 1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_rows_do_not_depend_on_the_batch(interpreter, dtype):
     """16 queries at once == each query alone, bitwise: the invariance the verify forward relies on."""
@@ -106,6 +123,22 @@ def test_invariant_speculative_decoding_equals_target_only(interpreter, full_tar
     assert decoder.generate_speculative(ids, 10).tokens == want
 
 
+def test_refilled_slots_step_through_the_kernel_as_hf_generates(interpreter, family_dirs):
+    """The refilling batch generator's one-token steps run the decode kernel with each row's own position (the
+    prefill keeps SDPA): three prompts of 2..9 tokens through 2 rows answer as HF generate."""
+    from tests.trainer.decode.test_generate import family_target, prompts_of, stops_inside
+    from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
+
+    target = family_target(family_dirs, "qwen3")
+    prompts = prompts_of(target, (2, 9, 4), seed=5)
+    stops = stops_inside(target, prompts, 9)[:1]  # the first row ends at its 4th token, the others at max_new
+    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=stops)
+    assert gen.static.row_kernel
+    assert gen.generate(prompts, Sampling(max_new_tokens=9)) == hf_generate(
+        target.model, prompts, Sampling(max_new_tokens=9), stops, target.tokenizer.pad_token_id)
+    assert gen.refilled == 1
+
+
 def test_invariant_decoding_refuses_a_compiled_target(full_target):
     with pytest.raises(ValueError, match="compile='drafter'"):
         StaticDecoder(full_target, 64, None, 4, compile="all", invariant=True)
@@ -139,7 +172,7 @@ def build(fn, sig, consts, num_warps):
 out = {}
 for dt in ("bf16", "fp32"):
     attn_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "o_ptr": "*" + dt,
-                "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sq_l sk_r sk_h sk_s so_r so_h so_l".split()}}
+                "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sq_l sk_r sk_h sk_s so_r so_h so_l sp_r".split()}}
     out["attention_" + dt] = build(attention_rows, attn_sig,
                                    {"N_SLOTS": 400, "GROUPS": 2, "HEAD_DIM": 64, "BLOCK_S": 64}, 4)
     norm_sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "eps": "fp32"}

@@ -8,6 +8,11 @@ p0..p0+L-1, then lets each query at position p attend to slots <= p (and, in a s
 `window` slots ending at p: HF's rule). Slots beyond p may hold stale K/V of rejected draft tokens; the mask hides
 them and a later forward overwrites them, so "cropping" the cache costs nothing.
 
+Per-row positions (`Step.pos` [R', L], `Step.rows` [R']: the refilling batch generator): row i of the forward is
+cache row rows[i] and its tokens sit at its own positions pos[i]; its K/V go to those slots of that cache row only
+(other rows untouched), and its queries read that cache row's slots <= their position. Each row is then its own
+unpadded sequence from slot 0, and a forward over a few rows (a refill's prefill) leaves the others as they are.
+
 Rows of different prompt lengths (`padded`): each row's prompt is left-padded to a common length and starts at its
 own slot `row_start[r]`; a query sees no slot before its row's start, and RoPE takes the position slot - row_start
 (HF `generate`'s left padding: positions count real tokens only).
@@ -33,7 +38,7 @@ INVARIANT, SDPA, EAGER = "invariant", "sdpa", "eager"
 class Step(NamedTuple):
     """What every mixer of one forward shares (built once per forward by the stack). Device tensors only."""
 
-    pos: torch.Tensor  # [L] long: the slots written and read
+    pos: torch.Tensor  # [L] long: the slots written and read (per-row positions: [R', L])
     ropes: dict  # layer kind -> (cos, sin), [1 or R, 1, L, Dh]
     masks: dict | None  # layer kind -> visible [R or 1, 1, L, span] bool; None under the invariant kernel
     span: int  # attention reads slots 0..span-1
@@ -41,6 +46,7 @@ class Step(NamedTuple):
     softcap: float | None  # Gemma 2's attention score cap
     padded: bool  # rows of different prompt lengths
     linear: object = None  # what the Gated DeltaNet layers are asked (layers/linear.py `LinearCall`); None: none
+    rows: torch.Tensor | None = None  # per-row positions: the cache rows [R'] the forward's rows are (see below)
 
 
 def ropes_of(hf_model, kinds) -> dict[str, tuple[torch.Tensor, float]]:
@@ -179,13 +185,12 @@ class AttentionLayer:
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
         v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
-        self.k.index_copy_(2, step.pos, partial_rope(k, cos, sin))
-        self.v.index_copy_(2, step.pos, v)
         q = partial_rope(q, cos, sin)
+        keys, values = self._write(step, partial_rope(k, cos, sin), v)
         if step.how == INVARIANT:
             out = decode_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, L, H, Dh]
         else:
-            keys, values, visible = self.k[:, :, :step.span], self.v[:, :, :step.span], step.masks[kind]
+            visible = step.masks[kind]
             if step.softcap or self.sinks is not None:
                 out = eager_attention(q, keys, values, visible, attn.scaling, step.softcap, self.sinks)
             elif step.padded and H != Hkv and L > 1:  # the batched generator's prefill chunks
@@ -197,3 +202,18 @@ class AttentionLayer:
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(R, L, H * Dh))
         return attn.o_proj(out)
+
+    def _write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k / v [R', Hkv, L, Dh] (k turned) into their slots -> the keys and values the queries read, [R', Hkv,
+        span, Dh]. Per-row positions: each row's own slots of its cache row (index_put_ through the [R, M, Hkv,
+        Dh] view), and the read gathers those cache rows."""
+        if step.pos.dim() == 1:
+            self.k.index_copy_(2, step.pos, k)
+            self.v.index_copy_(2, step.pos, v)
+            return self.k[:, :, :step.span], self.v[:, :, :step.span]
+        at = (step.rows[:, None].expand_as(step.pos), step.pos)
+        self.k.transpose(1, 2).index_put_(at, k.transpose(1, 2))
+        self.v.transpose(1, 2).index_put_(at, v.transpose(1, 2))
+        if step.rows.shape[0] == self.k.shape[0]:  # every row, in order (the decode step)
+            return self.k[:, :, :step.span], self.v[:, :, :step.span]
+        return self.k[:, :, :step.span].index_select(0, step.rows), self.v[:, :, :step.span].index_select(0, step.rows)

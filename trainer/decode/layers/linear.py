@@ -50,6 +50,7 @@ class LinearCall(NamedTuple):
     fresh: torch.Tensor  # 0-dim bool: the forward starts at position 0, a new sequence
     valid: torch.Tensor | None  # [R] long: the tokens a prefill takes into the state (None: all of them)
     real: torch.Tensor | None  # [R, L] bool: a padded batch's real tokens (None: unpadded rows)
+    rows: torch.Tensor | None = None  # a prefill of these cache rows only ([R'] long; `fresh` then [R'] bool)
 
 
 class GatedDeltaNetDecode:
@@ -120,8 +121,25 @@ class GatedDeltaNetDecode:
             return self.forward(h)
         if call.mode == STEP:
             return self.step(h)
+        if call.rows is not None:
+            return self._prefill_rows(h, call)
         self.reset(call.fresh.expand(h.shape[0]))
         return self.prefill(h, call.valid)
+
+    def _prefill_rows(self, h: torch.Tensor, call: LinearCall) -> torch.Tensor:
+        """A prefill chunk of cache rows call.rows only (the refilling batch generator): their conv and recurrent
+        states gathered (zeroed where the chunk starts a sequence), advanced by each row's valid tokens and written
+        back; the other rows' states untouched."""
+        conv, state, rows, fresh = self.conv, self.state, call.rows, call.fresh
+        self.conv = conv.index_select(0, rows).masked_fill(fresh.view(-1, 1, 1), 0)
+        self.state = state.index_select(0, rows).masked_fill(fresh.view(-1, 1, 1, 1), 0)
+        try:
+            out = self.prefill(h, call.valid)
+            conv.index_copy_(0, rows, self.conv)
+            state.index_copy_(0, rows, self.state)
+        finally:
+            self.conv, self.state = conv, state
+        return out
 
     # ------------------------------------------------------------ the decode API
 
