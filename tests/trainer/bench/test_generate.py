@@ -99,8 +99,8 @@ def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_no
         hybrid = load_target(family_dirs[family], num_draft_layers=1, truncate=False)
         _run, used, note, gen = bench.engine_run("static", hybrid, rows=2, max_len=32, stops=[0])
         assert used == "static" and note is None and gen is not None, family
-        figures, answers = bench.measure("static", hybrid, [[[1, 2, 3], [4, 5]]], Sampling(max_new_tokens=3), 1,
-                                         [0], False)
+        figures, answers = bench.measure("static", hybrid, [[1, 2, 3], [4, 5]], 2, Sampling(max_new_tokens=3), 1,
+                                         [0])
         assert figures["engine"] == "static" and figures["attention"] == "sdpa" and len(answers) == 2, family
     target = load_target(build_family_target(tmp_path / "refused", REFUSED_BY_STATIC), num_draft_layers=1,
                          truncate=False)
