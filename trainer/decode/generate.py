@@ -125,12 +125,14 @@ class BatchGenerator:
     first stop id, through `rows` refilled slots of one static cache (module docstring). Construction allocates the
     cache; graphs are captured on first use. Not thread-safe: one call at a time, from the thread that captures."""
 
-    def __init__(self, target: Target, rows: int, max_len: int, stop_ids: Sequence[int], graphs: bool = True) -> None:
+    def __init__(self, target: Target, rows: int, max_len: int, stop_ids: Sequence[int], graphs: bool = True,
+                 row_kernel: bool = False) -> None:
         if rows < 1 or max_len < 2:
             raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
         self.rows, self.max_len, self.graphs = rows, max_len, graphs
         self.stop_ids = [int(s) for s in stop_ids]
-        self.static = StaticTarget(target, max_len, rows=rows, padded=True)
+        # row_kernel: the steps' attention through the per-row decode kernel (`StaticTarget`: why it is off)
+        self.static = StaticTarget(target, max_len, rows=rows, padded=True, row_kernel=row_kernel)
         dev = self.static.device
         self.device = dev
         vocab = target.embed_tokens.weight.shape[0]
@@ -218,8 +220,9 @@ class BatchGenerator:
                                            torch.tensor([rows[i] for i in sel]).to(dev),
                                            self._span(min(a + chunk, self.max_len)), torch.tensor(last).to(dev))
             ending = [j for j, i in enumerate(sel) if lengths[i] <= a + chunk]
-            logits.index_copy_(0, torch.tensor([sel[j] for j in ending], device=dev),
-                               out.index_select(0, torch.tensor(ending, device=dev)))
+            if ending:  # a chunk inside every prompt still in it ends none
+                logits.index_copy_(0, torch.tensor([sel[j] for j in ending], dtype=torch.long, device=dev),
+                                   out.index_select(0, torch.tensor(ending, dtype=torch.long, device=dev)))
         at = torch.tensor(rows).to(dev)
         plen, named = torch.tensor(lengths).to(dev), torch.tensor(streams).to(dev)
         first = self._choose(logits, sampling.mode, named, torch.zeros_like(plen))

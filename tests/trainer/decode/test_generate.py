@@ -86,6 +86,19 @@ def test_refilled_slots_answer_as_hf_generate(family, family_dirs):
     assert gen.generate(prompts[::-1], Sampling(max_new_tokens=24)) == want[::-1]
 
 
+def test_a_refill_prefills_prompts_longer_than_a_chunk(family_dirs, monkeypatch):
+    """A refill's prefill in several chunks, some of which end no prompt (every prompt still in it goes on): the
+    answers are HF's."""
+    from trainer.decode import generate
+
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 16)
+    target = family_target(family_dirs, "qwen3")
+    prompts = prompts_of(target, (40, 45, 3, 37), seed=6)
+    gen = BatchGenerator(target, rows=2, max_len=64, stop_ids=[])
+    want = hf_generate(target.model, prompts, Sampling(max_new_tokens=8), [], target.tokenizer.pad_token_id)
+    assert gen.generate(prompts, Sampling(max_new_tokens=8)) == want
+
+
 def test_a_refilled_prompt_samples_what_it_samples_alone(family_dirs):
     """Sampling noise is keyed by (stream, the token's index in its answer): a prompt refilled into a busy batch, at
     another slot and time, samples the tokens it samples in a batch of one."""

@@ -132,7 +132,7 @@ def test_refilled_slots_step_through_the_kernel_as_hf_generates(interpreter, fam
     target = family_target(family_dirs, "qwen3")
     prompts = prompts_of(target, (2, 9, 4), seed=5)
     stops = stops_inside(target, prompts, 9)[:1]  # the first row ends at its 4th token, the others at max_new
-    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=stops)
+    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=stops, row_kernel=True)
     assert gen.static.row_kernel
     assert gen.generate(prompts, Sampling(max_new_tokens=9)) == hf_generate(
         target.model, prompts, Sampling(max_new_tokens=9), stops, target.tokenizer.pad_token_id)
