@@ -84,6 +84,7 @@ def stop_mid_run(target: Path, run_dir: Path, signum: int, tmp_path: Path, *sets
             os.killpg(proc.pid, signal.SIGKILL)  # only the process this test started, by its group
 
 
+@pytest.mark.slow
 def test_a_sigterm_mid_run_checkpoints_and_its_resume_command_gives_the_uninterrupted_losses(tiny_target_dir,
                                                                                                 tmp_path):
     whole = subprocess.run(train_cmd(tiny_target_dir, tmp_path / "whole"), capture_output=True, text=True,
@@ -112,6 +113,7 @@ def test_a_sigterm_mid_run_checkpoints_and_its_resume_command_gives_the_uninterr
     assert done[0]["replica_sha256"] == done[1]["replica_sha256"]  # the same drafter, bit for bit
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_run_checkpoints_and_exits_130(tiny_target_dir, tmp_path):
     run_dir = tmp_path / "run"
     code, out = stop_mid_run(tiny_target_dir, run_dir, signal.SIGINT, tmp_path)
@@ -125,6 +127,7 @@ def test_ctrl_c_mid_run_checkpoints_and_exits_130(tiny_target_dir, tmp_path):
     assert "interrupted" not in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_sigterm_sent_twice_as_a_stopper_sends_it_still_ends_in_the_checkpoint(tiny_target_dir, tmp_path):
     """`dflash-ops stop` signals the job's process group and then each of its processes (torchrun, too, forwards its
     own): the trainer gets SIGTERM twice, a moment apart. The repeat is not a request to drop the checkpoint."""
@@ -144,6 +147,7 @@ def test_sigterm_sent_twice_as_a_stopper_sends_it_still_ends_in_the_checkpoint(t
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == [f"step_{stop['step']}"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_stop_ends_the_run_at_once_and_leaves_no_torn_checkpoint(tiny_target_dir, tmp_path):
     """ckpt.every=1: a save is under way most of the time. A Ctrl-C sent as soon as the SIGTERM is acknowledged
     ends the process by SIGINT itself (no handler left to delay it); every checkpoint directory left is complete,
@@ -197,6 +201,7 @@ def test_train_without_a_recipe_resumes_or_says_what_it_needs_in_one_line(tmp_pa
     assert p.returncode == 2 and p.stderr.splitlines()[0] == message, p.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_through_a_tee_that_dies_with_it_still_checkpoints_and_exits_130(tiny_target_dir, tmp_path):
     """`train ... 2>&1 | tee log`: the terminal's Ctrl-C ends tee too, so the run's next console write meets a
     broken pipe. The run must still reach its stop's checkpoint and exit 130 (the console is lost, not the work)."""
