@@ -210,6 +210,23 @@ def testbed(sshd: sshd_mod.Sshd, containers, tmp_path: Path):
     return build
 
 
+# ------------------------------------------------------------------------------------------------ file order
+def slow_files_first(items: list) -> list:
+    """The items, files with more `slow` tests first, each file's items kept together and in their order.
+
+    Under `-n 2 --dist loadfile` xdist hands out whole files in this order (`--no-loadscope-reorder`, pyproject):
+    the long files start first and the short ones fill in behind them. xdist's own order (most tests first) put the
+    files of few long tests (one trainer process each) last, one worker running them while the other sat idle."""
+    weight: dict = {}
+    for item in items:
+        weight[item.path] = weight.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    return sorted(items, key=lambda item: -weight[item.path])  # stable: a file's items stay as collected
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    items[:] = slow_files_first(items)
+
+
 # ------------------------------------------------------------------------------------------------ failure logs
 _LOG_SOURCES = pytest.StashKey[list]()
 

@@ -26,3 +26,16 @@ def test_built_once_builds_a_directory_once_and_hands_it_to_every_caller(tmp_pat
     first = built_once(tmp_path_factory, "once-check", build)
     again = built_once(tmp_path_factory, "once-check", build)
     assert first == again == calls[0] and len(calls) == 1 and (first / "weights").read_text() == "built"
+
+
+def test_files_with_more_slow_tests_go_first_each_kept_whole_and_in_order():
+    from types import SimpleNamespace
+
+    from tests.conftest import slow_files_first
+
+    def item(path, slow):
+        return SimpleNamespace(path=path, name=f"{path}{slow}", get_closest_marker=lambda m: (m == "slow" and slow) or None)
+
+    items = [item("a", 0), item("a", 0), item("b", 1), item("b", 0), item("c", 1), item("c", 1), item("d", 0)]
+    assert [(i.path, i.name) for i in slow_files_first(items)] == [
+        ("c", "c1"), ("c", "c1"), ("b", "b1"), ("b", "b0"), ("a", "a0"), ("a", "a0"), ("d", "d0")]

@@ -167,6 +167,7 @@ def records(prefix: str) -> list[Path]:
     return sorted(recordfile.path(f"{prefix}-20260101T000000-0000").parent.glob(f"{prefix}-*.json"))
 
 
+@pytest.mark.slow
 def test_the_nodes_get_one_run_id_and_the_rendezvous_and_status_tail_stop_cover_a_dead_node(nodes_bed, monkeypatch):
     bed = nodes_bed
     gpus = fake_nvidia_smi.install(bed.work / "gpu-bin", bed.work / "gpus.json", n_gpus=2)
@@ -243,6 +244,7 @@ def test_stop_marks_every_node_stopped_before_it_signals_any(nodes_bed):
     assert runs["state"] == "stopped" and (run_dir(bed, 1, doc["run_id"]) / "stopped").is_file(), runs
 
 
+@pytest.mark.slow
 def test_a_launch_that_fails_on_one_node_leaves_nothing_running(nodes_bed):
     bed = nodes_bed
     # The second node unreachable (a port nothing listens on): nothing is launched anywhere, no record is kept.
@@ -325,6 +327,7 @@ def test_ctrl_c_or_a_bug_during_a_launch_stops_the_nodes_that_started(nodes_bed)
     assert [len(bed.run_dirs(bed.ct(i), "bug")) for i in range(CONTAINERS)] == [1, 1] and records("bug") == []
 
 
+@pytest.mark.slow
 def test_nodes_that_do_not_meet_at_the_rendezvous_are_rolled_back(nodes_bed):
     """The real torchrun on both nodes; node 1's is given a wrong endpoint and a 1 s timeout (its python sets
     PET_RDZV_ENDPOINT and PET_RDZV_CONF): both torchruns start and prove alive, and never meet. Node 1 gives up;

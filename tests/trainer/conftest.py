@@ -22,11 +22,17 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
-    """One tiny saved target per supported family (tests/trainer/families.py), built once per session."""
+    """One tiny saved target per supported family (tests/trainer/families.py), built once per run and shared by
+    xdist's workers (`built_once`); tests read them, none writes into them."""
+    from tests.conftest import built_once
     from tests.trainer.families import FAMILIES, build_family_target
 
-    root = tmp_path_factory.mktemp("families")
-    return {f: build_family_target(root / f, f) for f in FAMILIES}
+    def build(root: Path) -> None:
+        for f in FAMILIES:
+            build_family_target(root / f, f)
+
+    root = built_once(tmp_path_factory, "families", build)
+    return {f: root / f for f in FAMILIES}
 
 
 @pytest.fixture(scope="session")

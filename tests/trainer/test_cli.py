@@ -218,6 +218,7 @@ def test_a_leading_tilde_is_the_home_directory_as_the_shell_would_have_made_it(t
         assert p.returncode == 2 and message in p.stderr, (args, p.stderr)
 
 
+@pytest.mark.slow
 def test_resume_needs_no_set_it_reads_the_runs_own_config(tmp_path, finished_short_run):
     """`train --recipe gpu --run-dir R --resume`, as the README shows it: the run's config.json is the config, so the
     --set values of the first start need not be repeated; a --set that would change what is trained is refused."""
@@ -301,6 +302,7 @@ def test_a_line_of_invalid_utf8_is_a_malformed_line_with_its_number(tmp_path, ti
     assert f"{data}:3 (invalid UTF-8 at byte 20 of the line (invalid start byte))" in p.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_start_leaves_nothing_behind_and_keeps_what_was_there(tmp_path, tiny_target_dir, monkeypatch):
     """Data the tokenizer refuses (no assistant turn) is found before any model is built; taps that do not fit the
     target (5 draft layers on 6 target layers: no tap spacing) are found before anything loads, the tiny target's
@@ -566,6 +568,7 @@ def test_make_tiny_target_overwrites_nothing_and_refuses_a_file_in_one_line_befo
     assert (tmp_path / "file").read_text() == "mine\n" and (full / "config.json").read_text() == '{"mine": true}\n'
 
 
+@pytest.mark.slow
 def test_make_tiny_target_writes_into_a_new_or_an_empty_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     for out in (tmp_path / "empty", tmp_path / "new" / "t"):
@@ -574,6 +577,7 @@ def test_make_tiny_target_writes_into_a_new_or_an_empty_directory(tmp_path):
         assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
 
 
+@pytest.mark.slow
 def test_the_cpu_recipe_trains_a_users_own_target_and_warns_when_the_data_is_less_than_one_step(tmp_path,
                                                                                                  tiny_target_dir):
     """`--recipe cpu` with the user's target and data (README: own target on a CPU). One conversation packs into one
@@ -704,6 +708,7 @@ def _short_run(tmp_path, target, *sets, name="run"):
     return run
 
 
+@pytest.mark.slow
 def test_export_of_a_newest_checkpoint_cut_short_is_one_line_naming_the_file(tmp_path, finished_short_run):
     import shutil
 
@@ -720,6 +725,7 @@ def test_export_of_a_newest_checkpoint_cut_short_is_one_line_naming_the_file(tmp
     assert not (run / "export").exists()
 
 
+@pytest.mark.slow
 def test_a_resume_takes_the_target_and_the_data_where_they_moved_when_they_are_the_same(tmp_path, tiny_target_dir):
     """A resume whose target or data moved may name where they are now: the same weights (data.json's fingerprint
     of the target) and the same file sizes are checked, and config.json then names the new places."""

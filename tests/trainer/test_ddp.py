@@ -62,6 +62,7 @@ def runs(tiny_target_dir, tmp_path_factory):
     return root, one, two
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_accumulating_both_shards(runs):
     root, one, two = runs
     m1, m2 = lines(one.stdout, "DFLASH_METRICS "), lines(two.stdout, "DFLASH_METRICS ")
@@ -96,6 +97,7 @@ def test_only_rank_zero_writes_and_prints(runs):
                                                                  "metrics.jsonl"]
 
 
+@pytest.mark.slow
 def test_two_rank_resume_is_exact(runs, tiny_target_dir):
     root, _one, two = runs
     split = root / "split"
@@ -120,6 +122,7 @@ def test_pipeline_on_cpu_is_one_clear_line_and_exit_2(tiny_target_dir, tmp_path)
     assert auto.returncode == 2 and "pipeline.enabled needs a CUDA device (this run is on cpu)" in auto.stderr
 
 
+@pytest.mark.slow
 def test_a_refusal_under_torchrun_is_said_once_and_keeps_its_exit_code(tiny_target_dir, tmp_path):
     """Every rank meets the same config error, before or after torch is loaded; rank 0 alone says it, each rank
     exits 2 (torchrun then exits 1 with its own failure report), and nothing is left on disk."""
@@ -146,6 +149,7 @@ def children_of(pid: int) -> list[int]:
 
 
 
+@pytest.mark.slow
 def test_ranks_die_with_a_killed_launcher(tiny_target_dir, tmp_path):
     """torchrun puts each rank in its own session: a SIGKILL of the launcher's group (what `dflash-ops stop`
     escalates to) must not leave ranks behind (they get SIGTERM through PR_SET_PDEATHSIG)."""
@@ -189,6 +193,7 @@ def test_resume_under_another_world_size_is_refused(runs, tiny_target_dir):
         "per-rank micro-batches)", "hint: relaunch with --nproc-per-node 2"]
 
 
+@pytest.mark.slow
 def test_a_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_one_checkpoint(tiny_target_dir, tmp_path):
     """`dflash-ops stop` signals torchrun, which forwards SIGTERM to each rank: the ranks agree on the stop step
     (an all-reduce of the signal at a log step), rank 0 alone writes the one checkpoint and prints DFLASH_STOPPED

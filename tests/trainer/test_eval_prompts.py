@@ -66,6 +66,7 @@ def test_alpaca_prompt_and_content_part_lines_are_read(tmp_path):
     assert ps.formats == ("alpaca", "prompt", "chat") and ps.bad_lines == (5,)  # an image part has no text to answer
 
 
+@pytest.mark.slow
 def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp_path):
     from tests.trainer.conftest import make_state
     from trainer.export import ExportConfig, export_drafter
@@ -129,6 +130,7 @@ def test_a_bad_prompt_file_is_one_line_before_any_model(tmp_path):
     assert proc.returncode == 3 and proc.stderr.splitlines()[0].startswith("error: prompt file ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral", "gemma3", "gemma2"])
 def test_every_prompt_format_decodes_on_every_family(family, family_dirs, tmp_path, capsys):
     """`trainer eval --prompts` (in process: the same CLI function) on a tiny random target of each family, every
@@ -155,6 +157,7 @@ def test_every_prompt_format_decodes_on_every_family(family, family_dirs, tmp_pa
     assert {r["engine"] for r in records} == {"static"} and not notes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, engine", [("qwen3_5", "static"), ("qwen3_next", "static"), ("gpt_oss", "static"),
                                             ("qwen3_moe", "static"), ("mixtral", "static"), ("qwen3_5_moe", "static"),
                                             ("llama_dynamic", "hf")])

@@ -6,7 +6,6 @@ On CPU the FP8 products are computed in fp32 from the same quantized values the 
 import pytest
 import torch
 
-from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
 from tests.trainer.test_ce_fused import chunk_case
 from trainer.errors import ConfigError
 from trainer.model import ce_kernel
@@ -14,6 +13,9 @@ from trainer.model.fp8 import E4M3, Fp8Head, dlogits_scale, quantize_rows
 from trainer.model.loss import DPace, ce_chunk, ce_chunk_fused, chunked_lm_loss
 from trainer.config import StepCfg, cuda_only, load_config
 from trainer.step.policy import fp8_head, fp8_head_unmet
+from tests.trainer.decode import test_kernels
+
+interpreter = test_kernels.interpreter  # the fixture (Triton's CPU interpreter), for the tests that take it
 
 
 @pytest.fixture
@@ -159,6 +161,7 @@ def test_the_chunked_loss_through_the_fp8_head_stays_close_to_the_full_precision
     assert float((c1 == c0).float().mean()) >= 0.9
 
 
+@pytest.mark.slow
 def test_the_compiled_chunk_gives_the_eager_chunks_fp8_gradient():
     """What the compile modes run where the Triton kernel does not (D-PACE): Inductor's form of the e4m3 gradient."""
     h, W, y, w = _loss_case(seed=2)

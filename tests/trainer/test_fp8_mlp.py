@@ -6,12 +6,14 @@ import re
 import pytest
 import torch
 
-from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
 from trainer.model import fp8_target
 from trainer.model.fp8 import Fp8Linear
 from trainer.model.fp8_target import (LINEAR_NAMES, Fp8GatedMlp, gated_silu_mlp, quantize_target_layers,
                                       swiglu_e4m3_reference, swiglu_e4m3_rows)
 from trainer.model.target import load_target
+from tests.trainer.decode import test_kernels
+
+interpreter = test_kernels.interpreter  # the fixture (Triton's CPU interpreter), for the tests that take it
 
 
 def _gate_up(rows: int, n: int) -> torch.Tensor:
@@ -147,6 +149,7 @@ def test_an_mlp_of_another_form_is_not_taken_for_a_gated_one(family_dirs):
     assert layers[3].mlp.up_proj.bias is not None  # the bias kept, in the linear that has it
 
 
+@pytest.mark.slow
 def test_a_compiled_layer_calls_the_kernel_as_one_op_and_matches_eager(family_dirs, interpreter):  # noqa: F811
     target = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 3), dtype="bfloat16")
     quantize_target_layers(target.model.model.layers)

@@ -61,6 +61,7 @@ def test_the_target_layers_run_in_fp8_with_features_close_to_the_original(tiny_t
     assert float(cos) > 0.99, float(cos)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["model.target_fp8", "step.head_fp8"])
 def test_on_a_cpu_the_option_is_one_line_and_exit_2(tmp_path, key):
     proc = subprocess.run([sys.executable, "-m", "trainer", "train", "--recipe", "smoke", "--run-dir",

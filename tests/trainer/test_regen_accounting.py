@@ -333,6 +333,7 @@ def test_a_batch_that_does_not_fit_is_refused_before_the_weights_load_naming_one
     assert code == 0 and any("memory: about" in x for x in out), err
 
 
+@pytest.mark.slow
 def test_a_job_interrupted_for_real_says_what_it_did_and_its_resume_adds_up(tiny_target_dir, tmp_path, capsys):
     """SIGINT into a running `python -m trainer regenerate`: it exits 130 with the sidecar `stopped` and its counts
     those of the files (answered + skipped + pending = expected); the same command then ends where an uninterrupted

@@ -75,6 +75,7 @@ def test_doc_causal_mask_refuses_a_wrong_shape():
         mask.update_(torch.zeros(2, 128, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_compiled_target_layers_take_the_block_mask_and_follow_new_layouts(tiny_target_dir, targets):
     """What step.mode=compile does to the target (trainer.step.policy.compile_step): every kept decoder layer
     torch.compile'd, tap hooks traced along, the BlockMask an input (no recompile for a new layout)."""

@@ -61,6 +61,7 @@ def test_target_mask_mod_at_the_window_edge_follows_the_plain_rule(window):
     assert torch.equal(mask.block_mask.mask_mod(zero, zero, q, k), visible(q, k, window))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [127, 128, 129, 130, 255, BIG + 127, BIG + 128, BIG + 130])
 def test_drafter_sliding_tiles_and_mask_mod_at_the_window_edge_follow_the_plain_rule(window):
     """The drafter's block queries (anchor a, offset k) sit at a + k and see context keys j < a of their document
