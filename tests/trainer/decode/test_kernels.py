@@ -157,9 +157,10 @@ COMPILE_FOR_H200 = r'''
 import json
 import triton
 from triton.backends.compiler import GPUTarget
-from trainer.decode import kernels
+from trainer.decode import kernels, step_kernel
 
 _, rms_norm_rows, attention_rows = kernels._kernels()
+step_attention = step_kernel._kernel()
 
 def build(fn, sig, consts, num_warps):
     names = list(sig) + list(consts)
@@ -177,13 +178,18 @@ for dt in ("bf16", "fp32"):
                                    {"N_SLOTS": 400, "GROUPS": 2, "HEAD_DIM": 64, "BLOCK_S": 64}, 4)
     norm_sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "eps": "fp32"}
     out["rms_norm_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512}, 2)
+    step_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "o_ptr": "*" + dt,
+                "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
+    out["step_" + dt] = build(step_attention, step_sig,
+                              {"N_SLOTS": 400, "G": 4, "GP": 16, "HEAD_DIM": 128, "BLOCK": 64, "UPCAST": False,
+                               "PRECISION": "ieee" if dt == "fp32" else "tf32"}, 4)
 print("COMPILED " + json.dumps(out))
 '''
 
 
 def test_kernels_compile_for_the_h200(tmp_path):
-    """The interpreter does not check what only the compiler does (types of loop-carried values, layouts): both
-    kernels are compiled here, without a GPU, down to a cubin for sm_90 (the H200) by triton's own compiler and its
+    """The interpreter does not check what only the compiler does (types of loop-carried values, layouts): the
+    decode kernels (kernels.py's two, step_kernel.py's) are compiled here, without a GPU, down to a cubin for sm_90 (the H200) by triton's own compiler and its
     bundled ptxas, at the quality target's shapes, in bf16 and fp32."""
     import json
     import os
@@ -198,5 +204,5 @@ def test_kernels_compile_for_the_h200(tmp_path):
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     compiled = json.loads(run.stdout.split("COMPILED ", 1)[1])
-    assert set(compiled) == {"attention_bf16", "attention_fp32", "rms_norm_bf16", "rms_norm_fp32"}
+    assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "step") for dt in ("bf16", "fp32")}
     assert all("cubin" in stages and "ptx" in stages for stages in compiled.values())

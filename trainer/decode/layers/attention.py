@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decode.kernels import decode_attention
+from trainer.decode.step_kernel import step_attention
 from trainer.model.attention import FULL, SLIDING
 from trainer.model.drafter import apply_rope
 
@@ -187,7 +188,9 @@ class AttentionLayer:
         v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
         q = partial_rope(q, cos, sin)
         keys, values = self._write(step, partial_rope(k, cos, sin), v)
-        if step.how == INVARIANT:
+        if step.how == INVARIANT and step.pos.dim() == 2 and L == 1:  # the refilling generator's per-row step
+            out = step_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, 1, H, Dh]
+        elif step.how == INVARIANT:
             out = decode_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, L, H, Dh]
         else:
             visible = step.masks[kind]

@@ -1,0 +1,107 @@
+"""One-token decode attention for the refilling batch generator's step: every row one query at its own position,
+grouped-query heads read together, as one Triton kernel.
+
+Why: rows at their own positions need per-row visibility; SDPA with a mask reads the whole span (the longest live
+row's) for every row, and the row-invariant kernel of `kernels.py` reads a KV head's slots once per query head. Here
+one program serves one (row, KV head): its G query heads as one [G, Dh] tile against the row's slots 0..p in blocks,
+fp32 online softmax, so each row reads its own K/V once and no further than its position. Not row-invariant (the
+dot products are tensor-core tiles); the batch generator needs no invariance (it never verifies).
+
+Runs on CUDA, and on CPU under Triton's interpreter (the tests; there the tiles are cast to fp32 first, as the
+interpreter's tl.dot mishandles bf16). No host sync: captured in the step's graph.
+Shape legend: R rows, H / Hkv query / KV heads, G = H / Hkv, Dh head dim, S cache slots.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_S = 64  # slots a block
+MIN_ROWS = 16  # tl.dot's smallest tile side: the G query heads are padded to it
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The jitted kernel, or None where Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def step_attention(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale, sq_r, sq_h, sk_r, sk_h, sk_s, so_r, so_h,
+                       N_SLOTS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        # Blocks after the row's position are skipped (an `if`, not a loaded loop bound: Triton's interpreter,
+        # which the CPU tests use, cannot loop to one). The running max starts finite, so a block whose slots are
+        # all past p (weights exp(-inf) = 0) never computes -inf - -inf.
+        r = tl.program_id(0).to(tl.int64)
+        kv = tl.program_id(1)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HEAD_DIM)
+        real = g < G
+        q = tl.load(q_ptr + r * sq_r + (kv * G + g)[:, None] * sq_h + d[None, :], mask=real[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        p = tl.load(pos_ptr + r)
+        m = tl.full([GP], -1e30, tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+        k_base = k_ptr + r * sk_r + kv * sk_h
+        v_base = v_ptr + r * sk_r + kv * sk_h
+        for s0 in range(0, N_SLOTS, BLOCK):
+            if s0 <= p:
+                s = s0 + tl.arange(0, BLOCK)
+                inside = (s < N_SLOTS) & (s <= p)
+                k = tl.load(k_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
+                v = tl.load(v_base + s[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
+                if UPCAST:
+                    k, v = k.to(tl.float32), v.to(tl.float32)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GP, BLOCK] fp32
+                scores = tl.where(inside[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                alpha = tl.exp(m - m_new)
+                w = tl.exp(scores - m_new[:, None])
+                acc = acc * alpha[:, None] + tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+                den = den * alpha + tl.sum(w, axis=1)
+                m = m_new
+        out = acc / den[:, None]
+        tl.store(o_ptr + r * so_r + (kv * G + g)[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=real[:, None])
+
+    return step_attention
+
+
+def usable_for(x: torch.Tensor, head_dim: int) -> bool:
+    """The kernel can run on `x` here (CUDA, or the interpreter; not under torch.compile) for this head dim (a power
+    of two >= 16: one [G, Dh] tile)."""
+    from trainer.triton_device import runs_on
+
+    return (_kernel() is not None and runs_on(x.device) and not torch.compiler.is_compiling()
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [R, H, 1, Dh], k / v [R, Hkv, S, Dh] caches (slot = position), pos [R, 1] long (each row's query position,
+    < S) -> [R, 1, H, Dh] in q's dtype: each query over its row's slots 0..p (head h reads KV head h // G). The
+    loop bound is the cache size (one compilation per cache), the blocks past p are skipped."""
+    R, H, L, Dh = q.shape
+    Hkv = k.shape[1]
+    if L != 1 or pos.shape != (R, 1) or H % Hkv or k.stride(-1) != 1 or k.stride() != v.stride():
+        raise ValueError(f"step_attention: one query a row over a shared cache layout, got q {tuple(q.shape)}, "
+                         f"cache {tuple(k.shape)}, pos {tuple(pos.shape)}")
+    from trainer.triton_device import interpreting
+
+    G = H // Hkv
+    q = q.contiguous()
+    out = torch.empty(R, 1, H, Dh, dtype=q.dtype, device=q.device)
+    o = out[:, 0]  # [R, H, Dh]
+    _kernel()[(R, Hkv)](q, k, v, pos.contiguous(), o, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                        k.stride(2), o.stride(0), o.stride(1), N_SLOTS=k.shape[2], G=G,
+                        GP=max(MIN_ROWS, 1 << (G - 1).bit_length()), UPCAST=interpreting(),
+                        # fp32 products stay fp32 (tl.dot would round fp32 inputs to TF32); bf16 ones take the default
+                        PRECISION="ieee" if interpreting() or q.dtype == torch.float32 else "tf32",
+                        HEAD_DIM=Dh, BLOCK=BLOCK_S, num_warps=4)
+    return out
