@@ -16,12 +16,12 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   max_new_tokens) steps at position 0 until the host refills it. The host reads nothing per token: every
   CHECK_EVERY tokens, and at the step where some row must have reached max_new_tokens, it reads which rows ended
   (one sync), then the ended rows' answers (one more), hands them out (prompt index, tokens) and refills.
-- A step's attention: where the decode kernel computes the target's (kernels.py: no soft cap, sinks or sliding
-  window; CUDA), each row reads its own slots up to its position only, and one graph per choice mode serves every
-  step. Elsewhere masked SDPA reads the slots the longest live row has reached, rounded up to a power of two
+- A step's attention: masked SDPA reads the slots the longest live row has reached, rounded up to a power of two
   (`span`; the host knows an upper bound of every row's position without reading it): one graph per (choice mode,
-  span). The graphs a call can reach are captured at its start, before any prefill, in the calling thread, and share
-  one memory pool (they are never replayed concurrently).
+  span). With `row_kernel=True`, where step_kernel.py's kernel computes the target's attention (no soft cap, sinks
+  or sliding window; CUDA), each row reads its own slots up to its position only, and one graph per choice mode
+  serves every step. The graphs a call can reach are captured at its start, before any prefill, in the calling
+  thread, and share one memory pool (they are never replayed concurrently).
 Slots are handed out in prompt order; answers come out as rows end (completion order).
 
 Choosing a token, on the device (no host sync, no value-dependent shape):
