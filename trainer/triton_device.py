@@ -3,6 +3,7 @@ target's SwiGLU quantization): CUDA, or CPU tensors under Triton's interpreter, 
 Pure and light: no triton import."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -23,3 +24,21 @@ CPU_UNDER_INTERPRETER = False
 def runs_on(device: torch.device) -> bool:
     """Triton kernels can run on tensors of `device` here: CUDA, or CPU under the interpreter (the kernel tests)."""
     return device.type == "cuda" or (device.type == "cpu" and CPU_UNDER_INTERPRETER and interpreting())
+
+
+def triton_kernels(build):
+    """Decorator: `build(triton, tl)` -> the module's jitted kernels, run once, on the first call of the decorated
+    name, where Triton imports; None where it does not. So importing a module that declares kernels costs nothing
+    where none runs."""
+
+    @functools.lru_cache(maxsize=1)
+    def built():
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            return None
+        return build(triton, tl)
+
+    built.__doc__ = build.__doc__
+    return built

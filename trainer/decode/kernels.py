@@ -16,23 +16,15 @@ on). Where they cannot run (no Triton, CPU, inside `torch.compile`), callers fal
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from trainer.triton_device import runs_on
+from trainer.triton_device import runs_on, triton_kernels
 
 
-@functools.lru_cache(maxsize=1)
-def _kernels():
+@triton_kernels
+def _kernels(triton, tl):
     """(triton, rms_norm_rows, attention_rows), or None where Triton is not installed. Built once, lazily, so that
     importing this module costs nothing where no kernel runs."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def rms_norm_rows(x_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
         # HF's arithmetic: fp32 mean of squares, rsqrt(var + eps), cast to the input dtype, times the weight.

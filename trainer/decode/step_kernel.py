@@ -13,23 +13,17 @@ Shape legend: R rows, H / Hkv query / KV heads, G = H / Hkv, Dh head dim, S cach
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from trainer.triton_device import triton_kernels
 
 BLOCK_S = 64  # slots a block
 MIN_ROWS = 16  # tl.dot's smallest tile side: the G query heads are padded to it
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
+@triton_kernels
+def _kernel(triton, tl):
     """The jitted kernel, or None where Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def step_attention(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale, sq_r, sq_h, sk_r, sk_h, sk_s, so_r, so_h,
                        N_SLOTS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,

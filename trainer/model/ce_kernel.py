@@ -13,20 +13,14 @@ No host sync, no value-dependent allocation: it is captured inside the step's CU
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from trainer.triton_device import triton_kernels
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
+
+@triton_kernels
+def _kernel(triton, tl):
     """The jitted kernel, or None where Triton is not installed (built once, on first use)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, gs_ptr, loss_ptr, correct_ptr, stride, n_cols: tl.constexpr,
                 WANT_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,

@@ -10,22 +10,16 @@ run, amax (Inductor fuses its own reduction). No host sync: it is captured in th
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from trainer.triton_device import triton_kernels
 
 GROUP = 32  # chunks per tile: 32 x 128 bf16 = 8 KB a load, 8 warps
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
+@triton_kernels
+def _kernel(triton, tl):
     """The jitted kernel, or None where Triton is not installed (built once, on first use)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def chunk_max_rows(x_ptr, out_ptr, stride, N_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)

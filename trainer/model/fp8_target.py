@@ -15,12 +15,12 @@ interpreter (the tests); elsewhere the same function in torch, which Inductor fu
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from trainer.model.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows
+from trainer.triton_device import triton_kernels
 
 # replaced: attention and MLP projections, and a Gated DeltaNet's (Qwen3.5 projects q/k/v and z apart, Qwen3-Next
 # together; `out_proj` is read only on a Gated DeltaNet module)
@@ -29,15 +29,9 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 ROW_KERNEL_MAX = 16384  # intermediate sizes the one-row-in-registers kernel takes (one power-of-two block per half)
 
 
-@functools.lru_cache(maxsize=1)
-def _kernels():
+@triton_kernels
+def _kernels(triton, tl):
     """(row kernel, looped kernel), or None where Triton is not installed (built once, on first use)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def swiglu_e4m3_row(gu_ptr, q_ptr, scale_ptr, gu_stride, q_stride, n: tl.constexpr, FP8_MAX: tl.constexpr,
                         BLOCK: tl.constexpr):
