@@ -45,7 +45,7 @@ from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLa
 from trainer.decode.layers.linear import PREFILL, STEP, VERIFY, GatedDeltaNetDecode, LinearCall, kernel_for
 from trainer.decode.layers.moe import MoeMLP, Routing, routing_of
 from trainer.errors import ConfigError
-from trainer.model.attention import FULL, SLIDING
+from trainer.model.attention import SLIDING
 from trainer.model.linear_attention import LINEAR
 from trainer.model.target import Target, attention_kinds
 
@@ -328,16 +328,12 @@ class StaticTarget:
             raise RuntimeError("per-row positions run through SDPA or eager attention, not the invariant kernel")
         x = self.target.embed_tokens(ids_RL)
         ropes = {kind: rope_from_inv_freq(pos_RL, inv, scale, x.dtype) for kind, (inv, scale) in self.ropes.items()}
+        linear = self._rows_call(pos_RL, rows, last_at)
         if self.row_kernel and ids_RL.shape == (self.rows, 1):  # a step of every row (rows: arange)
-            step = Step(pos_RL, ropes, None, span, INVARIANT, None, True, self._rows_call(pos_RL, rows, last_at), rows)
+            step = Step(pos_RL, ropes, None, span, INVARIANT, None, True, linear, rows)
         else:
-            s = self.slot_ids[:span]
-            visible = s[None, None, :] <= pos_RL[:, :, None]  # [R', L, span]
-            masks = {FULL: visible[:, None]}
-            if SLIDING in self.kinds:
-                masks[SLIDING] = (visible & (s[None, None, :] > pos_RL[:, :, None] - self.window))[:, None]
-            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True,
-                        self._rows_call(pos_RL, rows, last_at), rows)
+            masks = visible_masks(self.slot_ids, pos_RL, span, None, self.window if SLIDING in self.kinds else None)
+            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, linear, rows)
         x, _ = self._layers(x, step, False)
         if last_at is not None:
             x = x.gather(1, last_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))

@@ -81,19 +81,19 @@ def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float
 
 def visible_masks(slot_ids: torch.Tensor, pos: torch.Tensor, span: int, row_start: torch.Tensor | None,
                   window: int | None) -> dict[str, torch.Tensor]:
-    """Per layer kind: visible [R or 1, 1, L, span] bool (SLIDING only when `window`). A padded row (`row_start`
-    given) sees no slot before the row's start, except its own slot when it is padding itself (a query that sees
-    nothing would turn into NaN, and NaN K/V in a masked slot still poison the rows through 0 * NaN)."""
+    """Per layer kind: visible [R or 1, 1, L, span] bool (SLIDING only when `window`) for queries at positions pos
+    [L] (or [R, L]: per-row positions, each row from slot 0). A padded row (`row_start` given, pos [L]) sees no slot
+    before the row's start, except its own slot when it is padding itself (a query that sees nothing would turn into
+    NaN, and NaN K/V in a masked slot still poison the rows through 0 * NaN)."""
     s = slot_ids[:span]
-    visible = s[None, :] <= pos[:, None]  # [L, span]
+    at = pos if pos.dim() == 2 else pos[None]  # [R or 1, L]
+    visible = s <= at[..., None]  # [R or 1, L, span]
     if row_start is not None:
         lo = torch.minimum(row_start[:, None], pos[None, :])  # [R, L]
-        visible = visible[None] & (s[None, None, :] >= lo[:, :, None])  # [R, L, span]
-    else:
-        visible = visible[None]
+        visible = visible & (s >= lo[..., None])  # [R, L, span]
     masks = {FULL: visible[:, None]}
     if window:
-        masks[SLIDING] = (visible & (s > pos[:, None] - window))[:, None]
+        masks[SLIDING] = (visible & (s > at[..., None] - window))[:, None]
     return masks
 
 
