@@ -27,7 +27,8 @@ per linear layer, and `forward` tells those layers what it is (`layers/linear.py
   the state (a new sequence);
 - `verify=True` (a speculative verify of up to `block` tokens) leaves the state as it was and keeps the block, and
   `commit(accepted [R])` then moves each row's state past its accepted prefix, on the device: no second forward.
-The attention layers write K/V at slot = position, so a rejected draft's K/V need no undo. `forward_rows` (per-row
+The attention layers write K/V at slot = position (a sliding layer's ring: at p mod W, layers/ring.py), so a
+rejected draft's K/V need no undo. `forward_rows` (per-row
 positions, the refilling batch generator) steps every row's linear states, or prefills a chunk of some rows alone:
 their states gathered, zeroed where the chunk starts a sequence, advanced by each row's real tokens, written back.
 
@@ -44,6 +45,7 @@ from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLa
                                              rope_from_inv_freq, ropes_of, visible_masks)
 from trainer.decode.layers.linear import PREFILL, STEP, VERIFY, GatedDeltaNetDecode, LinearCall, kernel_for
 from trainer.decode.layers.moe import MoeMLP, Routing, routing_of
+from trainer.decode.layers.ring import ring_size, ring_step
 from trainer.errors import ConfigError
 from trainer.model.attention import SLIDING
 from trainer.model.linear_attention import LINEAR
@@ -102,7 +104,8 @@ def _attention_layer(static: StaticTarget, i: int, layer) -> AttentionLayer:
     attn = layer.self_attn
     return AttentionLayer(attn, static.kinds[i], static.q_norms[i], static.k_norms[i], static.rows, static.slots,
                           static.heads, static.kv_heads, static.head_dim, static.dtype, static.device,
-                          gated=static.plan.mixers[i] == "gated_attention")
+                          gated=static.plan.mixers[i] == "gated_attention",
+                          ring=static.ring if static.kinds[i] == SLIDING else None)
 
 
 def _linear_layer(static: StaticTarget, i: int, layer) -> GatedDeltaNetDecode:
@@ -168,10 +171,13 @@ class StaticTarget:
 
     block: the longest verify a linear layer keeps (a speculative decoder's block size; 1 for a target that only
     steps); kernel: a linear layer's prefill kernel (`layers/linear.py`; default: fla on CUDA where it imports).
-    In a padded batch a linear layer takes a padding token as zeros."""
+    In a padded batch a linear layer takes a padding token as zeros. ring: a sliding-window layer keeps a ring of
+    window + block slots (+ a trash slot) where that is fewer than `slots` (`self.ring`: W, or None; False: every
+    layer keeps `slots`); `k` / `v` then hold [R, Hkv, W + 1, Dh] for it."""
 
     def __init__(self, target: Target, slots: int, rows: int = 1, invariant: bool = False,
-                 padded: bool = False, block: int = 1, kernel: str | None = None, row_kernel: bool = False) -> None:
+                 padded: bool = False, block: int = 1, kernel: str | None = None, row_kernel: bool = False,
+                 ring: bool = True) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
         cfg = target.hf_config
@@ -188,6 +194,7 @@ class StaticTarget:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = attn0.head_dim
         self.slots, self.rows, self.padded, self.block = slots, rows, padded, block
+        self.ring = ring_size(self.window, block, slots) if ring and SLIDING in self.kinds else None
         weight = target.embed_tokens.weight
         self.kernel = kernel or (kernel_for(weight.device) if "linear" in self.plan.mixers else "torch")
         self.dtype = weight.dtype
@@ -267,14 +274,20 @@ class StaticTarget:
     def device(self) -> torch.device:
         return self.slot_ids.device
 
-    def _step(self, pos: torch.Tensor, span: int, dtype: torch.dtype, linear: LinearCall | None) -> Step:
+    def _step(self, pos: torch.Tensor, span: int, dtype: torch.dtype, linear: LinearCall | None,
+              last: torch.Tensor | None) -> Step:
         rope_pos = pos[None, :] - self.row_start[:, None] if self.padded else pos
         ropes = {kind: rope_from_inv_freq(rope_pos, inv, scale, dtype) for kind, (inv, scale) in self.ropes.items()}
+        row_start = self.row_start if self.padded else None
         # the invariant kernel masks by position itself (full causal attention, rows unpadded)
-        masks = None if self.attention == INVARIANT else visible_masks(
-            self.slot_ids, pos, span, self.row_start if self.padded else None,
-            self.window if SLIDING in self.kinds else None)
-        return Step(pos, ropes, masks, span, self.attention, self.softcap, self.padded, linear)
+        masks = None if self.attention == INVARIANT else visible_masks(self.slot_ids, pos, span, row_start,
+                                                                       self._slot_window())
+        ring = ring_step(pos, self.ring, self.window, row_start, last) if self.ring else None
+        return Step(pos, ropes, masks, span, self.attention, self.softcap, self.padded, linear, ring=ring)
+
+    def _slot_window(self) -> int | None:
+        """The window of the sliding layers that keep every slot (None: none does; ring layers mask by layers/ring.py)."""
+        return self.window if SLIDING in self.kinds and not self.ring else None
 
     def _linear_call(self, pos: torch.Tensor, rows: int, logits_at: torch.Tensor | None, last_only: bool,
                      verify: bool) -> LinearCall | None:
@@ -312,7 +325,7 @@ class StaticTarget:
         span = self.slots if span is None else span
         pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L] slots
         x = self.target.embed_tokens(ids_RL)
-        step = self._step(pos, span, x.dtype, self._linear_call(pos, R, logits_at, last_only, verify))
+        step = self._step(pos, span, x.dtype, self._linear_call(pos, R, logits_at, last_only, verify), logits_at)
         x, taps = self._layers(x, step, want_features)
         return head_and_taps(self.target, self.final_norm, x, taps, logits_at=logits_at, last_only=last_only,
                              want_features=want_features, softcap=self.final_softcap)
@@ -332,8 +345,9 @@ class StaticTarget:
         if self.row_kernel and ids_RL.shape == (self.rows, 1):  # a step of every row (rows: arange)
             step = Step(pos_RL, ropes, None, span, INVARIANT, None, True, linear, rows)
         else:
-            masks = visible_masks(self.slot_ids, pos_RL, span, None, self.window if SLIDING in self.kinds else None)
-            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, linear, rows)
+            masks = visible_masks(self.slot_ids, pos_RL, span, None, self._slot_window())
+            ring = ring_step(pos_RL, self.ring, self.window, None, last_at) if self.ring else None
+            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, linear, rows, ring)
         x, _ = self._layers(x, step, False)
         if last_at is not None:
             x = x.gather(1, last_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
@@ -359,7 +373,7 @@ class StaticTarget:
     def commit(self, accepted: torch.Tensor) -> None:
         """After a `verify` forward: row r keeps the first accepted[r] tokens of the block (device tensor [R]) in
         its linear layers' states. Nothing to do for a target without linear layers (its K/V sit at slot =
-        position)."""
+        position, or in a ring that a rejected draft cannot reach: layers/ring.py)."""
         for layer in self.linear:
             layer.commit(accepted)
 

@@ -153,7 +153,7 @@ def test_gpt_oss_without_its_sinks_or_its_window_differs_from_hf(family_dirs):
         with torch.no_grad():
             for layer in target.model.model.layers:
                 layer.self_attn.sinks.copy_(torch.linspace(-2, 4, layer.self_attn.sinks.numel()))
-        static = StaticTarget(target, slots=32)
+        static = StaticTarget(target, slots=32, ring=drop != "window")  # a ring cannot compute full attention
         want, got, _, _ = hf_and_static(target, static)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         if drop == "sinks":

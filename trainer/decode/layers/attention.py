@@ -8,6 +8,11 @@ p0..p0+L-1, then lets each query at position p attend to slots <= p (and, in a s
 `window` slots ending at p: HF's rule). Slots beyond p may hold stale K/V of rejected draft tokens; the mask hides
 them and a later forward overwrites them, so "cropping" the cache costs nothing.
 
+A sliding-window layer whose window is short against the cache (`ring`: the stack's `ring_size`) keeps a ring of
+W = window + block slots plus a trash slot instead (layers/ring.py): position p lives in slot p mod W; a forward
+reads the ring and its own new K/V, with the mask of `Step.ring`, before it writes the new K/V into the ring, so its
+cache is [R, Hkv, W + 1, Dh] and never `slots` long. A forward's `span` does not apply to it (it reads the W slots).
+
 Per-row positions (`Step.pos` [R', L], `Step.rows` [R']: the refilling batch generator): row i of the forward is
 cache row rows[i] and its tokens sit at its own positions pos[i]; its K/V go to those slots of that cache row only
 (other rows untouched), and its queries read that cache row's slots <= their position. Each row is then its own
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decode.kernels import decode_attention
+from trainer.decode.layers.ring import Ring
 from trainer.decode.step_kernel import step_attention
 from trainer.model.attention import FULL, SLIDING
 from trainer.model.drafter import apply_rope
@@ -48,6 +54,7 @@ class Step(NamedTuple):
     padded: bool  # rows of different prompt lengths
     linear: object = None  # what the Gated DeltaNet layers are asked (layers/linear.py `LinearCall`); None: none
     rows: torch.Tensor | None = None  # per-row positions: the cache rows [R'] the forward's rows are (see below)
+    ring: Ring | None = None  # the ring layers' write slots and mask (layers/ring.py); None: no ring layer
 
 
 def ropes_of(hf_model, kinds) -> dict[str, tuple[torch.Tensor, float]]:
@@ -160,15 +167,18 @@ class AttentionLayer:
     """One HF attention module (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `scaling`; `sinks` where the family has
     them) over its own K/V cache [R, Hkv, M, Dh]. q_norm / k_norm: the callables that stand for the module's q/k
     norms (the stack's row-invariant wrappers), or None. `kind` (FULL or SLIDING) picks the RoPE and mask of a
-    `Step`; the stack may change it (the layer reads it at each call). gated: see the module docstring."""
+    `Step`; the stack may change it (the layer reads it at each call), except on a ring layer. gated: see the module
+    docstring. ring: W, a sliding layer's ring of W + 1 slots in place of `slots` (module docstring), or None."""
 
     def __init__(self, module, kind: str, q_norm, k_norm, rows: int, slots: int, heads: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, gated: bool = False) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, gated: bool = False,
+                 ring: int | None = None) -> None:
         self.module, self.kind, self.gated = module, kind, gated
         self.q_norm, self.k_norm = q_norm or identity, k_norm or identity
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.sinks = getattr(module, "sinks", None)
-        shape = (rows, kv_heads, slots, head_dim)
+        self.ring = ring
+        shape = (rows, kv_heads, slots if ring is None else ring + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -187,13 +197,18 @@ class AttentionLayer:
         k = self.k_norm(attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
         v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
         q = partial_rope(q, cos, sin)
-        keys, values = self._write(step, partial_rope(k, cos, sin), v)
+        if self.ring is not None:
+            if kind != SLIDING:  # a ring holds the window only: it cannot compute full attention
+                raise ValueError(f"a sliding-window ring cache cannot compute {kind} attention")
+            keys, values = self._read_then_write(step, partial_rope(k, cos, sin), v)
+        else:
+            keys, values = self._write(step, partial_rope(k, cos, sin), v)
         if step.how == INVARIANT and step.pos.dim() == 2 and L == 1:  # the refilling generator's per-row step
             out = step_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, 1, H, Dh]
         elif step.how == INVARIANT:
             out = decode_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, L, H, Dh]
         else:
-            visible = step.masks[kind]
+            visible = step.ring.visible if self.ring is not None else step.masks[kind]
             if step.softcap or self.sinks is not None:
                 out = eager_attention(q, keys, values, visible, attn.scaling, step.softcap, self.sinks)
             elif step.padded and H != Hkv and L > 1:  # the batched generator's prefill chunks
@@ -220,3 +235,20 @@ class AttentionLayer:
         if step.rows.shape[0] == self.k.shape[0]:  # every row, in order (the decode step)
             return self.k[:, :, :step.span], self.v[:, :, :step.span]
         return self.k[:, :, :step.span].index_select(0, step.rows), self.v[:, :, :step.span].index_select(0, step.rows)
+
+    def _read_then_write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ring layer's k / v [R', Hkv, L, Dh] -> the keys and values the queries read, [R', Hkv, W + L, Dh]: the
+        forward's rows' ring then the new ones (copied before the new tokens go into their ring slots)."""
+        W = self.ring
+        every = step.rows is None or step.rows.shape[0] == self.k.shape[0]  # every row, in order
+        ring_k, ring_v = (self.k[:, :, :W], self.v[:, :, :W]) if every else \
+            (self.k[:, :, :W].index_select(0, step.rows), self.v[:, :, :W].index_select(0, step.rows))
+        keys, values = torch.cat([ring_k, k], dim=2), torch.cat([ring_v, v], dim=2)
+        if step.ring.slots.dim() == 1:
+            self.k.index_copy_(2, step.ring.slots, k)
+            self.v.index_copy_(2, step.ring.slots, v)
+        else:
+            at = (step.rows[:, None].expand_as(step.ring.slots), step.ring.slots)
+            self.k.transpose(1, 2).index_put_(at, k.transpose(1, 2))
+            self.v.transpose(1, 2).index_put_(at, v.transpose(1, 2))
+        return keys, values
