@@ -114,26 +114,28 @@ def family_config(shape: str) -> dict:
     return target_config(shape, 4096).to_dict()
 
 
-@pytest.mark.parametrize("shape, cache_per_slot, states", [
-    # 36 layers x K and V x 8 KV heads x 128 x bf16
-    ("qwen3-8b", 36 * 2 * 8 * 128 * 2, 0),
-    # 48 layers x 2 x 4 x 128 x 2
-    ("qwen3-30b-a3b", 48 * 2 * 4 * 128 * 2, 0),
-    # 24 layers (12 sliding, kept whole) x 2 x 8 x 64 x 2
-    ("gpt-oss-20b", 24 * 2 * 8 * 64 * 2, 0),
+@pytest.mark.parametrize("shape, cache, states", [
+    # 1000 slots x 36 layers x K and V x 8 KV heads x 128 x bf16
+    ("qwen3-8b", 1000 * 36 * 2 * 8 * 128 * 2, 0),
+    # 1000 x 48 layers x 2 x 4 x 128 x 2
+    ("qwen3-30b-a3b", 1000 * 48 * 2 * 4 * 128 * 2, 0),
+    # (1000 slots x 12 full layers + 130 x 12 sliding ones: the window of 128 + 1 + the trash slot) x 2 x 8 x 64 x 2
+    ("gpt-oss-20b", (1000 * 12 + 130 * 12) * 2 * 8 * 64 * 2, 0),
     # 8 of 32 layers full attention (2 x 4 x 256 x 2); 24 Gated DeltaNet layers: conv (2*16*128 + 32*128) x 4 at bf16
     # + a 32 x 128 x 128 fp32 state
-    ("qwen3.5-9b", 8 * 2 * 4 * 256 * 2, 24 * ((2 * 16 * 128 + 32 * 128) * 4 * 2 + 32 * 128 * 128 * 4)),
-    ("qwen3.5-35b-a3b", 10 * 2 * 2 * 256 * 2, 30 * ((2 * 16 * 128 + 32 * 128) * 4 * 2 + 32 * 128 * 128 * 4)),
+    ("qwen3.5-9b", 1000 * 8 * 2 * 4 * 256 * 2, 24 * ((2 * 16 * 128 + 32 * 128) * 4 * 2 + 32 * 128 * 128 * 4)),
+    ("qwen3.5-35b-a3b", 1000 * 10 * 2 * 2 * 256 * 2, 30 * ((2 * 16 * 128 + 32 * 128) * 4 * 2 + 32 * 128 * 128 * 4)),
 ])
-def test_a_rows_cache_and_states_per_family(shape, cache_per_slot, states):
+def test_a_rows_cache_and_states_per_family(shape, cache, states):
     cfg = family_config(shape)
     part = memory.row_bytes(cfg, slots=1000, prompt_tokens=10, dtype_size=2)
-    assert part["cache"] == 1000 * cache_per_slot and part["linear_states"] == states
+    assert part["cache"] == cache and part["linear_states"] == states
     assert part["logits"] == 4 * cfg["vocab_size"] * 4
-    # a config.json without layer_types: the hybrid's every 4th layer is full attention (transformers' default)
+    # a config.json without layer_types: the hybrid's every 4th layer is full attention (transformers' default);
+    # gpt-oss's layers then count every slot (more than the engine keeps, never less)
     bare = {k: v for k, v in cfg.items() if k != "layer_types"}
-    assert memory.row_bytes(bare, 1000, 10, 2)["cache"] == part["cache"] or shape == "gpt-oss-20b"
+    assert memory.row_bytes(bare, 1000, 10, 2)["cache"] == \
+        (1000 * 24 * 2 * 8 * 64 * 2 if shape == "gpt-oss-20b" else part["cache"])
     # a multimodal Qwen3.5 config holds the language model in text_config
     if shape.startswith("qwen3.5"):
         wrapped = {"model_type": shape.replace("-", "_"), "text_config": cfg}

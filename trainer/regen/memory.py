@@ -5,8 +5,9 @@ any weight loads (the tokenizer has run: the longest prompt is known). No torch.
              dtype; an MXFP4 checkpoint's `*_blocks` count two values a byte and its `*_scales` nothing (they are
              dequantized on load); a `pytorch_model.bin` counts its size on disk
   per row    the cache: slots (the longest prompt + --max-new, rounded as the engine allocates) x K and V x KV heads
-             x head dim for each softmax-attention layer (sliding-window ones included: the engines keep every
-             slot), at the dtype; for each Gated DeltaNet layer its convolution state (channels x kernel, at the
+             x head dim for each softmax-attention layer, at the dtype; a sliding-window layer counts the static
+             engine's ring, window + 2 slots (window + block of 1 + the trash slot: trainer/decode/layers/ring.py),
+             where that is fewer; for each Gated DeltaNet layer its convolution state (channels x kernel, at the
              dtype) and recurrent state (value heads x key dim x value dim, fp32); a token step's logits work
              (LOGIT_BUFFERS fp32 vectors of the vocabulary); the prefill's activations of one row's prompt (HF's
              prefill runs the whole batch at once): prompt tokens x (4 x hidden + 3 x MLP width) at the dtype
@@ -30,6 +31,8 @@ from trainer.targetdir import GATED_DELTANET_FAMILIES, LINEAR_LAYER_TYPE, text_c
 GIB = 2 ** 30
 WORKSPACE_BYTES = 2 * GIB
 LOGIT_BUFFERS = 4  # logits, Gumbel noise, the top-p sort and its softmax
+WINDOW_EVERY_LAYER = ("mistral", "mixtral")  # families whose config has one window for every layer, no layer_types
+SLIDING_LAYER_TYPE = "sliding_attention"
 USABLE = 0.92  # of the budget: the allocator's fragmentation and what other processes take meanwhile
 DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -68,14 +71,25 @@ def weight_bytes(target: str | Path, dtype_size: int) -> int:
 
 def layer_types(cfg: dict) -> list[str]:
     """config.json's layer_types; where it has none, a Gated DeltaNet family's every `full_attention_interval`-th
-    layer full attention and the rest linear (transformers' default), any other family all full attention."""
+    layer full attention and the rest linear (transformers' default), a Mistral-style config with a window every
+    layer sliding (model/target.attention_kinds' rule), any other family all full attention (a sliding layer then
+    counts every slot)."""
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
         return list(cfg["layer_types"])[:n]
     if cfg.get("model_type") in GATED_DELTANET_FAMILIES:
         every = cfg.get("full_attention_interval") or 4
         return ["full_attention" if (i + 1) % every == 0 else LINEAR_LAYER_TYPE for i in range(n)]
+    if cfg.get("model_type") in WINDOW_EVERY_LAYER and cfg.get("sliding_window"):
+        return [SLIDING_LAYER_TYPE] * n
     return ["full_attention"] * n
+
+
+def cache_slots(types: list[str], window: int | None, slots: int, block: int = 1) -> int:
+    """Slots of all softmax-attention layers together: `slots` each, a sliding layer's ring of window + block + 1
+    where that is fewer (trainer/decode/layers/ring.py's `ring_size`)."""
+    ring = window + block + 1 if isinstance(window, int) and window > 0 else slots
+    return sum(min(ring, slots) if t == SLIDING_LAYER_TYPE else slots for t in types if t != LINEAR_LAYER_TYPE)
 
 
 def row_bytes(config: dict, slots: int, prompt_tokens: int, dtype_size: int) -> dict[str, int]:
@@ -94,7 +108,7 @@ def row_bytes(config: dict, slots: int, prompt_tokens: int, dtype_size: int) -> 
         conv = (2 * hk * dk + hv * dv) * cfg.get("linear_conv_kernel_dim", 4) * dtype_size
         states = linear * (conv + hv * dk * dv * 4)
     width = cfg.get("intermediate_size") or (cfg.get("moe_intermediate_size", 0) * cfg.get("num_experts_per_tok", 1))
-    return {"cache": softmax * 2 * slots * kv * head_dim * dtype_size, "linear_states": states,
+    return {"cache": 2 * cache_slots(types, cfg.get("sliding_window"), slots) * kv * head_dim * dtype_size, "linear_states": states,
             "logits": LOGIT_BUFFERS * cfg["vocab_size"] * 4,
             "prefill": prompt_tokens * (4 * hidden + 3 * width) * dtype_size}
 
