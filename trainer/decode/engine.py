@@ -8,7 +8,8 @@ Two device-side programs, each captured once as a CUDA graph in the calling (mai
   and the a accepted drafts (a hybrid's linear layers move their recurrent state past them: `stack.StaticTarget`).
 Per token (target-only) or per round (speculative) the host replays the graph and reads the result once -- the one
 sync the stop rule (EOS, max_new) needs. The prefill is a graph too, one per prompt-length bucket (`Prefill`): a
-prompt is padded up to its bucket, and the padding's K/V land in slots that no query sees before they are rewritten.
+prompt is padded up to its bucket, and the padding's K/V land in slots that no query sees before they are rewritten
+(a sliding layer's ring: in its trash slot).
 
 Lossless by construction: every committed token is the target's greedy choice at its position, computed by the same
 static forward as target-only decoding (tests compare the two token for token, and both with HF's own cache path).

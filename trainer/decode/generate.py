@@ -10,7 +10,7 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
 - a refill (at the start, and whenever slots have ended) prefills the next prompts into the freed rows only, all of
   them in one forward per chunk of at most PREFILL_CHUNK positions (fewer when the attention scores would pass
   SCORE_BUDGET), eagerly; padding past a shorter prompt's end writes slots its own decode rewrites before any query
-  sees them. It chooses each new row's first token;
+  sees them (a sliding layer's ring: its trash slot, layers/ring.py). It chooses each new row's first token;
 - then one replay per token for all rows: forward of each row's current token at its own position, choose the next
   one on the device, a live row writes it into a device history and advances; a row that ended (its stop id, or
   max_new_tokens) steps at position 0 until the host refills it. The host reads nothing per token: every

@@ -286,7 +286,7 @@ class StaticTarget:
         return Step(pos, ropes, masks, span, self.attention, self.softcap, self.padded, linear, ring=ring)
 
     def _slot_window(self) -> int | None:
-        """The window of the sliding layers that keep every slot (None: none does; ring layers mask by layers/ring.py)."""
+        """The window of sliding layers that keep every slot (None: none does; a ring masks by layers/ring.py)."""
         return self.window if SLIDING in self.kinds and not self.ring else None
 
     def _linear_call(self, pos: torch.Tensor, rows: int, logits_at: torch.Tensor | None, last_only: bool,
@@ -316,10 +316,11 @@ class StaticTarget:
                 last_only: bool = False, logits_at: torch.Tensor | None = None, span: int | None = None,
                 verify: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [R, L] (R = rows) at slots pos0..pos0+L-1 (pos0: 0-dim long device tensor) -> (logits [R, L, V]
-        fp32 -- [R, 1, V] of the last position when `last_only`, of index `logits_at` ([1] long device tensor) when
-        given --, tapped features [R, L, T*D] or None). Writes the layers' buffers at slots pos0..pos0+L-1;
-        pos0 + L <= slots. span: attention reads slots 0..span-1 only (pos0 + L <= span; default: every slot), so a
-        short sequence in a long cache does not pay for the whole cache. verify: a speculative verify (the linear
+        fp32 -- [R, 1, V] of the last position when `last_only`, of index `logits_at` ([1] long device tensor: the
+        last real token, a ring writes none after it) when given --, tapped features [R, L, T*D] or None). Writes
+        the layers' buffers at slots pos0..pos0+L-1; pos0 + L <= slots. span: attention reads slots 0..span-1 only
+        (pos0 + L <= span; default: every slot), so a short sequence in a long cache does not pay for the whole
+        cache. verify: a speculative verify (the linear
         layers keep their state; `commit` follows; the module docstring)."""
         R, L = ids_RL.shape
         span = self.slots if span is None else span

@@ -108,7 +108,8 @@ def row_bytes(config: dict, slots: int, prompt_tokens: int, dtype_size: int) -> 
         conv = (2 * hk * dk + hv * dv) * cfg.get("linear_conv_kernel_dim", 4) * dtype_size
         states = linear * (conv + hv * dk * dv * 4)
     width = cfg.get("intermediate_size") or (cfg.get("moe_intermediate_size", 0) * cfg.get("num_experts_per_tok", 1))
-    return {"cache": 2 * cache_slots(types, cfg.get("sliding_window"), slots) * kv * head_dim * dtype_size, "linear_states": states,
+    cache = 2 * cache_slots(types, cfg.get("sliding_window"), slots) * kv * head_dim * dtype_size
+    return {"cache": cache, "linear_states": states,
             "logits": LOGIT_BUFFERS * cfg["vocab_size"] * 4,
             "prefill": prompt_tokens * (4 * hidden + 3 * width) * dtype_size}
 
