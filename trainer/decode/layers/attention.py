@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decode.kernels import decode_attention
-from trainer.decode.layers.ring import Ring
 from trainer.decode.step_kernel import step_attention
 from trainer.model.attention import FULL, SLIDING
 from trainer.model.drafter import apply_rope
@@ -54,7 +53,7 @@ class Step(NamedTuple):
     padded: bool  # rows of different prompt lengths
     linear: object = None  # what the Gated DeltaNet layers are asked (layers/linear.py `LinearCall`); None: none
     rows: torch.Tensor | None = None  # per-row positions: the cache rows [R'] the forward's rows are (see below)
-    ring: Ring | None = None  # the ring layers' write slots and mask (layers/ring.py); None: no ring layer
+    ring: object = None  # the ring layers' write slots and mask (layers/ring.py `Ring`); None: no ring layer
 
 
 def ropes_of(hf_model, kinds) -> dict[str, tuple[torch.Tensor, float]]:
@@ -86,21 +85,31 @@ def rope_from_inv_freq(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     return cos[:, None], sin[:, None]
 
 
+def key_visible(keys: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None,
+                window: int | None) -> torch.Tensor:
+    """The visibility rule, over positions: keys [K] or [R or 1, K] (each key's position; negative: no key), queries
+    at positions pos [L] (or [R, L]: per-row positions) -> visible [R or 1, L, K] bool: 0 <= key <= query, and in a
+    sliding-window layer (`window`) key > query - window (HF's rule). A padded row (`row_start` [R] given, pos [L])
+    sees no key before the row's start, except its own when the query is padding itself (a query that sees nothing
+    would turn into NaN, and NaN K/V in a masked slot still poison the rows through 0 * NaN)."""
+    at = (pos if pos.dim() == 2 else pos[None])[..., None]  # [R or 1, L, 1]
+    k = (keys if keys.dim() == 2 else keys[None])[:, None, :]  # [R or 1, 1, K]
+    lo = 0 if row_start is None else torch.minimum(row_start[:, None], pos[None, :])[..., None]  # [R, L, 1]
+    visible = (k >= lo) & (k <= at)
+    if window:
+        visible = visible & (k > at - window)
+    return visible
+
+
 def visible_masks(slot_ids: torch.Tensor, pos: torch.Tensor, span: int, row_start: torch.Tensor | None,
                   window: int | None) -> dict[str, torch.Tensor]:
-    """Per layer kind: visible [R or 1, 1, L, span] bool (SLIDING only when `window`) for queries at positions pos
-    [L] (or [R, L]: per-row positions, each row from slot 0). A padded row (`row_start` given, pos [L]) sees no slot
-    before the row's start, except its own slot when it is padding itself (a query that sees nothing would turn into
-    NaN, and NaN K/V in a masked slot still poison the rows through 0 * NaN)."""
+    """Per layer kind: visible [R or 1, 1, L, span] bool over slots 0..span-1 (slot = position; SLIDING only when
+    `window`) for queries at positions pos [L] (or [R, L]: per-row positions, each row from slot 0), by
+    `key_visible`'s rule (a ring's mask: layers/ring.py)."""
     s = slot_ids[:span]
-    at = pos if pos.dim() == 2 else pos[None]  # [R or 1, L]
-    visible = s <= at[..., None]  # [R or 1, L, span]
-    if row_start is not None:
-        lo = torch.minimum(row_start[:, None], pos[None, :])  # [R, L]
-        visible = visible & (s >= lo[..., None])  # [R, L, span]
-    masks = {FULL: visible[:, None]}
+    masks = {FULL: key_visible(s, pos, row_start, None)[:, None]}
     if window:
-        masks[SLIDING] = (visible & (s > at[..., None] - window))[:, None]
+        masks[SLIDING] = key_visible(s, pos, row_start, window)[:, None]
     return masks
 
 

@@ -11,8 +11,8 @@ kpos(s) = p0 - 1 - ((p0 - 1 - s) mod W), so the ring's positions need no tensor.
 - a rejected draft of the previous verify (at most `block` tokens, at positions >= p0) went to the slots of
   positions <= p0 - window - 1, which no query of this forward sees;
 - a row that starts over (p0 = 0) sees no ring key (kpos < 0), whatever the ring still holds.
-Key at position k is visible to the query at q iff 0 <= k <= q and k > q - window (HF's window rule), and, for a
-left-padded batch, k >= min(row_start, q) (`visible_masks`' padding rule): the same rule for ring and new keys.
+Key at position k is visible to the query at q by attention.key_visible's rule, the one a full cache's mask
+follows: 0 <= k <= q and k > q - window (HF's window rule), and, for a left-padded batch, k >= min(row_start, q).
 
 Writes: a forward's token j goes to slot (p0 + j) mod W only if it is real (j <= the row's last real index: a
 prefill's bucket or chunk padding is not) and among the row's last W real tokens (a chunk longer than W would
@@ -25,6 +25,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from trainer.decode.layers.attention import key_visible
 
 
 class Ring(NamedTuple):
@@ -55,13 +57,8 @@ def ring_visible(pos: torch.Tensor, size: int, window: int, row_start: torch.Ten
     1, L, size + L] bool over [ring keys | new keys] (module docstring). row_start [R] (a left-padded batch, pos
     [L]): a row sees no key before its start, except a padding query its own."""
     at = pos if pos.dim() == 2 else pos[None]  # [R or 1, L]
-    keys = torch.cat([ring_positions(at[:, :1], size), at], dim=1)[:, None, :]  # [R or 1, 1, size + L]
-    q = at[..., None]  # [R or 1, L, 1]
-    visible = (keys >= 0) & (keys <= q) & (keys > q - window)
-    if row_start is not None:
-        lo = torch.minimum(row_start[:, None], pos[None, :])  # [R, L]
-        visible = visible & (keys >= lo[..., None])
-    return visible[:, None]
+    keys = torch.cat([ring_positions(at[:, :1], size), at], dim=1)  # [R or 1, size + L]
+    return key_visible(keys, pos, row_start, window)[:, None]
 
 
 def ring_slots(pos: torch.Tensor, size: int, last: torch.Tensor | None = None) -> torch.Tensor:
