@@ -28,9 +28,9 @@ per linear layer, and `forward` tells those layers what it is (`layers/linear.py
 - `verify=True` (a speculative verify of up to `block` tokens) leaves the state as it was and keeps the block, and
   `commit(accepted [R])` then moves each row's state past its accepted prefix, on the device: no second forward.
 The attention layers write K/V at slot = position (a sliding layer's ring: at p mod W, layers/ring.py), so a
-rejected draft's K/V need no undo. `forward_rows` (per-row
-positions, the refilling batch generator) steps every row's linear states, or prefills a chunk of some rows alone:
-their states gathered, zeroed where the chunk starts a sequence, advanced by each row's real tokens, written back.
+rejected draft's K/V need no undo. `forward_rows` (per-row positions, the refilling batch generator) steps every
+row's linear states, or prefills a chunk of some rows alone: their states gathered, zeroed where the chunk starts a
+sequence, advanced by each row's real tokens, written back.
 
 Shape legend: L tokens, M cache slots, R rows, T taps, D hidden, V vocab.
 """
@@ -320,8 +320,8 @@ class StaticTarget:
         last real token, a ring writes none after it) when given --, tapped features [R, L, T*D] or None). Writes
         the layers' buffers at slots pos0..pos0+L-1; pos0 + L <= slots. span: attention reads slots 0..span-1 only
         (pos0 + L <= span; default: every slot), so a short sequence in a long cache does not pay for the whole
-        cache. verify: a speculative verify (the linear
-        layers keep their state; `commit` follows; the module docstring)."""
+        cache. verify: a speculative verify (the linear layers keep their state; `commit` follows; the module
+        docstring)."""
         R, L = ids_RL.shape
         span = self.slots if span is None else span
         pos = pos0 + torch.arange(L, device=ids_RL.device)  # [L] slots
