@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from trainer.decode.recurrent_kernel import gated_delta_step_, usable_for
 from trainer.model.linear_attention import (
     CHUNK, BlockTerms, PackedGatedDeltaNet, causal_conv1d_window, fla_gated_delta_rule_from, gated_delta_block,
     gated_delta_step, gated_output, gates, project, split_heads, state_after,
@@ -63,7 +64,8 @@ class GatedDeltaNetDecode:
     fla installed), "torch" through `gated_delta_block` per CHUNK tokens; `forward` and `step` always run
     `gated_delta_block` (a block of a few tokens)."""
 
-    def __init__(self, inner: nn.Module, rows: int, block: int, kernel: str = "torch") -> None:
+    def __init__(self, inner: nn.Module, rows: int, block: int, kernel: str = "torch",
+                 fused: bool | None = None) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if block < 1:
@@ -85,6 +87,10 @@ class GatedDeltaNetDecode:
                                 cum=torch.zeros(rows, heads, block, device=dev))
         self.pending = 0  # the last forward's L (a Python int: fixed per captured graph)
         self.taps_at = torch.arange(taps - 1, device=dev)
+        # fused: a one-token step through recurrent_kernel.py, the state updated in place (default: with fla's kernel)
+        self.fused = kernel == "fla" if fused is None else fused
+        if self.fused and not usable_for(self.state):
+            raise ValueError(f"the fused step needs Triton on CUDA (or the interpreter on CPU), not {dev}")
 
     # ------------------------------------------------------------ the block computation
 
@@ -177,9 +183,12 @@ class GatedDeltaNetDecode:
         window, mixed = self._convolve(qkv)
         q, k, v = split_heads(m, mixed)
         g, beta = gates(m, a, b)
-        core, state = gated_delta_step(q, k, v, g, beta, self.state)
+        if self.fused:
+            core = gated_delta_step_(q, k, v, g, beta, self.state)
+        else:
+            core, state = gated_delta_step(q, k, v, g, beta, self.state)
+            self.state.copy_(state)
         self.conv.copy_(window[:, 1:].transpose(1, 2))
-        self.state.copy_(state)
         return gated_output(m, core, z)
 
     def prefill(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
