@@ -32,7 +32,8 @@ whole workload (prefill included, synced before and after). tokens/s = generated
 wall x batch / generated tokens (the time of one full-batch step); peak memory: the allocator's peak during the
 engine's runs (CUDA; CPU: the process's peak RSS). The step's floor (bench/floor.py: weights + KV cache read once
 at HBM_BYTES_PER_S, the GEMMs at GEMM_FLOPS_PER_S) is computed at the workload's mean context. Prints one
-`GENERATE_BENCH {json}` per engine, then `GENERATE_RATIO {json}` (static tokens/s over HF's; greedy: the fraction
+`GENERATE_BENCH {json}` per engine (a hybrid's static line: `linear_step`, "fused" where its Gated DeltaNet step
+runs trainer/decode/recurrent_kernel.py, CUDA with fla, else "torch"), then `GENERATE_RATIO {json}` (static tokens/s over HF's; greedy: the fraction
 of rows whose tokens agree, which bf16 rounding may lower below 1) and a table.
 """
 from __future__ import annotations
@@ -229,6 +230,8 @@ def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, 
                "attention": gen.static.attention if gen is not None else "hf",
                "device": str(device), "dtype": str(target.embed_tokens.weight.dtype).replace("torch.", ""),
                "torch": torch.__version__}
+    if gen is not None and gen.static.linear:  # a hybrid: its Gated DeltaNet step (recurrent_kernel.py or torch)
+        figures["linear_step"] = "fused" if all(layer.fused for layer in gen.static.linear) else "torch"
     if note:
         figures["note"] = note
     del gen, run

@@ -3,9 +3,10 @@ place, in the static buffer the decode layer (layers/linear.py) owns.
 
 Why our own: the torch rule (`model/linear_attention.gated_delta_step`) passes the whole fp32 state [R, Hv, dk, dv]
 about fourteen times a step in eager torch (the decay, the products materialized before S^T k and S^T q, the rank-one
-update, the copy back into the buffer); one kernel reads it once and writes it once. fla's `fused_recurrent_gated_delta_rule` (fla-core 0.6.0) computes the same step but always
-returns its final state in a tensor it allocates (`initial_state` is only read), so the buffer would still take a
-copy; its lower-level kernel is not a public API.
+update, the copy back into the buffer); one kernel reads it once and writes it once. fla's
+`fused_recurrent_gated_delta_rule` (fla-core 0.6.0) computes the same step but always returns its final state in a
+tensor it allocates (`initial_state` is only read), so the buffer would still take a copy; its lower-level kernel is
+not a public API.
 
 One program per (row, value head, BV columns of dv): the state tile [dk, BV] in fp32, with the key head's q and k
 (each key head serves Hv // Hk consecutive value heads, as `_heads_first` repeats them) L2-normalized in fp32 (HF's

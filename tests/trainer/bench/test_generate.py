@@ -20,6 +20,7 @@ def test_bench_prints_its_figures_and_the_ratio(capsys):
     assert (static["engine"], hf["engine"]) == ("static", "hf") and static["attention"] == "sdpa"
     for r in (static, hf):
         assert r["workload"] == "equal" and r["asked"] == r["engine"] and r["floor_ms"] > 0 and "note" not in r
+        assert "linear_step" not in r  # a dense target has no Gated DeltaNet step
         assert r["generated_tokens"] == 3 * 5 and r["prompt_tokens"][1] == 6 and r["prompt_tokens"][0] >= 3
         assert r["tokens_per_s"] == pytest.approx(15 / r["wall_s"], rel=0.01)
         assert r["ms_per_token_step"] == pytest.approx(1e3 * r["wall_s"] / 5, rel=0.01) and r["peak_gib"] > 0
@@ -102,6 +103,7 @@ def test_every_family_shape_is_taken_and_the_static_engine_says_where_it_does_no
         figures, answers = bench.measure("static", hybrid, [[1, 2, 3], [4, 5]], 2, Sampling(max_new_tokens=3), 1,
                                          [0])
         assert figures["engine"] == "static" and figures["attention"] == "sdpa" and len(answers) == 2, family
+        assert figures["linear_step"] == "torch", family  # CPU: the torch rule (CUDA with fla: "fused")
     target = load_target(build_family_target(tmp_path / "refused", REFUSED_BY_STATIC), num_draft_layers=1,
                          truncate=False)
     run, used, note, gen = bench.engine_run("static", target, rows=2, max_len=32, stops=[0])

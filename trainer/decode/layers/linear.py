@@ -10,7 +10,8 @@ A speculative verify needs no second forward. `forward(x)` over a block of L tok
 keeps, per row, what rebuilds the state after any prefix of the block: the convolution's input window and the
 block's rule terms (`BlockTerms`: keys, corrected values, decays; O(L (dk + dv)) per head, not L states).
 `commit(accepted)` then sets each row's state to the one after its accepted prefix, on the device. A decode step
-is one token through the rule's recurrent form; `prefill` runs blocks of CHUNK tokens (or fla's chunked kernel on
+is one token through the rule's recurrent form (on CUDA with fla, `recurrent_kernel.py`'s fused kernel, which reads each
+row's state once and writes it back in place); `prefill` runs blocks of CHUNK tokens (or fla's chunked kernel on
 CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the state.
 
 Every method is free of host syncs and value-dependent shapes: the counts are device tensors, the block length a
@@ -61,8 +62,9 @@ class GatedDeltaNetDecode:
     Buffers: `conv` [R, C, K-1] in the conv weight's dtype (HF keeps its conv state in the model dtype) and
     `state` [R, Hv, dk, dv] fp32 (HF's and fla's recurrent state), both zero at construction; the pending block of
     the last `forward` (at most `block` tokens). kernel: "fla" runs `prefill` through fla's chunked kernel (CUDA,
-    fla installed), "torch" through `gated_delta_block` per CHUNK tokens; `forward` and `step` always run
-    `gated_delta_block` (a block of a few tokens)."""
+    fla installed), "torch" through `gated_delta_block` per CHUNK tokens; `forward` (and a step of several tokens)
+    always runs `gated_delta_block`. fused (default: kernel == "fla"): a one-token step through
+    `recurrent_kernel.gated_delta_step_`, the state updated in place, else `gated_delta_step` and a copy back."""
 
     def __init__(self, inner: nn.Module, rows: int, block: int, kernel: str = "torch",
                  fused: bool | None = None) -> None:
