@@ -5,6 +5,7 @@ beside them.
 
     python3 -m bench.generate --shape small --batch 32 --prompt-tokens 128 --new-tokens 256
     python3 -m bench.generate --shape qwen3-8b --batch 256 --workload mixed --prompts 512 --engines static
+    python3 -m bench.generate --shape qwen3-8b --batch 256 --prompt-tokens 256 --new-tokens 256 --target-fp8 1
 
 Run from the repository root. Target: a random-init model of a named shape (bench/shapes.py: every family shape),
 built on the device in bf16 on CUDA (fp32 on CPU, or --dtype), prepared by `prepare_target` (frozen, untruncated).
@@ -25,6 +26,13 @@ Workloads (`--workload`):
           token lies L steps before the stop id answers exactly L tokens. Zeroed weights cost a GEMM what random
           ones do; `answers_as_drawn` checks every row's length.
 Greedy by default (`--temperature`, `--top-p` sample; the mixed lengths hold only greedy).
+
+`--target-fp8 1`: the target's decoder-layer linears in FP8 (`trainer.model.fp8_target.quantize_target_layers`, what
+`regenerate --target-fp8` runs: e4m3 weights with per-channel scales, per-token activation scales; routed experts,
+routers, the embedding and the head stay bf16), quantized in place after the workload is drawn (the mixed workload's
+chain is set on the bf16 weights: zeros quantize to zeros) and before either engine is built, so both engines run
+the same FP8 modules. CUDA compute capability 9.0+ in bf16, refused in one line (exit 2) before the target is built
+elsewhere. Each line records `target_fp8` and, on, `fp8_linears`; the floor stays the bf16 step's.
 
 Per engine, after an untimed warm-up (equal: one batch; mixed, static: the whole workload; mixed, hf: the first
 chunk): the median over `--repeats` runs of the wall time of the
@@ -74,6 +82,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="the target's dtype; auto: bf16 on CUDA, fp32 on CPU (default: %(default)s)")
+    p.add_argument("--target-fp8", type=int, default=0, choices=(0, 1),
+                   help="1: the target's decoder-layer linears in FP8 (as regenerate --target-fp8; CUDA compute "
+                        "capability 9.0+, bf16) (default: %(default)s)")
     a = p.parse_args(argv)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     if not engines or any(e not in ENGINES for e in engines):
@@ -100,6 +111,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     "cycle is that long")
         if a.temperature > 0:
             p.error("--workload mixed is greedy: its answer lengths come from the chain target's greedy tokens")
+    if a.target_fp8 and a.dtype == "float32":
+        p.error("--target-fp8 1 runs the target in bfloat16 (its FP8 products' output): leave --dtype at auto or "
+                "bfloat16")
     a.engines = engines
     return a
 
@@ -288,12 +302,21 @@ def main(argv: list[str] | None = None) -> int:
 
     device = local_device(args.device)
     refusal = cpu_refusal(args.shape, device.type == "cuda")
+    if not refusal and args.target_fp8:
+        from trainer.model.fp8 import fp8_refusal
+
+        refusal = fp8_refusal(device, "--target-fp8 1")
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p)
     target = random_target(args.shape, args.prompt_tokens + args.new_tokens, device, args.dtype)
     prompts, stops, drawn, context = workload(args, target)
+    fp8 = {"target_fp8": bool(args.target_fp8)}
+    if args.target_fp8:  # after the chain is set (it writes bf16 weights), before either engine is built
+        from trainer.model.fp8_target import quantize_target_layers
+
+        fp8["fp8_linears"] = quantize_target_layers(target.model.model.layers)
     floor = step_floor(target.model.config, args.batch, context, target.embed_tokens.weight.element_size())
     print("GENERATE_FLOOR " + json.dumps({"shape": args.shape, "workload": args.workload, "rows": args.batch,
                                           "context": round(context, 1), "hbm_bytes_per_s": HBM_BYTES_PER_S,
@@ -306,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             if engine == "hf" and any(r["engine"] == "hf" for r in results):
                 continue  # the static engine's line already measured HF generate
             figures, outputs[engine] = measure(engine, target, prompts, args.batch, sampling, args.repeats, stops)
-            figures.update(workload=args.workload, shape=args.shape, floor_ms=round(floor["floor_ms"], 3))
+            figures.update(workload=args.workload, shape=args.shape, floor_ms=round(floor["floor_ms"], 3), **fp8)
             if drawn is not None:
                 figures["answers_as_drawn"] = round(sum(len(a) == n and a[-1] == stops[0]
                                                         for a, n in zip(outputs[engine], drawn)) / len(drawn), 4)

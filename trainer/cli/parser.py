@@ -117,6 +117,11 @@ def _regenerate_parser(sub) -> None:
                    help="the memory the job may plan for: weights + --batch x (longest prompt + --max-new) of cache "
                         "must fit, else exit 2 naming a --batch that does (default: the GPU's free memory; on CPU "
                         "no check)")
+    r.add_argument("--target-fp8", action="store_true",
+                   help="the target's decoder-layer linears in FP8 (e4m3 weights, per-channel weight and per-token "
+                        "activation scales), as a server run with FP8 quantization: the answers are the FP8 target's, "
+                        "close to but not equal to the bf16 target's; CUDA compute capability 9.0+ (refused elsewhere "
+                        "before any weight loads)")
 
 
 def _eval_parser(sub) -> None:

@@ -58,6 +58,19 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def fp8_refusal(device: torch.device, option: str) -> str | None:
+    """Why `option` (the target's decoder linears in FP8) cannot run with the target on `device`, in one line, or
+    None: it needs FP8 tensor cores (`fp8_supported`) and this torch's row-wise scaled matmul on them. Cheap (one
+    16 x 16 product): callers ask before any weight loads."""
+    if not fp8_supported(device):
+        where = str(device)
+        if device.type == "cuda":
+            where += " (compute capability {}.{})".format(*torch.cuda.get_device_capability(device))
+        return f"{option} needs FP8 tensor cores (CUDA compute capability 9.0+); the target would be on {where}"
+    error = rowwise_matmul_error(device)
+    return f"{option}: this torch cannot run row-wise scaled FP8 matmuls on {device} ({error})" if error else None
+
+
 def rowwise_matmul_error(device: torch.device) -> str | None:
     """Run one tiny row-wise scaled e4m3 matmul with bf16 output on `device`: None, or the first line of why this
     build of torch cannot (its row-wise kernels exist for some GPU generations only)."""

@@ -45,6 +45,7 @@ class RegenSettings:
     thinking: str = "keep"  # the reasoning segment in the training rows: keep | drop (trainer.regen.rows)
     drop_truncated: bool = False  # answers that reach max_new_tokens leave the training data
     memory_gib: float = 0.0  # the memory budget the sizing checks against (0: the GPU's free memory; none on CPU)
+    target_fp8: bool = False  # the target's decoder linears in FP8 (trainer.model.fp8_target), as an FP8 server runs
 
     def output_settings(self) -> dict:
         """What decides the rows: a restarted job must run with the same (checked against the sidecar). The row
@@ -55,6 +56,8 @@ class RegenSettings:
             out["thinking"] = self.thinking
         if self.drop_truncated:
             out["drop_truncated"] = True
+        if self.target_fp8:  # the FP8 target's answers, not the bf16 target's
+            out["target_fp8"] = True
         return out
 
 
@@ -76,6 +79,9 @@ def check_settings(s: RegenSettings) -> None:
         (math.isfinite(s.memory_gib) and s.memory_gib >= 0, "--memory-gib must be a finite number >= 0"),
         (s.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}"),
         (s.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}"),
+        # the row-wise scaled FP8 products return bf16 (trainer.model.fp8.rowwise_matmul_error)
+        (not (s.target_fp8 and s.dtype == "float32"),
+         "--target-fp8 runs the target in bfloat16 (its FP8 products' output): leave --dtype at auto or bfloat16"),
         (device_spec_ok(s.device), f"--device must be auto, cpu, cuda or cuda:N, got {s.device!r}"),
     ]
     for ok, message in rules:

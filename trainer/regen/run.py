@@ -4,11 +4,12 @@
       [--max-new N] [--temperature T] [--top-p P] [--seed S] [--continuations N] [--batch R] [--limit N]
       [--enable-thinking on|off] [--chat-template-kwargs JSON] [--system TEXT] [--engine static|hf]
       [--dtype auto|float32|bfloat16] [--device auto|cpu|cuda|cuda:N] [--max-bad-fraction F]
-      [--thinking keep|drop] [--drop-truncated] [--memory-gib G]
+      [--thinking keep|drop] [--drop-truncated] [--memory-gib G] [--target-fp8]
 
 Order of work: everything that can refuse without torch (`check_before_torch`: the settings, the target directory,
---out and an earlier run's sidecar, every prompt line), then the tokenizer (each prompt rendered with the target's
-chat template), then the memory estimate (trainer.regen.memory: refused in one line before any weight loads),
+--out and an earlier run's sidecar, every prompt line), then, once torch is loaded, --target-fp8's device check
+(`check_target_fp8`), then the tokenizer (each prompt rendered with the target's chat template), then the memory
+estimate (trainer.regen.memory: refused in one line before any weight loads),
 then the model and the engine, then every pending prompt through it, longest first (a shape that does not fit
 fails in the first minute, not the last; the static engine's --batch slots take the next prompt as answers end).
 Each answer is one line of OUT (trainer.regen.outfile), flushed as it ends (completion order), or of
@@ -57,7 +58,7 @@ def settings_of(args) -> RegenSettings:
                                                                                args.enable_thinking),
         system=args.system, engine=args.engine, dtype=args.dtype, device=args.device, batch=args.batch,
         limit=args.limit, max_bad_fraction=args.max_bad_fraction, thinking=args.thinking,
-        drop_truncated=args.drop_truncated, memory_gib=args.memory_gib)
+        drop_truncated=args.drop_truncated, memory_gib=args.memory_gib, target_fp8=args.target_fp8)
     check_settings(s)
     return s
 
@@ -179,6 +180,12 @@ def build_engine(job: Job, tokenizer, stops, prompt_ids: list[list[int]], consol
         target = load_generation_target(job.target.path, device, s.dtype)
         notes.append(f"{job.target.model_type}, {target.num_layers} layers, {device}, "
                      f"{target.embed_tokens.weight.dtype}")
+    if s.target_fp8:
+        from trainer.model.fp8_target import quantize_target_layers
+
+        with console.phase("the target's decoder linears to FP8") as notes:
+            notes.append(f"{quantize_target_layers(target.model.model.layers)} linears; routed experts, routers, the "
+                         f"embedding and the head stay in {target.embed_tokens.weight.dtype}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     with console.phase(f"building the {s.engine} engine ({rows} rows)") as notes:
         engine = answerer(s.engine, target, rows=rows, stops=stops, sampling=s.sampling, pad_id=pad,
@@ -212,9 +219,23 @@ def check_memory(job: Job, device, rows: int, prompt_ids: list[list[int]], conso
                 f"{budget / GIB:.1f} GiB in {where}")
 
 
+def check_target_fp8(settings: RegenSettings) -> None:
+    """--target-fp8 where the FP8 tensor cores run it, else one ConfigError (exit 2) before the tokenizer and any
+    weight load: the device check needs torch, so it is the first thing after torch loads."""
+    if not settings.target_fp8:
+        return
+    from trainer.model.fp8 import fp8_refusal
+    from trainer.placement import local_device
+
+    why = fp8_refusal(local_device(settings.device), "--target-fp8")
+    if why:
+        raise ConfigError(why, hint="leave out --target-fp8 (the target runs in --dtype), or run on an H100/H200")
+
+
 def run(job: Job, console) -> dict:
     """Tokenize, load, answer every pending (prompt, sample) into OUT -> the DFLASH_DONE record. OUT is held for this
     job alone from before the target loads to the end (outfile.lock_out)."""
+    check_target_fp8(job.settings)
     with outfile.lock_out(job.out):
         # read again under the lock: a job that held OUT while this one was checked may have appended since
         resume = outfile.scan_out(job.out)
