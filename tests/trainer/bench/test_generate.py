@@ -21,6 +21,7 @@ def test_bench_prints_its_figures_and_the_ratio(capsys):
     for r in (static, hf):
         assert r["workload"] == "equal" and r["asked"] == r["engine"] and r["floor_ms"] > 0 and "note" not in r
         assert "linear_step" not in r  # a dense target has no Gated DeltaNet step
+        assert r["target_fp8"] is False and "fp8_linears" not in r
         assert r["generated_tokens"] == 3 * 5 and r["prompt_tokens"][1] == 6 and r["prompt_tokens"][0] >= 3
         assert r["tokens_per_s"] == pytest.approx(15 / r["wall_s"], rel=0.01)
         assert r["ms_per_token_step"] == pytest.approx(1e3 * r["wall_s"] / 5, rel=0.01) and r["peak_gib"] > 0
@@ -137,3 +138,18 @@ def test_the_chain_target_answers_the_drawn_length_in_every_family(family, famil
     prompts = bench.mixed_prompts([(6, 5), (3, 2)], order, seed=3)
     answers = hf_generate(target.model, prompts, Sampling(max_new_tokens=9), [order[0]], pad_id=0)
     assert answers == [order[-4:] + [order[0]], order[-1:] + [order[0]]]
+
+
+def test_target_fp8_is_parsed_and_refused_in_one_line_where_it_cannot_run(capsys):
+    """--target-fp8 0|1 (default 0); with --dtype float32 a usage error; on a CPU (no FP8 tensor cores) exit 2 before
+    the target is built (no GENERATE_FLOOR line). tests/trainer/decode/test_generate_fp8_gpu.py runs it on CUDA."""
+    assert bench.parse([]).target_fp8 == 0 and bench.parse(["--target-fp8", "1"]).target_fp8 == 1
+    for argv, needle in ((["--target-fp8", "2"], "invalid choice"),
+                         (["--target-fp8", "1", "--dtype", "float32"], "--target-fp8 1 runs the target in bfloat16")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse(argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--target-fp8", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("error: --target-fp8 1 needs FP8 tensor cores (CUDA compute capability 9.0+); "
+                                    "the target would be on cpu") and "GENERATE" not in captured.out

@@ -1,0 +1,75 @@
+"""The FP8 target at batched generation on the H200 (`python3 -m pytest -m gpu tests/trainer/decode`): the target's
+decoder linears quantized in place (`quantize_target_layers`: `Fp8Linear` on `torch._scaled_mm`, the gated MLP's
+SwiGLU quantized by its Triton kernel) are captured in the static engine's CUDA graphs, whose replay gives exactly
+what the same engine computes eagerly, greedy and sampled; `bench.generate --target-fp8 1` and `regenerate
+--target-fp8` run it and record it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.trainer.decode.test_generate import REFILL_LENGTHS, prompts_of, stops_inside
+from trainer.decode.generate import BatchGenerator, Sampling
+from trainer.model.fp8 import fp8_refusal
+from trainer.model.fp8_target import Fp8GatedMlp, quantize_target_layers
+from trainer.model.target import load_target
+
+pytestmark = pytest.mark.gpu
+
+
+def fp8_device() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tier needs CUDA")
+    device = torch.device("cuda")
+    why = fp8_refusal(device, "the FP8 target")
+    if why:
+        pytest.fail(why)
+    return device
+
+
+def test_fp8_graph_replay_equals_the_eager_engine(family_dirs):
+    device = fp8_device()
+    target = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 3), device=device,
+                         dtype="bfloat16", truncate=False)
+    assert quantize_target_layers(target.model.model.layers) == 7 * len(target.model.model.layers)
+    mlps = [layer.mlp for layer in target.model.model.layers]
+    assert all(isinstance(m, Fp8GatedMlp) and m.kernel for m in mlps)  # the Triton SwiGLU kernel, in the graphs
+    prompts = prompts_of(target, REFILL_LENGTHS + (90,), seed=3)  # 90: the steps change span
+    stops = stops_inside(target, prompts, 40)
+    for sampling in (Sampling(max_new_tokens=40), Sampling(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=11)):
+        replayed = BatchGenerator(target, rows=3, max_len=160, stop_ids=stops)
+        got = replayed.generate(prompts, sampling)
+        assert replayed.refilled >= 6 and replayed.programs
+        assert all(p.graph is not None for p in replayed.programs.values())
+        eager = BatchGenerator(target, rows=3, max_len=160, stop_ids=stops, graphs=False)
+        assert eager.generate(prompts, sampling) == got, sampling
+
+
+def test_the_bench_runs_and_records_the_fp8_target(capsys):
+    from bench import generate as bench
+
+    fp8_device()
+    assert bench.main(["--shape", "tiny", "--batch", "4", "--prompt-tokens", "16", "--new-tokens", "8",
+                       "--repeats", "1", "--target-fp8", "1"]) == 0
+    lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
+             if x.startswith("GENERATE_BENCH ")]
+    assert [r["engine"] for r in lines] == ["static", "hf"]
+    assert all(r["target_fp8"] is True and r["fp8_linears"] > 0 and r["dtype"] == "bfloat16" for r in lines)
+    assert all(r["generated_tokens"] == 4 * 8 for r in lines)
+
+
+def test_regenerate_runs_the_fp8_target_and_records_it(tiny_target_dir, tmp_path, capsys):
+    from tests.trainer.test_regenerate import SMOKE, records, regenerate
+    from trainer.regen.outfile import meta_path
+
+    fp8_device()
+    out = tmp_path / "out.jsonl"
+    code, lines, err = regenerate(capsys, "--target", str(tiny_target_dir), "--prompts", str(SMOKE), "--out",
+                                  str(out), "--limit", "4", "--max-new", "16", "--target-fp8", engine="static")
+    assert code == 0, err
+    assert any("the target's decoder linears to FP8" in ln and "linears; routed experts" in ln for ln in lines)
+    meta = json.loads(meta_path(out).read_text())
+    assert meta["settings"]["target_fp8"] is True and meta["settings"]["dtype"] == "auto"
+    assert meta["engines"] == ["static"] and meta["state"] == "done" and len(records(out)) == 4
