@@ -1,0 +1,53 @@
+"""What step.mode=compile compiles of a DFlash2 step (trainer.step.policy.compile_step), read from the profiler on
+the tiny target (Inductor, CPU here): the per-chunk top-k's second stage and the selector objective run inside
+compiled graphs, forward and backward, not as eager ATen ops (each one a kernel launch on CUDA, ~90 a CE chunk)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from torch.profiler import ProfilerActivity, profile
+
+from tests.trainer.conftest import small_cfg
+
+# ATen ops that only DFlash2's top-k second stage and selector objective issue in the step.
+SELECTOR_OPS = {"aten::topk", "aten::sort", "aten::__xor__", "aten::__lshift__", "aten::einsum", "aten::logsumexp",
+                "aten::index", "aten::embedding_backward", "aten::argmax"}
+COMPILED = ("Torch-Compiled Region", "CompiledFunction")
+
+
+def eager_ops(events) -> Counter:
+    """Top-level ATen ops (not called by another ATen op) outside every compiled region -> their counts."""
+    out = Counter()
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        parent, top = e.cpu_parent, True
+        while parent is not None:
+            if parent.name.startswith(COMPILED) or parent.name.startswith("aten::"):
+                top = False
+                break
+            parent = parent.cpu_parent
+        if top:
+            out[e.name] += 1
+    return out
+
+
+def test_in_compile_mode_the_selector_and_its_top_k_run_inside_compiled_graphs(tmp_path, tiny_target_dir):
+    from trainer.build import build
+
+    session = build(small_cfg(tiny_target_dir, "model.drafter=dflash2", "model.dflash2.selector_rank=8",
+                              "model.dflash2.selector_top_k=4", "step.mode=compile", "step.loss_chunk=40"),
+                    tmp_path / "run")
+    state = session.state
+    assert state.selector_loss_fn is not None and state.topk_select_fn is not None
+    state.selector_weight_.fill_(1.0)
+    batch = session.batches.batch(0)
+    session.runner.step([batch])  # compiles
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        session.runner.step([batch])
+    ops = eager_ops(prof.events())
+    assert sum(ops.values()) > 0  # the step's glue (labels, weights, the CE chunk loop) stays eager
+    assert {name: ops[name] for name in SELECTOR_OPS if ops[name]} == {}
+    # what ran them: compiled graphs, forward and backward
+    names = {e.name for e in prof.events()}
+    assert any(n.startswith("Torch-Compiled Region") for n in names) and "CompiledFunctionBackward" in names
