@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tests.trainer.conftest import small_cfg
@@ -51,3 +52,28 @@ def test_in_compile_mode_the_selector_and_its_top_k_run_inside_compiled_graphs(t
     # what ran them: compiled graphs, forward and backward
     names = {e.name for e in prof.events()}
     assert any(n.startswith("Torch-Compiled Region") for n in names) and "CompiledFunctionBackward" in names
+
+
+def test_the_compiled_selector_loss_keeps_no_gathered_head_rows_for_its_backward():
+    """The candidate logits h . W[cand] under torch.compile: the gather fused into the product's sum, so what the
+    compiled graph saves for the backward holds no [positions, K, D] (or a chunk's [chunk, K, D]) gathered rows --
+    the partitioner would keep every chunk's einsum operand -- and no more elements than eager's chunked form."""
+    from trainer.model.selector import CandidateSelector
+    from trainer.model.selector_loss import selector_loss
+
+    g = torch.Generator().manual_seed(0)
+    M, D, V, K, chunk = 96, 64, 512, 8, 32
+    h = torch.randn(M, D, generator=g).requires_grad_(True)
+    W = torch.randn(V, D, generator=g)
+    cand = torch.randint(V, (M, K), generator=g)
+    labels, pred, s = cand[:, 2].clone(), torch.randint(V, (M,), generator=g), torch.rand(M, generator=g)
+    sel = CandidateSelector(D, V, 4, K)
+    saved = {}
+    for name, fn in (("eager", selector_loss), ("compiled", torch.compile(selector_loss, dynamic=False,
+                                                                          fullgraph=True))):
+        fn(sel, h, W, None, cand, labels, pred, s, chunk=chunk)  # compiles
+        shapes = saved[name] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t, lambda t: t):
+            fn(sel, h, W, None, cand, labels, pred, s, chunk=chunk)
+    assert all(shape[-2:] != (K, D) for shape in saved["compiled"]), saved["compiled"]
+    assert sum(s.numel() for s in saved["compiled"]) <= sum(s.numel() for s in saved["eager"])

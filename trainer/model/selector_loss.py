@@ -33,16 +33,23 @@ def selector_weight_at(step: int, *, total_steps: int, alpha: float, warmup_rati
 
 class _CandidateLogits(torch.autograd.Function):
     """unary[m, k] = h[m] . W[cand[m, k]] (+ b[cand]) in chunks of `chunk` positions, in both passes: the gathered
-    head rows [chunk, K, D] never outlive their chunk (saved: h and the ids). The head is frozen: no grad for W."""
+    head rows [chunk, K, D] never outlive their chunk (saved: h and the ids). The head is frozen: no grad for W.
+
+    Traced by torch.compile (the compile modes' selector_loss), both passes are instead one product-and-sum over the
+    gathered rows, in fp32: Inductor fuses the gather into the reduction, so no [M, K, D] tensor is written at all
+    (with the einsum it gathers every chunk's rows and its partitioner keeps them all for the backward)."""
 
     @staticmethod
     def forward(ctx, h_MD, weight_VD, bias_V, cand_MK, chunk: int):
-        M, K = cand_MK.shape
-        out = torch.empty(M, K, dtype=torch.float32, device=h_MD.device)
-        for start in range(0, M, chunk):  # static trip count
-            end = min(start + chunk, M)
-            rows = weight_VD[cand_MK[start:end]]  # [C, K, D]
-            out[start:end] = torch.einsum("ckd,cd->ck", rows, h_MD[start:end].to(rows.dtype)).float()
+        if torch.compiler.is_compiling():
+            out = (weight_VD[cand_MK].float() * h_MD.float()[:, None, :]).sum(dim=-1)
+        else:
+            M, K = cand_MK.shape
+            out = torch.empty(M, K, dtype=torch.float32, device=h_MD.device)
+            for start in range(0, M, chunk):  # static trip count
+                end = min(start + chunk, M)
+                rows = weight_VD[cand_MK[start:end]]  # [C, K, D]
+                out[start:end] = torch.einsum("ckd,cd->ck", rows, h_MD[start:end].to(rows.dtype)).float()
         if bias_V is not None:
             out = out + bias_V.float()[cand_MK]
         ctx.save_for_backward(h_MD, weight_VD, cand_MK)
@@ -54,6 +61,9 @@ class _CandidateLogits(torch.autograd.Function):
         h_MD, weight_VD, cand_MK = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
+        if torch.compiler.is_compiling():
+            grad_h = (grad_MK.float()[:, :, None] * weight_VD[cand_MK].float()).sum(dim=1).to(h_MD.dtype)
+            return grad_h, None, None, None, None
         grad_h = torch.empty_like(h_MD)
         M, chunk = h_MD.shape[0], ctx.chunk
         for start in range(0, M, chunk):
