@@ -13,7 +13,7 @@ from tests.trainer.conftest import small_cfg
 from tests.trainer.test_cli import imported, run_cli
 from trainer.model.loss import chunked_lm_loss
 from trainer.model.selector import CandidateSelector, transform_unary
-from trainer.model.selector_loss import selector_loss, selector_weight_at
+from trainer.model.selector_loss import selector_loss, selector_objective, selector_weight_at
 
 
 def test_the_selector_weight_is_zero_in_warm_up_then_ramps_linearly_to_alpha():
@@ -189,7 +189,7 @@ def test_a_bf16_head_and_hidden_states_drive_the_fp32_selector(autocast):
 
 @pytest.mark.parametrize("autocast, stop_gradient", [(False, False), (True, False), (False, True)])
 def test_the_compiled_selector_loss_the_compile_modes_install_is_the_eager_one(autocast, stop_gradient):
-    """compile_step's copy of selector_loss (Inductor, CPU here, one graph: fullgraph) against eager: the same loss,
+    """compile_step's copy of selector_objective (Inductor, CPU here, one graph: fullgraph) against eager: the same loss,
     coverage, picks and gradients (hidden states and selector), with the step's autocast (CPU's bf16) or without it,
     with stop_gradient; chunks 8, 8, 8, 6 (two chunk shapes in one graph)."""
     import contextlib
@@ -197,15 +197,15 @@ def test_the_compiled_selector_loss_the_compile_modes_install_is_the_eager_one(a
     h, W, labels, pred, s, sel, K = _case(5)
     sel, h, W, s = sel.float(), h.float(), W.float(), s.float()
     cand = (h @ W.t()).topk(K, dim=-1).indices
-    compiled = torch.compile(selector_loss, dynamic=False, fullgraph=True)
+    compiled = torch.compile(selector_objective, dynamic=False, fullgraph=True)
     results = []
-    for fn in (selector_loss, compiled):
+    for fn in (None, compiled):
         sel.zero_grad()
         h1 = h.clone().requires_grad_(True)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with ctx:
-            term = fn(sel, h1, W, None, cand, labels, pred, s, chunk=8, multiplier=0.7, softcap=3.0,
-                      stop_gradient=stop_gradient)
+            term = selector_loss(sel, h1, W, None, cand, labels, pred, s, chunk=8, multiplier=0.7, softcap=3.0,
+                                 stop_gradient=stop_gradient, objective=fn)
         term.loss.backward()
         results.append((term, h1.grad, {n: p.grad.clone() for n, p in sel.named_parameters()}))
     (want, want_dh, want_dp), (got, got_dh, got_dp) = results
