@@ -189,9 +189,9 @@ def test_a_bf16_head_and_hidden_states_drive_the_fp32_selector(autocast):
 
 @pytest.mark.parametrize("autocast, stop_gradient", [(False, False), (True, False), (False, True)])
 def test_the_compiled_selector_loss_the_compile_modes_install_is_the_eager_one(autocast, stop_gradient):
-    """compile_step's copy of selector_objective (Inductor, CPU here, one graph: fullgraph) against eager: the same loss,
-    coverage, picks and gradients (hidden states and selector), with the step's autocast (CPU's bf16) or without it,
-    with stop_gradient; chunks 8, 8, 8, 6 (two chunk shapes in one graph)."""
+    """compile_step's copy of selector_objective (Inductor, CPU here, one graph: fullgraph) against eager: the same
+    loss, coverage, picks and gradients (hidden states and selector), with the step's autocast (CPU's bf16) or
+    without it, with stop_gradient; chunks 8, 8, 8, 6 (two chunk shapes in one graph)."""
     import contextlib
 
     h, W, labels, pred, s, sel, K = _case(5)

@@ -35,8 +35,8 @@ class _CandidateLogits(torch.autograd.Function):
     """unary[m, k] = h[m] . W[cand[m, k]] (+ b[cand]) in chunks of `chunk` positions, in both passes: the gathered
     head rows [chunk, K, D] never outlive their chunk (saved: h and the ids). The head is frozen: no grad for W.
 
-    Traced by torch.compile (the compile modes' selector_objective), both passes are instead one product-and-sum over the
-    gathered rows, in fp32: Inductor fuses the gather into the reduction, so no [M, K, D] tensor is written at all
+    Traced by torch.compile (the compile modes' selector_objective), both passes are instead one product-and-sum over
+    the gathered rows, in fp32: Inductor fuses the gather into the reduction, so no [M, K, D] tensor is written at all
     (with the einsum it gathers every chunk's rows and its partitioner keeps them all for the backward)."""
 
     @staticmethod

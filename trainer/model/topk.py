@@ -73,9 +73,9 @@ def select_from_maxes(x: torch.Tensor, maxes: torch.Tensor | None, k: int,
                       chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`fast_topk`'s two selections after its first stage: x [N, V] and the maxes of its whole chunks
     [N, V // chunk] -> (values, indices) as `fast_topk`; maxes None (k chunks or more would be the whole row): one
-    selection over the row, with the same keys and so the same order. About 20 small elementwise ops and 3 selections (key
-    building, the chunk top-k, the gather of k*c values): a function of its own so that the compile modes run it as
-    one compiled graph rather than as that many eager kernels (`compiled_select`)."""
+    selection over the row, with the same keys and so the same order. About 20 small elementwise ops and 3
+    selections (key building, the chunk top-k, the gather of k*c values): a function of its own so that the compile
+    modes run it as one compiled graph rather than as that many eager kernels (`compiled_select`)."""
     N, V = x.shape
     if maxes is None:
         top = torch.topk(_keys(x, torch.arange(V, device=x.device), _tie_bits(x, V)), k, dim=-1).indices
