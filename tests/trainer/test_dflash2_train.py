@@ -13,7 +13,7 @@ from tests.trainer.conftest import small_cfg
 from tests.trainer.test_cli import imported, run_cli
 from trainer.model.loss import chunked_lm_loss
 from trainer.model.selector import CandidateSelector, transform_unary
-from trainer.model.selector_loss import selector_loss, selector_weight_at
+from trainer.model.selector_loss import selector_loss, selector_objective, selector_weight_at
 
 
 def test_the_selector_weight_is_zero_in_warm_up_then_ramps_linearly_to_alpha():
@@ -185,3 +185,36 @@ def test_a_bf16_head_and_hidden_states_drive_the_fp32_selector(autocast):
         got = selector_loss(sel, hb, W.bfloat16(), None, cand, labels, pred, s.float(), chunk=8).loss
     got.backward()
     assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=0.05) and hb.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("autocast, stop_gradient", [(False, False), (True, False), (False, True)])
+def test_the_compiled_selector_loss_the_compile_modes_install_is_the_eager_one(autocast, stop_gradient):
+    """compile_step's copy of selector_objective (Inductor, CPU here, one graph: fullgraph) against eager: the same
+    loss, coverage, picks and gradients (hidden states and selector), with the step's autocast (CPU's bf16) or
+    without it, with stop_gradient; chunks 8, 8, 8, 6 (two chunk shapes in one graph)."""
+    import contextlib
+
+    h, W, labels, pred, s, sel, K = _case(5)
+    sel, h, W, s = sel.float(), h.float(), W.float(), s.float()
+    cand = (h @ W.t()).topk(K, dim=-1).indices
+    compiled = torch.compile(selector_objective, dynamic=False, fullgraph=True)
+    results = []
+    for fn in (None, compiled):
+        sel.zero_grad()
+        h1 = h.clone().requires_grad_(True)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
+            term = selector_loss(sel, h1, W, None, cand, labels, pred, s, chunk=8, multiplier=0.7, softcap=3.0,
+                                 stop_gradient=stop_gradient, objective=fn)
+        term.loss.backward()
+        results.append((term, h1.grad, {n: p.grad.clone() for n, p in sel.named_parameters()}))
+    (want, want_dh, want_dp), (got, got_dh, got_dp) = results
+    tol = dict(rtol=2e-2, atol=1e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, **tol)
+    assert torch.equal(got.covered, want.covered) and torch.equal(got.correct, want.correct)
+    assert (got_dh is None) == (want_dh is None) == stop_gradient
+    if not stop_gradient:
+        torch.testing.assert_close(got_dh, want_dh, **tol)
+    for n, g in want_dp.items():
+        torch.testing.assert_close(got_dp[n], g, **tol)
+    assert got_dp["successor_codebook"].abs().sum() > 0

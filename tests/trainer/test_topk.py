@@ -5,7 +5,7 @@ import torch
 from trainer.model.loss import chunked_lm_loss
 from trainer.model.selector import CandidateSelector
 from trainer.model.selector_loss import selector_loss
-from trainer.model.topk import CHUNK, fast_topk
+from trainer.model.topk import CHUNK, compiled_select, fast_topk
 
 
 def rule_topk(x: torch.Tensor, k: int):
@@ -74,6 +74,21 @@ def test_it_traces_as_one_graph_and_the_compiled_form_is_the_eager_one():
     want_v, want_i = fast_topk(x, 16)
     assert torch.equal(values, want_v) and torch.equal(indices, want_i)
     assert indices[:, :2].tolist() == [[100, 3 * CHUNK + 1]] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_second_stage_the_compile_modes_install_picks_the_eager_ids(dtype):
+    """compiled_select (compile_step's, fullgraph) after the eager chunk maxes: the same values and ids bit for bit,
+    a ragged tail chunk, whole chunks only, and a row of fewer chunks than k (one selection); ties across chunks."""
+    select = compiled_select()
+    g = torch.Generator().manual_seed(5)
+    for V in (9 * CHUNK + 37, 12 * CHUNK, 5 * CHUNK + 1):
+        x = (3 * torch.randn(7, V, generator=g)).to(dtype)
+        x[:, [2, 4 * CHUNK + 1, V - 1]] = 40.0
+        want_v, want_i = fast_topk(x, 6)
+        values, indices = fast_topk(x, 6, select=select)
+        assert torch.equal(values, want_v) and torch.equal(indices, want_i)
+        assert indices[:, :3].tolist() == [[2, 4 * CHUNK + 1, V - 1]] * 7
 
 
 def test_dflash2s_objective_with_the_ce_chunks_top_k_is_the_one_with_torch_topk():

@@ -177,7 +177,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_MD, weight_VD, bias_V, labels_M, w_M, chunk: int, chunk_fn=ce_chunk, dpace=None, head8=None,
-                top_k: int = 0):
+                top_k: int = 0, select=None):
         M = h_MD.shape[0]
         if dpace is None:
             wsum = w_M.sum().clamp_min(1e-12)  # device scalar; all-padding micro-batch -> loss 0, grad 0
@@ -202,7 +202,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                                                        **extra)
             loss = loss + loss_c
             if cand_MK is not None:
-                cand_MK[start:end] = fast_topk(logits, top_k)[1]
+                cand_MK[start:end] = fast_topk(logits, top_k, select=select)[1]
             if grad_MD is not None:
                 g_MD = g.to(weight_VD.dtype) @ weight_VD if head8 is None else head8.input_grad(*g)
                 grad_MD[start:end] = g_MD.to(h_MD.dtype)
@@ -217,12 +217,12 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     def backward(ctx, grad_loss, *_grad_non_differentiable):
         (grad_MD,) = ctx.saved_tensors
         grad_h = None if grad_MD is None else grad_MD * grad_loss.to(grad_MD.dtype)
-        return grad_h, None, None, None, None, None, None, None, None, None
+        return grad_h, None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, labels_M: torch.Tensor,
                     w_M: torch.Tensor, chunk: int, chunk_fn=None, dpace: DPace | None = None,
-                    head8=None, top_k: int = 0) -> tuple[torch.Tensor, ...]:
+                    head8=None, top_k: int = 0, select=None) -> tuple[torch.Tensor, ...]:
     """-> (loss: scalar fp32, correct [M] bool = argmax == label), and with top_k > 0 (DFlash2's selector) a third
     value, the ids of each position's top_k logits [M, top_k] long (from the same chunks' logits: no extra head GEMM;
 `fast_topk`'s, so tied logits rank by the lower id).
@@ -232,14 +232,15 @@ def chunked_lm_loss(h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.T
     base scale (`dpace_scale`); consecutive runs of dpace.span positions are one block each (M a multiple of it), so
     the chunk is rounded down to whole blocks and every block's weights come from one chunk.
     chunk_fn: None = eager `ce_chunk`; the compile modes pass a compiled copy. head8: the head's `Fp8Head`
-    (step.head_fp8), or None for the GEMMs in the head's dtype."""
+    (step.head_fp8), or None for the GEMMs in the head's dtype. select: the top-k's second stage
+    (`trainer.model.topk.fast_topk`'s); the compile modes pass a compiled copy."""
     chunk = int(chunk)
     if dpace is not None:
         if h_MD.shape[0] % dpace.span:
             raise ValueError(f"D-PACE needs whole blocks: {h_MD.shape[0]} positions, {dpace.span} per block")
         chunk = max(dpace.span, chunk - chunk % dpace.span)
     return _ChunkedLMHeadCE.apply(h_MD, weight_VD, bias_V, labels_M, w_M.float(), chunk, chunk_fn or ce_chunk, dpace,
-                                  head8, top_k)
+                                  head8, top_k, select)
 
 
 def naive_lm_loss(h_MD, weight_VD, bias_V, labels_M, w_M) -> torch.Tensor:

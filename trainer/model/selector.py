@@ -55,15 +55,24 @@ class CandidateSelector(nn.Module):
         self.hidden_projection.weight.normal_(0.0, std)
         self.successor_codebook.zero_()
 
+    def codes(self, cand_MK: torch.Tensor, pred_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predecessor ids [...] and candidates [..., K] -> their codebook rows, ([..., r], [..., K, r])."""
+        # embedding rather than indexing: the same gather, and on CUDA its backward is a sort and segment sum, where
+        # indexing's (index_put accumulate) walks each repeated id's rows in one warp; ids repeat a lot here
+        return F.embedding(pred_M, self.predecessor_codebook), F.embedding(cand_MK, self.successor_codebook)
+
     def score(self, cand_MK: torch.Tensor, unary_MK: torch.Tensor, h_MD: torch.Tensor,
               pred_M: torch.Tensor) -> torch.Tensor:
         """Candidates [..., K] (ids), their unary logits [..., K], hidden [..., D], predecessor ids [...] ->
         scores [..., K], fp32 at least."""
-        # embedding rather than indexing: the same gather, and on CUDA its backward is a sort and segment sum, where
-        # indexing's (index_put accumulate) walks each repeated id's rows in one warp; ids repeat a lot here
-        context = F.embedding(pred_M, self.predecessor_codebook) * self.hidden_projection(h_MD)  # [..., r]
+        return self.score_codes(*self.codes(cand_MK, pred_M), unary_MK, h_MD)
+
+    def score_codes(self, pred_code: torch.Tensor, cand_code: torch.Tensor, unary_MK: torch.Tensor,
+                    h_MD: torch.Tensor) -> torch.Tensor:
+        """`score` from the codebook rows `codes` gives."""
+        context = pred_code * self.hidden_projection(h_MD)  # [..., r]
         # a batched product: the [..., K, r] elementwise product is never materialized
-        transition = torch.einsum("...r,...kr->...k", context, F.embedding(cand_MK, self.successor_codebook))
+        transition = torch.einsum("...r,...kr->...k", context, cand_code)
         dtype = _score_dtype(unary_MK)
         return unary_MK.to(dtype) + transition.to(dtype)
 

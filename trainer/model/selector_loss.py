@@ -33,16 +33,23 @@ def selector_weight_at(step: int, *, total_steps: int, alpha: float, warmup_rati
 
 class _CandidateLogits(torch.autograd.Function):
     """unary[m, k] = h[m] . W[cand[m, k]] (+ b[cand]) in chunks of `chunk` positions, in both passes: the gathered
-    head rows [chunk, K, D] never outlive their chunk (saved: h and the ids). The head is frozen: no grad for W."""
+    head rows [chunk, K, D] never outlive their chunk (saved: h and the ids). The head is frozen: no grad for W.
+
+    Traced by torch.compile (the compile modes' selector_objective), both passes are instead one product-and-sum over
+    the gathered rows, in fp32: Inductor fuses the gather into the reduction, so no [M, K, D] tensor is written at all
+    (with the einsum it gathers every chunk's rows and its partitioner keeps them all for the backward)."""
 
     @staticmethod
     def forward(ctx, h_MD, weight_VD, bias_V, cand_MK, chunk: int):
-        M, K = cand_MK.shape
-        out = torch.empty(M, K, dtype=torch.float32, device=h_MD.device)
-        for start in range(0, M, chunk):  # static trip count
-            end = min(start + chunk, M)
-            rows = weight_VD[cand_MK[start:end]]  # [C, K, D]
-            out[start:end] = torch.einsum("ckd,cd->ck", rows, h_MD[start:end].to(rows.dtype)).float()
+        if torch.compiler.is_compiling():
+            out = (weight_VD[cand_MK].float() * h_MD.float()[:, None, :]).sum(dim=-1)
+        else:
+            M, K = cand_MK.shape
+            out = torch.empty(M, K, dtype=torch.float32, device=h_MD.device)
+            for start in range(0, M, chunk):  # static trip count
+                end = min(start + chunk, M)
+                rows = weight_VD[cand_MK[start:end]]  # [C, K, D]
+                out[start:end] = torch.einsum("ckd,cd->ck", rows, h_MD[start:end].to(rows.dtype)).float()
         if bias_V is not None:
             out = out + bias_V.float()[cand_MK]
         ctx.save_for_backward(h_MD, weight_VD, cand_MK)
@@ -54,6 +61,9 @@ class _CandidateLogits(torch.autograd.Function):
         h_MD, weight_VD, cand_MK = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
+        if torch.compiler.is_compiling():
+            grad_h = (grad_MK.float()[:, :, None] * weight_VD[cand_MK].float()).sum(dim=1).to(h_MD.dtype)
+            return grad_h, None, None, None, None
         grad_h = torch.empty_like(h_MD)
         M, chunk = h_MD.shape[0], ctx.chunk
         for start in range(0, M, chunk):
@@ -71,18 +81,34 @@ class SelectorTerm(NamedTuple):
 
 def selector_loss(selector: CandidateSelector, h_MD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None,
                   cand_MK: torch.Tensor, labels_M: torch.Tensor, pred_M: torch.Tensor, s_M: torch.Tensor, *,
-                  chunk: int, multiplier: float = 1.0, softcap: float | None = None,
-                  stop_gradient: bool = False) -> SelectorTerm:
+                  chunk: int, multiplier: float = 1.0, softcap: float | None = None, stop_gradient: bool = False,
+                  objective=None) -> SelectorTerm:
     """The selector objective of M positions (module docstring). stop_gradient: the term trains the selector's own
     parameters only (its inputs, the hidden states and so the unary logits, detached), as SpecForge's
-    `dflash2_selector_stop_gradient`. Call it under the step's autocast (trainer.step.step.compute_loss does)."""
+    `dflash2_selector_stop_gradient`. Call it under the step's autocast (trainer.step.step.compute_loss does).
+    objective: `selector_objective` or a compiled copy of it (the compile modes)."""
     if stop_gradient:
         h_MD = h_MD.detach()
+    # The codebook lookups stay out of `objective`: Inductor would turn their backward into an fp32 atomic
+    # scatter-add, whose sums over repeated ids come in a different order every run on CUDA (the compile and
+    # compile+graph modes would no longer agree bit for bit); eager, it is a deterministic sort and segment sum.
+    pred_code, cand_code = selector.codes(cand_MK, pred_M)
+    return (objective or selector_objective)(selector, h_MD, weight_VD, bias_V, cand_MK, labels_M, pred_code,
+                                             cand_code, s_M, chunk=chunk, multiplier=multiplier, softcap=softcap)
+
+
+def selector_objective(selector: CandidateSelector, h_MD: torch.Tensor, weight_VD: torch.Tensor,
+                       bias_V: torch.Tensor | None, cand_MK: torch.Tensor, labels_M: torch.Tensor,
+                       pred_code: torch.Tensor, cand_code: torch.Tensor, s_M: torch.Tensor, *, chunk: int,
+                       multiplier: float = 1.0, softcap: float | None = None) -> SelectorTerm:
+    """`selector_loss` after its codebook lookups (`CandidateSelector.codes`): the candidate logits, the scores and
+    their CE. A function of its own so that the compile modes run it as one compiled graph, forward and backward
+    (eager it is ~20 small kernels and a chunk loop)."""
     unary = transform_unary(_CandidateLogits.apply(h_MD, weight_VD, bias_V, cand_MK, int(chunk)), multiplier, softcap)
     # Under autocast (CUDA: the step's bf16) the selector's matmuls take the head-dtype hidden states as they are;
     # without it they run in the selector's parameter dtype.
     h_sel = h_MD if torch.is_autocast_enabled(h_MD.device.type) else h_MD.to(selector.hidden_projection.weight.dtype)
-    scores = selector.score(cand_MK, unary, h_sel, pred_M)  # [M, K] fp32
+    scores = selector.score_codes(pred_code, cand_code, unary, h_sel)  # [M, K] fp32
     match = cand_MK == labels_M[:, None]
     covered = match.any(dim=-1)
     target = match.long().argmax(dim=-1)  # 0 where not covered: masked below

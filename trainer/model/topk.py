@@ -51,25 +51,37 @@ def _tie_bits(x: torch.Tensor, count: int) -> int:
     return 16 if x.element_size() == 2 and count <= 1 << 16 else 32
 
 
-def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK, select=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, V] (a float dtype, no NaN) -> (values [N, k] in x's dtype, indices [N, k] long), sorted by value
     descending, ties by index ascending. Values equal torch.topk(x, k)'s exactly; indices equal wherever the values
     are distinct. 1 <= k <= V. Where the k chunks would be the whole row (V <= k * chunk) it is one selection over
     the row, with the same keys and so the same order. fp64 (tests' reference dtype: its keys would not fit 64 bits)
-    takes a stable sort of the row: the same order, at a full sort's cost."""
+    takes a stable sort of the row: the same order, at a full sort's cost.
+    select: `select_from_maxes` or a compiled copy of it (`compiled_select`; the same integers either way)."""
     N, V = x.shape
     if not 1 <= k <= V:
         raise ValueError(f"top-k needs 1 <= k <= {V}, got {k}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[:, :k], indices[:, :k]
-    n_chunks = -(-V // chunk)
-    if n_chunks <= k:  # every chunk would be selected: one selection over the row, with the same keys
+    # [N, V // chunk]: one read of the row (the Triton kernel, on CUDA); None where every chunk would be selected
+    maxes = chunk_max(x, V // chunk, chunk) if -(-V // chunk) > k else None
+    return (select or select_from_maxes)(x, maxes, k, chunk)
+
+
+def select_from_maxes(x: torch.Tensor, maxes: torch.Tensor | None, k: int,
+                      chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fast_topk`'s two selections after its first stage: x [N, V] and the maxes of its whole chunks
+    [N, V // chunk] -> (values, indices) as `fast_topk`; maxes None (k chunks or more would be the whole row): one
+    selection over the row, with the same keys and so the same order. About 20 small elementwise ops and 3
+    selections (key building, the chunk top-k, the gather of k*c values): a function of its own so that the compile
+    modes run it as one compiled graph rather than as that many eager kernels (`compiled_select`)."""
+    N, V = x.shape
+    if maxes is None:
         top = torch.topk(_keys(x, torch.arange(V, device=x.device), _tie_bits(x, V)), k, dim=-1).indices
         return x.gather(1, top), top
-    full = V // chunk
+    n_chunks, full = -(-V // chunk), V // chunk
     blocks = x[:, :full * chunk].reshape(N, full, chunk)  # a view of a row-contiguous x
-    maxes = chunk_max(x, full, chunk)  # [N, full]: one read of the row
     if full < n_chunks:  # the ragged tail chunk
         maxes = torch.cat([maxes, x[:, full * chunk:].amax(dim=-1, keepdim=True)], dim=1)
     chunk_ids = torch.arange(n_chunks, device=x.device)
@@ -86,3 +98,10 @@ def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor
     width = k * chunk
     top = torch.topk(_keys(values, torch.arange(width, device=x.device), _tie_bits(x, width)), k, dim=-1).indices
     return values.gather(1, top), picked.gather(1, top // chunk) * chunk + top % chunk
+
+
+def compiled_select():
+    """`select_from_maxes` under torch.compile (default mode, static shapes: one graph per chunk shape), for the
+    compile modes (trainer.step.policy.compile_step). The chunk maxes stay outside it: Inductor would replace the
+    Triton kernel with its own amax."""
+    return torch.compile(select_from_maxes, dynamic=False, fullgraph=True)

@@ -29,7 +29,9 @@ def compile_step(state: TrainState) -> None:
     """What step.mode compile / compile+graph compile (default mode, no CUDA graphs), in place, main thread only:
     every drafter layer, every (kept) target decoder layer -- run under no_grad, their tap hooks traced along -- and
     the LM-head CE chunk math (`state.ce_chunk_fn`; its eager form makes several passes over [chunk, vocab] fp32
-    logits).
+    logits) and, for a DFlash2 drafter, the per-chunk top-k's second stage and the selector objective after its
+    codebook lookups (eager, ~90 small kernels a CE chunk: key building, gathers, the candidate logits' chunks, the
+    score and its CE, forward and backward).
     The matmuls stay cuBLAS calls either way; compilation fuses the norms, RoPE, SiLU and CE elementwise work."""
     from trainer.model.loss import ce_chunk_fused
 
@@ -39,6 +41,12 @@ def compile_step(state: TrainState) -> None:
     # The Inductor-shaped twin of ce_chunk: two passes over the [chunk, vocab] logits instead of an fp32 softmax
     # written, scattered into and re-read (the largest elementwise cost of the step on shape (b)).
     state.ce_chunk_fn = torch.compile(ce_chunk_fused, dynamic=False)
+    if state.drafter.cfg.dflash2 is not None:
+        from trainer.model.selector_loss import selector_objective
+        from trainer.model.topk import compiled_select
+
+        state.topk_select_fn = compiled_select()
+        state.selector_objective_fn = torch.compile(selector_objective, dynamic=False, fullgraph=True)
 
 
 def fp8_head_unmet(head: torch.nn.Module, device: torch.device) -> str | None:

@@ -61,6 +61,11 @@ class TrainState:
     # term trains the selector's parameters alone.
     selector_weight_: torch.Tensor | None = None
     selector_stop_gradient: bool = False
+    # DFlash2's per-chunk top-k second stage (trainer.model.topk.select_from_maxes) and its selector objective after
+    # the codebook lookups (trainer.model.selector_loss.selector_objective); None = eager. The compile modes set
+    # compiled copies (trainer.step.policy.compile_step).
+    topk_select_fn: Callable | None = None
+    selector_objective_fn: Callable | None = None
 
     @property
     def embed_tokens(self) -> torch.nn.Module:
@@ -172,7 +177,7 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
     else:
         loss, correct, cand = chunked_lm_loss(h, head.weight, bias, labels[:, :, 1:].reshape(-1),
                                               w[:, :, 1:].reshape(-1), state.loss_chunk, state.ce_chunk_fn, dpace,
-                                              state.head_fp8, top_k=d2.selector_top_k)
+                                              state.head_fp8, top_k=d2.selector_top_k, select=state.topk_select_fn)
         # The selector scales a position as the unary objective does before D-PACE's confidence weights.
         scale = w if dpace is not None else w / w.sum().clamp_min(1e-12)
         with _autocast(feats.device):  # the selector's matmuls in the drafter's numerics (bf16 on CUDA)
@@ -180,7 +185,7 @@ def compute_loss(state: TrainState, batch: StaticBatch, feats: torch.Tensor | No
                                  labels[:, :, 1:].reshape(-1), labels[:, :, :-1].reshape(-1),
                                  scale[:, :, 1:].reshape(-1), chunk=state.loss_chunk,
                                  multiplier=d2.output_multiplier, softcap=d2.final_logit_softcapping,
-                                 stop_gradient=state.selector_stop_gradient)
+                                 stop_gradient=state.selector_stop_gradient, objective=state.selector_objective_fn)
         loss = loss + state.selector_weight_ * term.loss
     validf = valid.float()
     correct = torch.cat([torch.zeros_like(valid[:, :, :1]), correct.view(R, N, B - 1)], dim=2)  # k = 0: never valid
