@@ -13,26 +13,20 @@ Both change what the drafter learns from, so their effect on acceptance is measu
 (docs/quality.md): the head's is `auto` (on where the FP8 tensor cores run it), the target's stays opt-in. The
 embedding and the final norm stay in the target's dtype, and the exported drafter and every decode use the bf16 head.
 
+What runs where. An activation's rows are quantized by `quantize_rows` (trainer/model/fp8_rows.py): under
+torch.compile (the trainer's compile modes) in torch, which Inductor fuses; eagerly on CUDA (the static decode
+engine, whose CUDA graphs capture the target's modules as they run, and eager training) by one Triton kernel with the
+same bits; on CPU (the tests) in torch. The product is `torch._scaled_mm` on CUDA, its fp32 form elsewhere. Linears
+that read one input (attention's q/k/v, a Gated DeltaNet's input projections) share one quantization of it outside
+compile (`project_shared`).
+
 Shape legend: M rows (tokens), K input features, N output features.
 """
 from __future__ import annotations
 
 import torch
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-
-
-def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x already divided by its scale -> e4m3, saturated (the cast alone would make out-of-range values NaN)."""
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-
-
-def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (x / scale in e4m3 [M, K], scale [M, 1] fp32) with each row's absolute max mapped to the e4m3 maximum."""
-    amax = x_MK.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
-    scale = amax / E4M3_MAX
-    return to_e4m3(x_MK.float() / scale), scale
+from trainer.model.fp8_rows import E4M3, E4M3_MAX, quantize_rows
 
 
 def dlogits_scale(s: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
@@ -138,3 +132,15 @@ class Fp8Head:
     def input_grad(self, g_q_CV: torch.Tensor, g_scale_C1: torch.Tensor) -> torch.Tensor:
         """dlogits in e4m3 [C, V] with its row scales [C, 1] -> dL/dh [C, D] in the head's dtype."""
         return scaled_mm(g_q_CV, g_scale_C1, self.cols_q.t(), self.cols_scale, self.out_dtype)
+
+
+def project_shared(x: torch.Tensor, linears) -> list[torch.Tensor]:
+    """x [..., K] through linears that all read it -> their outputs, in order. Where every one is an `Fp8Linear`
+    and this is not being compiled, x is quantized once for all of them (each linear's `quantize_rows` of x would
+    give the same bits); otherwise each is called as it is, so a bf16 target runs the same ops as before and a compiled
+    graph is what it was."""
+    if len(linears) < 2 or torch.compiler.is_compiling() or not all(isinstance(lin, Fp8Linear) for lin in linears):
+        return [lin(x) for lin in linears]
+    lead = x.shape[:-1]
+    x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return [lin.product(x_q, x_scale).reshape(*lead, lin.out_features) for lin in linears]

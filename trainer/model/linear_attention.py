@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.model.fp8 import project_shared
+
 LINEAR = "linear_attention"  # HF's layer type
 CHUNK = 64  # HF's and fla's chunk length
 FLA_RESET = 30.0  # exp(-30 * log2(e)) underflows to 0 in fp32 inside fla's exp2
@@ -255,8 +257,8 @@ def project(m: nn.Module, x: torch.Tensor):
         q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x), m.in_proj_ba(x))
         qkv = torch.cat([t.reshape(rows, seq, -1) for t in (q, k, v)], dim=-1)
         return qkv, z, b, a
-    z = m.in_proj_z(x).reshape(rows, seq, -1, m.head_v_dim)
-    return m.in_proj_qkv(x), z, m.in_proj_b(x), m.in_proj_a(x)
+    qkv, z = project_shared(x, [m.in_proj_qkv, m.in_proj_z])  # FP8: x quantized once for both
+    return qkv, z.reshape(rows, seq, -1, m.head_v_dim), m.in_proj_b(x), m.in_proj_a(x)
 
 
 def split_heads(m: nn.Module, qkv: torch.Tensor):

@@ -125,7 +125,8 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: 
 def _e4m3_rows(unscaled: torch.Tensor, s: torch.Tensor, rest: torch.Tensor):
     """softmax - onehot [C, V] fp32 (the label's entry as -rest), the loss scale s [C] and rest = 1 - p_label [C]
     -> (dlogits / row scale in e4m3, row scale [C, 1])."""
-    from trainer.model.fp8 import dlogits_scale, to_e4m3
+    from trainer.model.fp8 import dlogits_scale
+    from trainer.model.fp8_rows import to_e4m3
 
     scale = dlogits_scale(s, rest)[:, None]
     return to_e4m3(unscaled * (s[:, None] / scale)), scale

@@ -35,6 +35,7 @@ from trainer.decode.kernels import decode_attention
 from trainer.decode.step_kernel import step_attention
 from trainer.model.attention import FULL, SLIDING
 from trainer.model.drafter import apply_rope
+from trainer.model.fp8 import project_shared
 
 # What computes a layer's scores: the row-invariant Triton kernel, SDPA, or HF's eager math (soft-capped scores,
 # sinks), which SDPA cannot compute.
@@ -198,13 +199,14 @@ class AttentionLayer:
         R, L, _ = h.shape
         H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
         cos, sin = step.ropes[kind]
+        q, k, v = project_shared(h, [attn.q_proj, attn.k_proj, attn.v_proj])  # FP8: h quantized once
         if self.gated:
-            q, gate = attn.q_proj(h).view(R, L, H, 2 * Dh).chunk(2, dim=-1)
+            q, gate = q.view(R, L, H, 2 * Dh).chunk(2, dim=-1)
         else:
-            q, gate = attn.q_proj(h).view(R, L, H, Dh), None
+            q, gate = q.view(R, L, H, Dh), None
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(attn.k_proj(h).view(R, L, Hkv, Dh)).transpose(1, 2)
-        v = attn.v_proj(h).view(R, L, Hkv, Dh).transpose(1, 2)
+        k = self.k_norm(k.view(R, L, Hkv, Dh)).transpose(1, 2)
+        v = v.view(R, L, Hkv, Dh).transpose(1, 2)
         q = partial_rope(q, cos, sin)
         if self.ring is not None:
             if kind != SLIDING:  # a ring holds the window only: it cannot compute full attention
