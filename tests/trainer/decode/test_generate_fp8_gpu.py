@@ -1,8 +1,9 @@
 """The FP8 target at batched generation on the H200 (`python3 -m pytest -m gpu tests/trainer/decode`): the target's
 decoder linears quantized in place (`quantize_target_layers`: `Fp8Linear` on `torch._scaled_mm`, the gated MLP's
 SwiGLU quantized by its Triton kernel) are captured in the static engine's CUDA graphs, whose replay gives exactly
-what the same engine computes eagerly, greedy and sampled; `bench.generate --target-fp8 1` and `regenerate
---target-fp8` run it and record it."""
+what the same engine computes eagerly, greedy and sampled; outside torch.compile an input's rows are quantized by one
+Triton kernel with the torch form's bits, once for attention's q, k and v; `bench.generate --target-fp8 1` and
+`regenerate --target-fp8` run it and record it."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ import torch
 
 from tests.trainer.decode.test_generate import REFILL_LENGTHS, prompts_of, stops_inside
 from trainer.decode.generate import BatchGenerator, Sampling
-from trainer.model.fp8 import fp8_refusal
+from trainer.model.fp8 import Fp8Linear, fp8_refusal, project_shared
+from trainer.model.fp8_rows import quantize_rows, quantize_rows_torch
 from trainer.model.fp8_target import Fp8GatedMlp, quantize_target_layers
 from trainer.model.target import load_target
 
@@ -27,6 +29,48 @@ def fp8_device() -> torch.device:
     if why:
         pytest.fail(why)
     return device
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M, K", [(256, 4096), (65536, 4096), (300, 14336), (5, 30000), (7, 100)])
+def test_the_row_kernel_gives_the_torch_forms_bits_on_cuda(dtype, M, K):
+    """The eager CUDA path (the kernel) against the torch form on the same GPU: every e4m3 byte and scale, rows of
+    one block and looped ones, zeros, huge values; a NaN turns its whole row NaN, as in torch."""
+    device = fp8_device()
+    torch.manual_seed(K)
+    x = torch.randn(M, K, device=device) * 3
+    x[1] = 0
+    x[2] *= 1e30 if dtype == torch.float32 else 1e3
+    x[3, K // 3] = float("nan")
+    x = x.to(dtype)
+    q, scale = quantize_rows(x)
+    want_q, want_scale = quantize_rows_torch(x)
+    finite = torch.ones(M, dtype=torch.bool, device=device)
+    finite[3] = False
+    assert torch.equal(scale[finite], want_scale[finite])
+    assert torch.equal(q[finite].view(torch.uint8), want_q[finite].view(torch.uint8))
+    assert torch.isnan(q[3].float()).all() and torch.isnan(want_q[3].float()).all() and torch.isnan(scale[3]).all()
+
+
+def test_an_fp8_linear_launches_one_quantization_kernel_and_qkv_share_one():
+    """Outside compile: one Triton kernel quantizes a linear's input (the torch form launched nine), and q, k and v
+    read one quantization (`project_shared`), with the same outputs as each linear alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = fp8_device()
+    torch.manual_seed(0)
+    lins = [Fp8Linear(torch.nn.Linear(4096, n, bias=False, device=device, dtype=torch.bfloat16))
+            for n in (4096, 1024, 1024)]
+    x = torch.randn(256, 1, 4096, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        alone = [lin(x) for lin in lins]  # also compiles the kernel before the count
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            shared = project_shared(x, lins)
+            torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone))
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("quantize_e4m3_rows" in n for n in names) == 1, names
+    assert len(names) <= 1 + 2 * len(lins), names  # one quantization, then each GEMM (at most one helper kernel)
 
 
 def test_fp8_graph_replay_equals_the_eager_engine(family_dirs):
