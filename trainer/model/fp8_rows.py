@@ -2,10 +2,12 @@
 same bits on CUDA outside torch.compile.
 
 Why: the static decode engine runs the FP8 target's modules eagerly inside its CUDA graphs, where the torch form is
-eight kernels a linear (abs, amax, float, clamp_min, scale, float, divide, clamp and cast), ~1,400 small launches a
-qwen3-8b step at batch 256. The kernel is one launch: one program per row, the row read once when it fits one block
-(ROW_BLOCK_MAX values), else twice (the max, then the quantization). Under torch.compile the torch form stays, so
-that Inductor fuses it as it always has.
+nine kernels a bf16 input (abs, amax, float, clamp_min, scale, float, divide, clamp, cast; seven for fp32): at
+qwen3-8b, five quantized inputs a layer (q, k, v, o, gate|up; down's comes from the SwiGLU kernel), 1,620 small
+launches a step. The kernel is one launch: one program per row, the row read once when it fits one block
+(ROW_BLOCK_MAX values), else twice (the max, then the quantization); with q, k and v sharing one quantization
+(trainer/model/fp8.py `project_shared`), 3 launches a layer. Under torch.compile the torch form stays, so that
+Inductor fuses it as it always has.
 
 Bit for bit the torch form on CUDA: the absolute max (order-free), the floor 1e-12, the scale as torch's CUDA division
 by a Python scalar computes it (times the fp32 reciprocal of 448: `div_true_kernel_cuda`; Inductor does the same on
@@ -97,7 +99,7 @@ def row_block(K: int) -> int:
 
 
 def row_warps(block: int) -> int:
-    """4 warps for rows up to 2048 values, then one more warp for each further 512 values, at most 16."""
+    """One warp per 512 values of a (power-of-two) block, 4 to 16: a first guess, not yet timed on the H200."""
     return max(4, min(16, block // 512))
 
 
