@@ -109,8 +109,8 @@ print("COMPILED " + json.dumps(out))
 
 def test_the_kernel_compiles_for_the_h200_with_ieee_division(tmp_path):
     """Down to an sm_90 cubin by triton's compiler and its bundled ptxas, bf16 and fp32 rows, one block (4096, 14336)
-    and looped (30000); its divisions round to nearest (`div.rn.f32`: `/` would be the approximate `div.full`), and
-    its e4m3 cast is the saturating round-to-nearest one."""
+    and looped (30000); its divisions round to nearest (`div.rn.f32`: `/` would be the approximate `div.full`), its
+    e4m3 cast is the saturating round-to-nearest one, and its NaN handling is compiled in."""
     import json
     import os
     import subprocess
@@ -129,3 +129,5 @@ def test_the_kernel_compiles_for_the_h200_with_ieee_division(tmp_path):
         assert "cubin" in got["stages"], name
         assert "div.rn.f32" in got["ptx"] and "div.full" not in got["ptx"], name
         assert "cvt.rn.satfinite.e4m3x2.f32" in got["ptx"], name
+        # the NaN test (x != x) is not folded away, and the clamp keeps a NaN
+        assert "setp.nan." in got["ptx"] and "min.NaN.f32" in got["ptx"] and "max.NaN.f32" in got["ptx"], name
