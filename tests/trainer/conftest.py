@@ -20,6 +20,19 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Our Triton kernels on CPU tensors, under Triton's interpreter (chosen in pytest_configure, before triton is
+    imported)."""
+    import triton  # noqa: F401 -- a dev dependency: its absence is a failure, not a skip
+
+    from trainer import triton_device
+
+    assert triton_device.interpreting(), ("TRITON_INTERPRET=1 must be set before triton is imported "
+                                          "(tests/trainer/conftest)")
+    monkeypatch.setattr(triton_device, "CPU_UNDER_INTERPRETER", True)
+
+
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny saved target per supported family (tests/trainer/families.py), built once per run and shared by

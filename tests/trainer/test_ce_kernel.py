@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from tests.trainer.test_ce_fused import assert_chunked_loss_equals_eager, chunk_case
-from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
 from trainer.model import ce_kernel
 from trainer.model.loss import ce_chunk
 

@@ -5,12 +5,10 @@ IEEE division; `project_shared` gives what each linear gives alone."""
 import pytest
 import torch
 
-from tests.trainer.decode import test_kernels
 from trainer.model.fp8 import Fp8Linear, project_shared
 from trainer.model.fp8_rows import (E4M3_MAX, INV_E4M3_MAX, ROW_BLOCK_MAX, quantize_rows, quantize_rows_kernel,
                                     quantize_rows_torch)
 
-interpreter = test_kernels.interpreter  # the fixture (Triton's CPU interpreter), for the tests that take it
 
 
 def _rows(K: int, dtype: torch.dtype) -> torch.Tensor:
@@ -111,19 +109,9 @@ def test_the_kernel_compiles_for_the_h200_with_ieee_division(tmp_path):
     """Down to an sm_90 cubin by triton's compiler and its bundled ptxas, bf16 and fp32 rows, one block (4096, 14336)
     and looped (30000); its divisions round to nearest (`div.rn.f32`: `/` would be the approximate `div.full`), its
     e4m3 cast is the saturating round-to-nearest one, and its NaN handling is compiled in."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.trainer.cubin import compile_for_h200
 
-    repo = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(repo)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    compiled = json.loads(run.stdout.split("COMPILED ", 1)[1])
+    compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
     assert len(compiled) == 6
     for name, got in compiled.items():
         assert "cubin" in got["stages"], name

@@ -15,17 +15,6 @@ from trainer.decode.stack import StaticTarget
 from trainer.decode.reference import generate_target_only, new_cache, target_forward
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    """The kernels on CPU tensors, under Triton's interpreter (chosen in tests/trainer/conftest.py before triton is
-    imported)."""
-    import triton  # noqa: F401 -- a dev dependency: its absence is a failure, not a skip
-
-    from trainer import triton_device
-
-    assert triton_device.interpreting(), ("TRITON_INTERPRET=1 must be set before triton is imported "
-                                          "(tests/trainer/conftest)")
-    monkeypatch.setattr(triton_device, "CPU_UNDER_INTERPRETER", True)
 
 
 def _cache_with_stale_slots(R, Hkv, S, Dh, dtype):
@@ -191,18 +180,8 @@ def test_kernels_compile_for_the_h200(tmp_path):
     """The interpreter does not check what only the compiler does (types of loop-carried values, layouts): the
     decode kernels (kernels.py's two, step_kernel.py's) are compiled here, without a GPU, down to a cubin for sm_90 (the H200) by triton's own compiler and its
     bundled ptxas, at the quality target's shapes, in bf16 and fp32."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.trainer.cubin import compile_for_h200
 
-    repo = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(repo)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    compiled = json.loads(run.stdout.split("COMPILED ", 1)[1])
+    compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
     assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "step") for dt in ("bf16", "fp32")}
     assert all("cubin" in stages and "ptx" in stages for stages in compiled.values())

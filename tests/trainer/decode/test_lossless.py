@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 
-from tests.trainer.decode.test_kernels import interpreter  # noqa: F401  (a fixture)
 from trainer.decode.lossless import Numerics, describe, gemm_rows_identical, norm_path, rows_identical, unmet, verdict
 
 MET = Numerics(engine="static", dtype="bfloat16", norms="invariant", attention="invariant", target_compiled=False,

@@ -16,17 +16,6 @@ from trainer.model.linear_attention import gated_delta_step
 ROWS, DIM = 3, 64
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    import triton  # a dev dependency: its absence is a failure, not a skip
-
-    from trainer import triton_device
-
-    assert triton.jit
-
-    assert triton_device.interpreting(), ("TRITON_INTERPRET=1 must be set before triton is imported "
-                                          "(tests/trainer/conftest)")
-    monkeypatch.setattr(triton_device, "CPU_UNDER_INTERPRETER", True)
 
 
 def random_step(R, Hk, Hv, dk, dv, dtype, seed):
@@ -150,18 +139,8 @@ print("COMPILED " + json.dumps(out))
 def test_the_kernel_compiles_for_the_h200(tmp_path):
     """What only the compiler checks (types, layouts), at Qwen3.5-9B's shapes (32 value heads over 16 key heads,
     dk = dv = 128), in bf16 and fp32: down to an sm_90 cubin by triton's compiler and its bundled ptxas."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.trainer.cubin import compile_for_h200
 
-    repo = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(repo)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    compiled = json.loads(run.stdout.split("COMPILED ", 1)[1])
+    compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
     assert set(compiled) == {"bf16", "fp32"}
     assert all("cubin" in stages and "ptx" in stages for stages in compiled.values())

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from tests.trainer.families import HYBRID_FAMILIES, family_config
+from tests.trainer.decode.test_recurrent_kernel import hf_layer
+from tests.trainer.families import HYBRID_FAMILIES
 from trainer.capture import capture
 from trainer.decode.layers.linear import GatedDeltaNetDecode
 from trainer.decode.recurrent_kernel import gated_delta_step_
@@ -41,15 +42,6 @@ def test_the_fused_step_equals_the_torch_rule_at_qwen3_5_9bs_shapes_in_place(dty
     assert torch.cuda.max_memory_allocated() - base < state.numel() * 4 // 8  # the output only, no new state
     torch.testing.assert_close(mine, want_state, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-
-
-def hf_layer(family: str):
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(family_config(family, 64)).float().eval()
-    return model.model.layers[0].linear_attn
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)

@@ -13,16 +13,15 @@ import torch
 
 from tests.trainer.decode.test_generate import prompts_of
 from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
-from tests.trainer.decode.test_static_decode import _WrongAt
+from tests.trainer.decode.test_static_decode import assert_lossless_on
 from tests.trainer.decode.test_static_families import sharp_target
 from tests.trainer.families import WINDOW
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
 from trainer.decode.layers.attention import visible_masks
 from trainer.decode.layers.ring import ring_positions, ring_size, ring_slots, ring_visible
-from trainer.decode.reference import generate_target_only
 from trainer.decode.stack import StaticTarget
-from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
+from trainer.decode.static_draft import StaticDFlashProposer
 from trainer.model.attention import SLIDING
 from trainer.model.target import load_target
 from trainer.regen import memory
@@ -159,16 +158,7 @@ def test_speculative_decoding_over_rings_equals_the_target_alone(family, family_
     B, new = 4, 30
     decoder = StaticDecoder(target, 96, StaticDFlashProposer(target, _drafter(target), B, 96), B)
     for text in PROMPTS[:2]:
-        ids = _prompt_ids(target, text)
-        want = generate_target_only(target, ids, new)
-        assert decoder.generate_target_only(ids, new) == want
-        assert decoder.generate_speculative(ids, new).tokens == want
-        table = torch.tensor(ids + generate_target_only(target, ids, new + B))
-        vocab = target.embed_tokens.weight.shape[0]
-        wrong = StaticDecoder(target, 96, _WrongAt(table, B, 3, vocab), B).generate_speculative(ids, new)
-        assert wrong.tokens == want and set(wrong.accepted[:-1]) == {2}
-        perfect = StaticDecoder(target, 96, TableProposer(table, B), B).generate_speculative(ids, new)
-        assert perfect.tokens == want and set(perfect.accepted[:-1]) == {B - 1}
+        assert_lossless_on(target, decoder, _prompt_ids(target, text), new)
     assert decoder.static.ring == WINDOW + B
 
 

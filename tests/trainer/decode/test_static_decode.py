@@ -196,6 +196,22 @@ class _WrongAt(TableProposer):
         return d
 
 
+def assert_lossless_on(target, decoder: StaticDecoder, ids: list[int], new: int) -> None:
+    """`decoder` (a static decoder over `target` with a drafter) against HF's greedy decoding of prompt `ids`:
+    target-only and speculative equal it, and so do a table drafter wrong at block position 3 (every round accepts
+    exactly 2: rollback) and a perfect one (every round accepts all B - 1)."""
+    B = decoder.block_size
+    want = generate_target_only(target, ids, new)
+    assert decoder.generate_target_only(ids, new) == want
+    assert decoder.generate_speculative(ids, new).tokens == want
+    table = torch.tensor(ids + generate_target_only(target, ids, new + B))
+    vocab = target.embed_tokens.weight.shape[0]
+    wrong = StaticDecoder(target, decoder.capacity, _WrongAt(table, B, 3, vocab), B).generate_speculative(ids, new)
+    assert wrong.tokens == want and set(wrong.accepted[:-1]) == {2}
+    perfect = StaticDecoder(target, decoder.capacity, TableProposer(table, B), B).generate_speculative(ids, new)
+    assert perfect.tokens == want and set(perfect.accepted[:-1]) == {B - 1}
+
+
 def test_eos_stops_inside_a_round(full_target):
     ids = _prompt_ids(full_target, PROMPTS[0])
     free = generate_target_only(full_target, ids, 30)

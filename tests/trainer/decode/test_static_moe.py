@@ -11,13 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.decode.test_reference import PROMPTS, _drafter, _prompt_ids
-from tests.trainer.decode.test_static_decode import _WrongAt
+from tests.trainer.decode.test_static_decode import assert_lossless_on
 from tests.trainer.test_moe_routing import reference, routing_rule
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.layers.moe import MoeMLP, Routing, routing_of, sort_by_expert
-from trainer.decode.reference import generate_target_only
 from trainer.decode.stack import StaticTarget, layer_plan
-from trainer.decode.static_draft import StaticDFlashProposer, TableProposer
+from trainer.decode.static_draft import StaticDFlashProposer
 from trainer.model.target import load_target
 
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")
@@ -114,16 +113,7 @@ def test_target_only_and_speculative_decoding_equal_hf(family, family_dirs):
     decoder = StaticDecoder(target, 96, StaticDFlashProposer(target, _drafter(target), B, 96), B)
     assert decoder.static.plan.mlps == ("moe",) * 4
     for text in PROMPTS[:2]:
-        ids = _prompt_ids(target, text)
-        want = generate_target_only(target, ids, new)
-        assert decoder.generate_target_only(ids, new) == want
-        assert decoder.generate_speculative(ids, new).tokens == want
-        table = torch.tensor(ids + generate_target_only(target, ids, new + B))
-        vocab = target.embed_tokens.weight.shape[0]
-        wrong = StaticDecoder(target, 96, _WrongAt(table, B, 3, vocab), B).generate_speculative(ids, new)
-        assert wrong.tokens == want and set(wrong.accepted[:-1]) == {2}
-        perfect = StaticDecoder(target, 96, TableProposer(table, B), B).generate_speculative(ids, new)
-        assert perfect.tokens == want and set(perfect.accepted[:-1]) == {B - 1}
+        assert_lossless_on(target, decoder, _prompt_ids(target, text), new)
 
 
 def test_the_engine_serves_moe_and_hands_what_it_refuses_to_hf(family_dirs, tmp_path):

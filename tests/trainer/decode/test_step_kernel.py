@@ -9,15 +9,6 @@ import torch
 from trainer.decode import step_kernel
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    import triton  # noqa: F401 -- a dev dependency: its absence is a failure, not a skip
-
-    from trainer import triton_device
-
-    assert triton_device.interpreting(), ("TRITON_INTERPRET=1 must be set before triton is imported "
-                                          "(tests/trainer/conftest)")
-    monkeypatch.setattr(triton_device, "CPU_UNDER_INTERPRETER", True)
 
 
 def reference(q, k, v, pos, scale):
