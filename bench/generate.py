@@ -27,6 +27,12 @@ Workloads (`--workload`):
           ones do; `answers_as_drawn` checks every row's length.
 Greedy by default (`--temperature`, `--top-p` sample; the mixed lengths hold only greedy).
 
+`--profile N` (CUDA; on a CPU refused in one line, exit 2, before the target is built): after each engine's timed
+runs, N more whole runs under torch.profiler, printed as bench/timing.py does for bench.step (PROF: top kernels;
+PROFSUM: sums by category and the time no kernel runs; PROFGAP: idle gaps), per token step: divided by N x the
+run's token steps (static: its step replays; hf: each chunk's longest answer). Prefill and decode are not split: the
+figures are the whole run's, the prefill spread over the steps.
+
 `--target-fp8 1`: the target's decoder-layer linears in FP8 (`trainer.model.fp8_target.quantize_target_layers`, what
 `regenerate --target-fp8` runs: e4m3 weights with per-channel scales, per-token activation scales; routed experts,
 routers, the embedding and the head stay bf16), quantized in place after the workload is drawn (the mixed workload's
@@ -85,6 +91,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-fp8", type=int, default=0, choices=(0, 1),
                    help="1: the target's decoder-layer linears in FP8 (as regenerate --target-fp8; CUDA compute "
                         "capability 9.0+, bf16) (default: %(default)s)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed runs, N more whole generations per engine under torch.profiler: the top "
+                        "kernels (PROF lines) and their sums by category (PROFSUM), of the whole run (prefill and "
+                        "decode together), divided by its token steps (static: step replays; hf: each chunk's "
+                        "longest answer); CUDA only (default: 0, off)")
     a = p.parse_args(argv)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     if not engines or any(e not in ENGINES for e in engines):
@@ -97,6 +108,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     a.prompts = a.prompts or (2 * a.batch if a.workload == "mixed" else a.batch)
     low = [name for name in ("batch", "prompt_tokens", "new_tokens", "repeats", "prompts", "min_prompt_tokens",
                              "mean_new_tokens") if getattr(a, name) < 1]
+    if a.profile < 0:
+        p.error("--profile must be >= 0")
     if low:
         p.error(f"--{low[0].replace('_', '-')} must be >= 1")
     if not (a.temperature >= 0 and 0 < a.top_p <= 1):
@@ -207,9 +220,10 @@ def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
 
 
 def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, repeats: int,
-            stops: list[int]) -> tuple[dict, list]:
+            stops: list[int], profile: int = 0) -> tuple[dict, list]:
     """-> (figures, the last run's answers in prompt order). The static engine takes every prompt in one call
-    (its `rows` slots refill as answers end); HF generate takes chunks of `rows`."""
+    (its `rows` slots refill as answers end); HF generate takes chunks of `rows`. `profile` > 0 (CUDA): then that
+    many more runs under the profiler (`print_generation_profile`)."""
     import torch
 
     from bench.timing import peak_memory, reset_peak
@@ -248,11 +262,35 @@ def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, 
         figures["linear_step"] = "fused" if all(layer.fused for layer in gen.static.linear) else "torch"
     if note:
         figures["note"] = note
+    if profile:
+        print_generation_profile(run, chunks, sampling, profile, used, token_steps(gen, out, rows), wall)
     del gen, run
     gc.collect()  # a generator's graphs refer back to it (a cycle): free its cache before the next engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return figures, out
+
+
+def token_steps(gen, answers: list[list[int]], rows: int) -> int:
+    """Token steps of one run of the workload: the static engine's step replays (its last call's); HF generate's,
+    each chunk's longest answer (the batch steps until its last row stops)."""
+    if gen is not None:
+        return gen.replays
+    return sum(max(map(len, answers[i:i + rows])) for i in range(0, len(answers), rows))
+
+
+def print_generation_profile(run, chunks: list[list[list[int]]], sampling, runs: int, label: str, steps: int,
+                             wall_s: float) -> None:
+    """`runs` whole runs of the workload (`run` over each chunk) under torch.profiler -> bench/timing.py's PROF /
+    PROFSUM / PROFGAP lines, per token step (over runs x steps); prefill and decode together. `wall_s`: the timed
+    median run, whose share per step PROFSUM's "no kernel running" is taken from. CUDA only."""
+    from bench.timing import print_profile
+
+    steps = max(steps, 1)
+    print(f"PROF {label} {runs} whole run(s) of {steps} token steps, prefill included; figures per token step",
+          flush=True)
+    print_profile(lambda: [run(chunk, sampling) for chunk in chunks], runs * steps, label, 1e3 * wall_s / steps,
+                  calls=runs)
 
 
 def table(results: list[dict], ratio: float | None) -> str:
@@ -306,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.model.fp8 import fp8_refusal
 
         refusal = fp8_refusal(device, "--target-fp8 1")
+    if not refusal and args.profile and device.type != "cuda":
+        refusal = f"--profile {args.profile} profiles CUDA kernels; this run is on {device}"
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
@@ -328,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         for engine in args.engines:
             if engine == "hf" and any(r["engine"] == "hf" for r in results):
                 continue  # the static engine's line already measured HF generate
-            figures, outputs[engine] = measure(engine, target, prompts, args.batch, sampling, args.repeats, stops)
+            figures, outputs[engine] = measure(engine, target, prompts, args.batch, sampling, args.repeats, stops,
+                                               args.profile)
             figures.update(workload=args.workload, shape=args.shape, floor_ms=round(floor["floor_ms"], 3), **fp8)
             if drawn is not None:
                 figures["answers_as_drawn"] = round(sum(len(a) == n and a[-1] == stops[0]

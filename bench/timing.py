@@ -109,12 +109,16 @@ def profile_lines(kernels: list[tuple[str, float, int]], n: int, label: str, top
     return lines + [f"PROF {label} total device time {total / n / 1e3:.1f} ms/step"]
 
 
-# Kernel name -> category, first match wins: flex attention is an Inductor template, cuBLAS names its GEMMs nvjet /
-# sm90_xmma, the LM-head CE is one Inductor reduction (online softmax + argmax) or the trainer's `ce_rows`, then the
-# optimizer's foreach/fused kernels, Inductor's other pointwise/reduction/persistent kernels, and plain copies.
+# Kernel name -> category, first match wins: flex attention is an Inductor template, SDPA's kernels are flash / fmha
+# (efficient) / cuDNN's *sdpa*, a Gated DeltaNet layer's state step (ours `gated_delta_step`, fla's chunked prefill)
+# counts as its attention; cuBLAS names its GEMMs nvjet / sm90_xmma (FP8 `_scaled_mm` too), the FP8 activations'
+# row scales are our e4m3 quantizers; the LM-head CE is one Inductor reduction (online softmax + argmax) or the
+# trainer's `ce_rows`, then the optimizer's foreach/fused kernels, Inductor's other pointwise/reduction/persistent
+# kernels, and plain copies.
 KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("attention", r"flash|fmha|flex_attention|attention"),
+    ("attention", r"flash|fmha|flex_attention|attention|sdpa|gated_delta"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|triton_tem_fused_(mm|addmm|bmm)|matmul|splitk"),
+    ("fp8 quantize", r"e4m3|quantize"),
     ("lm-head softmax/CE", r"softmax|logsumexp|argmax|cross_entropy|nll_loss|ce_rows"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("communication", r"nccl|allreduce|all_reduce"),
@@ -148,7 +152,7 @@ def profile_summary(kernels: list[tuple[str, float, int]], n: int, label: str, s
     idle = step_ms - busy
     lines.append(f"PROFSUM {label} {'no kernel running':<28} {idle:8.2f} ms {100 * idle / step_ms:5.1f}%")
     gemm_ms = by.get("gemm", [0.0])[0]
-    if gemm_ms:
+    if gemm_ms and matmul_flops:  # 0: the caller does not count its FLOPs
         lines.append(f"PROFSUM {label} gemm rate {matmul_flops / (gemm_ms / 1e3) / 1e12:.0f} TFLOP/s "
                      f"({matmul_flops / 1e12:.1f} TFLOP in {gemm_ms:.1f} ms)")
     return lines
@@ -192,14 +196,15 @@ def on_device(event) -> bool:
 
 
 def print_profile(step: Callable[[], object], n: int, label: str, step_ms: float = 0.0,
-                  matmul_flops: float = 0.0) -> None:
+                  matmul_flops: float = 0.0, calls: int = 0) -> None:
     """Top device kernels over `n` steps, as PROF lines (`profile_lines`), the PROFSUM summary by kernel category
     (`profile_summary`; `step_ms`: the timed median step, so its "no kernel running" compares two runs), then the
-    profiled steps' own timeline (`gap_lines`: where the device waits, and between what). CUDA only."""
+    profiled steps' own timeline (`gap_lines`: where the device waits, and between what). `step` runs `calls` times
+    (default `n`: one step a call; bench.generate: one whole generation of many steps a call). CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
+        for _ in range(calls or n):
             step()
         torch.cuda.synchronize()
     rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages() if on_device(e)]

@@ -153,3 +153,27 @@ def test_target_fp8_is_parsed_and_refused_in_one_line_where_it_cannot_run(capsys
     captured = capsys.readouterr()
     assert captured.err.strip() == ("error: --target-fp8 1 needs FP8 tensor cores (CUDA compute capability 9.0+); "
                                     "the target would be on cpu") and "GENERATE" not in captured.out
+
+
+def test_profile_is_parsed_and_refused_in_one_line_on_a_cpu(capsys):
+    """--profile N (default 0, off); negative is a usage error; N > 0 without CUDA exits 2 before the target is built
+    (no GENERATE_FLOOR line). The profile itself is bench/timing.py's (tests/trainer/bench/test_timing.py)."""
+    assert bench.parse([]).profile == 0 and bench.parse(["--profile", "2"]).profile == 2
+    with pytest.raises(SystemExit) as e:
+        bench.parse(["--profile", "-1"])
+    assert e.value.code == 2 and "--profile must be >= 0" in capsys.readouterr().err
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--profile", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "error: --profile 1 profiles CUDA kernels; this run is on cpu"
+    assert "GENERATE" not in captured.out
+
+
+def test_token_steps_are_the_static_replays_or_each_hf_chunks_longest_answer():
+    """The profile's divisor: the static engine's step replays of its last run; HF generate steps each chunk of
+    `rows` until its longest answer ends."""
+    class Replayed:
+        replays = 7
+
+    assert bench.token_steps(Replayed(), [[1]] * 4, rows=2) == 7
+    assert bench.token_steps(None, [[1, 2], [3], [4, 5, 6], [7]], rows=2) == 2 + 3
+    assert bench.token_steps(None, [[1, 2], [3], [4]], rows=2) == 2 + 1

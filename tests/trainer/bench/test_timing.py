@@ -61,3 +61,21 @@ def test_only_device_work_counts_not_the_annotation_spans_around_it():
     assert on_device(SimpleNamespace(device_type=cuda, is_user_annotation=False))  # a kernel
     assert not on_device(SimpleNamespace(device_type=cuda, is_user_annotation=True))  # "## Call CompiledFxGraph ##"
     assert not on_device(SimpleNamespace(device_type=cpu, is_user_annotation=False))  # cudaLaunchKernel
+
+
+def test_decode_kernels_fall_in_their_categories_and_no_gemm_rate_without_flops():
+    """SDPA's flash / efficient / cuDNN kernels and the Gated DeltaNet state step are attention, FP8 `_scaled_mm`
+    GEMMs are gemm, the FP8 activation quantizers are their own category; without FLOPs no gemm rate line."""
+    from bench.timing import kernel_category, profile_summary
+
+    names = {"void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>": "attention",
+             "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
+             "cudnn_generated_fort_native_sdpa_sm90_knob_7": "attention",
+             "gated_delta_step": "attention", "step_attention": "attention", "attention_rows": "attention",
+             "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128": "gemm",
+             "nvjet_qqtst_128x128_64x4_1x2_h_bz_coopA_TNT": "gemm",
+             "quantize_e4m3_rows": "fp8 quantize", "swiglu_e4m3_row": "fp8 quantize",
+             "rms_norm_rows": "other elementwise"}
+    assert {name: kernel_category(name) for name in names} == names
+    lines = profile_summary([("nvjet_x", 2000.0, 2)], n=2, label="static", step_ms=2.0, matmul_flops=0.0)
+    assert not any("gemm rate" in line for line in lines) and lines[0].split()[2] == "gemm"
