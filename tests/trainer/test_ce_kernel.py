@@ -9,7 +9,7 @@ from trainer.model.loss import ce_chunk
 
 
 @pytest.fixture
-def small_blocks(interpreter, monkeypatch):  # noqa: F811 -- the decode kernels' fixture, with small column blocks
+def small_blocks(interpreter, monkeypatch):  # the interpreter fixture, with small column blocks
     monkeypatch.setattr(ce_kernel, "BLOCK", 32)  # V = 97: four column blocks, the last partial
 
 

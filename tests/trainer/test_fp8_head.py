@@ -13,13 +13,10 @@ from trainer.model.fp8 import E4M3, Fp8Head, dlogits_scale, quantize_rows
 from trainer.model.loss import DPace, ce_chunk, ce_chunk_fused, chunked_lm_loss
 from trainer.config import StepCfg, cuda_only, load_config
 from trainer.step.policy import fp8_head, fp8_head_unmet
-from tests.trainer.decode import test_kernels
-
-interpreter = test_kernels.interpreter  # the fixture (Triton's CPU interpreter), for the tests that take it
 
 
 @pytest.fixture
-def hardware_fp8_casts(interpreter, monkeypatch):  # noqa: F811
+def hardware_fp8_casts(interpreter, monkeypatch):
     """Triton's interpreter casts fp32 to e4m3 without carrying a rounded-up mantissa into the exponent (0.0309
     comes out 2^-6, not 0.03125); the H200 rounds to nearest even, as torch's cast does. Cast as the hardware does,
     so that the kernel's own arithmetic is what is compared."""

@@ -11,9 +11,6 @@ from trainer.model.fp8 import Fp8Linear
 from trainer.model.fp8_target import (LINEAR_NAMES, Fp8GatedMlp, gated_silu_mlp, quantize_target_layers,
                                       swiglu_e4m3_reference, swiglu_e4m3_rows)
 from trainer.model.target import load_target
-from tests.trainer.decode import test_kernels
-
-interpreter = test_kernels.interpreter  # the fixture (Triton's CPU interpreter), for the tests that take it
 
 
 def _gate_up(rows: int, n: int) -> torch.Tensor:
@@ -36,7 +33,7 @@ def _scaled(gu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 # writes its values before the cast (out_dtype float32), and the cast itself is checked on the H200
 # (tests/trainer/gpu/test_fp8_gpu.py).
 @pytest.mark.parametrize("looped_block", [0, 32])  # 0: the row kernel (the trainer's); 32: four looped blocks
-def test_the_kernel_equals_the_torch_form(interpreter, looped_block):  # noqa: F811
+def test_the_kernel_equals_the_torch_form(interpreter, looped_block):
     gu = _gate_up(5, 100)  # 100: not a power of two, the block's tail masked
     values, scale = swiglu_e4m3_rows(gu, 100, looped_block=looped_block, out_dtype=torch.float32)
     want_values, want_scale = _scaled(gu, 100)
@@ -49,7 +46,7 @@ def test_the_kernel_equals_the_torch_form(interpreter, looped_block):  # noqa: F
 
 
 @pytest.mark.parametrize("looped_block", [0, 32])
-def test_the_kernel_reads_rows_at_their_stride(interpreter, looped_block):  # noqa: F811
+def test_the_kernel_reads_rows_at_their_stride(interpreter, looped_block):
     wide = _gate_up(4, 64 + 8)
     gu = wide[:, :128]  # rows of 128 inside rows of 144: a view, not a copy
     values, scale = swiglu_e4m3_rows(gu, 64, looped_block=looped_block, out_dtype=torch.float32)
@@ -58,7 +55,7 @@ def test_the_kernel_reads_rows_at_their_stride(interpreter, looped_block):  # no
     torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
 
 
-def test_a_nan_reaches_the_output_as_in_torch(interpreter):  # noqa: F811
+def test_a_nan_reaches_the_output_as_in_torch(interpreter):
     """The interpreter's max and min keep a NaN whatever the kernel asks; the GPU's drop it unless told not to, which
     tests/trainer/gpu/test_fp8_gpu.py checks."""
     gu = _gate_up(3, 64)
@@ -84,7 +81,7 @@ def test_the_row_kernel_refuses_rows_wider_than_it_holds():
         swiglu_e4m3_rows(torch.zeros(1, 2 * n, dtype=torch.bfloat16), n)
 
 
-def test_the_op_passes_torch_library_checks(interpreter):  # noqa: F811
+def test_the_op_passes_torch_library_checks(interpreter):
     """The fake (shapes and dtypes for torch.compile) agrees with the kernel, on a contiguous and a strided input."""
     gu = _gate_up(4, 64 + 8)
     for rows in (gu[:, :128].contiguous(), gu[:, :128]):
@@ -150,7 +147,7 @@ def test_an_mlp_of_another_form_is_not_taken_for_a_gated_one(family_dirs):
 
 
 @pytest.mark.slow
-def test_a_compiled_layer_calls_the_kernel_as_one_op_and_matches_eager(family_dirs, interpreter):  # noqa: F811
+def test_a_compiled_layer_calls_the_kernel_as_one_op_and_matches_eager(family_dirs, interpreter):
     target = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 3), dtype="bfloat16")
     quantize_target_layers(target.model.model.layers)
     layer, rotary = target.model.model.layers[0], target.model.model.rotary_emb

@@ -34,7 +34,7 @@ def _torch_form_on_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # (tests/trainer/decode/test_generate_fp8_gpu.py).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K, block", [(100, 0), (4096, 0), (14336, 0), (300, 64), (ROW_BLOCK_MAX + 1000, 0)])
-def test_the_kernel_equals_the_torch_form_bit_for_bit(interpreter, dtype, K, block):  # noqa: F811
+def test_the_kernel_equals_the_torch_form_bit_for_bit(interpreter, dtype, K, block):
     x = _rows(K, dtype)
     values, scale = quantize_rows_kernel(x, block=block, out_dtype=torch.float32)
     want_values, want_scale = _torch_form_on_cuda(x)
@@ -56,7 +56,7 @@ def test_the_scale_differs_from_cpus_exact_division_in_the_last_bit_only():
     assert torch.allclose(exact, times_reciprocal, rtol=2 ** -23, atol=0)
 
 
-def test_rows_at_a_stride_are_read_in_place(interpreter):  # noqa: F811
+def test_rows_at_a_stride_are_read_in_place(interpreter):
     wide = _rows(72, torch.bfloat16)
     values, scale = quantize_rows_kernel(wide[:, :64], out_dtype=torch.float32)
     want_values, want_scale = _torch_form_on_cuda(wide[:, :64].contiguous())

@@ -46,7 +46,7 @@ def test_the_gemm_probe_on_a_linear_without_sums():
     assert gemm_rows_identical(torch.nn.Sequential(torch.nn.Linear(1, 64, bias=False)), rows=16)
 
 
-def test_the_norm_probe_reads_what_the_static_target_runs(interpreter, full_target):  # noqa: F811
+def test_the_norm_probe_reads_what_the_static_target_runs(interpreter, full_target):
     from trainer import triton_device
     from trainer.decode.stack import StaticTarget
 
