@@ -120,13 +120,12 @@ def load_run_target(cfg: TrainCfg, device: torch.device | str, *, truncate: bool
 def to_fp8(target: Target) -> int:
     """model.target_fp8: the target's decoder-layer linears to FP8, in place (trainer/model/fp8_target.py) -> how
     many."""
-    from trainer.model.fp8 import fp8_supported
+    from trainer.model.fp8 import fp8_refusal
     from trainer.model.fp8_target import quantize_target_layers
 
-    device = target.embed_tokens.weight.device
-    if not fp8_supported(device):
-        raise ConfigError(f"model.target_fp8 needs FP8 tensor cores (CUDA compute capability 9.0+); the target is on "
-                          f"{device}", hint="--set model.target_fp8=false")
+    why = fp8_refusal(target.embed_tokens.weight.device, "model.target_fp8")
+    if why:
+        raise ConfigError(why, hint="--set model.target_fp8=false")
     return quantize_target_layers(target.model.model.layers)
 
 
