@@ -8,8 +8,8 @@ the trainer's own masks over synthetic batches (bench.synthetic, as bench.step b
 Heads and head dim are the named shape's (bench/shapes.py); random q, k, v. Each configuration compiles its own
 kernels (Dynamo recompiles per kernel_options), then runs `--reps` calls between CUDA events after 3 untimed ones.
 
-Prints one `ATTN {json}` line per (attention, configuration): forward ms, backward ms (forward+backward minus
-forward), TFLOP/s of the allowed query-key pairs (4 * head_dim * heads FLOPs per pair forward, 2.5 times that
+Prints one `ATTN {json}` line per (attention, configuration): forward ms, backward ms (the backward alone
+between its events), TFLOP/s of the allowed query-key pairs (4 * head_dim * heads FLOPs per pair forward, 2.5 times that
 backward: its five products to the forward's two), and the largest relative difference (norm of the difference over
 the norm) of the output and, for the drafter, of dq, dk, dv from the default configuration's; a configuration the
 kernel refuses prints its error instead. Then `ATTN_CHOICE {json}`: per attention the fastest forward and backward
@@ -184,9 +184,7 @@ def inputs(attention: str, a, shape: dict):
 
 def run(attention: str, a, shape: dict, names: list[str]) -> list[dict]:
     """Time every selected configuration of one attention -> its ATTN rows (printed as they come)."""
-    import torch
-
-    from bench.timing import median_call_ms
+    from bench.timing import median_backward_ms, median_call_ms
     from trainer.model.flex import compiled_flex_attention
 
     heads, kv_heads, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
@@ -203,15 +201,15 @@ def run(attention: str, a, shape: dict, names: list[str]) -> list[dict]:
         def call(options=options):
             return fn(q, k, v, block_mask=block_mask, enable_gqa=heads != kv_heads, kernel_options=options)
 
-        def step():
-            call().backward(grad)
+        def fresh_call():  # no gradient left to accumulate into: the backward alone is timed
             q.grad = k.grad = v.grad = None
+            return call()
 
         try:
             fwd = median_call_ms(call, a.reps)
             row.update(fwd_ms=fwd, fwd_tflops=round(tflops(pairs, hd, heads, fwd), 1))
             if grad is not None:
-                bwd = round(median_call_ms(step, a.reps) - fwd, 3)
+                bwd = median_backward_ms(fresh_call, grad, a.reps)
                 row.update(bwd_ms=bwd, bwd_tflops=round(tflops(pairs, hd, heads, bwd, backward=True), 1))
             got = results(call, grad, (q, k, v))
             reference = got if reference is None else reference

@@ -90,6 +90,23 @@ def median_call_ms(fn: Callable[[], object], reps: int) -> float:
     return round(statistics.median(marks[i].elapsed_time(marks[i + 1]) for i in range(reps)), 3)
 
 
+def median_backward_ms(forward: Callable[[], "torch.Tensor"], grad: "torch.Tensor", reps: int) -> float:
+    """Median ms of `reps` backward passes of `forward()`'s output against `grad`, each between its own CUDA events
+    (the forward runs outside them), after 3 untimed calls. Timed apart rather than as fwd+bwd minus fwd, which a
+    shared or busy GPU can drive to zero or below at small shapes. CUDA only."""
+    for _ in range(3):
+        forward().backward(grad)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        out = forward()
+        starts[i].record()
+        out.backward(grad)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return round(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), 3)
+
+
 def _mark(marks: list, k: int, cuda: bool) -> None:
     if cuda:
         marks[k].record()
