@@ -2,6 +2,8 @@
 [C, V] logits, a first loop for the row's statistics (online max and sum of exp, first argmax, the label's logit),
 a second that writes dlogits = (softmax - onehot) * s in the logits' dtype, or (step.head_fp8) in e4m3 with one
 scale per row (`trainer.model.fp8.dlogits_scale`, from the probability mass off the label), so the gradient GEMM reads one byte per logit and nothing writes the bf16 gradient.
+For DFlash2's candidate top-k the first loop also writes each whole chunk's max (`trainer.model.topk.fast_topk`'s
+first stage) from the tile it already holds, which saves the top-k its own read of the logits.
 
 Why a kernel of our own: under Inductor the same math (`ce_chunk_fused`) became one reduction that ran at about half
 the memory bandwidth on the H200 (`python3 -m bench.step --profile`, category "lm-head softmax/CE": 12.9 of 88 ms
@@ -22,9 +24,9 @@ from trainer.triton_device import triton_kernels
 def _kernel(triton, tl):
     """The jitted kernel, or None where Triton is not installed (built once, on first use)."""
     @triton.jit
-    def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, gs_ptr, loss_ptr, correct_ptr, stride, n_cols: tl.constexpr,
+    def ce_rows(x_ptr, y_ptr, s_ptr, g_ptr, gs_ptr, loss_ptr, correct_ptr, max_ptr, stride, n_cols: tl.constexpr,
                 WANT_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                LANE_STEPS: tl.constexpr):
+                LANE_STEPS: tl.constexpr, N_CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         lanes = tl.arange(0, BLOCK)
@@ -40,6 +42,10 @@ def _kernel(triton, tl):
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
             x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            if N_CHUNKS > 0:  # the whole chunks of this tile: BLOCK // CHUNK maxes (exact in the logits' dtype)
+                ids = start // CHUNK + tl.arange(0, BLOCK // CHUNK)
+                chunk_maxes = tl.max(tl.reshape(x, [BLOCK // CHUNK, CHUNK]), axis=1)
+                tl.store(max_ptr + row * N_CHUNKS + ids, chunk_maxes.to(max_ptr.dtype.element_ty), mask=ids < N_CHUNKS)
             d = x - m
             e = tl.exp(-tl.abs(d))
             up = d > 0  # strict: a lane keeps its first maximum (lanes visit columns in increasing order)
@@ -101,12 +107,25 @@ def usable_on(device: torch.device) -> bool:
 BLOCK = 4096  # columns per iteration; 8 warps (a power of two: triton.arange)
 
 
+def writes_chunk_maxes(vocab: int, chunk: int) -> bool:
+    """`ce_chunk_triton` can write the maxes of `chunk`-wide column chunks of a row of `vocab` logits: a power-of-two
+    chunk that divides the kernel's tile."""
+    import triton
+
+    return chunk > 0 and chunk & (chunk - 1) == 0 and _block(vocab, triton) % chunk == 0
+
+
+def _block(vocab: int, triton) -> int:
+    return min(BLOCK, max(16, triton.next_power_of_2(vocab)))
+
+
 def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want_grad: bool,
-                    grad_fp8: bool = False):
+                    grad_fp8: bool = False, maxes: torch.Tensor | None = None, chunk: int = 0):
     """`trainer.model.loss.ce_chunk`'s contract (DFlash's loss: no D-PACE): logits [C, V], labels y [C], loss scale
     s [C] -> (sum(ce * s) fp32 scalar, correct [C] bool, dlogits [C, V] in the logits' dtype, or None; grad_fp8:
     (dlogits in e4m3, row scales [C, 1])). Row losses are summed by torch, in a fixed order: the loss is
-    deterministic."""
+    deterministic. maxes [C, n] (contiguous, the logits' dtype) and chunk (`writes_chunk_maxes`): the kernel also
+    writes the max of columns [j * chunk, (j + 1) * chunk) into maxes[:, j] for each j < n (n * chunk <= V)."""
     from trainer.model.fp8 import E4M3, E4M3_MAX
 
     kernel = _kernel()
@@ -123,10 +142,15 @@ def ce_chunk_triton(logits: torch.Tensor, y: torch.Tensor, s: torch.Tensor, want
     grad_scale = torch.empty(C, 1, dtype=torch.float32, device=logits.device) if fp8 else loss_rows
     import triton
 
-    block = min(BLOCK, max(16, triton.next_power_of_2(V)))
-    kernel[(C,)](logits, y, s.float(), grad, grad_scale, loss_rows, correct, logits.stride(0), V,
-                 WANT_GRAD=want_grad, FP8_GRAD=fp8, FP8_MAX=E4M3_MAX, BLOCK=block,
-                 LANE_STEPS=triton.next_power_of_2(triton.cdiv(V, block)), num_warps=8)
+    block = _block(V, triton)
+    if maxes is not None and not (writes_chunk_maxes(V, chunk) and maxes.shape[0] == C and maxes.is_contiguous()
+                                  and maxes.shape[1] * chunk <= V and maxes.dtype == logits.dtype):
+        raise ValueError(f"ce_chunk_triton: cannot write {tuple(maxes.shape)} {maxes.dtype} maxes of {chunk}-wide "
+                         f"chunks of [{C}, {V}] {logits.dtype} logits")
+    kernel[(C,)](logits, y, s.float(), grad, grad_scale, loss_rows, correct, loss_rows if maxes is None else maxes,
+                 logits.stride(0), V, WANT_GRAD=want_grad, FP8_GRAD=fp8, FP8_MAX=E4M3_MAX, BLOCK=block,
+                 LANE_STEPS=triton.next_power_of_2(triton.cdiv(V, block)),
+                 N_CHUNKS=0 if maxes is None else maxes.shape[1], CHUNK=max(chunk, 1), num_warps=8)
     if not want_grad:
         return loss_rows.sum(), correct.bool(), None
     return loss_rows.sum(), correct.bool(), ((grad, grad_scale) if fp8 else grad)

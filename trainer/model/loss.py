@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from trainer.model.topk import fast_topk
+from trainer.model import ce_kernel
+from trainer.model.topk import CHUNK as TOPK_CHUNK, chunk_maxes_used, fast_topk
 
 
 def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -199,11 +200,18 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             logits = h @ weight_VD.t() if head8 is None else head8.logits(h)
             if bias_V is not None:
                 logits = logits.float() + bias_V.float()
+            maxes, kw = None, dict(extra)
+            if cand_MK is not None and chunk_fn is ce_kernel.ce_chunk_triton:
+                # the CE kernel writes the top-k's chunk maxes from the logits it reads anyway
+                used = chunk_maxes_used(logits.shape[1], top_k)
+                if used and ce_kernel.writes_chunk_maxes(logits.shape[1], TOPK_CHUNK):
+                    maxes = logits.new_empty(end - start, used)
+                    kw.update(maxes=maxes, chunk=TOPK_CHUNK)
             loss_c, correct_M[start:end], g = chunk_fn(logits, labels_M[start:end], scale_M[start:end], want_grad,
-                                                       **extra)
+                                                       **kw)
             loss = loss + loss_c
             if cand_MK is not None:
-                cand_MK[start:end] = fast_topk(logits, top_k, select=select)[1]
+                cand_MK[start:end] = fast_topk(logits, top_k, select=select, maxes=maxes)[1]
             if grad_MD is not None:
                 g_MD = g.to(weight_VD.dtype) @ weight_VD if head8 is None else head8.input_grad(*g)
                 grad_MD[start:end] = g_MD.to(h_MD.dtype)

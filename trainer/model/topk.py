@@ -51,13 +51,22 @@ def _tie_bits(x: torch.Tensor, count: int) -> int:
     return 16 if x.element_size() == 2 and count <= 1 << 16 else 32
 
 
-def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK, select=None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_maxes_used(V: int, k: int, chunk: int = CHUNK) -> int:
+    """How many whole-chunk maxes `fast_topk` reads over V columns for k (V // chunk), or 0 where it selects over the
+    whole row."""
+    return V // chunk if -(-V // chunk) > k else 0
+
+
+def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK, select=None,
+              maxes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, V] (a float dtype, no NaN) -> (values [N, k] in x's dtype, indices [N, k] long), sorted by value
     descending, ties by index ascending. Values equal torch.topk(x, k)'s exactly; indices equal wherever the values
     are distinct. 1 <= k <= V. Where the k chunks would be the whole row (V <= k * chunk) it is one selection over
     the row, with the same keys and so the same order. fp64 (tests' reference dtype: its keys would not fit 64 bits)
     takes a stable sort of the row: the same order, at a full sort's cost.
-    select: `select_from_maxes` or a compiled copy of it (`compiled_select`; the same integers either way)."""
+    select: `select_from_maxes` or a compiled copy of it (`compiled_select`; the same integers either way).
+    maxes: the first stage's [N, chunk_maxes_used(V, k, chunk)] where the caller already has them (the CE kernel
+    writes them while it reads the logits)."""
     N, V = x.shape
     if not 1 <= k <= V:
         raise ValueError(f"top-k needs 1 <= k <= {V}, got {k}")
@@ -65,7 +74,11 @@ def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK, select=None) -> tuple
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[:, :k], indices[:, :k]
     # [N, V // chunk]: one read of the row (the Triton kernel, on CUDA); None where every chunk would be selected
-    maxes = chunk_max(x, V // chunk, chunk) if -(-V // chunk) > k else None
+    used = chunk_maxes_used(V, k, chunk)
+    if maxes is None and used:
+        maxes = chunk_max(x, used, chunk)
+    elif not used:
+        maxes = None
     return (select or select_from_maxes)(x, maxes, k, chunk)
 
 
