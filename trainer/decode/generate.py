@@ -16,11 +16,11 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   max_new_tokens) steps at position 0 until the host refills it. The host reads nothing per token: every
   CHECK_EVERY tokens, and at the step where some row must have reached max_new_tokens, it reads which rows ended
   (one sync), then the ended rows' answers (one more), hands them out (prompt index, tokens) and refills.
-- A step's attention: masked SDPA reads the slots the longest live row has reached, rounded up to a power of two
-  (`span`; the host knows an upper bound of every row's position without reading it): one graph per (choice mode,
-  span). With `row_kernel=True`, where step_kernel.py's kernel computes the target's attention (no soft cap, sinks
-  or sliding window; CUDA), each row reads its own slots up to its position only, and one graph per choice mode
-  serves every step. The graphs a call can reach are captured at its start, before any prefill, in the calling
+- A step's attention: where step_kernel.py's kernel computes the target's attention (no soft cap, sinks or
+  sliding window; CUDA; `row_kernel`, on by default), each row reads its own slots up to its position only, and
+  one graph per choice mode serves every step. Otherwise masked SDPA reads the slots the longest live row has
+  reached, rounded up to a power of two (`span`; the host knows an upper bound of every row's position without
+  reading it), for every row: one graph per (choice mode, span). The graphs a call can reach are captured at its start, before any prefill, in the calling
   thread, and share one memory pool (they are never replayed concurrently).
 Slots are handed out in prompt order; answers come out as rows end (completion order).
 
@@ -126,12 +126,12 @@ class BatchGenerator:
     cache; graphs are captured on first use. Not thread-safe: one call at a time, from the thread that captures."""
 
     def __init__(self, target: Target, rows: int, max_len: int, stop_ids: Sequence[int], graphs: bool = True,
-                 row_kernel: bool = False, ring: bool = True) -> None:
+                 row_kernel: bool = True, ring: bool = True) -> None:
         if rows < 1 or max_len < 2:
             raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
         self.rows, self.max_len, self.graphs = rows, max_len, graphs
         self.stop_ids = [int(s) for s in stop_ids]
-        # row_kernel: the steps' attention through the per-row decode kernel (`StaticTarget`: why it is off); ring:
+        # row_kernel: the steps' attention through the per-row decode kernel where it serves the target; ring:
         # sliding-window layers keep a ring of window + 1 slots (+ trash) where that is fewer (False: every slot)
         self.static = StaticTarget(target, max_len, rows=rows, padded=True, row_kernel=row_kernel, ring=ring)
         dev = self.static.device

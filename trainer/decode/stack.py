@@ -216,9 +216,7 @@ class StaticTarget:
             EAGER if self.softcap or self.sinks else SDPA
         # row_kernel: per-row one-token steps (`forward_rows`, the refilling batch generator) run step_kernel.py's
         # kernel where it computes this target's attention: each row reads its own slots up to its position, where
-        # SDPA with a mask reads the whole span for every row. Off by default until measured: on the H200 (qwen3-8b,
-        # 256 rows, 128-256 prompt + 256 new tokens) kernels.py's per-query-head kernel in its place ran the batch
-        # at 8,760 tokens/s against 11,730 through SDPA with enable_gqa.
+        # SDPA with a mask reads the whole span for every row (`python3 -m bench.decode_attention`).
         self.row_kernel = row_kernel and not (self.softcap or self.sinks or SLIDING in self.kinds) and \
             head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0 and usable_for(weight)
         # padded: row r's first real token sits at slot row_start[r] (the caller writes it before the prefill).

@@ -112,16 +112,17 @@ def test_invariant_speculative_decoding_equals_target_only(interpreter, full_tar
     assert decoder.generate_speculative(ids, 10).tokens == want
 
 
-def test_refilled_slots_step_through_the_kernel_as_hf_generates(interpreter, family_dirs):
-    """The refilling batch generator's one-token steps run the decode kernel with each row's own position (the
-    prefill keeps SDPA): three prompts of 2..9 tokens through 2 rows answer as HF generate."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])  # qwen3_5: a hybrid's full-attention layers, head dim 2x
+def test_refilled_slots_step_through_the_kernel_as_hf_generates(interpreter, family_dirs, family):
+    """The refilling batch generator's one-token steps run the decode kernel (its default) with each row's own
+    position (the prefill keeps SDPA): three prompts of 2..9 tokens through 2 rows answer as HF generate."""
     from tests.trainer.decode.test_generate import family_target, prompts_of, stops_inside
     from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
 
-    target = family_target(family_dirs, "qwen3")
+    target = family_target(family_dirs, family)
     prompts = prompts_of(target, (2, 9, 4), seed=5)
     stops = stops_inside(target, prompts, 9)[:1]  # the first row ends at its 4th token, the others at max_new
-    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=stops, row_kernel=True)
+    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=stops)
     assert gen.static.row_kernel
     assert gen.generate(prompts, Sampling(max_new_tokens=9)) == hf_generate(
         target.model, prompts, Sampling(max_new_tokens=9), stops, target.tokenizer.pad_token_id)
@@ -150,6 +151,7 @@ from trainer.decode import kernels, step_kernel
 
 _, rms_norm_rows, attention_rows = kernels._kernels()
 step_attention = step_kernel._kernel()
+block_for, STAGES, WARPS = step_kernel.block_for, step_kernel.STAGES, step_kernel.WARPS
 
 def build(fn, sig, consts, num_warps):
     names = list(sig) + list(consts)
@@ -157,7 +159,7 @@ def build(fn, sig, consts, num_warps):
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*" or sig[n] == "i32"}
     compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, aligned),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    return sorted(compiled.asm)
+    return {"stages": sorted(compiled.asm), "shared": compiled.metadata.shared}
 
 out = {}
 for dt in ("bf16", "fp32"):
@@ -169,9 +171,12 @@ for dt in ("bf16", "fp32"):
     out["rms_norm_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512}, 2)
     step_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "o_ptr": "*" + dt,
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
-    out["step_" + dt] = build(step_attention, step_sig,
-                              {"N_SLOTS": 400, "G": 4, "GP": 16, "HEAD_DIM": 128, "BLOCK": 64, "UPCAST": False,
-                               "PRECISION": "ieee" if dt == "fp32" else "tf32"}, 4)
+    # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and the interpreter's form
+    for name, bound, dh in (("step", True, 128), ("step256", True, 256), ("step_interpreted", False, 128)):
+        out[f"{name}_" + dt] = build(step_attention, step_sig,
+                                     {"N_SLOTS": 400, "G": 4, "GP": 16, "HEAD_DIM": dh, "BLOCK": block_for(dh),
+                                      "UPCAST": False, "PRECISION": "ieee" if dt == "fp32" else "tf32",
+                                      "LOADED_BOUND": bound, "STAGES": STAGES}, WARPS)
 print("COMPILED " + json.dumps(out))
 '''
 
@@ -183,5 +188,8 @@ def test_kernels_compile_for_the_h200(tmp_path):
     from tests.trainer.cubin import compile_for_h200
 
     compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
-    assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "step") for dt in ("bf16", "fp32")}
-    assert all("cubin" in stages and "ptx" in stages for stages in compiled.values())
+    assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "step", "step256", "step_interpreted")
+                             for dt in ("bf16", "fp32")}
+    assert all("cubin" in c["stages"] and "ptx" in c["stages"] for c in compiled.values())
+    # what one program asks of an SM's shared memory, within the H200's 227 KB (the launch would fail past it)
+    assert all(0 <= c["shared"] <= 227 * 1024 for c in compiled.values()), {n: c["shared"] for n, c in compiled.items()}

@@ -28,10 +28,11 @@ def reference(q, k, v, pos, scale):
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
 def test_each_row_attends_to_its_own_slots(interpreter, dtype, tol, heads, kv_heads):
     g = torch.Generator().manual_seed(heads)
-    R, S, Dh = 4, 150, 16  # three slot blocks, the last partial
+    R, S, Dh = 4, 300, 16  # three slot blocks, the last partial
+    assert step_kernel.BLOCK_S < S < 3 * step_kernel.BLOCK_S
     q = torch.randn(R, heads, 1, Dh, generator=g).to(dtype)
     k, v = torch.randn(R, kv_heads, S, Dh, generator=g), torch.randn(R, kv_heads, S, Dh, generator=g)
-    pos = torch.tensor([[0], [63], [64], [149]])
+    pos = torch.tensor([[0], [step_kernel.BLOCK_S - 1], [step_kernel.BLOCK_S], [S - 1]])
     for r in range(R):  # junk past each row's position: a leak would show
         k[r, :, int(pos[r]) + 1:], v[r, :, int(pos[r]) + 1:] = 1e3, -1e3
     k, v = k.to(dtype), v.to(dtype)
