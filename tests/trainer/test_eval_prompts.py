@@ -163,7 +163,7 @@ def test_every_prompt_format_decodes_on_every_family(family, family_dirs, tmp_pa
                                             ("llama_dynamic", "hf")])
 def test_the_2026_families_decode_losslessly(family, engine, family_dirs, tmp_path, capsys):
     """Attention sinks, MoE and the hybrids, dense and MoE, on the static engine (its layer stack; a hybrid with SDPA
-    attention and HF's norms, not the invariant ones eval asks for); a target the stack refuses (dynamic RoPE): the
+    attention, not the invariant kernel eval asks for); a target the stack refuses (dynamic RoPE): the
     static engine says in one line that it hands it to the hf engine. Either way speculative output equals the
     target's alone."""
     from tests.trainer.conftest import make_state

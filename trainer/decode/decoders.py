@@ -52,7 +52,7 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     (docs/dflash2.md, "Decoding"). `invariant` where the Triton kernel cannot run (no Triton, CPU) or cannot compute
     the target's attention (sliding windows, soft-capping, sinks, Gemma's norms, MoE experts) decodes with SDPA or
     eager attention, with a note. A hybrid (a target with Gated DeltaNet layers) decodes uncompiled, with SDPA
-    attention and HF's norms, whatever `compile` and `invariant` ask (one note when they ask more: its linear layers
+    attention, whatever `compile` and `invariant` ask (one note when they ask more: its linear layers
     are not traced by torch.compile, and its (1 + w) norms rule the invariant kernel out). The static engine captures
     its graphs here, in the calling (main) thread, before any decoding."""
     if engine not in ENGINES:
@@ -70,7 +70,7 @@ def decoders(target, drafter, block_size: int, capacity: int, *, engine: str = "
     if _hybrid(target):
         asked = [f"compile={compile}"] * (compile != "none") + ["invariant"] * invariant
         if asked:
-            log(f"note: a hybrid target decodes uncompiled, with SDPA attention and HF's norms "
+            log(f"note: a hybrid target decodes uncompiled, with SDPA attention "
                 f"({', '.join(asked)} not applied)")
         compile, invariant = "none", False
     from trainer.decode.drafters.dflash2 import StaticDFlash2Proposer

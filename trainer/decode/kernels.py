@@ -26,17 +26,21 @@ def _kernels(triton, tl):
     """(triton, rms_norm_rows, attention_rows), or None where Triton is not installed. Built once, lazily, so that
     importing this module costs nothing where no kernel runs."""
     @triton.jit
-    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
-        # HF's arithmetic: fp32 mean of squares, rsqrt(var + eps), cast to the input dtype, times the weight.
+    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
+        # HF's arithmetic: fp32 mean of squares, rsqrt(var + eps), then (plain: Llama, Qwen3) cast to the input dtype
+        # and times the weight, or (OFFSET: Gemma, the Qwen3.5 / Qwen3-Next hybrids) times 1 + w in fp32, then cast.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
         var = tl.sum(x * x, axis=0) / n_cols
-        normed = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0)
-        tl.store(y_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty),
-                 mask=inside)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        if OFFSET:
+            y = x * tl.rsqrt(var + eps) * (1.0 + w)
+        else:
+            normed = (x * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)
+            y = w * normed.to(tl.float32)
+        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def attention_rows(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
@@ -91,11 +95,13 @@ def usable_for(x: torch.Tensor) -> bool:
 
 
 class RowInvariantRMSNorm:
-    """Wraps an HF RMSNorm module (`weight`, `variance_epsilon`); callable like it. Also one kernel instead of about
-    eight, which makes a decode step faster."""
+    """Wraps an HF RMSNorm module (`weight`, `variance_epsilon` or `eps`); callable like it. Also one kernel instead of
+    about eight, which makes a decode step faster. offset: the module's rule is (1 + w) * norm(x) in fp32 (Gemma's,
+    the hybrids')."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, offset: bool = False) -> None:
         self.module = module
+        self.offset = offset
         self.weight = module.weight
         self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
 
@@ -113,7 +119,8 @@ class RowInvariantRMSNorm:
             return y.view(x.shape)
         block = triton.next_power_of_2(n)
         # num_warps depends on the row length only: the reduction tree must not change with the row count.
-        kernel[(x2.shape[0],)](x2, self.weight, y, n, self.eps, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+        kernel[(x2.shape[0],)](x2, self.weight, y, n, self.eps, BLOCK=block, OFFSET=self.offset,
+                               num_warps=max(1, min(8, block // 256)))
         return y.view(x.shape)
 
 

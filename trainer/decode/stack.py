@@ -7,8 +7,9 @@ or length state: the write position is a device tensor.
                                                                           Mixtral, gpt-oss; the hybrids)
               sandwich  x += norm(mixer(norm(x))); x += norm(mlp(norm(x)))  (Gemma 2/3: scaled embeddings, the HF
                                                                           embedding module scales)
-    norms     plain     w * x / rms(x): the row-invariant kernel's (kernels.RowInvariantRMSNorm)
-              offset    (1 + w) * x / rms(x): the HF modules run (Gemma, the hybrids)
+    norms     plain     w * x / rms(x)                   both one row-invariant kernel (kernels.RowInvariantRMSNorm)
+              offset    (1 + w) * x / rms(x) in fp32     where it runs; elsewhere the HF modules (offset: Gemma,
+                                                         the hybrids)
     mixers    attention        softmax attention, full or sliding-window, soft-capped (Gemma 2) or with sinks
                                (gpt-oss): layers/attention.py
               gated_attention  the hybrids' output-gated softmax attention with partial RoPE: the same layer, gated
@@ -223,20 +224,21 @@ class StaticTarget:
         self.row_start = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.taps = set(target.layer_ids)
 
-        # Plain RMSNorms are row-invariant (trainer/decode/kernels.py): a verify forward over 16 tokens must compute
-        # each token exactly as a 1-token step does. (1 + w) norms run as HF's modules.
+        # RMSNorms run as one row-invariant kernel each where it can run (trainer/decode/kernels.py): a verify forward
+        # over 16 tokens must compute each token exactly as a 1-token step does, and one kernel replaces about eight.
         def wrap(module):
             if module is None:
                 return None
-            return RowInvariantRMSNorm(module) if self.plan.norms == "plain" else module
+            return RowInvariantRMSNorm(module, offset=self.plan.norms == "offset")
 
         def attn_norm(layer, name):
             return wrap(getattr(getattr(layer, "self_attn", None), name, None)) or identity
 
         self.input_norms = [wrap(layer.input_layernorm) for layer in self.layers]
         self.post_norms = [wrap(layer.post_attention_layernorm) for layer in self.layers]
-        self.pre_ff_norms = [layer.pre_feedforward_layernorm if self.sandwich else None for layer in self.layers]
-        self.post_ff_norms = [layer.post_feedforward_layernorm if self.sandwich else None for layer in self.layers]
+        self.pre_ff_norms = [wrap(layer.pre_feedforward_layernorm) if self.sandwich else None for layer in self.layers]
+        self.post_ff_norms = [wrap(layer.post_feedforward_layernorm) if self.sandwich else None
+                              for layer in self.layers]
         self.q_norms = [attn_norm(layer, "q_norm") for layer in self.layers]
         self.k_norms = [attn_norm(layer, "k_norm") for layer in self.layers]
         self.final_norm = wrap(self.model.model.norm)

@@ -85,6 +85,32 @@ def test_rms_norm_kernel_is_hf_arithmetic_and_row_invariant(interpreter):
     assert torch.equal(got.view(-1, 96), torch.cat([norm(rows[r:r + 1]) for r in range(rows.shape[0])]))
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_offset_rms_norm_kernel_is_hf_arithmetic_and_row_invariant(interpreter, family, dtype, tol):
+    """The (1 + w) norms of the hybrids and Gemma: the kernel's offset form computes HF's module (fp32 throughout,
+    one cast at the end) and a row alone as among others."""
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm as Norm
+    else:
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm as Norm
+
+    torch.manual_seed(3)
+    module = Norm(96, eps=1e-6)
+    module.weight.data.normal_(0.0, 0.2)
+    module.to(dtype)
+    norm = kernels.RowInvariantRMSNorm(module, offset=True)
+    x = (torch.randn(2, 8, 96) * 3).to(dtype)
+    assert norm.uses_kernel(x)
+    got = norm(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), module(x).float(), rtol=tol, atol=tol)
+    rows = x.view(-1, 96)
+    assert torch.equal(got.view(-1, 96), torch.cat([norm(rows[r:r + 1]) for r in range(rows.shape[0])]))
+    # the plain form on the same module is another rule (w, not 1 + w): the test tells the two apart
+    assert not torch.allclose(kernels.RowInvariantRMSNorm(module)(x).float(), module(x).float(), rtol=tol, atol=tol)
+
+
 def test_invariant_static_forward_equals_hf_cache_forward(interpreter, full_target):
     """The static target with both kernels (invariant attention, Triton norms) against HF's cached forward."""
     ids = torch.tensor([_prompt_ids(full_target, PROMPTS[0])])
@@ -168,7 +194,8 @@ for dt in ("bf16", "fp32"):
     out["attention_" + dt] = build(attention_rows, attn_sig,
                                    {"N_SLOTS": 400, "GROUPS": 2, "HEAD_DIM": 64, "BLOCK_S": 64}, 4)
     norm_sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "eps": "fp32"}
-    out["rms_norm_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512}, 2)
+    out["rms_norm_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512, "OFFSET": False}, 2)
+    out["rms_norm_offset_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512, "OFFSET": True}, 2)
     step_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "o_ptr": "*" + dt,
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
     # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and the interpreter's form
@@ -188,7 +215,8 @@ def test_kernels_compile_for_the_h200(tmp_path):
     from tests.trainer.cubin import compile_for_h200
 
     compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
-    assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "step", "step256", "step_interpreted")
+    assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "rms_norm_offset", "step", "step256",
+                                                  "step_interpreted")
                              for dt in ("bf16", "fp32")}
     assert all("cubin" in c["stages"] and "ptx" in c["stages"] for c in compiled.values())
     # what one program asks of an SM's shared memory, within the H200's 227 KB (the launch would fail past it)
