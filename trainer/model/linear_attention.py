@@ -274,10 +274,11 @@ def gates(m: nn.Module, a: torch.Tensor, b: torch.Tensor):
     return -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias), b.sigmoid()
 
 
-def gated_output(m: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """The rule's output core [R, S, Hv, dv] -> the gated norm (z the gate), then the output projection: [R, S, D]."""
+def gated_output(m: nn.Module, core: torch.Tensor, z: torch.Tensor, norm=None) -> torch.Tensor:
+    """The rule's output core [R, S, Hv, dv] -> the gated norm (z the gate), then the output projection: [R, S, D].
+    norm: a callable in place of the layer's own gated norm module (the decode layer's one-kernel form)."""
     rows, seq = core.shape[:2]
-    out = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+    out = (norm or m.norm)(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
     return m.out_proj(out.reshape(rows, seq, -1))
 
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from trainer.decode.gated_norm import GatedRMSNorm
 from trainer.decode.recurrent_kernel import gated_delta_step_, usable_for
 from trainer.model.linear_attention import (
     CHUNK, BlockTerms, PackedGatedDeltaNet, causal_conv1d_window, fla_gated_delta_rule_from, gated_delta_block,
@@ -89,6 +90,7 @@ class GatedDeltaNetDecode:
                                 cum=torch.zeros(rows, heads, block, device=dev))
         self.pending = 0  # the last forward's L (a Python int: fixed per captured graph)
         self.taps_at = torch.arange(taps - 1, device=dev)
+        self.gated_norm = GatedRMSNorm(inner.norm)  # one kernel where it runs (gated_norm.py), else HF's module
         # fused: a one-token step through recurrent_kernel.py, the state updated in place (default: with fla's kernel)
         self.fused = kernel == "fla" if fused is None else fused
         if self.fused and not usable_for(self.state):
@@ -104,7 +106,7 @@ class GatedDeltaNetDecode:
         q, k, v = split_heads(m, mixed)
         g, beta = gates(m, a, b)
         core, terms = gated_delta_block(q, k, v, g, beta, self.state)
-        return gated_output(m, core, z), window, terms
+        return gated_output(m, core, z, self.gated_norm), window, terms
 
     def _convolve(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv [R, L, C] -> (the window: committed inputs then qkv [R, K-1+L, C]; the causal conv + SiLU [R, L, C])."""
@@ -191,7 +193,7 @@ class GatedDeltaNetDecode:
             core, state = gated_delta_step(q, k, v, g, beta, self.state)
             self.state.copy_(state)
         self.conv.copy_(window[:, 1:].transpose(1, 2))
-        return gated_output(m, core, z)
+        return gated_output(m, core, z, self.gated_norm)
 
     def prefill(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """x [R, L, D] (any L) from the committed state -> out [R, L, D]; row r takes its first valid[r] tokens
@@ -225,7 +227,7 @@ class GatedDeltaNetDecode:
         at = (valid.view(-1, 1) + self.taps_at)[..., None].expand(-1, -1, window.shape[-1])
         self.conv.copy_(window.gather(1, at).transpose(1, 2))
         self.state.copy_(final)
-        return gated_output(m, core, z)
+        return gated_output(m, core, z, self.gated_norm)
 
     def reset(self, rows: torch.Tensor) -> None:
         """rows [R] bool (device): zero those rows' conv and recurrent state (a new sequence starts there, as a
