@@ -177,3 +177,29 @@ def test_token_steps_are_the_static_replays_or_each_hf_chunks_longest_answer():
     assert bench.token_steps(Replayed(), [[1]] * 4, rows=2) == 7
     assert bench.token_steps(None, [[1, 2], [3], [4, 5, 6], [7]], rows=2) == 2 + 3
     assert bench.token_steps(None, [[1, 2], [3], [4]], rows=2) == 2 + 1
+
+
+@pytest.mark.parametrize("row_kernel", [True, False])
+def test_the_warm_up_captures_every_graph_the_timed_run_replays(request, family_dirs, row_kernel):
+    """With the per-row attention kernel a short warm-up (the first batch, a few new tokens) captures the one step
+    graph; through masked SDPA the warm-up is the whole workload (spans of 16 and 32 slots here). Either way the
+    timed run captures nothing new."""
+    from tests.trainer.decode.test_generate import family_target, prompts_of
+    from trainer.decode.generate import BatchGenerator, Sampling
+
+    if row_kernel:  # the kernel on CPU tensors: under Triton's interpreter
+        request.getfixturevalue("interpreter")
+    target = family_target(family_dirs, "qwen3")
+    prompts = prompts_of(target, (3, 20, 5), seed=2)
+    gen = BatchGenerator(target, rows=2, max_len=60, stop_ids=[], row_kernel=row_kernel)
+    assert gen.static.row_kernel == row_kernel
+    sampling = Sampling(max_new_tokens=9)
+    warm, warm_sampling = bench.warm_up(prompts, sampling, 2, gen, new_tokens=3)
+    if row_kernel:
+        assert warm == prompts[:2] and warm_sampling.max_new_tokens == 3
+    else:
+        assert (warm, warm_sampling) == (prompts, sampling)
+    gen.generate(warm, warm_sampling)
+    captured = set(gen.programs)
+    gen.generate(prompts, sampling)
+    assert set(gen.programs) == captured and gen.replays > 9
