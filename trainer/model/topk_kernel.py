@@ -3,7 +3,7 @@
 Why: on the H200 torch.topk's radix select (three multi-block launches per selection, two selections) plus the key
 building and gathers around it cost ~1.8 ms of DFlash2's step at N = 4096 rows, V = 151936, k = 16. Here one program
 reads its row's chunk maxes (and the ragged tail chunk's columns), picks the k chunks by k rounds of extract-max over
-the keys, loads those k * c values and picks the k largest by k more rounds: two block reductions a round.
+the keys, loads those k * c values and picks the k largest by k more rounds: one block reduction (an int64 max) a round.
 
 Keys: a value's order-preserving integer (fp32 bits; bf16 and fp16 widen to fp32 exactly, and -0.0 becomes +0.0 so
 the two signs tie) in the high 32 bits of an int64, and 2^31 - 1 - (chunk or column index) in the low bits, so one
@@ -46,23 +46,26 @@ def _kernel(triton, tl):
         bits = tl.where(mx == 0.0, 0.0, mx).to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
         key = tl.where(ids < n_chunks, (ordered << 32) | (LOW - ids).to(tl.int64), SENT)
-        slot = tl.arange(0, K_P)
-        picked = tl.zeros([K_P], dtype=tl.int64)
+        # each candidate slot's chunk, written as the chunks are taken: stage 2 stays one flat vector
+        cand = tl.arange(0, K_P * CHUNK)
+        group = cand // CHUNK
+        picked = tl.zeros([K_P * CHUNK], dtype=tl.int32)
         for i in range(K):
             top = tl.max(key, axis=0)
-            picked = tl.where(slot == i, LOW - (top & 0x7FFFFFFF), picked)
+            picked = tl.where(group == i, (LOW - (top & 0x7FFFFFFF)).to(tl.int32), picked)
             key = tl.where(key == top, SENT, key)
 
-        # stage 2: the k chunks' values [K_P, CHUNK], ranked among equals by their global column
-        cols = picked[:, None] * CHUNK + lane[None, :]
-        real = (slot < K)[:, None] & (cols < V)
+        # stage 2: the k chunks' k * c values, ranked among equals by their global column
+        cols = picked * CHUNK + cand % CHUNK
+        real = (group < K) & (cols < V)
         v = tl.load(base + cols, mask=real, other=0.0).to(tl.float32)
         bits2 = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
         ordered2 = tl.where(bits2 < 0, bits2 ^ 0x7FFFFFFF, bits2).to(tl.int64)
-        key2 = tl.where(real, (ordered2 << 32) | (LOW - cols), SENT)
+        key2 = tl.where(real, (ordered2 << 32) | (LOW - cols).to(tl.int64), SENT)
+        slot = tl.arange(0, K_P)
         best = tl.zeros([K_P], dtype=tl.int64)
         for i in range(K):
-            top = tl.max(tl.max(key2, axis=1), axis=0)
+            top = tl.max(key2, axis=0)
             best = tl.where(slot == i, LOW - (top & 0x7FFFFFFF), best)
             key2 = tl.where(key2 == top, SENT, key2)
 
@@ -103,5 +106,5 @@ def select(x: torch.Tensor, maxes: torch.Tensor, k: int, chunk: int) -> tuple[to
     width = _pow2(k) * chunk
     _kernel()[(N,)](x, maxes, values, indices, x.stride(0), maxes.stride(0), V=V, N_FULL=V // chunk, CHUNK=chunk,
                     K=k, K_P=_pow2(k), NP=_pow2(n_chunks), SENT=SENTINEL, LOW=LOW,
-                    num_warps=8 if max(width, _pow2(n_chunks)) > 2048 else 4)
+                    num_warps=8 if max(width, _pow2(n_chunks)) >= 2048 else 4)
     return values, indices
