@@ -38,7 +38,7 @@ def test_fast_topk_at_the_real_vocab_equals_torch_topk_under_graph_replay(dtype)
 
 def test_the_select_kernel_equals_select_from_maxes_at_the_real_vocab():
     """The second stage's Triton kernel (trainer/model/topk_kernel.py, the one fast_topk takes on CUDA) against the
-    torch reference on DFlash2's shape, bf16, with planted ties across and inside chunks, zeros of both signs and -inf."""
+    torch reference on DFlash2's shape, bf16, with planted ties across and inside chunks, signed zeros and -inf."""
     from trainer.model import topk_kernel
     from trainer.model.chunk_max import chunk_max
     from trainer.model.topk import CHUNK, select_from_maxes
