@@ -1,6 +1,8 @@
-"""An exact top-k over a wide last dimension (a vocabulary), in two narrow selections instead of one wide one. Torch
-(the chunk maxes on CUDA: one Triton kernel, trainer/model/chunk_max.py), static shapes, no host sync: CUDA-graph
-capturable and traceable by torch.compile(fullgraph=True).
+"""An exact top-k over a wide last dimension (a vocabulary), in two narrow selections instead of one wide one. On CUDA
+(and on CPU under Triton's interpreter) each stage is one Triton kernel: the chunk maxes in trainer/model/chunk_max.py
+(or the CE kernel's, trainer/model/ce_kernel.py), the two selections after them in trainer/model/topk_kernel.py.
+Elsewhere, and inside torch.compile's tracing, torch (`select_from_maxes`, the reference the kernel equals). Static
+shapes, no host sync: CUDA-graph capturable and traceable by torch.compile(fullgraph=True).
 
 Shape legend: N rows, V columns (the vocabulary), c chunk width, C = ceil(V / c) chunks, k selected.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.model import topk_kernel
 from trainer.model.chunk_max import chunk_max
 
 # c = 128: the selections cost about C + k*c key reads a row, least near c = sqrt(V / k) (~97 for V = 151936 and
@@ -64,7 +67,8 @@ def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK, select=None,
     are distinct. 1 <= k <= V. Where the k chunks would be the whole row (V <= k * chunk) it is one selection over
     the row, with the same keys and so the same order. fp64 (tests' reference dtype: its keys would not fit 64 bits)
     takes a stable sort of the row: the same order, at a full sort's cost.
-    select: `select_from_maxes` or a compiled copy of it (`compiled_select`; the same integers either way).
+    select: `select_from_maxes` or a compiled copy of it (`compiled_select`; the same integers either way), for the
+    torch path: where the second stage's Triton kernel runs (`topk_kernel.usable`) it is not called.
     maxes: the first stage's [N, chunk_maxes_used(V, k, chunk)] where the caller already has them (the CE kernel
     writes them while it reads the logits)."""
     N, V = x.shape
@@ -79,6 +83,8 @@ def fast_topk(x: torch.Tensor, k: int, chunk: int = CHUNK, select=None,
         maxes = chunk_max(x, used, chunk)
     elif not used:
         maxes = None
+    if maxes is not None and topk_kernel.usable(x, maxes, k, chunk):
+        return topk_kernel.select(x, maxes, k, chunk)  # the whole second stage in one launch
     return (select or select_from_maxes)(x, maxes, k, chunk)
 
 

@@ -61,9 +61,10 @@ class TrainState:
     # term trains the selector's parameters alone.
     selector_weight_: torch.Tensor | None = None
     selector_stop_gradient: bool = False
-    # DFlash2's per-chunk top-k second stage (trainer.model.topk.select_from_maxes) and its selector objective after
-    # the codebook lookups (trainer.model.selector_loss.selector_objective); None = eager. The compile modes set
-    # compiled copies (trainer.step.policy.compile_step).
+    # DFlash2's per-chunk top-k second stage (trainer.model.topk.select_from_maxes: its torch path, where the Triton
+    # kernel trainer.model.topk_kernel does not run) and its selector objective after the codebook lookups
+    # (trainer.model.selector_loss.selector_objective); None = eager. The compile modes set compiled copies
+    # (trainer.step.policy.compile_step).
     topk_select_fn: Callable | None = None
     selector_objective_fn: Callable | None = None
 
