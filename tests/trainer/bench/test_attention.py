@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bench.attention import best, candidates, choice, configs_for, main, tflops
+from tests.trainer.bench.refusals import assert_needs_a_gpu
 
 
 def row(attention, config, options, fwd, bwd=None, error=None):
@@ -86,6 +87,4 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a CUDA GPU")
 def test_a_machine_without_cuda_is_refused_in_one_line():
-    with pytest.raises(SystemExit) as exc:
-        main(["--shape", "small"])
-    assert "no CUDA GPU" in str(exc.value.code)
+    assert_needs_a_gpu(main, ["--shape", "small"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.decode_attention import main
+from tests.trainer.bench.refusals import assert_needs_a_gpu, assert_refused
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -13,12 +14,8 @@ from bench.decode_attention import main
     (["--reps", "0"], "--rows, --slots and --reps must be >= 1"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert_refused(main, argv, message, capsys)
 
 
 def test_without_a_gpu_it_says_so_and_exits_1():
-    with pytest.raises(SystemExit) as e:
-        main(["--rows", "4"])
-    assert "no CUDA GPU" in str(e.value.code)
+    assert_needs_a_gpu(main, ["--rows", "4"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.swiglu import forms, main
+from tests.trainer.bench.refusals import assert_needs_a_gpu, assert_refused
 from trainer.model.fp8_target import ROW_KERNEL_MAX
 
 
@@ -21,12 +22,8 @@ def test_the_row_kernel_is_offered_only_for_widths_it_takes():
     (["--tokens", "0"], "--tokens and --reps must be >= 1"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert_refused(main, argv, message, capsys)
 
 
 def test_without_a_gpu_it_says_so_and_exits_1():
-    with pytest.raises(SystemExit) as e:
-        main(["--only", "row"])
-    assert "no CUDA GPU" in str(e.value.code)
+    assert_needs_a_gpu(main, ["--only", "row"])
