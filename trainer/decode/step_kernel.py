@@ -18,7 +18,7 @@ import torch
 from trainer.triton_device import triton_kernels
 
 # slots a block, software-pipeline stages, warps: the fastest of 7 configurations on the H200 at qwen3-8b's heads
-# (head dim 128; 256 rows, 512 and 2048 slots; `python3 -m bench.decode_attention`)
+# (head dim 128; 256 rows, 512 and 2048 slots; docs/benchmarks.md, "The steps' attention alone")
 BLOCK_S, STAGES, WARPS = 128, 2, 4
 TILE_ELEMS = BLOCK_S * 128  # a K or V block's size at that head dim: wider heads take fewer slots a block
 
@@ -27,6 +27,8 @@ def block_for(head_dim: int) -> int:
     """Slots a block at this head dim: BLOCK_S up to head dim 128, then fewer, so that the pipelined K and V blocks
     (2 x STAGES of them, bf16: 128 KB at 128 x 128) stay well inside a Hopper SM's 227 KB of shared memory."""
     return max(16, min(BLOCK_S, TILE_ELEMS // head_dim))
+
+
 MIN_ROWS = 16  # tl.dot's smallest tile side: the G query heads are padded to it
 
 
