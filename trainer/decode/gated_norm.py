@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.decode.kernels import norm_eps, norm_warps
 from trainer.triton_device import runs_on, triton_kernels
 
 
@@ -45,7 +46,7 @@ class GatedRMSNorm:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.weight = module.weight
-        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        self.eps = norm_eps(module)
         self.silu = getattr(module, "activation", "silu") in ("silu", "swish")
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
@@ -64,5 +65,5 @@ class GatedRMSNorm:
         if x2.shape[0]:
             block = triton.next_power_of_2(n)
             _kernel()[(x2.shape[0],)](x2, z2, self.weight, y, n, self.eps, BLOCK=block,
-                                      num_warps=max(1, min(8, block // 256)))
+                                      num_warps=norm_warps(block))
         return y.view(x.shape)

@@ -94,6 +94,17 @@ def usable_for(x: torch.Tensor) -> bool:
     return runs_on(x.device) and _kernels() is not None and not torch.compiler.is_compiling()
 
 
+def norm_eps(module: torch.nn.Module) -> float:
+    """An HF RMSNorm module's epsilon (`variance_epsilon` in most families, `eps` in Gemma's and the hybrids')."""
+    return float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+
+def norm_warps(block: int) -> int:
+    """Warps of a one-row norm program over `block` columns: from the row length only, so the reduction tree does not
+    change with the row count."""
+    return max(1, min(8, block // 256))
+
+
 class RowInvariantRMSNorm:
     """Wraps an HF RMSNorm module (`weight`, `variance_epsilon` or `eps`); callable like it. Also one kernel instead of
     about eight, which makes a decode step faster. offset: the module's rule is (1 + w) * norm(x) in fp32 (Gemma's,
@@ -103,7 +114,7 @@ class RowInvariantRMSNorm:
         self.module = module
         self.offset = offset
         self.weight = module.weight
-        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        self.eps = norm_eps(module)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         return usable_for(x) and self.weight.dtype == x.dtype
@@ -118,9 +129,8 @@ class RowInvariantRMSNorm:
         if x2.shape[0] == 0:
             return y.view(x.shape)
         block = triton.next_power_of_2(n)
-        # num_warps depends on the row length only: the reduction tree must not change with the row count.
         kernel[(x2.shape[0],)](x2, self.weight, y, n, self.eps, BLOCK=block, OFFSET=self.offset,
-                               num_warps=max(1, min(8, block // 256)))
+                               num_warps=norm_warps(block))
         return y.view(x.shape)
 
 
