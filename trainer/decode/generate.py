@@ -28,9 +28,10 @@ Slots are handed out in prompt order; answers come out as rows end (completion o
 After a call has handed out every answer, `last_run` holds its counts (run_stats.py's `RunStats`), added up on the
 host as it issues the work, no sync added: step replays, host checks, fills (the first and each refill) and the
 prompts refilled into a used slot, prefill forwards and the prompt tokens and positions (padding included) they
-covered, answers and their tokens, busy (the share of slot-steps in which a row was live); and the time of the
-prefills and of the token steps (CUDA events read once after the loop; on a CPU the host's time), the rest of the
-wall being the host's checks and launches.
+covered, answers and their tokens, the slot-steps whose row held a prompt (live, or ended and not yet seen by a
+check) and the steps after the last prompt was filled (the tail); so the idle slot-steps split into those before a
+check and those for want of a prompt. Also the time of the prefills and of the token steps (CUDA events read once
+after the loop; on a CPU the host's time), the rest of the wall being the host's checks and launches.
 
 Choosing a token, on the device (no host sync, no value-dependent shape):
     greedy     argmax of the logits (HF greedy: the first index of a tie)
@@ -316,11 +317,13 @@ class BatchGenerator:
         held: list[int | None] = [None] * R  # the prompt each row holds
         since = [0] * R  # the clock when it was filled
         queue = iter(range(len(prompts)))
-        t, checked = 0, -1
+        t, checked, waiting = 0, -1, len(prompts)
         spans = Spans(self.device)  # marks only: read after the loop
 
         def refill(free: list[int]) -> None:
+            nonlocal waiting
             taken = [(r, i) for r, i in zip(free, queue)]
+            waiting -= len(taken)
             if taken:
                 spans.start(PREFILL)
                 self._fill([r for r, _ in taken], [prompts[i] for _, i in taken], [streams[i] for _, i in taken],
@@ -361,6 +364,7 @@ class BatchGenerator:
                 continue
             reach = max(min(len(prompts[held[r]]) + t - since[r], len(prompts[held[r]]) + n_max - 2) for r in live)
             spans.start(STEP)
+            self._count(occupied=len(live), tail_steps=int(not waiting))
             programs[span_of(reach + 1)]()
             t += 1
             self.replays += 1

@@ -17,14 +17,18 @@ import torch
 
 PREFILL, STEP = "prefill", "step"
 # the counts the generator adds up as it goes (RunStats' other fields it knows at the end)
-COUNTED = ("prompts", "generated", "checks", "fills", "prefills", "prefill_tokens", "prefill_positions")
+COUNTED = ("prompts", "generated", "checks", "fills", "prefills", "prefill_tokens", "prefill_positions", "occupied",
+           "tail_steps")
 
 
 @dataclass(frozen=True)
 class RunStats:
-    """One call's counts. busy: the share of the slot-steps (steps x rows) in which a row was live, (generated -
-    prompts) / (steps x rows): an answer of n tokens took n - 1 steps (its first token is its prefill's choice).
-    prefill_s, step_s: seconds (CUDA: device time between events; CPU: host time), None if not timed."""
+    """One call's counts. Of the steps x rows slot-steps: live ones, generated - prompts (an answer of n tokens took
+    n - 1 steps: its first token is its prefill's choice), their share `busy`; `occupied` ones, whose row held a
+    prompt (live, or ended and waiting for the host's next check), their share `held`. So held - busy is the share
+    idle between a row's end and its check (and refill), 1 - held the share idle for want of a prompt (the tail,
+    once the queue is empty: `tail_steps`). prefill_s, step_s: seconds (CUDA: device time between events; CPU:
+    host time), None if not timed."""
     rows: int
     prompts: int  # answers handed out
     generated: int  # their tokens
@@ -35,6 +39,8 @@ class RunStats:
     prefills: int  # prefill forwards (a fill takes one per chunk, all its rows together)
     prefill_tokens: int  # prompt tokens those forwards covered
     prefill_positions: int  # positions they computed: rows x chunk width, padding included
+    occupied: int  # slot-steps whose row held a prompt
+    tail_steps: int  # steps after the last prompt was filled
     prefill_s: float | None = None
     step_s: float | None = None
 
@@ -42,8 +48,12 @@ class RunStats:
     def busy(self) -> float:
         return (self.generated - self.prompts) / (self.steps * self.rows) if self.steps else 0.0
 
+    @property
+    def held(self) -> float:
+        return self.occupied / (self.steps * self.rows) if self.steps else 0.0
+
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "busy": round(self.busy, 4)}
+        return {**dataclasses.asdict(self), "busy": round(self.busy, 4), "held": round(self.held, 4)}
 
 
 class Spans:

@@ -28,6 +28,7 @@ def test_bench_prints_its_figures_and_the_ratio(capsys):
         assert r["ms_per_token_step"] == pytest.approx(1e3 * r["wall_s"] / 5, rel=0.01) and r["peak_gib"] > 0
     # 3 rows of 5 tokens: 4 steps, each row live in all (each answer's first token is its prefill's)
     assert (static["steps"], static["busy"], static["fills"], static["prefills"]) == (4, 1.0, 1, 1)
+    assert (static["held"], static["tail_steps"]) == (1.0, 4)
     assert "EQUAL_LIKE" not in out  # the equal workload is its own comparison
     ratio = lines["GENERATE_RATIO"][0]
     assert ratio["static_over_hf"] == pytest.approx(static["tokens_per_s"] / hf["tokens_per_s"], rel=0.01)
@@ -63,10 +64,11 @@ def test_the_mixed_workload_answers_end_on_the_stop_id_where_they_were_drawn(cap
     assert static["fills"] >= 2 and static["prefills"] >= static["fills"] and static["checks"] >= static["fills"] - 1
     assert static["prefill_tokens"] == sum(p for p, _ in lengths) <= static["prefill_positions"]
     assert static["busy"] == pytest.approx((static["generated_tokens"] - 5) / (static["steps"] * 3), abs=1e-4)
-    assert static["steps"] >= max(a for _, a in lengths) - 1 and 0 < static["busy"] <= 1
+    assert static["steps"] >= max(a for _, a in lengths) - 1 and 0 < static["busy"] <= static["held"] <= 1
+    assert 0 < static["tail_steps"] < static["steps"]
     assert static["prefill_s"] > 0 and static["step_s"] > 0 and static["prefill_s"] + static["step_s"] <= \
         static["wall_s"] * 1.01  # the last timed run's; repeats 1: the wall's own run
-    assert f"{static['steps']} steps, busy" in out
+    assert f"{static['steps']} steps ({static['tail_steps']} in the tail), busy" in out
     like = tagged["EQUAL_LIKE"][0]
     assert like == bench.equal_like(3, [p for p, _ in lengths], [a for _, a in lengths], "tiny",
                                     "--repeats 1 --device cpu")

@@ -20,7 +20,9 @@ def test_the_counts_of_a_refilled_run_are_the_host_loops(family_dirs):
     prompts 0, 1 at step 0; the check at step 15 (CHECK_EVERY - 1) finds row 0 ended (3 tokens: 2 steps) and
     refills it with prompt 2; `due` = 0 + 19 checks at step 19: prompt 1 (18 tokens, 17 steps) and prompt 2 (2
     tokens) ended, rows 0, 1 take prompts 3, 4 (prompt 4's first token, from its prefill, is the stop id); the
-    check at step 31 finds both ended and the queue empty. Each fill is one forward of a 16-wide chunk per row."""
+    check at step 31 finds both ended and the queue empty. Each fill is one forward of a 16-wide chunk per row. Both
+    rows hold a prompt in every step (62 slot-steps occupied, 24 of them live: 29 tokens, 5 chosen by prefills);
+    the 12 steps from 19 on are the tail (no prompt waits)."""
     assert CHECK_EVERY == 16
     target = family_target(family_dirs, "qwen3")
     order = make_chain(target.model, seed=4)
@@ -34,12 +36,15 @@ def test_the_counts_of_a_refilled_run_are_the_host_loops(family_dirs):
     assert (run.checks, run.fills, run.refilled) == (3, 3, 3) and run.refilled == gen.refilled
     assert (run.prefills, run.prefill_tokens, run.prefill_positions) == (3, 20, 2 * 16 + 16 + 2 * 16)
     assert run.busy == pytest.approx((29 - 5) / (31 * 2))  # each answer's first token is its prefill's
+    assert (run.occupied, run.held, run.tail_steps) == (62, 1.0, 12)
     assert run.prefill_s > 0 and run.step_s > 0  # CPU: the host's time around the prefills and the replays
     shown = run.as_dict()
     assert shown["busy"] == round(24 / 62, 4) and shown["steps"] == 31 and shown["prefill_positions"] == 80
     # another call starts from zero
     gen.generate(prompts[:1], Sampling(max_new_tokens=20))
-    assert (gen.last_run.prompts, gen.last_run.fills, gen.last_run.generated, gen.last_run.steps) == (1, 1, 3, 15)
+    again = gen.last_run  # one prompt in 2 rows: the other slot is empty from the start, every step is the tail
+    assert (again.prompts, again.fills, again.generated, again.steps, again.occupied, again.tail_steps) == \
+        (1, 1, 3, 15, 15, 15) and again.held == 0.5 and again.busy == pytest.approx(2 / 30)
 
 
 def test_a_stream_left_unfinished_leaves_no_counts(family_dirs):
