@@ -50,6 +50,19 @@ at HBM_BYTES_PER_S, the GEMMs at GEMM_FLOPS_PER_S) is computed at the workload's
 `GENERATE_BENCH {json}` per engine (a hybrid's static line: `linear_step`, "fused" where its Gated DeltaNet step
 runs trainer/decode/recurrent_kernel.py, CUDA with fla, else "torch"), then `GENERATE_RATIO {json}` (static tokens/s over HF's; greedy: the fraction
 of rows whose tokens agree, which bf16 rounding may lower below 1) and a table.
+
+Where the static engine's time goes (its line, from the last timed run's `BatchGenerator.last_run`, counted on the
+host without a sync): `steps` (token-step replays), `busy` (the share of the steps x rows slot-steps in which a row
+was live, (generated - prompts) / (steps x rows): an answer's first token is its prefill's), `held` (the share
+whose row held a prompt, live or ended and not yet seen by the host's check: held - busy idled between a row's end
+and its check, 1 - held for want of a prompt), `tail_steps` (the steps after the last prompt was filled), `checks` (host reads of
+which rows ended), `fills` (the first fill and each refill), `prefills` (prefill forwards), `prefill_tokens` (prompt
+tokens) and `prefill_positions` (the positions those forwards computed, padding included), `prefill_s` and `step_s`
+(the prefills' and the steps' time: CUDA events read after the run, on a CPU host time; the rest of the wall is the
+host's checks and launches). The mixed workload also prints `EQUAL_LIKE {json}`: the equal workload with the same
+rows, mean prompt and mean answer (so the same mean context), its `--prompt-tokens` (the longest prompt whose equal
+draw's mean prompt is nearest), `--new-tokens` (the mean answer, rounded) and the command that measures it, the
+comparison for "mixed reaches 85% of the equal-length tokens/s".
 """
 from __future__ import annotations
 
@@ -57,10 +70,12 @@ import argparse
 import dataclasses
 import gc
 import json
-import random
 import statistics
 import sys
 import time
+
+from bench.generate_workloads import (RESIDUAL_WRITES, bench_prompts, equal_like, make_chain,  # noqa: F401
+                                      mixed_lengths, mixed_prompts, workload)
 
 ENGINES = ("static", "hf")
 WORKLOADS = ("equal", "mixed")
@@ -133,17 +148,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def mixed_lengths(n: int, seed: int, min_prompt: int, max_prompt: int, mean_new: int, max_new: int) \
-        -> list[tuple[int, int]]:
-    """(prompt tokens, answer tokens) of `n` prompts, seeded: prompts uniform in [min_prompt, max_prompt], answers
-    exponential of mean `mean_new` cut to [1, max_new]; the first is (max_prompt, max_new). Pure."""
-    rng = random.Random(seed)
-    out = [(max_prompt, max_new)]
-    for _ in range(n - 1):
-        out.append((rng.randint(min_prompt, max_prompt), min(max_new, max(1, round(rng.expovariate(1 / mean_new))))))
-    return out[:n]
-
-
 def random_target(shape: str, max_len: int, device, dtype: str):
     """A random-init causal LM of the named shape on `device`, prepared as a full (untruncated) target."""
     import torch
@@ -161,44 +165,6 @@ def random_target(shape: str, max_len: int, device, dtype: str):
     model = model.to(device)  # a no-op where the device context was honoured
     # The tokenizer only supplies the mask token id the Target needs (decoding never uses it).
     return prepare_target(model, build_tokenizer(), num_draft_layers=1, truncate=False)
-
-
-RESIDUAL_WRITES = ("o_proj", "down_proj", "out_proj")
-
-
-def make_chain(model, seed: int) -> list[int]:
-    """Turn a random model into the chain target (module docstring) -> the cycle: order[i + 1] follows order[i],
-    order[0] is the stop id."""
-    import torch
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if any(w in name for w in RESIDUAL_WRITES):
-                param.zero_()
-        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        if head.data_ptr() == embed.data_ptr():  # tied: the head gets its own rows
-            model.get_output_embeddings().weight = head = torch.nn.Parameter(embed.detach().clone(),
-                                                                             requires_grad=False)
-        order = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed))
-        # head row of order[i + 1] = embedding of order[i]: the argmax after order[i] is order[i + 1]
-        head[order.roll(-1).to(head.device)] = embed[order.to(embed.device)]
-    return order.tolist()
-
-
-def mixed_prompts(lengths: list[tuple[int, int]], order: list[int], seed: int) -> list[list[int]]:
-    """Prompts of the drawn lengths whose last token lies `answer` steps before the stop id (order[0])."""
-    rng = random.Random(seed + 1)
-    vocab = len(order)
-    return [[rng.randrange(vocab) for _ in range(p - 1)] + [order[-a % vocab]] for p, a in lengths]
-
-
-def bench_prompts(batch: int, longest: int, vocab: int, seed: int = 1) -> list[list[int]]:
-    """`batch` random prompts of seeded lengths in [ceil(longest / 2), longest]; the first is `longest` long."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    lengths = [longest] + torch.randint(-(-longest // 2), longest + 1, (batch - 1,), generator=g).tolist()
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def engine_run(engine: str, target, rows: int, max_len: int, stops: list[int]):
@@ -260,6 +226,8 @@ def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, 
                "attention": gen.static.attention if gen is not None else "hf",
                "device": str(device), "dtype": str(target.embed_tokens.weight.dtype).replace("torch.", ""),
                "torch": torch.__version__}
+    if gen is not None:  # the last timed run's counts (trainer/decode/run_stats.py)
+        figures.update(run_figures(gen.last_run))
     if gen is not None and gen.static.linear:  # a hybrid: its Gated DeltaNet step (recurrent_kernel.py or torch)
         figures["linear_step"] = "fused" if all(layer.fused for layer in gen.static.linear) else "torch"
     if note:
@@ -271,6 +239,20 @@ def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return figures, out
+
+
+RUN_FIELDS = ("steps", "busy", "held", "tail_steps", "checks", "fills", "prefills", "prefill_tokens",
+              "prefill_positions", "prefill_s", "step_s")
+
+
+def run_figures(run) -> dict:
+    """A static run's counts as the line shows them (`RunStats`): step replays, busy (live share of slot-steps),
+    held (the share whose row held a prompt), tail steps (after the last fill),
+    host checks, fills, prefill forwards, their prompt tokens and positions (padding included), and the seconds of
+    the prefills and of the steps (CUDA: device time by events; CPU: host time). Pure."""
+    shown = run.as_dict()
+    shown.update({k: round(shown[k], 4) for k in ("prefill_s", "step_s") if shown[k] is not None})
+    return {k: shown[k] for k in RUN_FIELDS}
 
 
 WARM_NEW_TOKENS = 32
@@ -318,6 +300,11 @@ def table(results: list[dict], ratio: float | None) -> str:
                      f"{r['wall_s']:8.3f} {r['peak_gib']:9.2f} {r['setup_s']:8.2f}")
         if "note" in r:
             lines.append(f"  note: {r['note']}")
+        if "steps" in r:
+            lines.append(f"  {r['steps']} steps ({r['tail_steps']} in the tail), busy {r['busy']:.3f}, held "
+                         f"{r['held']:.3f}; {r['fills']} fills, {r['prefills']} prefill "
+                         f"forwards, {r['prefill_tokens']} prompt tokens in {r['prefill_positions']} positions; "
+                         f"prefill {r['prefill_s']:.3f} s, steps {r['step_s']:.3f} s")
     if ratio is not None:
         lines.append(f"static / hf tokens/s: {ratio:.2f}x")
     return "\n".join(lines)
@@ -328,22 +315,6 @@ def cpu_refusal(shape: str, cuda: bool) -> str | None:
     if cuda or shape == "tiny":
         return None
     return f"--shape {shape} is a GPU shape and this run has no CUDA device; on a CPU use --shape tiny"
-
-
-def workload(args, target) -> tuple[list[list[int]], list[int], list[int] | None, float]:
-    """-> (the prompts, longest first; stop ids; each prompt's drawn answer length or None; the mean context of a
-    decode step)."""
-    vocab = target.embed_tokens.weight.shape[0]
-    if args.workload == "equal":
-        prompts = bench_prompts(args.batch, args.prompt_tokens, vocab, args.seed)
-        return prompts, [], None, statistics.mean(map(len, prompts)) + args.new_tokens / 2
-    lengths = mixed_lengths(args.prompts, args.seed, args.min_prompt_tokens, args.prompt_tokens,
-                            args.mean_new_tokens, args.new_tokens)
-    lengths.sort(key=lambda pa: -pa[0])  # stable: regenerate's order
-    order = make_chain(target.model, args.seed)
-    prompts = mixed_prompts(lengths, order, args.seed)
-    context = statistics.mean(p + a / 2 for p, a in lengths)
-    return prompts, [order[0]], [a for _, a in lengths], context
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
                                                         for a, n in zip(outputs[engine], drawn)) / len(drawn), 4)
             results.append(figures)
             print("GENERATE_BENCH " + json.dumps(figures), flush=True)
+    if drawn is not None:  # the equal workload to set this one beside (the goal: mixed >= 85% of its tokens/s)
+        extra = " ".join([f"--repeats {args.repeats}"] + [f"--{k} {v}" for k, v in (("dtype", args.dtype),
+                         ("device", args.device)) if v != "auto"] + (["--target-fp8 1"] if args.target_fp8 else []))
+        print("EQUAL_LIKE " + json.dumps(equal_like(args.batch, list(map(len, prompts)), drawn, args.shape, extra)),
+              flush=True)
     speed = {r["engine"]: r["tokens_per_s"] for r in results}
     ratio = None
     if len(results) == 2 and set(speed) == set(ENGINES):

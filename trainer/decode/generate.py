@@ -9,8 +9,9 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   (`StaticTarget.forward_rows`, layers/attention.py);
 - a refill (at the start, and whenever slots have ended) prefills the next prompts into the freed rows only, all of
   them in one forward per chunk of at most PREFILL_CHUNK positions (fewer when the attention scores would pass
-  SCORE_BUDGET), eagerly; padding past a shorter prompt's end writes slots its own decode rewrites before any query
-  sees them (a sliding layer's ring: its trash slot, layers/ring.py). It chooses each new row's first token;
+  SCORE_BUDGET), each as wide as its longest row's tail needs (`chunk_width`), eagerly; padding past a shorter
+  prompt's end writes slots its own decode rewrites before any query sees them (a sliding layer's ring: its trash
+  slot, layers/ring.py). It chooses each new row's first token;
 - then one replay per token for all rows: forward of each row's current token at its own position, choose the next
   one on the device, a live row writes it into a device history and advances; a row that ended (its stop id, or
   max_new_tokens) steps at position 0 until the host refills it. The host reads nothing per token: every
@@ -23,6 +24,14 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   reading it), for every row: one graph per (choice mode, span). The graphs a call can reach are captured at its start, before any prefill, in the calling
   thread, and share one memory pool (they are never replayed concurrently).
 Slots are handed out in prompt order; answers come out as rows end (completion order).
+
+After a call has handed out every answer, `last_run` holds its counts (run_stats.py's `RunStats`), added up on the
+host as it issues the work, no sync added: step replays, host checks, fills (the first and each refill) and the
+prompts refilled into a used slot, prefill forwards and the prompt tokens and positions (padding included) they
+covered, answers and their tokens, the slot-steps whose row held a prompt (live, or ended and not yet seen by a
+check) and the steps after the last prompt was filled (the tail); so the idle slot-steps split into those before a
+check and those for want of a prompt. Also the time of the prefills and of the token steps (CUDA events read once
+after the loop; on a CPU the host's time), the rest of the wall being the host's checks and launches.
 
 Choosing a token, on the device (no host sync, no value-dependent shape):
     greedy     argmax of the logits (HF greedy: the first index of a tie)
@@ -48,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.decode.engine import GraphProgram, prefill_buckets
+from trainer.decode.run_stats import COUNTED, PREFILL, STEP, RunStats, Spans
 from trainer.decode.stops import cut_at_stop
 from trainer.decode.stack import StaticTarget
 from trainer.model.target import Target
@@ -55,6 +65,7 @@ from trainer.model.target import Target
 CHECK_EVERY = 16  # tokens between the host's "which rows ended?" reads (each one host sync)
 SCORE_BUDGET = 2 ** 28  # attention score elements (rows x heads x chunk x slots) one prefill chunk may hold
 PREFILL_CHUNK = 512  # the most positions one prefill forward takes (a refill's rows together)
+PREFILL_ALIGN = 64  # a prefill forward's width: the tail it covers rounded up to this (below it, a power of two)
 GREEDY, SAMPLE, NUCLEUS = "greedy", "sample", "top_p"
 _M32 = 0xFFFFFFFF
 
@@ -120,6 +131,16 @@ def top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
 
 
+def chunk_width(tail: int, chunk: int) -> int:
+    """The width of a prefill forward whose longest row has `tail` tokens to go, at most `chunk`: the tail rounded up
+    to PREFILL_ALIGN (below it, to a power of two, at least 16). Not a power of two above it: a 600-token prompt
+    in 512-position chunks computes 512 + 128 positions, not 1,024. Refills take prompts in queue order (the
+    longest first), so a refill's rows have nearly equal lengths and its padding is mostly this rounding. Pure."""
+    if tail < PREFILL_ALIGN:
+        return min(chunk, 1 << max(4, (tail - 1).bit_length()))
+    return min(chunk, -(-tail // PREFILL_ALIGN) * PREFILL_ALIGN)
+
+
 class BatchGenerator:
     """Continue any number of prompts of varying lengths (each prompt + max_new_tokens <= max_len) until each one's
     first stop id, through `rows` refilled slots of one static cache (module docstring). Construction allocates the
@@ -158,6 +179,8 @@ class BatchGenerator:
         self.programs: dict[tuple[str, int], GraphProgram] = {}
         self.replays = 0  # step replays of the last call
         self.refilled = 0  # prompts the last call prefilled into a slot another prompt had held
+        self.last_run: RunStats | None = None  # the last call's counts, once it has handed out every answer
+        self._counts = dict.fromkeys(COUNTED, 0)
 
     # ------------------------------------------------------------ device programs (no host sync inside)
 
@@ -205,25 +228,31 @@ class BatchGenerator:
         dev, k = self.device, len(rows)
         lengths = [len(p) for p in prompts]
         longest = max(lengths)
-        # one chunk length per refill: a power of two, at most PREFILL_CHUNK and no longer than the longest prompt
-        # needs, smaller where the attention scores would pass SCORE_BUDGET
+        # the most positions per forward: a power of two, at most PREFILL_CHUNK and no longer than the longest prompt
+        # needs, smaller where the attention scores would pass SCORE_BUDGET; each forward as wide as its rows' tails
+        # need (`chunk_width`)
         chunk = min(PREFILL_CHUNK, 1 << max(4, (longest - 1).bit_length()))
         while chunk > 16 and k * self.static.heads * chunk * self._span(longest) > SCORE_BUDGET:
             chunk //= 2
         logits = torch.empty(k, self.vocab_ids.shape[0], dtype=torch.float32, device=dev)
-        for a in range(0, longest, chunk):
+        a = 0
+        while a < longest:
             sel = [i for i in range(k) if lengths[i] > a]
-            ids = [prompts[i][a:a + chunk] + [0] * max(0, a + chunk - lengths[i]) for i in sel]
+            width = chunk_width(max(lengths[i] for i in sel) - a, chunk)
+            ids = [prompts[i][a:a + width] + [0] * max(0, a + width - lengths[i]) for i in sel]
             # padding past the cache's end writes its last slot, which no query of this prompt sees yet
-            pos = (a + torch.arange(chunk)).clamp(max=self.max_len - 1).expand(len(sel), chunk)
-            last = [min(lengths[i] - a, chunk) - 1 for i in sel]
+            pos = (a + torch.arange(width)).clamp(max=self.max_len - 1).expand(len(sel), width)
+            last = [min(lengths[i] - a, width) - 1 for i in sel]
             out = self.static.forward_rows(torch.tensor(ids).to(dev), pos.to(dev),
                                            torch.tensor([rows[i] for i in sel]).to(dev),
-                                           self._span(min(a + chunk, self.max_len)), torch.tensor(last).to(dev))
-            ending = [j for j, i in enumerate(sel) if lengths[i] <= a + chunk]
+                                           self._span(min(a + width, self.max_len)), torch.tensor(last).to(dev))
+            self._count(prefills=1, prefill_positions=len(sel) * width)
+            ending = [j for j, i in enumerate(sel) if lengths[i] <= a + width]
             if ending:  # a chunk inside every prompt still in it ends none
                 logits.index_copy_(0, torch.tensor([sel[j] for j in ending], dtype=torch.long, device=dev),
                                    out.index_select(0, torch.tensor(ending, dtype=torch.long, device=dev)))
+            a += width
+        self._count(fills=1, prefill_tokens=sum(lengths))
         at = torch.tensor(rows).to(dev)
         plen, named = torch.tensor(lengths).to(dev), torch.tensor(streams).to(dev)
         first = self._choose(logits, sampling.mode, named, torch.zeros_like(plen))
@@ -232,6 +261,10 @@ class BatchGenerator:
                            (self.tok, first[:, None]), (self.done, self._is_stop(first) | (plen >= end))):
             buf.index_copy_(0, at, value)
         self.history.index_put_((at, plen), first)
+
+    def _count(self, **counts: int) -> None:
+        for name, n in counts.items():
+            self._counts[name] += n
 
     def check_fits(self, prompts: list[list[int]], sampling: Sampling, streams: Sequence[int] | None = None) -> None:
         """ValueError, in one line, for prompts `generate` cannot take."""
@@ -254,6 +287,7 @@ class BatchGenerator:
         only, each prompt's noise stream id (default: its index in `prompts`)."""
         self.check_fits(prompts, sampling, streams)
         self.replays = self.refilled = 0
+        self.last_run, self._counts = None, dict.fromkeys(COUNTED, 0)
         return self._run(prompts, sampling, list(streams) if streams is not None else list(range(len(prompts))))
 
     @torch.no_grad()
@@ -283,13 +317,18 @@ class BatchGenerator:
         held: list[int | None] = [None] * R  # the prompt each row holds
         since = [0] * R  # the clock when it was filled
         queue = iter(range(len(prompts)))
-        t, checked = 0, -1
+        t, checked, waiting = 0, -1, len(prompts)
+        spans = Spans(self.device)  # marks only: read after the loop
 
         def refill(free: list[int]) -> None:
+            nonlocal waiting
             taken = [(r, i) for r, i in zip(free, queue)]
+            waiting -= len(taken)
             if taken:
+                spans.start(PREFILL)
                 self._fill([r for r, _ in taken], [prompts[i] for _, i in taken], [streams[i] for _, i in taken],
                            sampling)
+                spans.stop(PREFILL)
                 for r, i in taken:
                     held[r], since[r] = i, t
             self.refilled += sum(1 for r, _ in taken if r in refilled_rows)
@@ -302,6 +341,8 @@ class BatchGenerator:
             due = min(since[r] + n_max - 1 for r in live)  # some row has surely ended by then
             if t >= due or ((t + 1) % CHECK_EVERY == 0 and t != checked):
                 checked = t
+                spans.stop(STEP)
+                self._count(checks=1)
                 done = self.done.tolist()  # SYNC: one per check
                 ended = [r for r in live if done[r]]
                 if not ended and t >= due:
@@ -316,13 +357,20 @@ class BatchGenerator:
                         i = held[r]
                         held[r] = None
                         start = len(prompts[i]) - lo
-                        yield i, cut_at_stop(row[start:start + n_max], self.stop_ids)
+                        answer = cut_at_stop(row[start:start + n_max], self.stop_ids)
+                        self._count(prompts=1, generated=len(answer))
+                        yield i, answer
                     refill(ended)
                 continue
             reach = max(min(len(prompts[held[r]]) + t - since[r], len(prompts[held[r]]) + n_max - 2) for r in live)
+            spans.start(STEP)
+            self._count(occupied=len(live), tail_steps=int(not waiting))
             programs[span_of(reach + 1)]()
             t += 1
             self.replays += 1
+        took = spans.seconds()  # after the loop's last sync: no wait
+        self.last_run = RunStats(rows=R, steps=self.replays, refilled=self.refilled, **self._counts,
+                                 prefill_s=took[PREFILL], step_s=took[STEP])
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench import generate as bench
+from bench.generate_workloads import equal_mean_prompt
 
 
 def test_bench_prints_its_figures_and_the_ratio(capsys):
@@ -25,6 +26,10 @@ def test_bench_prints_its_figures_and_the_ratio(capsys):
         assert r["generated_tokens"] == 3 * 5 and r["prompt_tokens"][1] == 6 and r["prompt_tokens"][0] >= 3
         assert r["tokens_per_s"] == pytest.approx(15 / r["wall_s"], rel=0.01)
         assert r["ms_per_token_step"] == pytest.approx(1e3 * r["wall_s"] / 5, rel=0.01) and r["peak_gib"] > 0
+    # 3 rows of 5 tokens: 4 steps, each row live in all (each answer's first token is its prefill's)
+    assert (static["steps"], static["busy"], static["fills"], static["prefills"]) == (4, 1.0, 1, 1)
+    assert (static["held"], static["tail_steps"]) == (1.0, 4)
+    assert "EQUAL_LIKE" not in out  # the equal workload is its own comparison
     ratio = lines["GENERATE_RATIO"][0]
     assert ratio["static_over_hf"] == pytest.approx(static["tokens_per_s"] / hf["tokens_per_s"], rel=0.01)
     assert ratio["greedy_rows_equal"] == 1.0  # fp32 on CPU: the two engines agree token for token
@@ -38,7 +43,7 @@ def test_the_mixed_workload_answers_end_on_the_stop_id_where_they_were_drawn(cap
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     tagged = {tag: [json.loads(l.split(" ", 1)[1]) for l in out.splitlines() if l.startswith(tag + " ")]
-              for tag in ("GENERATE_BENCH", "GENERATE_RATIO", "GENERATE_FLOOR")}
+              for tag in ("GENERATE_BENCH", "GENERATE_RATIO", "GENERATE_FLOOR", "EQUAL_LIKE")}
     lengths = bench.mixed_lengths(5, 5, 4, 12, 4, 9)
     assert lengths == bench.mixed_lengths(5, 5, 4, 12, 4, 9) and lengths[0] == (12, 9)  # seeded
     assert all(4 <= p <= 12 and 1 <= a <= 9 for p, a in lengths) and len({a for _, a in lengths}) > 1
@@ -52,6 +57,38 @@ def test_the_mixed_workload_answers_end_on_the_stop_id_where_they_were_drawn(cap
         assert r["ms_per_token_step"] == pytest.approx(1e3 * r["wall_s"] * 3 / r["generated_tokens"], rel=0.01)
         assert r["floor_ms"] == pytest.approx(floor["floor_ms"], abs=1e-3)
     assert tagged["GENERATE_RATIO"][0]["greedy_rows_equal"] == 1.0
+    static, hf = tagged["GENERATE_BENCH"]
+    assert all(k not in hf for k in bench.RUN_FIELDS)  # HF generate's steps are not counted
+    # the static engine's counts: 5 prompts through 3 rows, each prompt prefilled once, in forwards at least as
+    # wide as its tokens; a live row generates one token per step (each answer's first is its prefill's)
+    assert static["fills"] >= 2 and static["prefills"] >= static["fills"] and static["checks"] >= static["fills"] - 1
+    assert static["prefill_tokens"] == sum(p for p, _ in lengths) <= static["prefill_positions"]
+    assert static["busy"] == pytest.approx((static["generated_tokens"] - 5) / (static["steps"] * 3), abs=1e-4)
+    assert static["steps"] >= max(a for _, a in lengths) - 1 and 0 < static["busy"] <= static["held"] <= 1
+    assert 0 < static["tail_steps"] < static["steps"]
+    assert static["prefill_s"] > 0 and static["step_s"] > 0 and static["prefill_s"] + static["step_s"] <= \
+        static["wall_s"] * 1.01  # the last timed run's; repeats 1: the wall's own run
+    assert f"{static['steps']} steps ({static['tail_steps']} in the tail), busy" in out
+    like = tagged["EQUAL_LIKE"][0]
+    assert like == bench.equal_like(3, [p for p, _ in lengths], [a for _, a in lengths], "tiny",
+                                    "--repeats 1 --device cpu")
+    assert like["command"].startswith("python3 -m bench.generate --shape tiny --batch 3 --prompt-tokens ")
+
+
+def test_the_equal_like_workload_has_the_mixed_means():
+    """Mean prompt 250, mean answer 20.33 at 4 rows: the equal draw's first prompt is the longest and the other 3
+    uniform in [ceil(P / 2), P], mean (P + 3 (ceil(P / 2) + P) / 2) / 4: 249.625 at P = 307, 250.25 at 308 (nearer);
+    --new-tokens 20. The qwen3-8b mixed workload (2,048 prompts, seed 1) compares with --prompt-tokens 724 and
+    --new-tokens 510 at 256 rows (mean prompt 543.5, mean answer 510.3)."""
+    assert equal_mean_prompt(307, 4) == 249.625 and equal_mean_prompt(308, 4) == 250.25
+    like = bench.equal_like(4, [100, 200, 300, 400], [10, 20, 31], "small", "--repeats 2")
+    assert like == {"rows": 4, "mean_prompt": 250.0, "mean_answer": 20.3, "prompt_tokens": 308, "new_tokens": 20,
+                    "equal_mean_prompt": 250.2, "command": "python3 -m bench.generate --shape small --batch 4 "
+                    "--prompt-tokens 308 --new-tokens 20 --engines static --repeats 2"}
+    lengths = bench.mixed_lengths(2048, 1, 64, 1024, 512, 2048)
+    big = bench.equal_like(256, [p for p, _ in lengths], [a for _, a in lengths], "qwen3-8b")
+    assert (big["prompt_tokens"], big["new_tokens"], big["mean_prompt"]) == (724, 510, 543.5)
+    assert big["command"].endswith("--new-tokens 510 --engines static")
 
 
 def test_the_step_floor_of_the_8b_shape_at_batch_256():

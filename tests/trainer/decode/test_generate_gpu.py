@@ -1,7 +1,8 @@
 """Batched generation with graph replay on CUDA (run on the H200: `python3 -m pytest -m gpu tests/trainer/decode`):
 the replayed steps give HF `generate`'s greedy answers (fp32 targets of three families: plain, sliding-window,
 soft-capped), a sampled batch replays exactly what the same batch computes eagerly, and refilled slots under graph
-replay (the one-token steps through the per-row decode kernel) answer as the eager engine and HF do."""
+replay (the one-token steps through the per-row decode kernel) answer as the eager engine and HF do, and count
+what it counts (`last_run`), timed by CUDA events."""
 from __future__ import annotations
 
 import pytest
@@ -59,3 +60,26 @@ def test_refilled_slots_under_graph_replay_equal_the_eager_engine_and_hf(family,
     assert eager.generate(prompts, greedy) == got
     hot = Sampling(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=11)
     assert gen.generate(prompts, hot) == eager.generate(prompts, hot)
+
+
+def test_a_replayed_runs_counts_and_times(family_dirs):
+    """Under graph replay `last_run` counts what the eager run counts (the same host loop) and times the prefills
+    and the steps by CUDA events, read after the loop: each positive, together within the call's wall."""
+    import time
+
+    target = cuda_family(family_dirs, "qwen3")
+    prompts = prompts_of(target, REFILL_LENGTHS + (90,), seed=3)
+    stops = stops_inside(target, prompts, 40)
+    gen = BatchGenerator(target, rows=3, max_len=160, stop_ids=stops)
+    gen.generate(prompts, Sampling(max_new_tokens=40))  # captures
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    gen.generate(prompts, Sampling(max_new_tokens=40))
+    wall = time.perf_counter() - start
+    run = gen.last_run
+    eager = BatchGenerator(target, rows=3, max_len=160, stop_ids=stops, graphs=False)
+    eager.generate(prompts, Sampling(max_new_tokens=40))
+    counted = ("steps", "checks", "fills", "prefills", "prefill_tokens", "prefill_positions", "generated")
+    assert [getattr(run, k) for k in counted] == [getattr(eager.last_run, k) for k in counted]
+    assert run.steps == gen.replays and run.prefill_tokens == sum(REFILL_LENGTHS) + 90
+    assert 0 < run.prefill_s and 0 < run.step_s and run.prefill_s + run.step_s <= wall
