@@ -147,14 +147,17 @@ class BatchGenerator:
     cache; graphs are captured on first use. Not thread-safe: one call at a time, from the thread that captures."""
 
     def __init__(self, target: Target, rows: int, max_len: int, stop_ids: Sequence[int], graphs: bool = True,
-                 row_kernel: bool = True, ring: bool = True) -> None:
+                 row_kernel: bool = True, ring: bool = True, fuse: bool = True) -> None:
         if rows < 1 or max_len < 2:
             raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
         self.rows, self.max_len, self.graphs = rows, max_len, graphs
         self.stop_ids = [int(s) for s in stop_ids]
         # row_kernel: the steps' attention through the per-row decode kernel where it serves the target; ring:
-        # sliding-window layers keep a ring of window + 1 slots (+ trash) where that is fewer (False: every slot)
-        self.static = StaticTarget(target, max_len, rows=rows, padded=True, row_kernel=row_kernel, ring=ring)
+        # sliding-window layers keep a ring of window + 1 slots (+ trash) where that is fewer (False: every slot);
+        # fuse: q/k/v and gate/up as one GEMM each, SiLU * up one kernel (decode/fused.py; the target's modules then
+        # hold views into the joined weights)
+        self.static = StaticTarget(target, max_len, rows=rows, padded=True, row_kernel=row_kernel, ring=ring,
+                                   fuse=fuse)
         dev = self.static.device
         self.device = dev
         vocab = target.embed_tokens.weight.shape[0]

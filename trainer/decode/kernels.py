@@ -26,13 +26,21 @@ def _kernels(triton, tl):
     """(triton, rms_norm_rows, attention_rows), or None where Triton is not installed. Built once, lazily, so that
     importing this module costs nothing where no kernel runs."""
     @triton.jit
-    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
+    def rms_norm_rows(x_ptr, w_ptr, y_ptr, n_cols, eps, r_ptr, s_ptr, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
+                      RESIDUAL: tl.constexpr):
         # HF's arithmetic: fp32 mean of squares, rsqrt(var + eps), then (plain: Llama, Qwen3) cast to the input dtype
         # and times the weight, or (OFFSET: Gemma, the Qwen3.5 / Qwen3-Next hybrids) times 1 + w in fp32, then cast.
+        # RESIDUAL: the row normed is x + r (the residual stream plus a layer's output), rounded to x's dtype first
+        # as torch's add rounds it, and also stored at s_ptr: from there on the arithmetic is that of the sum loaded.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0)
+        if RESIDUAL:
+            r = tl.load(r_ptr + row * n_cols + cols, mask=inside, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * n_cols + cols, x, mask=inside)
+        x = x.to(tl.float32)
         var = tl.sum(x * x, axis=0) / n_cols
         w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         if OFFSET:
@@ -122,16 +130,30 @@ class RowInvariantRMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_kernel(x):
             return self.module(x)
+        return self._launch(x, None)[1]
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + out, this norm of it): a residual add and the norm that follows it, as one kernel where the norm's
+        runs (one launch, and the sum is read back by no second kernel). Its bits are those of the add and then the
+        norm: the sum rounds to x's dtype before the norm reads it, and the norm's arithmetic is the same code, so
+        the row-invariance a verify relies on holds as it did."""
+        if not (self.uses_kernel(x) and out.dtype == x.dtype and out.shape == x.shape):
+            s = x + out
+            return s, self(s)
+        return self._launch(x, out)
+
+    def _launch(self, x: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         triton, kernel, _ = _kernels()
         n = x.shape[-1]
         x2 = x.contiguous().view(-1, n)
         y = torch.empty_like(x2)
-        if x2.shape[0] == 0:
-            return y.view(x.shape)
-        block = triton.next_power_of_2(n)
-        kernel[(x2.shape[0],)](x2, self.weight, y, n, self.eps, BLOCK=block, OFFSET=self.offset,
-                               num_warps=norm_warps(block))
-        return y.view(x.shape)
+        s = x2 if out is None else torch.empty_like(x2)
+        if x2.shape[0] > 0:
+            r = x2 if out is None else out.contiguous().view(-1, n)
+            block = triton.next_power_of_2(n)
+            kernel[(x2.shape[0],)](x2, self.weight, y, n, self.eps, r, s, BLOCK=block, OFFSET=self.offset,
+                                   RESIDUAL=out is not None, num_warps=norm_warps(block))
+        return s.view(x.shape), y.view(x.shape)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,

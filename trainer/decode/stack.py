@@ -14,7 +14,7 @@ or length state: the write position is a device tensor.
                                (gpt-oss): layers/attention.py
               gated_attention  the hybrids' output-gated softmax attention with partial RoPE: the same layer, gated
               linear           Gated DeltaNet over static recurrent state: layers/linear.py
-    MLPs      dense     the HF module
+    MLPs      dense     the HF module (`fuse`, the refilling generator's: gate/up one GEMM, SiLU one kernel: fused.py)
               moe       router top-k and grouped expert GEMMs: layers/moe.py
 
 `check_supported` refuses a plan with a kind that has no decode layer, so the hf-engine fallback
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.decode.fused import fuse_layers
 from trainer.decode.kernels import RowInvariantRMSNorm, head_dim_supported, usable_for
 from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLayer, Step, identity,
                                              rope_from_inv_freq, ropes_of, visible_masks)
@@ -178,7 +179,7 @@ class StaticTarget:
 
     def __init__(self, target: Target, slots: int, rows: int = 1, invariant: bool = False,
                  padded: bool = False, block: int = 1, kernel: str | None = None, row_kernel: bool = False,
-                 ring: bool = True) -> None:
+                 ring: bool = True, fuse: bool = False) -> None:
         if target.truncated:
             raise RuntimeError("static decoding needs the full target; load it with truncate=False")
         cfg = target.hf_config
@@ -246,6 +247,8 @@ class StaticTarget:
                                                                                           self.layers))]
         self.mlps = [MoeMLP(layer.mlp, self.plan.routing, self.plan.top_k) if kind == "moe" else layer.mlp
                      for kind, layer in zip(self.plan.mlps, self.layers)]
+        if fuse:  # q/k/v and gate/up as one GEMM each: the refilling generator's target, never a verify's
+            fuse_layers(self)
         self.linear = [m for m in self.mixers if isinstance(m, GatedDeltaNetDecode)]
         # the K/V caches by layer (None for a layer without one), as the row-invariance probe (bench.invariance) reads
         self.k = [getattr(m, "k", None) for m in self.mixers]
@@ -359,14 +362,15 @@ class StaticTarget:
     def _layers(self, x: torch.Tensor, step: Step, want_features: bool) -> tuple[torch.Tensor, dict]:
         """The decoder layers over the embedded tokens x [R, L, D] -> (the last hidden state, the tapped ones)."""
         taps: dict[int, torch.Tensor] = {}
-        for i in range(len(self.layers)):
-            out = self.mixers[i](self.input_norms[i](x), step, self.kinds[i])
+        h, n = None, len(self.layers)  # h: the next layer's normed input where the add before it gave it
+        for i in range(n):
+            out = self.mixers[i](self.input_norms[i](x) if h is None else h, step, self.kinds[i])
             if self.sandwich:
                 x = x + self.post_norms[i](out)
                 x = x + self.post_ff_norms[i](self.mlps[i](self.pre_ff_norms[i](x)))
-            else:
-                x = x + out
-                x = x + self.mlps[i](self.post_norms[i](x))
+            else:  # a residual add and the norm after it: one kernel, the two ops' bits, so on every path
+                x, h = self.post_norms[i].add(x, out)
+                x, h = self.input_norms[i + 1].add(x, self.mlps[i](h)) if i + 1 < n else (x + self.mlps[i](h), None)
             if want_features and i in self.taps:
                 taps[i] = x
         return x, taps

@@ -193,9 +193,12 @@ for dt in ("bf16", "fp32"):
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sq_l sk_r sk_h sk_s so_r so_h so_l sp_r".split()}}
     out["attention_" + dt] = build(attention_rows, attn_sig,
                                    {"N_SLOTS": 400, "GROUPS": 2, "HEAD_DIM": 64, "BLOCK_S": 64}, 4)
-    norm_sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "eps": "fp32"}
-    out["rms_norm_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512, "OFFSET": False}, 2)
-    out["rms_norm_offset_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512, "OFFSET": True}, 2)
+    norm_sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "eps": "fp32",
+                "r_ptr": "*" + dt, "s_ptr": "*" + dt}
+    for name, offset, residual in (("rms_norm", False, False), ("rms_norm_offset", True, False),
+                                   ("rms_norm_residual", False, True), ("rms_norm_offset_residual", True, True)):
+        out[f"{name}_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512, "OFFSET": offset, "RESIDUAL": residual},
+                                     2)
     step_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "o_ptr": "*" + dt,
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
     # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and the interpreter's form
@@ -215,8 +218,8 @@ def test_kernels_compile_for_the_h200(tmp_path):
     from tests.trainer.cubin import compile_for_h200
 
     compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
-    assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "rms_norm_offset", "step", "step256",
-                                                  "step_interpreted")
+    assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "rms_norm_offset", "rms_norm_residual",
+                                                  "rms_norm_offset_residual", "step", "step256", "step_interpreted")
                              for dt in ("bf16", "fp32")}
     assert all("cubin" in c["stages"] and "ptx" in c["stages"] for c in compiled.values())
     # what one program asks of an SM's shared memory, within the H200's 227 KB (the launch would fail past it)

@@ -188,6 +188,7 @@ class AttentionLayer:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.sinks = getattr(module, "sinks", None)
         self.ring = ring
+        self.project = None  # the stack's joined q/k/v projection (decode/fused.py), or None: the module's own
         shape = (rows, kv_heads, slots if ring is None else ring + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -199,7 +200,8 @@ class AttentionLayer:
         R, L, _ = h.shape
         H, Hkv, Dh = self.heads, self.kv_heads, self.head_dim
         cos, sin = step.ropes[kind]
-        q, k, v = project_shared(h, [attn.q_proj, attn.k_proj, attn.v_proj])  # FP8: h quantized once
+        # FP8: h quantized once for the three; `project`: one joined GEMM
+        q, k, v = self.project(h) if self.project else project_shared(h, [attn.q_proj, attn.k_proj, attn.v_proj])
         if self.gated:
             q, gate = q.view(R, L, H, 2 * Dh).chunk(2, dim=-1)
         else:
