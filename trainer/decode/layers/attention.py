@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decode.kernels import decode_attention
+from trainer.decode.step_inputs import fits as step_inputs_fit, step_inputs
 from trainer.decode.step_kernel import step_attention
 from trainer.model.attention import FULL, SLIDING
 from trainer.model.drafter import apply_rope
@@ -189,6 +190,7 @@ class AttentionLayer:
         self.sinks = getattr(module, "sinks", None)
         self.ring = ring
         self.project = None  # the stack's joined q/k/v projection (decode/fused.py), or None: the module's own
+        self.fused_steps = 0  # per-row one-token forwards through step_inputs.py's kernel (a graph's capture: one)
         shape = (rows, kv_heads, slots if ring is None else ring + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -206,6 +208,11 @@ class AttentionLayer:
             q, gate = q.view(R, L, H, 2 * Dh).chunk(2, dim=-1)
         else:
             q, gate = q.view(R, L, H, Dh), None
+        if self._fuses(q, step, cos, L):  # the refilling generator's per-row step: its inputs as one kernel
+            q = step_inputs(q[:, 0], k.view(R, Hkv, Dh), v.view(R, Hkv, Dh), self.k, self.v, step.pos, cos, sin,
+                            *self._norms())
+            self.fused_steps += 1
+            return self._output(step_attention(q, self.k, self.v, step.pos, attn.scaling), gate)  # [R, 1, H, Dh]
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k.view(R, L, Hkv, Dh)).transpose(1, 2)
         v = v.view(R, L, Hkv, Dh).transpose(1, 2)
@@ -229,10 +236,27 @@ class AttentionLayer:
             else:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling,
                                                      enable_gqa=H != Hkv).transpose(1, 2)
-        out = out.reshape(R, L, H * Dh)
+        return self._output(out, gate)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The heads' outputs [R, L, H, Dh] -> gated (a gated layer) and through o_proj, [R, L, D]."""
+        R, L = out.shape[:2]
+        out = out.reshape(R, L, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(R, L, H * Dh))
-        return attn.o_proj(out)
+            out = out * torch.sigmoid(gate.reshape(R, L, -1))
+        return self.module.o_proj(out)
+
+    def _norms(self) -> tuple:
+        """The q/k norms as step_inputs.py takes them: None for one the layer does not have."""
+        return tuple(None if n is identity else n for n in (self.q_norm, self.k_norm))
+
+    def _fuses(self, q: torch.Tensor, step: Step, cos: torch.Tensor, L: int) -> bool:
+        """This forward is the refilling generator's per-row one-token step over every cache row in order (the
+        branch of step_attention below) and step_inputs.py's kernel computes its q/k norms, RoPE and cache writes:
+        no ring, q / cache / RoPE of one dtype, norms it knows (step_inputs.fits)."""
+        return (step.how == INVARIANT and step.pos.dim() == 2 and L == 1 and self.ring is None
+                and step.rows is not None and step.rows.shape[0] == self.k.shape[0]
+                and step_inputs_fit(q, self.k, cos, *self._norms()))
 
     def _write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k / v [R', Hkv, L, Dh] (k turned) into their slots -> the keys and values the queries read, [R', Hkv,

@@ -1,0 +1,181 @@
+"""The refilling batch generator's step inputs as one kernel (trainer/decode/step_inputs.py) on CPU tensors under
+Triton's interpreter: q and k normed and turned and the K/V cache writes equal today's torch form (the stack's q/k
+norm wrappers, `partial_rope`, `AttentionLayer._write`), exactly in fp32; every other cache slot is untouched; and
+the batch generator's steps take it (its answers still HF's). tests/trainer/decode/test_step_inputs_gpu.py checks
+the bf16 bits on the H200."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from trainer.decode import step_inputs as si
+from trainer.decode.kernels import RowInvariantRMSNorm
+from trainer.decode.layers.attention import INVARIANT, AttentionLayer, Step, partial_rope, rope_from_inv_freq
+from trainer.model.attention import FULL
+
+
+def qk_norms(kind: str | None, head_dim: int, dtype, g: torch.Generator, device="cpu"):
+    """The stack's q/k norm wrappers over HF modules with random weights: plain (Qwen3's), offset (Gemma's, the
+    hybrids' rule), or none."""
+    if kind is None:
+        return None, None
+    module = Qwen3RMSNorm if kind == "plain" else GemmaRMSNorm
+    norms = []
+    for eps in (1e-6, 1e-5):
+        m = module(head_dim, eps=eps)
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(head_dim, generator=g) * 0.3 + (1.0 if kind == "plain" else 0.0))
+        m.to(device=device, dtype=dtype)
+        norms.append(RowInvariantRMSNorm(m, offset=kind == "offset"))
+    return tuple(norms)
+
+
+def case(R, H, Hkv, Dh, S, dtype, norm, rot=None, seed=0, device="cpu"):
+    """Projections of one token a row (q a strided view, as a gated layer's), caches of random junk, rows at
+    distinct positions spread over the slots (R <= S), their cos / sin (RoPE on the first `rot` dims)."""
+    g = torch.Generator().manual_seed(seed)
+    rot = rot or Dh
+    q = torch.randn(R, 1, H, 2 * Dh, generator=g).to(device, dtype)[..., :Dh]  # every head's first half: strided
+    k, v = (torch.randn(R, 1, Hkv * Dh, generator=g).to(device, dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(R, Hkv, S, Dh, generator=g).to(device, dtype) for _ in range(2))
+    pos = torch.randperm(S, generator=g)[:R].view(R, 1).to(device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, device=device).float() / rot))
+    cos, sin = rope_from_inv_freq(pos, inv_freq, 1.0, dtype)
+    return q, k, v, k_cache, v_cache, pos, cos, sin, qk_norms(norm, Dh, dtype, g, device)
+
+
+def torch_form(q, k, v, k_cache, v_cache, pos, cos, sin, norms):
+    """What AttentionLayer computes for the step without the kernel -> q [R, H, 1, Dh] and the caches written."""
+    R, _, H, Dh = q.shape
+    Hkv = k.shape[-1] // Dh
+    q_norm, k_norm = (n or (lambda x: x) for n in norms)
+    qn = partial_rope(q_norm(q).transpose(1, 2), cos, sin)
+    kn = partial_rope(k_norm(k.view(R, 1, Hkv, Dh)).transpose(1, 2), cos, sin)
+    layer = AttentionLayer(SimpleNamespace(), FULL, None, None, R, 1, H, Hkv, Dh, q.dtype, q.device)
+    layer.k, layer.v = k_cache, v_cache
+    step = Step(pos, {}, None, k_cache.shape[2], INVARIANT, None, True, rows=torch.arange(R, device=q.device))
+    layer._write(step, kn, v.view(R, 1, Hkv, Dh).transpose(1, 2))
+    return qn
+
+
+def fused(q, k, v, k_cache, v_cache, pos, cos, sin, norms):
+    R, _, H, Dh = q.shape
+    Hkv = k.shape[-1] // Dh
+    assert si.fits(q, k_cache, cos, *norms)
+    return si.step_inputs(q[:, 0], k.view(R, Hkv, Dh), v.view(R, Hkv, Dh), k_cache, v_cache, pos, cos, sin, *norms)
+
+
+def both(*args):
+    """(torch form's q, k cache, v cache), (the kernel's), from the same inputs and caches."""
+    q, k, v, k_cache, v_cache, pos, cos, sin, norms = args
+    caches = k_cache.clone(), v_cache.clone()
+    want = torch_form(q, k, v, *caches, pos, cos, sin, norms), *caches
+    caches = k_cache.clone(), v_cache.clone()
+    got = fused(q, k, v, *caches, pos, cos, sin, norms), *caches
+    return want, got
+
+
+@pytest.mark.parametrize("norm", [None, "plain", "offset"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 4, 128), (8, 2, 64), (8, 2, 128)])
+def test_fp32_equals_the_torch_form_exactly(interpreter, norm, heads, kv_heads, head_dim):
+    """G = 1, 2, 4; head dims 64 and 128; no norm (Llama), plain (Qwen3) and offset (Gemma, the hybrids): q and
+    both whole caches (the written slots and every other) bit for bit."""
+    args = case(3, heads, kv_heads, head_dim, 24, torch.float32, norm, seed=heads + head_dim)
+    want, got = both(*args)
+    assert got[0].shape == (3, heads, 1, head_dim)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert not torch.equal(got[1], args[3])  # the kernel wrote something
+
+
+@pytest.mark.parametrize("norm", [None, "plain", "offset"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 8, 64), (8, 4, 128), (8, 2, 128)])
+def test_bf16_agrees_and_touches_only_the_rows_slots(interpreter, norm, heads, kv_heads, head_dim):
+    """bf16: within the interpreter's rounding toward zero (an ulp or two of the terms; the H200's bits:
+    test_step_inputs_gpu.py); v's copy and every slot but pos[r] of row r exactly."""
+    args = case(4, heads, kv_heads, head_dim, 32, torch.bfloat16, norm, seed=heads * kv_heads)
+    pos = args[5]
+    want, got = both(*args)
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=0.05, rtol=2 ** -6)
+    written = torch.zeros(args[3].shape[0], args[3].shape[2], dtype=torch.bool)
+    written[torch.arange(4), pos[:, 0]] = True
+    for w, g, before in zip(want[1:], got[1:], args[3:5]):
+        assert torch.equal(g.transpose(1, 2)[~written], before.transpose(1, 2)[~written])
+        torch.testing.assert_close(g.float(), w.float(), atol=0.05, rtol=2 ** -6)
+    assert torch.equal(got[2], want[2])  # v is copied, not computed
+
+
+def test_partial_rotary_turns_the_first_dims_only(interpreter):
+    """The hybrids' gated layers: RoPE on the first quarter of a 64-dim head, offset norms; the rest passes through
+    normed, fp32 exactly."""
+    args = case(3, 4, 2, 64, 16, torch.float32, "offset", rot=16, seed=7)
+    want, got = both(*args)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_what_the_kernel_does_not_compute_is_refused(interpreter):
+    q, k, v, k_cache, v_cache, pos, cos, sin, norms = case(2, 4, 2, 64, 8, torch.float32, "plain")
+    assert si.fits(q, k_cache, cos, *norms) and si.fits(q, k_cache, cos, None, None)
+    assert not si.fits(q, k_cache, cos, norms[0], None)  # one norm alone
+    assert not si.fits(q, k_cache, cos, norms[0].module, norms[1].module)  # an HF module, not the kernel's wrapper
+    assert not si.fits(q, k_cache.double(), cos, *norms)  # another cache dtype
+    assert not si.fits(q[..., :48], k_cache, cos, *norms)  # no power-of-two head dim
+    with pytest.raises(ValueError, match="disagree"):
+        si.step_inputs(q[:, 0], k.view(2, 2, 64), v.view(2, 2, 64), k_cache, v_cache, pos[:, 0], cos, sin, *norms)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])  # plain norms, none, offset + gated partial rotary
+def test_the_batch_generator_steps_through_the_kernel_as_hf_generates(interpreter, family_dirs, family):
+    """Three prompts through 2 rows (one refill): every attention layer's one-token steps took the kernel, and the
+    answers are HF generate's."""
+    from tests.trainer.decode.test_generate import family_target, prompts_of
+    from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
+
+    target = family_target(family_dirs, family)
+    prompts = prompts_of(target, (2, 9, 4), seed=5)
+    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=[])
+    got = gen.generate(prompts, Sampling(max_new_tokens=6))
+    assert got == hf_generate(target.model, prompts, Sampling(max_new_tokens=6), [], target.tokenizer.pad_token_id)
+    attention = [m for m in gen.static.mixers if isinstance(m, AttentionLayer)]
+    assert attention and all(m.fused_steps >= 5 for m in attention), [m.fused_steps for m in attention]
+
+
+COMPILE_FOR_H200 = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from trainer.decode import step_inputs
+
+kernel = step_inputs._kernel()
+out = {}
+for dt in ("bf16", "fp32"):
+    sig = {**{n: "*" + dt for n in "q_ptr k_ptr v_ptr qw_ptr kw_ptr cos_ptr sin_ptr".split()}, "pos_ptr": "*i64",
+           **{n: "*" + dt for n in "qo_ptr kc_ptr vc_ptr".split()}, "n_cols": "i32", "q_eps": "fp32", "k_eps": "fp32",
+           **{n: "i32" for n in "sq_r sq_h sk_r sk_h sv_r sv_h scos_r ssin_r sp_r sc_r sc_h sc_s".split()}}
+    for name, dh, rot, offset in (("qwen3", 128, 128, False), ("qwen3_5", 256, 64, True)):
+        consts = {"H": 32, "HKV": 8, "HEAD_DIM": dh, "ROT": rot, "NORM": True, "OFFSET": offset, "ASM_MUL": True}
+        names = list(sig) + list(consts)
+        full = {**sig, **{n: "constexpr" for n in consts}}
+        aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if full[n][0] == "*" or full[n] == "i32"}
+        compiled = triton.compile(triton.compiler.ASTSource(kernel, full, consts, aligned),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        out[f"{name}_{dt}"] = {"stages": sorted(compiled.asm), "ptx": compiled.asm["ptx"]}
+print("COMPILED " + json.dumps(out))
+'''
+
+
+def test_the_kernel_compiles_for_the_h200(tmp_path):
+    """Compiled for sm_90 without a GPU (what the interpreter does not check): at qwen3-8b's and Qwen3.5's heads, in
+    bf16 and fp32; the RoPE products are unfusable `mul.rn.f32`, and no bf16 FMA is left (one would round once
+    where torch's mul and add round twice; the fp32 FMAs left are the norm's sum of squares, as in kernels.py's)."""
+    from tests.trainer.cubin import compile_for_h200
+
+    compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
+    assert set(compiled) == {f"{n}_{dt}" for n in ("qwen3", "qwen3_5") for dt in ("bf16", "fp32")}
+    assert all("cubin" in c["stages"] for c in compiled.values())
+    assert all("mul.rn.f32" in c["ptx"] and "fma.rn.bf16" not in c["ptx"] for c in compiled.values())
