@@ -215,7 +215,8 @@ def test_speculative_equals_target_only_and_static_equals_reference(full_target,
 
 def test_the_perturbed_selector_changes_the_drafts(full_target):
     """Guard for the test above: with a perturbed selector the walk proposes other tokens than the head's argmax in
-    some rounds (so the comparison with the static proposer covers the walk), and in others the same."""
+    some rounds (so the comparison with the static proposer covers the walk), and at some block positions the same
+    (which rounds and positions depends on the tiny target's random weights, which transformers' init draws)."""
     drafter = dflash2_drafter(full_target, **DRAFTERS["perturbed"])
     differ = same = 0
     for text in PROMPTS:
@@ -223,7 +224,7 @@ def test_the_perturbed_selector_changes_the_drafts(full_target):
         generate_speculative(full_target, reference, _prompt_ids(full_target, text), 23)
         for walk, argmax in zip(reference.drafts, reference.argmax):
             differ += walk != argmax
-            same += walk[0] == argmax[0]
+            same += sum(w == a for w, a in zip(walk, argmax))
     assert differ > 0 and same > 0
 
 
