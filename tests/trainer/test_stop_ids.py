@@ -106,19 +106,23 @@ def test_a_chat_templates_own_end_of_turn_word_stops_regeneration(tiny_target_di
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     vocab = {v: k for k, v in tok.get_vocab().items()}
     # A template ending each turn with a plain word instead of <|im_end|>; the word is one the target says in its
-    # answer to the first prompt rendered with that very template (tried word by word until one is).
-    for candidate in greedy(full_target.model, render(tok, ({"role": "user", "content": PROMPTS[0]},), {}), MAX_NEW):
-        if candidate in names.values():
-            continue
-        marker = vocab[candidate]
-        tok.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                             " " + marker + "\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                             "{% endif %}")
-        answer = greedy(full_target.model, render(tok, ({"role": "user", "content": PROMPTS[0]},), {}), MAX_NEW)
-        if candidate in answer[1:] and not {eos, im_end} & set(answer[:answer.index(candidate)]):
-            break
-    else:
+    # answer to one of the prompts rendered with that very template (tried prompt by prompt, word by word until one
+    # is: which word the tiny target says where depends on its random weights, which transformers' init draws).
+    def first_marker():
+        for prompt in PROMPTS:
+            for candidate in greedy(full_target.model, render(tok, ({"role": "user", "content": prompt},), {}),
+                                    MAX_NEW):
+                if candidate in names.values():
+                    continue
+                tok.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                                     "{{ message['content'] }} " + vocab[candidate] + "\n{% endfor %}"
+                                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                answer = greedy(full_target.model, render(tok, ({"role": "user", "content": prompt},), {}), MAX_NEW)
+                if candidate in answer[1:] and not {eos, im_end} & set(answer[:answer.index(candidate)]):
+                    return candidate
         pytest.fail("no word of the answers to use as the end-of-turn marker")
+
+    candidate = first_marker()
     tok.save_pretrained(target)
 
     rows, meta = regenerate(capsys, target, tmp_path)
