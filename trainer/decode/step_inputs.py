@@ -42,7 +42,7 @@ def _kernel(triton, tl):
                     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
                     NORM: tl.constexpr, OFFSET: tl.constexpr, ASM_MUL: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
-        c = tl.load(rows_ptr + r).to(tl.int64)  # the cache row token r writes
+        cr = tl.load(rows_ptr + r).to(tl.int64)  # the cache row token r writes
         j = tl.program_id(1)
         cols = tl.arange(0, HEAD_DIM)
         inside = cols < n_cols
@@ -58,7 +58,7 @@ def _kernel(triton, tl):
                 src = k_ptr + r * sk_r + (j - H) * sk_h
                 w_ptr = kw_ptr
                 eps = k_eps
-                dst = kc_ptr + c * sc_r + (j - H) * sc_h + p * sc_s
+                dst = kc_ptr + cr * sc_r + (j - H) * sc_h + p * sc_s
             # as kernels.rms_norm_rows loads, reduces and rounds a row
             x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
             turned = cols < ROT
@@ -94,7 +94,7 @@ def _kernel(triton, tl):
         else:
             h = j - H - HKV
             value = tl.load(v_ptr + r * sv_r + h * sv_h + cols, mask=inside, other=0.0)
-            tl.store(vc_ptr + c * sc_r + h * sc_h + p * sc_s + cols, value, mask=inside)
+            tl.store(vc_ptr + cr * sc_r + h * sc_h + p * sc_s + cols, value, mask=inside)
 
     return step_inputs
 
