@@ -149,10 +149,8 @@ class BatchGenerator:
         self.streams = zeros(rows)  # each row's noise stream
         # compact: once no prompt waits, steps over W rows only (the live ones and ended ones to fill W), W the
         # narrowest of `widths` that holds the live rows; where the per-row kernel serves the target (one graph per W)
-        w, self.widths = rows // 2, []
-        while compact and self.static.row_kernel and w >= max(1, compact_floor):
-            self.widths.append(w)
-            w //= 2
+        self.widths = [rows >> k for k in range(1, rows.bit_length())
+                       if compact and self.static.row_kernel and rows >> k >= max(1, compact_floor)]
         self.compact_rows = {w: torch.arange(w, device=dev) for w in self.widths}  # each W's cache rows, ascending
         self.spans = prefill_buckets(max_len, smallest=min(64, max_len))
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
@@ -323,19 +321,20 @@ class BatchGenerator:
             refilled_rows.update(r for r, _ in taken)
 
         def narrow() -> int | None:
-            """Once no prompt waits: the narrowest compacted width that holds the live rows (None: every row). A
-            narrower one than the last gets its rows (the live ones, then ended ones) copied to the device; the
-            host has just synced, so the copy waits for nothing."""
+            """Once no prompt waits: the narrowest compacted width that holds the live rows (None: every row); a
+            narrower one than the last gets its rows (the live ones, then ended ones) on the device."""
             live = [r for r in range(R) if held[r] is not None]
             fit = [w for w in compacted if w >= len(live)]
             if waiting or not fit or (width is not None and fit[-1] >= width):
                 return width
             idle = [r for r in range(R) if held[r] is None]
-            self.compact_rows[fit[-1]].copy_(torch.tensor(sorted(live + idle[:fit[-1] - len(live)])))
+            index = torch.tensor(sorted(live + idle[:fit[-1] - len(live)]))
+            # pinned, the copy joins the stream without a host wait (torch's pinned allocator keeps it until done)
+            self.compact_rows[fit[-1]].copy_(index.pin_memory() if index.device != self.device else index,
+                                             non_blocking=True)
             return fit[-1]
 
-        refilled_rows: set[int] = set()
-        width: int | None = None  # the compacted steps' width (None: every row steps)
+        refilled_rows, width = set(), None  # width: the compacted steps' (None: every row steps)
         refill(list(range(R)))
         width = narrow()
         while any(i is not None for i in held):
