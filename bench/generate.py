@@ -55,7 +55,10 @@ Where the static engine's time goes (its line, from the last timed run's `BatchG
 host without a sync): `steps` (token-step replays), `busy` (the share of the steps x rows slot-steps in which a row
 was live, (generated - prompts) / (steps x rows): an answer's first token is its prefill's), `held` (the share
 whose row held a prompt, live or ended and not yet seen by the host's check: held - busy idled between a row's end
-and its check, 1 - held for want of a prompt), `tail_steps` (the steps after the last prompt was filled), `checks` (host reads of
+and its check, 1 - held for want of a prompt), `tail_steps` (the steps after the last prompt was filled),
+`compact_steps` (tail steps over the live rows and a few ended ones only, where the per-row kernel runs),
+`slot_steps` (the row-steps computed: each step's width summed; busy and held stay over steps x rows) and
+`busy_computed` ((generated - prompts) / slot_steps: the live share of the rows computed), `checks` (host reads of
 which rows ended), `fills` (the first fill and each refill), `prefills` (prefill forwards), `prefill_tokens` (prompt
 tokens) and `prefill_positions` (the positions those forwards computed, padding included), `prefill_s` and `step_s`
 (the prefills' and the steps' time: CUDA events read after the run, on a CPU host time; the rest of the wall is the
@@ -241,13 +244,14 @@ def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, 
     return figures, out
 
 
-RUN_FIELDS = ("steps", "busy", "held", "tail_steps", "checks", "fills", "prefills", "prefill_tokens",
-              "prefill_positions", "prefill_s", "step_s")
+RUN_FIELDS = ("steps", "busy", "held", "tail_steps", "compact_steps", "slot_steps", "busy_computed", "checks", "fills",
+              "prefills", "prefill_tokens", "prefill_positions", "prefill_s", "step_s")
 
 
 def run_figures(run) -> dict:
     """A static run's counts as the line shows them (`RunStats`): step replays, busy (live share of slot-steps),
-    held (the share whose row held a prompt), tail steps (after the last fill),
+    held (the share whose row held a prompt), tail steps (after the last fill), compacted steps, the row-steps
+    computed and the live share of those,
     host checks, fills, prefill forwards, their prompt tokens and positions (padding included), and the seconds of
     the prefills and of the steps (CUDA: device time by events; CPU: host time). Pure."""
     shown = run.as_dict()
@@ -301,7 +305,8 @@ def table(results: list[dict], ratio: float | None) -> str:
         if "note" in r:
             lines.append(f"  note: {r['note']}")
         if "steps" in r:
-            lines.append(f"  {r['steps']} steps ({r['tail_steps']} in the tail), busy {r['busy']:.3f}, held "
+            lines.append(f"  {r['steps']} steps ({r['tail_steps']} in the tail, {r['compact_steps']} compacted), busy "
+                         f"{r['busy']:.3f} ({r['busy_computed']:.3f} of the rows computed), held "
                          f"{r['held']:.3f}; {r['fills']} fills, {r['prefills']} prefill "
                          f"forwards, {r['prefill_tokens']} prompt tokens in {r['prefill_positions']} positions; "
                          f"prefill {r['prefill_s']:.3f} s, steps {r['step_s']:.3f} s")

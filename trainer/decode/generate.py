@@ -23,6 +23,11 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   reached, rounded up to a power of two (`span`; the host knows an upper bound of every row's position without
   reading it), for every row: one graph per (choice mode, span). The graphs a call can reach are captured at its start, before any prefill, in the calling
   thread, and share one memory pool (they are never replayed concurrently).
+- The tail, compacted (`compact`, on by default, where the per-row kernel runs): once no prompt waits, at a check
+  where at most half the rows are live, the steps run over W rows only, W the narrowest of rows / 2, rows / 4, ...
+  down to `compact_floor` that holds them: the live rows and ended ones to make W, ascending (`compact_rows[W]`,
+  copied to the device at that check), gathered, stepped by the same rules and scattered back; the other rows,
+  ended, wait untouched (nothing refills them). One graph per W, captured with the others.
 Slots are handed out in prompt order; answers come out as rows end (completion order).
 
 After a call has handed out every answer, `last_run` holds its counts (run_stats.py's `RunStats`), added up on the
@@ -30,10 +35,10 @@ host as it issues the work, no sync added: step replays, host checks, fills (the
 prompts refilled into a used slot, prefill forwards and the prompt tokens and positions (padding included) they
 covered, answers and their tokens, the slot-steps whose row held a prompt (live, or ended and not yet seen by a
 check) and the steps after the last prompt was filled (the tail); so the idle slot-steps split into those before a
-check and those for want of a prompt. Also the time of the prefills and of the token steps (CUDA events read once
+check and those for want of a prompt; the compacted steps and the row-steps computed (each step's width summed). Also the time of the prefills and of the token steps (CUDA events read once
 after the loop; on a CPU the host's time), the rest of the wall being the host's checks and launches.
 
-Choosing a token, on the device (no host sync, no value-dependent shape):
+Choosing a token, on the device (no host sync, no value-dependent shape; the noise: draws.py):
     greedy     argmax of the logits (HF greedy: the first index of a tie)
     sampled    Gumbel-max: argmax(logits / temperature + g), g = -log(-log(u)), which draws from
                softmax(logits / temperature); with top_p < 1 the logits outside the nucleus (HF's TopPLogitsWarper:
@@ -56,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.decode.draws import gumbel_noise, seed32, top_p_filter
 from trainer.decode.engine import GraphProgram, prefill_buckets
 from trainer.decode.run_stats import COUNTED, PREFILL, STEP, RunStats, Spans
 from trainer.decode.stops import cut_at_stop
@@ -66,8 +72,8 @@ CHECK_EVERY = 16  # tokens between the host's "which rows ended?" reads (each on
 SCORE_BUDGET = 2 ** 28  # attention score elements (rows x heads x chunk x slots) one prefill chunk may hold
 PREFILL_CHUNK = 512  # the most positions one prefill forward takes (a refill's rows together)
 PREFILL_ALIGN = 64  # a prefill forward's width: the tail it covers rounded up to this (below it, a power of two)
+COMPACT_FLOOR = 16  # the narrowest compacted step (rows / 2, rows / 4, ... down to it)
 GREEDY, SAMPLE, NUCLEUS = "greedy", "sample", "top_p"
-_M32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -94,43 +100,6 @@ class Sampling:
         return SAMPLE if self.top_p == 1.0 else NUCLEUS
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32-style xor-shift-multiply) on int64 values in [0, 2^32). The multipliers are
-    below 2^31, so no product leaves int64."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x31848BAB) & _M32
-    return x ^ (x >> 16)
-
-
-def seed32(seed: int) -> int:
-    """A seed of any size -> the 32-bit key of the noise stream. Pure."""
-    return (seed ^ (seed >> 32) ^ (seed >> 64)) & _M32
-
-
-def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, streams: torch.Tensor,
-                 vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise [R, V] fp32 for draw number `draw` (0-dim long) of `seed` (0-dim long, 32 bits), one
-    row per stream id (`streams` [R] long, each < 2^31), from a hash of (seed, draw, stream, token id): u uniform in
-    (0, 1) on a 2^-24 grid, g = -log(-log(u))."""
-    step_key = _mix32((seed + draw * 0x9E3779B9) & _M32)
-    row_key = _mix32((step_key + streams * 0x85EBCA6B) & _M32)  # [R]
-    bits = _mix32(vocab_ids[None, :] ^ row_key[:, None])  # [R, V]
-    u = ((bits >> 8).float() + 0.5) * 2.0 ** -24
-    return -torch.log(-torch.log(u))
-
-
-def top_p_filter(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """HF's TopPLogitsWarper (min_tokens_to_keep 1): scores [R, V] with every token outside the nucleus set to -inf.
-    top_p: 0-dim device tensor."""
-    ascending, order = torch.sort(scores, dim=-1)
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    remove = cumulative <= 1 - top_p
-    remove[:, -1] = False  # the most likely token always stays
-    return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-
-
 def chunk_width(tail: int, chunk: int) -> int:
     """The width of a prefill forward whose longest row has `tail` tokens to go, at most `chunk`: the tail rounded up
     to PREFILL_ALIGN (below it, to a power of two, at least 16). Not a power of two above it: a 600-token prompt
@@ -147,7 +116,8 @@ class BatchGenerator:
     cache; graphs are captured on first use. Not thread-safe: one call at a time, from the thread that captures."""
 
     def __init__(self, target: Target, rows: int, max_len: int, stop_ids: Sequence[int], graphs: bool = True,
-                 row_kernel: bool = True, ring: bool = True, fuse: bool = True) -> None:
+                 row_kernel: bool = True, ring: bool = True, fuse: bool = True, compact: bool = True,
+                 compact_floor: int = COMPACT_FLOOR) -> None:
         if rows < 1 or max_len < 2:
             raise ValueError(f"rows must be >= 1 and max_len >= 2, got {rows} and {max_len}")
         self.rows, self.max_len, self.graphs = rows, max_len, graphs
@@ -177,9 +147,14 @@ class BatchGenerator:
         self.temperature, self.top_p = zeros(dtype=torch.float32), zeros(dtype=torch.float32)
         self.row_ids, self.vocab_ids = torch.arange(rows, device=dev), torch.arange(vocab, device=dev)
         self.streams = zeros(rows)  # each row's noise stream
+        # compact: once no prompt waits, steps over W rows only (the live ones and ended ones to fill W), W the
+        # narrowest of `widths` that holds the live rows; where the per-row kernel serves the target (one graph per W)
+        self.widths = [rows >> k for k in range(1, rows.bit_length())
+                       if compact and self.static.row_kernel and rows >> k >= max(1, compact_floor)]
+        self.compact_rows = {w: torch.arange(w, device=dev) for w in self.widths}  # each W's cache rows, ascending
         self.spans = prefill_buckets(max_len, smallest=min(64, max_len))
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
-        self.programs: dict[tuple[str, int], GraphProgram] = {}
+        self.programs: dict[tuple[str, int, int | None], GraphProgram] = {}
         self.replays = 0  # step replays of the last call
         self.refilled = 0  # prompts the last call prefilled into a slot another prompt had held
         self.last_run: RunStats | None = None  # the last call's counts, once it has handed out every answer
@@ -199,31 +174,38 @@ class BatchGenerator:
     def _is_stop(self, tok: torch.Tensor) -> torch.Tensor:
         return (tok[:, None] == self.stops[None, :]).any(-1)
 
-    def _step(self, mode: str, span: int) -> None:
+    def _step(self, mode: str, span: int, width: int | None = None) -> None:
         """Each row's current token at its own position -> its next one; attention over slots < span. A row that
         ended steps at position 0 until it is refilled (its forward's result is dropped): through the per-row kernel
-        it then reads one slot block, not its whole sequence."""
-        logits = self.static.forward_rows(self.tok, self.pos[:, None], self.row_ids, span)
-        live, nxt = ~self.done, self.pos + 1
-        new = self._choose(logits, mode, self.streams, nxt - self.plen)
-        self.history.index_put_((self.row_ids, torch.where(live, nxt, self.trash)), new)
-        self.done.logical_or_(self._is_stop(new) | (nxt >= self.end))
-        self.pos.copy_(torch.where(self.done, 0, nxt))
-        self.tok.copy_(new[:, None])
+        it then reads one slot block, not its whole sequence. width: a compacted step of cache rows
+        compact_rows[width] only (the host's pick: every live row, the rest ended ones), the others untouched."""
+        rows = self.row_ids if width is None else self.compact_rows[width]
+
+        def take(buf: torch.Tensor) -> torch.Tensor:
+            return buf if width is None else buf.index_select(0, rows)
+
+        pos, done = take(self.pos), take(self.done)
+        logits = self.static.forward_rows(take(self.tok), pos[:, None], rows, span)
+        live, nxt = ~done, pos + 1
+        new = self._choose(logits, mode, take(self.streams), nxt - take(self.plen))
+        self.history.index_put_((rows, torch.where(live, nxt, self.trash)), new)
+        done = done | self._is_stop(new) | (nxt >= take(self.end))
+        for buf, value in ((self.done, done), (self.pos, torch.where(done, 0, nxt)), (self.tok, new[:, None])):
+            buf.copy_(value) if width is None else buf.index_copy_(0, rows, value)
 
     # ------------------------------------------------------------ host side
 
     def _span(self, slots: int) -> int:
         return next(s for s in self.spans if s >= slots)
 
-    def _program(self, mode: str, span: int) -> GraphProgram:
-        key = (mode, span)
+    def _program(self, mode: str, span: int, width: int | None = None) -> GraphProgram:
+        key = (mode, span, width)
         if key not in self.programs:
             # The warm-up runs real steps: every row ended at position 0 (the first refill sets them all).
             self.pos.zero_()
             self.done.fill_(True)
-            self.programs[key] = GraphProgram(functools.partial(self._step, mode, span), self.device, self.graphs,
-                                              pool=self.pool)
+            self.programs[key] = GraphProgram(functools.partial(self._step, mode, span, width), self.device,
+                                              self.graphs, pool=self.pool)
         return self.programs[key]
 
     def _fill(self, rows: list[int], prompts: list[list[int]], streams: list[int], sampling: Sampling) -> None:
@@ -313,6 +295,7 @@ class BatchGenerator:
         span_of = (lambda slots: self.spans[-1]) if self.static.row_kernel else self._span
         programs = {span_of(s): self._program(mode, span_of(s)) for s in self.spans
                     if self._span(min(map(len, prompts)) + 1) <= s <= top and n_max > 1}
+        compacted = {w: self._program(mode, self.spans[-1], w) for w in self.widths if n_max > 1}
         self.seed.fill_(seed32(sampling.seed))
         self.temperature.fill_(sampling.temperature or 1.0)
         self.top_p.fill_(sampling.top_p)
@@ -337,8 +320,23 @@ class BatchGenerator:
             self.refilled += sum(1 for r, _ in taken if r in refilled_rows)
             refilled_rows.update(r for r, _ in taken)
 
-        refilled_rows: set[int] = set()
+        def narrow() -> int | None:
+            """Once no prompt waits: the narrowest compacted width that holds the live rows (None: every row); a
+            narrower one than the last gets its rows (the live ones, then ended ones) on the device."""
+            live = [r for r in range(R) if held[r] is not None]
+            fit = [w for w in compacted if w >= len(live)]
+            if waiting or not fit or (width is not None and fit[-1] >= width):
+                return width
+            idle = [r for r in range(R) if held[r] is None]
+            index = torch.tensor(sorted(live + idle[:fit[-1] - len(live)]))
+            # pinned, the copy joins the stream without a host wait (torch's pinned allocator keeps it until done)
+            self.compact_rows[fit[-1]].copy_(index.pin_memory() if index.device != self.device else index,
+                                             non_blocking=True)
+            return fit[-1]
+
+        refilled_rows, width = set(), None  # width: the compacted steps' (None: every row steps)
         refill(list(range(R)))
+        width = narrow()
         while any(i is not None for i in held):
             live = [r for r in range(R) if held[r] is not None]
             due = min(since[r] + n_max - 1 for r in live)  # some row has surely ended by then
@@ -364,11 +362,13 @@ class BatchGenerator:
                         self._count(prompts=1, generated=len(answer))
                         yield i, answer
                     refill(ended)
+                width = narrow()
                 continue
             reach = max(min(len(prompts[held[r]]) + t - since[r], len(prompts[held[r]]) + n_max - 2) for r in live)
             spans.start(STEP)
-            self._count(occupied=len(live), tail_steps=int(not waiting))
-            programs[span_of(reach + 1)]()
+            self._count(occupied=len(live), tail_steps=int(not waiting), compact_steps=int(width is not None),
+                        slot_steps=width or R)
+            (programs[span_of(reach + 1)] if width is None else compacted[width])()
             t += 1
             self.replays += 1
         took = spans.seconds()  # after the loop's last sync: no wait

@@ -18,7 +18,7 @@ import torch
 PREFILL, STEP = "prefill", "step"
 # the counts the generator adds up as it goes (RunStats' other fields it knows at the end)
 COUNTED = ("prompts", "generated", "checks", "fills", "prefills", "prefill_tokens", "prefill_positions", "occupied",
-           "tail_steps")
+           "tail_steps", "compact_steps", "slot_steps")
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,10 @@ class RunStats:
     n - 1 steps: its first token is its prefill's choice), their share `busy`; `occupied` ones, whose row held a
     prompt (live, or ended and waiting for the host's next check), their share `held`. So held - busy is the share
     idle between a row's end and its check (and refill), 1 - held the share idle for want of a prompt (the tail,
-    once the queue is empty: `tail_steps`). prefill_s, step_s: seconds (CUDA: device time between events; CPU:
-    host time), None if not timed."""
+    once the queue is empty: `tail_steps`). Those shares stay over the full steps x rows grid; a compacted step
+    (`compact_steps`: in the tail, the live rows and a few ended ones only, generate.py) computes fewer rows, so
+    `slot_steps` counts the row-steps computed and `busy_computed` the live share of those. prefill_s, step_s:
+    seconds (CUDA: device time between events; CPU: host time), None if not timed."""
     rows: int
     prompts: int  # answers handed out
     generated: int  # their tokens
@@ -41,6 +43,8 @@ class RunStats:
     prefill_positions: int  # positions they computed: rows x chunk width, padding included
     occupied: int  # slot-steps whose row held a prompt
     tail_steps: int  # steps after the last prompt was filled
+    compact_steps: int  # steps over some rows only (the tail's compacted steps)
+    slot_steps: int  # row-steps computed: each step's width summed (steps x rows without compacted steps)
     prefill_s: float | None = None
     step_s: float | None = None
 
@@ -49,11 +53,16 @@ class RunStats:
         return (self.generated - self.prompts) / (self.steps * self.rows) if self.steps else 0.0
 
     @property
+    def busy_computed(self) -> float:
+        return (self.generated - self.prompts) / self.slot_steps if self.slot_steps else 0.0
+
+    @property
     def held(self) -> float:
         return self.occupied / (self.steps * self.rows) if self.steps else 0.0
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "busy": round(self.busy, 4), "held": round(self.held, 4)}
+        return {**dataclasses.asdict(self), "busy": round(self.busy, 4), "held": round(self.held, 4),
+                "busy_computed": round(self.busy_computed, 4)}
 
 
 class Spans:

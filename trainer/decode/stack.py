@@ -30,8 +30,8 @@ per linear layer, and `forward` tells those layers what it is (`layers/linear.py
   `commit(accepted [R])` then moves each row's state past its accepted prefix, on the device: no second forward.
 The attention layers write K/V at slot = position (a sliding layer's ring: at p mod W, layers/ring.py), so a
 rejected draft's K/V need no undo. `forward_rows` (per-row positions, the refilling batch generator) steps every
-row's linear states, or prefills a chunk of some rows alone: their states gathered, zeroed where the chunk starts a
-sequence, advanced by each row's real tokens, written back.
+row's linear states (or some rows': a compacted step), or prefills a chunk of some rows alone: their states
+gathered, zeroed where the chunk starts a sequence, advanced by each row's real tokens, written back.
 
 Shape legend: L tokens, M cache slots, R rows, T taps, D hidden, V vocab.
 """
@@ -304,14 +304,14 @@ class StaticTarget:
         return LinearCall(mode, pos[0] == 0, valid, real)
 
     def _rows_call(self, pos_RL: torch.Tensor, rows: torch.Tensor, last_at: torch.Tensor | None) -> LinearCall | None:
-        """What `forward_rows` asks of the linear layers: a step of every row (no last_at: the generator's decode
-        step), else a prefill chunk of cache rows `rows` (row i takes its first last_at[i] + 1 tokens; a row whose
-        chunk starts at position 0 starts from zero states). None for a target without linear layers."""
+        """What `forward_rows` asks of the linear layers (None: it has none): a step of all rows or of cache rows
+        `rows` (one token, no last_at), else a prefill chunk of cache rows `rows` (row i takes its first last_at[i]
+        + 1 tokens; a row whose chunk starts at position 0 starts from zero states)."""
         if not self.linear:
             return None
         R, L = pos_RL.shape
-        if last_at is None and L == 1 and R == self.rows:
-            return LinearCall(STEP, pos_RL[0, 0] == 0, None, None)
+        if last_at is None and L == 1:
+            return LinearCall(STEP, pos_RL[0, 0] == 0, None, None, None if R == self.rows else rows)
         return LinearCall(PREFILL, pos_RL[:, 0] == 0, None if last_at is None else last_at + 1, None, rows)
 
     @torch.no_grad()
@@ -346,7 +346,7 @@ class StaticTarget:
         x = self.target.embed_tokens(ids_RL)
         ropes = {kind: rope_from_inv_freq(pos_RL, inv, scale, x.dtype) for kind, (inv, scale) in self.ropes.items()}
         linear = self._rows_call(pos_RL, rows, last_at)
-        if self.row_kernel and ids_RL.shape == (self.rows, 1):  # a step of every row (rows: arange)
+        if self.row_kernel and ids_RL.shape[1] == 1 and last_at is None:  # a step: every row or a compacted one
             step = Step(pos_RL, ropes, None, span, INVARIANT, None, True, linear, rows)
         else:
             masks = visible_masks(self.slot_ids, pos_RL, span, None, self._slot_window())

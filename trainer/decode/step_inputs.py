@@ -1,5 +1,6 @@
 """The inputs of the refilling batch generator's one-token attention step as one Triton kernel: q and k through their
-RMSNorms and RoPE, k and v written into their cache slots, for every row at its own position.
+RMSNorms and RoPE, k and v written into their cache slots, for every row at its own position (or some of the
+cache's rows: the generator's compacted steps, token i writing cache row rows[i]).
 
 Why: in that step (layers/attention.py's per-row branch, `step_kernel.step_attention` reading the caches) the torch
 form runs about twelve small launches a layer around attention: the q and k norms, RoPE's muls, `cat` and add for q
@@ -36,11 +37,12 @@ from trainer.triton_device import triton_kernels
 def _kernel(triton, tl):
     """The jitted kernel, or None where Triton is not installed."""
     @triton.jit
-    def step_inputs(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr,
+    def step_inputs(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, qo_ptr, kc_ptr, vc_ptr,
                     n_cols, q_eps, k_eps, sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, scos_r, ssin_r, sp_r, sc_r, sc_h, sc_s,
                     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
                     NORM: tl.constexpr, OFFSET: tl.constexpr, ASM_MUL: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
+        cr = tl.load(rows_ptr + r).to(tl.int64)  # the cache row token r writes
         j = tl.program_id(1)
         cols = tl.arange(0, HEAD_DIM)
         inside = cols < n_cols
@@ -56,7 +58,7 @@ def _kernel(triton, tl):
                 src = k_ptr + r * sk_r + (j - H) * sk_h
                 w_ptr = kw_ptr
                 eps = k_eps
-                dst = kc_ptr + r * sc_r + (j - H) * sc_h + p * sc_s
+                dst = kc_ptr + cr * sc_r + (j - H) * sc_h + p * sc_s
             # as kernels.rms_norm_rows loads, reduces and rounds a row
             x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
             turned = cols < ROT
@@ -92,7 +94,7 @@ def _kernel(triton, tl):
         else:
             h = j - H - HKV
             value = tl.load(v_ptr + r * sv_r + h * sv_h + cols, mask=inside, other=0.0)
-            tl.store(vc_ptr + r * sc_r + h * sc_h + p * sc_s + cols, value, mask=inside)
+            tl.store(vc_ptr + cr * sc_r + h * sc_h + p * sc_s + cols, value, mask=inside)
 
     return step_inputs
 
@@ -123,15 +125,20 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor, q_norm, k_no
 
 
 def step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm) -> torch.Tensor:
-    """q [R, H, Dh], k / v [R, Hkv, Dh] (the projections of one token a row; any strides, the head dims contiguous),
-    k_cache / v_cache [R, Hkv, S, Dh] (row r is cache row r), pos [R, 1] long (each row's position, < S), cos / sin
-    [R, 1, 1, rot] (rot <= Dh: RoPE on the first rot dims), q_norm / k_norm: `norm_rule`'s (both None: no norms)
-    -> q normed and turned, [R, H, 1, Dh] (step_kernel.step_attention's q); k normed and turned, and v, written into
-    the caches at slot pos[r] of row r, every other slot untouched. Check `fits` first."""
+                pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [R', H, Dh], k / v [R', Hkv, Dh] (the projections of one token a row; any strides, the head dims
+    contiguous), k_cache / v_cache [R, Hkv, S, Dh], pos [R', 1] long (each token's position, < S), cos / sin
+    [R', 1, 1, rot] (rot <= Dh: RoPE on the first rot dims), q_norm / k_norm: `norm_rule`'s (both None: no norms),
+    rows [R'] long (token i is cache row rows[i], distinct; default: every row in order, R' = R) -> q normed and
+    turned, [R', H, 1, Dh] (step_kernel.step_attention's q); k normed and turned, and v, written into the caches at
+    slot pos[i] of row rows[i], every other slot untouched. Check `fits` first."""
     R, H, Dh = q.shape
     Hkv, rot = k.shape[1], cos.shape[-1]
-    if (k.shape != (R, Hkv, Dh) or v.shape != k.shape or k_cache.shape[0] != R or k_cache.shape[1] != Hkv
+    if rows is None:
+        rows = torch.arange(R, device=q.device)
+    if (k.shape != (R, Hkv, Dh) or v.shape != k.shape or rows.shape != (R,) or k_cache.shape[0] < R
+            or k_cache.shape[1] != Hkv
             or k_cache.shape[3] != Dh or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
             or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin)) or pos.shape != (R, 1) or sin.shape != cos.shape):
         raise ValueError(f"step_inputs: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cache "
@@ -146,8 +153,8 @@ def step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     if R == 0:
         return out
     _kernel()[(R, H + 2 * Hkv)](
-        q, k, v, qw, kw, cos, sin, pos, out, k_cache, v_cache, Dh, q_eps, k_eps, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), pos.stride(0),
+        q, k, v, qw, kw, cos, sin, pos, rows.contiguous(), out, k_cache, v_cache, Dh, q_eps, k_eps, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), pos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, HKV=Hkv, HEAD_DIM=Dh, ROT=rot,
         NORM=bool(rule), OFFSET=offset, ASM_MUL=not interpreting(),
         num_warps=norm_warps(Dh))

@@ -5,7 +5,8 @@ Why: rows at their own positions need per-row visibility; SDPA with a mask reads
 row's) for every row, and the row-invariant kernel of `kernels.py` reads a KV head's slots once per query head. Here
 one program serves one (row, KV head): its G query heads as one [G, Dh] tile against the row's slots 0..p in blocks,
 fp32 online softmax, so each row reads its own K/V once and no further than its position. Not row-invariant (the
-dot products are tensor-core tiles); the batch generator needs no invariance (it never verifies).
+dot products are tensor-core tiles); the batch generator needs no invariance (it never verifies). The queries may
+be some of the cache's rows (the generator's compacted steps): query i reads cache row rows[i], one pointer load.
 
 Runs on CUDA, and on CPU under Triton's interpreter (the tests; there the tiles are cast to fp32 first, as the
 interpreter's tl.dot mishandles bf16). No host sync: captured in the step's graph.
@@ -36,13 +37,14 @@ MIN_ROWS = 16  # tl.dot's smallest tile side: the G query heads are padded to it
 def _kernel(triton, tl):
     """The jitted kernel, or None where Triton is not installed."""
     @triton.jit
-    def step_attention(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale, sq_r, sq_h, sk_r, sk_h, sk_s, so_r, so_h,
+    def step_attention(q_ptr, k_ptr, v_ptr, pos_ptr, rows_ptr, o_ptr, scale, sq_r, sq_h, sk_r, sk_h, sk_s, so_r, so_h,
                        N_SLOTS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
                        STAGES: tl.constexpr):
         # The running max starts finite, so a block whose slots are all past p (weights exp(-inf) = 0) never
         # computes -inf - -inf.
         r = tl.program_id(0).to(tl.int64)
+        c = tl.load(rows_ptr + r).to(tl.int64)  # the cache row query r reads
         kv = tl.program_id(1)
         g = tl.arange(0, GP)
         d = tl.arange(0, HEAD_DIM)
@@ -54,8 +56,8 @@ def _kernel(triton, tl):
         m = tl.full([GP], -1e30, tl.float32)
         den = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-        k_base = k_ptr + r * sk_r + kv * sk_h
-        v_base = v_ptr + r * sk_r + kv * sk_h
+        k_base = k_ptr + c * sk_r + kv * sk_h
+        v_base = v_ptr + c * sk_r + kv * sk_h
         # On the GPU the loop stops at the row's position, a loaded bound, so the compiler pipelines the blocks'
         # loads (an `if s0 <= p` around the body defeats that: 96 against 86 us at qwen3-8b's heads, 256 rows of
         # 128-511 positions in 512 slots on the H200). Triton's interpreter (the CPU tests) cannot loop to a loaded
@@ -91,23 +93,28 @@ def usable_for(x: torch.Tensor, head_dim: int) -> bool:
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [R, H, 1, Dh], k / v [R, Hkv, S, Dh] caches (slot = position), pos [R, 1] long (each row's query position,
-    < S) -> [R, 1, H, Dh] in q's dtype: each query over its row's slots 0..p (head h reads KV head h // G). The
-    loop bound is the cache size (one compilation per cache), the blocks past p are skipped."""
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [R', H, 1, Dh], k / v [R, Hkv, S, Dh] caches (slot = position), pos [R', 1] long (each query's position,
+    < S), rows [R'] long (query i reads cache row rows[i]; default: every row in order, R' = R) -> [R', 1, H, Dh] in
+    q's dtype: each query over its cache row's slots 0..p (head h reads KV head h // G). The loop bound is the cache
+    size (one compilation per cache), the blocks past p are skipped."""
     R, H, L, Dh = q.shape
     Hkv = k.shape[1]
-    if L != 1 or pos.shape != (R, 1) or H % Hkv or k.stride(-1) != 1 or k.stride() != v.stride():
+    if rows is None:
+        rows = torch.arange(R, device=q.device)
+    if (L != 1 or pos.shape != (R, 1) or rows.shape != (R,) or R > k.shape[0] or H % Hkv or k.stride(-1) != 1
+            or k.stride() != v.stride()):
         raise ValueError(f"step_attention: one query a row over a shared cache layout, got q {tuple(q.shape)}, "
-                         f"cache {tuple(k.shape)}, pos {tuple(pos.shape)}")
+                         f"cache {tuple(k.shape)}, pos {tuple(pos.shape)}, rows {tuple(rows.shape)}")
     from trainer.triton_device import interpreting
 
     G = H // Hkv
     q = q.contiguous()
     out = torch.empty(R, 1, H, Dh, dtype=q.dtype, device=q.device)
     o = out[:, 0]  # [R, H, Dh]
-    _kernel()[(R, Hkv)](q, k, v, pos.contiguous(), o, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                        k.stride(2), o.stride(0), o.stride(1), N_SLOTS=k.shape[2], G=G,
+    _kernel()[(R, Hkv)](q, k, v, pos.contiguous(), rows.contiguous(), o, scale, q.stride(0), q.stride(1),
+                        k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1), N_SLOTS=k.shape[2], G=G,
                         GP=max(MIN_ROWS, 1 << (G - 1).bit_length()), UPCAST=interpreting(),
                         # fp32 products stay fp32 (tl.dot would round fp32 inputs to TF32); bf16 ones take the default
                         PRECISION="ieee" if interpreting() or q.dtype == torch.float32 else "tf32",

@@ -37,6 +37,8 @@ def test_the_counts_of_a_refilled_run_are_the_host_loops(family_dirs):
     assert (run.prefills, run.prefill_tokens, run.prefill_positions) == (3, 20, 2 * 16 + 16 + 2 * 16)
     assert run.busy == pytest.approx((29 - 5) / (31 * 2))  # each answer's first token is its prefill's
     assert (run.occupied, run.held, run.tail_steps) == (62, 1.0, 12)
+    # no per-row kernel here (CPU, no interpreter): no step compacts, each computes both rows
+    assert (run.compact_steps, run.slot_steps, run.busy_computed) == (0, 62, run.busy)
     assert run.prefill_s > 0 and run.step_s > 0  # CPU: the host's time around the prefills and the replays
     shown = run.as_dict()
     assert shown["busy"] == round(24 / 62, 4) and shown["steps"] == 31 and shown["prefill_positions"] == 80

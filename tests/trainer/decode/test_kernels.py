@@ -199,7 +199,8 @@ for dt in ("bf16", "fp32"):
                                    ("rms_norm_residual", False, True), ("rms_norm_offset_residual", True, True)):
         out[f"{name}_" + dt] = build(rms_norm_rows, norm_sig, {"BLOCK": 512, "OFFSET": offset, "RESIDUAL": residual},
                                      2)
-    step_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "o_ptr": "*" + dt,
+    step_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "rows_ptr": "*i64",
+                "o_ptr": "*" + dt,
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
     # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and the interpreter's form
     for name, bound, dh in (("step", True, 128), ("step256", True, 256), ("step_interpreted", False, 128)):

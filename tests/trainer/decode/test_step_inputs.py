@@ -109,6 +109,24 @@ def test_bf16_agrees_and_touches_only_the_rows_slots(interpreter, norm, heads, k
     assert torch.equal(got[2], want[2])  # v is copied, not computed
 
 
+@pytest.mark.parametrize("norm", [None, "offset"])
+def test_a_row_subset_writes_its_own_cache_rows_only(interpreter, norm):
+    """The generator's compacted step: tokens of cache rows 1, 3 and 4 of six compute what the torch form computes
+    over those rows, write their slots of those cache rows, and leave the other rows bit for bit as they were."""
+    q, k, v, _, _, pos, cos, sin, norms = case(3, 8, 2, 64, 24, torch.float32, norm, seed=11)
+    g = torch.Generator().manual_seed(12)
+    k_cache, v_cache = (torch.randn(6, 2, 24, 64, generator=g) for _ in range(2))
+    rows, others = torch.tensor([1, 3, 4]), torch.tensor([0, 2, 5])
+    sub = k_cache[rows].clone(), v_cache[rows].clone()
+    want = torch_form(q, k, v, *sub, pos, cos, sin, norms)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = si.step_inputs(q[:, 0], k.view(3, 2, 64), v.view(3, 2, 64), kc, vc, pos, cos, sin, *norms, rows=rows)
+    assert torch.equal(got, want)
+    for cache, before, written in ((kc, k_cache, sub[0]), (vc, v_cache, sub[1])):
+        assert torch.equal(cache[rows], written) and not torch.equal(written, before[rows])
+        assert torch.equal(cache[others], before[others])
+
+
 def test_partial_rotary_turns_the_first_dims_only(interpreter):
     """The hybrids' gated layers: RoPE on the first quarter of a 64-dim head, offset norms; the rest passes through
     normed, fp32 exactly."""
@@ -155,7 +173,7 @@ kernel = step_inputs._kernel()
 out = {}
 for dt in ("bf16", "fp32"):
     sig = {**{n: "*" + dt for n in "q_ptr k_ptr v_ptr qw_ptr kw_ptr cos_ptr sin_ptr".split()}, "pos_ptr": "*i64",
-           **{n: "*" + dt for n in "qo_ptr kc_ptr vc_ptr".split()}, "n_cols": "i32", "q_eps": "fp32", "k_eps": "fp32",
+           "rows_ptr": "*i64", **{n: "*" + dt for n in "qo_ptr kc_ptr vc_ptr".split()}, "n_cols": "i32", "q_eps": "fp32", "k_eps": "fp32",
            **{n: "i32" for n in "sq_r sq_h sk_r sk_h sv_r sv_h scos_r ssin_r sp_r sc_r sc_h sc_s".split()}}
     for name, dh, rot, offset in (("qwen3", 128, 128, False), ("qwen3_5", 256, 64, True)):
         consts = {"H": 32, "HKV": 8, "HEAD_DIM": dh, "ROT": rot, "NORM": True, "OFFSET": offset, "ASM_MUL": True}

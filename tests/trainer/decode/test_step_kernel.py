@@ -42,6 +42,22 @@ def test_each_row_attends_to_its_own_slots(interpreter, dtype, tol, heads, kv_he
     torch.testing.assert_close(got.double(), reference(q, k, v, pos, Dh ** -0.5), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_row_subset_reads_its_own_cache_rows(interpreter, dtype, tol):
+    """The generator's compacted step: queries of cache rows 0, 2 and 5 of six each read their own cache row, as the
+    reference over those rows; the same queries over the gathered rows in order give the same bits."""
+    g = torch.Generator().manual_seed(3)
+    R, S, Dh = 6, 200, 16
+    q = torch.randn(3, 8, 1, Dh, generator=g).to(dtype)
+    k, v = (torch.randn(R, 2, S, Dh, generator=g).to(dtype) for _ in range(2))
+    rows, pos = torch.tensor([0, 2, 5]), torch.tensor([[150], [3], [S - 1]])
+    got = step_kernel.step_attention(q, k, v, pos, Dh ** -0.5, rows=rows)
+    torch.testing.assert_close(got.double(), reference(q, k[rows], v[rows], pos, Dh ** -0.5), atol=tol, rtol=tol)
+    assert torch.equal(got, step_kernel.step_attention(q, k[rows].clone(), v[rows].clone(), pos, Dh ** -0.5))
+    with pytest.raises(ValueError, match="one query a row"):
+        step_kernel.step_attention(q, k, v, pos, 1.0, rows=rows[:2])
+
+
 def test_bad_shapes_are_refused(interpreter):
     q, k = torch.zeros(2, 4, 2, 16), torch.zeros(2, 2, 8, 16)
     with pytest.raises(ValueError, match="one query a row"):

@@ -210,9 +210,9 @@ class AttentionLayer:
             q, gate = q.view(R, L, H, Dh), None
         if self._fuses(q, step, cos, L):  # the refilling generator's per-row step: its inputs as one kernel
             q = step_inputs(q[:, 0], k.view(R, Hkv, Dh), v.view(R, Hkv, Dh), self.k, self.v, step.pos, cos, sin,
-                            *self._norms())
+                            *self._norms(), rows=step.rows)
             self.fused_steps += 1
-            return self._output(step_attention(q, self.k, self.v, step.pos, attn.scaling), gate)  # [R, 1, H, Dh]
+            return self._output(step_attention(q, self.k, self.v, step.pos, attn.scaling, step.rows), gate)
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k.view(R, L, Hkv, Dh)).transpose(1, 2)
         v = v.view(R, L, Hkv, Dh).transpose(1, 2)
@@ -224,7 +224,7 @@ class AttentionLayer:
         else:
             keys, values = self._write(step, partial_rope(k, cos, sin), v)
         if step.how == INVARIANT and step.pos.dim() == 2 and L == 1:  # the refilling generator's per-row step
-            out = step_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, 1, H, Dh]
+            out = step_attention(q, self.k, self.v, step.pos, attn.scaling, step.rows)  # [R, 1, H, Dh]
         elif step.how == INVARIANT:
             out = decode_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, L, H, Dh]
         else:
@@ -251,12 +251,11 @@ class AttentionLayer:
         return tuple(None if n is identity else n for n in (self.q_norm, self.k_norm))
 
     def _fuses(self, q: torch.Tensor, step: Step, cos: torch.Tensor, L: int) -> bool:
-        """This forward is the refilling generator's per-row one-token step over every cache row in order (the
-        branch of step_attention below) and step_inputs.py's kernel computes its q/k norms, RoPE and cache writes:
-        no ring, q / cache / RoPE of one dtype, norms it knows (step_inputs.fits)."""
+        """This forward is the refilling generator's per-row one-token step over cache rows step.rows (every row in
+        order, or a compacted step's; the branch of step_attention below) and step_inputs.py's kernel computes its
+        q/k norms, RoPE and cache writes: no ring, q / cache / RoPE of one dtype, norms it knows (step_inputs.fits)."""
         return (step.how == INVARIANT and step.pos.dim() == 2 and L == 1 and self.ring is None
-                and step.rows is not None and step.rows.shape[0] == self.k.shape[0]
-                and step_inputs_fit(q, self.k, cos, *self._norms()))
+                and step.rows is not None and step_inputs_fit(q, self.k, cos, *self._norms()))
 
     def _write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k / v [R', Hkv, L, Dh] (k turned) into their slots -> the keys and values the queries read, [R', Hkv,

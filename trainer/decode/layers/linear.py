@@ -129,22 +129,24 @@ class GatedDeltaNetDecode:
             h = h * call.real[..., None].to(h.dtype)
         if call.mode == VERIFY:
             return self.forward(h)
-        if call.mode == STEP:
+        if call.mode == STEP and call.rows is None:
             return self.step(h)
         if call.rows is not None:
-            return self._prefill_rows(h, call)
+            return self._on_rows(h, call)
         self.reset(call.fresh.expand(h.shape[0]))
         return self.prefill(h, call.valid)
 
-    def _prefill_rows(self, h: torch.Tensor, call: LinearCall) -> torch.Tensor:
-        """A prefill chunk of cache rows call.rows only (the refilling batch generator): their conv and recurrent
-        states gathered (zeroed where the chunk starts a sequence), advanced by each row's valid tokens and written
-        back; the other rows' states untouched."""
+    def _on_rows(self, h: torch.Tensor, call: LinearCall) -> torch.Tensor:
+        """A step or a prefill chunk of cache rows call.rows only (the refilling batch generator: a compacted step,
+        a refill): their conv and recurrent states gathered (a prefill's zeroed where the chunk starts a sequence),
+        advanced by each row's (valid) tokens and written back; the other rows' states untouched."""
         conv, state, rows, fresh = self.conv, self.state, call.rows, call.fresh
-        self.conv = conv.index_select(0, rows).masked_fill(fresh.view(-1, 1, 1), 0)
-        self.state = state.index_select(0, rows).masked_fill(fresh.view(-1, 1, 1, 1), 0)
+        self.conv, self.state = conv.index_select(0, rows), state.index_select(0, rows)
+        if call.mode != STEP:
+            self.conv.masked_fill_(fresh.view(-1, 1, 1), 0)
+            self.state.masked_fill_(fresh.view(-1, 1, 1, 1), 0)
         try:
-            out = self.prefill(h, call.valid)
+            out = self.step(h) if call.mode == STEP else self.prefill(h, call.valid)
             conv.index_copy_(0, rows, self.conv)
             state.index_copy_(0, rows, self.state)
         finally:
