@@ -48,8 +48,8 @@ wall x batch / generated tokens (the time of one full-batch step); peak memory: 
 engine's runs (CUDA; CPU: the process's peak RSS). The step's floor (bench/floor.py: weights + KV cache read once
 at HBM_BYTES_PER_S, the GEMMs at GEMM_FLOPS_PER_S) is computed at the workload's mean context. Prints one
 `GENERATE_BENCH {json}` per engine (a hybrid's static line: `linear_step`, "fused" where its Gated DeltaNet step
-runs trainer/decode/recurrent_kernel.py, CUDA with fla, else "torch"), then `GENERATE_RATIO {json}` (static tokens/s over HF's; greedy: the fraction
-of rows whose tokens agree, which bf16 rounding may lower below 1) and a table.
+runs trainer/decode/recurrent_kernel.py, CUDA with fla, else "torch"), then `GENERATE_RATIO {json}` (static tokens/s
+over HF's; greedy: the fraction of rows whose tokens agree, which bf16 rounding may lower below 1) and a table.
 
 Where the static engine's time goes (its line, from the last timed run's `BatchGenerator.last_run`, counted on the
 host without a sync): `steps` (token-step replays), `busy` (the share of the steps x rows slot-steps in which a row

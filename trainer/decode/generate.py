@@ -21,8 +21,9 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
   sliding window; CUDA; `row_kernel`, on by default), each row reads its own slots up to its position only, and
   one graph per choice mode serves every step. Otherwise masked SDPA reads the slots the longest live row has
   reached, rounded up to a power of two (`span`; the host knows an upper bound of every row's position without
-  reading it), for every row: one graph per (choice mode, span). The graphs a call can reach are captured at its start, before any prefill, in the calling
-  thread, and share one memory pool (they are never replayed concurrently).
+  reading it), for every row: one graph per (choice mode, span). The graphs a call can reach are captured at its
+  start, before any prefill, in the calling thread, and share one memory pool (they are never replayed
+  concurrently).
 - The tail, compacted (`compact`, on by default, where the per-row kernel runs): once no prompt waits, at a check
   where at most half the rows are live, the steps run over W rows only, W the narrowest of rows / 2, rows / 4, ...
   down to `compact_floor` that holds them: the live rows and ended ones to make W, ascending (`compact_rows[W]`,
@@ -35,8 +36,9 @@ host as it issues the work, no sync added: step replays, host checks, fills (the
 prompts refilled into a used slot, prefill forwards and the prompt tokens and positions (padding included) they
 covered, answers and their tokens, the slot-steps whose row held a prompt (live, or ended and not yet seen by a
 check) and the steps after the last prompt was filled (the tail); so the idle slot-steps split into those before a
-check and those for want of a prompt; the compacted steps and the row-steps computed (each step's width summed). Also the time of the prefills and of the token steps (CUDA events read once
-after the loop; on a CPU the host's time), the rest of the wall being the host's checks and launches.
+check and those for want of a prompt; the compacted steps and the row-steps computed (each step's width summed).
+Also the time of the prefills and of the token steps (CUDA events read once after the loop; on a CPU the host's
+time), the rest of the wall being the host's checks and launches.
 
 Choosing a token, on the device (no host sync, no value-dependent shape; the noise: draws.py):
     greedy     argmax of the logits (HF greedy: the first index of a tie)

@@ -106,7 +106,8 @@ def norm_rule(q_norm, k_norm, x: torch.Tensor):
     if q_norm is None and k_norm is None:
         return ()
     norms = (q_norm, k_norm)
-    if not all(isinstance(n, RowInvariantRMSNorm) and n.uses_kernel(x) for n in norms) or q_norm.offset != k_norm.offset:
+    if (not all(isinstance(n, RowInvariantRMSNorm) and n.uses_kernel(x) for n in norms)
+            or q_norm.offset != k_norm.offset):
         return None
     return q_norm.weight, q_norm.eps, k_norm.weight, k_norm.eps, q_norm.offset
 

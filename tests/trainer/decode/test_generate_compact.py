@@ -1,6 +1,6 @@
 """The refilling batch generator's compacted tail steps (trainer/decode/generate.py): once no prompt waits and at
 most half the rows are live, a step covers the live rows and a few ended ones only. On CPU under Triton's
-interpreter (the per-row kernel path, where compaction runs), real tiny targets (dense, hybrid, MoE): the answers are
+interpreter (the per-row kernel path, where compaction runs), real tiny targets (dense, hybrid): the answers are
 token for token those of the generator without compaction and HF generate's, and `last_run` counts the compacted
 steps at the widths the host loop's rule gives. tests/trainer/decode/test_generate_compact_gpu.py replays them."""
 from __future__ import annotations
@@ -24,7 +24,9 @@ def tail_workload(target):
     return prompts, stops, [cut_at_stop(row, stops) for row in free]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe"])  # dense, hybrid (Gated DeltaNet), MoE
+# the hybrid (Gated DeltaNet states gathered and scattered by row); the dense target is the next test's, and an
+# MoE layer holds no per-row state (each family's run takes about 3 minutes of the interpreter)
+@pytest.mark.parametrize("family", ["qwen3_5"])
 def test_compacted_tail_steps_answer_as_every_row_steps(interpreter, family_dirs, family):
     target = family_target(family_dirs, family)
     prompts, stops, want = tail_workload(target)
