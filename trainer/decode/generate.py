@@ -7,11 +7,12 @@ How slots run (`BatchGenerator.generate_stream`; `generate` returns the answers 
 - per-row positions: row r of the cache holds one prompt and its answer at slots 0, 1, ... (slot = the token's
   position), its own `pos[r]` (the position of its current token), so rows never pad and never wait for each other
   (`StaticTarget.forward_rows`, layers/attention.py);
-- a refill (at the start, and whenever slots have ended) prefills the next prompts into the freed rows only, all of
-  them in one forward per chunk of at most PREFILL_CHUNK positions (fewer when the attention scores would pass
-  SCORE_BUDGET), each as wide as its longest row's tail needs (`chunk_width`), eagerly; padding past a shorter
-  prompt's end writes slots its own decode rewrites before any query sees them (a sliding layer's ring: its trash
-  slot, layers/ring.py). It chooses each new row's first token;
+- a refill (at the start, and whenever slots have ended) prefills the next prompts into the freed rows only,
+  eagerly, in the forwards of prefill_plan.py: where the target's attention runs a prefill from position 0 as causal
+  SDPA over its own keys (`StaticTarget.whole_prefill`), whole prompts, longest first, several to a forward up to
+  PREFILL_TOKENS positions; otherwise the rows together in chunks. Padding past a shorter prompt's end writes slots
+  its own decode rewrites before any query sees them (a sliding layer's ring: its trash slot, layers/ring.py). It
+  chooses each new row's first token;
 - then one replay per token for all rows: forward of each row's current token at its own position, choose the next
   one on the device, a live row writes it into a device history and advances; a row that ended (its stop id, or
   max_new_tokens) steps at position 0 until the host refills it. The host reads nothing per token: every
@@ -65,15 +66,13 @@ import torch
 
 from trainer.decode.draws import gumbel_noise, seed32, top_p_filter
 from trainer.decode.engine import GraphProgram, prefill_buckets
+from trainer.decode.prefill_plan import prefill_forwards
 from trainer.decode.run_stats import COUNTED, PREFILL, STEP, RunStats, Spans
 from trainer.decode.stops import cut_at_stop
 from trainer.decode.stack import StaticTarget
 from trainer.model.target import Target
 
 CHECK_EVERY = 16  # tokens between the host's "which rows ended?" reads (each one host sync)
-SCORE_BUDGET = 2 ** 28  # attention score elements (rows x heads x chunk x slots) one prefill chunk may hold
-PREFILL_CHUNK = 512  # the most positions one prefill forward takes (a refill's rows together)
-PREFILL_ALIGN = 64  # a prefill forward's width: the tail it covers rounded up to this (below it, a power of two)
 COMPACT_FLOOR = 16  # the narrowest compacted step (rows / 2, rows / 4, ... down to it)
 GREEDY, SAMPLE, NUCLEUS = "greedy", "sample", "top_p"
 
@@ -100,16 +99,6 @@ class Sampling:
         if self.temperature == 0.0:
             return GREEDY
         return SAMPLE if self.top_p == 1.0 else NUCLEUS
-
-
-def chunk_width(tail: int, chunk: int) -> int:
-    """The width of a prefill forward whose longest row has `tail` tokens to go, at most `chunk`: the tail rounded up
-    to PREFILL_ALIGN (below it, to a power of two, at least 16). Not a power of two above it: a 600-token prompt
-    in 512-position chunks computes 512 + 128 positions, not 1,024. Refills take prompts in queue order (the
-    longest first), so a refill's rows have nearly equal lengths and its padding is mostly this rounding. Pure."""
-    if tail < PREFILL_ALIGN:
-        return min(chunk, 1 << max(4, (tail - 1).bit_length()))
-    return min(chunk, -(-tail // PREFILL_ALIGN) * PREFILL_ALIGN)
 
 
 class BatchGenerator:
@@ -211,34 +200,25 @@ class BatchGenerator:
         return self.programs[key]
 
     def _fill(self, rows: list[int], prompts: list[list[int]], streams: list[int], sampling: Sampling) -> None:
-        """Prefill `prompts` into cache rows `rows` (ascending) and choose their first tokens; other rows untouched."""
-        dev, k = self.device, len(rows)
+        """Prefill `prompts` into cache rows `rows` (ascending) and choose their first tokens; other rows untouched.
+        Which prompts share a forward, from where and how wide: prefill_plan.py."""
+        dev = self.device
         lengths = [len(p) for p in prompts]
-        longest = max(lengths)
-        # the most positions per forward: a power of two, at most PREFILL_CHUNK and no longer than the longest prompt
-        # needs, smaller where the attention scores would pass SCORE_BUDGET; each forward as wide as its rows' tails
-        # need (`chunk_width`)
-        chunk = min(PREFILL_CHUNK, 1 << max(4, (longest - 1).bit_length()))
-        while chunk > 16 and k * self.static.heads * chunk * self._span(longest) > SCORE_BUDGET:
-            chunk //= 2
-        logits = torch.empty(k, self.vocab_ids.shape[0], dtype=torch.float32, device=dev)
-        a = 0
-        while a < longest:
-            sel = [i for i in range(k) if lengths[i] > a]
-            width = chunk_width(max(lengths[i] for i in sel) - a, chunk)
+        logits = torch.empty(len(rows), self.vocab_ids.shape[0], dtype=torch.float32, device=dev)
+        for sel, a, width in prefill_forwards(lengths, self.static.whole_prefill, self.static.heads, self._span):
             ids = [prompts[i][a:a + width] + [0] * max(0, a + width - lengths[i]) for i in sel]
             # padding past the cache's end writes its last slot, which no query of this prompt sees yet
             pos = (a + torch.arange(width)).clamp(max=self.max_len - 1).expand(len(sel), width)
             last = [min(lengths[i] - a, width) - 1 for i in sel]
             out = self.static.forward_rows(torch.tensor(ids).to(dev), pos.to(dev),
                                            torch.tensor([rows[i] for i in sel]).to(dev),
-                                           self._span(min(a + width, self.max_len)), torch.tensor(last).to(dev))
+                                           self._span(min(a + width, self.max_len)), torch.tensor(last).to(dev),
+                                           fresh=a == 0)
             self._count(prefills=1, prefill_positions=len(sel) * width)
             ending = [j for j, i in enumerate(sel) if lengths[i] <= a + width]
             if ending:  # a chunk inside every prompt still in it ends none
                 logits.index_copy_(0, torch.tensor([sel[j] for j in ending], dtype=torch.long, device=dev),
                                    out.index_select(0, torch.tensor(ending, dtype=torch.long, device=dev)))
-            a += width
         self._count(fills=1, prefill_tokens=sum(lengths))
         at = torch.tensor(rows).to(dev)
         plen, named = torch.tensor(lengths).to(dev), torch.tensor(streams).to(dev)

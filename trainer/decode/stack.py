@@ -1,5 +1,5 @@
 """The target's forward over static buffers (`StaticTarget`), assembled per layer from a plan read from the config
-alone (`layer_plan`): the family's layout and norms, each layer's mixer kind and MLP kind. Each kind is computed by
+alone (layer_plan.py): the family's layout and norms, each layer's mixer kind and MLP kind. Each kind is computed by
 its decode layer on the HF model's own submodules (same weights, norms and projections), with no Python-side shape
 or length state: the write position is a device tensor.
 
@@ -37,8 +37,6 @@ Shape legend: L tokens, M cache slots, R rows, T taps, D hidden, V vocab.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from trainer.decode.fused import fuse_layers
@@ -46,60 +44,13 @@ from trainer.decode.kernels import RowInvariantRMSNorm, head_dim_supported, usab
 from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLayer, Step, identity,
                                              rope_from_inv_freq, ropes_of, visible_masks)
 from trainer.decode.layers.linear import PREFILL, STEP, VERIFY, GatedDeltaNetDecode, LinearCall, kernel_for
-from trainer.decode.layers.moe import MoeMLP, Routing, routing_of
+from trainer.decode.layer_plan import DYNAMIC_ROPE, FAMILIES, HINT, layer_plan, layers_of, rope_types, text_cfg
+from trainer.decode.layers.moe import MoeMLP
 from trainer.decode.layers.ring import ring_size, ring_step
 from trainer.errors import ConfigError
 from trainer.model.attention import SLIDING
 from trainer.model.linear_attention import LINEAR
 from trainer.model.target import Target, attention_kinds
-
-# model_type -> (layout, norms, the mixer kind of its softmax attention layers)
-FAMILIES = {
-    **{t: ("plain", "plain", "attention") for t in ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral",
-                                                    "gpt_oss")},
-    **{t: ("sandwich", "offset", "attention") for t in ("gemma2", "gemma3_text")},
-    **{t: ("plain", "offset", "gated_attention") for t in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-                                                            "qwen3_5_moe_text")},
-}
-# RoPE types whose frequencies change with the sequence length: a static forward cannot recompute them.
-DYNAMIC_ROPE = ("dynamic", "longrope")
-HINT = "use eval.engine=hf for this target"
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """What the static forward computes, per family and per layer, from the config alone."""
-
-    model_type: str
-    layout: str  # plain | sandwich
-    norms: str  # plain | offset
-    mixers: tuple[str, ...]  # per layer: attention | linear | gated_attention
-    mlps: tuple[str, ...]  # per layer: dense | moe
-    routing: Routing | None  # the MoE router rule (None: no MoE layer, or a family without a rule)
-    top_k: int  # experts per token (0: no MoE layer)
-
-
-def layer_plan(cfg) -> LayerPlan:
-    """The plan of a config whose model type is in FAMILIES (check_supported refuses the others first). MoE layers
-    as the families place them: every layer, except those in `mlp_only_layers` or off the `decoder_sparse_step`
-    (Qwen3-MoE, Qwen3-Next)."""
-    cfg = _text(cfg)
-    model_type = cfg.model_type
-    layout, norms, softmax_kind = FAMILIES[model_type]
-    types = attention_kinds(cfg).layer_types
-    mixers = tuple("linear" if t == LINEAR else softmax_kind for t in types)
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
-    dense_only, step = set(getattr(cfg, "mlp_only_layers", None) or ()), getattr(cfg, "decoder_sparse_step", 1) or 1
-    mlps = tuple("moe" if experts and i not in dense_only and (i + 1) % step == 0 else "dense"
-                 for i in range(len(types)))
-    moe = "moe" in mlps
-    return LayerPlan(model_type, layout, norms, mixers, mlps, routing_of(cfg) if moe else None,
-                     cfg.num_experts_per_tok if moe else 0)
-
-
-def _text(cfg):
-    """The language model's config (a multimodal config's text config; what load_target reads the layers from)."""
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def _attention_layer(static: StaticTarget, i: int, layer) -> AttentionLayer:
@@ -120,29 +71,16 @@ def _linear_layer(static: StaticTarget, i: int, layer) -> GatedDeltaNetDecode:
 MIXERS = {"attention": _attention_layer, "gated_attention": _attention_layer, "linear": _linear_layer}
 
 
-def _rope_types(cfg) -> set[str]:
-    """The RoPE types a config names: transformers 5 `rope_parameters` (one dict, or one per layer type, Gemma 3),
-    or 4.x `rope_scaling` (`rope_type` or the older `type` key)."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    dicts = [params] if "rope_type" in params or "type" in params else [p for p in params.values()
-                                                                        if isinstance(p, dict)]
-    return {str(d.get("rope_type", d.get("type", "default"))) for d in dicts}
-
-
-def _layers_of(kinds: tuple[str, ...], kind: str) -> str:
-    at = [str(i) for i, k in enumerate(kinds) if k == kind]
-    return ", ".join(at[:4]) + (", ..." if len(at) > 4 else "")
-
 
 def check_supported(cfg) -> None:
     """Refuse, in one line and from the config alone, a target whose layers `StaticTarget.forward` would compute
     differently from HF (target-only and speculative decoding would then agree with each other while both being
     wrong), or has no decode layer for."""
-    cfg = _text(cfg)
+    cfg = text_cfg(cfg)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in FAMILIES:
         raise ConfigError(f"static decoding supports {', '.join(FAMILIES)} targets, not {model_type!r}", hint=HINT)
-    dynamic = sorted(t for t in _rope_types(cfg) if any(d in t for d in DYNAMIC_ROPE))
+    dynamic = sorted(t for t in rope_types(cfg) if any(d in t for d in DYNAMIC_ROPE))
     if dynamic:
         raise ConfigError(f"static decoding does not support rope_type {dynamic[0]!r} (its frequencies change with "
                           f"the sequence length)", hint=HINT)
@@ -153,10 +91,10 @@ def check_supported(cfg) -> None:
     for kind in dict.fromkeys(plan.mixers):
         if MIXERS[kind] is None:
             raise ConfigError(f"static decoding has no decode layer for {kind} mixers ({model_type} layers "
-                              f"{_layers_of(plan.mixers, kind)})", hint=HINT)
+                              f"{layers_of(plan.mixers, kind)})", hint=HINT)
     if "moe" in plan.mlps and plan.routing is None:
         raise ConfigError(f"static decoding has no MoE router rule for {model_type} (layers "
-                          f"{_layers_of(plan.mlps, 'moe')})", hint=HINT)
+                          f"{layers_of(plan.mlps, 'moe')})", hint=HINT)
 
 
 class StaticTarget:
@@ -221,6 +159,9 @@ class StaticTarget:
         # SDPA with a mask reads the whole span for every row (`python3 -m bench.decode_attention`).
         self.row_kernel = row_kernel and not (self.softcap or self.sinks or SLIDING in self.kinds) and \
             head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0 and usable_for(weight)
+        # whole_prefill: a per-row prefill from position 0 runs its attention as causal SDPA over its own keys
+        # (layers/attention.py), so it may take whole prompts (decode/prefill_plan.py)
+        self.whole_prefill = self.attention == SDPA and SLIDING not in self.kinds
         # padded: row r's first real token sits at slot row_start[r] (the caller writes it before the prefill).
         self.row_start = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.taps = set(target.layer_ids)
@@ -336,11 +277,12 @@ class StaticTarget:
 
     @torch.no_grad()
     def forward_rows(self, ids_RL: torch.Tensor, pos_RL: torch.Tensor, rows: torch.Tensor, span: int,
-                     last_at: torch.Tensor | None = None) -> torch.Tensor:
+                     last_at: torch.Tensor | None = None, fresh: bool = False) -> torch.Tensor:
         """Per-row positions (layers/attention.py): ids [R', L] of cache rows `rows` ([R'] long device, ascending;
         all R rows: arange) at positions pos [R', L] (each < span) -> the logits [R', V] fp32 after column
         last_at[i] of row i ([R'] long device; default the last column). Writes those rows' K/V at their
-        positions, reads their slots <= each query's position; other rows are untouched. No host sync."""
+        positions, reads their slots <= each query's position; other rows are untouched. No host sync. fresh:
+        every row's positions start at 0 (their own keys only: `whole_prefill`'s attention where it holds)."""
         if self.attention == INVARIANT:
             raise RuntimeError("per-row positions run through SDPA or eager attention, not the invariant kernel")
         x = self.target.embed_tokens(ids_RL)
@@ -349,9 +291,10 @@ class StaticTarget:
         if self.row_kernel and ids_RL.shape[1] == 1 and last_at is None:  # a step: every row or a compacted one
             step = Step(pos_RL, ropes, None, span, INVARIANT, None, True, linear, rows)
         else:
-            masks = visible_masks(self.slot_ids, pos_RL, span, None, self._slot_window())
+            fresh = fresh and self.whole_prefill
+            masks = None if fresh else visible_masks(self.slot_ids, pos_RL, span, None, self._slot_window())
             ring = ring_step(pos_RL, self.ring, self.window, None, last_at) if self.ring else None
-            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, linear, rows, ring)
+            step = Step(pos_RL, ropes, masks, span, self.attention, self.softcap, True, linear, rows, ring, fresh)
         x, _ = self._layers(x, step, False)
         if last_at is not None:
             x = x.gather(1, last_at.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))

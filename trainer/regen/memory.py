@@ -11,7 +11,7 @@ any weight loads (the tokenizer has run: the longest prompt is known). No torch.
              dtype) and recurrent state (value heads x key dim x value dim, fp32); a token step's logits work
              (LOGIT_BUFFERS fp32 vectors of the vocabulary); the prefill's activations of one row's prompt (HF's
              prefill runs the whole batch at once): prompt tokens x (4 x hidden + 3 x MLP width) at the dtype
-  fixed      WORKSPACE_BYTES: a prefill chunk's attention scores (trainer.decode.generate.SCORE_BUDGET fp32
+  fixed      WORKSPACE_BYTES: a prefill chunk's attention scores (trainer.decode.prefill_plan.SCORE_BUDGET fp32
              elements, 1 GiB) and the allocator's slack
 The budget is `--memory-gib`, else the GPU's free memory, of which USABLE is planned; on CPU without
 `--memory-gib` nothing is checked. A job that does not fit is one ConfigError (exit 2) naming the `--batch` that

@@ -87,11 +87,13 @@ def test_refilled_slots_answer_as_hf_generate(family, family_dirs):
 
 
 def test_a_refill_prefills_prompts_longer_than_a_chunk(family_dirs, monkeypatch):
-    """A refill's prefill in several chunks, some of which end no prompt (every prompt still in it goes on): the
-    answers are HF's."""
-    from trainer.decode import generate
+    """A refill's prefill in several chunks (whole-prompt forwards of at most 32 positions: each prompt but the
+    shortest alone, in chunks of 16), some of which end no prompt (every prompt still in it goes on): the answers
+    are HF's."""
+    from trainer.decode import prefill_plan
 
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(prefill_plan, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(prefill_plan, "PREFILL_TOKENS", 32)
     target = family_target(family_dirs, "qwen3")
     prompts = prompts_of(target, (40, 45, 3, 37), seed=6)
     gen = BatchGenerator(target, rows=2, max_len=64, stop_ids=[])

@@ -1,14 +1,16 @@
 """What a `BatchGenerator` call did (`last_run`, trainer/decode/run_stats.py): on a chain target (bench.generate's:
 every answer ends on the stop id after a chosen number of tokens) through 2 rows, the step replays, checks, fills,
-prefill forwards, tokens and positions are the counts worked out by hand from the host loop's rule; a refill's
-forwards are as wide as the prompts' tails need (`chunk_width`), and the answers stay HF's."""
+prefill forwards, tokens and positions are the counts worked out by hand from the host loop's rule and the prefill
+plan (prefill_plan.py), and the answers stay HF's."""
 from __future__ import annotations
 
 import pytest
 
 from bench.generate import make_chain, mixed_prompts
 from tests.trainer.decode.test_generate import family_target, prompts_of
-from trainer.decode.generate import CHECK_EVERY, BatchGenerator, Sampling, chunk_width, hf_generate
+from trainer.decode import prefill_plan
+from trainer.decode.generate import CHECK_EVERY, BatchGenerator, Sampling, hf_generate
+from trainer.decode.prefill_plan import chunk_width
 from trainer.decode.run_stats import RunStats
 
 # (prompt tokens, answer tokens) of five prompts, in queue order
@@ -67,23 +69,24 @@ def test_a_prefill_forward_is_as_wide_as_the_tails_need():
 
 
 def test_a_refill_of_long_prompts_computes_the_tails_not_whole_chunks(family_dirs, monkeypatch):
-    """Chunks of 64: a 70-token prompt takes a 64-wide forward and a 16-wide one (80 positions, not 128); with
-    chunks of 512, prompts of 150 and 130 tokens fill in one 192-wide forward. Answers: HF's."""
-    from trainer.decode import generate
-
+    """Whole-prompt forwards of at most 64 positions and chunks of 64: a 70-token prompt takes a 64-wide chunk and
+    a 16-wide one (80 positions, not 128); by default, prompts of 150 and 130 tokens fill in one 160-wide forward.
+    Answers: HF's."""
     target = family_target(family_dirs, "qwen3")
     pad = target.tokenizer.pad_token_id
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 64)
+    monkeypatch.setattr(prefill_plan, "PREFILL_CHUNK", 64)
+    monkeypatch.setattr(prefill_plan, "PREFILL_TOKENS", 64)
     prompts = prompts_of(target, (70,), seed=7)
     gen = BatchGenerator(target, rows=1, max_len=200, stop_ids=[])
     assert gen.generate(prompts, Sampling(max_new_tokens=3)) == hf_generate(target.model, prompts,
                                                                             Sampling(max_new_tokens=3), [], pad)
     assert (gen.last_run.prefills, gen.last_run.prefill_tokens, gen.last_run.prefill_positions) == (2, 70, 80)
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 512)
+    monkeypatch.undo()
     prompts = prompts_of(target, (150, 130, 5, 100), seed=8)
     gen = BatchGenerator(target, rows=2, max_len=200, stop_ids=[])
+    assert gen.static.whole_prefill
     assert gen.generate(prompts, Sampling(max_new_tokens=4)) == hf_generate(target.model, prompts,
                                                                             Sampling(max_new_tokens=4), [], pad)
-    # both rows end at step 3 together: fills (150, 130) -> 2 x 192, then (5, 100) -> 2 x 128
+    # both rows end at step 3 together: fills (150, 130) -> 2 x 160, then (100, 5) -> 2 x 112
     run = gen.last_run
-    assert (run.fills, run.prefills, run.prefill_tokens, run.prefill_positions) == (2, 2, 385, 2 * 192 + 2 * 128)
+    assert (run.fills, run.prefills, run.prefill_tokens, run.prefill_positions) == (2, 2, 385, 2 * 160 + 2 * 112)

@@ -132,7 +132,7 @@ def test_batch_generation_over_rings_equals_hf_and_the_full_cache(family, family
     """Seven prompts longer than the ring, 24 new tokens each: in one batch of seven rows (one prefill chunk of 32
     with padding), refilled through three rows (prefill chunks of 16: a chunk at 16 reads the ring the first one
     left), and through three rows with full caches, every answer is HF `generate`'s."""
-    from trainer.decode import generate
+    from trainer.decode import prefill_plan
 
     target = sharp_target(family_dirs, family)
     prompts = prompts_of(target, LONG, seed=5)
@@ -142,7 +142,7 @@ def test_batch_generation_over_rings_equals_hf_and_the_full_cache(family, family
     batch = BatchGenerator(target, rows=len(prompts), max_len=64, stop_ids=[])
     assert batch.static.ring == WINDOW + 1
     assert batch.generate(prompts, sampling) == want
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(prefill_plan, "PREFILL_CHUNK", 16)
     refilled = BatchGenerator(target, rows=3, max_len=64, stop_ids=[])
     assert dict(refilled.generate_stream(prompts, sampling)) == dict(enumerate(want)) and refilled.refilled >= 4
     full = BatchGenerator(target, rows=3, max_len=64, stop_ids=[], ring=False)

@@ -17,6 +17,8 @@ Per-row positions (`Step.pos` [R', L], `Step.rows` [R']: the refilling batch gen
 cache row rows[i] and its tokens sit at its own positions pos[i]; its K/V go to those slots of that cache row only
 (other rows untouched), and its queries read that cache row's slots <= their position. Each row is then its own
 unpadded sequence from slot 0, and a forward over a few rows (a refill's prefill) leaves the others as they are.
+Where every row of such a forward starts at position 0 (`Step.fresh`: a whole-prompt prefill, decode/prefill_plan.py)
+a full-attention layer's queries see the forward's own keys only: causal SDPA over them, no mask, no cache read.
 
 Rows of different prompt lengths (`padded`): each row's prompt is left-padded to a common length and starts at its
 own slot `row_start[r]`; a query sees no slot before its row's start, and RoPE takes the position slot - row_start
@@ -56,6 +58,7 @@ class Step(NamedTuple):
     linear: object = None  # what the Gated DeltaNet layers are asked (layers/linear.py `LinearCall`); None: none
     rows: torch.Tensor | None = None  # per-row positions: the cache rows [R'] the forward's rows are (see below)
     ring: object = None  # the ring layers' write slots and mask (layers/ring.py `Ring`); None: no ring layer
+    fresh: bool = False  # per-row positions from 0 (a whole-prompt prefill): full layers attend over the new keys alone
 
 
 def ropes_of(hf_model, kinds) -> dict[str, tuple[torch.Tensor, float]]:
@@ -217,13 +220,20 @@ class AttentionLayer:
         k = self.k_norm(k.view(R, L, Hkv, Dh)).transpose(1, 2)
         v = v.view(R, L, Hkv, Dh).transpose(1, 2)
         q = partial_rope(q, cos, sin)
+        k = partial_rope(k, cos, sin)
+        fresh = step.fresh and kind == FULL and self.ring is None and self.sinks is None and not step.softcap
         if self.ring is not None:
             if kind != SLIDING:  # a ring holds the window only: it cannot compute full attention
                 raise ValueError(f"a sliding-window ring cache cannot compute {kind} attention")
-            keys, values = self._read_then_write(step, partial_rope(k, cos, sin), v)
+            keys, values = self._read_then_write(step, k, v)
+        elif fresh:
+            self._write(step, k, v, read=False)
         else:
-            keys, values = self._write(step, partial_rope(k, cos, sin), v)
-        if step.how == INVARIANT and step.pos.dim() == 2 and L == 1:  # the refilling generator's per-row step
+            keys, values = self._write(step, k, v)
+        if fresh:  # every row from position 0: the keys are the forward's own, causal SDPA (CUDA: flash) needs no mask
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
+                                                 enable_gqa=H != Hkv).transpose(1, 2)
+        elif step.how == INVARIANT and step.pos.dim() == 2 and L == 1:  # the refilling generator's per-row step
             out = step_attention(q, self.k, self.v, step.pos, attn.scaling, step.rows)  # [R, 1, H, Dh]
         elif step.how == INVARIANT:
             out = decode_attention(q, self.k, self.v, step.pos, attn.scaling)  # [R, L, H, Dh]
@@ -257,10 +267,11 @@ class AttentionLayer:
         return (step.how == INVARIANT and step.pos.dim() == 2 and L == 1 and self.ring is None
                 and step.rows is not None and step_inputs_fit(q, self.k, cos, *self._norms()))
 
-    def _write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, step: Step, k: torch.Tensor, v: torch.Tensor,
+               read: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """k / v [R', Hkv, L, Dh] (k turned) into their slots -> the keys and values the queries read, [R', Hkv,
-        span, Dh]. Per-row positions: each row's own slots of its cache row (index_put_ through the [R, M, Hkv,
-        Dh] view), and the read gathers those cache rows."""
+        span, Dh] (None: `read` False). Per-row positions: each row's own slots of its cache row (index_put_
+        through the [R, M, Hkv, Dh] view), and the read gathers those cache rows."""
         if step.pos.dim() == 1:
             self.k.index_copy_(2, step.pos, k)
             self.v.index_copy_(2, step.pos, v)
@@ -268,6 +279,8 @@ class AttentionLayer:
         at = (step.rows[:, None].expand_as(step.pos), step.pos)
         self.k.transpose(1, 2).index_put_(at, k.transpose(1, 2))
         self.v.transpose(1, 2).index_put_(at, v.transpose(1, 2))
+        if not read:
+            return None
         if step.rows.shape[0] == self.k.shape[0]:  # every row, in order (the decode step)
             return self.k[:, :, :step.span], self.v[:, :, :step.span]
         return self.k[:, :, :step.span].index_select(0, step.rows), self.v[:, :, :step.span].index_select(0, step.rows)
