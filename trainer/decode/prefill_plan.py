@@ -23,8 +23,8 @@ from typing import NamedTuple
 SCORE_BUDGET = 2 ** 28  # attention score elements (rows x heads x chunk x slots) one masked prefill chunk may hold
 PREFILL_CHUNK = 512  # the most positions of a row one masked prefill forward takes
 PREFILL_ALIGN = 64  # a chunk's width: the tail it covers rounded up to this (below it, a power of two)
-PREFILL_TOKENS = 16384  # the most positions (rows x width) of a whole-prompt forward
-WHOLE_ALIGN = 16  # a whole-prompt forward's width: its longest prompt rounded up to this
+PREFILL_TOKENS = 8192  # the most positions (rows x width) of a whole-prompt forward
+WHOLE_ALIGN = 8  # a whole-prompt forward's width: its longest prompt rounded up to this
 SPLIT_PADDING = 256  # a prompt shorter than a whole-prompt forward's width by more starts the next forward
 
 

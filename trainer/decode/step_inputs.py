@@ -1,6 +1,7 @@
 """The inputs of the refilling batch generator's one-token attention step as one Triton kernel: q and k through their
 RMSNorms and RoPE, k and v written into their cache slots, for every row at its own position (or some of the
-cache's rows: the generator's compacted steps, token i writing cache row rows[i]).
+cache's rows: the generator's compacted steps, token i writing cache row rows[i]). A whole-prompt prefill runs it
+too, its R' x L tokens as one-token rows, the turned k also out for its attention (`k_out`).
 
 Why: in that step (layers/attention.py's per-row branch, `step_kernel.step_attention` reading the caches) the torch
 form runs about twelve small launches a layer around attention: the q and k norms, RoPE's muls, `cat` and add for q
@@ -38,9 +39,9 @@ def _kernel(triton, tl):
     """The jitted kernel, or None where Triton is not installed."""
     @triton.jit
     def step_inputs(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, qo_ptr, kc_ptr, vc_ptr,
-                    n_cols, q_eps, k_eps, sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, scos_r, ssin_r, sp_r, sc_r, sc_h, sc_s,
-                    H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
-                    NORM: tl.constexpr, OFFSET: tl.constexpr, ASM_MUL: tl.constexpr):
+                    ko_ptr, n_cols, q_eps, k_eps, sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, scos_r, ssin_r, sp_r, sc_r, sc_h,
+                    sc_s, H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+                    NORM: tl.constexpr, OFFSET: tl.constexpr, ASM_MUL: tl.constexpr, K_OUT: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         cr = tl.load(rows_ptr + r).to(tl.int64)  # the cache row token r writes
         j = tl.program_id(1)
@@ -91,6 +92,9 @@ def _kernel(triton, tl):
             a, b = a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
             y = tl.where(turned, a + b, x)
             tl.store(dst + cols, y.to(dt), mask=inside)
+            if K_OUT:  # the turned k also as an output (a prefill's attention reads it, not the cache)
+                if j >= H:
+                    tl.store(ko_ptr + (r * HKV + j - H) * HEAD_DIM + cols, y.to(dt), mask=inside)
         else:
             h = j - H - HKV
             value = tl.load(v_ptr + r * sv_r + h * sv_h + cols, mask=inside, other=0.0)
@@ -127,21 +131,24 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor, q_norm, k_no
 
 def step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, k_out: torch.Tensor | None = None) -> torch.Tensor:
     """q [R', H, Dh], k / v [R', Hkv, Dh] (the projections of one token a row; any strides, the head dims
     contiguous), k_cache / v_cache [R, Hkv, S, Dh], pos [R', 1] long (each token's position, < S), cos / sin
     [R', 1, 1, rot] (rot <= Dh: RoPE on the first rot dims), q_norm / k_norm: `norm_rule`'s (both None: no norms),
-    rows [R'] long (token i is cache row rows[i], distinct; default: every row in order, R' = R) -> q normed and
-    turned, [R', H, 1, Dh] (step_kernel.step_attention's q); k normed and turned, and v, written into the caches at
-    slot pos[i] of row rows[i], every other slot untouched. Check `fits` first."""
+    rows [R'] long (token i is cache row rows[i]; default: every row in order, R' = R; tokens of one row write
+    distinct slots) -> q normed and turned, [R', H, 1, Dh] (step_kernel.step_attention's q); k normed and turned,
+    and v, written into the caches at slot pos[i] of row rows[i], every other slot untouched; the turned k also into
+    k_out [R', Hkv, Dh] (contiguous) when given. Check `fits` first."""
     R, H, Dh = q.shape
     Hkv, rot = k.shape[1], cos.shape[-1]
     if rows is None:
+        if k_cache.shape[0] < R:
+            raise ValueError(f"step_inputs: {R} rows, a cache of {k_cache.shape[0]}")
         rows = torch.arange(R, device=q.device)
-    if (k.shape != (R, Hkv, Dh) or v.shape != k.shape or rows.shape != (R,) or k_cache.shape[0] < R
-            or k_cache.shape[1] != Hkv
+    if (k.shape != (R, Hkv, Dh) or v.shape != k.shape or rows.shape != (R,) or k_cache.shape[1] != Hkv
             or k_cache.shape[3] != Dh or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
-            or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin)) or pos.shape != (R, 1) or sin.shape != cos.shape):
+            or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin)) or pos.shape != (R, 1) or sin.shape != cos.shape
+            or (k_out is not None and (k_out.shape != k.shape or not k_out.is_contiguous()))):
         raise ValueError(f"step_inputs: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cache "
                          f"{tuple(k_cache.shape)}, pos {tuple(pos.shape)}, cos {tuple(cos.shape)} disagree")
     from trainer.triton_device import interpreting
@@ -154,9 +161,10 @@ def step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     if R == 0:
         return out
     _kernel()[(R, H + 2 * Hkv)](
-        q, k, v, qw, kw, cos, sin, pos, rows.contiguous(), out, k_cache, v_cache, Dh, q_eps, k_eps, q.stride(0),
-        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), pos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, HKV=Hkv, HEAD_DIM=Dh, ROT=rot,
-        NORM=bool(rule), OFFSET=offset, ASM_MUL=not interpreting(),
+        q, k, v, qw, kw, cos, sin, pos, rows.contiguous(), out, k_cache, v_cache, out if k_out is None else k_out, Dh,
+        q_eps, k_eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        sin.stride(0), pos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, HKV=Hkv,
+        HEAD_DIM=Dh, ROT=rot,
+        NORM=bool(rule), OFFSET=offset, ASM_MUL=not interpreting(), K_OUT=k_out is not None,
         num_warps=norm_warps(Dh))
     return out

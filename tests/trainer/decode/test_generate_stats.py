@@ -22,7 +22,7 @@ def test_the_counts_of_a_refilled_run_are_the_host_loops(family_dirs):
     prompts 0, 1 at step 0; the check at step 15 (CHECK_EVERY - 1) finds row 0 ended (3 tokens: 2 steps) and
     refills it with prompt 2; `due` = 0 + 19 checks at step 19: prompt 1 (18 tokens, 17 steps) and prompt 2 (2
     tokens) ended, rows 0, 1 take prompts 3, 4 (prompt 4's first token, from its prefill, is the stop id); the
-    check at step 31 finds both ended and the queue empty. Each fill is one forward of a 16-wide chunk per row. Both
+    check at step 31 finds both ended and the queue empty. Each fill is one forward, 8 positions a row. Both
     rows hold a prompt in every step (62 slot-steps occupied, 24 of them live: 29 tokens, 5 chosen by prefills);
     the 12 steps from 19 on are the tail (no prompt waits)."""
     assert CHECK_EVERY == 16
@@ -36,14 +36,14 @@ def test_the_counts_of_a_refilled_run_are_the_host_loops(family_dirs):
     assert isinstance(run, RunStats) and run.steps == gen.replays == 31
     assert (run.rows, run.prompts, run.generated) == (2, 5, 29)
     assert (run.checks, run.fills, run.refilled) == (3, 3, 3) and run.refilled == gen.refilled
-    assert (run.prefills, run.prefill_tokens, run.prefill_positions) == (3, 20, 2 * 16 + 16 + 2 * 16)
+    assert (run.prefills, run.prefill_tokens, run.prefill_positions) == (3, 20, 2 * 8 + 8 + 2 * 8)
     assert run.busy == pytest.approx((29 - 5) / (31 * 2))  # each answer's first token is its prefill's
     assert (run.occupied, run.held, run.tail_steps) == (62, 1.0, 12)
     # no per-row kernel here (CPU, no interpreter): no step compacts, each computes both rows
     assert (run.compact_steps, run.slot_steps, run.busy_computed) == (0, 62, run.busy)
     assert run.prefill_s > 0 and run.step_s > 0  # CPU: the host's time around the prefills and the replays
     shown = run.as_dict()
-    assert shown["busy"] == round(24 / 62, 4) and shown["steps"] == 31 and shown["prefill_positions"] == 80
+    assert shown["busy"] == round(24 / 62, 4) and shown["steps"] == 31 and shown["prefill_positions"] == 40
     # another call starts from zero
     gen.generate(prompts[:1], Sampling(max_new_tokens=20))
     again = gen.last_run  # one prompt in 2 rows: the other slot is empty from the start, every step is the tail
@@ -70,7 +70,7 @@ def test_a_prefill_forward_is_as_wide_as_the_tails_need():
 
 def test_a_refill_of_long_prompts_computes_the_tails_not_whole_chunks(family_dirs, monkeypatch):
     """Whole-prompt forwards of at most 64 positions and chunks of 64: a 70-token prompt takes a 64-wide chunk and
-    a 16-wide one (80 positions, not 128); by default, prompts of 150 and 130 tokens fill in one 160-wide forward.
+    a 16-wide one (80 positions, not 128); by default, prompts of 150 and 130 tokens fill in one 152-wide forward.
     Answers: HF's."""
     target = family_target(family_dirs, "qwen3")
     pad = target.tokenizer.pad_token_id
@@ -87,6 +87,6 @@ def test_a_refill_of_long_prompts_computes_the_tails_not_whole_chunks(family_dir
     assert gen.static.whole_prefill
     assert gen.generate(prompts, Sampling(max_new_tokens=4)) == hf_generate(target.model, prompts,
                                                                             Sampling(max_new_tokens=4), [], pad)
-    # both rows end at step 3 together: fills (150, 130) -> 2 x 160, then (100, 5) -> 2 x 112
+    # both rows end at step 3 together: fills (150, 130) -> 2 x 152, then (100, 5) -> 2 x 104
     run = gen.last_run
-    assert (run.fills, run.prefills, run.prefill_tokens, run.prefill_positions) == (2, 2, 385, 2 * 160 + 2 * 112)
+    assert (run.fills, run.prefills, run.prefill_tokens, run.prefill_positions) == (2, 2, 385, 2 * 152 + 2 * 104)

@@ -40,16 +40,16 @@ def test_every_prompt_position_is_computed_once_in_order(whole):
 def test_whole_prompts_go_longest_first_within_the_budget_and_the_padding_limit():
     lengths = [300, 1000, 990, 40, 700, 1000]
     forwards = whole_forwards(lengths, 32, span_of)
-    # 1000, 1000, 990 share a 1008-wide forward (3 x 1008 within PREFILL_TOKENS); 700 is more than SPLIT_PADDING
+    # 1000, 1000, 990 share a 1000-wide forward (3 x 1000 within PREFILL_TOKENS); 700 is more than SPLIT_PADDING
     # shorter than that: a forward of its own; so are 300 against 704 and 40 against 304
-    assert forwards == [Forward((1, 2, 5), 0, 1008), Forward((4,), 0, 704), Forward((0,), 0, 304),
-                        Forward((3,), 0, 48)]
+    assert forwards == [Forward((1, 2, 5), 0, 1000), Forward((4,), 0, 704), Forward((0,), 0, 304),
+                        Forward((3,), 0, 40)]
     assert all(f.width == whole_width(max(lengths[i] for i in f.prompts)) for f in forwards)
     many = [200] * 100
     budget = whole_forwards(many, 32, span_of)
-    assert [len(f.prompts) for f in budget] == [PREFILL_TOKENS // 208] * (100 // (PREFILL_TOKENS // 208)) + \
-        [100 % (PREFILL_TOKENS // 208)]
-    near = [1000, 1000 - SPLIT_PADDING + 8, 1000 - SPLIT_PADDING + 7]  # the width is 1008
+    per = PREFILL_TOKENS // whole_width(200)
+    assert [len(f.prompts) for f in budget] == [per] * (100 // per) + [100 % per]
+    near = [1000, 1000 - SPLIT_PADDING, 1000 - SPLIT_PADDING - 1]  # the width is 1000
     assert [f.prompts for f in whole_forwards(near, 32, span_of)] == [(0, 1), (2,)]
 
 
@@ -58,7 +58,7 @@ def test_a_prompt_longer_than_a_whole_forward_goes_alone_in_chunks():
     forwards = whole_forwards(lengths, 32, span_of)
     long = [f for f in forwards if f.prompts == (1,)]
     assert long == chunked_forwards(lengths, [1], 32, span_of) and len(long) > 1 and long[0].start == 0
-    assert Forward((0, 2), 0, 16) in forwards
+    assert Forward((0, 2), 0, whole_width(7)) in forwards
 
 
 def test_the_chunks_plan_takes_the_rows_together_within_the_score_budget():

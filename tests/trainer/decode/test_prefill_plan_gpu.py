@@ -1,7 +1,8 @@
 """The whole-prompt prefill on CUDA (run on the H200: `python3 -m pytest -m gpu tests/trainer/decode`): its attention
 (causal SDPA over the forward's own keys, grouped-query heads) has a flash kernel at the serving shapes, so it never
 falls back to SDPA's math backend; and prefilled whole or in masked chunks over the cache, a bf16 target and a hybrid
-(fla's kernels over wide forwards) give the same caches and answers."""
+(fla's kernels over wide forwards) give the same caches and answers; its q/k norms, RoPE and cache writes through
+step_inputs.py's kernel give the torch form's bits."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tests.trainer.decode.test_generate import prompts_of
 from trainer.decode import prefill_plan
 from trainer.decode.generate import BatchGenerator, Sampling
+from trainer.decode.layers.attention import AttentionLayer
 from trainer.model.target import load_target
 
 pytestmark = pytest.mark.gpu
@@ -62,3 +64,23 @@ def test_whole_and_chunked_prefills_agree(family, dtype, family_dirs, monkeypatc
         assert got == want
     else:  # bf16: kernels of different summation orders may part at a near-tie; the first tokens agree
         assert sum(a[0] == b[0] for a, b in zip(got, want)) >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3", "bfloat16"), ("qwen3_5", "bfloat16"), ("qwen3", "float32")])
+def test_the_fused_prefill_inputs_give_the_torch_forms_bits(family, dtype, family_dirs, monkeypatch):
+    """Every attention layer's whole-prompt prefills through the kernel (`AttentionLayer._fresh_inputs`), then the
+    same prompts through the torch form: the caches' prompt slots bit for bit, the answers equal."""
+    target = cuda_target(family_dirs, family, dtype)
+    prompts = prompts_of(target, (200, 37, 150, 12, 90), seed=9)
+    sampling = Sampling(max_new_tokens=12)
+    fused = BatchGenerator(target, rows=5, max_len=256, stop_ids=[])
+    got = fused.generate(prompts, sampling)
+    layers = [m for m in fused.static.mixers if isinstance(m, AttentionLayer)]
+    assert layers and all(m.fused_prefills >= 1 for m in layers)
+    monkeypatch.setattr(AttentionLayer, "_fresh_inputs", lambda self, *args: None)  # the torch form instead
+    plain = BatchGenerator(target, rows=5, max_len=256, stop_ids=[])
+    assert plain.generate(prompts, sampling) == got
+    for caches in (zip(fused.static.k, plain.static.k), zip(fused.static.v, plain.static.v)):
+        for a, b in caches:
+            if a is not None:
+                assert all(torch.equal(a[r, :, :len(p)], b[r, :, :len(p)]) for r, p in enumerate(prompts))

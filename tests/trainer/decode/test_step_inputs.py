@@ -136,6 +136,38 @@ def test_partial_rotary_turns_the_first_dims_only(interpreter):
         assert torch.equal(w, g)
 
 
+@pytest.mark.parametrize("norm, rot", [("plain", None), ("offset", 16)])
+def test_a_whole_prompt_prefill_as_one_token_rows(interpreter, norm, rot):
+    """A whole-prompt prefill (layers/attention.py `_fresh_inputs`): 2 prompts of 5 tokens at positions 0..4 of
+    cache rows 3 and 1, their 10 tokens as one-token rows: q, the turned k (`k_out`) and both caches equal the torch
+    form of the prefill over [R', L] bit for bit in fp32, cache rows 0 and 2 untouched."""
+    R, L, H, Hkv, Dh = 2, 5, 4, 2, 64
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(R, L, H, 2 * Dh, generator=g)[..., :Dh]
+    k, v = (torch.randn(R, L, Hkv * Dh, generator=g) for _ in range(2))
+    k_cache, v_cache = (torch.randn(4, Hkv, 8, Dh, generator=g) for _ in range(2))
+    rows, pos = torch.tensor([3, 1]), torch.arange(L).expand(R, L)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot or Dh, 2).float() / (rot or Dh)))
+    cos, sin = rope_from_inv_freq(pos, inv_freq, 1.0, torch.float32)  # [R, 1, L, rot]
+    norms = qk_norms(norm, Dh, torch.float32, g)
+    want_q = partial_rope(norms[0](q).transpose(1, 2), cos, sin)
+    want_k = partial_rope(norms[1](k.view(R, L, Hkv, Dh)).transpose(1, 2), cos, sin)
+    layer = AttentionLayer(SimpleNamespace(), FULL, None, None, 4, 8, H, Hkv, Dh, torch.float32, torch.device("cpu"))
+    layer.k, layer.v = k_cache.clone(), v_cache.clone()
+    step = Step(pos, {}, None, 8, INVARIANT, None, True, rows=rows)
+    layer._write(step, want_k, v.view(R, L, Hkv, Dh).transpose(1, 2), read=False)
+    kc, vc, k_out = k_cache.clone(), v_cache.clone(), torch.empty(R * L, Hkv, Dh)
+    flat_cos, flat_sin = cos.reshape(R * L, 1, 1, -1), sin.reshape(R * L, 1, 1, -1)
+    assert si.fits(q.reshape(R * L, 1, H, Dh), kc, flat_cos, *norms)
+    got_q = si.step_inputs(q.reshape(R * L, H, Dh), k.view(R * L, Hkv, Dh), v.view(R * L, Hkv, Dh), kc, vc,
+                           pos.reshape(R * L, 1), flat_cos, flat_sin, *norms, rows=rows.repeat_interleave(L),
+                           k_out=k_out)
+    assert torch.equal(got_q.view(R, L, H, Dh).transpose(1, 2), want_q)
+    assert torch.equal(k_out.view(R, L, Hkv, Dh).transpose(1, 2), want_k)
+    assert torch.equal(kc, layer.k) and torch.equal(vc, layer.v)
+    assert torch.equal(kc[[0, 2]], k_cache[[0, 2]]) and not torch.equal(kc[[1, 3]], k_cache[[1, 3]])
+
+
 def test_what_the_kernel_does_not_compute_is_refused(interpreter):
     q, k, v, k_cache, v_cache, pos, cos, sin, norms = case(2, 4, 2, 64, 8, torch.float32, "plain")
     assert si.fits(q, k_cache, cos, *norms) and si.fits(q, k_cache, cos, None, None)
@@ -173,10 +205,11 @@ kernel = step_inputs._kernel()
 out = {}
 for dt in ("bf16", "fp32"):
     sig = {**{n: "*" + dt for n in "q_ptr k_ptr v_ptr qw_ptr kw_ptr cos_ptr sin_ptr".split()}, "pos_ptr": "*i64",
-           "rows_ptr": "*i64", **{n: "*" + dt for n in "qo_ptr kc_ptr vc_ptr".split()}, "n_cols": "i32", "q_eps": "fp32", "k_eps": "fp32",
+           "rows_ptr": "*i64", **{n: "*" + dt for n in "qo_ptr kc_ptr vc_ptr ko_ptr".split()}, "n_cols": "i32", "q_eps": "fp32", "k_eps": "fp32",
            **{n: "i32" for n in "sq_r sq_h sk_r sk_h sv_r sv_h scos_r ssin_r sp_r sc_r sc_h sc_s".split()}}
     for name, dh, rot, offset in (("qwen3", 128, 128, False), ("qwen3_5", 256, 64, True)):
-        consts = {"H": 32, "HKV": 8, "HEAD_DIM": dh, "ROT": rot, "NORM": True, "OFFSET": offset, "ASM_MUL": True}
+        consts = {"H": 32, "HKV": 8, "HEAD_DIM": dh, "ROT": rot, "NORM": True, "OFFSET": offset, "ASM_MUL": True,
+                  "K_OUT": offset}
         names = list(sig) + list(consts)
         full = {**sig, **{n: "constexpr" for n in consts}}
         aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if full[n][0] == "*" or full[n] == "i32"}

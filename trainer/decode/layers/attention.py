@@ -194,6 +194,7 @@ class AttentionLayer:
         self.ring = ring
         self.project = None  # the stack's joined q/k/v projection (decode/fused.py), or None: the module's own
         self.fused_steps = 0  # per-row one-token forwards through step_inputs.py's kernel (a graph's capture: one)
+        self.fused_prefills = 0  # whole-prompt prefill forwards through it
         shape = (rows, kv_heads, slots if ring is None else ring + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -216,12 +217,17 @@ class AttentionLayer:
                             *self._norms(), rows=step.rows)
             self.fused_steps += 1
             return self._output(step_attention(q, self.k, self.v, step.pos, attn.scaling, step.rows), gate)
+        fresh = step.fresh and kind == FULL and self.ring is None and self.sinks is None and not step.softcap
+        turned = self._fresh_inputs(q, k, v, step, cos, sin) if fresh else None
+        if turned is not None:  # every row from position 0: causal SDPA over the forward's own keys (CUDA: flash)
+            out = F.scaled_dot_product_attention(*turned, v.view(R, L, Hkv, Dh).transpose(1, 2), is_causal=True,
+                                                 scale=attn.scaling, enable_gqa=H != Hkv)
+            return self._output(out.transpose(1, 2), gate)
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k.view(R, L, Hkv, Dh)).transpose(1, 2)
         v = v.view(R, L, Hkv, Dh).transpose(1, 2)
         q = partial_rope(q, cos, sin)
         k = partial_rope(k, cos, sin)
-        fresh = step.fresh and kind == FULL and self.ring is None and self.sinks is None and not step.softcap
         if self.ring is not None:
             if kind != SLIDING:  # a ring holds the window only: it cannot compute full attention
                 raise ValueError(f"a sliding-window ring cache cannot compute {kind} attention")
@@ -259,6 +265,25 @@ class AttentionLayer:
     def _norms(self) -> tuple:
         """The q/k norms as step_inputs.py takes them: None for one the layer does not have."""
         return tuple(None if n is identity else n for n in (self.q_norm, self.k_norm))
+
+    def _fresh_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A whole-prompt prefill's q/k norms, RoPE and K/V cache writes as step_inputs.py's kernel (its R' x L
+        tokens as one-token rows: the torch form's bits, one launch a layer instead of about fifteen) -> q and k
+        turned, [R', H, L, Dh] and [R', Hkv, L, Dh]; None where the kernel does not compute them. CUDA only: under
+        the CPU interpreter the prefill stays the torch form (the kernel's tests run it there)."""
+        R, L, H, Dh = q.shape
+        Hkv, N = self.kv_heads, R * L
+        flat_cos, flat_sin = cos.reshape(N, 1, 1, -1), sin.reshape(N, 1, 1, -1)
+        if not (q.is_cuda and step.rows is not None
+                and step_inputs_fit(q.reshape(N, 1, H, Dh), self.k, flat_cos, *self._norms())):
+            return None
+        k_out = torch.empty(N, Hkv, Dh, dtype=q.dtype, device=q.device)
+        q = step_inputs(q.reshape(N, H, Dh), k.view(N, Hkv, Dh), v.view(N, Hkv, Dh), self.k, self.v,
+                        step.pos.reshape(N, 1), flat_cos, flat_sin, *self._norms(),
+                        rows=step.rows.repeat_interleave(L), k_out=k_out)
+        self.fused_prefills += 1
+        return q.view(R, L, H, Dh).transpose(1, 2), k_out.view(R, L, Hkv, Dh).transpose(1, 2)
 
     def _fuses(self, q: torch.Tensor, step: Step, cos: torch.Tensor, L: int) -> bool:
         """This forward is the refilling generator's per-row one-token step over cache rows step.rows (every row in
