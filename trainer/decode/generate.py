@@ -146,10 +146,18 @@ class BatchGenerator:
         self.spans = prefill_buckets(max_len, smallest=min(64, max_len))
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" and graphs else None
         self.programs: dict[tuple[str, int, int | None], GraphProgram] = {}
-        self.replays = 0  # step replays of the last call
-        self.refilled = 0  # prompts the last call prefilled into a slot another prompt had held
         self.last_run: RunStats | None = None  # the last call's counts, once it has handed out every answer
-        self._counts = dict.fromkeys(COUNTED, 0)
+        self._counts = dict.fromkeys(COUNTED, 0)  # the current (or last) call's, as it goes
+
+    @property
+    def replays(self) -> int:
+        """Step replays of the current (or last) call."""
+        return self._counts["steps"]
+
+    @property
+    def refilled(self) -> int:
+        """Prompts the current (or last) call prefilled into a slot another prompt had held."""
+        return self._counts["refilled"]
 
     # ------------------------------------------------------------ device programs (no host sync inside)
 
@@ -253,7 +261,6 @@ class BatchGenerator:
         -> (prompt index, its new tokens through its first stop id, kept) as each answer ends. streams: sampling
         only, each prompt's noise stream id (default: its index in `prompts`)."""
         self.check_fits(prompts, sampling, streams)
-        self.replays = self.refilled = 0
         self.last_run, self._counts = None, dict.fromkeys(COUNTED, 0)
         return self._run(prompts, sampling, list(streams) if streams is not None else list(range(len(prompts))))
 
@@ -299,7 +306,7 @@ class BatchGenerator:
                 spans.stop(PREFILL)
                 for r, i in taken:
                     held[r], since[r] = i, t
-            self.refilled += sum(1 for r, _ in taken if r in refilled_rows)
+            self._count(refilled=sum(1 for r, _ in taken if r in refilled_rows))
             refilled_rows.update(r for r, _ in taken)
 
         def narrow() -> int | None:
@@ -348,14 +355,12 @@ class BatchGenerator:
                 continue
             reach = max(min(len(prompts[held[r]]) + t - since[r], len(prompts[held[r]]) + n_max - 2) for r in live)
             spans.start(STEP)
-            self._count(occupied=len(live), tail_steps=int(not waiting), compact_steps=int(width is not None),
+            self._count(steps=1, occupied=len(live), tail_steps=int(not waiting), compact_steps=int(width is not None),
                         slot_steps=width or R)
             (programs[span_of(reach + 1)] if width is None else compacted[width])()
             t += 1
-            self.replays += 1
         took = spans.seconds()  # after the loop's last sync: no wait
-        self.last_run = RunStats(rows=R, steps=self.replays, refilled=self.refilled, **self._counts,
-                                 prefill_s=took[PREFILL], step_s=took[STEP])
+        self.last_run = RunStats(rows=R, **self._counts, prefill_s=took[PREFILL], step_s=took[STEP])
 
 
 @torch.no_grad()

@@ -17,8 +17,8 @@ import torch
 
 PREFILL, STEP = "prefill", "step"
 # the counts the generator adds up as it goes (RunStats' other fields it knows at the end)
-COUNTED = ("prompts", "generated", "checks", "fills", "prefills", "prefill_tokens", "prefill_positions", "occupied",
-           "tail_steps", "compact_steps", "slot_steps")
+COUNTED = ("steps", "refilled", "prompts", "generated", "checks", "fills", "prefills", "prefill_tokens",
+           "prefill_positions", "occupied", "tail_steps", "compact_steps", "slot_steps")
 
 
 @dataclass(frozen=True)
