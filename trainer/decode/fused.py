@@ -7,11 +7,13 @@ tensor cores' rate (qwen3-8b on the H200: k_proj and v_proj, N = 1024, at about 
 layers). One [Nq + Nk + Nv, D] GEMM for q/k/v, one [2I, D] GEMM for gate/up, and silu(gate) * up in one pass over the
 GEMM's output remove six launches per layer and give the tensor cores wider tiles.
 
-Where: the attention layers' q/k/v and a dense MLP's gate/up, where they are plain `nn.Linear`s of one dtype (an FP8
-target's `Fp8Linear`s keep `fp8.project_shared` and `fp8_target.Fp8GatedMlp`), and the MLP's own forward is
-down(silu(gate(x)) * up(x)) (`fp8_target.gated_silu_mlp`; Gemma's gelu MLP keeps HF's module). MoE MLPs
-(layers/moe.py) are untouched. Memory does not grow: each module's weight (and bias) becomes a view into the joined
-tensor, so HF's modules, their state_dict and every other caller see the same values under the same names.
+Where: the attention layers' q/k/v and a dense MLP's gate/up, where they are plain `nn.Linear`s of one dtype, and the
+MLP's own forward is down(silu(gate(x)) * up(x)) (`fp8_target.gated_silu_mlp`; Gemma's gelu MLP keeps HF's module).
+An FP8 target's q/k/v (`Fp8Linear`s, bias-free) become one e4m3 GEMM too (`JoinedFp8`: the input quantized once,
+as `fp8.project_shared` does, the weights stacked by output rows with their per-channel scales: the same function);
+its MLP is already one (`fp8_target.Fp8GatedMlp`). MoE MLPs (layers/moe.py) are untouched. Memory does not grow:
+each module's weight (and bias) becomes a view into the joined tensor, so HF's modules, their state_dict and every
+other caller see the same values under the same names.
 
 Why not under a speculative verify (`StaticTarget(invariant=True)`): its losslessness rests on cuBLAS giving a token
 the same bits at M = 1 and M = 16 for the GEMM shapes measured (kernels.py); a joined GEMM has other shapes, whose
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decode.layers.attention import INVARIANT, AttentionLayer
+from trainer.model.fp8 import Fp8Linear, quantize_rows, scaled_mm
 from trainer.model.fp8_target import gated_silu_mlp
 from trainer.triton_device import interpreting, runs_on, triton_kernels
 
@@ -118,10 +121,41 @@ class Joined:
         return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
 
 
-def joined_qkv(attn) -> Joined | None:
-    """An attention module's q/k/v projection as one GEMM, or None where they are not plain linears."""
+class JoinedFp8:
+    """Bias-free `Fp8Linear`s of one input width and output dtype that read one input, as one e4m3 GEMM: x [..., D]
+    quantized once by rows -> their outputs, in order. Their `weight_q` buffers become views into the stacked one
+    (`_join`); the per-channel scales ([1, N] fp32 each) are copied side by side."""
+
+    def __init__(self, linears) -> None:
+        if not joinable_fp8(linears):
+            raise ValueError("only bias-free Fp8Linears of one input width and output dtype are joined")
+        self.sizes = [lin.out_features for lin in linears]
+        self.in_features, self.out_dtype = linears[0].in_features, linears[0].out_dtype
+        self.weight_q = _join([lin.weight_q for lin in linears])
+        self.weight_scale = torch.cat([lin.weight_scale for lin in linears], dim=1)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        lead = x.shape[:-1]
+        x_q, x_scale = quantize_rows(x.reshape(-1, self.in_features))
+        out = scaled_mm(x_q, x_scale, self.weight_q.t(), self.weight_scale, self.out_dtype)
+        return list(out.reshape(*lead, sum(self.sizes)).split(self.sizes, dim=-1))
+
+
+def joinable_fp8(linears) -> bool:
+    first = linears[0]
+    return (all(type(lin) is Fp8Linear and lin.bias is None for lin in linears)
+            and all(lin.in_features == first.in_features and lin.out_dtype == first.out_dtype
+                    and lin.weight_q.device == first.weight_q.device and lin.weight_q.is_contiguous()
+                    for lin in linears))
+
+
+def joined_qkv(attn) -> Joined | JoinedFp8 | None:
+    """An attention module's q/k/v projection as one GEMM (bf16 or FP8), or None where they are neither plain
+    linears nor bias-free FP8 ones."""
     linears = [attn.q_proj, attn.k_proj, attn.v_proj]
-    return Joined(linears) if joinable(linears) else None
+    if joinable(linears):
+        return Joined(linears)
+    return JoinedFp8(linears) if joinable_fp8(linears) else None
 
 
 class SiluMlp:

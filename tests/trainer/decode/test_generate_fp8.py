@@ -45,3 +45,29 @@ def test_the_fp8_target_answers_as_hf_generate_on_the_same_fp8_model(family, fam
     fp8 = target.model(probe).logits
     assert fp8.shape == bf.shape and not torch.equal(fp8, bf)
     assert float(torch.nn.functional.cosine_similarity(fp8.flatten(), bf.flatten(), dim=0)) > 0.99
+
+
+@torch.no_grad()
+def test_an_fp8_targets_qkv_join_into_one_e4m3_gemm_over_views(family_dirs):
+    """The batch generator's target (`fuse`): each attention layer's FP8 q/k/v as one e4m3 GEMM (decode/fused.py
+    `JoinedFp8`) whose outputs are each FP8 linear's alone, bit for bit (CPU: each column's fp32 sum as the narrower
+    product's), the modules' e4m3 weights views into the joined one, and a second join allocates nothing."""
+    from tests.trainer.decode.test_fused import attention_layers, inside
+    from trainer.decode.fused import JoinedFp8
+    from trainer.decode.stack import StaticTarget
+
+    target = family_target(family_dirs, "qwen3")
+    assert quantize_target_layers(target.model.model.layers) > 0
+    layers = [layer.self_attn for layer in target.model.model.layers]
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, target.hf_config.hidden_size)
+    want = [[lin(h) for lin in (a.q_proj, a.k_proj, a.v_proj)] for a in layers]
+    static = StaticTarget(target, 16, rows=2, padded=True, fuse=True)
+    joined = [m.project for m in attention_layers(static)]
+    assert len(joined) == len(layers) and all(isinstance(j, JoinedFp8) for j in joined)
+    for j, attn, w in zip(joined, layers, want):
+        assert all(torch.equal(g, x) for g, x in zip(j(h), w))
+        assert all(inside(lin.weight_q, j.weight_q) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
+    again = StaticTarget(target, 16, rows=2, padded=True, fuse=True)
+    assert all(a.project.weight_q.data_ptr() == b.project.weight_q.data_ptr()
+               for a, b in zip(attention_layers(static), attention_layers(again)))

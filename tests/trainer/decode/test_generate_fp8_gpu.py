@@ -73,6 +73,31 @@ def test_an_fp8_linear_launches_one_quantization_kernel_and_qkv_share_one():
     assert len(names) <= 1 + 2 * len(lins), names  # one quantization, then each GEMM (at most one helper kernel)
 
 
+def test_joined_fp8_qkv_is_one_quantization_and_one_gemm():
+    """The batch generator's FP8 q/k/v (decode/fused.py `JoinedFp8`, qwen3-8b's widths): one quantization kernel and
+    one e4m3 GEMM, each output within the FP8 GEMM's rounding of its linear alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.decode.fused import JoinedFp8
+
+    device = fp8_device()
+    torch.manual_seed(0)
+    lins = [Fp8Linear(torch.nn.Linear(4096, n, bias=False, device=device, dtype=torch.bfloat16))
+            for n in (4096, 1024, 1024)]
+    x = torch.randn(256, 1, 4096, device=device, dtype=torch.bfloat16)
+    joined = JoinedFp8(lins)
+    with torch.no_grad():
+        alone = [lin(x) for lin in lins]
+        joined(x)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = joined(x)
+            torch.cuda.synchronize()
+    for g, a in zip(got, alone):
+        torch.testing.assert_close(g.float(), a.float(), rtol=1e-2, atol=1e-2)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("quantize_e4m3_rows" in n for n in names) == 1 and len(names) <= 3, names
+
+
 def test_fp8_graph_replay_equals_the_eager_engine(family_dirs):
     device = fp8_device()
     target = load_target(family_dirs["qwen3"], num_draft_layers=2, layer_ids=(1, 3), device=device,
