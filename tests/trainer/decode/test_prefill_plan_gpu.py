@@ -88,3 +88,18 @@ def test_the_fused_prefill_inputs_give_the_torch_forms_bits(family, dtype, famil
                     assert torch.equal(a[r, :, :len(p)], b[r, :, :len(p)]), (i, r)
                 else:
                     torch.testing.assert_close(a[r, :, :len(p)], b[r, :, :len(p)], rtol=1e-4, atol=1e-4)
+
+
+def test_the_whole_prompt_prefill_runs_flash_attention_not_cudnns(family_dirs):
+    """cuDNN's attention builds an execution plan per new shape, and a refill's rows and width vary: the prefill asks
+    for flash attention (`PREFILL_BACKENDS`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    target = cuda_target(family_dirs, "qwen3", "bfloat16")
+    prompts = prompts_of(target, (40, 33, 20), seed=2)
+    gen = BatchGenerator(target, rows=3, max_len=64, stop_ids=[], graphs=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen.generate(prompts, Sampling(max_new_tokens=2))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not any("cudnn" in n.lower() for n in names) and any("flash" in n.lower() for n in names), names

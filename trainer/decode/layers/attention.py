@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.decode.kernels import decode_attention
 from trainer.decode.step_inputs import fits as step_inputs_fit, step_inputs
@@ -164,6 +165,19 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
     return out.reshape(R, H, L, Dh).transpose(1, 2)
 
 
+# A whole-prompt prefill's attention: not cuDNN's, which builds an execution plan for each new shape (a refill's rows
+# and width vary from one to the next), flash attention first.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [R, H, L, Dh], k / v [R, Hkv, L, Dh] (head h reads KV head h // G) -> causal attention over those keys alone,
+    [R, L, H, Dh]: a whole-prompt prefill's (`Step.fresh`)."""
+    with sdpa_kernel(PREFILL_BACKENDS):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)
+
+
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on the first cos.shape[-1] dims of the head (all of them for most families), the rest passed through."""
     rot = cos.shape[-1]
@@ -220,9 +234,8 @@ class AttentionLayer:
         fresh = step.fresh and kind == FULL and self.ring is None and self.sinks is None and not step.softcap
         turned = self._fresh_inputs(q, k, v, step, cos, sin) if fresh else None
         if turned is not None:  # every row from position 0: causal SDPA over the forward's own keys (CUDA: flash)
-            out = F.scaled_dot_product_attention(*turned, v.view(R, L, Hkv, Dh).transpose(1, 2), is_causal=True,
-                                                 scale=attn.scaling, enable_gqa=H != Hkv)
-            return self._output(out.transpose(1, 2), gate)
+            return self._output(causal_self_attention(*turned, v.view(R, L, Hkv, Dh).transpose(1, 2), attn.scaling),
+                                gate)
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k.view(R, L, Hkv, Dh)).transpose(1, 2)
         v = v.view(R, L, Hkv, Dh).transpose(1, 2)
@@ -236,9 +249,8 @@ class AttentionLayer:
             self._write(step, k, v, read=False)
         else:
             keys, values = self._write(step, k, v)
-        if fresh:  # every row from position 0: the keys are the forward's own, causal SDPA (CUDA: flash) needs no mask
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
-                                                 enable_gqa=H != Hkv).transpose(1, 2)
+        if fresh:  # every row from position 0: the keys are the forward's own, causal SDPA needs no mask
+            out = causal_self_attention(q, k, v, attn.scaling)
         elif step.how == INVARIANT and step.pos.dim() == 2 and L == 1:  # the refilling generator's per-row step
             out = step_attention(q, self.k, self.v, step.pos, attn.scaling, step.rows)  # [R, 1, H, Dh]
         elif step.how == INVARIANT:
