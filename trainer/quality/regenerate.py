@@ -122,9 +122,10 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
 
 class ContinuationEngine:
     """answer(windows: list of equal-length token lists) -> greedy continuations, each through the first
-    <|endoftext|> (kept). regen.engine "static": the static batch generator (`trainer.decode.generate.BatchGenerator`:
-    one static cache, one graph replay per token for the whole batch), built on first use with min(batch size,
-    windows) rows; if it raises, a one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`:
+    <|endoftext|> (kept); `stream(windows, deadline)` the same as they end. regen.engine "static": the static batch
+    generator (`trainer.decode.generate.BatchGenerator`: one static cache, one graph replay per token for every row,
+    a row refilled with the next window as its continuation ends), built on first use with min(batch size, windows)
+    rows; if it raises, a one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`:
     left-padded batches, launch-bound). `used` says which ran."""
 
     def __init__(self, target, cfg: RegenCfg, eot: int, rows: int, log=print) -> None:
@@ -145,11 +146,40 @@ class ContinuationEngine:
                                           + self.cfg.continuation_new_tokens, [self.eot])
             return self.gen.generate(chunk, self.sampling)
         except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
-            self.close()
-            self.used = "static->hf"
-            self.log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                     f"continuing with HF generate")
+            self._fell_back(exc)
             return self._hf(chunk)
+
+    def _fell_back(self, exc: Exception) -> None:
+        self.close()
+        self.used = "static->hf"
+        self.log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                 f"continuing with HF generate")
+
+    def stream(self, windows: list[list[int]], deadline: float):
+        """-> (window index, its continuation) as each ends, until every window is answered or the clock
+        (time.perf_counter()) passes `deadline`: static, one stream through the refilled rows; HF, batches of
+        regen.continuation_batch_size, none started after the deadline. A static failure midway leaves the windows
+        not yet answered to HF."""
+        answered: set[int] = set()
+        if self.used == "static":
+            try:
+                if self.gen is None:
+                    self.gen = BatchGenerator(self.target, self.rows, self.cfg.continuation_prompt_tokens
+                                              + self.cfg.continuation_new_tokens, [self.eot])
+                for i, continuation in self.gen.generate_stream(windows, self.sampling):
+                    answered.add(i)
+                    yield i, continuation
+                    if time.perf_counter() > deadline:
+                        return
+                return
+            except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
+                self._fell_back(exc)
+        rest = [i for i in range(len(windows)) if i not in answered]
+        for at in range(0, len(rest), self.cfg.continuation_batch_size):
+            if time.perf_counter() > deadline:
+                return
+            chunk = rest[at:at + self.cfg.continuation_batch_size]
+            yield from zip(chunk, self._hf([windows[i] for i in chunk]))
 
     def close(self) -> None:
         """Free the static cache and its graph now (they hold GBs at the GPU recipe's batch)."""
@@ -164,21 +194,18 @@ def continuation_engine(target, cfg: RegenCfg, eot: int, log=print, windows: int
 
 def write_continuations(answer, windows: list[list[int]], cfg: RegenCfg, f, deadline: float, eot: int,
                         log=print) -> tuple[int, int, int]:
-    """Greedy continuations (`answer`, from `continuation_engine`) of equal-length windows (no padding needed),
-    appended to `f` as token lines (loss on the continuation only) -> (samples written, tokens generated, windows
-    answered)."""
+    """Greedy continuations (`answer.stream`, from `continuation_engine`) of equal-length windows (no padding
+    needed), appended to `f` as token lines (loss on the continuation only) as they end, until `deadline` -> (samples
+    written, tokens generated, windows answered)."""
     n = tokens = answered = 0
-    for i in range(0, len(windows), cfg.continuation_batch_size):
-        if time.perf_counter() > deadline:
-            break
-        chunk = windows[i:i + cfg.continuation_batch_size]
-        for ids, answer_ids in zip(chunk, answer(chunk)):
-            tokens += len(answer_ids)
-            if answer_ids and answer_ids != [eot]:
-                f.write(token_line(ids, answer_ids))
-                n += 1
-        answered += len(chunk)
-        log(f"regen continuations: {answered}/{len(windows)} answered")
+    for i, answer_ids in answer.stream(windows, deadline):
+        tokens += len(answer_ids)
+        if answer_ids and answer_ids != [eot]:
+            f.write(token_line(windows[i], answer_ids))
+            n += 1
+        answered += 1
+        if answered % cfg.continuation_batch_size == 0 or answered == len(windows):
+            log(f"regen continuations: {answered}/{len(windows)} answered")
     return n, tokens, answered
 
 

@@ -194,6 +194,36 @@ def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
     assert answer.used == "static->hf" and answer.gen is None
 
 
+def test_a_static_stream_failing_midway_leaves_the_rest_to_hf_and_stops_at_the_deadline(made, monkeypatch):
+    """The continuations' stream: the static generator answers one window, then raises; the note is logged once and
+    HF `generate` answers the others, each window once, every answer the target's greedy one. A deadline already
+    passed ends the stream after its first answer."""
+    from trainer.decode import generate
+    from trainer.quality.regenerate import continuation_engine
+
+    q, _pre, _regen, out = made
+    target = load_target(out / "target", num_draft_layers=1, truncate=False)
+    eot = target.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    real = generate.BatchGenerator.generate_stream
+
+    def breaks_after_one(self, *args, **kwargs):
+        stream = real(self, *args, **kwargs)
+        yield next(stream)
+        raise RuntimeError("device lost")
+
+    cfg = dataclasses.replace(q.regen, continuation_new_tokens=5, continuation_batch_size=2,
+                              continuation_prompt_tokens=6, engine="static")
+    windows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22]]
+    want = [generate_target_only(target, w, 5, (eot,)) for w in windows]
+    assert len(list(continuation_engine(target, cfg, eot).stream(windows, 0.0))) == 1
+    monkeypatch.setattr(generate.BatchGenerator, "generate_stream", breaks_after_one)
+    notes: list[str] = []
+    answer = continuation_engine(target, cfg, eot, notes.append)
+    got = dict(answer.stream(windows, float("inf")))
+    assert got == dict(enumerate(want)) and answer.used == "static->hf"
+    assert notes == ["note: regen.engine=static failed (RuntimeError: device lost); continuing with HF generate"]
+
+
 def test_the_pipelines_prompt_sets_as_files_feed_trainer_regenerate(made, tmp_path, capsys):
     """The user's path on the quality target starts here: its prompt sets as chat prompt files (the same prompts the
     pipeline answered), answered again by `trainer regenerate`."""
