@@ -41,6 +41,7 @@ class RegenResult:
     seconds: float
     stopped_by: str  # "done" or "budget"
     continuation_engine: str = ""  # what generated the continuations: "static", "hf", or "static->hf" (fell back)
+    answer_engine: str = ""  # what answered the training prompts, likewise
 
 
 def prompt_sets(q: QualityCfg, split: CorpusSplit | None = None) -> tuple[list[str], list[str]]:
@@ -80,32 +81,34 @@ def conversation_line(prompt: str, answer: str) -> str:
                                          {"role": "assistant", "content": answer}]}) + "\n"
 
 
-def regenerate_file(model, tokenizer, prompts: list[str], cfg: RegenCfg, path: Path, deadline: float,
-                    log=print, as_tokens: bool = False) -> tuple[int, int, int, int]:
-    """Answer `prompts` (shortest first, for less padding) into `path` (chat lines, or token lines when
-    `as_tokens`) -> (samples written, of them ended with EOS, new tokens generated, prompts answered). Blank answers
-    are dropped. No batch starts after `deadline` (a time.perf_counter() value)."""
-    stops, pad = model_stop_ids(model, tokenizer), tokenizer.pad_token_id
-    encoded = sorted(((chat_prompt_ids(tokenizer, p), p) for p in prompts), key=lambda x: len(x[0]))
-    n = with_eos = tokens = blank = 0
-    with Path(path).open("w", encoding="utf-8") as f:
-        for i in range(0, len(encoded), cfg.batch_size):
-            if time.perf_counter() > deadline:
-                break
-            chunk = encoded[i:i + cfg.batch_size]
-            answers = hf_generate(model, [c[0] for c in chunk], Sampling(max_new_tokens=cfg.max_new_tokens), stops,
-                                  pad)
-            for (ids, prompt), answer in zip(chunk, answers):
-                ended = bool(answer) and answer[-1] in stops
-                text = tokenizer.decode(answer[:-1] if ended else answer, skip_special_tokens=False)
-                tokens += len(answer)
-                if not text.strip():
-                    blank += 1  # nothing to supervise (the trainer's loader rejects it): not written
-                    continue
-                f.write(token_line(ids, answer) if as_tokens else conversation_line(prompt, text))
-                n, with_eos = n + 1, with_eos + ended
-            log(f"regen {Path(path).name}: {n + blank}/{len(encoded)} answered, {blank} blank (dropped)")
-    return n, with_eos, tokens, n + blank
+def regenerate_file(target, prompts: list[str], cfg: RegenCfg, path: Path, deadline: float, log=print,
+                    as_tokens: bool = False) -> tuple[int, int, int, int, str]:
+    """Answer `prompts` (longest first) into `path` (chat lines, or token lines when `as_tokens`), in the order the
+    answers end, through `answer_engine` -> (samples written, of them ended with a stop id, new tokens generated,
+    prompts answered, the engine that answered: `Answerer.used`). Blank answers are dropped. Nothing is answered
+    after `deadline` (a time.perf_counter() value)."""
+    tokenizer = target.tokenizer
+    encoded = sorted(((chat_prompt_ids(tokenizer, p), p) for p in prompts), key=lambda x: -len(x[0]))
+    answer = answer_engine(target, cfg, [ids for ids, _ in encoded], log)
+    n = with_eos = tokens = blank = answered = 0
+    try:
+        with Path(path).open("w", encoding="utf-8") as f:
+            for i, answer_ids in answer.stream([ids for ids, _ in encoded], deadline):
+                ids, prompt = encoded[i]
+                ended = bool(answer_ids) and answer_ids[-1] in answer.stops
+                text = tokenizer.decode(answer_ids[:-1] if ended else answer_ids, skip_special_tokens=False)
+                tokens += len(answer_ids)
+                answered += 1
+                if text.strip():  # a blank answer has nothing to supervise (the trainer's loader rejects it)
+                    f.write(token_line(ids, answer_ids) if as_tokens else conversation_line(prompt, text))
+                    n, with_eos = n + 1, with_eos + ended
+                else:
+                    blank += 1
+                if answered % cfg.batch_size == 0 or answered == len(encoded):
+                    log(f"regen {Path(path).name}: {answered}/{len(encoded)} answered, {blank} blank (dropped)")
+    finally:
+        answer.close()
+    return n, with_eos, tokens, answered, answer.used
 
 
 def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary_id: int, seed: int) -> list[list[int]]:
@@ -120,31 +123,34 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
     return wins[keep][:count].tolist()
 
 
-class ContinuationEngine:
-    """answer(windows: list of equal-length token lists) -> greedy continuations, each through the first
-    <|endoftext|> (kept); `stream(windows, deadline)` the same as they end. regen.engine "static": the static batch
-    generator (`trainer.decode.generate.BatchGenerator`: one static cache, one graph replay per token for every row,
-    a row refilled with the next window as its continuation ends), built on first use with min(batch size, windows)
-    rows; if it raises, a one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`:
-    left-padded batches, launch-bound). `used` says which ran."""
+class Answerer:
+    """answer(prompts: token lists) -> the target's greedy answers, each through its first stop id (kept);
+    `stream(prompts, deadline)` the same as they end. engine "static": the static batch generator
+    (`trainer.decode.generate.BatchGenerator`: one static cache of `rows` rows and `max_len` slots, one graph replay per
+    token for every row, a row refilled with the next prompt as its answer ends), built on first use; if it raises, a
+    one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`: left-padded batches of `batch`,
+    launch-bound). `used` says which ran."""
 
-    def __init__(self, target, cfg: RegenCfg, eot: int, rows: int, log=print) -> None:
-        self.target, self.cfg, self.eot, self.rows, self.log = target, cfg, eot, rows, log
+    def __init__(self, target, engine: str, rows: int, max_len: int, sampling: Sampling, stops, pad: int,
+                 batch: int, log=print) -> None:
+        self.target, self.rows, self.max_len, self.sampling, self.log = target, rows, max_len, sampling, log
+        self.stops, self.pad, self.batch = [int(s) for s in stops], pad, batch
         self.gen = None
-        self.used = cfg.engine
-        self.sampling = Sampling(max_new_tokens=cfg.continuation_new_tokens)
+        self.used = engine
 
     def _hf(self, chunk):
-        return hf_generate(self.target.model, chunk, self.sampling, [self.eot], self.eot)
+        return hf_generate(self.target.model, chunk, self.sampling, self.stops, self.pad)
+
+    def _static(self) -> BatchGenerator:
+        if self.gen is None:
+            self.gen = BatchGenerator(self.target, self.rows, self.max_len, self.stops)
+        return self.gen
 
     def __call__(self, chunk):
         if self.used != "static":
             return self._hf(chunk)
         try:
-            if self.gen is None:
-                self.gen = BatchGenerator(self.target, self.rows, self.cfg.continuation_prompt_tokens
-                                          + self.cfg.continuation_new_tokens, [self.eot])
-            return self.gen.generate(chunk, self.sampling)
+            return self._static().generate(chunk, self.sampling)
         except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
             self._fell_back(exc)
             return self._hf(chunk)
@@ -155,31 +161,27 @@ class ContinuationEngine:
         self.log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                  f"continuing with HF generate")
 
-    def stream(self, windows: list[list[int]], deadline: float):
-        """-> (window index, its continuation) as each ends, until every window is answered or the clock
+    def stream(self, prompts: list[list[int]], deadline: float):
+        """-> (prompt index, its answer) as each ends, until every prompt is answered or the clock
         (time.perf_counter()) passes `deadline`: static, one stream through the refilled rows; HF, batches of
-        regen.continuation_batch_size, none started after the deadline. A static failure midway leaves the windows
-        not yet answered to HF."""
+        `batch`, none started after the deadline. A static failure midway leaves the prompts not yet answered to HF."""
         answered: set[int] = set()
         if self.used == "static":
             try:
-                if self.gen is None:
-                    self.gen = BatchGenerator(self.target, self.rows, self.cfg.continuation_prompt_tokens
-                                              + self.cfg.continuation_new_tokens, [self.eot])
-                for i, continuation in self.gen.generate_stream(windows, self.sampling):
+                for i, answer in self._static().generate_stream(prompts, self.sampling):
                     answered.add(i)
-                    yield i, continuation
+                    yield i, answer
                     if time.perf_counter() > deadline:
                         return
                 return
             except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
                 self._fell_back(exc)
-        rest = [i for i in range(len(windows)) if i not in answered]
-        for at in range(0, len(rest), self.cfg.continuation_batch_size):
+        rest = [i for i in range(len(prompts)) if i not in answered]
+        for at in range(0, len(rest), self.batch):
             if time.perf_counter() > deadline:
                 return
-            chunk = rest[at:at + self.cfg.continuation_batch_size]
-            yield from zip(chunk, self._hf([windows[i] for i in chunk]))
+            chunk = rest[at:at + self.batch]
+            yield from zip(chunk, self._hf([prompts[i] for i in chunk]))
 
     def close(self) -> None:
         """Free the static cache and its graph now (they hold GBs at the GPU recipe's batch)."""
@@ -187,9 +189,21 @@ class ContinuationEngine:
         gc.collect()  # the graph's callable refers back to its owner: a cycle
 
 
-def continuation_engine(target, cfg: RegenCfg, eot: int, log=print, windows: int | None = None) -> ContinuationEngine:
+def continuation_engine(target, cfg: RegenCfg, eot: int, log=print, windows: int | None = None) -> Answerer:
+    """The continuations' `Answerer`: windows of regen.continuation_prompt_tokens, answers through the first
+    <|endoftext|>, regen.continuation_batch_size rows (fewer for fewer windows)."""
     rows = cfg.continuation_batch_size if windows is None else max(1, min(cfg.continuation_batch_size, windows))
-    return ContinuationEngine(target, cfg, eot, rows, log)
+    return Answerer(target, cfg.engine, rows, cfg.continuation_prompt_tokens + cfg.continuation_new_tokens,
+                    Sampling(max_new_tokens=cfg.continuation_new_tokens), [eot], eot, cfg.continuation_batch_size, log)
+
+
+def answer_engine(target, cfg: RegenCfg, prompts: list[list[int]], log=print) -> Answerer:
+    """The chat prompts' `Answerer`: answers of at most regen.max_new_tokens through the target's stop ids
+    (`stops.model_stop_ids`), regen.batch_size rows (fewer for fewer prompts)."""
+    stops = model_stop_ids(target.model, target.tokenizer)
+    return Answerer(target, cfg.engine, max(1, min(cfg.batch_size, len(prompts))),
+                    max(map(len, prompts), default=1) + cfg.max_new_tokens, Sampling(max_new_tokens=cfg.max_new_tokens),
+                    stops, target.tokenizer.pad_token_id, cfg.batch_size, log)
 
 
 def write_continuations(answer, windows: list[list[int]], cfg: RegenCfg, f, deadline: float, eot: int,
@@ -221,11 +235,11 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = t0 + q.regen.budget_s
-    model, tok = target.model, target.tokenizer
-    n_eval, eos_eval, tok_eval, _ = regenerate_file(model, tok, eval_prompts, q.regen, out_dir / "eval.jsonl",
-                                                    float("inf"), log)
-    n_train, eos_train, tok_train, answered = regenerate_file(model, tok, train_prompts, q.regen,
-                                                              out_dir / "train.jsonl", deadline, log, as_tokens=True)
+    tok = target.tokenizer
+    n_eval, eos_eval, tok_eval, _, _ = regenerate_file(target, eval_prompts, q.regen, out_dir / "eval.jsonl",
+                                                       float("inf"), log)
+    n_train, eos_train, tok_train, answered, answered_by = regenerate_file(
+        target, train_prompts, q.regen, out_dir / "train.jsonl", deadline, log, as_tokens=True)
     n_cont = tok_cont = cont_answered = 0
     windows: list = []
     engine_used = ""
@@ -248,10 +262,12 @@ def regenerate(target_dir: Path, out_dir: Path, q: QualityCfg, device: torch.dev
                          ended_with_eos=round((eos_eval + eos_train) / max(1, n_eval + n_train), 4),
                          generated_tokens=tok_eval + tok_train + tok_cont, seconds=round(time.perf_counter() - t0, 1),
                          stopped_by="budget" if answered < len(train_prompts) or cont_answered < len(windows)
-                         or (q.regen.continuations and not windows) else "done", continuation_engine=engine_used)
+                         or (q.regen.continuations and not windows) else "done", continuation_engine=engine_used,
+                         answer_engine=answered_by)
     if not n_train or not n_eval:
         raise DataError(f"regeneration left {n_train} training and {n_eval} held-out answers (blank answers are "
                         f"dropped)", hint="train the target longer (pretrain.steps) or raise regen.budget_s")
     log(f"regen done: {n_train} train answers + {n_cont} continuations / {n_eval} eval answers, "
-        f"{result.generated_tokens:,} tokens, {result.ended_with_eos:.0%} of the answers ended with EOS, {result.seconds}s ({result.stopped_by})")
+        f"{result.generated_tokens:,} tokens, {result.ended_with_eos:.0%} of the answers ended with EOS, "
+        f"{result.seconds}s ({result.stopped_by})")
     return result

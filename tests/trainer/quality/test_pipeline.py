@@ -165,6 +165,7 @@ def test_a_hybrid_target_goes_through_every_stage_and_decodes_losslessly(tmp_pat
     decode = result["eval"]["decode"]
     assert decode["engine"] == "static" and decode["prompts"] == 2 and decode["identical"] == 2
     assert decode["replayed_equal"] == 2 and result["regen"]["continuation_engine"] == "static"
+    assert result["regen"]["answer_engine"] == "static"
     assert "note: the static engine cannot serve this target" not in proc.stdout
 
 
