@@ -49,6 +49,22 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def two_layer_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny saved targets of two layers (a hybrid's: one linear-attention, one full-attention), for the tests that
+    run the batch generator under Triton's interpreter, whose cost grows with the layers; built once per run like
+    `family_dirs`. Load them with tests/trainer/families.py `load_two_layers`."""
+    from tests.conftest import built_once
+    from tests.trainer.families import TWO_LAYER_FAMILIES, build_family_target
+
+    def build(root: Path) -> None:
+        for f in TWO_LAYER_FAMILIES:
+            build_family_target(root / f, f, layers=2)
+
+    root = built_once(tmp_path_factory, "two_layer_families", build)
+    return {f: root / f for f in TWO_LAYER_FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def target(tiny_target_dir):
     """Truncated training target with 2 taps (6 layers -> taps [1, 3])."""
     from trainer.model.target import load_target
