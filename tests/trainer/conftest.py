@@ -31,6 +31,51 @@ def interpreter(monkeypatch):
     assert triton_device.interpreting(), ("TRITON_INTERPRET=1 must be set before triton is imported "
                                           "(tests/trainer/conftest)")
     monkeypatch.setattr(triton_device, "CPU_UNDER_INTERPRETER", True)
+    patch_languages_once_per_launch(monkeypatch)
+
+
+def patch_languages_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter swaps triton.language's builtins for interpreted ones at each launch and again at
+    every call of a jitted helper inside each program (tl.sum, our row helpers): thousands of identical re-patches
+    per launch, each walking the module's members, about half of a decode test's time. Here a helper's call skips
+    the patch when the launch in progress has already patched the modules it sees, so the language each program
+    runs is the one it ran before, patched once. For the test's duration; other Triton versions are left as they
+    are (slower, not wrong)."""
+    import inspect
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = getattr(ti, "_patch_lang", None)
+    if not triton.__version__.startswith("3.6.") or original is None:
+        return
+    patched: list[set[int]] = []  # per launch in progress: the language modules patched so far
+
+    class Launch:
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self) -> None:  # the launch's end (its `finally`)
+            patched.pop()
+            self.scope.restore()
+
+    class Unchanged:
+        def restore(self) -> None:
+            pass
+
+    def patch_lang(fn):
+        seen = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if not patched:  # a launch: patched here, restored at its end as before
+            scope = original(fn)
+            patched.append(seen)
+            return Launch(scope)
+        if seen <= patched[-1]:  # a helper inside the launch whose modules are patched already
+            return Unchanged()
+        patched[-1] |= seen  # a helper seeing another module (tl.sum sees triton.language.core): patched as before
+        return original(fn)
+
+    monkeypatch.setattr(ti, "_patch_lang", patch_lang)
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +91,22 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
 
     root = built_once(tmp_path_factory, "families", build)
     return {f: root / f for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def two_layer_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny saved targets of two layers (a hybrid's: one linear-attention, one full-attention), for the tests that
+    run the batch generator under Triton's interpreter, whose cost grows with the layers; built once per run like
+    `family_dirs`. Load them with tests/trainer/families.py `load_two_layers`."""
+    from tests.conftest import built_once
+    from tests.trainer.families import TWO_LAYER_FAMILIES, build_family_target
+
+    def build(root: Path) -> None:
+        for f in TWO_LAYER_FAMILIES:
+            build_family_target(root / f, f, layers=2)
+
+    root = built_once(tmp_path_factory, "two_layer_families", build)
+    return {f: root / f for f in TWO_LAYER_FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,8 @@ STATIC_ENGINE_FAMILIES = FAMILIES
 # a Llama whose RoPE frequencies change with the sequence length (rope_type dynamic): trained on, but refused by the
 # static engine, so eval, regenerate and the bench fall back to HF for it
 REFUSED_BY_STATIC = "llama_dynamic"
+# two-layer targets (tests/trainer/conftest.py `two_layer_dirs`): plain q/k norms, none, biased and sliding, a hybrid
+TWO_LAYER_FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_5")
 # 4 layers, two of each kind, so that taps (1, 3) read a linear-attention and a full-attention layer's output
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
@@ -65,14 +67,15 @@ def family_config(family: str, vocab: int, layers: int = 4):
     raise ValueError(family)
 
 
-def build_family_target(out_dir: Path, family: str, seed: int = 0) -> Path:
+def build_family_target(out_dir: Path, family: str, seed: int = 0, layers: int = 4) -> Path:
+    """layers: 4 by default (taps (1, 3)); 2 keeps one layer of each kind for the tests whose cost is per layer."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from trainer.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    cfg = family_config(family, len(tokenizer))
+    cfg = family_config(family, len(tokenizer), layers)
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -81,6 +84,13 @@ def build_family_target(out_dir: Path, family: str, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def load_two_layers(path: Path):
+    """A `two_layer_dirs` target, untruncated, its taps the two layers."""
+    from trainer.model.target import load_target
+
+    return load_target(path, num_draft_layers=2, layer_ids=(0, 1), truncate=False)
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes

@@ -220,16 +220,17 @@ def test_token_steps_are_the_static_replays_or_each_hf_chunks_longest_answer():
 
 
 @pytest.mark.parametrize("row_kernel", [True, False])
-def test_the_warm_up_captures_every_graph_the_timed_run_replays(request, family_dirs, row_kernel):
+def test_the_warm_up_captures_every_graph_the_timed_run_replays(request, two_layer_dirs, row_kernel):
     """With the per-row attention kernel a short warm-up (the first batch, a few new tokens) captures the one step
     graph; through masked SDPA the warm-up is the whole workload (spans of 16 and 32 slots here). Either way the
-    timed run captures nothing new."""
-    from tests.trainer.decode.test_generate import family_target, prompts_of
+    timed run captures nothing new. A two-layer target: the interpreter's cost is per layer."""
+    from tests.trainer.decode.test_generate import prompts_of
+    from tests.trainer.families import load_two_layers
     from trainer.decode.generate import BatchGenerator, Sampling
 
     if row_kernel:  # the kernel on CPU tensors: under Triton's interpreter
         request.getfixturevalue("interpreter")
-    target = family_target(family_dirs, "qwen3")
+    target = load_two_layers(two_layer_dirs["qwen3"])
     prompts = prompts_of(target, (3, 20, 5), seed=2)
     gen = BatchGenerator(target, rows=2, max_len=60, stop_ids=[], row_kernel=row_kernel)
     assert gen.static.row_kernel == row_kernel

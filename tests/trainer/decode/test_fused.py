@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.decode.test_generate import LENGTHS, family_target, prompts_of, stops_inside
+from tests.trainer.families import load_two_layers
 from trainer.decode import kernels
 from trainer.decode.fused import Joined, SiluMlp, silu_mul
 from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
@@ -161,11 +162,12 @@ def counting_calls(modules) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # qwen2: biased q/k/v, sliding layers (no row kernel)
-def test_the_generator_answers_as_hf_through_the_fused_kernels(interpreter, family, family_dirs):
+def test_the_generator_answers_as_hf_through_the_fused_kernels(interpreter, family, two_layer_dirs):
     """The batch generator with every kernel running (interpreter): greedy answers equal HF `generate`'s, and its
     forward never called the HF q/k/v, gate/up projections or activation (the joined GEMMs and the SiLU kernel
-    computed them); the same generator without `fuse` calls them."""
-    target = family_target(family_dirs, family)
+    computed them); the same generator without `fuse` calls them. Two-layer targets: the interpreter's cost is per
+    layer."""
+    target = load_two_layers(two_layer_dirs[family])
     prompts = prompts_of(target, LENGTHS)
     greedy = Sampling(max_new_tokens=12)
     stops = stops_inside(target, prompts, 12)

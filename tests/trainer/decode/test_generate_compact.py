@@ -2,12 +2,15 @@
 most half the rows are live, a step covers the live rows and a few ended ones only. On CPU under Triton's
 interpreter (the per-row kernel path, where compaction runs), real tiny targets (dense, hybrid): the answers are
 token for token those of the generator without compaction and HF generate's, and `last_run` counts the compacted
-steps at the widths the host loop's rule gives. tests/trainer/decode/test_generate_compact_gpu.py replays them."""
+steps at the widths the host loop's rule gives. tests/trainer/decode/test_generate_compact_gpu.py replays them.
+The targets have two layers (tests/trainer/conftest.py `two_layer_dirs`; the hybrid's: one linear-attention, one
+full-attention): the interpreter's cost is per layer, and one layer of each kind is what compaction must serve."""
 from __future__ import annotations
 
 import pytest
 
-from tests.trainer.decode.test_generate import family_target, prompts_of
+from tests.trainer.decode.test_generate import prompts_of
+from tests.trainer.families import load_two_layers
 from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
 from trainer.decode.stops import cut_at_stop
 
@@ -25,36 +28,38 @@ def tail_workload(target):
 
 
 # the hybrid (Gated DeltaNet states gathered and scattered by row); the dense target is the next test's, and an
-# MoE layer holds no per-row state (each family's run takes about 3 minutes of the interpreter)
+# MoE layer holds no per-row state (each family's run costs a minute or more of the interpreter)
 @pytest.mark.parametrize("family", ["qwen3_5"])
-def test_compacted_tail_steps_answer_as_every_row_steps(interpreter, family_dirs, family):
-    target = family_target(family_dirs, family)
+def test_compacted_tail_steps_answer_as_every_row_steps(interpreter, two_layer_dirs, family):
+    target = load_two_layers(two_layer_dirs[family])
     prompts, stops, want = tail_workload(target)
     assert [len(a) for a in want[:2]] == [MAX_NEW] * 2 and sum(len(a) < 8 for a in want) >= 6
     greedy = Sampling(max_new_tokens=MAX_NEW)
-    full = BatchGenerator(target, rows=8, max_len=60, stop_ids=stops, compact=False)
-    assert full.generate(prompts, greedy) == want and full.widths == []
-    assert full.last_run.compact_steps == 0 and full.last_run.slot_steps == full.last_run.steps * 8
     gen = BatchGenerator(target, rows=8, max_len=60, stop_ids=stops, compact_floor=1)
     assert gen.static.row_kernel and gen.widths == [4, 2, 1]
     streamed = list(gen.generate_stream(prompts, greedy))
     assert [a for _, a in sorted(streamed)] == want
     run = gen.last_run
-    assert run.steps == full.last_run.steps == MAX_NEW - 1 and run.compact_steps > 0
+    assert run.steps == MAX_NEW - 1 and run.compact_steps > 0  # as many steps as every row's (the longest answer's)
     # no step before the first check (CHECK_EVERY - 1 = 15) compacts; compacted steps are 4 or 2 rows wide here
     narrow = run.slot_steps - (run.steps - run.compact_steps) * 8
     assert 2 * run.compact_steps <= narrow <= 4 * run.compact_steps and run.compact_steps <= MAX_NEW - 1 - 15
-    assert run.busy_computed > run.busy == full.last_run.busy
-    # again on the same generator, sampled: the compacted steps draw what every row's steps draw
+    # Sampled, on the same generator and on one whose every row steps (greedy, that one answers as HF does:
+    # tests/trainer/decode/test_step_inputs.py): the compacted steps draw what every row's steps draw, in as many
+    # steps, with the same live share of the full grid and a larger one of the rows computed.
     hot = Sampling(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=3)
-    assert gen.generate(prompts, hot) == full.generate(prompts, hot)
+    full = BatchGenerator(target, rows=8, max_len=60, stop_ids=stops, compact=False)
+    assert full.widths == [] and gen.generate(prompts, hot) == full.generate(prompts, hot)
+    every, run = full.last_run, gen.last_run
+    assert every.compact_steps == 0 and every.slot_steps == every.steps * 8
+    assert run.compact_steps > 0 and run.steps == every.steps and run.busy_computed > run.busy == every.busy
 
 
-def test_the_widths_follow_the_live_rows(interpreter, family_dirs):
+def test_the_widths_follow_the_live_rows(interpreter, two_layer_dirs):
     """Dense qwen3 on this workload: the check at step 15 leaves rows 0, 1 live and the two refilled rows held (their
     prompts' answers ended at their prefill's choice, which only the next check sees): width 4 until the check at
     step 31 leaves two live rows, width 2 to the end (step 39). The floor (16 by default) keeps 8 rows whole."""
-    target = family_target(family_dirs, "qwen3")
+    target = load_two_layers(two_layer_dirs["qwen3"])
     prompts, stops, want = tail_workload(target)
     assert [len(a) for a in want] == [MAX_NEW] * 2 + [1] * 8
     gen = BatchGenerator(target, rows=8, max_len=60, stop_ids=stops, compact_floor=2)

@@ -1,6 +1,7 @@
 """The row-invariant decode kernels (trainer/decode/kernels.py), run on CPU under Triton's interpreter: the same
 kernel code the H200 compiles, checked for what it computes and for its invariance (a row's result does not depend on
-how many rows are launched together)."""
+how many rows are launched together). The refilling batch generator's steps through them, answering as HF generate:
+tests/trainer/decode/test_step_inputs.py."""
 from __future__ import annotations
 
 import pytest
@@ -136,23 +137,6 @@ def test_invariant_speculative_decoding_equals_target_only(interpreter, full_tar
     assert decoder.static.attention == "invariant"
     assert decoder.generate_target_only(ids, 10) == want
     assert decoder.generate_speculative(ids, 10).tokens == want
-
-
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])  # qwen3_5: a hybrid's full-attention layers, head dim 2x
-def test_refilled_slots_step_through_the_kernel_as_hf_generates(interpreter, family_dirs, family):
-    """The refilling batch generator's one-token steps run the decode kernel (its default) with each row's own
-    position (the prefill keeps SDPA): three prompts of 2..9 tokens through 2 rows answer as HF generate."""
-    from tests.trainer.decode.test_generate import family_target, prompts_of, stops_inside
-    from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
-
-    target = family_target(family_dirs, family)
-    prompts = prompts_of(target, (2, 9, 4), seed=5)
-    stops = stops_inside(target, prompts, 9)[:1]  # the first row ends at its 4th token, the others at max_new
-    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=stops)
-    assert gen.static.row_kernel
-    assert gen.generate(prompts, Sampling(max_new_tokens=9)) == hf_generate(
-        target.model, prompts, Sampling(max_new_tokens=9), stops, target.tokenizer.pad_token_id)
-    assert gen.refilled == 1
 
 
 def test_invariant_decoding_refuses_a_compiled_target(full_target):

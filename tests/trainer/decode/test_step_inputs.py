@@ -179,18 +179,26 @@ def test_what_the_kernel_does_not_compute_is_refused(interpreter):
         si.step_inputs(q[:, 0], k.view(2, 2, 64), v.view(2, 2, 64), k_cache, v_cache, pos[:, 0], cos, sin, *norms)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])  # plain norms, none, offset + gated partial rotary
-def test_the_batch_generator_steps_through_the_kernel_as_hf_generates(interpreter, family_dirs, family):
-    """Three prompts through 2 rows (one refill): every attention layer's one-token steps took the kernel, and the
+# qwen3: plain q/k norms; llama: none; qwen3_5: offset norms, gated partial rotary, head dim 2x (a hybrid's
+# full-attention layers)
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
+def test_the_batch_generator_steps_through_the_kernel_as_hf_generates(interpreter, two_layer_dirs, family):
+    """Three prompts of 2..9 tokens through 2 rows, the first row ending at its 4th token and taking the third
+    prompt, the others running to max_new: every attention layer's one-token steps took this kernel (and the per-row
+    attention kernel, trainer/decode/step_kernel.py, each row at its own position; the prefill keeps SDPA), and the
     answers are HF generate's."""
-    from tests.trainer.decode.test_generate import family_target, prompts_of
+    from tests.trainer.decode.test_generate import prompts_of, stops_inside
+    from tests.trainer.families import load_two_layers
     from trainer.decode.generate import BatchGenerator, Sampling, hf_generate
 
-    target = family_target(family_dirs, family)
+    target = load_two_layers(two_layer_dirs[family])  # two layers: the interpreter's cost is per layer
     prompts = prompts_of(target, (2, 9, 4), seed=5)
-    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=[])
-    got = gen.generate(prompts, Sampling(max_new_tokens=6))
-    assert got == hf_generate(target.model, prompts, Sampling(max_new_tokens=6), [], target.tokenizer.pad_token_id)
+    stops = stops_inside(target, prompts, 9)[:1]
+    gen = BatchGenerator(target, rows=2, max_len=20, stop_ids=stops)
+    assert gen.static.row_kernel
+    got = gen.generate(prompts, Sampling(max_new_tokens=9))
+    assert got == hf_generate(target.model, prompts, Sampling(max_new_tokens=9), stops, target.tokenizer.pad_token_id)
+    assert gen.refilled == 1
     attention = [m for m in gen.static.mixers if isinstance(m, AttentionLayer)]
     assert attention and all(m.fused_steps >= 5 for m in attention), [m.fused_steps for m in attention]
 
