@@ -76,7 +76,7 @@ def test_a_launch_on_a_full_disk_leaves_nothing_behind_and_says_why(small_disk, 
 
     (small_disk / "filler").unlink()
     again = _cli(tb, books, "launch", "job", "--host", tb.host, "--ct", str(ctid), "--name", "full", "--json")
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 0, again.stderr + again.stdout  # --json: an error's account is on stdout
 
 
 def test_a_run_that_ends_on_a_full_disk_keeps_its_exit_code(small_disk, testbed, tmp_path):
