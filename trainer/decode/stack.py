@@ -41,10 +41,10 @@ import torch
 
 from trainer.decode.fused import fuse_layers
 from trainer.decode.kernels import RowInvariantRMSNorm, head_dim_supported, usable_for
+from trainer.decode.layer_plan import DYNAMIC_ROPE, FAMILIES, HINT, layer_plan, layers_of, rope_types, text_cfg
 from trainer.decode.layers.attention import (EAGER, INVARIANT, SDPA, AttentionLayer, Step, identity,
                                              rope_from_inv_freq, ropes_of, visible_masks)
 from trainer.decode.layers.linear import PREFILL, STEP, VERIFY, GatedDeltaNetDecode, LinearCall, kernel_for
-from trainer.decode.layer_plan import DYNAMIC_ROPE, FAMILIES, HINT, layer_plan, layers_of, rope_types, text_cfg
 from trainer.decode.layers.moe import MoeMLP
 from trainer.decode.layers.ring import ring_size, ring_step
 from trainer.errors import ConfigError
