@@ -11,7 +11,8 @@ Where: the attention layers' q/k/v and a dense MLP's gate/up, where they are pla
 MLP's own forward is down(silu(gate(x)) * up(x)) (`fp8_target.gated_silu_mlp`; Gemma's gelu MLP keeps HF's module).
 An FP8 target's q/k/v (`Fp8Linear`s, bias-free) become one e4m3 GEMM too (`JoinedFp8`: the input quantized once,
 as `fp8.project_shared` does, the weights stacked by output rows with their per-channel scales: the same function);
-its MLP is already one (`fp8_target.Fp8GatedMlp`). MoE MLPs (layers/moe.py) are untouched. Memory does not grow:
+its MLP is already one (`fp8_target.Fp8GatedMlp`). An MoE layer's shared expert (Qwen3.5-MoE, Qwen3-Next) is such an
+MLP too; its routed experts (layers/moe.py) are untouched. Memory does not grow:
 each module's weight (and bias) becomes a view into the joined tensor, so HF's modules, their state_dict and every
 other caller see the same values under the same names.
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decode.layers.attention import INVARIANT, AttentionLayer
+from trainer.decode.layers.moe import MoeMLP
 from trainer.model.fp8 import Fp8Linear, quantize_rows, scaled_mm
 from trainer.model.fp8_target import gated_silu_mlp
 from trainer.triton_device import interpreting, runs_on, triton_kernels
@@ -182,11 +184,15 @@ def fused_mlp(mlp: torch.nn.Module):
 
 
 def fuse_layers(static) -> None:
-    """Join a `StaticTarget`'s attention q/k/v projections and replace its dense gated SiLU MLPs (the module
-    docstring says where each applies). Refused for a target built for a verify (`invariant` asked)."""
+    """Join a `StaticTarget`'s attention q/k/v projections and replace its dense gated SiLU MLPs and MoE layers'
+    shared experts (the module docstring says where each applies). Refused for a target built for a verify
+    (`invariant` asked)."""
     if static.attention == INVARIANT or static.fallback is not None:
         raise ValueError("fuse: joined GEMMs are not the shapes whose bits a lossless verify relies on")
     for mixer in static.mixers:
         if isinstance(mixer, AttentionLayer):
             mixer.project = joined_qkv(mixer.module)
     static.mlps = [fused_mlp(mlp) if kind == "dense" else mlp for kind, mlp in zip(static.plan.mlps, static.mlps)]
+    for mlp in static.mlps:
+        if isinstance(mlp, MoeMLP) and mlp.shared is not None:
+            mlp.shared = fused_mlp(mlp.shared)

@@ -89,6 +89,22 @@ def test_joining_a_target_twice_allocates_nothing(family_dirs):
 
 
 @torch.no_grad()
+def test_an_moe_layers_shared_expert_is_fused_and_its_routed_experts_are_not(family_dirs):
+    """Qwen3.5-MoE: each MoE layer stays the engine's grouped experts, its shared expert a `SiluMlp` over views of
+    its own weights whose output is the HF module's, bit for bit (CPU)."""
+    target = family_target(family_dirs, "qwen3_5_moe")
+    blocks = [layer.mlp for layer in target.model.model.layers]
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, target.hf_config.get_text_config().hidden_size)
+    want = [block.shared_expert(h) for block in blocks]
+    static = StaticTarget(target, 16, rows=2, padded=True, fuse=True)
+    moe = [m for m in static.mlps if isinstance(m, MoeMLP)]
+    assert len(moe) == len(blocks) and all(isinstance(m.shared, SiluMlp) for m in moe)
+    for m, block, w in zip(moe, blocks, want):
+        assert torch.equal(m.shared(h), w) and inside(block.shared_expert.gate_proj.weight, m.shared.gate_up.weight)
+
+
+@torch.no_grad()
 def test_moe_and_verify_targets_keep_their_own_layers(family_dirs):
     """MoE MLPs stay the engine's grouped experts; a target built for a lossless verify refuses the joined GEMMs;
     without `fuse` the stack calls the modules."""
