@@ -124,8 +124,8 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
 
 
 class Answerer:
-    """answer(prompts: token lists) -> the target's greedy answers, each through its first stop id (kept);
-    `stream(prompts, deadline)` the same as they end. engine "static": the static batch generator
+    """`stream(prompts: token lists, deadline)` -> the target's greedy answers as they end, each through its first
+    stop id (kept). engine "static": the static batch generator
     (`trainer.decode.generate.BatchGenerator`: one static cache of `rows` rows and `max_len` slots, one graph replay per
     token for every row, a row refilled with the next prompt as its answer ends), built on first use; if it raises, a
     one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`: left-padded batches of `batch`,
@@ -145,15 +145,6 @@ class Answerer:
         if self.gen is None:
             self.gen = BatchGenerator(self.target, self.rows, self.max_len, self.stops)
         return self.gen
-
-    def __call__(self, chunk):
-        if self.used != "static":
-            return self._hf(chunk)
-        try:
-            return self._static().generate(chunk, self.sampling)
-        except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
-            self._fell_back(exc)
-            return self._hf(chunk)
 
     def _fell_back(self, exc: Exception) -> None:
         self.close()
