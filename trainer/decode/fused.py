@@ -8,13 +8,13 @@ layers). One [Nq + Nk + Nv, D] GEMM for q/k/v, one [2I, D] GEMM for gate/up, and
 GEMM's output remove six launches per layer and give the tensor cores wider tiles.
 
 Where: the attention layers' q/k/v and a dense MLP's gate/up, where they are plain `nn.Linear`s of one dtype, and the
-MLP's own forward is down(silu(gate(x)) * up(x)) (`fp8_target.gated_silu_mlp`; Gemma's gelu MLP keeps HF's module).
-An FP8 target's q/k/v (`Fp8Linear`s, bias-free) become one e4m3 GEMM too (`JoinedFp8`: the input quantized once,
-as `fp8.project_shared` does, the weights stacked by output rows with their per-channel scales: the same function);
-its MLP is already one (`fp8_target.Fp8GatedMlp`). An MoE layer's shared expert (Qwen3.5-MoE, Qwen3-Next) is such an
-MLP too; its routed experts (layers/moe.py) are untouched. Memory does not grow:
-each module's weight (and bias) becomes a view into the joined tensor, so HF's modules, their state_dict and every
-other caller see the same values under the same names.
+MLP's own forward is down(silu(gate(x)) * up(x)) (`fp8_target.gated_silu_mlp`; Gemma's gelu MLP keeps HF's module). An
+FP8 target's q/k/v (`Fp8Linear`s, bias-free) become one e4m3 GEMM too (`JoinedFp8`: the input quantized once, as
+`fp8.project_shared` does, the weights stacked by output rows with their per-channel scales: the same function); its
+MLP is already one (`fp8_target.Fp8GatedMlp`). An MoE layer's shared expert (Qwen3.5-MoE, Qwen3-Next) is such an MLP
+too; its routed experts (layers/moe.py) are untouched. Memory does not grow: each module's weight (and bias) becomes a
+view into the joined tensor, so HF's modules, their state_dict and every other caller see the same values under the
+same names.
 
 Why not under a speculative verify (`StaticTarget(invariant=True)`): its losslessness rests on cuBLAS giving a token
 the same bits at M = 1 and M = 16 for the GEMM shapes measured (kernels.py); a joined GEMM has other shapes, whose
