@@ -59,7 +59,9 @@ class Step(NamedTuple):
     linear: object = None  # what the Gated DeltaNet layers are asked (layers/linear.py `LinearCall`); None: none
     rows: torch.Tensor | None = None  # per-row positions: the cache rows [R'] the forward's rows are (see below)
     ring: object = None  # the ring layers' write slots and mask (layers/ring.py `Ring`); None: no ring layer
-    fresh: bool = False  # per-row positions from 0 (a whole-prompt prefill): full layers attend over the new keys alone
+    # per-row positions from 0 (a whole-prompt prefill) of a target whose every attention layer is full, through SDPA,
+    # no ring (the stack sets it only where `StaticTarget.whole_prefill` holds): each attends over the new keys alone
+    fresh: bool = False
 
 
 def ropes_of(hf_model, kinds) -> dict[str, tuple[torch.Tensor, float]]:
@@ -231,7 +233,7 @@ class AttentionLayer:
                             *self._norms(), rows=step.rows)
             self.fused_steps += 1
             return self._output(step_attention(q, self.k, self.v, step.pos, attn.scaling, step.rows), gate)
-        fresh = step.fresh and kind == FULL and self.ring is None and self.sinks is None and not step.softcap
+        fresh = step.fresh
         turned = self._fresh_inputs(q, k, v, step, cos, sin) if fresh else None
         if turned is not None:  # every row from position 0: causal SDPA over the forward's own keys (CUDA: flash)
             return self._output(causal_self_attention(*turned, v.view(R, L, Hkv, Dh).transpose(1, 2), attn.scaling),
