@@ -7,7 +7,8 @@ one GEMM per projection covers every expert: `torch.nn.functional.grouped_mm` on
 training target runs through transformers' `grouped_mm` experts, `model/target.load_options`), else the exact torch
 rule, each copy times its expert's gathered weight (S x in x out of memory: a reference, not a fast path). Other
 dtypes take torch's grouped_mm fallback, which reads the offsets on the host and so cannot be captured; they run the
-exact rule. The arithmetic after
+exact rule. A decode step's few copies an expert take `moe_kernel.py`'s two kernels instead, where they serve the
+experts (SiLU-GLU, bf16 on CUDA): the same arithmetic, one weight read an expert. The arithmetic after
 the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own gate (`_apply_gate`:
 SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in token order, summed
 over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from trainer.decode import moe_kernel
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,11 @@ class MoeMLP:
     """An HF sparse MoE block (`gate` or `router`: weight [E, D], bias where the family has one; `experts`:
     gate_up_proj / down_proj as 3-D tensors, their biases where the family has them, `_apply_gate`; a
     `shared_expert` with `shared_expert_gate` where the family has one) computed at decode. Callable like a dense
-    MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the kernel where it serves the weights' device."""
+    MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the grouped GEMM where it serves the weights' device; kernel:
+    None picks `moe_kernel`'s experts kernels where they serve the experts, for calls of few copies an expert."""
 
-    def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None) -> None:
+    def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None,
+                 kernel: bool | None = None) -> None:
         experts = getattr(block, "experts", None)
         if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3):
             raise RuntimeError(f"{type(block).__name__}: the static engine needs the experts as 3-D weight tensors "
@@ -109,6 +114,7 @@ class MoeMLP:
         self.transposed = bool(getattr(experts, "is_transposed", False))
         weight = experts.gate_up_proj
         self.grouped = grouped_available(weight.device, weight.dtype) if grouped is None else grouped
+        self.kernel = moe_kernel.serves(experts) if kernel is None else kernel
         self.shared = getattr(block, "shared_expert", None)
 
     def _bias(self, name: str, sorted_experts: torch.Tensor) -> torch.Tensor | None:
@@ -121,6 +127,10 @@ class MoeMLP:
         logits = F.linear(x, self.router.weight, getattr(self.router, "bias", None))
         weights, experts = route(logits, self.top_k, self.routing)
         order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
+        if self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts):
+            out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
+                                             weights)
+            return self._with_shared(out.sum(dim=1).to(h.dtype), x).view(R, L, D)
         copies = x[order // self.top_k]  # [S, D]
         up = grouped_linear(copies, self.experts.gate_up_proj, self.transposed, offsets, sorted_experts,
                             self.grouped)
@@ -135,6 +145,10 @@ class MoeMLP:
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # copy order back: token t's k copies adjacent
         y = unsorted.view(R * L, self.top_k, D).sum(dim=1).to(h.dtype)
-        if self.shared is not None:
-            y = y + torch.sigmoid(self.block.shared_expert_gate(x)) * self.shared(x)
-        return y.view(R, L, D)
+        return self._with_shared(y, x).view(R, L, D)
+
+    def _with_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum y [T, D] plus the sigmoid-gated shared expert where the family has one."""
+        if self.shared is None:
+            return y
+        return y + torch.sigmoid(self.block.shared_expert_gate(x)) * self.shared(x)

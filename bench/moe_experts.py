@@ -1,0 +1,139 @@
+"""An MoE layer at decode alone: `python -m bench.moe_experts --shape qwen3.5-35b-a3b --rows 64`.
+
+One sparse MoE block of a shape (bench/shapes.py), random weights (the router's drawn wide, so that the rows route
+apart as a trained router's do), bf16, `--rows` tokens, each form captured in a CUDA graph as the batch generator's
+step captures it:
+  grouped  the experts as `grouped_mm` GEMMs (`trainer/decode/layers/moe.py`, the kernels off)
+  kernel   `trainer/decode/moe_kernel.py`'s two kernels (what the step runs where they serve the experts)
+for the whole block (router, sort, experts, shared expert) and for the experts alone (`experts-grouped`,
+`experts-kernel`: the GEMMs and the arithmetic between them, given the sorted copies). Prints one `MOE_BENCH {json}`
+line per form: us per replay (median of `--reps` between CUDA events, after 3 untimed replays), TB/s counting the
+expert weights the copies touch (each touched expert's once), and the largest difference from the grouped form's
+output. `--tiles BN,BK,STAGES,WARPS[;...]` times the kernel forms at other tile settings. CUDA only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _tiles(text: str) -> list[tuple[int, int, int, int]]:
+    try:
+        tiles = [tuple(int(v) for v in part.split(",")) for part in text.split(";") if part.strip()]
+    except ValueError:
+        tiles = []
+    if not tiles or any(len(t) != 4 or min(t) < 1 for t in tiles):
+        raise argparse.ArgumentTypeError(f"--tiles takes BN,BK,STAGES,WARPS[;...] of positive ints, got {text!r}")
+    return tiles
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.moe_experts", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3.5-35b-a3b", help="an MoE shape of bench/shapes.py (default: "
+                   "qwen3.5-35b-a3b)")
+    p.add_argument("--rows", type=int, default=64, help="tokens, one a row (default: 64)")
+    p.add_argument("--reps", type=int, default=20, help="timed replays per form (default: 20)")
+    p.add_argument("--tiles", type=_tiles, default=None, help="kernel tile settings to time: BN,BK,STAGES,WARPS;...")
+    a = p.parse_args(argv)
+    from bench.shapes import SHAPES
+
+    if a.shape not in SHAPES or "moe_intermediate_size" not in SHAPES[a.shape]:
+        p.error(f"--shape {a.shape!r}: choose an MoE shape, one of "
+                f"{sorted(n for n, s in SHAPES.items() if 'moe_intermediate_size' in s)}")
+    if min(a.rows, a.reps) < 1:
+        p.error("--rows and --reps must be >= 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.moe_experts times CUDA kernels and this machine has no CUDA GPU")
+    return _run(a, torch)
+
+
+def _block(shape: str):
+    """The shape's first MoE block, bf16 on CUDA, the router drawn wide."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.shapes import target_config
+
+    cfg = target_config(shape, 4096)
+    cfg.num_hidden_layers = 1
+    if hasattr(cfg, "layer_types"):
+        cfg.layer_types = cfg.layer_types[:1]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    block = model.model.layers[0].mlp
+    router = getattr(block, "gate", None) or block.router
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 1.0, generator=g)
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(block.experts, name).normal_(0.0, 0.02, generator=g)
+    return cfg, block
+
+
+def _graphed(fn, torch):
+    """fn captured in a CUDA graph (warmed on a side stream first): -> (replay, the captured output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def _run(a, torch) -> int:
+    from bench.timing import median_call_ms
+    from trainer.decode import moe_kernel
+    from trainer.decode.layers.moe import MoeMLP, grouped_linear, route, routing_of, sort_by_expert
+
+    cfg, block = _block(a.shape)
+    k, routing = cfg.num_experts_per_tok, routing_of(cfg)
+    experts = block.experts
+    E = experts.gate_up_proj.shape[0]
+    x = torch.randn(a.rows, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator(device="cuda").manual_seed(1))
+    flat = x.view(a.rows, -1)
+    router = getattr(block, "gate", None) or block.router
+    weights, chosen = route(torch.nn.functional.linear(flat, router.weight), k, routing)
+    order, sorted_experts, offsets = sort_by_expert(chosen, E)
+    touched = int(torch.unique(chosen).numel())
+    weight_bytes = touched * (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 2
+
+    def experts_grouped():
+        up = grouped_linear(flat[order // k], experts.gate_up_proj, False, offsets, sorted_experts, True)
+        out = grouped_linear(experts._apply_gate(up), experts.down_proj, False, offsets, sorted_experts, True)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.empty_like(out).index_copy_(0, order, out).view(a.rows, k, -1)
+
+    grouped_mlp, kernel_mlp = MoeMLP(block, routing, k, kernel=False), MoeMLP(block, routing, k)
+    if not kernel_mlp.kernel:
+        raise SystemExit(f"moe_kernel does not serve {a.shape}'s experts here")
+    forms = {"grouped": lambda: grouped_mlp(x), "experts-grouped": experts_grouped}
+    reference = {name: _graphed(fn, torch) for name, fn in forms.items()}
+    default = (moe_kernel.BLOCK_N, moe_kernel.BLOCK_K, moe_kernel.STAGES, moe_kernel.WARPS)
+    rows = [(name, None, replay, out) for name, (replay, out) in reference.items()]
+    for tiles in a.tiles or [default]:
+        moe_kernel.BLOCK_N, moe_kernel.BLOCK_K, moe_kernel.STAGES, moe_kernel.WARPS = tiles
+        for name, fn in (("kernel", lambda: kernel_mlp(x)),
+                         ("experts-kernel", lambda: moe_kernel.experts_forward(experts, flat, order, offsets,
+                                                                               weights))):
+            rows.append((name, tiles, *_graphed(fn, torch)))
+    for name, tiles, replay, out in rows:
+        want = reference["experts-grouped" if name.startswith("experts") else "grouped"][1]
+        ms = median_call_ms(replay, a.reps)
+        row = {"form": name, "shape": a.shape, "rows": a.rows, "experts_touched": touched, "experts": E,
+               "us": round(1e3 * ms, 1), "expert_tb_per_s": round(weight_bytes / ms / 1e9, 2),
+               "max_diff": float((out.float() - want.float()).abs().max()), "tiles": tiles,
+               "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+        print("MOE_BENCH " + json.dumps(row), flush=True)
+    moe_kernel.BLOCK_N, moe_kernel.BLOCK_K, moe_kernel.STAGES, moe_kernel.WARPS = default
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The MoE experts kernels (trainer/decode/moe_kernel.py) on CPU tensors under Triton's interpreter, in fp32: the
+decode MoE MLP through them equals the naive per-token reference for every SiLU-GLU family, an expert with more
+copies than a block and experts with none are served, and the families they do not serve keep the other paths."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.trainer.decode.test_static_moe import family_target, redrawn_block
+from tests.trainer.test_moe_routing import reference, routing_rule
+from trainer.decode import moe_kernel
+from trainer.decode.layers.moe import MoeMLP, route, routing_of, sort_by_expert
+
+SILU_GLU = ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("family", SILU_GLU)
+def test_the_decode_moe_mlp_through_the_kernels_equals_the_per_token_reference(interpreter, family, family_dirs):
+    target = family_target(family_dirs, family)
+    config = json.loads((family_dirs[family] / "config.json").read_text())
+    block, gen = redrawn_block(target)
+    mlp = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"])
+    assert mlp.kernel, family
+    x = torch.randn(3, 5, config["hidden_size"], generator=gen)  # 15 tokens x 2 copies over 4 experts
+    assert moe_kernel.few_copies(15 * mlp.top_k, mlp.num_experts)
+    want = reference(family, block, config, x.reshape(15, -1), routing_rule(family, config))
+    torch.testing.assert_close(mlp(x).reshape(15, -1), want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_expert_past_one_block_and_experts_without_copies(interpreter, family_dirs):
+    """Routing skewed on purpose: expert 1 takes every token's first copy (more copies than BLOCK_M, so its program
+    walks two blocks), expert 3 none; each copy's output against the exact rule, at its own index t x k + j."""
+    target = family_target(family_dirs, "qwen3_moe")
+    block, gen = redrawn_block(target)
+    experts = block.experts
+    T, k = moe_kernel.BLOCK_M + 5, 2
+    x = torch.randn(T, experts.gate_up_proj.shape[-1], generator=gen)
+    chosen = torch.stack([torch.ones(T, dtype=torch.long), torch.arange(T) % 2 * 2], 1)  # experts 1 and 0 / 2
+    weights = torch.rand(T, k, generator=gen)
+    order, sorted_experts, offsets = sort_by_expert(chosen, experts.gate_up_proj.shape[0])
+    assert offsets.tolist()[1] - offsets.tolist()[0] == T > moe_kernel.BLOCK_M and offsets.tolist()[3] == 2 * T
+    got = moe_kernel.experts_forward(experts, x, order, offsets, weights)
+    for t in range(T):
+        for j in range(k):
+            e = int(chosen[t, j])
+            gate, up = (x[t] @ experts.gate_up_proj[e].T).chunk(2)
+            want = (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T * weights[t, j]
+            torch.testing.assert_close(got[t, j], want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prefills_many_copies_take_the_grouped_path_and_gpt_oss_is_not_served(interpreter, family_dirs):
+    """Past MAX_COPIES_PER_EXPERT an expert the kernels step aside (the GEMM tiles of the grouped path reuse each
+    weight tile better), and gpt-oss's experts (biases, clamped GLU, transposed weights) are not theirs."""
+    target = family_target(family_dirs, "qwen3_moe")
+    block, gen = redrawn_block(target)
+    E = block.experts.gate_up_proj.shape[0]
+    assert moe_kernel.few_copies(moe_kernel.MAX_COPIES_PER_EXPERT * E, E)
+    assert not moe_kernel.few_copies(moe_kernel.MAX_COPIES_PER_EXPERT * E + 1, E)
+    oss = family_target(family_dirs, "gpt_oss")
+    oss_block = next(layer.mlp for layer in oss.model.model.layers if hasattr(layer.mlp, "experts"))
+    assert not moe_kernel.serves(oss_block.experts)
+    x = torch.randn(1, moe_kernel.MAX_COPIES_PER_EXPERT * E, block.experts.gate_up_proj.shape[-1], generator=gen)
+    kernel, grouped = MoeMLP(block, routing_of(target.hf_config), 2), MoeMLP(block, routing_of(target.hf_config), 2,
+                                                                             kernel=False)
+    torch.testing.assert_close(kernel(x), grouped(x), atol=1e-5, rtol=1e-5)  # the same path: no kernel launch
+
+
+def test_without_the_interpreter_cpu_keeps_the_torch_paths(family_dirs):
+    target = family_target(family_dirs, "qwen3_moe")
+    block, _ = redrawn_block(target)
+    assert not moe_kernel.serves(block.experts)
+    assert not MoeMLP(block, routing_of(target.hf_config), 2).kernel
+
+
+def test_routing_weights_in_fp32_give_fp32_products(interpreter, family_dirs):
+    """Mixtral keeps its routing weights in fp32: the grouped path's product is then fp32, and so is the kernel's."""
+    target = family_target(family_dirs, "mixtral")
+    block, gen = redrawn_block(target)
+    x = torch.randn(4, block.experts.gate_up_proj.shape[-1], generator=gen)
+    weights, chosen = route(torch.nn.functional.linear(x, block.gate.weight), 2, routing_of(target.hf_config))
+    order, _, offsets = sort_by_expert(chosen, block.experts.gate_up_proj.shape[0])
+    assert moe_kernel.experts_forward(block.experts, x, order, offsets, weights.float()).dtype == torch.float32

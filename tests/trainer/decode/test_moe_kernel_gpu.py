@@ -1,0 +1,101 @@
+"""The MoE experts kernels (trainer/decode/moe_kernel.py) compiled on the H200 (`python3 -m pytest -m gpu
+tests/trainer/decode/test_moe_kernel_gpu.py`): at qwen3.5-35b-a3b's decode shape in bf16 against the grouped GEMM
+path (the same roundings, another summation order), inside a CUDA graph, and the tiny MoE families' blocks through
+MoeMLP with and without them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import _default_apply_gate
+
+from tests.trainer.decode.test_static_moe import redrawn_block
+from trainer.decode import moe_kernel
+from trainer.decode.layers.moe import MoeMLP, Routing, grouped_linear, route, routing_of, sort_by_expert
+from trainer.model.target import load_target
+
+pytestmark = pytest.mark.gpu
+QWEN3_5_MOE = Routing("softmax_topk", renorm=True, cast=True)
+
+
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tier needs CUDA")
+    return torch.device("cuda")
+
+
+class Experts(torch.nn.Module):
+    """SiLU-GLU experts as transformers keeps them (3-D weights, its default gate)."""
+
+    _apply_gate = _default_apply_gate
+
+    def __init__(self, E: int, D: int, I: int, gen: torch.Generator):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(0.02 * torch.randn(E, 2 * I, D, generator=gen, device="cuda"))
+        self.down_proj = torch.nn.Parameter(0.02 * torch.randn(E, D, I, generator=gen, device="cuda"))
+        self.act_fn = SiLUActivation()
+
+
+def decode_shape_experts(E=256, D=2048, I=512):  # qwen3.5-35b-a3b's experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return Experts(E, D, I, gen).to(torch.bfloat16), gen
+
+
+@pytest.mark.parametrize("tokens, k", [(64, 8), (16, 8), (256, 8)])
+def test_the_kernels_equal_the_grouped_path_at_the_decode_shape(tokens, k):
+    cuda()
+    experts, gen = decode_shape_experts()
+    assert moe_kernel.serves(experts)
+    E, D = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1]
+    x = torch.randn(tokens, D, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(tokens, E, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, chosen = route(logits, k, QWEN3_5_MOE)
+    order, sorted_experts, offsets = sort_by_expert(chosen, E)
+    up = grouped_linear(x[order // k], experts.gate_up_proj, False, offsets, sorted_experts, True)
+    out = grouped_linear(experts._apply_gate(up), experts.down_proj, False, offsets, sorted_experts, True)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1)
+    want = torch.empty_like(out).index_copy_(0, order, out).view(tokens, k, D)
+    got = moe_kernel.experts_forward(experts, x, order, offsets, weights)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-4, rtol=2e-2)
+    assert (got.float() - want.float()).abs().mean() < 1e-3 * want.float().abs().mean()
+
+
+def test_the_kernels_replay_in_a_cuda_graph_on_new_routing():
+    """Captured once, replayed after the routing inputs changed in place: the replay follows the new copies."""
+    cuda()
+    experts, gen = decode_shape_experts()
+    E, D, T, k = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[-1], 64, 8
+    x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+    routing = QWEN3_5_MOE
+    logits = torch.randn(T, E, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def step():
+        weights, chosen = route(logits, k, routing)
+        order, _, offsets = sort_by_expert(chosen, E)
+        return moe_kernel.experts_forward(experts, x, order, offsets, weights)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    logits.copy_(torch.randn(T, E, generator=gen, device="cuda").to(torch.bfloat16))
+    x.copy_(torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(captured, step(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe"])
+def test_the_tiny_families_blocks_with_and_without_the_kernels(family, family_dirs):
+    cuda()
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), device="cuda",
+                         dtype="bfloat16", truncate=False)
+    config = json.loads((family_dirs[family] / "config.json").read_text())
+    block, gen = redrawn_block(target)
+    kernel = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"])
+    grouped = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"], kernel=False)
+    assert kernel.kernel and not grouped.kernel and kernel.grouped
+    x = torch.randn(4, 3, config["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
+    torch.testing.assert_close(kernel(x).float(), grouped(x).float(), atol=2e-3, rtol=2e-2)

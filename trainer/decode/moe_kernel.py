@@ -1,0 +1,178 @@
+"""An MoE layer's experts at decode as two Triton kernels, one program per (expert, tile of output columns), each
+reading its expert's weight tile once for all the copies routed to it.
+
+Why: at decode a batch of 64 rows routes 512 copies to 256 experts, two a piece. The grouped GEMM
+(`torch.nn.functional.grouped_mm`, `layers/moe.py`) tiles 128 copies per expert, so it streams the expert weights,
+the step's bulk (qwen3.5-35b-a3b: ~56 GB a step), at ~2.9 TB/s on the H200. Here a program holds BLOCK_M = 16 copies
+and streams one expert's weight rows through a pipelined loop over the input dimension; and the arithmetic around the
+GEMMs runs in their epilogues:
+    experts_up    the copies' token rows gathered by `order` (no copy of x), gate and up of the SiLU-GLU as two
+                  accumulators, written as SiLU(gate) x up [S, I] in sorted order
+    experts_down  act [S, I] times the down weights, times each copy's routing weight, written at the copy's own
+                  index t x k + j (the scatter back to token order)
+Rounding as the grouped path's: each GEMM's fp32 sum rounded to the activation dtype, SiLU and the products on those
+rounded values (fp32 math, rounded again), so only the GEMMs' summation order differs.
+
+Serves the SiLU-GLU experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: `_apply_gate` transformers' default,
+`act_fn` SiLU, no biases, weights [E, out, in]) in bf16 on CUDA, and on CPU under Triton's interpreter (the tests);
+`layers/moe.py` picks it for a decode step's few copies an expert (`few_copies`). No host sync: captured in the graphs.
+Shape legend: T tokens, k experts a token, S = T x k copies, E experts, D hidden, I expert intermediate.
+"""
+from __future__ import annotations
+
+import torch
+
+from trainer.triton_device import triton_kernels
+
+# copies a block (tl.dot's smallest side), output columns a program, input columns a loop step, pipeline stages, warps
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS = 16, 64, 128, 4, 4
+# copies an expert, on average, up to which the kernels run: past it a GEMM tile of 128 copies (the grouped kernel)
+# reuses each weight tile better than programs that loop over blocks of 16
+MAX_COPIES_PER_EXPERT = 16
+
+
+@triton_kernels
+def _kernels(triton, tl):
+    """The jitted kernels, or None where Triton is not installed."""
+
+    @triton.jit
+    def experts_up(x_ptr, w_ptr, order_ptr, ends_ptr, act_ptr, sx, swe, swn, sa, N_COPIES: tl.constexpr,
+                   TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
+                   STAGES: tl.constexpr):
+        e = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        end = tl.load(ends_ptr + e)
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        gate_rows = w_ptr + e.to(tl.int64) * swe + n[:, None] * swn
+        up_rows = gate_rows + I * swn
+        # On the GPU the loop runs over the expert's own copies (a loaded bound); the interpreter cannot loop to
+        # one, so there it walks every block of the N_COPIES (a constant: one compilation per step width) and masks
+        # the copies outside [start, end).
+        for m0 in tl.range(start if LOADED_BOUND else 0, end if LOADED_BOUND else N_COPIES, BM):
+            i = m0 + tl.arange(0, BM)
+            live = (i >= start) & (i < end)
+            token = tl.load(order_ptr + i, mask=live, other=0) // TOP_K
+            a_rows = x_ptr + token.to(tl.int64)[:, None] * sx
+            gate = tl.zeros([BM, BN], tl.float32)
+            up = tl.zeros([BM, BN], tl.float32)
+            for k0 in tl.range(0, D, BK, num_stages=STAGES):
+                a = tl.load(a_rows + (k0 + kk)[None, :], mask=live[:, None], other=0.0)
+                wg = tl.load(gate_rows + (k0 + kk)[None, :])
+                wu = tl.load(up_rows + (k0 + kk)[None, :])
+                if UPCAST:
+                    a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+                gate = tl.dot(a, tl.trans(wg), gate, input_precision=PRECISION)
+                up = tl.dot(a, tl.trans(wu), up, input_precision=PRECISION)
+            dtype = act_ptr.dtype.element_ty
+            g = gate.to(dtype).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            act = silu * up.to(dtype).to(tl.float32)
+            tl.store(act_ptr + i.to(tl.int64)[:, None] * sa + n[None, :], act.to(dtype), mask=live[:, None])
+
+    @triton.jit
+    def experts_down(act_ptr, w_ptr, order_ptr, ends_ptr, weight_ptr, out_ptr, sa, swe, swn, so, N_COPIES: tl.constexpr,
+                     D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
+                     STAGES: tl.constexpr):
+        e = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        end = tl.load(ends_ptr + e)
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        w_rows = w_ptr + e.to(tl.int64) * swe + n[:, None] * swn
+        for m0 in tl.range(start if LOADED_BOUND else 0, end if LOADED_BOUND else N_COPIES, BM):
+            i = m0 + tl.arange(0, BM)
+            live = (i >= start) & (i < end)
+            a_rows = act_ptr + i.to(tl.int64)[:, None] * sa
+            acc = tl.zeros([BM, BN], tl.float32)
+            for k0 in tl.range(0, I, BK, num_stages=STAGES):
+                a = tl.load(a_rows + (k0 + kk)[None, :], mask=live[:, None], other=0.0)
+                w = tl.load(w_rows + (k0 + kk)[None, :])
+                if UPCAST:
+                    a, w = a.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+            copy = tl.load(order_ptr + i, mask=live, other=0).to(tl.int64)
+            weight = tl.load(weight_ptr + copy, mask=live, other=0.0).to(tl.float32)
+            y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+            tl.store(out_ptr + copy[:, None] * so + n[None, :], y.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    return experts_up, experts_down
+
+
+def tile(width: int, block: int) -> int:
+    """A tile side over `width` columns: `block`, or the width where it is narrower (a tiny test model's)."""
+    return min(block, width)
+
+
+def _tiles(width: int) -> bool:
+    """Both tile sides over `width` are powers of two >= 16 (tl.dot's and tl.arange's) that divide it."""
+    return all(t >= 16 and t & (t - 1) == 0 and width % t == 0 for t in (tile(width, BLOCK_N), tile(width, BLOCK_K)))
+
+
+def serves(experts) -> bool:
+    """The kernels compute this experts module here: SiLU-GLU experts as transformers' default gate computes them,
+    no biases, weights [E, out, in] (bf16 on CUDA; any float on CPU under the interpreter), widths that the tiles
+    divide, on a device the kernels run on, not under torch.compile."""
+    from trainer.triton_device import runs_on
+    up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == down.dim() == 3):
+        return False
+    if _kernels() is None or not runs_on(up.device) or torch.compiler.is_compiling() or not _silu_glu(experts):
+        return False
+    E, two_i, D = up.shape
+    I = two_i // 2
+    return (not getattr(experts, "is_transposed", False) and getattr(experts, "gate_up_proj_bias", None) is None
+            and getattr(experts, "down_proj_bias", None) is None and down.shape == (E, D, I)
+            and up.dtype == down.dtype and (up.dtype == torch.bfloat16 or up.device.type == "cpu")
+            and up.stride(-1) == down.stride(-1) == 1 and _tiles(D) and _tiles(I))
+
+
+def _silu_glu(experts) -> bool:
+    """The experts' gate is transformers' default (SiLU of the first half times the second) with a SiLU act_fn."""
+    try:
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    return (getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+            and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)))
+
+
+def few_copies(copies: int, num_experts: int) -> bool:
+    """Few copies an expert (a decode step's, not a prefill's): where the kernels beat the grouped GEMM."""
+    return copies <= MAX_COPIES_PER_EXPERT * num_experts
+
+
+def _launch_options(x: torch.Tensor) -> dict:
+    from trainer.triton_device import interpreting
+    return dict(UPCAST=interpreting(), PRECISION="ieee" if interpreting() or x.dtype == torch.float32 else "tf32",
+                LOADED_BOUND=not interpreting(), STAGES=STAGES, BM=BLOCK_M, num_warps=WARPS)
+
+
+def experts_forward(experts, x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """x [T, D] (the tokens, unsorted), order [S] long (copy indices t x k + j sorted by expert), offsets [E] int32
+    (where each expert's copies end), weights [T, k] (routing weights) -> [T, k, D]: copy (t, j)'s expert output
+    times its weight, in the dtype the grouped path's product has (x's, or fp32 for fp32 routing weights)."""
+    up_kernel, down_kernel = _kernels()
+    w_up, w_down = experts.gate_up_proj, experts.down_proj
+    E, two_i, D = w_up.shape
+    I = two_i // 2
+    T, k = weights.shape
+    S = order.shape[0]
+    x = x.contiguous()
+    order, offsets, weights = order.contiguous(), offsets.contiguous(), weights.contiguous()
+    opts = _launch_options(x)
+    act = torch.empty(S, I, dtype=x.dtype, device=x.device)
+    bn = tile(I, BLOCK_N)
+    up_kernel[(E, I // bn)](x, w_up, order, offsets, act, x.stride(0), w_up.stride(0), w_up.stride(1), act.stride(0),
+                            N_COPIES=S, TOP_K=k, D=D, I=I, BN=bn, BK=tile(D, BLOCK_K), **opts)
+    out = torch.empty(T, k, D, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    flat = out.view(S, D)
+    bn = tile(D, BLOCK_N)
+    down_kernel[(E, D // bn)](act, w_down, order, offsets, weights, flat, act.stride(0), w_down.stride(0),
+                              w_down.stride(1), flat.stride(0), N_COPIES=S, D=D, I=I, BN=bn, BK=tile(I, BLOCK_K),
+                              **opts)
+    return out
