@@ -39,6 +39,8 @@ routers, the embedding and the head stay bf16), quantized in place after the wor
 chain is set on the bf16 weights: zeros quantize to zeros) and before either engine is built, so both engines run
 the same FP8 modules. CUDA compute capability 9.0+ in bf16, refused in one line (exit 2) before the target is built
 elsewhere. Each line records `target_fp8` and, on, `fp8_linears`; the floor stays the bf16 step's.
+`--moe-kernel 1|0`: an MoE target's decode experts through `trainer/decode/moe_kernel.py`'s kernels (where they
+serve: SiLU-GLU experts, bf16, CUDA) or the grouped GEMMs; default `moe_kernel.ENABLED`; each line records it.
 
 Per engine, after an untimed warm-up (equal: one batch; mixed, static: the first batch with 32 new tokens where the
 steps run the per-row attention kernel, one graph for every step, else the whole workload, each attention span's
@@ -111,6 +113,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-fp8", type=int, default=0, choices=(0, 1),
                    help="1: the target's decoder-layer linears in FP8 (as regenerate --target-fp8; CUDA compute "
                         "capability 9.0+, bf16) (default: %(default)s)")
+    p.add_argument("--moe-kernel", type=int, default=None, choices=(0, 1),
+                   help="1 / 0: an MoE target's decode experts through trainer/decode/moe_kernel.py's kernels or the "
+                        "grouped GEMMs (default: moe_kernel.ENABLED)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timed runs, N more whole generations per engine under torch.profiler: the top "
                         "kernels (PROF lines) and their sums by category (PROFSUM), of the whole run (prefill and "
@@ -344,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p)
     target = random_target(args.shape, args.prompt_tokens + args.new_tokens, device, args.dtype)
     prompts, stops, drawn, context = workload(args, target)
-    fp8 = {"target_fp8": bool(args.target_fp8)}
+    from trainer.decode import moe_kernel
+    if args.moe_kernel is not None:
+        moe_kernel.ENABLED = bool(args.moe_kernel)
+    fp8 = {"target_fp8": bool(args.target_fp8), "moe_kernel": moe_kernel.ENABLED}
     if args.target_fp8:  # after the chain is set (it writes bf16 weights), before either engine is built
         from trainer.model.fp8_target import quantize_target_layers
 

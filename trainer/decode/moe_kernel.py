@@ -15,7 +15,7 @@ rounded values (fp32 math, rounded again), so only the GEMMs' summation order di
 
 Serves the SiLU-GLU experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: `_apply_gate` transformers' default,
 `act_fn` SiLU, no biases, weights [E, out, in]) in bf16 on CUDA, and on CPU under Triton's interpreter (the tests);
-`layers/moe.py` picks it for a decode step's few copies an expert (`few_copies`). No host sync: captured in the graphs.
+`layers/moe.py` picks them for a decode step's few copies an expert (`few_copies`) where `ENABLED` or asked. No host sync: captured in the graphs.
 Shape legend: T tokens, k experts a token, S = T x k copies, E experts, D hidden, I expert intermediate.
 """
 from __future__ import annotations
@@ -26,6 +26,10 @@ from trainer.triton_device import triton_kernels
 
 # copies a block (tl.dot's smallest side), output columns a program, input columns a loop step, pipeline stages, warps
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS = 16, 64, 128, 4, 4
+# Whether MoeMLP takes the kernels where they serve (its `kernel=None`): off until they are measured against the
+# grouped GEMMs on the H200 (`python -m bench.moe_experts`, `python -m bench.generate ... --moe-kernel 1`); so far
+# they have run under Triton's interpreter only
+ENABLED = False
 # copies an expert, on average, up to which the kernels run: past it a GEMM tile of 128 copies (the grouped kernel)
 # reuses each weight tile better than programs that loop over blocks of 16
 MAX_COPIES_PER_EXPERT = 16

@@ -195,6 +195,22 @@ def test_target_fp8_is_parsed_and_refused_in_one_line_where_it_cannot_run(capsys
                                     "the target would be on cpu") and "GENERATE" not in captured.out
 
 
+def test_moe_kernel_is_parsed_and_recorded(capsys, monkeypatch):
+    """--moe-kernel 0|1 sets whether MoE targets take trainer/decode/moe_kernel.py's kernels (default: the module's
+    ENABLED, left as it is); each line records it."""
+    from trainer.decode import moe_kernel
+
+    monkeypatch.setattr(moe_kernel, "ENABLED", moe_kernel.ENABLED)  # restored after the test
+    assert bench.parse([]).moe_kernel is None and bench.parse(["--moe-kernel", "1"]).moe_kernel == 1
+    with pytest.raises(SystemExit):
+        bench.parse(["--moe-kernel", "2"])
+    for flag in (1, 0):
+        assert bench.main(["--shape", "tiny", "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "2",
+                           "--repeats", "1", "--engines", "static", "--device", "cpu", "--moe-kernel", str(flag)]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("GENERATE_BENCH"))
+        assert json.loads(line.split(" ", 1)[1])["moe_kernel"] is bool(flag) is moe_kernel.ENABLED
+
+
 def test_profile_is_parsed_and_refused_in_one_line_on_a_cpu(capsys):
     """--profile N (default 0, off); negative is a usage error; N > 0 without CUDA exits 2 before the target is built
     (no GENERATE_FLOOR line). The profile itself is bench/timing.py's (tests/trainer/bench/test_timing.py)."""

@@ -21,7 +21,7 @@ def test_the_decode_moe_mlp_through_the_kernels_equals_the_per_token_reference(i
     target = family_target(family_dirs, family)
     config = json.loads((family_dirs[family] / "config.json").read_text())
     block, gen = redrawn_block(target)
-    mlp = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"])
+    mlp = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"], kernel=True)
     assert mlp.kernel, family
     x = torch.randn(3, 5, config["hidden_size"], generator=gen)  # 15 tokens x 2 copies over 4 experts
     assert moe_kernel.few_copies(15 * mlp.top_k, mlp.num_experts)
@@ -62,8 +62,8 @@ def test_a_prefills_many_copies_take_the_grouped_path_and_gpt_oss_is_not_served(
     oss_block = next(layer.mlp for layer in oss.model.model.layers if hasattr(layer.mlp, "experts"))
     assert not moe_kernel.serves(oss_block.experts)
     x = torch.randn(1, moe_kernel.MAX_COPIES_PER_EXPERT * E, block.experts.gate_up_proj.shape[-1], generator=gen)
-    kernel, grouped = MoeMLP(block, routing_of(target.hf_config), 2), MoeMLP(block, routing_of(target.hf_config), 2,
-                                                                             kernel=False)
+    kernel = MoeMLP(block, routing_of(target.hf_config), 2, kernel=True)
+    grouped = MoeMLP(block, routing_of(target.hf_config), 2, kernel=False)
     torch.testing.assert_close(kernel(x), grouped(x), atol=1e-5, rtol=1e-5)  # the same path: no kernel launch
 
 
@@ -71,7 +71,16 @@ def test_without_the_interpreter_cpu_keeps_the_torch_paths(family_dirs):
     target = family_target(family_dirs, "qwen3_moe")
     block, _ = redrawn_block(target)
     assert not moe_kernel.serves(block.experts)
-    assert not MoeMLP(block, routing_of(target.hf_config), 2).kernel
+    assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=True).kernel
+
+
+def test_the_default_follows_enabled(interpreter, family_dirs, monkeypatch):
+    target = family_target(family_dirs, "qwen3_moe")
+    block, _ = redrawn_block(target)
+    for enabled in (False, True):
+        monkeypatch.setattr(moe_kernel, "ENABLED", enabled)
+        assert MoeMLP(block, routing_of(target.hf_config), 2).kernel is enabled
+        assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=False).kernel
 
 
 def test_routing_weights_in_fp32_give_fp32_products(interpreter, family_dirs):

@@ -94,7 +94,7 @@ def test_the_tiny_families_blocks_with_and_without_the_kernels(family, family_di
                          dtype="bfloat16", truncate=False)
     config = json.loads((family_dirs[family] / "config.json").read_text())
     block, gen = redrawn_block(target)
-    kernel = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"])
+    kernel = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"], kernel=True)
     grouped = MoeMLP(block, routing_of(target.hf_config), config["num_experts_per_tok"], kernel=False)
     assert kernel.kernel and not grouped.kernel and kernel.grouped
     x = torch.randn(4, 3, config["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
