@@ -5,11 +5,12 @@ apart as a trained router's do), bf16, `--rows` tokens, each form captured in a 
 step captures it:
   grouped  the experts as `grouped_mm` GEMMs (`trainer/decode/layers/moe.py`, the kernels off)
   kernel   `trainer/decode/moe_kernel.py`'s two kernels (what the step runs where they serve the experts)
-for the whole block (router, sort, experts, shared expert) and for the experts alone (`experts-grouped`,
-`experts-kernel`: the GEMMs and the arithmetic between them, given the sorted copies). Prints one `MOE_BENCH {json}`
-line per form: us per replay (median of `--reps` between CUDA events, after 3 untimed replays), TB/s counting the
-expert weights the copies touch (each touched expert's once), and the largest difference from the grouped form's
-output. `--tiles BN,BK,STAGES,WARPS[;...]` times the kernel forms at other tile settings. CUDA only.
+for the whole block (router, sort, experts, shared expert) and for each half of the experts alone, given the sorted
+copies: `up-*` (gate/up GEMM and SiLU x up) and `down-*` (down GEMM, routing weight, copies back in token order).
+Prints one `MOE_BENCH {json}` line per form: us per replay (median of `--reps` between CUDA events, after 3 untimed
+replays), TB/s counting the expert weights the form streams (each touched expert's once), and the largest difference
+from the grouped form's output. `--tiles BN,BK,STAGES,WARPS[;...]` times the kernel forms at other tile settings
+(`moe_kernel.Tiles`, both kernels at once; each half's line shows which suits it). CUDA only.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _block(shape: str):
         cfg.layer_types = cfg.layer_types[:1]
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    block = model.model.layers[0].mlp
+    block = model.to("cuda").model.layers[0].mlp  # .to: a no-op where the device context was honoured
     router = getattr(block, "gate", None) or block.router
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
@@ -102,39 +103,50 @@ def _run(a, torch) -> int:
     weights, chosen = route(torch.nn.functional.linear(flat, router.weight), k, routing)
     order, sorted_experts, offsets = sort_by_expert(chosen, E)
     touched = int(torch.unique(chosen).numel())
-    weight_bytes = touched * (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 2
+    up_bytes, down_bytes = (touched * experts.gate_up_proj[0].numel() * 2, touched * experts.down_proj[0].numel() * 2)
+    act = moe_kernel.experts_up(experts, flat, order, offsets, k)
 
-    def experts_grouped():
-        up = grouped_linear(flat[order // k], experts.gate_up_proj, False, offsets, sorted_experts, True)
-        out = grouped_linear(experts._apply_gate(up), experts.down_proj, False, offsets, sorted_experts, True)
+    def up_grouped():
+        return experts._apply_gate(grouped_linear(flat[order // k], experts.gate_up_proj, False, offsets,
+                                                  sorted_experts, True))
+
+    def down_grouped():
+        out = grouped_linear(act, experts.down_proj, False, offsets, sorted_experts, True)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.empty_like(out).index_copy_(0, order, out).view(a.rows, k, -1)
 
-    grouped_mlp, kernel_mlp = MoeMLP(block, routing, k, kernel=False), MoeMLP(block, routing, k)
+    grouped_mlp, kernel_mlp = MoeMLP(block, routing, k, kernel=False), MoeMLP(block, routing, k, kernel=True)
     if not kernel_mlp.kernel:
         raise SystemExit(f"moe_kernel does not serve {a.shape}'s experts here")
-    forms = {"grouped": lambda: grouped_mlp(x), "experts-grouped": experts_grouped}
-    reference = {name: _graphed(fn, torch) for name, fn in forms.items()}
-    default = (moe_kernel.BLOCK_N, moe_kernel.BLOCK_K, moe_kernel.STAGES, moe_kernel.WARPS)
-    rows = [(name, None, replay, out) for name, (replay, out) in reference.items()]
-    for tiles in a.tiles or [default]:
-        moe_kernel.BLOCK_N, moe_kernel.BLOCK_K, moe_kernel.STAGES, moe_kernel.WARPS = tiles
-        for name, fn in (("kernel", lambda: kernel_mlp(x)),
-                         ("experts-kernel", lambda: moe_kernel.experts_forward(experts, flat, order, offsets,
-                                                                               weights))):
+    # form -> (its reference form, the expert weight bytes it streams)
+    forms = {"grouped": ("grouped", up_bytes + down_bytes), "kernel": ("grouped", up_bytes + down_bytes),
+             "up-grouped": ("up-grouped", up_bytes), "up-kernel": ("up-grouped", up_bytes),
+             "down-grouped": ("down-grouped", down_bytes), "down-kernel": ("down-grouped", down_bytes)}
+    calls = {"grouped": lambda: grouped_mlp(x), "kernel": lambda: kernel_mlp(x), "up-grouped": up_grouped,
+             "up-kernel": lambda: moe_kernel.experts_up(experts, flat, order, offsets, k),
+             "down-grouped": down_grouped,
+             "down-kernel": lambda: moe_kernel.experts_down(experts, act, order, offsets, weights)}
+    captured = {name: (None, *_graphed(calls[name], torch)) for name in ("grouped", "up-grouped", "down-grouped")}
+    rows = list(captured.items())
+    default = (moe_kernel.UP_TILES, moe_kernel.DOWN_TILES)
+    for tiles in a.tiles or [None]:
+        if tiles is not None:
+            moe_kernel.UP_TILES = moe_kernel.DOWN_TILES = moe_kernel.Tiles(*tiles)
+        for name in ("kernel", "up-kernel", "down-kernel"):
             try:
-                rows.append((name, tiles, *_graphed(fn, torch)))
+                rows.append((name, (tiles, *_graphed(calls[name], torch))))
             except Exception as e:  # a tile setting the compiler refuses (shared memory): the others still run
                 print("MOE_BENCH " + json.dumps({"form": name, "tiles": tiles, "error": repr(e)[:200]}), flush=True)
-    for name, tiles, replay, out in rows:
-        want = reference["experts-grouped" if name.startswith("experts") else "grouped"][1]
+    moe_kernel.UP_TILES, moe_kernel.DOWN_TILES = default
+    for name, (tiles, replay, out) in rows:
+        reference, weight_bytes = forms[name]
         ms = median_call_ms(replay, a.reps)
         row = {"form": name, "shape": a.shape, "rows": a.rows, "experts_touched": touched, "experts": E,
                "us": round(1e3 * ms, 1), "expert_tb_per_s": round(weight_bytes / ms / 1e9, 2),
-               "max_diff": float((out.float() - want.float()).abs().max()), "tiles": tiles,
+               "max_diff": float((out.float() - captured[reference][2].float()).abs().max()),
+               "tiles": tiles or ("default" if name.endswith("kernel") else None),
                "torch": torch.__version__, "device": torch.cuda.get_device_name()}
         print("MOE_BENCH " + json.dumps(row), flush=True)
-    moe_kernel.BLOCK_N, moe_kernel.BLOCK_K, moe_kernel.STAGES, moe_kernel.WARPS = default
     return 0
 
 

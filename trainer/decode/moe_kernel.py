@@ -20,12 +20,27 @@ Shape legend: T tokens, k experts a token, S = T x k copies, E experts, D hidden
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from trainer.triton_device import triton_kernels
 
-# copies a block (tl.dot's smallest side), output columns a program, input columns a loop step, pipeline stages, warps
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS = 16, 64, 128, 4, 4
+
+
+class Tiles(NamedTuple):
+    """A kernel's launch shape: output columns a program, input columns a loop step, pipeline stages, warps."""
+
+    n: int
+    k: int
+    stages: int
+    warps: int
+
+
+BLOCK_M = 16  # copies a block: tl.dot's smallest side
+# Each kernel's tiles (bench.moe_experts --tiles times others): the up kernel streams 2 x n rows of D inputs a
+# program, the down kernel n rows of only I inputs, so it takes wider programs for as long a stream
+UP_TILES, DOWN_TILES = Tiles(64, 128, 4, 4), Tiles(128, 128, 4, 4)
 # Whether MoeMLP takes the kernels where they serve (its `kernel=None`): off until they are measured against the
 # grouped GEMMs on the H200 (`python -m bench.moe_experts`, `python -m bench.generate ... --moe-kernel 1`); so far
 # they have run under Triton's interpreter only
@@ -40,7 +55,7 @@ def _kernels(triton, tl):
     """The jitted kernels, or None where Triton is not installed."""
 
     @triton.jit
-    def experts_up(x_ptr, w_ptr, order_ptr, ends_ptr, act_ptr, sx, swe, swn, sa, N_COPIES: tl.constexpr,
+    def up_kernel(x_ptr, w_ptr, order_ptr, ends_ptr, act_ptr, sx, swe, swn, sa, N_COPIES: tl.constexpr,
                    TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
                    STAGES: tl.constexpr):
@@ -76,7 +91,7 @@ def _kernels(triton, tl):
             tl.store(act_ptr + i.to(tl.int64)[:, None] * sa + n[None, :], act.to(dtype), mask=live[:, None])
 
     @triton.jit
-    def experts_down(act_ptr, w_ptr, order_ptr, ends_ptr, weight_ptr, out_ptr, sa, swe, swn, so, N_COPIES: tl.constexpr,
+    def down_kernel(act_ptr, w_ptr, order_ptr, ends_ptr, weight_ptr, out_ptr, sa, swe, swn, so, N_COPIES: tl.constexpr,
                      D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
                      STAGES: tl.constexpr):
@@ -102,7 +117,7 @@ def _kernels(triton, tl):
             y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
             tl.store(out_ptr + copy[:, None] * so + n[None, :], y.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
-    return experts_up, experts_down
+    return up_kernel, down_kernel
 
 
 def tile(width: int, block: int) -> int:
@@ -110,9 +125,11 @@ def tile(width: int, block: int) -> int:
     return min(block, width)
 
 
-def _tiles(width: int) -> bool:
-    """Both tile sides over `width` are powers of two >= 16 (tl.dot's and tl.arange's) that divide it."""
-    return all(t >= 16 and t & (t - 1) == 0 and width % t == 0 for t in (tile(width, BLOCK_N), tile(width, BLOCK_K)))
+def _divides(out_width: int, in_width: int, tiles: Tiles) -> bool:
+    """The kernel's tile sides over its output and input widths are powers of two >= 16 (tl.dot's and tl.arange's)
+    that divide them."""
+    sides = ((out_width, tile(out_width, tiles.n)), (in_width, tile(in_width, tiles.k)))
+    return all(t >= 16 and t & (t - 1) == 0 and width % t == 0 for width, t in sides)
 
 
 def serves(experts) -> bool:
@@ -130,7 +147,8 @@ def serves(experts) -> bool:
     return (not getattr(experts, "is_transposed", False) and getattr(experts, "gate_up_proj_bias", None) is None
             and getattr(experts, "down_proj_bias", None) is None and down.shape == (E, D, I)
             and up.dtype == down.dtype and (up.dtype == torch.bfloat16 or up.device.type == "cpu")
-            and up.stride(-1) == down.stride(-1) == 1 and _tiles(D) and _tiles(I))
+            and up.stride(-1) == down.stride(-1) == 1 and _divides(I, D, UP_TILES)
+            and _divides(D, I, DOWN_TILES))
 
 
 def _silu_glu(experts) -> bool:
@@ -149,10 +167,42 @@ def few_copies(copies: int, num_experts: int) -> bool:
     return copies <= MAX_COPIES_PER_EXPERT * num_experts
 
 
-def _launch_options(x: torch.Tensor) -> dict:
+def _launch_options(x: torch.Tensor, tiles: Tiles) -> dict:
     from trainer.triton_device import interpreting
     return dict(UPCAST=interpreting(), PRECISION="ieee" if interpreting() or x.dtype == torch.float32 else "tf32",
-                LOADED_BOUND=not interpreting(), STAGES=STAGES, BM=BLOCK_M, num_warps=WARPS)
+                LOADED_BOUND=not interpreting(), STAGES=tiles.stages, BM=BLOCK_M, num_warps=tiles.warps)
+
+
+def experts_up(experts, x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
+    """x [T, D] (the tokens, unsorted), order [S] long (copy indices t x k + j sorted by expert), offsets [E] int32
+    (where each expert's copies end) -> act [S, I] in sorted order: SiLU(gate) x up of each copy's expert."""
+    w = experts.gate_up_proj
+    E, two_i, D = w.shape
+    I, S = two_i // 2, order.shape[0]
+    x, order, offsets = x.contiguous(), order.contiguous(), offsets.contiguous()
+    act = torch.empty(S, I, dtype=x.dtype, device=x.device)
+    bn = tile(I, UP_TILES.n)
+    _kernels()[0][(E, I // bn)](x, w, order, offsets, act, x.stride(0), w.stride(0), w.stride(1), act.stride(0),
+                                N_COPIES=S, TOP_K=top_k, D=D, I=I, BN=bn, BK=tile(D, UP_TILES.k),
+                                **_launch_options(x, UP_TILES))
+    return act
+
+
+def experts_down(experts, act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """act [S, I] in sorted order, weights [T, k] (routing weights) -> [T, k, D]: copy (t, j)'s down projection
+    times its weight, in the dtype the grouped path's product has (act's, or fp32 for fp32 routing weights)."""
+    w = experts.down_proj
+    E, D, I = w.shape
+    T, k = weights.shape
+    S = order.shape[0]
+    out = torch.empty(T, k, D, dtype=torch.promote_types(act.dtype, weights.dtype), device=act.device)
+    flat = out.view(S, D)
+    bn = tile(D, DOWN_TILES.n)
+    _kernels()[1][(E, D // bn)](act, w, order.contiguous(), offsets.contiguous(), weights.contiguous(), flat,
+                                act.stride(0), w.stride(0), w.stride(1), flat.stride(0), N_COPIES=S, D=D, I=I,
+                                BN=bn, BK=tile(I, DOWN_TILES.k), **_launch_options(act, DOWN_TILES))
+    return out
 
 
 def experts_forward(experts, x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
@@ -160,23 +210,5 @@ def experts_forward(experts, x: torch.Tensor, order: torch.Tensor, offsets: torc
     """x [T, D] (the tokens, unsorted), order [S] long (copy indices t x k + j sorted by expert), offsets [E] int32
     (where each expert's copies end), weights [T, k] (routing weights) -> [T, k, D]: copy (t, j)'s expert output
     times its weight, in the dtype the grouped path's product has (x's, or fp32 for fp32 routing weights)."""
-    up_kernel, down_kernel = _kernels()
-    w_up, w_down = experts.gate_up_proj, experts.down_proj
-    E, two_i, D = w_up.shape
-    I = two_i // 2
-    T, k = weights.shape
-    S = order.shape[0]
-    x = x.contiguous()
-    order, offsets, weights = order.contiguous(), offsets.contiguous(), weights.contiguous()
-    opts = _launch_options(x)
-    act = torch.empty(S, I, dtype=x.dtype, device=x.device)
-    bn = tile(I, BLOCK_N)
-    up_kernel[(E, I // bn)](x, w_up, order, offsets, act, x.stride(0), w_up.stride(0), w_up.stride(1), act.stride(0),
-                            N_COPIES=S, TOP_K=k, D=D, I=I, BN=bn, BK=tile(D, BLOCK_K), **opts)
-    out = torch.empty(T, k, D, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
-    flat = out.view(S, D)
-    bn = tile(D, BLOCK_N)
-    down_kernel[(E, D // bn)](act, w_down, order, offsets, weights, flat, act.stride(0), w_down.stride(0),
-                              w_down.stride(1), flat.stride(0), N_COPIES=S, D=D, I=I, BN=bn, BK=tile(I, BLOCK_K),
-                              **opts)
-    return out
+    act = experts_up(experts, x, order, offsets, weights.shape[1])
+    return experts_down(experts, act, order, offsets, weights)
