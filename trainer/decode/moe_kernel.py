@@ -15,7 +15,8 @@ rounded values (fp32 math, rounded again), so only the GEMMs' summation order di
 
 Serves the SiLU-GLU experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: `_apply_gate` transformers' default,
 `act_fn` SiLU, no biases, weights [E, out, in]) in bf16 on CUDA, and on CPU under Triton's interpreter (the tests);
-`layers/moe.py` picks them for a decode step's few copies an expert (`few_copies`) where `ENABLED` or asked. No host sync: captured in the graphs.
+`layers/moe.py` picks them for a decode step's few copies an expert (`few_copies`) where `ENABLED` or asked. No host
+sync: captured in the graphs.
 Shape legend: T tokens, k experts a token, S = T x k copies, E experts, D hidden, I expert intermediate.
 """
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _kernels(triton, tl):
 
     @triton.jit
     def up_kernel(x_ptr, w_ptr, order_ptr, ends_ptr, act_ptr, sx, swe, swn, sa, N_COPIES: tl.constexpr,
-                   TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
-                   STAGES: tl.constexpr):
+                  TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
+                  STAGES: tl.constexpr):
         e = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         kk = tl.arange(0, BK)
@@ -91,10 +92,10 @@ def _kernels(triton, tl):
             tl.store(act_ptr + i.to(tl.int64)[:, None] * sa + n[None, :], act.to(dtype), mask=live[:, None])
 
     @triton.jit
-    def down_kernel(act_ptr, w_ptr, order_ptr, ends_ptr, weight_ptr, out_ptr, sa, swe, swn, so, N_COPIES: tl.constexpr,
-                     D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
-                     STAGES: tl.constexpr):
+    def down_kernel(act_ptr, w_ptr, order_ptr, ends_ptr, weight_ptr, out_ptr, sa, swe, swn, so,
+                    N_COPIES: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
+                    STAGES: tl.constexpr):
         e = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         kk = tl.arange(0, BK)
