@@ -39,8 +39,8 @@ routers, the embedding and the head stay bf16), quantized in place after the wor
 chain is set on the bf16 weights: zeros quantize to zeros) and before either engine is built, so both engines run
 the same FP8 modules. CUDA compute capability 9.0+ in bf16, refused in one line (exit 2) before the target is built
 elsewhere. Each line records `target_fp8` and, on, `fp8_linears`; the floor stays the bf16 step's.
-`--moe-kernel 1|0`: an MoE target's decode experts through `trainer/decode/moe_kernel.py`'s kernels (where they
-serve: SiLU-GLU experts, bf16, CUDA) or the grouped GEMMs; default `moe_kernel.ENABLED`; each line records it.
+`--opt-in NAME,...`: decode kernels written but not yet on by default (`trainer/decode/opt_in.py`, e.g. `moe`: an
+MoE target's experts through `trainer/decode/moe_kernel.py`); each line records them (`opt_in`).
 
 Per engine, after an untimed warm-up (equal: one batch; mixed, static: the first batch with 32 new tokens where the
 steps run the per-row attention kernel, one graph for every step, else the whole workload, each attention span's
@@ -81,6 +81,7 @@ import time
 
 from bench.generate_workloads import (RESIDUAL_WRITES, bench_prompts, equal_like, make_chain,  # noqa: F401
                                       mixed_lengths, mixed_prompts, workload)
+from trainer.decode import opt_in
 
 ENGINES = ("static", "hf")
 WORKLOADS = ("equal", "mixed")
@@ -113,9 +114,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-fp8", type=int, default=0, choices=(0, 1),
                    help="1: the target's decoder-layer linears in FP8 (as regenerate --target-fp8; CUDA compute "
                         "capability 9.0+, bf16) (default: %(default)s)")
-    p.add_argument("--moe-kernel", type=int, default=None, choices=(0, 1),
-                   help="1 / 0: an MoE target's decode experts through trainer/decode/moe_kernel.py's kernels or the "
-                        "grouped GEMMs (default: moe_kernel.ENABLED)")
+    p.add_argument("--opt-in", default="", metavar="NAME,...",
+                   help="decode kernels not yet on by default to run (trainer/decode/opt_in.py: "
+                        f"{', '.join(opt_in.KERNELS)}) (default: none)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timed runs, N more whole generations per engine under torch.profiler: the top "
                         "kernels (PROF lines) and their sums by category (PROFSUM), of the whole run (prefill and "
@@ -153,6 +154,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("--target-fp8 1 runs the target in bfloat16 (its FP8 products' output): leave --dtype at auto or "
                 "bfloat16")
     a.engines = engines
+    a.opt_in = [n.strip() for n in a.opt_in.split(",") if n.strip()]
+    if any(n not in opt_in.KERNELS for n in a.opt_in):
+        p.error(f"--opt-in takes names of {', '.join(opt_in.KERNELS)}, got {','.join(a.opt_in)!r}")
     return a
 
 
@@ -349,10 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p)
     target = random_target(args.shape, args.prompt_tokens + args.new_tokens, device, args.dtype)
     prompts, stops, drawn, context = workload(args, target)
-    from trainer.decode import moe_kernel
-    if args.moe_kernel is not None:
-        moe_kernel.ENABLED = bool(args.moe_kernel)
-    fp8 = {"target_fp8": bool(args.target_fp8), "moe_kernel": moe_kernel.ENABLED}
+    opt_in.enable(args.opt_in)
+    fp8 = {"target_fp8": bool(args.target_fp8), "opt_in": opt_in.asked()}
     if args.target_fp8:  # after the chain is set (it writes bf16 weights), before either engine is built
         from trainer.model.fp8_target import quantize_target_layers
 

@@ -15,7 +15,8 @@ rounded values (fp32 math, rounded again), so only the GEMMs' summation order di
 
 Serves the SiLU-GLU experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: `_apply_gate` transformers' default,
 `act_fn` SiLU, no biases, weights [E, out, in]) in bf16 on CUDA, and on CPU under Triton's interpreter (the tests);
-`layers/moe.py` picks them for a decode step's few copies an expert (`few_copies`) where `ENABLED` or asked. No host
+`layers/moe.py` picks them for a decode step's few copies an expert (`few_copies`) where asked (the
+opt-in kernel "moe", `opt_in.py`, until measured on the H200: `python -m bench.moe_experts`). No host
 sync: captured in the graphs.
 Shape legend: T tokens, k experts a token, S = T x k copies, E experts, D hidden, I expert intermediate.
 """
@@ -42,10 +43,6 @@ BLOCK_M = 16  # copies a block: tl.dot's smallest side
 # Each kernel's tiles (bench.moe_experts --tiles times others): the up kernel streams 2 x n rows of D inputs a
 # program, the down kernel n rows of only I inputs, so it takes wider programs for as long a stream
 UP_TILES, DOWN_TILES = Tiles(64, 128, 4, 4), Tiles(128, 128, 4, 4)
-# Whether MoeMLP takes the kernels where they serve (its `kernel=None`): off until they are measured against the
-# grouped GEMMs on the H200 (`python -m bench.moe_experts`, `python -m bench.generate ... --moe-kernel 1`); so far
-# they have run under Triton's interpreter only
-ENABLED = False
 # copies an expert, on average, up to which the kernels run: past it a GEMM tile of 128 copies (the grouped kernel)
 # reuses each weight tile better than programs that loop over blocks of 16
 MAX_COPIES_PER_EXPERT = 16

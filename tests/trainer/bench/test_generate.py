@@ -195,20 +195,22 @@ def test_target_fp8_is_parsed_and_refused_in_one_line_where_it_cannot_run(capsys
                                     "the target would be on cpu") and "GENERATE" not in captured.out
 
 
-def test_moe_kernel_is_parsed_and_recorded(capsys, monkeypatch):
-    """--moe-kernel 0|1 sets whether MoE targets take trainer/decode/moe_kernel.py's kernels (default: the module's
-    ENABLED, left as it is); each line records it."""
-    from trainer.decode import moe_kernel
+def test_opt_in_kernels_are_parsed_asked_and_recorded(capsys):
+    """--opt-in NAME,... asks for decode kernels not yet on by default (trainer/decode/opt_in.py); an unknown name is
+    a usage error; each line records what was asked."""
+    from trainer.decode import opt_in
 
-    monkeypatch.setattr(moe_kernel, "ENABLED", moe_kernel.ENABLED)  # restored after the test
-    assert bench.parse([]).moe_kernel is None and bench.parse(["--moe-kernel", "1"]).moe_kernel == 1
+    assert bench.parse([]).opt_in == [] and bench.parse(["--opt-in", "moe"]).opt_in == ["moe"]
     with pytest.raises(SystemExit):
-        bench.parse(["--moe-kernel", "2"])
-    for flag in (1, 0):
+        bench.parse(["--opt-in", "moe,warp-drive"])
+    assert "--opt-in takes names of" in capsys.readouterr().err
+    try:
         assert bench.main(["--shape", "tiny", "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "2",
-                           "--repeats", "1", "--engines", "static", "--device", "cpu", "--moe-kernel", str(flag)]) == 0
+                           "--repeats", "1", "--engines", "static", "--device", "cpu", "--opt-in", "moe"]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("GENERATE_BENCH"))
-        assert json.loads(line.split(" ", 1)[1])["moe_kernel"] is bool(flag) is moe_kernel.ENABLED
+        assert json.loads(line.split(" ", 1)[1])["opt_in"] == ["moe"] and opt_in.enabled("moe")
+    finally:
+        opt_in.enable(opt_in.KERNELS, on=False)
 
 
 def test_profile_is_parsed_and_refused_in_one_line_on_a_cpu(capsys):

@@ -74,13 +74,27 @@ def test_without_the_interpreter_cpu_keeps_the_torch_paths(family_dirs):
     assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=True).kernel
 
 
-def test_the_default_follows_enabled(interpreter, family_dirs, monkeypatch):
+def test_the_default_is_the_opt_in_kernel_moe(interpreter, family_dirs):
+    """MoeMLP(kernel=None) takes the kernels only where the opt-in kernel "moe" is asked (trainer/decode/opt_in.py)."""
+    from trainer.decode import opt_in
+
     target = family_target(family_dirs, "qwen3_moe")
     block, _ = redrawn_block(target)
-    for enabled in (False, True):
-        monkeypatch.setattr(moe_kernel, "ENABLED", enabled)
-        assert MoeMLP(block, routing_of(target.hf_config), 2).kernel is enabled
-        assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=False).kernel
+    try:
+        for asked in (False, True):
+            opt_in.enable(["moe"], on=asked)
+            assert MoeMLP(block, routing_of(target.hf_config), 2).kernel is asked
+            assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=False).kernel
+    finally:
+        opt_in.enable(["moe"], on=False)
+
+
+def test_an_unknown_opt_in_kernel_is_refused_whole():
+    from trainer.decode import opt_in
+
+    with pytest.raises(KeyError, match="no opt-in decode kernel 'warp'"):
+        opt_in.enable(["moe", "warp"])
+    assert opt_in.asked() == []
 
 
 def test_routing_weights_in_fp32_give_fp32_products(interpreter, family_dirs):

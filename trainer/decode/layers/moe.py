@@ -8,7 +8,7 @@ training target runs through transformers' `grouped_mm` experts, `model/target.l
 rule, each copy times its expert's gathered weight (S x in x out of memory: a reference, not a fast path). Other
 dtypes take torch's grouped_mm fallback, which reads the offsets on the host and so cannot be captured; they run the
 exact rule. A decode step's few copies an expert take `moe_kernel.py`'s two kernels instead, where they serve the
-experts (SiLU-GLU, bf16 on CUDA) and are enabled: the same arithmetic, one weight read an expert. The arithmetic after
+experts (SiLU-GLU, bf16 on CUDA) and are asked for (`opt_in.py`): the same arithmetic, one weight read an expert. The arithmetic after
 the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own gate (`_apply_gate`:
 SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in token order, summed
 over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.decode import moe_kernel
+from trainer.decode import moe_kernel, opt_in
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class MoeMLP:
     `shared_expert` with `shared_expert_gate` where the family has one) computed at decode. Callable like a dense
     MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the grouped GEMM where it serves the weights' device; kernel:
     True takes `moe_kernel`'s experts kernels where they serve the experts, for calls of few copies an expert (None:
-    where `moe_kernel.ENABLED`)."""
+    where the opt-in kernel "moe" is asked, `opt_in.py`)."""
 
     def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None,
                  kernel: bool | None = None) -> None:
@@ -115,7 +115,7 @@ class MoeMLP:
         self.transposed = bool(getattr(experts, "is_transposed", False))
         weight = experts.gate_up_proj
         self.grouped = grouped_available(weight.device, weight.dtype) if grouped is None else grouped
-        self.kernel = moe_kernel.serves(experts) and (moe_kernel.ENABLED if kernel is None else kernel)
+        self.kernel = moe_kernel.serves(experts) and (opt_in.enabled("moe") if kernel is None else kernel)
         self.shared = getattr(block, "shared_expert", None)
 
     def _bias(self, name: str, sorted_experts: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,30 @@
+"""Decode kernels that are written and tested under Triton's interpreter but not yet measured on a GPU: each is off
+unless asked, so that a user's regenerate runs only kernels measured on the H200. Asked per process: the benchmarks'
+`--opt-in NAME,...` (`python -m bench.generate`), a test's `enable`. A kernel leaves this list when its figures
+land in docs/benchmarks.md and it becomes its module's default."""
+from __future__ import annotations
+
+KERNELS = {
+    "moe": "an MoE layer's SiLU-GLU experts at decode (trainer/decode/moe_kernel.py)",
+}
+_asked: set[str] = set()
+
+
+def enabled(name: str) -> bool:
+    """Whether the opt-in kernel `name` was asked for in this process."""
+    if name not in KERNELS:
+        raise KeyError(f"no opt-in decode kernel {name!r}; there are {sorted(KERNELS)}")
+    return name in _asked
+
+
+def enable(names, on: bool = True) -> None:
+    """Ask for (or, on=False, drop) these opt-in kernels, by name; an unknown name raises before any changes."""
+    names = list(names)
+    for name in names:
+        enabled(name)
+    (_asked.update if on else _asked.difference_update)(names)
+
+
+def asked() -> list[str]:
+    """The opt-in kernels asked for, sorted (what a benchmark line records)."""
+    return sorted(_asked)
