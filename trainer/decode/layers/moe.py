@@ -17,6 +17,9 @@ Routing, per family (`ROUTING`, from the config's model type):
                    cast back to the logits' dtype where the family does (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE; Mixtral
                    keeps fp32)
     topk_softmax   top-k of the (biased) logits, softmax over those k in the logits' dtype (gpt-oss)
+Where Triton runs (CUDA), softmax_topk's router and the sort by expert are two kernels giving the same tensors
+(`trainer/decode/route_kernel.py`: its docstring says where the weights' last bit may differ, and which expert an
+exact tie picks); elsewhere, and beyond the kernels' sizes, the torch ops.
 
 Shape legend: R rows, L tokens, T = R x L, k experts per token, S = T x k copies, E experts, D hidden.
 """
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from trainer.decode import route_kernel
 
 
 @dataclass(frozen=True)
@@ -119,8 +124,11 @@ class MoeMLP:
         R, L, D = h.shape
         x = h.reshape(R * L, D)
         logits = F.linear(x, self.router.weight, getattr(self.router, "bias", None))
-        weights, experts = route(logits, self.top_k, self.routing)
-        order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
+        if route_kernel.usable(logits, self.routing, self.top_k):
+            weights, _, order, sorted_experts, offsets = route_kernel.route_and_sort(logits, self.top_k, self.routing)
+        else:
+            weights, experts = route(logits, self.top_k, self.routing)
+            order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
         copies = x[order // self.top_k]  # [S, D]
         up = grouped_linear(copies, self.experts.gate_up_proj, self.transposed, offsets, sorted_experts,
                             self.grouped)
