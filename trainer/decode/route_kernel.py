@@ -88,6 +88,7 @@ def _kernels(triton, tl):
         for j in tl.static_range(K):
             best = tl.max(tl.max(p, axis=1), axis=0)
             at = tl.min(tl.min(tl.where(p == best, idx, E), axis=1), axis=0)  # a tie: the lowest index
+            at = tl.minimum(at, E - 1)  # NaN logits match nothing: an expert in range all the same
             w = tl.where(slots == j, best, w)
             picked = tl.where(slots == j, at, picked)
             p = tl.where(idx == at, -1.0, p)
