@@ -18,6 +18,10 @@ Routing, per family (`ROUTING`, from the config's model type):
                    cast back to the logits' dtype where the family does (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE; Mixtral
                    keeps fp32)
     topk_softmax   top-k of the (biased) logits, softmax over those k in the logits' dtype (gpt-oss)
+Where Triton runs (CUDA) and they are asked for (the opt-in kernel "route", `opt_in.py`), softmax_topk's router and
+the sort by expert are two kernels giving the same tensors (`trainer/decode/route_kernel.py`: its docstring says where
+the weights' last bit may differ, and which expert an exact tie picks); elsewhere, and beyond the kernels' sizes, the
+torch ops.
 
 Shape legend: R rows, L tokens, T = R x L, k experts per token, S = T x k copies, E experts, D hidden.
 """
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.decode import moe_kernel, opt_in
+from trainer.decode import moe_kernel, opt_in, route_kernel
 
 
 @dataclass(frozen=True)
@@ -100,11 +104,12 @@ class MoeMLP:
     gate_up_proj / down_proj as 3-D tensors, their biases where the family has them, `_apply_gate`; a
     `shared_expert` with `shared_expert_gate` where the family has one) computed at decode. Callable like a dense
     MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the grouped GEMM where it serves the weights' device; kernel:
-    True takes `moe_kernel`'s experts kernels where they serve the experts, for calls of few copies an expert (None:
-    where the opt-in kernel "moe" is asked, `opt_in.py`)."""
+    True takes `moe_kernel`'s experts kernels where they serve the experts, for calls of few copies an expert;
+    router_kernel: True takes `route_kernel`'s router and sort where usable (None, each: where its opt-in kernel,
+    "moe" or "route", is asked, `opt_in.py`)."""
 
     def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None,
-                 kernel: bool | None = None) -> None:
+                 kernel: bool | None = None, router_kernel: bool | None = None) -> None:
         experts = getattr(block, "experts", None)
         if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3):
             raise RuntimeError(f"{type(block).__name__}: the static engine needs the experts as 3-D weight tensors "
@@ -116,6 +121,7 @@ class MoeMLP:
         weight = experts.gate_up_proj
         self.grouped = grouped_available(weight.device, weight.dtype) if grouped is None else grouped
         self.kernel = moe_kernel.serves(experts) and (opt_in.enabled("moe") if kernel is None else kernel)
+        self.router_kernel = opt_in.enabled("route") if router_kernel is None else router_kernel
         self.shared = getattr(block, "shared_expert", None)
 
     def _bias(self, name: str, sorted_experts: torch.Tensor) -> torch.Tensor | None:
@@ -126,8 +132,11 @@ class MoeMLP:
         R, L, D = h.shape
         x = h.reshape(R * L, D)
         logits = F.linear(x, self.router.weight, getattr(self.router, "bias", None))
-        weights, experts = route(logits, self.top_k, self.routing)
-        order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
+        if self.router_kernel and route_kernel.usable(logits, self.routing, self.top_k):
+            weights, _, order, sorted_experts, offsets = route_kernel.route_and_sort(logits, self.top_k, self.routing)
+        else:
+            weights, experts = route(logits, self.top_k, self.routing)
+            order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
         if self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts):
             out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
                                              weights)
