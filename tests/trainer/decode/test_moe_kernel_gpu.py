@@ -99,3 +99,28 @@ def test_the_tiny_families_blocks_with_and_without_the_kernels(family, family_di
     assert kernel.kernel and not grouped.kernel and kernel.grouped
     x = torch.randn(4, 3, config["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
     torch.testing.assert_close(kernel(x).float(), grouped(x).float(), atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_the_batch_generator_with_the_opt_in_moe_kernels_replays_as_it_runs_eagerly(family, family_dirs):
+    """The opt-in kernels "moe" and "route" (trainer/decode/opt_in.py) inside the batch generator's captured steps,
+    bf16: the tokens the same generator gives run eagerly; every MoE layer took them."""
+    from trainer.decode import opt_in
+    from trainer.decode.generate import BatchGenerator, Sampling
+
+    cuda()
+    target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), device="cuda",
+                         dtype="bfloat16", truncate=False)
+    g = torch.Generator().manual_seed(0)
+    vocab = target.embed_tokens.weight.shape[0]
+    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
+    try:
+        opt_in.enable(["moe", "route"])
+        graphed = BatchGenerator(target, rows=4, max_len=48, stop_ids=[])
+        eager = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=False)
+        mlps = [m for m in graphed.static.mlps if isinstance(m, MoeMLP)]
+        assert mlps and all(m.kernel and m.router_kernel for m in mlps), family
+        got = graphed.generate(prompts, Sampling(max_new_tokens=24))
+        assert got == eager.generate(prompts, Sampling(max_new_tokens=24)), family
+    finally:
+        opt_in.enable(["moe", "route"], on=False)
