@@ -12,7 +12,10 @@ MLP's own forward is down(silu(gate(x)) * up(x)) (`fp8_target.gated_silu_mlp`; G
 FP8 target's q/k/v (`Fp8Linear`s, bias-free) become one e4m3 GEMM too (`JoinedFp8`: the input quantized once, as
 `fp8.project_shared` does, the weights stacked by output rows with their per-channel scales: the same function); its
 MLP is already one (`fp8_target.Fp8GatedMlp`). An MoE layer's shared expert (Qwen3.5-MoE, Qwen3-Next) is such an MLP
-too; its routed experts (layers/moe.py) are untouched. Memory does not grow: each module's weight (and bias) becomes a
+too, and its gate (one output row) joins the router's weight: one [E + 1, D] GEMM; its routed experts (layers/moe.py)
+are untouched. A Gated DeltaNet layer's input linears (Qwen3.5: qkv, z, b, a; Qwen3-Next: qkvz, ba) are one GEMM
+(`linear_attention.project` takes their outputs in order): at qwen3.5-35b-a3b's decode step, b and a are 32 columns
+each, launches rather than work. Memory does not grow: each module's weight (and bias) becomes a
 view into the joined tensor, so HF's modules, their state_dict and every other caller see the same values under the
 same names.
 
@@ -27,9 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decode.layers.attention import INVARIANT, AttentionLayer
+from trainer.decode.layers.linear import GatedDeltaNetDecode
 from trainer.decode.layers.moe import MoeMLP
 from trainer.model.fp8 import Fp8Linear, quantize_rows, scaled_mm
 from trainer.model.fp8_target import gated_silu_mlp
+from trainer.model.linear_attention import input_projections
 from trainer.triton_device import interpreting, runs_on, triton_kernels
 
 SILU_BLOCK = 1024  # columns of one program: the activation is elementwise, so any split gives the same bits
@@ -151,13 +156,29 @@ def joinable_fp8(linears) -> bool:
                     for lin in linears))
 
 
-def joined_qkv(attn) -> Joined | JoinedFp8 | None:
-    """An attention module's q/k/v projection as one GEMM (bf16 or FP8), or None where they are neither plain
-    linears nor bias-free FP8 ones."""
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+def joined(linears) -> Joined | JoinedFp8 | None:
+    """Linears that read one input as one GEMM (bf16 or FP8), or None where they are neither plain linears nor
+    bias-free FP8 ones."""
     if joinable(linears):
         return Joined(linears)
     return JoinedFp8(linears) if joinable_fp8(linears) else None
+
+
+def joined_qkv(attn) -> Joined | JoinedFp8 | None:
+    """An attention module's q/k/v projection as one GEMM, or None (`joined`)."""
+    return joined([attn.q_proj, attn.k_proj, attn.v_proj])
+
+
+def join_router(mlp: MoeMLP) -> None:
+    """An MoE layer's router and its shared expert's gate (one output row), both bias-free weights of one dtype, as
+    one [E + 1, D] weight (`MoeMLP.router_gate`); the modules' weights become views of it."""
+    gate = getattr(mlp.block, "shared_expert_gate", None)
+    router = mlp.router.weight
+    if (mlp.shared is None or type(gate) is not torch.nn.Linear or gate.bias is not None
+            or getattr(mlp.router, "bias", None) is not None or gate.weight.dtype != router.dtype
+            or gate.weight.device != router.device or gate.weight.shape[1] != router.shape[1]):
+        return
+    mlp.router_gate = _join([mlp.router.weight, gate.weight])
 
 
 class SiluMlp:
@@ -184,15 +205,19 @@ def fused_mlp(mlp: torch.nn.Module):
 
 
 def fuse_layers(static) -> None:
-    """Join a `StaticTarget`'s attention q/k/v projections and replace its dense gated SiLU MLPs and MoE layers'
-    shared experts (the module docstring says where each applies). Refused for a target built for a verify
+    """Join a `StaticTarget`'s attention q/k/v projections, its linear layers' input projections and its MoE
+    layers' routers with their shared experts' gates, and replace its dense gated SiLU MLPs and MoE layers' shared
+    experts (the module docstring says where each applies). Refused for a target built for a verify
     (`invariant` asked)."""
     if static.attention == INVARIANT or static.fallback is not None:
         raise ValueError("fuse: joined GEMMs are not the shapes whose bits a lossless verify relies on")
     for mixer in static.mixers:
         if isinstance(mixer, AttentionLayer):
             mixer.project = joined_qkv(mixer.module)
+        elif isinstance(mixer, GatedDeltaNetDecode):
+            mixer.joined = joined(input_projections(mixer.inner))
     static.mlps = [fused_mlp(mlp) if kind == "dense" else mlp for kind, mlp in zip(static.plan.mlps, static.mlps)]
     for mlp in static.mlps:
         if isinstance(mlp, MoeMLP) and mlp.shared is not None:
             mlp.shared = fused_mlp(mlp.shared)
+            join_router(mlp)

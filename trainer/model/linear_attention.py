@@ -248,17 +248,32 @@ def gated_delta_rule(q, k, v, g, beta, starts, *, kernel: str) -> torch.Tensor:
     return packed_chunk_gated_delta_rule(q, k, v, g, beta, starts)
 
 
-def project(m: nn.Module, x: torch.Tensor):
+def input_projections(m: nn.Module) -> list[nn.Module]:
+    """HF layer `m`'s input linears, in the order `project` takes their outputs: Qwen3-Next's in_proj_qkvz and
+    in_proj_ba, Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a."""
+    if hasattr(m, "in_proj_qkvz"):
+        return [m.in_proj_qkvz, m.in_proj_ba]
+    return [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+
+
+def project(m: nn.Module, x: torch.Tensor, joined=None):
     """HF layer `m`'s input projections. x [R, S, D] -> (qkv [R, S, C], z [R, S, Hv, dv], b [R, S, Hv],
     a [R, S, Hv]). The two families differ only here: Qwen3-Next projects q, k, v, z interleaved per key head (its
-    own `fix_query_key_value_ordering` undoes that), Qwen3.5 projects each apart."""
+    own `fix_query_key_value_ordering` undoes that), Qwen3.5 projects each apart. joined: the `input_projections`
+    as one callable (the batch generator's one GEMM, `decode/fused.py`) -> their outputs in that order."""
     rows, seq, _ = x.shape
+    if joined is not None:
+        outs = joined(x)
+    elif hasattr(m, "in_proj_qkvz"):
+        outs = [m.in_proj_qkvz(x), m.in_proj_ba(x)]
+    else:
+        outs = project_shared(x, [m.in_proj_qkv, m.in_proj_z]) + [m.in_proj_b(x), m.in_proj_a(x)]  # FP8: x once
     if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next
-        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x), m.in_proj_ba(x))
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(*outs)
         qkv = torch.cat([t.reshape(rows, seq, -1) for t in (q, k, v)], dim=-1)
         return qkv, z, b, a
-    qkv, z = project_shared(x, [m.in_proj_qkv, m.in_proj_z])  # FP8: x quantized once for both
-    return qkv, z.reshape(rows, seq, -1, m.head_v_dim), m.in_proj_b(x), m.in_proj_a(x)
+    qkv, z, b, a = outs
+    return qkv, z.reshape(rows, seq, -1, m.head_v_dim), b, a
 
 
 def split_heads(m: nn.Module, qkv: torch.Tensor):

@@ -104,6 +104,52 @@ def test_an_moe_layers_shared_expert_is_fused_and_its_routed_experts_are_not(fam
         assert torch.equal(m.shared(h), w) and inside(block.shared_expert.gate_proj.weight, m.shared.gate_up.weight)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+@torch.no_grad()
+def test_a_linear_layers_input_projections_are_one_gemm(family, family_dirs):
+    """A Gated DeltaNet layer's input linears (Qwen3.5: qkv, z, b, a; Qwen3-Next: qkvz, ba) as one GEMM over views of
+    their weights: `project` gives what the modules gave one by one, qkv and z bit for bit (CPU); b and a, a few
+    columns each, within an fp32 ulp (CPU's GEMM sums so narrow an output another way alone); memory as it was."""
+    from trainer.decode.layers.linear import GatedDeltaNetDecode
+    from trainer.model.linear_attention import input_projections, project
+
+    target = family_target(family_dirs, family)
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, target.hf_config.get_text_config().hidden_size)
+    inner = [getattr(layer.linear_attn, "inner", layer.linear_attn) for layer in target.model.model.layers
+             if hasattr(layer, "linear_attn")]
+    want = [project(m, h) for m in inner]
+    before = storages(target.model)
+    static = StaticTarget(target, 16, rows=2, padded=True, fuse=True)
+    linear = [m for m in static.mixers if isinstance(m, GatedDeltaNetDecode)]
+    assert len(linear) == len(inner) > 0 and all(isinstance(m.joined, Joined) for m in linear)
+    for m, w in zip(linear, want):
+        assert all(inside(lin.weight, m.joined.weight) for lin in input_projections(m.inner))
+        got = project(m.inner, h, m.joined)
+        assert torch.equal(got[0], w[0]) and torch.equal(got[1], w[1])  # qkv, z
+        torch.testing.assert_close(got[2:], w[2:], atol=1e-6, rtol=1e-6)  # b, a
+    assert storages(target.model) == before
+
+
+@torch.no_grad()
+def test_an_moe_layers_router_and_shared_gate_are_one_gemm(family_dirs):
+    """Qwen3.5-MoE: the router's weight and the shared expert's gate as one [E + 1, D] weight (views, no copy); the
+    layer's output is the unjoined layer's."""
+    target = family_target(family_dirs, "qwen3_5_moe")
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, target.hf_config.get_text_config().hidden_size)
+    plain = StaticTarget(target, 16, rows=2, padded=True)
+    want = [m(h) for m in plain.mlps if isinstance(m, MoeMLP)]
+    assert all(m.router_gate is None for m in plain.mlps if isinstance(m, MoeMLP))
+    static = StaticTarget(target, 16, rows=2, padded=True, fuse=True)
+    moe = [m for m in static.mlps if isinstance(m, MoeMLP)]
+    assert len(moe) == len(want) > 0
+    for m, w in zip(moe, want):
+        assert m.router_gate is not None and m.router_gate.shape[0] == m.num_experts + 1
+        assert inside(m.router.weight, m.router_gate) and inside(m.block.shared_expert_gate.weight, m.router_gate)
+        torch.testing.assert_close(m(h), w, atol=1e-6, rtol=1e-6)
+
+
 @torch.no_grad()
 def test_moe_and_verify_targets_keep_their_own_layers(family_dirs):
     """MoE MLPs stay the engine's grouped experts; a target built for a lossless verify refuses the joined GEMMs;

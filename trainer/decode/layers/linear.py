@@ -92,6 +92,7 @@ class GatedDeltaNetDecode:
         self.taps_at = torch.arange(taps - 1, device=dev)
         self.gated_norm = GatedRMSNorm(inner.norm)  # one kernel where it runs (gated_norm.py), else HF's module
         # fused: a one-token step through recurrent_kernel.py, the state updated in place (default: with fla's kernel)
+        self.joined = None  # the input projections as one GEMM (decode/fused.py), or None: each its own
         self.fused = kernel == "fla" if fused is None else fused
         if self.fused and not usable_for(self.state):
             raise ValueError(f"the fused step needs Triton on CUDA (or the interpreter on CPU), not {dev}")
@@ -101,7 +102,7 @@ class GatedDeltaNetDecode:
     def _block(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, BlockTerms]:
         """x [R, L, D] after the committed state -> (out [R, L, D], window [R, K-1+L, C], terms). Changes nothing."""
         m = self.inner
-        qkv, z, b, a = project(m, x)
+        qkv, z, b, a = project(m, x, self.joined)
         window, mixed = self._convolve(qkv)
         q, k, v = split_heads(m, mixed)
         g, beta = gates(m, a, b)
@@ -185,7 +186,7 @@ class GatedDeltaNetDecode:
             self._advance(window, terms, torch.full((self.rows,), x.shape[1], dtype=torch.long, device=x.device))
             return out
         m = self.inner
-        qkv, z, b, a = project(m, x)
+        qkv, z, b, a = project(m, x, self.joined)
         window, mixed = self._convolve(qkv)
         q, k, v = split_heads(m, mixed)
         g, beta = gates(m, a, b)
@@ -219,7 +220,7 @@ class GatedDeltaNetDecode:
         write), so the kernel's final state is the state after the valid ones."""
         m = self.inner
         length = x.shape[1]
-        qkv, z, b, a = project(m, x)
+        qkv, z, b, a = project(m, x, self.joined)
         window, mixed = self._convolve(qkv)
         q, k, v = split_heads(m, mixed)
         g, beta = gates(m, a, b)

@@ -123,6 +123,8 @@ class MoeMLP:
         self.kernel = moe_kernel.serves(experts) and (opt_in.enabled("moe") if kernel is None else kernel)
         self.router_kernel = opt_in.enabled("route") if router_kernel is None else router_kernel
         self.shared = getattr(block, "shared_expert", None)
+        # the router's weight and the shared expert's gate as one [E + 1, D] weight (decode/fused.py), or None
+        self.router_gate: torch.Tensor | None = None
 
     def _bias(self, name: str, sorted_experts: torch.Tensor) -> torch.Tensor | None:
         bias = getattr(self.experts, f"{name}_bias", None)
@@ -131,7 +133,7 @@ class MoeMLP:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         R, L, D = h.shape
         x = h.reshape(R * L, D)
-        logits = F.linear(x, self.router.weight, getattr(self.router, "bias", None))
+        logits, shared_gate = self._route_logits(x)
         if self.router_kernel and route_kernel.usable(logits, self.routing, self.top_k):
             weights, _, order, sorted_experts, offsets = route_kernel.route_and_sort(logits, self.top_k, self.routing)
         else:
@@ -140,7 +142,7 @@ class MoeMLP:
         if self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts):
             out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
                                              weights)
-            return self._with_shared(out.sum(dim=1).to(h.dtype), x).view(R, L, D)
+            return self._with_shared(out.sum(dim=1).to(h.dtype), x, shared_gate).view(R, L, D)
         copies = x[order // self.top_k]  # [S, D]
         up = grouped_linear(copies, self.experts.gate_up_proj, self.transposed, offsets, sorted_experts,
                             self.grouped)
@@ -155,10 +157,20 @@ class MoeMLP:
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # copy order back: token t's k copies adjacent
         y = unsorted.view(R * L, self.top_k, D).sum(dim=1).to(h.dtype)
-        return self._with_shared(y, x).view(R, L, D)
+        return self._with_shared(y, x, shared_gate).view(R, L, D)
 
-    def _with_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum y [T, D] plus the sigmoid-gated shared expert where the family has one."""
+    def _route_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, D] -> (router logits [T, E], the shared expert's gate logit [T, 1] where the joined weight gave it
+        in the same GEMM, else None)."""
+        if self.router_gate is not None:
+            both = F.linear(x, self.router_gate)
+            return both[:, :self.num_experts], both[:, self.num_experts:]
+        return F.linear(x, self.router.weight, getattr(self.router, "bias", None)), None
+
+    def _with_shared(self, y: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts' sum y [T, D] plus the sigmoid-gated shared expert where the family has one (gate: its
+        gate logit where already computed)."""
         if self.shared is None:
             return y
-        return y + torch.sigmoid(self.block.shared_expert_gate(x)) * self.shared(x)
+        gate = self.block.shared_expert_gate(x) if gate is None else gate
+        return y + torch.sigmoid(gate) * self.shared(x)
