@@ -1,5 +1,5 @@
-"""An MoE layer's experts at decode as two Triton kernels, one program per (expert, tile of output columns), each
-reading its expert's weight tile once for all the copies routed to it.
+"""An MoE layer's experts at decode as Triton kernels: two GEMM kernels, one program per (expert, tile of output
+columns), each reading its expert's weight tile once for all the copies routed to it, and one that combines.
 
 Why: at decode a batch of 64 rows routes 512 copies to 256 experts, two a piece. The grouped GEMM
 (`torch.nn.functional.grouped_mm`, `layers/moe.py`) tiles 128 copies per expert, so it streams the expert weights,
@@ -10,8 +10,10 @@ GEMMs runs in their epilogues:
                   accumulators, written as SiLU(gate) x up [S, I] in sorted order
     experts_down  act [S, I] times the down weights, times each copy's routing weight, written at the copy's own
                   index t x k + j (the scatter back to token order)
-Rounding as the grouped path's: each GEMM's fp32 sum rounded to the activation dtype, SiLU and the products on those
-rounded values (fp32 math, rounded again), so only the GEMMs' summation order differs.
+    combine       the k copies summed and the sigmoid-gated shared expert added, one kernel (`combine`)
+Rounding as the grouped path's: each GEMM's fp32 sum rounded to the activation dtype, SiLU, sigmoid and the products
+on those rounded values (fp32 math with CUDA's expf and IEEE divisions, rounded again as torch's ops round), so only
+the GEMMs' summation order differs.
 
 Serves the SiLU-GLU experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: `_apply_gate` transformers' default,
 `act_fn` SiLU, no biases, weights [E, out, in]) in bf16 on CUDA, and on CPU under Triton's interpreter (the tests);
@@ -51,12 +53,13 @@ MAX_COPIES_PER_EXPERT = 16
 @triton_kernels
 def _kernels(triton, tl):
     """The jitted kernels, or None where Triton is not installed."""
+    from triton.language.extra import libdevice
 
     @triton.jit
     def up_kernel(x_ptr, w_ptr, order_ptr, ends_ptr, act_ptr, sx, swe, swn, sa, N_COPIES: tl.constexpr,
                   TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOADED_BOUND: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, LIBDEVICE: tl.constexpr):
         e = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         kk = tl.arange(0, BK)
@@ -84,7 +87,12 @@ def _kernels(triton, tl):
                 up = tl.dot(a, tl.trans(wu), up, input_precision=PRECISION)
             dtype = act_ptr.dtype.element_ty
             g = gate.to(dtype).to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            # torch's SiLU: g / (1 + exp(-g)) with CUDA's expf and an IEEE division (the interpreter: numpy's exp)
+            if LIBDEVICE:
+                e = libdevice.exp(-g)
+            else:
+                e = tl.exp(-g)
+            silu = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)
             act = silu * up.to(dtype).to(tl.float32)
             tl.store(act_ptr + i.to(tl.int64)[:, None] * sa + n[None, :], act.to(dtype), mask=live[:, None])
 
@@ -115,7 +123,28 @@ def _kernels(triton, tl):
             y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
             tl.store(out_ptr + copy[:, None] * so + n[None, :], y.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
-    return up_kernel, down_kernel
+    @triton.jit
+    def combine_kernel(out_ptr, gate_ptr, shared_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+                       SHARED: tl.constexpr, LIBDEVICE: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = d < D
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(K):  # torch's sum over k: each column's k values in order, in fp32
+            acc += tl.load(out_ptr + (t * K + j) * D + d, mask=inside, other=0.0).to(tl.float32)
+        y = acc.to(out_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if SHARED:
+            g = tl.load(gate_ptr + t).to(tl.float32)
+            if LIBDEVICE:  # torch's sigmoid: 1 / (1 + expf(-g)), an IEEE division (the interpreter: numpy's exp)
+                e = libdevice.exp(-g)
+            else:
+                e = tl.exp(-g)
+            g = tl.math.div_rn(1.0, 1.0 + e).to(gate_ptr.dtype.element_ty).to(tl.float32)
+            s = tl.load(shared_ptr + t * D + d, mask=inside, other=0.0).to(tl.float32)
+            y = y + (g * s).to(shared_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+    return up_kernel, down_kernel, combine_kernel
 
 
 def tile(width: int, block: int) -> int:
@@ -174,6 +203,8 @@ def _launch_options(x: torch.Tensor, tiles: Tiles) -> dict:
 def experts_up(experts, x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
     """x [T, D] (the tokens, unsorted), order [S] long (copy indices t x k + j sorted by expert), offsets [E] int32
     (where each expert's copies end) -> act [S, I] in sorted order: SiLU(gate) x up of each copy's expert."""
+    from trainer.triton_device import interpreting
+
     w = experts.gate_up_proj
     E, two_i, D = w.shape
     I, S = two_i // 2, order.shape[0]
@@ -182,7 +213,7 @@ def experts_up(experts, x: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     bn = tile(I, UP_TILES.n)
     _kernels()[0][(E, I // bn)](x, w, order, offsets, act, x.stride(0), w.stride(0), w.stride(1), act.stride(0),
                                 N_COPIES=S, TOP_K=top_k, D=D, I=I, BN=bn, BK=tile(D, UP_TILES.k),
-                                **_launch_options(x, UP_TILES))
+                                LIBDEVICE=not interpreting(), **_launch_options(x, UP_TILES))
     return act
 
 
@@ -210,3 +241,29 @@ def experts_forward(experts, x: torch.Tensor, order: torch.Tensor, offsets: torc
     times its weight, in the dtype the grouped path's product has (x's, or fp32 for fp32 routing weights)."""
     act = experts_up(experts, x, order, offsets, weights.shape[1])
     return experts_down(experts, act, order, offsets, weights)
+
+
+COMBINE_BLOCK = 1024  # columns a program: the combine is elementwise over D, so any split gives the same bits
+
+
+def combine(out: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
+            shared: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, k, D] (`experts_forward`) -> y [T, D] in `dtype`: the k copies summed (in fp32, rounded to out's
+    dtype, then to `dtype`), plus sigmoid(gate) [T, 1] x shared [T, D] where the layer has a shared expert, each
+    product and sum rounded as torch's `y + torch.sigmoid(gate) * shared` rounds them: one kernel for what were
+    four or five."""
+    from trainer.triton_device import interpreting
+
+    T, k, D = out.shape
+    out = out.contiguous()
+    y = torch.empty(T, D, dtype=dtype, device=out.device)
+    if shared is not None:
+        gate, shared = gate.reshape(T).contiguous(), shared.reshape(T, D).contiguous()
+        if shared.dtype != dtype or gate.dtype != dtype:
+            raise ValueError(f"combine: the shared expert's output and gate in {dtype}, got {shared.dtype} and "
+                             f"{gate.dtype}")
+    block = min(COMBINE_BLOCK, 1 << (D - 1).bit_length())
+    _kernels()[2][(T, -(-D // block))](out, gate if shared is not None else out, shared if shared is not None else out,
+                                       y, D=D, K=k, BLOCK=block, SHARED=shared is not None,
+                                       LIBDEVICE=not interpreting())
+    return y

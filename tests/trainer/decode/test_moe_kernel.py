@@ -105,3 +105,16 @@ def test_routing_weights_in_fp32_give_fp32_products(interpreter, family_dirs):
     weights, chosen = route(torch.nn.functional.linear(x, block.gate.weight), 2, routing_of(target.hf_config))
     order, _, offsets = sort_by_expert(chosen, block.experts.gate_up_proj.shape[0])
     assert moe_kernel.experts_forward(block.experts, x, order, offsets, weights.float()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_combine_kernel_sums_the_copies_and_adds_the_gated_shared_expert(interpreter, shared):
+    """fp32 (the interpreter's bf16 casts truncate where the GPU rounds: the GPU test compares bf16 bits): torch's
+    `out.sum(dim=1) + sigmoid(gate) * shared`, over a width of two column blocks, the last partial."""
+    g = torch.Generator().manual_seed(3)
+    T, k, D = 3, 8, moe_kernel.COMBINE_BLOCK + 300
+    out = torch.randn(T, k, D, generator=g)
+    gate, expert = torch.randn(T, 1, generator=g), torch.randn(T, D, generator=g)
+    want = out.sum(dim=1) + (torch.sigmoid(gate) * expert if shared else 0)
+    got = moe_kernel.combine(out, torch.float32, gate if shared else None, expert if shared else None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -124,3 +124,18 @@ def test_the_batch_generator_with_the_opt_in_moe_kernels_replays_as_it_runs_eage
         assert got == eager.generate(prompts, Sampling(max_new_tokens=24)), family
     finally:
         opt_in.enable(["moe", "route"], on=False)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_combine_kernel_is_torchs_ops_bit_for_bit_in_bf16(shared):
+    """The k copies' sum and the sigmoid-gated shared expert at qwen3.5-35b-a3b's width, bf16: torch's
+    `out.sum(dim=1) + torch.sigmoid(gate) * shared`, bit for bit (fp32 sums in order, CUDA's expf, IEEE division)."""
+    cuda()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    T, k, D = 64, 8, 2048
+    out = torch.randn(T, k, D, generator=g, device="cuda").to(torch.bfloat16)
+    gate = (3 * torch.randn(T, 1, generator=g, device="cuda")).to(torch.bfloat16)
+    expert = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    want = out.sum(dim=1) + (torch.sigmoid(gate) * expert if shared else 0)
+    got = moe_kernel.combine(out, torch.bfloat16, gate if shared else None, expert if shared else None)
+    assert torch.equal(got, want)

@@ -142,7 +142,13 @@ class MoeMLP:
         if self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts):
             out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
                                              weights)
-            return self._with_shared(out.sum(dim=1).to(h.dtype), x, shared_gate).view(R, L, D)
+            if self.shared is None:
+                return moe_kernel.combine(out, h.dtype).view(R, L, D)
+            gate = self.block.shared_expert_gate(x) if shared_gate is None else shared_gate
+            shared = self.shared(x)
+            if gate.dtype == shared.dtype == h.dtype:
+                return moe_kernel.combine(out, h.dtype, gate, shared).view(R, L, D)
+            return (out.sum(dim=1).to(h.dtype) + torch.sigmoid(gate) * shared).view(R, L, D)
         copies = x[order // self.top_k]  # [S, D]
         up = grouped_linear(copies, self.experts.gate_up_proj, self.transposed, offsets, sorted_experts,
                             self.grouped)
