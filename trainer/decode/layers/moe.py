@@ -133,22 +133,21 @@ class MoeMLP:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         R, L, D = h.shape
         x = h.reshape(R * L, D)
-        logits, shared_gate = self._route_logits(x)
+        logits, gate = self._route_logits(x)
         if self.router_kernel and route_kernel.usable(logits, self.routing, self.top_k):
             weights, _, order, sorted_experts, offsets = route_kernel.route_and_sort(logits, self.top_k, self.routing)
         else:
             weights, experts = route(logits, self.top_k, self.routing)
             order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
         if self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts):
-            out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
-                                             weights)
-            if self.shared is None:
-                return moe_kernel.combine(out, h.dtype).view(R, L, D)
-            gate = self.block.shared_expert_gate(x) if shared_gate is None else shared_gate
-            shared = self.shared(x)
-            if gate.dtype == shared.dtype == h.dtype:
-                return moe_kernel.combine(out, h.dtype, gate, shared).view(R, L, D)
-            return (out.sum(dim=1).to(h.dtype) + torch.sigmoid(gate) * shared).view(R, L, D)
+            return self._kernel_experts(x, order, offsets, weights, gate, h.dtype).view(R, L, D)
+        y = self._grouped_experts(x, order, sorted_experts, offsets, weights).sum(dim=1).to(h.dtype)
+        return self._with_shared(y, x, gate).view(R, L, D)
+
+    def _grouped_experts(self, x: torch.Tensor, order: torch.Tensor, sorted_experts: torch.Tensor,
+                         offsets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The copies through their experts as grouped GEMMs (or the exact rule) -> [T, k, D], each times its
+        routing weight, in token order."""
         copies = x[order // self.top_k]  # [S, D]
         up = grouped_linear(copies, self.experts.gate_up_proj, self.transposed, offsets, sorted_experts,
                             self.grouped)
@@ -162,8 +161,21 @@ class MoeMLP:
             out = out + bias
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # copy order back: token t's k copies adjacent
-        y = unsorted.view(R * L, self.top_k, D).sum(dim=1).to(h.dtype)
-        return self._with_shared(y, x, shared_gate).view(R, L, D)
+        return unsorted.view(x.shape[0], self.top_k, -1)
+
+    def _kernel_experts(self, x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                        gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The copies through `moe_kernel`'s experts kernels, then their sum and the shared expert as its one
+        combining kernel where their dtypes are the layer's -> y [T, D]."""
+        out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
+                                         weights)
+        if self.shared is None:
+            return moe_kernel.combine(out, dtype)
+        gate = self.block.shared_expert_gate(x) if gate is None else gate
+        shared = self.shared(x)
+        if gate.dtype == shared.dtype == dtype:
+            return moe_kernel.combine(out, dtype, gate, shared)
+        return out.sum(dim=1).to(dtype) + torch.sigmoid(gate) * shared
 
     def _route_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, D] -> (router logits [T, E], the shared expert's gate logit [T, 1] where the joined weight gave it
