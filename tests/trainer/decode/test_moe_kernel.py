@@ -50,6 +50,41 @@ def test_an_expert_past_one_block_and_experts_without_copies(interpreter, family
             torch.testing.assert_close(got[t, j], want, atol=1e-4, rtol=1e-4)
 
 
+def test_widths_of_several_tiles_and_loop_steps(interpreter):
+    """Experts whose widths span several output tiles and input loop steps of both kernels (the tiny family models'
+    fit one of each), against each copy's own product in fp32."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    class Experts(torch.nn.Module):
+        _apply_gate = _default_apply_gate
+
+        def __init__(self, E, D, I, gen):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, D, generator=gen) / D ** 0.5)
+            self.down_proj = torch.nn.Parameter(torch.randn(E, D, I, generator=gen) / I ** 0.5)
+            self.act_fn = SiLUActivation()
+
+    gen = torch.Generator().manual_seed(5)
+    D, I = 2 * moe_kernel.UP_TILES.k, 2 * moe_kernel.DOWN_TILES.k
+    assert I // moe_kernel.UP_TILES.n >= 2 and D // moe_kernel.DOWN_TILES.n >= 2
+    experts = Experts(3, D, I, gen)
+    assert moe_kernel.serves(experts)
+    T, k = 6, 2
+    x = torch.randn(T, D, generator=gen)
+    chosen = torch.stack([torch.arange(T) % 3, (torch.arange(T) + 1) % 3], 1)
+    weights = torch.rand(T, k, generator=gen)
+    order, _, offsets = sort_by_expert(chosen, 3)
+    with torch.no_grad():
+        got = moe_kernel.experts_forward(experts, x, order, offsets, weights)
+        for t in range(T):
+            for j in range(k):
+                e = int(chosen[t, j])
+                gate, up = (x[t] @ experts.gate_up_proj[e].T).chunk(2)
+                want = (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T * weights[t, j]
+                torch.testing.assert_close(got[t, j], want, atol=1e-4, rtol=1e-4)
+
+
 def test_a_prefills_many_copies_take_the_grouped_path_and_gpt_oss_is_not_served(interpreter, family_dirs):
     """Past MAX_COPIES_PER_EXPERT an expert the kernels step aside (the GEMM tiles of the grouped path reuse each
     weight tile better), and gpt-oss's experts (biases, clamped GLU, transposed weights) are not theirs."""
