@@ -16,6 +16,16 @@ from trainer.decode.layers.moe import MoeMLP, route, routing_of, sort_by_expert
 SILU_GLU = ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
 
 
+def assert_each_copy(got, experts, x, chosen, weights):
+    """got [T, k, D]: each copy (t, j) is its expert's SiLU-GLU of x[t] times its weight, in fp32."""
+    for t in range(chosen.shape[0]):
+        for j in range(chosen.shape[1]):
+            e = int(chosen[t, j])
+            gate, up = (x[t] @ experts.gate_up_proj[e].T).chunk(2)
+            want = (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T * weights[t, j]
+            torch.testing.assert_close(got[t, j], want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", SILU_GLU)
 def test_the_decode_moe_mlp_through_the_kernels_equals_the_per_token_reference(interpreter, family, family_dirs):
     target = family_target(family_dirs, family)
@@ -41,13 +51,7 @@ def test_an_expert_past_one_block_and_experts_without_copies(interpreter, family
     weights = torch.rand(T, k, generator=gen)
     order, sorted_experts, offsets = sort_by_expert(chosen, experts.gate_up_proj.shape[0])
     assert offsets.tolist()[1] - offsets.tolist()[0] == T > moe_kernel.BLOCK_M and offsets.tolist()[3] == 2 * T
-    got = moe_kernel.experts_forward(experts, x, order, offsets, weights)
-    for t in range(T):
-        for j in range(k):
-            e = int(chosen[t, j])
-            gate, up = (x[t] @ experts.gate_up_proj[e].T).chunk(2)
-            want = (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T * weights[t, j]
-            torch.testing.assert_close(got[t, j], want, atol=1e-4, rtol=1e-4)
+    assert_each_copy(moe_kernel.experts_forward(experts, x, order, offsets, weights), experts, x, chosen, weights)
 
 
 def test_widths_of_several_tiles_and_loop_steps(interpreter):
@@ -76,13 +80,8 @@ def test_widths_of_several_tiles_and_loop_steps(interpreter):
     weights = torch.rand(T, k, generator=gen)
     order, _, offsets = sort_by_expert(chosen, 3)
     with torch.no_grad():
-        got = moe_kernel.experts_forward(experts, x, order, offsets, weights)
-        for t in range(T):
-            for j in range(k):
-                e = int(chosen[t, j])
-                gate, up = (x[t] @ experts.gate_up_proj[e].T).chunk(2)
-                want = (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T * weights[t, j]
-                torch.testing.assert_close(got[t, j], want, atol=1e-4, rtol=1e-4)
+        assert_each_copy(moe_kernel.experts_forward(experts, x, order, offsets, weights), experts, x, chosen,
+                         weights)
 
 
 def test_a_prefills_many_copies_take_the_grouped_path_and_gpt_oss_is_not_served(interpreter, family_dirs):
