@@ -6,7 +6,9 @@ step captures it:
   grouped  the experts as `grouped_mm` GEMMs (`trainer/decode/layers/moe.py`, the kernels off)
   kernel   `trainer/decode/moe_kernel.py`'s two kernels (what the step runs where they serve the experts)
 for the whole block (router, sort, experts, shared expert) and for each half of the experts alone, given the sorted
-copies: `up-*` (gate/up GEMM and SiLU x up) and `down-*` (down GEMM, routing weight, copies back in token order).
+copies: `up-*` (gate/up GEMM and SiLU x up) and `down-*` (down GEMM, routing weight, copies back in token order), and
+for the router and the sort alone: `route-torch` (softmax, top-k, renorm, the stable sort by expert) against
+`route-kernel` (`trainer/decode/route_kernel.py`), compared on the routing weights. The whole-block `kernel` form takes both opt-in kernels.
 Prints one `MOE_BENCH {json}` line per form: us per replay (median of `--reps` between CUDA events, after 3 untimed
 replays), TB/s counting the expert weights the form streams (each touched expert's once), and the largest difference
 from the grouped form's output. `--tiles BN,BK,STAGES,WARPS[;...]` times the kernel forms at other tile settings
@@ -89,7 +91,7 @@ def _graphed(fn, torch):
 
 def _run(a, torch) -> int:
     from bench.timing import median_call_ms
-    from trainer.decode import moe_kernel
+    from trainer.decode import moe_kernel, route_kernel
     from trainer.decode.layers.moe import MoeMLP, grouped_linear, route, routing_of, sort_by_expert
 
     cfg, block = _block(a.shape)
@@ -100,7 +102,8 @@ def _run(a, torch) -> int:
                     generator=torch.Generator(device="cuda").manual_seed(1))
     flat = x.view(a.rows, -1)
     router = getattr(block, "gate", None) or block.router
-    weights, chosen = route(torch.nn.functional.linear(flat, router.weight), k, routing)
+    logits = torch.nn.functional.linear(flat, router.weight)
+    weights, chosen = route(logits, k, routing)
     order, sorted_experts, offsets = sort_by_expert(chosen, E)
     touched = int(torch.unique(chosen).numel())
     up_bytes, down_bytes = (touched * experts.gate_up_proj[0].numel() * 2, touched * experts.down_proj[0].numel() * 2)
@@ -115,18 +118,28 @@ def _run(a, torch) -> int:
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.empty_like(out).index_copy_(0, order, out).view(a.rows, k, -1)
 
-    grouped_mlp, kernel_mlp = MoeMLP(block, routing, k, kernel=False), MoeMLP(block, routing, k, kernel=True)
+    def route_torch():
+        routed, picked = route(logits, k, routing)
+        sort_by_expert(picked, E)
+        return routed
+
+    grouped_mlp = MoeMLP(block, routing, k, kernel=False, router_kernel=False)
+    kernel_mlp = MoeMLP(block, routing, k, kernel=True, router_kernel=True)
     if not kernel_mlp.kernel:
         raise SystemExit(f"moe_kernel does not serve {a.shape}'s experts here")
     # form -> (its reference form, the expert weight bytes it streams)
     forms = {"grouped": ("grouped", up_bytes + down_bytes), "kernel": ("grouped", up_bytes + down_bytes),
              "up-grouped": ("up-grouped", up_bytes), "up-kernel": ("up-grouped", up_bytes),
-             "down-grouped": ("down-grouped", down_bytes), "down-kernel": ("down-grouped", down_bytes)}
+             "down-grouped": ("down-grouped", down_bytes), "down-kernel": ("down-grouped", down_bytes),
+             "route-torch": ("route-torch", None), "route-kernel": ("route-torch", None)}
     calls = {"grouped": lambda: grouped_mlp(x), "kernel": lambda: kernel_mlp(x), "up-grouped": up_grouped,
              "up-kernel": lambda: moe_kernel.experts_up(experts, flat, order, offsets, k),
              "down-grouped": down_grouped,
+             "route-torch": route_torch,
+             "route-kernel": lambda: route_kernel.route_and_sort(logits, k, routing)[0],
              "down-kernel": lambda: moe_kernel.experts_down(experts, act, order, offsets, weights)}
-    captured = {name: (None, *_graphed(calls[name], torch)) for name in ("grouped", "up-grouped", "down-grouped")}
+    captured = {name: (None, *_graphed(calls[name], torch))
+                for name in ("grouped", "up-grouped", "down-grouped", "route-torch", "route-kernel")}
     rows = list(captured.items())
     default = (moe_kernel.UP_TILES, moe_kernel.DOWN_TILES)
     for tiles in a.tiles or [None]:
@@ -142,9 +155,10 @@ def _run(a, torch) -> int:
         reference, weight_bytes = forms[name]
         ms = median_call_ms(replay, a.reps)
         row = {"form": name, "shape": a.shape, "rows": a.rows, "experts_touched": touched, "experts": E,
-               "us": round(1e3 * ms, 1), "expert_tb_per_s": round(weight_bytes / ms / 1e9, 2),
+               "us": round(1e3 * ms, 1),
+               "expert_tb_per_s": None if weight_bytes is None else round(weight_bytes / ms / 1e9, 2),
                "max_diff": float((out.float() - captured[reference][2].float()).abs().max()),
-               "tiles": tiles or ("default" if name.endswith("kernel") else None),
+               "tiles": tiles or ("default" if name in ("kernel", "up-kernel", "down-kernel") else None),
                "torch": torch.__version__, "device": torch.cuda.get_device_name()}
         print("MOE_BENCH " + json.dumps(row), flush=True)
     return 0
