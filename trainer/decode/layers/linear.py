@@ -91,8 +91,8 @@ class GatedDeltaNetDecode:
         self.pending = 0  # the last forward's L (a Python int: fixed per captured graph)
         self.taps_at = torch.arange(taps - 1, device=dev)
         self.gated_norm = GatedRMSNorm(inner.norm)  # one kernel where it runs (gated_norm.py), else HF's module
-        # fused: a one-token step through recurrent_kernel.py, the state updated in place (default: with fla's kernel)
         self.joined = None  # the input projections as one GEMM (decode/fused.py), or None: each its own
+        # fused: a one-token step through recurrent_kernel.py, the state updated in place (default: with fla's kernel)
         self.fused = kernel == "fla" if fused is None else fused
         if self.fused and not usable_for(self.state):
             raise ValueError(f"the fused step needs Triton on CUDA (or the interpreter on CPU), not {dev}")
