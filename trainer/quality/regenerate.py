@@ -12,7 +12,6 @@ eval.jsonl holds chat lines {"conversations": [user, assistant]}: its prompts ar
 """
 from __future__ import annotations
 
-import gc
 import json
 import random
 import time
@@ -21,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from trainer.decode.generate import Sampling, hf_generate
-from trainer.decode.generate import BatchGenerator
 from trainer.decode.stops import model_stop_ids
 from trainer.errors import DataError
 from trainer.quality.config import QualityCfg, RegenCfg
 from trainer.quality.corpus import ENDOFTEXT, CorpusSplit, all_units, corpus_split
+from trainer.regen.engines import Answerer, answerer
+from trainer.regen.plan import SamplingSettings
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,9 @@ class RegenResult:
     generated_tokens: int
     seconds: float
     stopped_by: str  # "done" or "budget"
-    continuation_engine: str = ""  # what generated the continuations: "static", "hf", or "static->hf" (fell back)
+    # what generated the continuations (`Answerer.used`): "static", "hf" (regen.engine, or the static engine could
+    # not be built), or "static->hf" (the static engine failed midway; HF answered the rest)
+    continuation_engine: str = ""
     answer_engine: str = ""  # what answered the training prompts, likewise
 
 
@@ -93,7 +94,7 @@ def regenerate_file(target, prompts: list[str], cfg: RegenCfg, path: Path, deadl
     n = with_eos = tokens = blank = answered = 0
     try:
         with Path(path).open("w", encoding="utf-8") as f:
-            for i, answer_ids in answer.stream([ids for ids, _ in encoded], deadline):
+            for i, answer_ids in answer.stream([ids for ids, _ in encoded], deadline=deadline):
                 ids, prompt = encoded[i]
                 ended = bool(answer_ids) and answer_ids[-1] in answer.stops
                 text = tokenizer.decode(answer_ids[:-1] if ended else answer_ids, skip_special_tokens=False)
@@ -123,78 +124,25 @@ def continuation_windows(stream: torch.Tensor, count: int, length: int, boundary
     return wins[keep][:count].tolist()
 
 
-class Answerer:
-    """`stream(prompts: token lists, deadline)` -> the target's greedy answers as they end, each through its first
-    stop id (kept). engine "static": the static batch generator
-    (`trainer.decode.generate.BatchGenerator`: one static cache of `rows` rows and `max_len` slots, one graph replay per
-    token for every row, a row refilled with the next prompt as its answer ends), built on first use; if it raises, a
-    one-line note and HF `generate` from then on. "hf": HF `generate` (`hf_generate`: left-padded batches of `batch`,
-    launch-bound). `used` says which ran."""
-
-    def __init__(self, target, engine: str, rows: int, max_len: int, sampling: Sampling, stops, pad: int,
-                 batch: int, log=print) -> None:
-        self.target, self.rows, self.max_len, self.sampling, self.log = target, rows, max_len, sampling, log
-        self.stops, self.pad, self.batch = [int(s) for s in stops], pad, batch
-        self.gen = None
-        self.used = engine
-
-    def _hf(self, chunk):
-        return hf_generate(self.target.model, chunk, self.sampling, self.stops, self.pad)
-
-    def _static(self) -> BatchGenerator:
-        if self.gen is None:
-            self.gen = BatchGenerator(self.target, self.rows, self.max_len, self.stops)
-        return self.gen
-
-    def _fell_back(self, exc: Exception) -> None:
-        self.close()
-        self.used = "static->hf"
-        self.log(f"note: regen.engine=static failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                 f"continuing with HF generate")
-
-    def stream(self, prompts: list[list[int]], deadline: float):
-        """-> (prompt index, its answer) as each ends, until every prompt is answered or the clock
-        (time.perf_counter()) passes `deadline`: static, one stream through the refilled rows; HF, batches of
-        `batch`, none started after the deadline. A static failure midway leaves the prompts not yet answered to HF."""
-        answered: set[int] = set()
-        if self.used == "static":
-            try:
-                for i, answer in self._static().generate_stream(prompts, self.sampling):
-                    answered.add(i)
-                    yield i, answer
-                    if time.perf_counter() > deadline:
-                        return
-                return
-            except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
-                self._fell_back(exc)
-        rest = [i for i in range(len(prompts)) if i not in answered]
-        for at in range(0, len(rest), self.batch):
-            if time.perf_counter() > deadline:
-                return
-            chunk = rest[at:at + self.batch]
-            yield from zip(chunk, self._hf([prompts[i] for i in chunk]))
-
-    def close(self) -> None:
-        """Free the static cache and its graph now (they hold GBs at the GPU recipe's batch)."""
-        self.gen = None
-        gc.collect()  # the graph's callable refers back to its owner: a cycle
-
-
 def continuation_engine(target, cfg: RegenCfg, eot: int, log=print, windows: int | None = None) -> Answerer:
-    """The continuations' `Answerer`: windows of regen.continuation_prompt_tokens, answers through the first
-    <|endoftext|>, regen.continuation_batch_size rows (fewer for fewer windows)."""
+    """The continuations' `trainer.regen.engines.Answerer` (regen.engine): windows of
+    regen.continuation_prompt_tokens, answers through the first <|endoftext|>, regen.continuation_batch_size rows
+    (fewer for fewer windows)."""
     rows = cfg.continuation_batch_size if windows is None else max(1, min(cfg.continuation_batch_size, windows))
-    return Answerer(target, cfg.engine, rows, cfg.continuation_prompt_tokens + cfg.continuation_new_tokens,
-                    Sampling(max_new_tokens=cfg.continuation_new_tokens), [eot], eot, cfg.continuation_batch_size, log)
+    return answerer(cfg.engine, target, rows=rows,
+                    max_len=cfg.continuation_prompt_tokens + cfg.continuation_new_tokens, stops=[eot],
+                    sampling=SamplingSettings(max_new_tokens=cfg.continuation_new_tokens), pad_id=eot,
+                    batch=cfg.continuation_batch_size, log=log)
 
 
 def answer_engine(target, cfg: RegenCfg, prompts: list[list[int]], log=print) -> Answerer:
-    """The chat prompts' `Answerer`: answers of at most regen.max_new_tokens through the target's stop ids
-    (`stops.model_stop_ids`), regen.batch_size rows (fewer for fewer prompts)."""
-    stops = model_stop_ids(target.model, target.tokenizer)
-    return Answerer(target, cfg.engine, max(1, min(cfg.batch_size, len(prompts))),
-                    max(map(len, prompts), default=1) + cfg.max_new_tokens, Sampling(max_new_tokens=cfg.max_new_tokens),
-                    stops, target.tokenizer.pad_token_id, cfg.batch_size, log)
+    """The chat prompts' `trainer.regen.engines.Answerer` (regen.engine): answers of at most regen.max_new_tokens
+    through the target's stop ids (`stops.model_stop_ids`), regen.batch_size rows (fewer for fewer prompts)."""
+    return answerer(cfg.engine, target, rows=max(1, min(cfg.batch_size, len(prompts))),
+                    max_len=max(map(len, prompts), default=1) + cfg.max_new_tokens,
+                    stops=model_stop_ids(target.model, target.tokenizer),
+                    sampling=SamplingSettings(max_new_tokens=cfg.max_new_tokens),
+                    pad_id=target.tokenizer.pad_token_id, batch=cfg.batch_size, log=log)
 
 
 def write_continuations(answer, windows: list[list[int]], cfg: RegenCfg, f, deadline: float, eot: int,
@@ -203,7 +151,7 @@ def write_continuations(answer, windows: list[list[int]], cfg: RegenCfg, f, dead
     needed), appended to `f` as token lines (loss on the continuation only) as they end, until `deadline` -> (samples
     written, tokens generated, windows answered)."""
     n = tokens = answered = 0
-    for i, answer_ids in answer.stream(windows, deadline):
+    for i, answer_ids in answer.stream(windows, deadline=deadline):
         tokens += len(answer_ids)
         if answer_ids and answer_ids != [eot]:
             f.write(token_line(windows[i], answer_ids))

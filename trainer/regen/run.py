@@ -271,7 +271,7 @@ def _run(job: Job, console) -> dict:
     row_of = row_rule(job, tokenizer)
     total = len(ids) * job.settings.continuations
     done = total - len(todo)
-    engines = list((job.resume.meta or {}).get("engines", []))
+    earlier = list((job.resume.meta or {}).get("engines", []))  # of the starts before this one
     if done:
         torn = ", a torn last line (killed mid-write) dropped" if job.resume.torn or job.resume.skipped.torn else ""
         console.say(f"resuming {job.out}: {done} answers kept{torn}")
@@ -283,18 +283,18 @@ def _run(job: Job, console) -> dict:
         counts = tally(list(dict.fromkeys(p.key for p in job.prompts)), job.settings.continuations, failures,
                        frozenset(rows), frozenset(truncated), tuple(skipped), lines=job.report.lines,
                        malformed=len(job.report.bad), repeats=job.repeats)
-        return meta_record(job, stops, engines, done, total, state, counts)
+        # this start's engine as it is now: "static" becomes "static->hf" where the static engine fails midway
+        now = [engine.used] if engine is not None and engine.used not in earlier else []
+        return meta_record(job, stops, earlier + now, done, total, state, counts)
 
     writer = outfile.AnswerWriter(job.out, job.resume.keep_bytes)
     left_out = outfile.AnswerWriter(outfile.skipped_path(job.out), job.resume.skipped.keep_bytes)
     tokens = stopped = answered = dropped = 0
-    used = "none"
+    engine = None
     try:
         outfile.write_meta(job.out, meta("running"))
         if todo:
             engine, _ = build_engine(job, tokenizer, stops, [ids[p.key] for p, _ in todo], console)
-            used = engine.used
-            engines += [used] if used not in engines else []
             outfile.write_meta(job.out, meta("running"))
         t0 = time.perf_counter()
         progress = JobProgress("regenerate", total, "answers", console, resumed=done)
@@ -302,7 +302,8 @@ def _run(job: Job, console) -> dict:
         streams = [stream_of(p.key, sample) for p, sample in todo]
         # every pending prompt through the engine at once: a static engine's slots refill across what used to be
         # batch boundaries; each answer is written as it ends (completion order), so an interrupted job loses the
-        # answers in flight only
+        # answers in flight only. A static engine that fails midway hands the pairs it has not answered to HF:
+        # each pair still comes once, so the counts below hold
         answers = engine.stream([ids[p.key] for p, _ in todo], streams) if todo else iter(())
         for at, answer in answers:
             p, sample = todo[at]
@@ -331,7 +332,7 @@ def _run(job: Job, console) -> dict:
         skipped = list(ended_with.skipped.reasons)
         outfile.write_meta(job.out, meta("done" if done == total else "stopped"))
     record = {"done": done, "total": total, "new": answered, "left_out": dropped, "out": str(job.out),
-              "meta": str(outfile.meta_path(job.out)), "engine": used, "tokens": tokens,
+              "meta": str(outfile.meta_path(job.out)), "engine": engine.used if engine else "none", "tokens": tokens,
               "stopped_frac": round(stopped / answered, 4) if answered else None,
               "seconds": round(time.perf_counter() - t0, 1)}
     ended = f", {stopped / answered:.0%} of them ended on a stop id" if answered else ""

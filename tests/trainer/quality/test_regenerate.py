@@ -188,10 +188,11 @@ def test_a_failing_static_engine_falls_back_to_hf_generate(made, monkeypatch):
     notes: list[str] = []
     answer = continuation_engine(target, cfg, eot, notes.append)
     windows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
-    first, again = (dict(answer.stream(windows, float("inf"))) for _ in range(2))
-    assert notes == ["note: regen.engine=static failed (RuntimeError: capture failed); continuing with HF generate"]
+    first, again = (dict(answer.stream(windows, deadline=float("inf"))) for _ in range(2))
+    assert notes == ["note: the static engine cannot serve this target (RuntimeError: capture failed); generating "
+                     "with the hf engine"]
     assert first == again == dict(enumerate(generate_target_only(target, w, 5, (eot,)) for w in windows))
-    assert answer.used == "static->hf" and answer.gen is None
+    assert answer.used == "hf" and answer.gen is None  # never built: the hf engine answered everything
 
 
 def test_a_static_stream_failing_midway_leaves_the_rest_to_hf_and_stops_at_the_deadline(made, monkeypatch):
@@ -215,13 +216,14 @@ def test_a_static_stream_failing_midway_leaves_the_rest_to_hf_and_stops_at_the_d
                               continuation_prompt_tokens=6, engine="static")
     windows = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22]]
     want = [generate_target_only(target, w, 5, (eot,)) for w in windows]
-    assert len(list(continuation_engine(target, cfg, eot).stream(windows, 0.0))) == 1
+    assert len(list(continuation_engine(target, cfg, eot).stream(windows, deadline=0.0))) == 1
     monkeypatch.setattr(generate.BatchGenerator, "generate_stream", breaks_after_one)
     notes: list[str] = []
     answer = continuation_engine(target, cfg, eot, notes.append)
-    got = dict(answer.stream(windows, float("inf")))
+    got = dict(answer.stream(windows, deadline=float("inf")))
     assert got == dict(enumerate(want)) and answer.used == "static->hf"
-    assert notes == ["note: regen.engine=static failed (RuntimeError: device lost); continuing with HF generate"]
+    assert notes == ["note: the static engine failed (RuntimeError: device lost) after 1 of 3 answers; the hf engine "
+                     "answers the other 2"]
 
 
 def test_the_pipelines_prompt_sets_as_files_feed_trainer_regenerate(made, tmp_path, capsys):
