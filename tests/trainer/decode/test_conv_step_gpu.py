@@ -73,8 +73,10 @@ def test_the_kernel_replays_in_a_cuda_graph_on_new_inputs():
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_graph_replayed_steps_with_the_kernel_equal_the_torch_steps(family):
+def test_graph_replayed_steps_with_the_kernel_equal_the_torch_steps(family, monkeypatch):
+    """fp32 layers: the torch steps' convolution in fp32 too (cuDNN would otherwise take TF32 products)."""
     dev = cuda()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     inner = copy.deepcopy(hf_layer(family)).to(dev)
     mine, plain = (GatedDeltaNetDecode(inner, ROWS, block=4, conv_kernel=k) for k in (True, False))
     gen = torch.Generator().manual_seed(1)

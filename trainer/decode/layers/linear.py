@@ -11,10 +11,10 @@ keeps, per row, what rebuilds the state after any prefix of the block: the convo
 block's rule terms (`BlockTerms`: keys, corrected values, decays; O(L (dk + dv)) per head, not L states).
 `commit(accepted)` then sets each row's state to the one after its accepted prefix, on the device. A decode step
 is one token through the rule's recurrent form (on CUDA with fla, `recurrent_kernel.py`'s fused kernel, which reads each
-row's state once and writes it back in place), its convolution, conv-state shift and gates before that
-`conv_step.py`'s one kernel where asked (the opt-in kernel "conv", `decode/opt_in.py`); `prefill` runs blocks of CHUNK
-tokens (or fla's chunked kernel on CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the
-padding out of the state.
+row's state once and writes it back in place), its convolution, conv-state shift and gates one `conv_step.py` kernel
+where asked (the opt-in kernel "conv", `decode/opt_in.py`); `prefill` runs blocks of CHUNK tokens (or fla's chunked
+kernel on CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the
+state.
 
 Every method is free of host syncs and value-dependent shapes: the counts are device tensors, the block length a
 Python int fixed per captured graph.
@@ -119,7 +119,8 @@ class GatedDeltaNetDecode:
         window = torch.cat([self.conv.transpose(1, 2).to(qkv.dtype), qkv], dim=1)
         return window, causal_conv1d_window(window, self.inner.conv1d.weight.squeeze(1))
 
-    def _conv_gates(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    def _conv_gates(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token a row: qkv [R, 1, C], a, b [R, 1, Hv] -> (the causal conv + SiLU [R, 1, C], g, beta [R, 1, Hv]),
         the conv state shifted by qkv. One kernel where asked and usable (`conv_step.py`), else the torch ops."""
         m = self.inner
