@@ -7,6 +7,7 @@ from __future__ import annotations
 KERNELS = {
     "moe": "an MoE layer's SiLU-GLU experts at decode (trainer/decode/moe_kernel.py)",
     "route": "an MoE layer's softmax top-k router and sort by expert at decode (trainer/decode/route_kernel.py)",
+    "conv": "a Gated DeltaNet layer's one-token conv, SiLU, state shift and gates (trainer/decode/conv_step.py)",
 }
 _asked: set[str] = set()
 

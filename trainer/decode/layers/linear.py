@@ -11,8 +11,10 @@ keeps, per row, what rebuilds the state after any prefix of the block: the convo
 block's rule terms (`BlockTerms`: keys, corrected values, decays; O(L (dk + dv)) per head, not L states).
 `commit(accepted)` then sets each row's state to the one after its accepted prefix, on the device. A decode step
 is one token through the rule's recurrent form (on CUDA with fla, `recurrent_kernel.py`'s fused kernel, which reads each
-row's state once and writes it back in place); `prefill` runs blocks of CHUNK tokens (or fla's chunked kernel on
-CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the state.
+row's state once and writes it back in place), its convolution, conv-state shift and gates one `conv_step.py` kernel
+where asked (the opt-in kernel "conv", `decode/opt_in.py`); `prefill` runs blocks of CHUNK tokens (or fla's chunked
+kernel on CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the
+state.
 
 Every method is free of host syncs and value-dependent shapes: the counts are device tensors, the block length a
 Python int fixed per captured graph.
@@ -35,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from trainer.decode import conv_step, opt_in
 from trainer.decode.gated_norm import GatedRMSNorm
 from trainer.decode.recurrent_kernel import gated_delta_step_, usable_for
 from trainer.model.linear_attention import (
@@ -65,10 +68,12 @@ class GatedDeltaNetDecode:
     the last `forward` (at most `block` tokens). kernel: "fla" runs `prefill` through fla's chunked kernel (CUDA,
     fla installed), "torch" through `gated_delta_block` per CHUNK tokens; `forward` (and a step of several tokens)
     always runs `gated_delta_block`. fused (default: kernel == "fla"): a one-token step through
-    `recurrent_kernel.gated_delta_step_`, the state updated in place, else `gated_delta_step` and a copy back."""
+    `recurrent_kernel.gated_delta_step_`, the state updated in place, else `gated_delta_step` and a copy back.
+    conv_kernel (default: whether the opt-in kernel "conv" is asked, `opt_in.py`): a one-token step's convolution,
+    SiLU, conv-state shift and gates through `conv_step.conv_gates_step` where it is usable, else the torch ops."""
 
     def __init__(self, inner: nn.Module, rows: int, block: int, kernel: str = "torch",
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, conv_kernel: bool | None = None) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if block < 1:
@@ -96,6 +101,7 @@ class GatedDeltaNetDecode:
         self.fused = kernel == "fla" if fused is None else fused
         if self.fused and not usable_for(self.state):
             raise ValueError(f"the fused step needs Triton on CUDA (or the interpreter on CPU), not {dev}")
+        self.conv_kernel = opt_in.enabled("conv") if conv_kernel is None else conv_kernel
 
     # ------------------------------------------------------------ the block computation
 
@@ -113,6 +119,18 @@ class GatedDeltaNetDecode:
         """qkv [R, L, C] -> (the window: committed inputs then qkv [R, K-1+L, C]; the causal conv + SiLU [R, L, C])."""
         window = torch.cat([self.conv.transpose(1, 2).to(qkv.dtype), qkv], dim=1)
         return window, causal_conv1d_window(window, self.inner.conv1d.weight.squeeze(1))
+
+    def _conv_gates(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token a row: qkv [R, 1, C], a, b [R, 1, Hv] -> (the causal conv + SiLU [R, 1, C], g, beta [R, 1, Hv]),
+        the conv state shifted by qkv. One kernel where asked and usable (`conv_step.py`), else the torch ops."""
+        m = self.inner
+        args = (qkv, self.conv, m.conv1d.weight.squeeze(1), a, b, m.A_log, m.dt_bias)
+        if self.conv_kernel and conv_step.usable(*args):
+            return conv_step.conv_gates_step(*args)
+        window, mixed = self._convolve(qkv)
+        self.conv.copy_(window[:, 1:].transpose(1, 2))
+        return (mixed, *gates(m, a, b))
 
     def _advance(self, window: torch.Tensor, terms: BlockTerms, n: torch.Tensor) -> None:
         """Set each row's buffers to those after the first n[r] tokens of the block (`window`, `terms`)."""
@@ -187,15 +205,13 @@ class GatedDeltaNetDecode:
             return out
         m = self.inner
         qkv, z, b, a = project(m, x, self.joined)
-        window, mixed = self._convolve(qkv)
+        mixed, g, beta = self._conv_gates(qkv, a, b)
         q, k, v = split_heads(m, mixed)
-        g, beta = gates(m, a, b)
         if self.fused:
             core = gated_delta_step_(q, k, v, g, beta, self.state)
         else:
             core, state = gated_delta_step(q, k, v, g, beta, self.state)
             self.state.copy_(state)
-        self.conv.copy_(window[:, 1:].transpose(1, 2))
         return gated_output(m, core, z, self.gated_norm)
 
     def prefill(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
