@@ -168,10 +168,16 @@ def step_rows(layer, h, rows):
     return layer(h, SimpleNamespace(linear=LinearCall(STEP, torch.tensor(False), None, None, rows)))
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["own-projections", "joined-projections"])
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_the_layers_steps_with_the_kernel_equal_its_torch_steps(interpreter, monkeypatch, family):
+def test_the_layers_steps_with_the_kernel_equal_its_torch_steps(interpreter, monkeypatch, family, joined):
     """Prefill, steps of every row, then a compacted step of rows 2 and 0 (`_on_rows`: the kernel shifts the gathered
-    state, written back to those rows only); the fused recurrent step and the torch one both."""
+    state, written back to those rows only); the fused recurrent step and the torch one both. Joined: the kernel's
+    layer takes its input projections as the batch generator's one GEMM (decode/fused.py), so qkv, a and b reach
+    the kernel as column slices of one output."""
+    from trainer.decode.fused import Joined, joined as join
+    from trainer.model.linear_attention import input_projections
+
     calls = []
     kernel_step = conv_step.conv_gates_step
     monkeypatch.setattr(conv_step, "conv_gates_step", lambda *args: calls.append(1) or kernel_step(*args))
@@ -182,16 +188,25 @@ def test_the_layers_steps_with_the_kernel_equal_its_torch_steps(interpreter, mon
     for fused in (True, False):
         mine, plain = (GatedDeltaNetDecode(inner, ROWS, block=4, fused=fused, conv_kernel=k) for k in (True, False))
         assert mine.conv_kernel and not plain.conv_kernel
+        if joined:
+            mine.joined = join(input_projections(inner))
+            assert isinstance(mine.joined, Joined)
         conv = mine.conv
         with torch.no_grad():
             outs = [(layer.prefill(x[:, :8]), [layer.step(x[:, t:t + 1]) for t in range(8, 12)],
                      [step_rows(layer, sub[:, t:t + 1], rows) for t in range(2)]) for layer in (mine, plain)]
         assert mine.conv is conv
         (pre_k, steps_k, sub_k), (pre_p, steps_p, sub_p) = outs
-        assert torch.equal(pre_k, pre_p)  # the prefill is the same torch rule
+        if joined:  # the joined GEMM's columns within an fp32 ulp of their own GEMMs' (test_fused.py)
+            torch.testing.assert_close(pre_k, pre_p, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(pre_k, pre_p)  # the prefill is the same torch rule
         torch.testing.assert_close(torch.cat(steps_k, 1), torch.cat(steps_p, 1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.cat(sub_k, 1), torch.cat(sub_p, 1), atol=1e-5, rtol=1e-5)
-        assert torch.equal(mine.conv, plain.conv)  # fp32: the shift is a copy
+        if joined:  # the joined GEMM's columns need not be its parts' bits on CPU
+            torch.testing.assert_close(mine.conv, plain.conv, atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(mine.conv, plain.conv)  # fp32: the shift is a copy
         torch.testing.assert_close(mine.state, plain.state, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2 * (4 + 2)
 
