@@ -89,10 +89,10 @@ def _kernels(triton, tl):
             g = gate.to(dtype).to(tl.float32)
             # torch's SiLU: g / (1 + exp(-g)) with CUDA's expf and an IEEE division (the interpreter: numpy's exp)
             if LIBDEVICE:
-                e = libdevice.exp(-g)
+                ex = libdevice.exp(-g)
             else:
-                e = tl.exp(-g)
-            silu = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)
+                ex = tl.exp(-g)
+            silu = tl.math.div_rn(g, 1.0 + ex).to(dtype).to(tl.float32)
             act = silu * up.to(dtype).to(tl.float32)
             tl.store(act_ptr + i.to(tl.int64)[:, None] * sa + n[None, :], act.to(dtype), mask=live[:, None])
 
@@ -136,10 +136,10 @@ def _kernels(triton, tl):
         if SHARED:
             g = tl.load(gate_ptr + t).to(tl.float32)
             if LIBDEVICE:  # torch's sigmoid: 1 / (1 + expf(-g)), an IEEE division (the interpreter: numpy's exp)
-                e = libdevice.exp(-g)
+                ex = libdevice.exp(-g)
             else:
-                e = tl.exp(-g)
-            g = tl.math.div_rn(1.0, 1.0 + e).to(gate_ptr.dtype.element_ty).to(tl.float32)
+                ex = tl.exp(-g)
+            g = tl.math.div_rn(1.0, 1.0 + ex).to(gate_ptr.dtype.element_ty).to(tl.float32)
             s = tl.load(shared_ptr + t * D + d, mask=inside, other=0.0).to(tl.float32)
             y = y + (g * s).to(shared_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=inside)

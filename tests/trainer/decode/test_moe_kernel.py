@@ -152,3 +152,71 @@ def test_the_combine_kernel_sums_the_copies_and_adds_the_gated_shared_expert(int
     want = out.sum(dim=1) + (torch.sigmoid(gate) * expert if shared else 0)
     got = moe_kernel.combine(out, torch.float32, gate if shared else None, expert if shared else None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+COMPILE_FOR_H200 = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from trainer.decode import moe_kernel, route_kernel
+
+up, down, combine = moe_kernel._kernels()
+route_topk, sort_copies = route_kernel._kernels()
+E, D, I, T, K = 256, 2048, 512, 64, 8  # qwen3.5-35b-a3b's experts, a decode step of 64 rows
+S = T * K
+bf16 = "*bf16"
+ints = lambda names: {n: "i32" for n in names.split()}
+gemm = {"UPCAST": False, "PRECISION": "tf32", "LOADED_BOUND": True, "BM": moe_kernel.BLOCK_M}
+kernels = {
+    "experts_up": (up, {"x_ptr": bf16, "w_ptr": bf16, "order_ptr": "*i64", "ends_ptr": "*i32", "act_ptr": bf16,
+                        **ints("sx swe swn sa")},
+                   {**gemm, "N_COPIES": S, "TOP_K": K, "D": D, "I": I, "BN": moe_kernel.UP_TILES.n,
+                    "BK": moe_kernel.UP_TILES.k, "STAGES": moe_kernel.UP_TILES.stages, "LIBDEVICE": True},
+                   moe_kernel.UP_TILES.warps),
+    "experts_down": (down, {"act_ptr": bf16, "w_ptr": bf16, "order_ptr": "*i64", "ends_ptr": "*i32",
+                            "weight_ptr": bf16, "out_ptr": bf16, **ints("sa swe swn so")},
+                     {**gemm, "N_COPIES": S, "D": D, "I": I, "BN": moe_kernel.DOWN_TILES.n,
+                      "BK": moe_kernel.DOWN_TILES.k, "STAGES": moe_kernel.DOWN_TILES.stages},
+                     moe_kernel.DOWN_TILES.warps),
+    "combine": (combine, {"out_ptr": bf16, "gate_ptr": bf16, "shared_ptr": bf16, "y_ptr": bf16},
+                {"D": D, "K": K, "BLOCK": moe_kernel.COMBINE_BLOCK, "SHARED": True, "LIBDEVICE": True}, 4),
+    "route_topk": (route_topk, {"logits_ptr": bf16, "w_ptr": bf16, "e_ptr": "*i64", **ints("stride_t")},
+                   {"E": E, "LANES": 32, "ITERS": E // 32, "K": K, "KP": K, "RENORM": True, "BF16_OUT": True,
+                    "LIBDEVICE": True}, 1),
+    "sort_copies": (sort_copies, {"experts_ptr": "*i64", "order_ptr": "*i64", "sorted_ptr": "*i64",
+                                  "offsets_ptr": "*i32"},
+                    {"S": S, "E": E, "P": E, "BLOCK": route_kernel.sort_block(S, E),
+                     "TILES": -(-S // route_kernel.sort_block(S, E))}, 4),
+}
+out = {}
+for name, (fn, sig, consts, warps) in kernels.items():
+    names = list(sig) + list(consts)
+    full = {**sig, **{n: "constexpr" for n in consts}}
+    # pointers and the strides (all multiples of 16 here) as Triton's launch specializes them
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if full[n][0] == "*" or full[n] == "i32"}
+    compiled = triton.compile(triton.compiler.ASTSource(fn, full, consts, aligned),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptx = compiled.asm["ptx"]
+    out[name] = {"stages": sorted(compiled.asm), "mma": "mma" in ptx, "ieee_division": "div.rn.f32" in ptx,
+                 "async_copies": "cp.async" in ptx, "shared_bytes": compiled.metadata.shared}
+print("COMPILED " + json.dumps(out))
+'''
+
+
+def test_the_moe_and_route_kernels_compile_for_the_h200(tmp_path):
+    """What only the compiler checks (types, layouts, shared memory), at qwen3.5-35b-a3b's decode shape with the
+    default tiles: each kernel down to an sm_90 cubin; the GEMM kernels' dots on the tensor cores and their weight
+    tiles streamed through shared memory by asynchronous copies, at least two tiles in flight (the loop pipelined:
+    a memory-bound kernel waits on each load otherwise), within a Hopper SM's 227 KB; SiLU's and the sigmoid's IEEE
+    divisions."""
+    from tests.trainer.cubin import compile_for_h200
+
+    compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
+    assert set(compiled) == {"experts_up", "experts_down", "combine", "route_topk", "sort_copies"}
+    assert all("cubin" in c["stages"] for c in compiled.values())
+    tile = {"experts_up": 2 * moe_kernel.UP_TILES.n * moe_kernel.UP_TILES.k * 2,  # gate and up rows, bf16
+            "experts_down": moe_kernel.DOWN_TILES.n * moe_kernel.DOWN_TILES.k * 2}
+    for name, bytes_ in tile.items():
+        c = compiled[name]
+        assert c["mma"] and c["async_copies"] and 2 * bytes_ <= c["shared_bytes"] <= 227 * 1024, (name, c)
+    assert compiled["experts_up"]["ieee_division"] and compiled["combine"]["ieee_division"]
