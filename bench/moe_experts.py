@@ -8,7 +8,8 @@ step captures it:
 for the whole block (router, sort, experts, shared expert) and for each half of the experts alone, given the sorted
 copies: `up-*` (gate/up GEMM and SiLU x up) and `down-*` (down GEMM, routing weight, copies back in token order), and
 for the router and the sort alone: `route-torch` (softmax, top-k, renorm, the stable sort by expert) against
-`route-kernel` (`trainer/decode/route_kernel.py`), compared on the routing weights. The whole-block `kernel` form takes both opt-in kernels.
+`route-kernel` (`trainer/decode/route_kernel.py`), compared on the routing weights. The whole-block `kernel` form
+takes both opt-in kernels.
 Prints one `MOE_BENCH {json}` line per form: us per replay (median of `--reps` between CUDA events, after 3 untimed
 replays), TB/s counting the expert weights the form streams (each touched expert's once), and the largest difference
 from the grouped form's output. `--tiles BN,BK,STAGES,WARPS[;...]` times the kernel forms at other tile settings
@@ -144,7 +145,14 @@ def _run(a, torch) -> int:
     default = (moe_kernel.UP_TILES, moe_kernel.DOWN_TILES)
     for tiles in a.tiles or [None]:
         if tiles is not None:
-            moe_kernel.UP_TILES = moe_kernel.DOWN_TILES = moe_kernel.Tiles(*tiles)
+            setting = moe_kernel.Tiles(*tiles)
+            I, D = experts.down_proj.shape[2], experts.down_proj.shape[1]
+            if not (moe_kernel.divides(I, D, setting) and moe_kernel.divides(D, I, setting)):
+                # unmasked weight loads past a tile that does not divide the widths would read out of bounds
+                print("MOE_BENCH " + json.dumps({"form": "kernel", "tiles": tiles, "error": "tiles that do not divide "
+                                                 f"the widths (D {D}, I {I}) into powers of two >= 16"}), flush=True)
+                continue
+            moe_kernel.UP_TILES = moe_kernel.DOWN_TILES = setting
         for name in ("kernel", "up-kernel", "down-kernel"):
             try:
                 rows.append((name, (tiles, *_graphed(calls[name], torch))))

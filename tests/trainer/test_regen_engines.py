@@ -54,22 +54,38 @@ def build(target, engine: str, notes: list[str], rows: int = 2, batch: int | Non
                     batch=batch, log=notes.append)
 
 
-def failing(fill, at: int):
-    """`fill` (BatchGenerator._fill, bound or not) raising on its `at`-th call, as a device lost at that prefill."""
+def failing(fill, at: int, error: Exception | None = None):
+    """`fill` (BatchGenerator._fill, bound or not) raising on its `at`-th call (default: as a device lost at that
+    prefill)."""
     calls = [0]
 
     def fill_or_fail(*args, **kwargs):
         calls[0] += 1
         if calls[0] == at:
-            raise RuntimeError("device lost")
+            raise error or RuntimeError("device lost")
         return fill(*args, **kwargs)
     return fill_or_fail
 
 
-def arm(answer, at: int) -> weakref.ref:
+def arm(answer, at: int, error: Exception | None = None) -> weakref.ref:
     """The answerer's generator fails at its `at`-th prefill -> a weak reference to the generator."""
-    answer.gen._fill = failing(answer.gen._fill, at)
+    answer.gen._fill = failing(answer.gen._fill, at, error)
     return weakref.ref(answer.gen)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access was encountered"),
+                                   ValueError("stream ids must be distinct")], ids=["cuda-error", "bad-input"])
+def test_a_cuda_error_or_bad_input_is_not_handed_to_hf(target, prompts, error):
+    """After a CUDA error the device's context is lost for HF too, and bad input fails there as well: the stream
+    raises the static engine's own error (the answers before it were yielded), no note, no fallback."""
+    notes: list[str] = []
+    answer = build(target, "static", notes, rows=1)
+    arm(answer, 2, error)
+    got = []
+    with pytest.raises(type(error), match=str(error)[:20]):
+        for pair in answer.stream(prompts):
+            got.append(pair)
+    assert [i for i, _ in got] == [0] and notes == [] and answer.used == "static"
 
 
 def test_a_static_engine_failing_midway_leaves_the_rest_to_hf_once_and_is_freed(target, prompts, want):

@@ -68,8 +68,8 @@ def _kernels(triton, tl):
         gate_rows = w_ptr + e.to(tl.int64) * swe + n[:, None] * swn
         up_rows = gate_rows + I * swn
         # On the GPU the loop runs over the expert's own copies (a loaded bound); the interpreter cannot loop to
-        # one, so there it walks every block of the N_COPIES (a constant: one compilation per step width) and masks
-        # the copies outside [start, end).
+        # one, so there it walks every block of the N_COPIES copies and masks those outside [start, end) (`_copies`:
+        # 0 on the GPU, which never reads it, so one compilation serves every count of copies).
         for m0 in tl.range(start if LOADED_BOUND else 0, end if LOADED_BOUND else N_COPIES, BM):
             i = m0 + tl.arange(0, BM)
             live = (i >= start) & (i < end)
@@ -129,9 +129,23 @@ def _kernels(triton, tl):
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = d < D
-        acc = tl.zeros([BLOCK], tl.float32)
-        for j in tl.static_range(K):  # torch's sum over k: each column's k values in order, in fp32
-            acc += tl.load(out_ptr + (t * K + j) * D + d, mask=inside, other=0.0).to(tl.float32)
+        # torch's sum over k (Reduce.cuh, a reduction over an outer dimension): four fp32 accumulators, value j into
+        # accumulator j % 4 in order, then ((a0 + a1) + a2) + a3
+        a0 = tl.zeros([BLOCK], tl.float32)
+        a1 = tl.zeros([BLOCK], tl.float32)
+        a2 = tl.zeros([BLOCK], tl.float32)
+        a3 = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(K):
+            v = tl.load(out_ptr + (t * K + j) * D + d, mask=inside, other=0.0).to(tl.float32)
+            if j % 4 == 0:
+                a0 += v
+            elif j % 4 == 1:
+                a1 += v
+            elif j % 4 == 2:
+                a2 += v
+            else:
+                a3 += v
+        acc = ((a0 + a1) + a2) + a3
         y = acc.to(out_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty).to(tl.float32)
         if SHARED:
             g = tl.load(gate_ptr + t).to(tl.float32)
@@ -152,7 +166,7 @@ def tile(width: int, block: int) -> int:
     return min(block, width)
 
 
-def _divides(out_width: int, in_width: int, tiles: Tiles) -> bool:
+def divides(out_width: int, in_width: int, tiles: Tiles) -> bool:
     """The kernel's tile sides over its output and input widths are powers of two >= 16 (tl.dot's and tl.arange's)
     that divide them."""
     sides = ((out_width, tile(out_width, tiles.n)), (in_width, tile(in_width, tiles.k)))
@@ -174,8 +188,8 @@ def serves(experts) -> bool:
     return (not getattr(experts, "is_transposed", False) and getattr(experts, "gate_up_proj_bias", None) is None
             and getattr(experts, "down_proj_bias", None) is None and down.shape == (E, D, I)
             and up.dtype == down.dtype and (up.dtype == torch.bfloat16 or up.device.type == "cpu")
-            and up.stride(-1) == down.stride(-1) == 1 and _divides(I, D, UP_TILES)
-            and _divides(D, I, DOWN_TILES))
+            and up.stride(-1) == down.stride(-1) == 1 and divides(I, D, UP_TILES)
+            and divides(D, I, DOWN_TILES))
 
 
 def _silu_glu(experts) -> bool:
@@ -192,6 +206,13 @@ def _silu_glu(experts) -> bool:
 def few_copies(copies: int, num_experts: int) -> bool:
     """Few copies an expert (a decode step's, not a prefill's): where the kernels beat the grouped GEMM."""
     return copies <= MAX_COPIES_PER_EXPERT * num_experts
+
+
+def _copies(S: int) -> int:
+    """The kernels' N_COPIES: the count under the interpreter (its loop bound), 0 on the GPU (unread there: a
+    compilation per count of copies would be a new compile at every new prefill shape)."""
+    from trainer.triton_device import interpreting
+    return S if interpreting() else 0
 
 
 def _launch_options(x: torch.Tensor, tiles: Tiles) -> dict:
@@ -212,7 +233,7 @@ def experts_up(experts, x: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     act = torch.empty(S, I, dtype=x.dtype, device=x.device)
     bn = tile(I, UP_TILES.n)
     _kernels()[0][(E, I // bn)](x, w, order, offsets, act, x.stride(0), w.stride(0), w.stride(1), act.stride(0),
-                                N_COPIES=S, TOP_K=top_k, D=D, I=I, BN=bn, BK=tile(D, UP_TILES.k),
+                                N_COPIES=_copies(S), TOP_K=top_k, D=D, I=I, BN=bn, BK=tile(D, UP_TILES.k),
                                 LIBDEVICE=not interpreting(), **_launch_options(x, UP_TILES))
     return act
 
@@ -229,8 +250,8 @@ def experts_down(experts, act: torch.Tensor, order: torch.Tensor, offsets: torch
     flat = out.view(S, D)
     bn = tile(D, DOWN_TILES.n)
     _kernels()[1][(E, D // bn)](act, w, order.contiguous(), offsets.contiguous(), weights.contiguous(), flat,
-                                act.stride(0), w.stride(0), w.stride(1), flat.stride(0), N_COPIES=S, D=D, I=I,
-                                BN=bn, BK=tile(I, DOWN_TILES.k), **_launch_options(act, DOWN_TILES))
+                                act.stride(0), w.stride(0), w.stride(1), flat.stride(0), N_COPIES=_copies(S),
+                                D=D, I=I, BN=bn, BK=tile(I, DOWN_TILES.k), **_launch_options(act, DOWN_TILES))
     return out
 
 
@@ -248,8 +269,8 @@ COMBINE_BLOCK = 1024  # columns a program: the combine is elementwise over D, so
 
 def combine(out: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
             shared: torch.Tensor | None = None) -> torch.Tensor:
-    """out [T, k, D] (`experts_forward`) -> y [T, D] in `dtype`: the k copies summed (in fp32, rounded to out's
-    dtype, then to `dtype`), plus sigmoid(gate) [T, 1] x shared [T, D] where the layer has a shared expert, each
+    """out [T, k, D] (`experts_forward`) -> y [T, D] in `dtype`: the k copies summed (in fp32 in torch's order,
+    rounded to out's dtype, then to `dtype`), plus sigmoid(gate) [T, 1] x shared [T, D] where the layer has a shared expert, each
     product and sum rounded as torch's `y + torch.sigmoid(gate) * shared` rounds them: one kernel for what were
     four or five."""
     from trainer.triton_device import interpreting

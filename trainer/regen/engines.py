@@ -41,6 +41,12 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else 'no message'}"
 
 
+def hf_can_go_on(exc: Exception) -> bool:
+    """Whether HF generate can answer what the static engine left after it raised `exc`: not after bad input (a
+    ValueError: the same prompts fail there too) nor after a CUDA error (the context is lost for every engine)."""
+    return not (isinstance(exc, ValueError) or type(exc).__name__ == "AcceleratorError" or "CUDA error" in str(exc))
+
+
 class Answerer:
     """The static generator `gen` while it runs, HF `generate` (batches of `batch`) otherwise. `used`: "static",
     "hf" (asked for, or the static engine could not be built), or "static->hf" (it failed midway). Not thread-safe:
@@ -71,7 +77,9 @@ class Answerer:
                     answered.add(i)
                     yield i, tokens
                 return
-            except Exception as exc:  # noqa: BLE001 -- any failure of the fast path; HF generate is the reference
+            except Exception as exc:  # noqa: BLE001 -- a failure of the fast path; HF generate is the reference
+                if not hf_can_go_on(exc):
+                    raise
                 note = _first_line(exc)
             # out of the except clause: its traceback holds the generator's frames, which close() must free
             self.close()
@@ -117,6 +125,8 @@ class Answerer:
         no more."""
         self.gen = None
         gc.collect()  # a graph's callable refers back to its owner: a cycle
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the graphs' pools back to the device, for HF or the next stage
 
 
 def answerer(engine: str, target, *, rows: int, max_len: int, stops: Sequence[int], sampling: SamplingSettings,

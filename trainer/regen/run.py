@@ -305,7 +305,11 @@ def _run(job: Job, console) -> dict:
         # answers in flight only. A static engine that fails midway hands the pairs it has not answered to HF:
         # each pair still comes once, so the counts below hold
         answers = engine.stream([ids[p.key] for p, _ in todo], streams) if todo else iter(())
+        used = engine.used if engine is not None else None
         for at, answer in answers:
+            if engine.used != used:  # the static engine failed midway: a job killed from here on says HF wrote too
+                used = engine.used
+                outfile.write_meta(job.out, meta("running"))
             p, sample = todo[at]
             ended = bool(answer) and answer[-1] in stops
             row = row_of(ids[p.key], answer, ended)

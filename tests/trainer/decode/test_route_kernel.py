@@ -131,8 +131,9 @@ def test_usable_only_within_its_bounds(interpreter, monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_5_moe"])
 def test_the_decode_moe_mlp_is_unchanged_by_the_kernel(interpreter, monkeypatch, family, family_dirs):
-    """MoeMLP on the tiny family target (redrawn weights: tokens route apart): with the kernels (the interpreter on)
-    its output equals the torch path's and the naive per-token reference."""
+    """MoeMLP on the tiny family target (redrawn weights: tokens route apart): on a one-token step with the kernels
+    (the interpreter on) its output equals the torch path's and the naive per-token reference; several tokens a row
+    keep the torch ops."""
     from tests.trainer.decode.test_static_moe import family_target, redrawn_block
     from tests.trainer.test_moe_routing import reference, routing_rule
 
@@ -142,11 +143,17 @@ def test_the_decode_moe_mlp_is_unchanged_by_the_kernel(interpreter, monkeypatch,
     k = config["num_experts_per_tok"]
     mlp = MoeMLP(block, routing_of(target.hf_config), k, grouped=False, router_kernel=True)
     assert not MoeMLP(block, routing_of(target.hf_config), k).router_kernel  # an opt-in kernel (opt_in.py)
-    x = torch.randn(3, 8, config["hidden_size"], generator=gen)
+    x = torch.randn(24, 1, config["hidden_size"], generator=gen)  # one token a row: a decode step
+    calls = []
+    kernel = route_kernel.route_and_sort
+    monkeypatch.setattr(route_kernel, "route_and_sort", lambda *args: calls.append(1) or kernel(*args))
     with torch.no_grad():
         logits = torch.nn.functional.linear(x.reshape(24, -1), mlp.router.weight)
         assert route_kernel.usable(logits, mlp.routing, k)
         got = mlp(x)
+        assert len(calls) == 1
+        mlp(x.reshape(3, 8, -1))  # several tokens a row (a prefill): torch's ops, whose shapes do not recompile
+        assert len(calls) == 1
         monkeypatch.setattr(triton_device, "CPU_UNDER_INTERPRETER", False)
         assert not route_kernel.usable(logits, mlp.routing, k)
         want = mlp(x)

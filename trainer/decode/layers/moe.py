@@ -105,8 +105,8 @@ class MoeMLP:
     `shared_expert` with `shared_expert_gate` where the family has one) computed at decode. Callable like a dense
     MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the grouped GEMM where it serves the weights' device; kernel:
     True takes `moe_kernel`'s experts kernels where they serve the experts, for calls of few copies an expert;
-    router_kernel: True takes `route_kernel`'s router and sort where usable (None, each: where its opt-in kernel,
-    "moe" or "route", is asked, `opt_in.py`)."""
+    router_kernel: True takes `route_kernel`'s router and sort where usable, on one-token steps (None, each: where
+    its opt-in kernel, "moe" or "route", is asked, `opt_in.py`)."""
 
     def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None,
                  kernel: bool | None = None, router_kernel: bool | None = None) -> None:
@@ -120,7 +120,7 @@ class MoeMLP:
         self.transposed = bool(getattr(experts, "is_transposed", False))
         weight = experts.gate_up_proj
         self.grouped = grouped_available(weight.device, weight.dtype) if grouped is None else grouped
-        self.kernel = moe_kernel.serves(experts) and (opt_in.enabled("moe") if kernel is None else kernel)
+        self.kernel = (opt_in.enabled("moe") if kernel is None else kernel) and moe_kernel.serves(experts)
         self.router_kernel = opt_in.enabled("route") if router_kernel is None else router_kernel
         self.shared = getattr(block, "shared_expert", None)
         # the router's weight and the shared expert's gate as one [E + 1, D] weight (decode/fused.py), or None
@@ -134,12 +134,14 @@ class MoeMLP:
         R, L, D = h.shape
         x = h.reshape(R * L, D)
         logits, gate = self._route_logits(x)
-        if self.router_kernel and route_kernel.usable(logits, self.routing, self.top_k):
+        # the router kernel on one-token steps only: its sort compiles per count of copies, fixed at a step's rows
+        if self.router_kernel and L == 1 and route_kernel.usable(logits, self.routing, self.top_k):
             weights, _, order, sorted_experts, offsets = route_kernel.route_and_sort(logits, self.top_k, self.routing)
         else:
             weights, experts = route(logits, self.top_k, self.routing)
             order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
-        if self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts):
+        if (self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts)
+                and not torch.compiler.is_compiling()):
             return self._kernel_experts(x, order, offsets, weights, gate, h.dtype).view(R, L, D)
         y = self._grouped_experts(x, order, sorted_experts, offsets, weights).sum(dim=1).to(h.dtype)
         return self._with_shared(y, x, gate).view(R, L, D)
