@@ -13,6 +13,7 @@ import torch
 
 from tests.trainer.decode.test_conv_step import assert_silu_of_the_rounded_conv, random_inputs, torch_ops
 from tests.trainer.decode.test_recurrent_kernel import hf_layer
+from tests.trainer.decode.test_recurrent_kernel_gpu import DIM, ROWS, replayed_steps
 from tests.trainer.families import HYBRID_FAMILIES
 from trainer.capture import capture
 from trainer.decode import conv_step, opt_in
@@ -21,7 +22,6 @@ from trainer.model.target import load_target
 
 pytestmark = pytest.mark.gpu
 
-ROWS, DIM = 3, 64
 DECODE_SHAPE = dict(R=64, C=8192, K=4, Hv=32)  # qwen3.5-35b-a3b: 64 rows, 2 x 16 x 128 + 32 x 128 conv channels
 
 
@@ -79,21 +79,7 @@ def test_graph_replayed_steps_with_the_kernel_equal_the_torch_steps(family, monk
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     inner = copy.deepcopy(hf_layer(family)).to(dev)
     mine, plain = (GatedDeltaNetDecode(inner, ROWS, block=4, conv_kernel=k) for k in (True, False))
-    gen = torch.Generator().manual_seed(1)
-    prompt, steps = torch.randn(ROWS, 20, DIM, generator=gen).to(dev), torch.randn(ROWS, 6, DIM, generator=gen)
-    x = torch.zeros(ROWS, 1, DIM, device=dev)
-    with torch.no_grad():
-        graphs = [capture(lambda layer=layer: layer.step(x), dev) for layer in (mine, plain)]
-        outs = []
-        for layer, (graph, out) in zip((mine, plain), graphs):
-            layer.reset(torch.ones(ROWS, dtype=torch.bool, device=dev))
-            layer.prefill(prompt)
-            got = []
-            for t in range(steps.shape[1]):
-                x.copy_(steps[:, t:t + 1])
-                graph.replay()
-                got.append(out.clone())
-            outs.append(torch.cat(got, 1))
+    outs = replayed_steps((mine, plain), dev)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mine.state, plain.state, atol=1e-5, rtol=1e-5)
     assert torch.equal(mine.conv, plain.conv)  # fp32: the shift is a copy

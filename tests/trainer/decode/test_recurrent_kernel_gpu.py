@@ -44,18 +44,16 @@ def test_the_fused_step_equals_the_torch_rule_at_qwen3_5_9bs_shapes_in_place(dty
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_graph_replayed_fused_steps_equal_the_torch_steps(family):
-    dev = torch.device("cuda")
-    inner = copy.deepcopy(hf_layer(family)).to(dev)
-    fused, plain = (GatedDeltaNetDecode(inner, ROWS, block=4, fused=f) for f in (True, False))
+def replayed_steps(layers, dev: torch.device) -> list[torch.Tensor]:
+    """Each decode layer's one-token step captured as a CUDA graph; then, from a prefill of the same seeded prompt
+    [ROWS, 20, DIM], replayed over the same 6 seeded tokens -> each layer's outputs [ROWS, 6, DIM]."""
     gen = torch.Generator().manual_seed(1)
     prompt, steps = torch.randn(ROWS, 20, DIM, generator=gen).to(dev), torch.randn(ROWS, 6, DIM, generator=gen)
     x = torch.zeros(ROWS, 1, DIM, device=dev)
     with torch.no_grad():
-        graphs = [capture(lambda layer=layer: layer.step(x), dev) for layer in (fused, plain)]
+        graphs = [capture(lambda layer=layer: layer.step(x), dev) for layer in layers]
         outs = []
-        for layer, (graph, out) in zip((fused, plain), graphs):
+        for layer, (graph, out) in zip(layers, graphs):
             layer.reset(torch.ones(ROWS, dtype=torch.bool, device=dev))
             layer.prefill(prompt)
             got = []
@@ -64,6 +62,15 @@ def test_graph_replayed_fused_steps_equal_the_torch_steps(family):
                 graph.replay()
                 got.append(out.clone())
             outs.append(torch.cat(got, 1))
+    return outs
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_graph_replayed_fused_steps_equal_the_torch_steps(family):
+    dev = torch.device("cuda")
+    inner = copy.deepcopy(hf_layer(family)).to(dev)
+    fused, plain = (GatedDeltaNetDecode(inner, ROWS, block=4, fused=f) for f in (True, False))
+    outs = replayed_steps((fused, plain), dev)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.state, plain.state, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.conv, plain.conv)
