@@ -1,5 +1,5 @@
-"""Decode kernels that are written and tested under Triton's interpreter but not yet measured on a GPU: each is off
-unless asked, so that a user's regenerate runs only kernels measured on the H200. Asked per process: the benchmarks'
+"""Decode kernels (and one stream layout) written and tested on CPU (Triton's interpreter, sm_90 compiles) but not yet
+measured on a GPU: each is off unless asked, so that a user's regenerate runs only what was measured on the H200. Asked per process: the benchmarks'
 `--opt-in NAME,...` (`python -m bench.generate`), a test's `enable`. A kernel leaves this list when its figures
 land in docs/benchmarks.md and it becomes its module's default."""
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 KERNELS = {
     "moe": "an MoE layer's SiLU-GLU experts at decode (trainer/decode/moe_kernel.py)",
     "route": "an MoE layer's softmax top-k router and sort by expert at decode (trainer/decode/route_kernel.py)",
+    "overlap": "with moe: an MoE layer's shared expert on a second CUDA stream beside the experts kernels "
+               "(trainer/decode/layers/moe.py)",
     "conv": "a Gated DeltaNet layer's one-token conv, SiLU, state shift and gates (trainer/decode/conv_step.py)",
 }
 _asked: set[str] = set()

@@ -220,3 +220,17 @@ def test_the_moe_and_route_kernels_compile_for_the_h200(tmp_path):
         c = compiled[name]
         assert c["mma"] and c["async_copies"] and 2 * bytes_ <= c["shared_bytes"] <= 227 * 1024, (name, c)
     assert compiled["experts_up"]["ieee_division"] and compiled["combine"]["ieee_division"]
+
+
+def test_the_shared_expert_overlap_is_inert_off_cuda(interpreter, family_dirs):
+    """The opt-in "overlap" forks a CUDA stream; on CPU tensors the layer computes as without it and makes none (the
+    GPU test checks the fork and join inside captured steps)."""
+    target = family_target(family_dirs, "qwen3_5_moe")
+    block, gen = redrawn_block(target)
+    routing = routing_of(target.hf_config)
+    x = torch.randn(6, 1, target.hf_config.get_text_config().hidden_size, generator=gen)
+    beside = MoeMLP(block, routing, 2, kernel=True, overlap=True)
+    plain = MoeMLP(block, routing, 2, kernel=True, overlap=False)
+    with torch.no_grad():
+        assert torch.equal(beside(x), plain(x))
+    assert beside.overlap and beside.side is None

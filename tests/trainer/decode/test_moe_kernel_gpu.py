@@ -139,3 +139,32 @@ def test_the_combine_kernel_is_torchs_ops_bit_for_bit_in_bf16(shared):
     want = out.sum(dim=1) + (torch.sigmoid(gate) * expert if shared else 0)
     got = moe_kernel.combine(out, torch.bfloat16, gate if shared else None, expert if shared else None)
     assert torch.equal(got, want)
+
+
+def test_the_shared_expert_beside_the_experts_kernels_changes_no_token(family_dirs):
+    """The opt-in "overlap" (the shared expert on a second stream, forked and joined inside the captured steps):
+    Qwen3.5-MoE's tiny target through the batch generator gives the tokens it gives without it, graphed and eager,
+    and every MoE layer ran its shared expert on its own stream."""
+    from trainer.decode import opt_in
+    from trainer.decode.generate import BatchGenerator, Sampling
+
+    cuda()
+    target = load_target(family_dirs["qwen3_5_moe"], num_draft_layers=2, layer_ids=(1, 3), device="cuda",
+                         dtype="bfloat16", truncate=False)
+    g = torch.Generator().manual_seed(1)
+    vocab = target.embed_tokens.weight.shape[0]
+    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
+    answers = {}
+    try:
+        for asked in (("moe", "route"), ("moe", "route", "overlap")):
+            opt_in.enable(opt_in.KERNELS, on=False)
+            opt_in.enable(asked)
+            for graphs in (True, False):
+                gen = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=graphs)
+                answers[asked, graphs] = gen.generate(prompts, Sampling(max_new_tokens=24))
+                mlps = [m for m in gen.static.mlps if isinstance(m, MoeMLP)]
+                assert mlps and all(m.overlap == ("overlap" in asked) for m in mlps)
+                assert all((m.side is not None) == ("overlap" in asked) for m in mlps)
+    finally:
+        opt_in.enable(opt_in.KERNELS, on=False)
+    assert len({str(a) for a in answers.values()}) == 1

@@ -105,11 +105,13 @@ class MoeMLP:
     `shared_expert` with `shared_expert_gate` where the family has one) computed at decode. Callable like a dense
     MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the grouped GEMM where it serves the weights' device; kernel:
     True takes `moe_kernel`'s experts kernels where they serve the experts, for calls of few copies an expert;
-    router_kernel: True takes `route_kernel`'s router and sort where usable, on one-token steps (None, each: where
-    its opt-in kernel, "moe" or "route", is asked, `opt_in.py`)."""
+    router_kernel: True takes `route_kernel`'s router and sort where usable, on one-token steps; overlap: True runs
+    the shared expert on a second CUDA stream beside the experts kernels (None, each: where its opt-in kernel,
+    "moe", "route" or "overlap", is asked, `opt_in.py`)."""
 
     def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None,
-                 kernel: bool | None = None, router_kernel: bool | None = None) -> None:
+                 kernel: bool | None = None, router_kernel: bool | None = None,
+                 overlap: bool | None = None) -> None:
         experts = getattr(block, "experts", None)
         if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3):
             raise RuntimeError(f"{type(block).__name__}: the static engine needs the experts as 3-D weight tensors "
@@ -122,6 +124,8 @@ class MoeMLP:
         self.grouped = grouped_available(weight.device, weight.dtype) if grouped is None else grouped
         self.kernel = (opt_in.enabled("moe") if kernel is None else kernel) and moe_kernel.serves(experts)
         self.router_kernel = opt_in.enabled("route") if router_kernel is None else router_kernel
+        self.overlap = opt_in.enabled("overlap") if overlap is None else overlap
+        self.side = None  # the shared expert's CUDA stream, made on first use
         self.shared = getattr(block, "shared_expert", None)
         # the router's weight and the shared expert's gate as one [E + 1, D] weight (decode/fused.py), or None
         self.router_gate: torch.Tensor | None = None
@@ -169,15 +173,40 @@ class MoeMLP:
                         gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The copies through `moe_kernel`'s experts kernels, then their sum and the shared expert as its one
         combining kernel where their dtypes are the layer's -> y [T, D]."""
+        if self.shared is None:
+            out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
+                                             weights)
+            return moe_kernel.combine(out, dtype)
+        joined = self._shared_beside(x, gate)
         out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
                                          weights)
-        if self.shared is None:
-            return moe_kernel.combine(out, dtype)
-        gate = self.block.shared_expert_gate(x) if gate is None else gate
-        shared = self.shared(x)
+        gate, shared = joined()
         if gate.dtype == shared.dtype == dtype:
             return moe_kernel.combine(out, dtype, gate, shared)
         return out.sum(dim=1).to(dtype) + torch.sigmoid(gate) * shared
+
+    def _shared_beside(self, x: torch.Tensor, gate: torch.Tensor | None):
+        """The shared expert and its gate logit (where the joined router did not give it) -> a call that returns
+        them (gate [T, 1], shared [T, D]). Where asked (the opt-in kernel "overlap") and on CUDA, they start now on a
+        second stream, beside the routed experts' kernels (memory-bound: the small GEMMs hide in their time), and the
+        call joins that stream back: a fork and a join in a captured graph, the same arithmetic. Else they run at
+        the call."""
+        if not (self.overlap and x.is_cuda):
+            return lambda: (self.block.shared_expert_gate(x) if gate is None else gate, self.shared(x))
+        main = torch.cuda.current_stream(x.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(x.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            gate = self.block.shared_expert_gate(x) if gate is None else gate
+            shared = self.shared(x)
+
+        def join() -> tuple[torch.Tensor, torch.Tensor]:
+            main.wait_stream(self.side)
+            for t in (gate, shared):  # used on the main stream now: not reused before its work there is done
+                t.record_stream(main)
+            return gate, shared
+        return join
 
     def _route_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, D] -> (router logits [T, E], the shared expert's gate logit [T, 1] where the joined weight gave it
