@@ -173,13 +173,11 @@ class MoeMLP:
                         gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The copies through `moe_kernel`'s experts kernels, then their sum and the shared expert as its one
         combining kernel where their dtypes are the layer's -> y [T, D]."""
-        if self.shared is None:
-            out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
-                                             weights)
-            return moe_kernel.combine(out, dtype)
-        joined = self._shared_beside(x, gate)
+        joined = None if self.shared is None else self._shared_beside(x, gate)
         out = moe_kernel.experts_forward(self.experts, x.to(self.experts.gate_up_proj.dtype), order, offsets,
                                          weights)
+        if joined is None:
+            return moe_kernel.combine(out, dtype)
         gate, shared = joined()
         if gate.dtype == shared.dtype == dtype:
             return moe_kernel.combine(out, dtype, gate, shared)
