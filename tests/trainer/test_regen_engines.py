@@ -10,6 +10,7 @@ device would; every other step is the real generator's."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import weakref
 
@@ -74,15 +75,17 @@ def arm(answer, at: int, error: Exception | None = None) -> weakref.ref:
 
 
 @pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access was encountered"),
-                                   ValueError("stream ids must be distinct")], ids=["cuda-error", "bad-input"])
-def test_a_cuda_error_or_bad_input_is_not_handed_to_hf(target, prompts, error):
-    """After a CUDA error the device's context is lost for HF too, and bad input fails there as well: the stream
-    raises the static engine's own error (the answers before it were yielded), no note, no fallback."""
+                                   RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")],
+                         ids=["torch", "triton"])
+def test_a_cuda_error_is_not_handed_to_hf(target, prompts, error):
+    """After a CUDA error (torch's wording, or Triton's launcher's for our kernels) the device's context is lost for
+    HF too: the stream raises the static engine's own error (the answers before it were yielded), no note, no
+    fallback."""
     notes: list[str] = []
     answer = build(target, "static", notes, rows=1)
     arm(answer, 2, error)
     got = []
-    with pytest.raises(type(error), match=str(error)[:20]):
+    with pytest.raises(type(error), match=re.escape(str(error))):
         for pair in answer.stream(prompts):
             got.append(pair)
     assert [i for i, _ in got] == [0] and notes == [] and answer.used == "static"

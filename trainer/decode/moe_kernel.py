@@ -270,9 +270,9 @@ COMBINE_BLOCK = 1024  # columns a program: the combine is elementwise over D, so
 def combine(out: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
             shared: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, k, D] (`experts_forward`) -> y [T, D] in `dtype`: the k copies summed (in fp32 in torch's order,
-    rounded to out's dtype, then to `dtype`), plus sigmoid(gate) [T, 1] x shared [T, D] where the layer has a shared expert, each
-    product and sum rounded as torch's `y + torch.sigmoid(gate) * shared` rounds them: one kernel for what were
-    four or five."""
+    rounded to out's dtype, then to `dtype`), plus sigmoid(gate) [T, 1] x shared [T, D] where the layer has a shared
+    expert, each product and sum rounded as torch's `y + torch.sigmoid(gate) * shared` rounds them: one kernel for
+    what were four or five."""
     from trainer.triton_device import interpreting
 
     T, k, D = out.shape

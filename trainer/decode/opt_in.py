@@ -1,5 +1,6 @@
-"""Decode kernels (and one stream layout) written and tested on CPU (Triton's interpreter, sm_90 compiles) but not yet
-measured on a GPU: each is off unless asked, so that a user's regenerate runs only what was measured on the H200. Asked per process: the benchmarks'
+"""Decode kernels (and one stream layout) written and tested on CPU (Triton's interpreter, sm_90 compiles) but not
+yet measured on a GPU: each is off unless asked, so that a user's regenerate runs only what was measured on the
+H200. Asked per process: the benchmarks'
 `--opt-in NAME,...` (`python -m bench.generate`), a test's `enable`. A kernel leaves this list when its figures
 land in docs/benchmarks.md and it becomes its module's default."""
 from __future__ import annotations

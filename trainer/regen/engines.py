@@ -41,10 +41,14 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else 'no message'}"
 
 
+# how a lost CUDA context reads: torch's errors, and Triton's launcher's for our kernels
+LOST_CONTEXT = ("CUDA error", "Triton Error [CUDA]", "illegal memory access")
+
+
 def hf_can_go_on(exc: Exception) -> bool:
-    """Whether HF generate can answer what the static engine left after it raised `exc`: not after bad input (a
-    ValueError: the same prompts fail there too) nor after a CUDA error (the context is lost for every engine)."""
-    return not (isinstance(exc, ValueError) or type(exc).__name__ == "AcceleratorError" or "CUDA error" in str(exc))
+    """Whether HF generate can answer what the static engine left after it raised `exc`: not after a CUDA error,
+    which loses the device's context for every engine."""
+    return not (type(exc).__name__ == "AcceleratorError" or any(s in str(exc) for s in LOST_CONTEXT))
 
 
 class Answerer:
@@ -81,11 +85,11 @@ class Answerer:
                 if not hf_can_go_on(exc):
                     raise
                 note = _first_line(exc)
+            self.log(f"note: the static engine failed ({note}) after {len(answered)} of {len(prompts)} answers; "
+                     f"the hf engine answers the other {len(prompts) - len(answered)}")
             # out of the except clause: its traceback holds the generator's frames, which close() must free
             self.close()
             self.used = "static->hf"
-            self.log(f"note: the static engine failed ({note}) after {len(answered)} of {len(prompts)} answers; "
-                     f"the hf engine answers the other {len(prompts) - len(answered)}")
         rest = [i for i in range(len(prompts)) if i not in answered]
         yield from self._hf(prompts, rest, deadline)
 
@@ -126,7 +130,10 @@ class Answerer:
         self.gen = None
         gc.collect()  # a graph's callable refers back to its owner: a cycle
         if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # the graphs' pools back to the device, for HF or the next stage
+            try:
+                torch.cuda.empty_cache()  # the graphs' pools back to the device, for HF or the next stage
+            except RuntimeError as exc:  # a device in error: the caller's own error says why, not this one
+                self.log(f"note: the static engine's memory was not returned to the device ({_first_line(exc)})")
 
 
 def answerer(engine: str, target, *, rows: int, max_len: int, stops: Sequence[int], sampling: SamplingSettings,

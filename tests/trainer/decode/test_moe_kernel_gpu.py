@@ -141,10 +141,24 @@ def test_the_combine_kernel_is_torchs_ops_bit_for_bit_in_bf16(shared):
     assert torch.equal(got, want)
 
 
+class Slow:
+    """A shared expert that checks it runs on the layer's side stream and first keeps the GPU busy (~1 ms), so that a
+    missing or misplaced join would let the main stream read its output before it is written."""
+
+    def __init__(self, expert, layer):
+        self.expert, self.layer = expert, layer
+
+    def __call__(self, x):
+        if self.layer.overlap:
+            assert torch.cuda.current_stream(x.device) == self.layer.side
+        torch.cuda._sleep(2_000_000)
+        return self.expert(x)
+
+
 def test_the_shared_expert_beside_the_experts_kernels_changes_no_token(family_dirs):
     """The opt-in "overlap" (the shared expert on a second stream, forked and joined inside the captured steps):
     Qwen3.5-MoE's tiny target through the batch generator gives the tokens it gives without it, graphed and eager,
-    and every MoE layer ran its shared expert on its own stream."""
+    with every MoE layer's shared expert on the side stream and slowed (`Slow`) so a bad join would show."""
     from trainer.decode import opt_in
     from trainer.decode.generate import BatchGenerator, Sampling
 
@@ -161,8 +175,11 @@ def test_the_shared_expert_beside_the_experts_kernels_changes_no_token(family_di
             opt_in.enable(asked)
             for graphs in (True, False):
                 gen = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=graphs)
-                answers[asked, graphs] = gen.generate(prompts, Sampling(max_new_tokens=24))
+                assert not gen.programs  # nothing captured yet: the steps capture the slowed experts
                 mlps = [m for m in gen.static.mlps if isinstance(m, MoeMLP)]
+                for m in mlps:
+                    m.shared = Slow(m.shared, m)
+                answers[asked, graphs] = gen.generate(prompts, Sampling(max_new_tokens=24))
                 assert mlps and all(m.overlap == ("overlap" in asked) for m in mlps)
                 assert all((m.side is not None) == ("overlap" in asked) for m in mlps)
     finally:

@@ -7,11 +7,11 @@ one GEMM per projection covers every expert: `torch.nn.functional.grouped_mm` on
 training target runs through transformers' `grouped_mm` experts, `model/target.load_options`), else the exact torch
 rule, each copy times its expert's gathered weight (S x in x out of memory: a reference, not a fast path). Other
 dtypes take torch's grouped_mm fallback, which reads the offsets on the host and so cannot be captured; they run the
-exact rule. A decode step's few copies an expert take `moe_kernel.py`'s two kernels instead, where they serve the
-experts (SiLU-GLU, bf16 on CUDA) and are asked for (`opt_in.py`): the same arithmetic, one weight read an expert. The arithmetic after
-the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own gate (`_apply_gate`:
-SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in token order, summed
-over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
+exact rule. A decode step's few copies an expert take `moe_kernel.py`'s kernels instead, where they serve the
+experts (SiLU-GLU, bf16 on CUDA) and are asked for (`opt_in.py`): the same arithmetic, one weight read an expert.
+The arithmetic after the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own
+gate (`_apply_gate`: SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in
+token order, summed over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
 
 Routing, per family (`ROUTING`, from the config's model type):
     softmax_topk   softmax over all experts in fp32, top-k, renormalised to sum 1 where the family does (`renorm`),
@@ -27,6 +27,7 @@ Shape legend: R rows, L tokens, T = R x L, k experts per token, S = T x k copies
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs
     return torch.bmm(x[:, None], w[sorted_experts]).squeeze(1)
 
 
+@functools.lru_cache(maxsize=None)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream a device for every MoE layer's shared expert: of high priority (its small GEMMs first), so from
+    another pool than the normal-priority streams the graphs are captured on (torch hands those out round-robin: a
+    per-layer stream could be the capture stream itself, and the overlap silently serial)."""
+    return torch.cuda.Stream(device, priority=-1)
+
+
 class MoeMLP:
     """An HF sparse MoE block (`gate` or `router`: weight [E, D], bias where the family has one; `experts`:
     gate_up_proj / down_proj as 3-D tensors, their biases where the family has them, `_apply_gate`; a
@@ -125,7 +134,7 @@ class MoeMLP:
         self.kernel = (opt_in.enabled("moe") if kernel is None else kernel) and moe_kernel.serves(experts)
         self.router_kernel = opt_in.enabled("route") if router_kernel is None else router_kernel
         self.overlap = opt_in.enabled("overlap") if overlap is None else overlap
-        self.side = None  # the shared expert's CUDA stream, made on first use
+        self.side = None  # the shared expert's CUDA stream (`side_stream`), once it ran there
         self.shared = getattr(block, "shared_expert", None)
         # the router's weight and the shared expert's gate as one [E + 1, D] weight (decode/fused.py), or None
         self.router_gate: torch.Tensor | None = None
@@ -192,8 +201,7 @@ class MoeMLP:
         if not (self.overlap and x.is_cuda):
             return lambda: (self.block.shared_expert_gate(x) if gate is None else gate, self.shared(x))
         main = torch.cuda.current_stream(x.device)
-        if self.side is None:
-            self.side = torch.cuda.Stream(x.device)
+        self.side = side_stream(x.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
             gate = self.block.shared_expert_gate(x) if gate is None else gate
