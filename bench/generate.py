@@ -40,7 +40,8 @@ chain is set on the bf16 weights: zeros quantize to zeros) and before either eng
 the same FP8 modules. CUDA compute capability 9.0+ in bf16, refused in one line (exit 2) before the target is built
 elsewhere. Each line records `target_fp8` and, on, `fp8_linears`; the floor stays the bf16 step's.
 `--opt-in NAME,...`: decode kernels written but not yet on by default (`trainer/decode/opt_in.py`, e.g. `moe`: an
-MoE target's experts through `trainer/decode/moe_kernel.py`); each line records them (`opt_in`).
+MoE target's experts through `trainer/decode/moe_kernel.py`); each line records them (`opt_in`) and how many of the
+target's layers took each (`opt_in_layers`: `trainer.decode.opt_in.layers_taking`).
 
 Per engine, after an untimed warm-up (equal: one batch; mixed, static: the first batch with 32 new tokens where the
 steps run the per-row attention kernel, one graph for every step, else the whole workload, each attention span's
@@ -240,6 +241,8 @@ def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, 
                "torch": torch.__version__}
     if gen is not None:  # the last timed run's counts (trainer/decode/run_stats.py)
         figures.update(run_figures(gen.last_run))
+    if gen is not None and opt_in.asked():  # how many layers each asked path took (a kernel may not serve them)
+        figures["opt_in_layers"] = opt_in.layers_taking(gen.static)
     if gen is not None and gen.static.linear:  # a hybrid: its Gated DeltaNet step (recurrent_kernel.py or torch)
         figures["linear_step"] = "fused" if all(layer.fused for layer in gen.static.linear) else "torch"
     if note:

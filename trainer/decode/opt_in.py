@@ -33,3 +33,12 @@ def enable(names, on: bool = True) -> None:
 def asked() -> list[str]:
     """The opt-in kernels asked for, sorted (what a benchmark line records)."""
     return sorted(_asked)
+
+
+def layers_taking(static) -> dict[str, int]:
+    """Of a `StaticTarget`'s layers, how many were built to take each opt-in path (what a benchmark line records
+    beside what was asked): "moe" counts the MoE layers whose experts the kernels serve, "route" and "overlap" the
+    MoE layers, "conv" the Gated DeltaNet layers, where asked; each still checks its shapes at every call."""
+    moe = [m for m in static.mlps if hasattr(m, "router_kernel")]  # layers/moe.MoeMLP, not imported: light module
+    return {"moe": sum(bool(m.kernel) for m in moe), "route": sum(bool(m.router_kernel) for m in moe),
+            "overlap": sum(bool(m.overlap) for m in moe), "conv": sum(bool(m.conv_kernel) for m in static.linear)}

@@ -208,7 +208,10 @@ def test_opt_in_kernels_are_parsed_asked_and_recorded(capsys):
         assert bench.main(["--shape", "tiny", "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "2",
                            "--repeats", "1", "--engines", "static", "--device", "cpu", "--opt-in", "moe"]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("GENERATE_BENCH"))
-        assert json.loads(line.split(" ", 1)[1])["opt_in"] == ["moe"] and opt_in.enabled("moe")
+        figures = json.loads(line.split(" ", 1)[1])
+        assert figures["opt_in"] == ["moe"] and opt_in.enabled("moe")
+        # the tiny dense target: no MoE layer to take the kernels, and the line says so
+        assert figures["opt_in_layers"] == {"moe": 0, "route": 0, "overlap": 0, "conv": 0}
     finally:
         opt_in.enable(opt_in.KERNELS, on=False)
 

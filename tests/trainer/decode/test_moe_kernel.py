@@ -234,3 +234,21 @@ def test_the_shared_expert_overlap_is_inert_off_cuda(interpreter, family_dirs):
     with torch.no_grad():
         assert torch.equal(beside(x), plain(x))
     assert beside.overlap and beside.side is None
+
+
+def test_the_layers_built_for_each_opt_in_are_counted(interpreter, family_dirs):
+    """`opt_in.layers_taking` (what bench.generate records beside what was asked): on Qwen3.5-MoE's tiny target with
+    "moe" and "conv" asked, every MoE layer took the experts kernels and every Gated DeltaNet layer the conv kernel;
+    nothing took what was not asked."""
+    from trainer.decode import opt_in
+    from trainer.decode.stack import StaticTarget
+
+    target = family_target(family_dirs, "qwen3_5_moe")
+    try:
+        opt_in.enable(["moe", "conv"])
+        static = StaticTarget(target, 16, rows=2, padded=True)
+    finally:
+        opt_in.enable(opt_in.KERNELS, on=False)
+    moe = sum(isinstance(m, MoeMLP) for m in static.mlps)
+    assert moe and static.linear
+    assert opt_in.layers_taking(static) == {"moe": moe, "route": 0, "overlap": 0, "conv": len(static.linear)}
