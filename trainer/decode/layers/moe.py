@@ -100,6 +100,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs
     return torch.bmm(x[:, None], w[sorted_experts]).squeeze(1)
 
 
+def gated_sum(y: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The routed experts' sum y plus the shared expert's output weighted by the sigmoid of its gate logit (what
+    `moe_kernel.combine` computes in one kernel)."""
+    return y + torch.sigmoid(gate) * shared
+
+
 @functools.lru_cache(maxsize=None)
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One stream a device for every MoE layer's shared expert: of high priority (its small GEMMs first), so from
@@ -190,7 +196,7 @@ class MoeMLP:
         gate, shared = joined()
         if gate.dtype == shared.dtype == dtype:
             return moe_kernel.combine(out, dtype, gate, shared)
-        return out.sum(dim=1).to(dtype) + torch.sigmoid(gate) * shared
+        return gated_sum(out.sum(dim=1).to(dtype), gate, shared)
 
     def _shared_beside(self, x: torch.Tensor, gate: torch.Tensor | None):
         """The shared expert and its gate logit (where the joined router did not give it) -> a call that returns
@@ -228,4 +234,4 @@ class MoeMLP:
         if self.shared is None:
             return y
         gate = self.block.shared_expert_gate(x) if gate is None else gate
-        return y + torch.sigmoid(gate) * self.shared(x)
+        return gated_sum(y, gate, self.shared(x))
