@@ -39,9 +39,10 @@ routers, the embedding and the head stay bf16), quantized in place after the wor
 chain is set on the bf16 weights: zeros quantize to zeros) and before either engine is built, so both engines run
 the same FP8 modules. CUDA compute capability 9.0+ in bf16, refused in one line (exit 2) before the target is built
 elsewhere. Each line records `target_fp8` and, on, `fp8_linears`; the floor stays the bf16 step's.
-`--opt-in NAME,...`: decode kernels written but not yet on by default (`trainer/decode/opt_in.py`, e.g. `moe`: an
-MoE target's experts through `trainer/decode/moe_kernel.py`); each line records them (`opt_in`) and how many of the
-target's layers took each (`opt_in_layers`: `trainer.decode.opt_in.layers_taking`).
+`--kernels-off NAME,...`: decode kernels to switch off (`trainer/decode/switches.py`, e.g. `moe`: an MoE target's
+experts through `trainer/decode/moe_kernel.py`; off, their torch path runs), each one's share of a figure; each line
+records the kernels off (`kernels_off`, this flag's and DFLASH_DECODE_KERNELS_OFF's) and, for the static engine, how
+many of the target's layers took each kernel's path (`kernel_layers`: `trainer.decode.switches.layers_taking`).
 
 Per engine, after an untimed warm-up (equal: one batch; mixed, static: the first batch with 32 new tokens where the
 steps run the per-row attention kernel, one graph for every step, else the whole workload, each attention span's
@@ -82,7 +83,7 @@ import time
 
 from bench.generate_workloads import (RESIDUAL_WRITES, bench_prompts, equal_like, make_chain,  # noqa: F401
                                       mixed_lengths, mixed_prompts, workload)
-from trainer.decode import opt_in
+from trainer.decode import switches
 
 ENGINES = ("static", "hf")
 WORKLOADS = ("equal", "mixed")
@@ -115,9 +116,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-fp8", type=int, default=0, choices=(0, 1),
                    help="1: the target's decoder-layer linears in FP8 (as regenerate --target-fp8; CUDA compute "
                         "capability 9.0+, bf16) (default: %(default)s)")
-    p.add_argument("--opt-in", default="", metavar="NAME,...",
-                   help="decode kernels not yet on by default to run (trainer/decode/opt_in.py: "
-                        f"{', '.join(opt_in.KERNELS)}) (default: none)")
+    p.add_argument("--kernels-off", default="", metavar="NAME,...",
+                   help="decode kernels to switch off, their torch path run instead (trainer/decode/switches.py: "
+                        f"{', '.join(switches.KERNELS)}) (default: none)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timed runs, N more whole generations per engine under torch.profiler: the top "
                         "kernels (PROF lines) and their sums by category (PROFSUM), of the whole run (prefill and "
@@ -155,9 +156,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("--target-fp8 1 runs the target in bfloat16 (its FP8 products' output): leave --dtype at auto or "
                 "bfloat16")
     a.engines = engines
-    a.opt_in = [n.strip() for n in a.opt_in.split(",") if n.strip()]
-    if any(n not in opt_in.KERNELS for n in a.opt_in):
-        p.error(f"--opt-in takes names of {', '.join(opt_in.KERNELS)}, got {','.join(a.opt_in)!r}")
+    try:
+        a.kernels_off = switches.parse(a.kernels_off, "--kernels-off")
+        switches.check_environment()
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
@@ -241,8 +244,8 @@ def measure(engine: str, target, prompts: list[list[int]], rows: int, sampling, 
                "torch": torch.__version__}
     if gen is not None:  # the last timed run's counts (trainer/decode/run_stats.py)
         figures.update(run_figures(gen.last_run))
-    if gen is not None and opt_in.asked():  # how many layers each asked path took (a kernel may not serve them)
-        figures["opt_in_layers"] = opt_in.layers_taking(gen.static)
+    if gen is not None:  # how many layers took each kernel's path (a kernel may not serve them)
+        figures["kernel_layers"] = switches.layers_taking(gen.static)
     if gen is not None and gen.static.linear:  # a hybrid: its Gated DeltaNet step (recurrent_kernel.py or torch)
         figures["linear_step"] = "fused" if all(layer.fused for layer in gen.static.linear) else "torch"
     if note:
@@ -356,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     sampling = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p)
     target = random_target(args.shape, args.prompt_tokens + args.new_tokens, device, args.dtype)
     prompts, stops, drawn, context = workload(args, target)
-    opt_in.enable(args.opt_in)
-    fp8 = {"target_fp8": bool(args.target_fp8), "opt_in": opt_in.asked()}
+    switches.switch_off(args.kernels_off)
+    fp8 = {"target_fp8": bool(args.target_fp8), "kernels_off": switches.switched_off()}
     if args.target_fp8:  # after the chain is set (it writes bf16 weights), before either engine is built
         from trainer.model.fp8_target import quantize_target_layers
 

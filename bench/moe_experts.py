@@ -9,7 +9,7 @@ for the whole block (router, sort, experts, shared expert) and for each half of 
 copies: `up-*` (gate/up GEMM and SiLU x up) and `down-*` (down GEMM, routing weight, copies back in token order), and
 for the router and the sort alone: `route-torch` (softmax, top-k, renorm, the stable sort by expert) against
 `route-kernel` (`trainer/decode/route_kernel.py`), compared on the routing weights. The whole-block `kernel` form
-takes both opt-in kernels.
+takes both kernels (as the batch generator's step does), with the shared expert where the shape has one.
 Prints one `MOE_BENCH {json}` line per form: us per replay (median of `--reps` between CUDA events, after 3 untimed
 replays), TB/s counting the expert weights the form streams (each touched expert's once), and the largest difference
 from the grouped form's output. `--tiles BN,BK,STAGES,WARPS[;...]` times the kernel forms at other tile settings

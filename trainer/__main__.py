@@ -182,7 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.cli.parser import build_parser
 
     args = build_parser().parse_args(argv)
-    return run_cli(lambda: COMMANDS[args.command](args))
+    return run_cli(lambda: _command(args))
+
+
+def _command(args) -> int:
+    """The command, after the environment's settings that every command reads are checked (before anything
+    heavy starts)."""
+    from trainer.decode import switches
+
+    try:
+        switches.check_environment()
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

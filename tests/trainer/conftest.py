@@ -20,6 +20,16 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def kernels_off(monkeypatch):
+    """Every decode kernel on (trainer/decode/switches.py), whatever DFLASH_DECODE_KERNELS_OFF says where the suite
+    runs; a test switches some off by calling this fixture's value with their names, and they are on again after it."""
+    from trainer.decode import switches
+
+    monkeypatch.setattr(switches, "_off", set())
+    return switches.switch_off
+
+
 @pytest.fixture
 def interpreter(monkeypatch):
     """Our Triton kernels on CPU tensors, under Triton's interpreter (chosen in pytest_configure, before triton is

@@ -1,6 +1,6 @@
 """A hybrid target's one-token Gated DeltaNet step before the recurrence, as one Triton kernel: the causal depthwise
 convolution over the conv state and the new input, its SiLU, the conv state's shift, and the gates g and beta.
-The decode layer (`layers/linear.py`) runs it where asked (the opt-in kernel "conv", `opt_in.py`).
+The decode layer (`layers/linear.py`) runs it unless switched off (the kernel "conv", `switches.py`).
 
 Why: in torch the step's `cat` of the state and the input, the depthwise conv1d, SiLU, the transposes, the state
 copy and the ~8 gate ops (`model/linear_attention.gates`) are about 13 small launches a layer; at qwen3.5-35b-a3b's

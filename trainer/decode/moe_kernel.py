@@ -10,16 +10,16 @@ GEMMs runs in their epilogues:
                   accumulators, written as SiLU(gate) x up [S, I] in sorted order
     experts_down  act [S, I] times the down weights, times each copy's routing weight, written at the copy's own
                   index t x k + j (the scatter back to token order)
-    combine       the k copies summed and the sigmoid-gated shared expert added, one kernel (`combine`)
-Rounding as the grouped path's: each GEMM's fp32 sum rounded to the activation dtype, SiLU, sigmoid and the products
-on those rounded values (fp32 math with CUDA's expf and IEEE divisions, rounded again as torch's ops round), so only
-the GEMMs' summation order differs.
+    combine       the k copies summed and the shared expert added, times its gate's sigmoid (`combine`)
+Rounding as the grouped path's: each GEMM's fp32 sum rounded to the activation dtype, SiLU and the products on those
+rounded values (fp32 math with CUDA's expf and IEEE divisions, rounded again as torch's ops round; the shared expert's
+gate sigmoid is torch's own), so only the GEMMs' summation order differs.
 
 Serves the SiLU-GLU experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral: `_apply_gate` transformers' default,
 `act_fn` SiLU, no biases, weights [E, out, in]) in bf16 on CUDA, and on CPU under Triton's interpreter (the tests);
-`layers/moe.py` picks them for a decode step's few copies an expert (`few_copies`) where asked (the
-opt-in kernel "moe", `opt_in.py`, until measured on the H200: `python -m bench.moe_experts`). No host
-sync: captured in the graphs.
+`layers/moe.py` picks them for a decode step's few copies an expert (`few_copies`) unless switched off (the kernel
+"moe", `switches.py`); `python -m bench.moe_experts` times them against the grouped GEMM. No host sync: captured in
+the graphs.
 Shape legend: T tokens, k experts a token, S = T x k copies, E experts, D hidden, I expert intermediate.
 """
 from __future__ import annotations
@@ -124,8 +124,8 @@ def _kernels(triton, tl):
             tl.store(out_ptr + copy[:, None] * so + n[None, :], y.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def combine_kernel(out_ptr, gate_ptr, shared_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
-                       SHARED: tl.constexpr, LIBDEVICE: tl.constexpr):
+    def combine_kernel(out_ptr, factor_ptr, shared_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+                       SHARED: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = d < D
@@ -148,14 +148,9 @@ def _kernels(triton, tl):
         acc = ((a0 + a1) + a2) + a3
         y = acc.to(out_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty).to(tl.float32)
         if SHARED:
-            g = tl.load(gate_ptr + t).to(tl.float32)
-            if LIBDEVICE:  # torch's sigmoid: 1 / (1 + expf(-g)), an IEEE division (the interpreter: numpy's exp)
-                ex = libdevice.exp(-g)
-            else:
-                ex = tl.exp(-g)
-            g = tl.math.div_rn(1.0, 1.0 + ex).to(gate_ptr.dtype.element_ty).to(tl.float32)
+            f = tl.load(factor_ptr + t).to(tl.float32)
             s = tl.load(shared_ptr + t * D + d, mask=inside, other=0.0).to(tl.float32)
-            y = y + (g * s).to(shared_ptr.dtype.element_ty).to(tl.float32)
+            y = y + (f * s).to(shared_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=inside)
 
     return up_kernel, down_kernel, combine_kernel
@@ -267,24 +262,22 @@ def experts_forward(experts, x: torch.Tensor, order: torch.Tensor, offsets: torc
 COMBINE_BLOCK = 1024  # columns a program: the combine is elementwise over D, so any split gives the same bits
 
 
-def combine(out: torch.Tensor, dtype: torch.dtype, gate: torch.Tensor | None = None,
+def combine(out: torch.Tensor, dtype: torch.dtype, factor: torch.Tensor | None = None,
             shared: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, k, D] (`experts_forward`) -> y [T, D] in `dtype`: the k copies summed (in fp32 in torch's order,
-    rounded to out's dtype, then to `dtype`), plus sigmoid(gate) [T, 1] x shared [T, D] where the layer has a shared
-    expert, each product and sum rounded as torch's `y + torch.sigmoid(gate) * shared` rounds them: one kernel for
-    what were four or five."""
-    from trainer.triton_device import interpreting
-
+    rounded to out's dtype, then to `dtype`), plus factor [T, 1] x shared [T, D] where the layer has a shared expert
+    (factor: its gate's sigmoid, computed by torch beside the shared expert, so its bits are torch's), the product
+    and the sum rounded as torch's `y + factor * shared` rounds them: one kernel for what were four."""
     T, k, D = out.shape
     out = out.contiguous()
     y = torch.empty(T, D, dtype=dtype, device=out.device)
     if shared is not None:
-        gate, shared = gate.reshape(T).contiguous(), shared.reshape(T, D).contiguous()
-        if shared.dtype != dtype or gate.dtype != dtype:
+        factor, shared = factor.reshape(T).contiguous(), shared.reshape(T, D).contiguous()
+        if shared.dtype != dtype or factor.dtype != dtype:
             raise ValueError(f"combine: the shared expert's output and gate in {dtype}, got {shared.dtype} and "
-                             f"{gate.dtype}")
+                             f"{factor.dtype}")
     block = min(COMBINE_BLOCK, 1 << (D - 1).bit_length())
-    _kernels()[2][(T, -(-D // block))](out, gate if shared is not None else out, shared if shared is not None else out,
-                                       y, D=D, K=k, BLOCK=block, SHARED=shared is not None,
-                                       LIBDEVICE=not interpreting())
+    _kernels()[2][(T, -(-D // block))](out, factor if shared is not None else out,
+                                       shared if shared is not None else out, y, D=D, K=k, BLOCK=block,
+                                       SHARED=shared is not None)
     return y

@@ -22,10 +22,11 @@ min(P, 32) lanes (P = E rounded up to a power of two) sums exp(x - max) over its
 then the lanes' sums add as a butterfly (lane l with l + 16, then + 8, ...); CUDA's expf (libdevice) and IEEE
 division, so the probabilities are expected to equal F.softmax's bit for bit (a subnormal one, < 1.2e-38, may flush to
 zero). The renorm sum is the order torch's reduction kernel (Reduce.cuh) takes over k <= 32 contiguous values: B =
-k rounded down to a power of two lanes, lane l holding w[l] + w[l + B] (where l + B < k), the lanes added pairwise by
-shuffles down ((v0 + v1) + (v2 + v3)) + ...; then an IEEE division and a cast rounding to nearest even, as torch's.
-So the weights too are expected to equal torch's bit for bit. Were torch's reduction to take another order, a weight
-could differ by an fp32 ulp, which survives a cast to bf16 only where it crosses a rounding boundary.
+k rounded down to a power of two lanes, lane l holding w[l] + w[l + B] (where l + B < k), the lanes added by
+shuffles down at halving offsets (B = 8: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))); then an IEEE
+division and a cast rounding to nearest even, as torch's. So the weights too are expected to equal torch's bit for
+bit. Were torch's reduction to take another order, a weight could differ by an fp32 ulp, which survives a cast to
+bf16 only where it crosses a rounding boundary.
 tests/trainer/decode/test_route_kernel_gpu.py checks these claims on the H200. Under Triton's interpreter (the CPU
 tests) exp is numpy's, so there the weights are within an ulp or two of torch's, not equal.
 
@@ -94,19 +95,20 @@ def _kernels(triton, tl):
             p = tl.where(idx == at, -1.0, p)
         if RENORM:
             # torch's sum over k contiguous values: B = k rounded down to a power of two lanes, lane l adding
-            # w[l] + w[l + B], then the lanes pairwise, (l, l + 1), then (l, l + 2), ... (w is zero past k: exact)
+            # w[l] + w[l + B], then the lanes by shuffles down at halving offsets: lane l + lane l + B / 2, then
+            # + lane l + B / 4, ... (w is zero past k: exact)
             B: tl.constexpr = KP if KP == K else KP // 2
             s = w
             if B < KP:
                 s = tl.sum(tl.reshape(s, [2, B]), axis=0)
             if B >= 32:
-                s = tl.sum(tl.reshape(s, [16, 2]), axis=1)
+                s = tl.sum(tl.reshape(s, [2, 16]), axis=0)
             if B >= 16:
-                s = tl.sum(tl.reshape(s, [8, 2]), axis=1)
+                s = tl.sum(tl.reshape(s, [2, 8]), axis=0)
             if B >= 8:
-                s = tl.sum(tl.reshape(s, [4, 2]), axis=1)
+                s = tl.sum(tl.reshape(s, [2, 4]), axis=0)
             if B >= 4:
-                s = tl.sum(tl.reshape(s, [2, 2]), axis=1)
+                s = tl.sum(tl.reshape(s, [2, 2]), axis=0)
             w = tl.math.div_rn(w, tl.sum(s, axis=0))
         keep = slots < K
         if BF16_OUT:

@@ -15,7 +15,8 @@ or length state: the write position is a device tensor.
               gated_attention  the hybrids' output-gated softmax attention with partial RoPE: the same layer, gated
               linear           Gated DeltaNet over static recurrent state: layers/linear.py
     MLPs      dense     the HF module (`fuse`, the refilling generator's: gate/up one GEMM, SiLU one kernel: fused.py)
-              moe       router top-k and grouped expert GEMMs: layers/moe.py
+              moe       router top-k and grouped expert GEMMs: layers/moe.py (`fuse`: a decode step's experts,
+                        router and sort as Triton kernels, moe_kernel.py, route_kernel.py, unless switched off)
 
 `check_supported` refuses a plan with a kind that has no decode layer, so the hf-engine fallback
 (`decoders.engine_for`) follows from the plan. Gemma 2 soft-caps the final logits too.
@@ -62,7 +63,8 @@ def _attention_layer(static: StaticTarget, i: int, layer) -> AttentionLayer:
 
 
 def _linear_layer(static: StaticTarget, i: int, layer) -> GatedDeltaNetDecode:
-    return GatedDeltaNetDecode(layer.linear_attn, static.rows, static.block, static.kernel)
+    return GatedDeltaNetDecode(layer.linear_attn, static.rows, static.block, static.kernel,
+                               conv_kernel=static.decode_kernels)
 
 
 # mixer kind -> its decode layer's builder, (StaticTarget, layer index, HF layer) -> a callable (h [R, L, D] normed,
@@ -134,6 +136,9 @@ class StaticTarget:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = attn0.head_dim
         self.slots, self.rows, self.padded, self.block = slots, rows, padded, block
+        # the decode kernels (switches.py) in the refilling generator's target (fuse), never under a verify: a
+        # speculative decode is lossless where a step and a verify compute a token alike (fused.py says why)
+        self.decode_kernels = None if fuse else False
         self.ring = ring_size(self.window, block, slots) if ring and SLIDING in self.kinds else None
         weight = target.embed_tokens.weight
         self.kernel = kernel or (kernel_for(weight.device) if "linear" in self.plan.mixers else "torch")
@@ -186,8 +191,9 @@ class StaticTarget:
         self.final_norm = wrap(self.model.model.norm)
         self.mixers = [MIXERS[kind](self, i, layer) for i, (kind, layer) in enumerate(zip(self.plan.mixers,
                                                                                           self.layers))]
-        self.mlps = [MoeMLP(layer.mlp, self.plan.routing, self.plan.top_k) if kind == "moe" else layer.mlp
-                     for kind, layer in zip(self.plan.mlps, self.layers)]
+        self.mlps = [MoeMLP(layer.mlp, self.plan.routing, self.plan.top_k, kernel=self.decode_kernels,
+                            router_kernel=self.decode_kernels, overlap=self.decode_kernels)
+                     if kind == "moe" else layer.mlp for kind, layer in zip(self.plan.mlps, self.layers)]
         if fuse:  # q/k/v and gate/up as one GEMM each: the refilling generator's target, never a verify's
             fuse_layers(self)
         self.linear = [m for m in self.mixers if isinstance(m, GatedDeltaNetDecode)]

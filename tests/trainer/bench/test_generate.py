@@ -195,25 +195,29 @@ def test_target_fp8_is_parsed_and_refused_in_one_line_where_it_cannot_run(capsys
                                     "the target would be on cpu") and "GENERATE" not in captured.out
 
 
-def test_opt_in_kernels_are_parsed_asked_and_recorded(capsys):
-    """--opt-in NAME,... asks for decode kernels not yet on by default (trainer/decode/opt_in.py); an unknown name is
-    a usage error; each line records what was asked."""
-    from trainer.decode import opt_in
+def test_kernels_off_are_parsed_switched_and_recorded(capsys, monkeypatch):
+    """--kernels-off NAME,... switches decode kernels off (trainer/decode/switches.py); an unknown name, there or in
+    DFLASH_DECODE_KERNELS_OFF, is a usage error; each line records the kernels off and the layers each kernel took."""
+    from trainer.decode import switches
 
-    assert bench.parse([]).opt_in == [] and bench.parse(["--opt-in", "moe"]).opt_in == ["moe"]
+    assert bench.parse([]).kernels_off == [] and bench.parse(["--kernels-off", "moe"]).kernels_off == ["moe"]
     with pytest.raises(SystemExit):
-        bench.parse(["--opt-in", "moe,warp-drive"])
-    assert "--opt-in takes names of" in capsys.readouterr().err
-    try:
-        assert bench.main(["--shape", "tiny", "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "2",
-                           "--repeats", "1", "--engines", "static", "--device", "cpu", "--opt-in", "moe"]) == 0
-        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("GENERATE_BENCH"))
-        figures = json.loads(line.split(" ", 1)[1])
-        assert figures["opt_in"] == ["moe"] and opt_in.enabled("moe")
-        # the tiny dense target: no MoE layer to take the kernels, and the line says so
-        assert figures["opt_in_layers"] == {"moe": 0, "route": 0, "overlap": 0, "conv": 0}
-    finally:
-        opt_in.enable(opt_in.KERNELS, on=False)
+        bench.parse(["--kernels-off", "moe,warp-drive"])
+    assert "--kernels-off: no decode kernel 'warp-drive'" in capsys.readouterr().err
+    monkeypatch.setattr(switches, "_off", None)  # read the environment afresh
+    monkeypatch.setenv(switches.ENV, "conv,warp")
+    with pytest.raises(SystemExit):
+        bench.parse([])
+    assert f"{switches.ENV}: no decode kernel 'warp'" in capsys.readouterr().err
+    monkeypatch.setattr(switches, "_off", None)
+    monkeypatch.setenv(switches.ENV, "conv")
+    assert bench.main(["--shape", "tiny", "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "2",
+                       "--repeats", "1", "--engines", "static", "--device", "cpu", "--kernels-off", "moe"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("GENERATE_BENCH"))
+    figures = json.loads(line.split(" ", 1)[1])
+    assert figures["kernels_off"] == ["conv", "moe"] and not switches.on("moe") and switches.on("route")
+    # the tiny dense target: no MoE layer to take the kernels, and the line says so
+    assert figures["kernel_layers"] == {"moe": 0, "route": 0, "overlap": 0, "conv": 0}
 
 
 def test_profile_is_parsed_and_refused_in_one_line_on_a_cpu(capsys):

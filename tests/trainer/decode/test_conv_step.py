@@ -4,7 +4,7 @@ input, the state copy, `gates`) in fp32, and in bf16 SiLU of the conv's sum roun
 interpreter rounds fp32 -> bf16 toward zero where the torch ops round to nearest), the state shifted in place exactly,
 a state in another dtype than the input, softplus around its threshold, strided views; the decode layer's steps with
 and without it for each hybrid family's tiny layer, whole and on a subset of rows (the refilling generator's compacted
-step); the opt-in switch; the kernel compiles to an sm_90 cubin without a GPU."""
+step); its switch; the kernel compiles to an sm_90 cubin without a GPU."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -14,7 +14,7 @@ import torch
 
 from tests.trainer.decode.test_recurrent_kernel import hf_layer
 from tests.trainer.families import HYBRID_FAMILIES
-from trainer.decode import conv_step, opt_in
+from trainer.decode import conv_step
 from trainer.decode.layers.linear import STEP, GatedDeltaNetDecode, LinearCall
 from trainer.model.linear_attention import causal_conv1d_window, gates
 
@@ -226,14 +226,11 @@ def test_a_bf16_layers_steps_with_the_kernel_stay_within_bf16_of_its_torch_steps
     assert not torch.equal(mine.conv, torch.zeros_like(mine.conv))
 
 
-def test_the_opt_in_switch_picks_the_kernel_and_without_triton_the_torch_ops_run():
+def test_the_switch_picks_the_kernel_and_without_triton_the_torch_ops_run(kernels_off):
     inner = hf_layer("qwen3_next")
+    assert GatedDeltaNetDecode(inner, ROWS, block=4).conv_kernel  # on by default
+    kernels_off(["conv"])
     assert not GatedDeltaNetDecode(inner, ROWS, block=4).conv_kernel
-    try:
-        opt_in.enable(["conv"])
-        assert GatedDeltaNetDecode(inner, ROWS, block=4).conv_kernel
-    finally:
-        opt_in.enable(["conv"], on=False)
     # CPU outside the kernel tests (no interpreter fixture): asked for, the kernel is not usable, the torch ops run
     mine, plain = (GatedDeltaNetDecode(inner, ROWS, block=4, conv_kernel=k) for k in (True, False))
     x = torch.randn(ROWS, 4, DIM, generator=torch.Generator().manual_seed(5))

@@ -2,8 +2,8 @@
 (run on the H200: `python3 -m pytest -m gpu tests/trainer/decode/test_conv_step_gpu.py`): at qwen3.5-35b-a3b's decode
 shape in bf16 against the torch ops (the state exactly; mixed, g and beta bit for bit but where the conv's sum order
 flips a rounding, as conv_step.py's docstring says), replayed from a CUDA graph on new inputs, the decode layer's
-graph-replayed steps with and without it for each hybrid family's tiny layer, and the batch generator with the opt-in
-kernel, graphed against eager."""
+graph-replayed steps with and without it for each hybrid family's tiny layer, and the batch generator with the kernel
+(on by default), graphed against eager."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,7 @@ from tests.trainer.decode.test_recurrent_kernel import hf_layer
 from tests.trainer.decode.test_recurrent_kernel_gpu import DIM, ROWS, replayed_steps
 from tests.trainer.families import HYBRID_FAMILIES
 from trainer.capture import capture
-from trainer.decode import conv_step, opt_in
+from trainer.decode import conv_step
 from trainer.decode.layers.linear import GatedDeltaNetDecode
 from trainer.model.target import load_target
 
@@ -85,8 +85,8 @@ def test_graph_replayed_steps_with_the_kernel_equal_the_torch_steps(family, monk
     assert torch.equal(mine.conv, plain.conv)  # fp32: the shift is a copy
 
 
-def test_the_batch_generator_with_the_opt_in_conv_kernel_replays_as_it_runs_eagerly(family_dirs, monkeypatch):
-    """The opt-in kernel "conv" (trainer/decode/opt_in.py) inside the batch generator's captured steps on the tiny
+def test_the_batch_generator_with_the_conv_kernel_replays_as_it_runs_eagerly(family_dirs, monkeypatch):
+    """The kernel "conv" (on by default, trainer/decode/switches.py) inside the batch generator's captured steps on the tiny
     qwen3_5 target, bf16: the tokens the same generator gives run eagerly; every Gated DeltaNet layer took it."""
     from trainer.decode.generate import BatchGenerator, Sampling
 
@@ -99,15 +99,11 @@ def test_the_batch_generator_with_the_opt_in_conv_kernel_replays_as_it_runs_eage
     g = torch.Generator().manual_seed(0)
     vocab = target.embed_tokens.weight.shape[0]
     prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
-    try:
-        opt_in.enable(["conv"])
-        graphed = BatchGenerator(target, rows=4, max_len=48, stop_ids=[])
-        eager = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=False)
-        layers = graphed.static.linear
-        assert layers and all(layer.conv_kernel for layer in layers)
-        got = graphed.generate(prompts, Sampling(max_new_tokens=24))
-        calls.clear()
-        assert got == eager.generate(prompts, Sampling(max_new_tokens=24))
-        assert calls  # the eager steps ran the kernel
-    finally:
-        opt_in.enable(["conv"], on=False)
+    graphed = BatchGenerator(target, rows=4, max_len=48, stop_ids=[])
+    eager = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=False)
+    layers = graphed.static.linear
+    assert layers and all(layer.conv_kernel for layer in layers)
+    got = graphed.generate(prompts, Sampling(max_new_tokens=24))
+    calls.clear()
+    assert got == eager.generate(prompts, Sampling(max_new_tokens=24))
+    assert calls  # the eager steps ran the kernel

@@ -108,27 +108,25 @@ def test_without_the_interpreter_cpu_keeps_the_torch_paths(family_dirs):
     assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=True).kernel
 
 
-def test_the_default_is_the_opt_in_kernel_moe(interpreter, family_dirs):
-    """MoeMLP(kernel=None) takes the kernels only where the opt-in kernel "moe" is asked (trainer/decode/opt_in.py)."""
-    from trainer.decode import opt_in
-
+def test_the_default_takes_the_kernels_unless_switched_off(interpreter, family_dirs, kernels_off):
+    """MoeMLP(kernel=None) takes the kernels unless the kernel "moe" is switched off (trainer/decode/switches.py)."""
     target = family_target(family_dirs, "qwen3_moe")
     block, _ = redrawn_block(target)
-    try:
-        for asked in (False, True):
-            opt_in.enable(["moe"], on=asked)
-            assert MoeMLP(block, routing_of(target.hf_config), 2).kernel is asked
-            assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=False).kernel
-    finally:
-        opt_in.enable(["moe"], on=False)
+    assert MoeMLP(block, routing_of(target.hf_config), 2).kernel
+    assert not MoeMLP(block, routing_of(target.hf_config), 2, kernel=False).kernel
+    kernels_off(["moe"])
+    assert not MoeMLP(block, routing_of(target.hf_config), 2).kernel
 
 
-def test_an_unknown_opt_in_kernel_is_refused_whole():
-    from trainer.decode import opt_in
+def test_an_unknown_kernel_is_refused_whole(kernels_off):
+    from trainer.decode import switches
 
-    with pytest.raises(KeyError, match="no opt-in decode kernel 'warp'"):
-        opt_in.enable(["moe", "warp"])
-    assert opt_in.asked() == []
+    with pytest.raises(KeyError, match="no decode kernel 'warp'"):
+        switches.switch_off(["moe", "warp"])
+    assert switches.switched_off() == []
+    with pytest.raises(ValueError, match="DFLASH_DECODE_KERNELS_OFF: no decode kernel 'warp'"):
+        switches.parse("moe, warp")
+    assert switches.parse(" moe,,conv ") == ["moe", "conv"]
 
 
 def test_routing_weights_in_fp32_give_fp32_products(interpreter, family_dirs):
@@ -150,7 +148,7 @@ def test_the_combine_kernel_sums_the_copies_and_adds_the_gated_shared_expert(int
     out = torch.randn(T, k, D, generator=g)
     gate, expert = torch.randn(T, 1, generator=g), torch.randn(T, D, generator=g)
     want = out.sum(dim=1) + (torch.sigmoid(gate) * expert if shared else 0)
-    got = moe_kernel.combine(out, torch.float32, gate if shared else None, expert if shared else None)
+    got = moe_kernel.combine(out, torch.float32, torch.sigmoid(gate) if shared else None, expert if shared else None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -178,8 +176,8 @@ kernels = {
                      {**gemm, "N_COPIES": 0, "D": D, "I": I, "BN": moe_kernel.DOWN_TILES.n,
                       "BK": moe_kernel.DOWN_TILES.k, "STAGES": moe_kernel.DOWN_TILES.stages},
                      moe_kernel.DOWN_TILES.warps),
-    "combine": (combine, {"out_ptr": bf16, "gate_ptr": bf16, "shared_ptr": bf16, "y_ptr": bf16},
-                {"D": D, "K": K, "BLOCK": moe_kernel.COMBINE_BLOCK, "SHARED": True, "LIBDEVICE": True}, 4),
+    "combine": (combine, {"out_ptr": bf16, "factor_ptr": bf16, "shared_ptr": bf16, "y_ptr": bf16},
+                {"D": D, "K": K, "BLOCK": moe_kernel.COMBINE_BLOCK, "SHARED": True}, 4),
     "route_topk": (route_topk, {"logits_ptr": bf16, "w_ptr": bf16, "e_ptr": "*i64", **ints("stride_t")},
                    {"E": E, "LANES": 32, "ITERS": E // 32, "K": K, "KP": K, "RENORM": True, "BF16_OUT": True,
                     "LIBDEVICE": True}, 1),
@@ -207,8 +205,7 @@ def test_the_moe_and_route_kernels_compile_for_the_h200(tmp_path):
     """What only the compiler checks (types, layouts, shared memory), at qwen3.5-35b-a3b's decode shape with the
     default tiles: each kernel down to an sm_90 cubin; the GEMM kernels' dots on the tensor cores and their weight
     tiles streamed through shared memory by asynchronous copies, at least two tiles in flight (the loop pipelined:
-    a memory-bound kernel waits on each load otherwise), within a Hopper SM's 227 KB; SiLU's and the sigmoid's IEEE
-    divisions."""
+    a memory-bound kernel waits on each load otherwise), within a Hopper SM's 227 KB; SiLU's IEEE division."""
     from tests.trainer.cubin import compile_for_h200
 
     compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
@@ -219,11 +216,11 @@ def test_the_moe_and_route_kernels_compile_for_the_h200(tmp_path):
     for name, bytes_ in tile.items():
         c = compiled[name]
         assert c["mma"] and c["async_copies"] and 2 * bytes_ <= c["shared_bytes"] <= 227 * 1024, (name, c)
-    assert compiled["experts_up"]["ieee_division"] and compiled["combine"]["ieee_division"]
+    assert compiled["experts_up"]["ieee_division"]
 
 
 def test_the_shared_expert_overlap_is_inert_off_cuda(interpreter, family_dirs):
-    """The opt-in "overlap" forks a CUDA stream; on CPU tensors the layer computes as without it and makes none (the
+    """The "overlap" forks a CUDA stream; on CPU tensors the layer computes as without it and makes none (the
     GPU test checks the fork and join inside captured steps)."""
     target = family_target(family_dirs, "qwen3_5_moe")
     block, gen = redrawn_block(target)
@@ -236,19 +233,17 @@ def test_the_shared_expert_overlap_is_inert_off_cuda(interpreter, family_dirs):
     assert beside.overlap and beside.side is None
 
 
-def test_the_layers_built_for_each_opt_in_are_counted(interpreter, family_dirs):
-    """`opt_in.layers_taking` (what bench.generate records beside what was asked): on Qwen3.5-MoE's tiny target with
-    "moe" and "conv" asked, every MoE layer took the experts kernels and every Gated DeltaNet layer the conv kernel;
-    nothing took what was not asked."""
-    from trainer.decode import opt_in
+def test_the_layers_built_for_each_kernel_are_counted(interpreter, family_dirs, kernels_off):
+    """`switches.layers_taking` (what bench.generate records): on Qwen3.5-MoE's tiny target with "route" and
+    "overlap" switched off, every MoE layer took the experts kernels and every Gated DeltaNet layer the conv kernel;
+    nothing took what was switched off."""
+    from trainer.decode import switches
     from trainer.decode.stack import StaticTarget
 
     target = family_target(family_dirs, "qwen3_5_moe")
-    try:
-        opt_in.enable(["moe", "conv"])
-        static = StaticTarget(target, 16, rows=2, padded=True)
-    finally:
-        opt_in.enable(opt_in.KERNELS, on=False)
+    kernels_off(["route", "overlap"])
+    static = StaticTarget(target, 16, rows=2, padded=True, fuse=True)
+    assert switches.layers_taking(StaticTarget(target, 16, rows=2, padded=True)) == dict.fromkeys(switches.KERNELS, 0)
     moe = sum(isinstance(m, MoeMLP) for m in static.mlps)
     assert moe and static.linear
-    assert opt_in.layers_taking(static) == {"moe": moe, "route": 0, "overlap": 0, "conv": len(static.linear)}
+    assert switches.layers_taking(static) == {"moe": moe, "route": 0, "overlap": 0, "conv": len(static.linear)}

@@ -102,10 +102,9 @@ def test_the_tiny_families_blocks_with_and_without_the_kernels(family, family_di
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
-def test_the_batch_generator_with_the_opt_in_moe_kernels_replays_as_it_runs_eagerly(family, family_dirs):
-    """The opt-in kernels "moe" and "route" (trainer/decode/opt_in.py) inside the batch generator's captured steps,
-    bf16: the tokens the same generator gives run eagerly; every MoE layer took them."""
-    from trainer.decode import opt_in
+def test_the_batch_generator_with_the_moe_kernels_replays_as_it_runs_eagerly(family, family_dirs):
+    """The kernels "moe" and "route" (on by default, trainer/decode/switches.py) inside the batch generator's captured
+    steps, bf16: the tokens the same generator gives run eagerly; every MoE layer took them."""
     from trainer.decode.generate import BatchGenerator, Sampling
 
     cuda()
@@ -114,22 +113,18 @@ def test_the_batch_generator_with_the_opt_in_moe_kernels_replays_as_it_runs_eage
     g = torch.Generator().manual_seed(0)
     vocab = target.embed_tokens.weight.shape[0]
     prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
-    try:
-        opt_in.enable(["moe", "route"])
-        graphed = BatchGenerator(target, rows=4, max_len=48, stop_ids=[])
-        eager = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=False)
-        mlps = [m for m in graphed.static.mlps if isinstance(m, MoeMLP)]
-        assert mlps and all(m.kernel and m.router_kernel for m in mlps), family
-        got = graphed.generate(prompts, Sampling(max_new_tokens=24))
-        assert got == eager.generate(prompts, Sampling(max_new_tokens=24)), family
-    finally:
-        opt_in.enable(["moe", "route"], on=False)
+    graphed = BatchGenerator(target, rows=4, max_len=48, stop_ids=[])
+    eager = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=False)
+    mlps = [m for m in graphed.static.mlps if isinstance(m, MoeMLP)]
+    assert mlps and all(m.kernel and m.router_kernel for m in mlps), family
+    got = graphed.generate(prompts, Sampling(max_new_tokens=24))
+    assert got == eager.generate(prompts, Sampling(max_new_tokens=24)), family
 
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_combine_kernel_is_torchs_ops_bit_for_bit_in_bf16(shared):
     """The k copies' sum and the sigmoid-gated shared expert at qwen3.5-35b-a3b's width, bf16: torch's
-    `out.sum(dim=1) + torch.sigmoid(gate) * shared`, bit for bit (fp32 sums in order, CUDA's expf, IEEE division)."""
+    `out.sum(dim=1) + torch.sigmoid(gate) * shared`, bit for bit (fp32 sums in torch's order; the sigmoid torch's)."""
     cuda()
     g = torch.Generator(device="cuda").manual_seed(4)
     T, k, D = 64, 8, 2048
@@ -137,29 +132,27 @@ def test_the_combine_kernel_is_torchs_ops_bit_for_bit_in_bf16(shared):
     gate = (3 * torch.randn(T, 1, generator=g, device="cuda")).to(torch.bfloat16)
     expert = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
     want = out.sum(dim=1) + (torch.sigmoid(gate) * expert if shared else 0)
-    got = moe_kernel.combine(out, torch.bfloat16, gate if shared else None, expert if shared else None)
+    got = moe_kernel.combine(out, torch.bfloat16, torch.sigmoid(gate) if shared else None, expert if shared else None)
     assert torch.equal(got, want)
 
 
 class Slow:
-    """A shared expert that checks it runs on the layer's side stream and first keeps the GPU busy (~1 ms), so that a
-    missing or misplaced join would let the main stream read its output before it is written."""
+    """A shared expert that notes the streams it ran on and first keeps the GPU busy (~1 ms), so that a missing or
+    misplaced join would let the main stream read its output before it is written."""
 
-    def __init__(self, expert, layer):
-        self.expert, self.layer = expert, layer
+    def __init__(self, expert):
+        self.expert, self.streams = expert, set()
 
     def __call__(self, x):
-        if self.layer.overlap:
-            assert torch.cuda.current_stream(x.device) == self.layer.side
+        self.streams.add(torch.cuda.current_stream(x.device))
         torch.cuda._sleep(2_000_000)
         return self.expert(x)
 
 
-def test_the_shared_expert_beside_the_experts_kernels_changes_no_token(family_dirs):
-    """The opt-in "overlap" (the shared expert on a second stream, forked and joined inside the captured steps):
+def test_the_shared_expert_beside_the_experts_kernels_changes_no_token(family_dirs, kernels_off):
+    """The "overlap" (the shared expert on a second stream, forked and joined inside the captured steps):
     Qwen3.5-MoE's tiny target through the batch generator gives the tokens it gives without it, graphed and eager,
-    with every MoE layer's shared expert on the side stream and slowed (`Slow`) so a bad join would show."""
-    from trainer.decode import opt_in
+    with every MoE layer's shared expert at decode on the side stream and slowed (`Slow`) so a bad join would show."""
     from trainer.decode.generate import BatchGenerator, Sampling
 
     cuda()
@@ -169,19 +162,17 @@ def test_the_shared_expert_beside_the_experts_kernels_changes_no_token(family_di
     vocab = target.embed_tokens.weight.shape[0]
     prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
     answers = {}
-    try:
-        for asked in (("moe", "route"), ("moe", "route", "overlap")):
-            opt_in.enable(opt_in.KERNELS, on=False)
-            opt_in.enable(asked)
-            for graphs in (True, False):
-                gen = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=graphs)
-                assert not gen.programs  # nothing captured yet: the steps capture the slowed experts
-                mlps = [m for m in gen.static.mlps if isinstance(m, MoeMLP)]
-                for m in mlps:
-                    m.shared = Slow(m.shared, m)
-                answers[asked, graphs] = gen.generate(prompts, Sampling(max_new_tokens=24))
-                assert mlps and all(m.overlap == ("overlap" in asked) for m in mlps)
-                assert all((m.side is not None) == ("overlap" in asked) for m in mlps)
-    finally:
-        opt_in.enable(opt_in.KERNELS, on=False)
+    for overlap in (False, True):
+        kernels_off(["overlap"], off=not overlap)
+        for graphs in (True, False):
+            gen = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=graphs)
+            assert not gen.programs  # nothing captured yet: the steps capture the slowed experts
+            mlps = [m for m in gen.static.mlps if isinstance(m, MoeMLP)]
+            for m in mlps:
+                m.shared = Slow(m.shared)
+            answers[overlap, graphs] = gen.generate(prompts, Sampling(max_new_tokens=24))
+            assert mlps and all(m.kernel and m.overlap == overlap for m in mlps)
+            assert all((m.side is not None) == overlap for m in mlps)
+            # the decode steps' shared experts on the side stream (a prefill's, off the kernels' path, beside)
+            assert all((m.side in m.shared.streams) == overlap for m in mlps)
     assert len({str(a) for a in answers.values()}) == 1

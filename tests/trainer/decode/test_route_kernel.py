@@ -75,14 +75,14 @@ def softmax_in_cuda_order(x: np.ndarray) -> np.ndarray:
     return (ex / acc[:, :, None]).reshape(T, P)[:, :E]
 
 
-def pairwise_sum(w: np.ndarray) -> np.ndarray:
+def lanes_sum(w: np.ndarray) -> np.ndarray:
     """[T, k] -> [T] in the documented order: B = k rounded down to a power of two, v[l] = w[l] + w[l + B] where
-    l + B < k, then ((v0 + v1) + (v2 + v3)) + ..."""
+    l + B < k, then v[l] + v[l + B / 2] at halving offsets (torch's shuffles down)."""
     B = 1 << (w.shape[1].bit_length() - 1)
     v = w[:, :B].copy()
     v[:, :w.shape[1] - B] += w[:, B:]
     while v.shape[1] > 1:
-        v = v[:, 0::2] + v[:, 1::2]
+        v = v[:, :v.shape[1] // 2] + v[:, v.shape[1] // 2:]
     return v[:, 0]
 
 
@@ -94,7 +94,7 @@ def test_the_weights_follow_the_documented_order_bit_for_bit(interpreter, E, k):
     probs = softmax_in_cuda_order(logits.float().numpy())
     _, experts = route(logits, k, Routing("softmax_topk"))
     top = np.take_along_axis(probs, experts.numpy(), axis=1)
-    renormed = top / pairwise_sum(top)[:, None]
+    renormed = top / lanes_sum(top)[:, None]
     for routing, want in ((Routing("softmax_topk"), torch.from_numpy(top)),
                           (Routing("softmax_topk", renorm=True), torch.from_numpy(renormed)),
                           (Routing("softmax_topk", renorm=True, cast=True), torch.from_numpy(renormed).bfloat16())):
@@ -142,7 +142,7 @@ def test_the_decode_moe_mlp_is_unchanged_by_the_kernel(interpreter, monkeypatch,
     block, gen = redrawn_block(target)
     k = config["num_experts_per_tok"]
     mlp = MoeMLP(block, routing_of(target.hf_config), k, grouped=False, router_kernel=True)
-    assert not MoeMLP(block, routing_of(target.hf_config), k).router_kernel  # an opt-in kernel (opt_in.py)
+    assert MoeMLP(block, routing_of(target.hf_config), k).router_kernel  # on unless switched off (switches.py)
     x = torch.randn(24, 1, config["hidden_size"], generator=gen)  # one token a row: a decode step
     calls = []
     kernel = route_kernel.route_and_sort

@@ -1,7 +1,7 @@
 """The MoE router and sort-by-expert kernels (trainer/decode/route_kernel.py) compiled on CUDA (run on the H200:
 `python3 -m pytest -m gpu tests/trainer/decode/test_route_kernel_gpu.py`), at qwen3.5-35b-a3b's decode shape
 (T = 64 tokens, E = 256 experts, k = 8) and E = 128: the tensors of `route` + `sort_by_expert` bit for bit, weights
-included (the softmax's summation order, CUDA's expf, the pairwise renorm sum: the module docstring's claims), also
+included (the softmax's summation order, CUDA's expf, the renorm sum's lanes: the module docstring's claims), also
 on logits with ties; and the same under CUDA graph replay."""
 from __future__ import annotations
 

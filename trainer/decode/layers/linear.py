@@ -12,7 +12,7 @@ block's rule terms (`BlockTerms`: keys, corrected values, decays; O(L (dk + dv))
 `commit(accepted)` then sets each row's state to the one after its accepted prefix, on the device. A decode step
 is one token through the rule's recurrent form (on CUDA with fla, `recurrent_kernel.py`'s fused kernel, which reads each
 row's state once and writes it back in place), its convolution, conv-state shift and gates one `conv_step.py` kernel
-where asked (the opt-in kernel "conv", `decode/opt_in.py`); `prefill` runs blocks of CHUNK tokens (or fla's chunked
+unless switched off (the kernel "conv", `decode/switches.py`); `prefill` runs blocks of CHUNK tokens (or fla's chunked
 kernel on CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the
 state.
 
@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from trainer.decode import conv_step, opt_in
+from trainer.decode import conv_step, switches
 from trainer.decode.gated_norm import GatedRMSNorm
 from trainer.decode.recurrent_kernel import gated_delta_step_, usable_for
 from trainer.model.linear_attention import (
@@ -69,7 +69,7 @@ class GatedDeltaNetDecode:
     fla installed), "torch" through `gated_delta_block` per CHUNK tokens; `forward` (and a step of several tokens)
     always runs `gated_delta_block`. fused (default: kernel == "fla"): a one-token step through
     `recurrent_kernel.gated_delta_step_`, the state updated in place, else `gated_delta_step` and a copy back.
-    conv_kernel (default: whether the opt-in kernel "conv" is asked, `opt_in.py`): a one-token step's convolution,
+    conv_kernel (default: unless the kernel "conv" is switched off, `switches.py`): a one-token step's convolution,
     SiLU, conv-state shift and gates through `conv_step.conv_gates_step` where it is usable, else the torch ops."""
 
     def __init__(self, inner: nn.Module, rows: int, block: int, kernel: str = "torch",
@@ -101,7 +101,7 @@ class GatedDeltaNetDecode:
         self.fused = kernel == "fla" if fused is None else fused
         if self.fused and not usable_for(self.state):
             raise ValueError(f"the fused step needs Triton on CUDA (or the interpreter on CPU), not {dev}")
-        self.conv_kernel = opt_in.enabled("conv") if conv_kernel is None else conv_kernel
+        self.conv_kernel = switches.on("conv") if conv_kernel is None else conv_kernel
 
     # ------------------------------------------------------------ the block computation
 

@@ -8,7 +8,7 @@ training target runs through transformers' `grouped_mm` experts, `model/target.l
 rule, each copy times its expert's gathered weight (S x in x out of memory: a reference, not a fast path). Other
 dtypes take torch's grouped_mm fallback, which reads the offsets on the host and so cannot be captured; they run the
 exact rule. A decode step's few copies an expert take `moe_kernel.py`'s kernels instead, where they serve the
-experts (SiLU-GLU, bf16 on CUDA) and are asked for (`opt_in.py`): the same arithmetic, one weight read an expert.
+experts (SiLU-GLU, bf16 on CUDA; unless switched off, `switches.py`): the same arithmetic, one weight read an expert.
 The arithmetic after the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own
 gate (`_apply_gate`: SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in
 token order, summed over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
@@ -18,7 +18,7 @@ Routing, per family (`ROUTING`, from the config's model type):
                    cast back to the logits' dtype where the family does (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE; Mixtral
                    keeps fp32)
     topk_softmax   top-k of the (biased) logits, softmax over those k in the logits' dtype (gpt-oss)
-Where Triton runs (CUDA) and they are asked for (the opt-in kernel "route", `opt_in.py`), softmax_topk's router and
+Where Triton runs (CUDA; unless the kernel "route" is switched off, `switches.py`), softmax_topk's router and
 the sort by expert are two kernels giving the same tensors (`trainer/decode/route_kernel.py`: its docstring says where
 the weights' last bit may differ, and which expert an exact tie picks); elsewhere, and beyond the kernels' sizes, the
 torch ops.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.decode import moe_kernel, opt_in, route_kernel
+from trainer.decode import moe_kernel, route_kernel, switches
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, offs
 
 def gated_sum(y: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """The routed experts' sum y plus the shared expert's output weighted by the sigmoid of its gate logit (what
-    `moe_kernel.combine` computes in one kernel)."""
+    `moe_kernel.combine` computes in one kernel, given the sigmoid)."""
     return y + torch.sigmoid(gate) * shared
 
 
@@ -121,8 +121,8 @@ class MoeMLP:
     MLP: h [R, L, D] -> [R, L, D]. grouped: None picks the grouped GEMM where it serves the weights' device; kernel:
     True takes `moe_kernel`'s experts kernels where they serve the experts, for calls of few copies an expert;
     router_kernel: True takes `route_kernel`'s router and sort where usable, on one-token steps; overlap: True runs
-    the shared expert on a second CUDA stream beside the experts kernels (None, each: where its opt-in kernel,
-    "moe", "route" or "overlap", is asked, `opt_in.py`)."""
+    the shared expert on a second CUDA stream beside the experts kernels (None, each: unless its kernel, "moe",
+    "route" or "overlap", is switched off, `switches.py`)."""
 
     def __init__(self, block, routing: Routing, top_k: int, grouped: bool | None = None,
                  kernel: bool | None = None, router_kernel: bool | None = None,
@@ -137,9 +137,9 @@ class MoeMLP:
         self.transposed = bool(getattr(experts, "is_transposed", False))
         weight = experts.gate_up_proj
         self.grouped = grouped_available(weight.device, weight.dtype) if grouped is None else grouped
-        self.kernel = (opt_in.enabled("moe") if kernel is None else kernel) and moe_kernel.serves(experts)
-        self.router_kernel = opt_in.enabled("route") if router_kernel is None else router_kernel
-        self.overlap = opt_in.enabled("overlap") if overlap is None else overlap
+        self.kernel = (switches.on("moe") if kernel is None else kernel) and moe_kernel.serves(experts)
+        self.router_kernel = switches.on("route") if router_kernel is None else router_kernel
+        self.overlap = switches.on("overlap") if overlap is None else overlap
         self.side = None  # the shared expert's CUDA stream (`side_stream`), once it ran there
         self.shared = getattr(block, "shared_expert", None)
         # the router's weight and the shared expert's gate as one [E + 1, D] weight (decode/fused.py), or None
@@ -193,31 +193,33 @@ class MoeMLP:
                                          weights)
         if joined is None:
             return moe_kernel.combine(out, dtype)
-        gate, shared = joined()
-        if gate.dtype == shared.dtype == dtype:
-            return moe_kernel.combine(out, dtype, gate, shared)
-        return gated_sum(out.sum(dim=1).to(dtype), gate, shared)
+        factor, shared = joined()
+        if factor.dtype == shared.dtype == dtype:
+            return moe_kernel.combine(out, dtype, factor, shared)
+        return out.sum(dim=1).to(dtype) + factor * shared
 
     def _shared_beside(self, x: torch.Tensor, gate: torch.Tensor | None):
-        """The shared expert and its gate logit (where the joined router did not give it) -> a call that returns
-        them (gate [T, 1], shared [T, D]). Where asked (the opt-in kernel "overlap") and on CUDA, they start now on a
-        second stream, beside the routed experts' kernels (memory-bound: the small GEMMs hide in their time), and the
-        call joins that stream back: a fork and a join in a captured graph, the same arithmetic. Else they run at
-        the call."""
+        """The shared expert and its gate's sigmoid (the gate logit where the joined router did not give it) -> a
+        call that returns them (factor [T, 1], shared [T, D]). Where on (the kernel "overlap", switches.py) and on CUDA,
+        they start now on a second stream, beside the routed experts' kernels (memory-bound: the small GEMMs hide in
+        their time), and the call joins that stream back: a fork and a join in a captured graph, the same
+        arithmetic. Else they run at the call."""
+        def factor_and_shared() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.sigmoid(self.block.shared_expert_gate(x) if gate is None else gate), self.shared(x)
+
         if not (self.overlap and x.is_cuda):
-            return lambda: (self.block.shared_expert_gate(x) if gate is None else gate, self.shared(x))
+            return factor_and_shared
         main = torch.cuda.current_stream(x.device)
         self.side = side_stream(x.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            gate = self.block.shared_expert_gate(x) if gate is None else gate
-            shared = self.shared(x)
+            factor, shared = factor_and_shared()
 
         def join() -> tuple[torch.Tensor, torch.Tensor]:
             main.wait_stream(self.side)
-            for t in (gate, shared):  # used on the main stream now: not reused before its work there is done
+            for t in (factor, shared):  # used on the main stream now: not reused before its work there is done
                 t.record_stream(main)
-            return gate, shared
+            return factor, shared
         return join
 
     def _route_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
