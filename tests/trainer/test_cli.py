@@ -150,6 +150,17 @@ def test_bad_set_is_one_clear_line_and_exit_2_before_torch_is_imported(tmp_path)
     assert not (tmp_path / "r").exists()
 
 
+def test_an_unknown_decode_kernel_switched_off_is_one_line_and_exit_2_before_torch(tmp_path, monkeypatch):
+    """DFLASH_DECODE_KERNELS_OFF (trainer/decode/switches.py) is read by every command before it starts."""
+    monkeypatch.setenv("DFLASH_DECODE_KERNELS_OFF", "moe,warp")
+    p = run_cli("make-tiny-target", str(tmp_path / "t"), flags=("-X", "importtime"))
+    assert p.returncode == 2
+    errors = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
+    assert errors == ["error: DFLASH_DECODE_KERNELS_OFF: no decode kernel 'warp'; the names are moe, route, overlap, "
+                      "conv"]
+    assert "torch" not in imported(p.stderr) and not (tmp_path / "t").exists()
+
+
 def test_the_import_check_sees_torch_when_the_cli_loads_it(tmp_path, tiny_target_dir):
     """The control for the test above: a refusal that needs torch (is there a GPU?) shows torch in the same check."""
     p = run_cli("train", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"), "--set",
