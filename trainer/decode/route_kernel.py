@@ -11,10 +11,11 @@ exactly wherever torch.topk's order is defined; the weights as "Rounding" below 
                rounds of max: top-k in descending probability, on an exact tie the lowest expert index first (torch.topk
                leaves a tie's order unspecified: the two agree wherever a token's top-k probabilities, and the k-th
                against the next, are distinct); renormalised and cast to the logits' dtype as the Routing says.
-    sort       a counting sort, one program a tile of BLOCK copies (copy c = t * k + j): every program counts each
-               expert's copies over all tiles (one-hot sums) and over the tiles before its own, so a copy's place is
-               its expert's start + the copies of that expert in earlier tiles + those earlier in its own tile: the
-               stable order. offsets [E] int32 are the cumulative counts (each expert's end), as searchsorted gives.
+    sort       a counting sort, one program an expert: it scans the S copies' experts (copy c = t * k + j) twice,
+               counting the copies of lower experts (its start), then placing its own copies in copy order, each at
+               start + its rank among them (a cumulative sum): the stable order, in two passes over 4 KB (decode's
+               S = 512) and no loop over the other programs' tiles. offsets [E] int32: each expert's end (start +
+               its copies), as searchsorted gives.
 Static shapes, no host sync: both run inside the decode step's CUDA graph.
 
 Rounding, on the GPU: the softmax is torch's persistent warp softmax (E <= 1024) operation for operation: each of
@@ -31,7 +32,7 @@ tests/trainer/decode/test_route_kernel_gpu.py checks these claims on the H200. U
 tests) exp is numpy's, so there the weights are within an ulp or two of torch's, not equal.
 
 Bounds (`usable`; beyond them moe.py keeps the torch path): E <= MAX_EXPERTS (one tile a token), k <= MAX_TOP_K,
-S = T x k <= MAX_COPIES (the sort's programs each scan all S copies: quadratic, fine at decode's S).
+S = T x k <= MAX_COPIES (the sort's programs each scan all S copies: E x S work, fine at decode's S).
 Shape legend: T tokens, E experts, k experts a token, S = T x k copies.
 """
 from __future__ import annotations
@@ -43,7 +44,8 @@ from trainer.triton_device import interpreting, runs_on, triton_kernels
 MAX_EXPERTS = 1024  # torch's persistent softmax bound too: up to it the sum's order is the one reproduced here
 MAX_TOP_K = 32
 MAX_COPIES = 8192
-SORT_TILE_ELEMS = 8192  # a sort program's one-hot tile [BLOCK, P]: BLOCK = this / P, between 16 and 128 copies
+SORT_CHUNK = 1024  # copies a sort program reads at a time (decode's S = 512: one chunk a pass)
+NO_EXPERT = 1 << 30  # the sort's padding past S: above every expert, so neither below nor equal to any
 WARP = 32  # torch's softmax lanes a row
 
 
@@ -121,30 +123,26 @@ def _kernels(triton, tl):
         tl.store(e_ptr + t * K + slots, picked.to(tl.int64), mask=keep)
 
     @triton.jit
-    def sort_copies(experts_ptr, order_ptr, sorted_ptr, offsets_ptr, S: tl.constexpr, E: tl.constexpr,
-                    P: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
-        tile = tl.program_id(0)
-        bins = tl.arange(0, P)
-        within = tl.arange(0, BLOCK)
-        counts = tl.zeros([P], tl.int32)
-        before = tl.zeros([P], tl.int32)
-        for q in tl.range(0, TILES):
-            c = q * BLOCK + within
-            e = tl.load(experts_ptr + c, mask=c < S, other=-1).to(tl.int32)  # -1 past S: no expert's
-            h = tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0)
-            counts += h
-            before += tl.where(q < tile, h, 0)
-        ends = tl.cumsum(counts, axis=0)
-        tl.store(offsets_ptr + bins, ends, mask=(bins < E) & (tile == 0))
-        start = ends - counts + before  # [P]: where this tile's first copy of each expert goes
-        c = tile * BLOCK + within
-        real = c < S
-        e = tl.load(experts_ptr + c, mask=real, other=-1).to(tl.int32)
-        base = tl.sum(tl.where(e[:, None] == bins[None, :], start[None, :], 0), axis=1)
-        earlier = (e[:, None] == e[None, :]) & (within[None, :] < within[:, None])  # [c, c']: c' before c
-        at = base + tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(order_ptr + at, c.to(tl.int64), mask=real)
-        tl.store(sorted_ptr + at, e.to(tl.int64), mask=real)
+    def sort_copies(experts_ptr, order_ptr, sorted_ptr, offsets_ptr, S: tl.constexpr, CHUNK: tl.constexpr,
+                    PAD: tl.constexpr):
+        b = tl.program_id(0)  # this program's expert
+        within = tl.arange(0, CHUNK)
+        # first pass: the copies of lower experts, where this expert's copies start
+        start = tl.full([], 0, tl.int32)
+        for c0 in tl.range(0, S, CHUNK):
+            e = tl.load(experts_ptr + c0 + within, mask=c0 + within < S, other=PAD)
+            start += tl.sum((e < b).to(tl.int32), axis=0)
+        # second pass: this expert's copies in copy order (stable), each at start + its rank among them
+        at = start
+        for c0 in tl.range(0, S, CHUNK):
+            c = c0 + within
+            e = tl.load(experts_ptr + c, mask=c < S, other=PAD)
+            mine = (e == b).to(tl.int32)
+            place = at + tl.cumsum(mine, axis=0) - 1
+            tl.store(order_ptr + place, c.to(tl.int64), mask=mine == 1)
+            tl.store(sorted_ptr + place, e, mask=mine == 1)
+            at += tl.sum(mine, axis=0)
+        tl.store(offsets_ptr + b, at)
 
     return route_topk, sort_copies
 
@@ -163,9 +161,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def sort_block(S: int, E: int) -> int:
-    """Copies a sort program takes: its one-hot tile [BLOCK, P] within SORT_TILE_ELEMS, 16 to 128 copies."""
-    return max(16, min(128, SORT_TILE_ELEMS // _pow2(E), _pow2(S)))
+def sort_chunk(S: int) -> int:
+    """Copies a sort program reads at a time: S rounded up to a power of two (>= 16), at most SORT_CHUNK."""
+    return max(16, min(SORT_CHUNK, _pow2(S)))
 
 
 def route_and_sort(logits: torch.Tensor, k: int, routing
@@ -189,8 +187,6 @@ def route_and_sort(logits: torch.Tensor, k: int, routing
     order = torch.empty(S, dtype=torch.long, device=logits.device)
     sorted_experts = torch.empty(S, dtype=torch.long, device=logits.device)
     offsets = torch.empty(E, dtype=torch.int32, device=logits.device)
-    block = sort_block(S, E)
-    tiles = -(-S // block)
-    sort_copies[(tiles,)](experts, order, sorted_experts, offsets, S=S, E=E, P=P, BLOCK=block, TILES=tiles,
-                          num_warps=4)
+    sort_copies[(E,)](experts, order, sorted_experts, offsets, S=S, CHUNK=sort_chunk(S), PAD=NO_EXPERT,
+                      num_warps=4)
     return weights, experts, order, sorted_experts, offsets

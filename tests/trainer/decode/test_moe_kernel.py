@@ -183,8 +183,7 @@ kernels = {
                     "LIBDEVICE": True}, 1),
     "sort_copies": (sort_copies, {"experts_ptr": "*i64", "order_ptr": "*i64", "sorted_ptr": "*i64",
                                   "offsets_ptr": "*i32"},
-                    {"S": S, "E": E, "P": E, "BLOCK": route_kernel.sort_block(S, E),
-                     "TILES": -(-S // route_kernel.sort_block(S, E))}, 4),
+                    {"S": S, "CHUNK": route_kernel.sort_chunk(S), "PAD": route_kernel.NO_EXPERT}, 4),
 }
 out = {}
 for name, (fn, sig, consts, warps) in kernels.items():

@@ -48,11 +48,12 @@ def test_the_kernels_route_and_sort_as_torch(interpreter, T, E, k, dtype):
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_k_experts_and_tokens_beyond_one_sort_tile(interpreter, k):
-    """T x k past a sort program's tile (several programs, the last tile partial) with few experts: each expert
-    holds copies from many tiles, and the stable order must carry across them."""
+def test_k_experts_and_tokens_beyond_one_sort_chunk(interpreter, k, monkeypatch):
+    """T x k past a sort program's chunk (several chunks a pass, the last partial) with few experts: each expert
+    holds copies from many chunks, and the stable order must carry across them."""
+    monkeypatch.setattr(route_kernel, "SORT_CHUNK", 128)
     logits = tie_free(300, 8, torch.float32, seed=k)
-    assert 300 * k % route_kernel.sort_block(300 * k, 8) and 300 * k > 2 * route_kernel.sort_block(300 * k, 8)
+    assert 300 * k % route_kernel.sort_chunk(300 * k) and 300 * k > 2 * route_kernel.sort_chunk(300 * k)
     assert_routes_as_torch(logits, k, Routing("softmax_topk", renorm=True, cast=True))
 
 
