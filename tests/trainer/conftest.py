@@ -27,6 +27,7 @@ def kernels_off(monkeypatch):
     from trainer.decode import switches
 
     monkeypatch.setattr(switches, "_off", set())
+    monkeypatch.delenv(switches.ENV, raising=False)  # nor in a subprocess the test starts
     return switches.switch_off
 
 

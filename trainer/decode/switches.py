@@ -64,8 +64,11 @@ def switched_off() -> list[str]:
 def layers_taking(static) -> dict[str, int]:
     """Of a `StaticTarget`'s layers, how many were built to take each kernel's path (what a benchmark line records:
     a kernel that does not serve a layer cannot pass unseen in a figure): "moe" counts the MoE layers whose experts
-    the kernels serve, "route" and "overlap" the MoE layers where on, "conv" the Gated DeltaNet layers where on;
-    each still checks its shapes at every call."""
+    the kernels serve, "route" those of the softmax_topk routing where on, "overlap" those with a shared expert
+    beside the experts kernels where on, "conv" the Gated DeltaNet layers where on; each still checks its shapes at
+    every call."""
     moe = [m for m in static.mlps if hasattr(m, "router_kernel")]  # layers/moe.MoeMLP, not imported: light module
-    return {"moe": sum(bool(m.kernel) for m in moe), "route": sum(bool(m.router_kernel) for m in moe),
-            "overlap": sum(bool(m.overlap) for m in moe), "conv": sum(bool(m.conv_kernel) for m in static.linear)}
+    return {"moe": sum(bool(m.kernel) for m in moe),
+            "route": sum(bool(m.router_kernel) and m.routing.order == "softmax_topk" for m in moe),
+            "overlap": sum(bool(m.overlap and m.kernel) and m.shared is not None for m in moe),
+            "conv": sum(bool(m.conv_kernel) for m in static.linear)}

@@ -246,3 +246,19 @@ def test_the_layers_built_for_each_kernel_are_counted(interpreter, family_dirs, 
     moe = sum(isinstance(m, MoeMLP) for m in static.mlps)
     assert moe and static.linear
     assert switches.layers_taking(static) == {"moe": moe, "route": 0, "overlap": 0, "conv": len(static.linear)}
+
+
+@pytest.mark.parametrize("family, counts", [("qwen3_5_moe", "all"), ("qwen3_moe", "no shared expert"),
+                                            ("gpt_oss", "none served")])
+def test_the_counts_name_only_the_layers_a_kernel_serves(interpreter, family_dirs, family, counts):
+    """Every kernel on (the default): "overlap" counts only the layers with a shared expert, "moe" and "route" only
+    those whose experts and routing rule the kernels serve (gpt-oss: biases, a clamped GLU, top-k then softmax)."""
+    from trainer.decode import switches
+    from trainer.decode.stack import StaticTarget
+
+    static = StaticTarget(family_target(family_dirs, family), 16, rows=2, padded=True, fuse=True)
+    moe = sum(isinstance(m, MoeMLP) for m in static.mlps)
+    want = {"all": {"moe": moe, "route": moe, "overlap": moe, "conv": len(static.linear)},
+            "no shared expert": {"moe": moe, "route": moe, "overlap": 0, "conv": 0},
+            "none served": dict.fromkeys(switches.KERNELS, 0)}[counts]
+    assert moe and switches.layers_taking(static) == want

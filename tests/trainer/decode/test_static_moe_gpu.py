@@ -63,9 +63,10 @@ def test_batched_generation_under_graph_replay_equals_hf(family, family_dirs):
 
 
 @pytest.mark.parametrize("family", MOE)
-def test_grouped_kernel_under_graph_replay_equals_the_eager_engine(family, family_dirs):
-    """bf16: the grouped expert GEMMs captured in the decode step, the speculative round and the batch step give the
-    tokens the same engine gives run eagerly (graphs=False)."""
+def test_grouped_kernel_under_graph_replay_equals_the_eager_engine(family, family_dirs, kernels_off):
+    """bf16: the grouped expert GEMMs captured in the decode step, the speculative round and the batch step (with its
+    decode kernels switched off, then with them at their default) give the tokens the same engine gives run eagerly
+    (graphs=False)."""
     from trainer.decode.generate import BatchGenerator, Sampling
 
     target = cuda_family(family_dirs, family, "bfloat16")
@@ -83,9 +84,11 @@ def test_grouped_kernel_under_graph_replay_equals_the_eager_engine(family, famil
     g = torch.Generator().manual_seed(0)
     vocab = target.embed_tokens.weight.shape[0]
     prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5)]
-    rows = [BatchGenerator(target, rows=4, max_len=32, stop_ids=[], graphs=graphs).generate(
-        prompts, Sampling(max_new_tokens=16)) for graphs in (True, False)]
-    assert rows[0] == rows[1], family
+    for off in (True, False):
+        kernels_off(["moe", "route"], off=off)
+        rows = [BatchGenerator(target, rows=4, max_len=32, stop_ids=[], graphs=graphs).generate(
+            prompts, Sampling(max_new_tokens=16)) for graphs in (True, False)]
+        assert rows[0] == rows[1], (family, off)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])

@@ -123,7 +123,7 @@ class GatedDeltaNetDecode:
     def _conv_gates(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token a row: qkv [R, 1, C], a, b [R, 1, Hv] -> (the causal conv + SiLU [R, 1, C], g, beta [R, 1, Hv]),
-        the conv state shifted by qkv. One kernel where asked and usable (`conv_step.py`), else the torch ops."""
+        the conv state shifted by qkv. One kernel where on and usable (`conv_step.py`), else the torch ops."""
         m = self.inner
         args = (qkv, self.conv, m.conv1d.weight.squeeze(1), a, b, m.A_log, m.dt_bias)
         if self.conv_kernel and conv_step.usable(*args):
