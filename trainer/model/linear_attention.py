@@ -291,9 +291,11 @@ def gates(m: nn.Module, a: torch.Tensor, b: torch.Tensor):
 
 def gated_output(m: nn.Module, core: torch.Tensor, z: torch.Tensor, norm=None) -> torch.Tensor:
     """The rule's output core [R, S, Hv, dv] -> the gated norm (z the gate), then the output projection: [R, S, D].
-    norm: a callable in place of the layer's own gated norm module (the decode layer's one-kernel form)."""
+    norm: a callable in place of the layer's own gated norm module (the decode layer's one-kernel form,
+    `decode/gated_norm.GatedRMSNorm`), given z [R, S, Hv, dv] as it is (it reads a strided gate without a copy)."""
     rows, seq = core.shape[:2]
-    out = (norm or m.norm)(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+    gate = z.reshape(rows, seq, -1, m.head_v_dim) if norm is not None else z.reshape(-1, m.head_v_dim)
+    out = (norm or m.norm)(core.reshape(-1, m.head_v_dim), gate)
     return m.out_proj(out.reshape(rows, seq, -1))
 
 

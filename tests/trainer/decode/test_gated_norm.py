@@ -39,6 +39,23 @@ def test_the_kernel_is_hfs_gated_norm(interpreter, family, dtype, tol):
     assert not torch.allclose((got.float() / torch.nn.functional.silu(gate.float())), want.float(), rtol=tol, atol=tol)
 
 
+def test_a_strided_gate_is_read_in_place(interpreter):
+    """The gate as the batch generator's joined projection gives it: heads of a slice of a wider row [R, S, Hv, dv]
+    (no copy made): the contiguous gate's output, bit for bit (fp32)."""
+    torch.manual_seed(6)
+    module = hf_norm("qwen3_5", 96)
+    module.weight.data.normal_(1.0, 0.3)
+    norm = GatedRMSNorm(module)
+    R, S, H = 3, 2, 4
+    joined = torch.randn(R, S, 40 + H * 96 + 24)  # other projections' outputs on either side
+    gate = joined[..., 40:40 + H * 96].view(R, S, H, 96)
+    x = torch.randn(R * S * H, 96) * 3
+    assert not gate.is_contiguous() and gate.reshape(-1, H, 96).data_ptr() == gate.data_ptr()
+    got = norm(x, gate)
+    assert torch.equal(got, norm(x, gate.contiguous().view(-1, 96)))
+    torch.testing.assert_close(got, module(x, gate.reshape(-1, 96)), rtol=1e-6, atol=1e-6)
+
+
 def test_hfs_module_runs_where_the_kernel_does_not_apply(interpreter):
     module = hf_norm("qwen3_5", 64)  # fp32 weight
     norm = GatedRMSNorm(module)
@@ -63,8 +80,8 @@ from trainer.decode import gated_norm
 fn = gated_norm._kernel()
 out = {}
 for dt in ("bf16", "fp32"):
-    sig = {"x_ptr": "*" + dt, "z_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "eps": "fp32",
-           "BLOCK": "constexpr"}
+    sig = {"x_ptr": "*" + dt, "z_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "heads": "i32",
+           "stride_zo": "i32", "stride_zh": "i32", "eps": "fp32", "BLOCK": "constexpr"}
     names = list(sig)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*"}
     compiled = triton.compile(triton.compiler.ASTSource(fn, sig, {"BLOCK": 128}, aligned),
