@@ -19,6 +19,9 @@ from collections.abc import Mapping
 MARKER_VAR = "DFLASH_OPS_RUN_ID"     # <run id>: a process carrying it belongs to that run (stop, the refusals)
 RUN_DIR_VAR = "DFLASH_OPS_RUN_DIR"   # "<runs dir>/<run id>": its run is found even when that directory is gone
 
+# -- the trainer's settings from the environment (a user's shell, a runbook's env or --env) --------------------
+DECODE_KERNELS_OFF_VAR = "DFLASH_DECODE_KERNELS_OFF"  # NAME,...: decode kernels run as torch ops (decode/switches.py)
+
 # -- the run directory: what `launch` has written there when the job starts ------------------------------------
 # (the trainer's fresh start accepts a --run-dir holding these; exit_code and stopped come only after the job
 # ends or is being stopped, so they never meet a starting trainer)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from dflash_ops.wire import DECODE_KERNELS_OFF_VAR
+
 KERNELS = {
     "moe": "an MoE layer's SiLU-GLU experts at decode (trainer/decode/moe_kernel.py)",
     "route": "an MoE layer's softmax top-k router and sort by expert at decode (trainer/decode/route_kernel.py)",
@@ -16,7 +18,7 @@ KERNELS = {
                "(trainer/decode/layers/moe.py)",
     "conv": "a Gated DeltaNet layer's one-token conv, SiLU, state shift and gates (trainer/decode/conv_step.py)",
 }
-ENV = "DFLASH_DECODE_KERNELS_OFF"
+ENV = DECODE_KERNELS_OFF_VAR
 _off: set[str] | None = None  # read from ENV at the first question
 
 
