@@ -10,7 +10,9 @@ GEMMs runs in their epilogues:
                   accumulators, written as SiLU(gate) x up [S, I] in sorted order
     experts_down  act [S, I] times the down weights, times each copy's routing weight, written at the copy's own
                   index t x k + j (the scatter back to token order)
-    combine       the k copies summed and the shared expert added, times its gate's sigmoid (`combine`)
+    combine       the k copies summed and the shared expert added, times its gate's sigmoid (`combine`); for a
+                  prefill's grouped GEMMs, whose output is in expert order and unweighted, the same kernel first
+                  reads each copy's row where the sort put it and multiplies its routing weight (`combine_sorted`)
 Rounding as the grouped path's: each GEMM's fp32 sum rounded to the activation dtype, SiLU and the products on those
 rounded values (fp32 math with CUDA's expf and IEEE divisions, rounded again as torch's ops round; the shared expert's
 gate sigmoid is torch's own), so only the GEMMs' summation order differs.
@@ -124,8 +126,8 @@ def _kernels(triton, tl):
             tl.store(out_ptr + copy[:, None] * so + n[None, :], y.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def combine_kernel(out_ptr, factor_ptr, shared_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
-                       SHARED: tl.constexpr):
+    def combine_kernel(out_ptr, pos_ptr, w_ptr, factor_ptr, shared_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr,
+                       BLOCK: tl.constexpr, SHARED: tl.constexpr, GATHERED: tl.constexpr, ROUND: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = d < D
@@ -136,7 +138,14 @@ def _kernels(triton, tl):
         a2 = tl.zeros([BLOCK], tl.float32)
         a3 = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(K):
-            v = tl.load(out_ptr + (t * K + j) * D + d, mask=inside, other=0.0).to(tl.float32)
+            if GATHERED:  # copy (t, j)'s row in expert order, times its routing weight, rounded as torch's product
+                row = tl.load(pos_ptr + t * K + j)
+                v = tl.load(out_ptr + row * D + d, mask=inside, other=0.0).to(tl.float32)
+                v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
+                if ROUND:
+                    v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                v = tl.load(out_ptr + (t * K + j) * D + d, mask=inside, other=0.0).to(tl.float32)
             if j % 4 == 0:
                 a0 += v
             elif j % 4 == 1:
@@ -146,7 +155,9 @@ def _kernels(triton, tl):
             else:
                 a3 += v
         acc = ((a0 + a1) + a2) + a3
-        y = acc.to(out_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if ROUND:  # the summed tensor's dtype is out's (else fp32: products of fp32 routing weights)
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
         if SHARED:
             f = tl.load(factor_ptr + t).to(tl.float32)
             s = tl.load(shared_ptr + t * D + d, mask=inside, other=0.0).to(tl.float32)
@@ -269,15 +280,35 @@ def combine(out: torch.Tensor, dtype: torch.dtype, factor: torch.Tensor | None =
     (factor: its gate's sigmoid, computed by torch beside the shared expert, so its bits are torch's), the product
     and the sum rounded as torch's `y + factor * shared` rounds them: one kernel for what were four."""
     T, k, D = out.shape
-    out = out.contiguous()
+    return _combine(out.contiguous(), None, None, T, k, dtype, factor, shared)
+
+
+def combine_sorted(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                   factor: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped GEMMs' output out [S, D] in expert order (order [S]: copy t x k + j of each row), weights [T, k]
+    -> y [T, D] in `dtype`: `combine` of each copy's row times its routing weight, rounded as the grouped path's
+    `out * weight`, the copies' scatter back to token order and `sum(dim=1)` round them (the product in torch's
+    promoted dtype of out and weights). A prefill's: one read of out for what were three passes over it."""
+    T, k = weights.shape
+    S, D = out.shape
+    positions = torch.empty_like(order).index_copy_(0, order, torch.arange(S, device=order.device))
+    return _combine(out.contiguous(), positions, weights.contiguous(), T, k, dtype, factor, shared)
+
+
+def _combine(out: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor | None, T: int, k: int,
+             dtype: torch.dtype, factor: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor:
+    D = out.shape[-1]
     y = torch.empty(T, D, dtype=dtype, device=out.device)
     if shared is not None:
         factor, shared = factor.reshape(T).contiguous(), shared.reshape(T, D).contiguous()
         if shared.dtype != dtype or factor.dtype != dtype:
             raise ValueError(f"combine: the shared expert's output and gate in {dtype}, got {shared.dtype} and "
                              f"{factor.dtype}")
+    product = out.dtype if weights is None else torch.promote_types(out.dtype, weights.dtype)
     block = min(COMBINE_BLOCK, 1 << (D - 1).bit_length())
-    _kernels()[2][(T, -(-D // block))](out, factor if shared is not None else out,
-                                       shared if shared is not None else out, y, D=D, K=k, BLOCK=block,
-                                       SHARED=shared is not None)
+    _kernels()[2][(T, -(-D // block))](out, out if positions is None else positions,
+                                       out if weights is None else weights, out if shared is None else factor,
+                                       out if shared is None else shared, y, D=D, K=k, BLOCK=block,
+                                       SHARED=shared is not None, GATHERED=positions is not None,
+                                       ROUND=product == out.dtype)
     return y

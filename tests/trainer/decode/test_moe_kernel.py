@@ -84,10 +84,14 @@ def test_widths_of_several_tiles_and_loop_steps(interpreter):
                          weights)
 
 
-def test_a_prefills_many_copies_take_the_grouped_path_and_gpt_oss_is_not_served(interpreter, family_dirs):
-    """Past MAX_COPIES_PER_EXPERT an expert the kernels step aside (the GEMM tiles of the grouped path reuse each
-    weight tile better), and gpt-oss's experts (biases, clamped GLU, transposed weights) are not theirs."""
-    target = family_target(family_dirs, "qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_a_prefills_many_copies_take_the_grouped_gemms_and_gpt_oss_is_not_served(interpreter, family_dirs,
+                                                                                  monkeypatch, family):
+    """Past MAX_COPIES_PER_EXPERT an expert the experts kernels step aside (the GEMM tiles of the grouped path reuse
+    each weight tile better): the grouped GEMMs run, then `combine_sorted` (weights, order back, sum, the shared
+    expert) in one pass, as the torch path computes them; gpt-oss's experts (biases, clamped GLU, transposed
+    weights) are not the kernels'."""
+    target = family_target(family_dirs, family)
     block, gen = redrawn_block(target)
     E = block.experts.gate_up_proj.shape[0]
     assert moe_kernel.few_copies(moe_kernel.MAX_COPIES_PER_EXPERT * E, E)
@@ -95,10 +99,42 @@ def test_a_prefills_many_copies_take_the_grouped_path_and_gpt_oss_is_not_served(
     oss = family_target(family_dirs, "gpt_oss")
     oss_block = next(layer.mlp for layer in oss.model.model.layers if hasattr(layer.mlp, "experts"))
     assert not moe_kernel.serves(oss_block.experts)
+    calls = []
+    for name in ("experts_forward", "combine_sorted"):
+        real = getattr(moe_kernel, name)
+        monkeypatch.setattr(moe_kernel, name,
+                            lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = torch.randn(1, moe_kernel.MAX_COPIES_PER_EXPERT * E, block.experts.gate_up_proj.shape[-1], generator=gen)
-    kernel = MoeMLP(block, routing_of(target.hf_config), 2, kernel=True)
-    grouped = MoeMLP(block, routing_of(target.hf_config), 2, kernel=False)
-    torch.testing.assert_close(kernel(x), grouped(x), atol=1e-5, rtol=1e-5)  # the same path: no kernel launch
+    routing, k = routing_of(target.hf_config), target.hf_config.get_text_config().num_experts_per_tok
+    kernel = MoeMLP(block, routing, k, kernel=True)
+    grouped = MoeMLP(block, routing, k, kernel=False)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel(x), grouped(x), atol=1e-5, rtol=1e-5)
+    assert calls == ["combine_sorted"]
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shared", [False, True])
+def test_combine_sorted_is_the_grouped_paths_weights_order_and_sum(interpreter, shared, weight_dtype):
+    """fp32 (the interpreter's bf16 casts truncate): out [S, D] in expert order -> torch's `out * w[order]`,
+    `index_copy_` back to token order, `sum(dim=1)` (+ sigmoid(gate) x shared); routing weights of out's dtype (the
+    products rounded to it) and wider ones (the products in the promoted dtype)."""
+    g = torch.Generator().manual_seed(4)
+    T, k, D = 5, 6, moe_kernel.COMBINE_BLOCK + 40
+    S = T * k
+    out = torch.randn(S, D, generator=g)
+    order = torch.randperm(S, generator=g)
+    weights = torch.rand(T, k, generator=g).to(weight_dtype)
+    gate, expert = torch.randn(T, 1, generator=g), torch.randn(T, D, generator=g)
+    product = out * weights.reshape(-1)[order].unsqueeze(-1)
+    want = torch.empty_like(product).index_copy_(0, order, product).view(T, k, D).sum(dim=1).float()
+    want = want + (torch.sigmoid(gate) * expert if shared else 0)
+    got = moe_kernel.combine_sorted(out, order, weights, torch.float32, torch.sigmoid(gate) if shared else None,
+                                    expert if shared else None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, moe_kernel.combine(out.view(T, k, D), torch.float32,
+                                                      torch.sigmoid(gate) if shared else None,
+                                                      expert if shared else None))  # the weights and order matter
 
 
 def test_without_the_interpreter_cpu_keeps_the_torch_paths(family_dirs):
@@ -176,8 +212,14 @@ kernels = {
                      {**gemm, "N_COPIES": 0, "D": D, "I": I, "BN": moe_kernel.DOWN_TILES.n,
                       "BK": moe_kernel.DOWN_TILES.k, "STAGES": moe_kernel.DOWN_TILES.stages},
                      moe_kernel.DOWN_TILES.warps),
-    "combine": (combine, {"out_ptr": bf16, "factor_ptr": bf16, "shared_ptr": bf16, "y_ptr": bf16},
-                {"D": D, "K": K, "BLOCK": moe_kernel.COMBINE_BLOCK, "SHARED": True}, 4),
+    "combine": (combine, {"out_ptr": bf16, "pos_ptr": bf16, "w_ptr": bf16, "factor_ptr": bf16, "shared_ptr": bf16,
+                          "y_ptr": bf16},
+                {"D": D, "K": K, "BLOCK": moe_kernel.COMBINE_BLOCK, "SHARED": True, "GATHERED": False, "ROUND": True},
+                4),
+    "combine_sorted": (combine, {"out_ptr": bf16, "pos_ptr": "*i64", "w_ptr": bf16, "factor_ptr": bf16,
+                                 "shared_ptr": bf16, "y_ptr": bf16},
+                       {"D": D, "K": K, "BLOCK": moe_kernel.COMBINE_BLOCK, "SHARED": True, "GATHERED": True,
+                        "ROUND": True}, 4),
     "route_topk": (route_topk, {"logits_ptr": bf16, "w_ptr": bf16, "e_ptr": "*i64", **ints("stride_t")},
                    {"E": E, "LANES": 32, "ITERS": E // 32, "K": K, "KP": K, "RENORM": True, "BF16_OUT": True,
                     "LIBDEVICE": True}, 1),
@@ -208,7 +250,7 @@ def test_the_moe_and_route_kernels_compile_for_the_h200(tmp_path):
     from tests.trainer.cubin import compile_for_h200
 
     compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
-    assert set(compiled) == {"experts_up", "experts_down", "combine", "route_topk", "sort_copies"}
+    assert set(compiled) == {"experts_up", "experts_down", "combine", "combine_sorted", "route_topk", "sort_copies"}
     assert all("cubin" in c["stages"] for c in compiled.values())
     tile = {"experts_up": 2 * moe_kernel.UP_TILES.n * moe_kernel.UP_TILES.k * 2,  # gate and up rows, bf16
             "experts_down": moe_kernel.DOWN_TILES.n * moe_kernel.DOWN_TILES.k * 2}

@@ -136,6 +136,29 @@ def test_the_combine_kernel_is_torchs_ops_bit_for_bit_in_bf16(shared):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])  # Qwen's cast weights, Mixtral's fp32
+@pytest.mark.parametrize("shared", [False, True])
+def test_combine_sorted_is_the_grouped_paths_ops_bit_for_bit_in_bf16(shared, weight_dtype):
+    """A prefill's 2,048 tokens at qwen3.5-35b-a3b's width, bf16: the grouped path's `out * w[order]`, `index_copy_`
+    back to token order, `sum(dim=1)`, the cast, `+ torch.sigmoid(gate) * shared`, bit for bit."""
+    cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    T, k, D = 2048, 8, 2048
+    S = T * k
+    out = torch.randn(S, D, generator=g, device="cuda").to(torch.bfloat16)
+    order = torch.randperm(S, generator=g, device="cuda")
+    weights = torch.rand(T, k, generator=g, device="cuda").to(weight_dtype)
+    gate = (3 * torch.randn(T, 1, generator=g, device="cuda")).to(torch.bfloat16)
+    expert = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    product = out * weights.reshape(-1)[order].unsqueeze(-1)
+    want = torch.empty_like(product).index_copy_(0, order, product).view(T, k, D).sum(dim=1).to(torch.bfloat16)
+    if shared:
+        want = want + torch.sigmoid(gate) * expert
+    got = moe_kernel.combine_sorted(out, order, weights, torch.bfloat16, torch.sigmoid(gate) if shared else None,
+                                    expert if shared else None)
+    assert torch.equal(got, want)
+
+
 class Slow:
     """A shared expert that notes the streams it ran on and first keeps the GPU busy (~1 ms), so that a missing or
     misplaced join would let the main stream read its output before it is written."""

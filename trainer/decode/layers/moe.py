@@ -8,7 +8,9 @@ training target runs through transformers' `grouped_mm` experts, `model/target.l
 rule, each copy times its expert's gathered weight (S x in x out of memory: a reference, not a fast path). Other
 dtypes take torch's grouped_mm fallback, which reads the offsets on the host and so cannot be captured; they run the
 exact rule. A decode step's few copies an expert take `moe_kernel.py`'s kernels instead, where they serve the
-experts (SiLU-GLU, bf16 on CUDA; unless switched off, `switches.py`): the same arithmetic, one weight read an expert.
+experts (SiLU-GLU, bf16 on CUDA; unless switched off, `switches.py`): the same arithmetic, one weight read an expert;
+there a prefill's many copies take the grouped GEMMs, then `moe_kernel.combine_sorted`: the routing weights, the
+copies' order back and their sum in one pass over the GEMMs' output instead of three.
 The arithmetic after the GEMMs is transformers' grouped experts forward: biases per copy, the experts module's own
 gate (`_apply_gate`: SiLU-GLU, gpt-oss's clamped GLU), the routing weight on each copy's output, the copies back in
 token order, summed over k. A shared expert (Qwen3-Next, Qwen3.5-MoE) adds its sigmoid-gated output.
@@ -159,16 +161,40 @@ class MoeMLP:
         else:
             weights, experts = route(logits, self.top_k, self.routing)
             order, sorted_experts, offsets = sort_by_expert(experts, self.num_experts)
-        if (self.kernel and moe_kernel.few_copies(order.shape[0], self.num_experts)
-                and not torch.compiler.is_compiling()):
-            return self._kernel_experts(x, order, offsets, weights, gate, h.dtype).view(R, L, D)
-        y = self._grouped_experts(x, order, sorted_experts, offsets, weights).sum(dim=1).to(h.dtype)
+        if self.kernel and not torch.compiler.is_compiling():
+            if moe_kernel.few_copies(order.shape[0], self.num_experts):
+                return self._kernel_experts(x, order, offsets, weights, gate, h.dtype).view(R, L, D)
+            return self._grouped_combined(x, order, sorted_experts, offsets, weights, gate, h.dtype).view(R, L, D)
+        out = self._grouped_sorted(x, order, sorted_experts, offsets)
+        y = self._weighted_in_token_order(out, order, weights).sum(dim=1).to(h.dtype)
         return self._with_shared(y, x, gate).view(R, L, D)
 
-    def _grouped_experts(self, x: torch.Tensor, order: torch.Tensor, sorted_experts: torch.Tensor,
-                         offsets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The copies through their experts as grouped GEMMs (or the exact rule) -> [T, k, D], each times its
-        routing weight, in token order."""
+    def _grouped_combined(self, x: torch.Tensor, order: torch.Tensor, sorted_experts: torch.Tensor,
+                          offsets: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor | None,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """A prefill's many copies where the kernels serve the experts: the grouped GEMMs, then the routing weights,
+        the copies' order back, their sum and the shared expert as `moe_kernel.combine_sorted`'s one pass over the
+        GEMMs' output (the grouped path's roundings) -> y [T, D]."""
+        out = self._grouped_sorted(x, order, sorted_experts, offsets)
+        if self.shared is None:
+            return moe_kernel.combine_sorted(out, order, weights, dtype)
+        factor, shared = self._shared_beside(x, gate, beside=False)()
+        if factor.dtype == shared.dtype == dtype:
+            return moe_kernel.combine_sorted(out, order, weights, dtype, factor, shared)
+        return self._weighted_in_token_order(out, order, weights).sum(dim=1).to(dtype) + factor * shared
+
+    def _weighted_in_token_order(self, out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+                                 ) -> torch.Tensor:
+        """The experts' output out [S, D] in expert order -> [T, k, D]: each copy times its routing weight, in token
+        order."""
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # copy order back: token t's k copies adjacent
+        return unsorted.view(-1, self.top_k, out.shape[-1])
+
+    def _grouped_sorted(self, x: torch.Tensor, order: torch.Tensor, sorted_experts: torch.Tensor,
+                        offsets: torch.Tensor) -> torch.Tensor:
+        """The copies through their experts as grouped GEMMs (or the exact rule), biases and gate included -> [S, D]
+        in expert order, before the routing weights."""
         copies = x[order // self.top_k]  # [S, D]
         up = grouped_linear(copies, self.experts.gate_up_proj, self.transposed, offsets, sorted_experts,
                             self.grouped)
@@ -178,11 +204,7 @@ class MoeMLP:
         act = self.experts._apply_gate(up)
         out = grouped_linear(act, self.experts.down_proj, self.transposed, offsets, sorted_experts, self.grouped)
         bias = self._bias("down_proj", sorted_experts)
-        if bias is not None:
-            out = out + bias
-        out = out * weights.reshape(-1)[order].unsqueeze(-1)
-        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # copy order back: token t's k copies adjacent
-        return unsorted.view(x.shape[0], self.top_k, -1)
+        return out if bias is None else out + bias
 
     def _kernel_experts(self, x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                         gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -198,16 +220,16 @@ class MoeMLP:
             return moe_kernel.combine(out, dtype, factor, shared)
         return out.sum(dim=1).to(dtype) + factor * shared
 
-    def _shared_beside(self, x: torch.Tensor, gate: torch.Tensor | None):
+    def _shared_beside(self, x: torch.Tensor, gate: torch.Tensor | None, beside: bool = True):
         """The shared expert and its gate's sigmoid (the gate logit where the joined router did not give it) -> a
         call that returns them (factor [T, 1], shared [T, D]). Where on (the kernel "overlap", switches.py) and on CUDA,
         they start now on a second stream, beside the routed experts' kernels (memory-bound: the small GEMMs hide in
         their time), and the call joins that stream back: a fork and a join in a captured graph, the same
-        arithmetic. Else they run at the call."""
+        arithmetic. Else (or beside=False) they run at the call."""
         def factor_and_shared() -> tuple[torch.Tensor, torch.Tensor]:
             return torch.sigmoid(self.block.shared_expert_gate(x) if gate is None else gate), self.shared(x)
 
-        if not (self.overlap and x.is_cuda):
+        if not (beside and self.overlap and x.is_cuda):
             return factor_and_shared
         main = torch.cuda.current_stream(x.device)
         self.side = side_stream(x.device)
