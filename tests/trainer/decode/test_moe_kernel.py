@@ -257,6 +257,8 @@ def test_the_moe_and_route_kernels_compile_for_the_h200(tmp_path):
     for name, bytes_ in tile.items():
         c = compiled[name]
         assert c["mma"] and c["async_copies"] and 2 * bytes_ <= c["shared_bytes"] <= 227 * 1024, (name, c)
+    # what serves() checks against a device's shared memory is what the compiler asked for
+    assert moe_kernel.shared_bytes(512, 2048, 2) == max(compiled[n]["shared_bytes"] for n in tile)
     assert compiled["experts_up"]["ieee_division"]
 
 
@@ -304,3 +306,12 @@ def test_the_counts_name_only_the_layers_a_kernel_serves(interpreter, family_dir
             "no shared expert": {"moe": moe, "route": moe, "overlap": 0, "conv": 0},
             "none served": dict.fromkeys(switches.KERNELS, 0)}[counts]
     assert moe and switches.layers_taking(static) == want
+
+
+def test_the_kernels_serve_only_where_their_tiles_fit_in_shared_memory():
+    """qwen3.5-35b-a3b's widths in bf16 need 108 KB a block: within an H100/H200's opt-in maximum (232,448 bytes) and
+    an A100's (166,912), beyond a 99 KB SM's (101,376: RTX 4090/5090, L40S), where the torch path runs instead."""
+    need = moe_kernel.shared_bytes(512, 2048, 2)
+    assert need == 110_592
+    assert need <= 166_912 and need > 101_376
+    assert moe_kernel.shared_bytes(16, 32, 4) < need  # a tiny model's tiles shrink to its widths
