@@ -26,6 +26,18 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and CPU_UNDER_INTERPRETER and interpreting())
 
 
+def shared_memory_limit(device: torch.device) -> float:
+    """The shared memory one program may ask of an SM of `device`, in bytes: the opt-in maximum that Triton checks a
+    launch against (an SM's less the 1 KB CUDA reserves a block, where torch does not report it; H100/H200 232,448,
+    A100 166,912, a 99 KB SM such as an RTX 4090's 101,376); unbounded on CPU (the interpreter)."""
+    if device.type != "cuda":
+        return float("inf")
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_multiprocessor - 1024
+
+
 def triton_kernels(build):
     """Decorator: `build(triton, tl)` -> the module's jitted kernels, run once, on the first call of the decorated
     name, where Triton imports; None where it does not. So importing a module that declares kernels costs nothing

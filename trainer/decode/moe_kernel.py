@@ -189,21 +189,12 @@ def shared_bytes(I: int, D: int, element_size: int) -> int:
     return max(up, down) * element_size
 
 
-def _shared_limit(device: torch.device) -> float:
-    """A block's shared memory on `device` (the opt-in maximum, what Triton checks a launch against: an SM's less the
-    1 KB CUDA reserves a block, where torch does not report it); unbounded on CPU (the interpreter)."""
-    if device.type != "cuda":
-        return float("inf")
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_multiprocessor - 1024
-
-
 def serves(experts) -> bool:
     """The kernels compute this experts module here: SiLU-GLU experts as transformers' default gate computes them,
     no biases, weights [E, out, in] (bf16 on CUDA; any float on CPU under the interpreter), widths that the tiles
     divide, on a device the kernels run on whose shared memory holds their tiles (`shared_bytes`), not under
     torch.compile."""
-    from trainer.triton_device import runs_on
+    from trainer.triton_device import runs_on, shared_memory_limit
     up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == down.dim() == 3):
         return False
@@ -215,7 +206,7 @@ def serves(experts) -> bool:
             and getattr(experts, "down_proj_bias", None) is None and down.shape == (E, D, I)
             and up.dtype == down.dtype and (up.dtype == torch.bfloat16 or up.device.type == "cpu")
             and up.stride(-1) == down.stride(-1) == 1 and divides(I, D, UP_TILES)
-            and divides(D, I, DOWN_TILES) and shared_bytes(I, D, up.element_size()) <= _shared_limit(up.device))
+            and divides(D, I, DOWN_TILES) and shared_bytes(I, D, up.element_size()) <= shared_memory_limit(up.device))
 
 
 def _silu_glu(experts) -> bool:

@@ -84,13 +84,20 @@ def _kernel(triton, tl):
     return step_attention
 
 
+def shared_bytes(head_dim: int, element_size: int) -> int:
+    """Shared memory a program asks for (at most; a query tile of MIN_ROWS heads): its K and V blocks and its queries.
+    bf16 at head dim 128: 72 KB; fp32: 144 KB, beyond a 99 KB SM's (RTX 4090, L40S)."""
+    return 2 * (block_for(head_dim) + MIN_ROWS) * head_dim * element_size
+
+
 def usable_for(x: torch.Tensor, head_dim: int) -> bool:
     """The kernel can run on `x` here (CUDA, or the interpreter; not under torch.compile) for this head dim (a power
-    of two >= 16: one [G, Dh] tile)."""
-    from trainer.triton_device import runs_on
+    of two >= 16: one [G, Dh] tile), its blocks within the device's shared memory."""
+    from trainer.triton_device import runs_on, shared_memory_limit
 
     return (_kernel() is not None and runs_on(x.device) and not torch.compiler.is_compiling()
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and shared_bytes(head_dim, x.element_size()) <= shared_memory_limit(x.device))
 
 
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,

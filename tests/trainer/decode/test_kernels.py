@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.decode.test_reference import PROMPTS, _prompt_ids
-from trainer.decode import kernels
+from trainer.decode import kernels, step_kernel
 from trainer.decode.engine import StaticDecoder
 from trainer.decode.static_draft import StaticDFlashProposer
 from trainer.decode.stack import StaticTarget
@@ -209,3 +209,8 @@ def test_kernels_compile_for_the_h200(tmp_path):
     assert all("cubin" in c["stages"] and "ptx" in c["stages"] for c in compiled.values())
     # what one program asks of an SM's shared memory, within the H200's 227 KB (the launch would fail past it)
     assert all(0 <= c["shared"] <= 227 * 1024 for c in compiled.values()), {n: c["shared"] for n, c in compiled.items()}
+    # and at most step_kernel.shared_bytes, what usable_for checks against a device's
+    for dt, size in (("bf16", 2), ("fp32", 4)):
+        for name, dh in (("step", 128), ("step256", 256)):
+            assert compiled[f"{name}_{dt}"]["shared"] <= step_kernel.shared_bytes(dh, size), (name, dt)
+    assert step_kernel.shared_bytes(128, 2) <= 101_376 < step_kernel.shared_bytes(128, 4)  # a 99 KB SM: bf16 only

@@ -159,6 +159,18 @@ def test_combine_sorted_is_the_grouped_paths_ops_bit_for_bit_in_bf16(shared, wei
     assert torch.equal(got, want)
 
 
+def test_the_h200s_shared_memory_holds_the_kernels_tiles():
+    """What serves() and step_kernel.usable_for check a device against: the H200's opt-in maximum a block, which
+    holds the experts kernels' 108 KB at qwen3.5-35b-a3b's widths (and the step attention's 144 KB in fp32)."""
+    from trainer.decode import step_kernel
+    from trainer.triton_device import shared_memory_limit
+
+    cuda()
+    limit = shared_memory_limit(torch.device("cuda"))
+    assert limit == 232_448
+    assert moe_kernel.shared_bytes(512, 2048, 2) <= limit and step_kernel.shared_bytes(128, 4) <= limit
+
+
 class Slow:
     """A shared expert that notes the streams it ran on and first keeps the GPU busy (~1 ms), so that a missing or
     misplaced join would let the main stream read its output before it is written."""
