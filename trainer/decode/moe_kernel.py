@@ -282,6 +282,9 @@ def experts_forward(experts, x: torch.Tensor, order: torch.Tensor, offsets: torc
 
 
 COMBINE_BLOCK = 1024  # columns a program: the combine is elementwise over D, so any split gives the same bits
+# no fused multiply-adds: an fp32 product (fp32 routing weights) is rounded before the sum adds it, as torch's
+# `out * w` then `sum` round it (Triton would otherwise fuse the two into one FMA, one rounding)
+COMBINE_OPTIONS = {"enable_fp_fusion": False}
 
 
 def combine(out: torch.Tensor, dtype: torch.dtype, factor: torch.Tensor | None = None,
@@ -298,8 +301,9 @@ def combine_sorted(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
                    factor: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """The grouped GEMMs' output out [S, D] in expert order (order [S]: copy t x k + j of each row), weights [T, k]
     -> y [T, D] in `dtype`: `combine` of each copy's row times its routing weight, rounded as the grouped path's
-    `out * weight`, the copies' scatter back to token order and `sum(dim=1)` round them (the product in torch's
-    promoted dtype of out and weights). A prefill's: one read of out for what were three passes over it."""
+    `out * weight`, the copies' scatter back to token order and `sum(dim=1)` round them (the product in out's dtype
+    for weights of that dtype, else in fp32: bf16 or fp32 weights). A prefill's: one read of out for what were three
+    passes over it."""
     T, k = weights.shape
     S, D = out.shape
     positions = torch.empty_like(order).index_copy_(0, order, torch.arange(S, device=order.device))
@@ -321,5 +325,5 @@ def _combine(out: torch.Tensor, positions: torch.Tensor | None, weights: torch.T
                                        out if weights is None else weights, out if shared is None else factor,
                                        out if shared is None else shared, y, D=D, K=k, BLOCK=block,
                                        SHARED=shared is not None, GATHERED=positions is not None,
-                                       ROUND=product == out.dtype)
+                                       ROUND=product == out.dtype, **COMBINE_OPTIONS)
     return y

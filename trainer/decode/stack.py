@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.decode import step_kernel
 from trainer.decode.fused import fuse_layers
 from trainer.decode.kernels import RowInvariantRMSNorm, head_dim_supported, usable_for
 from trainer.decode.layer_plan import DYNAMIC_ROPE, FAMILIES, HINT, layer_plan, layers_of, rope_types, text_cfg
@@ -163,7 +164,8 @@ class StaticTarget:
         # kernel where it computes this target's attention: each row reads its own slots up to its position, where
         # SDPA with a mask reads the whole span for every row (`python3 -m bench.decode_attention`).
         self.row_kernel = row_kernel and not (self.softcap or self.sinks or SLIDING in self.kinds) and \
-            head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0 and usable_for(weight)
+            head_dim_supported(self.head_dim) and self.heads % self.kv_heads == 0 and usable_for(weight) and \
+            step_kernel.usable_for(weight, self.head_dim, self.heads // self.kv_heads)
         # whole_prefill: a per-row prefill from position 0 runs its attention as causal SDPA over its own keys
         # (layers/attention.py), so it may take whole prompts (decode/prefill_plan.py)
         self.whole_prefill = self.attention == SDPA and SLIDING not in self.kinds

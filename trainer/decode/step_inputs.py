@@ -125,8 +125,8 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor, q_norm, k_no
 
     Dh = q.shape[-1]
     rot = cos.shape[-1]
-    return (usable_for(q, Dh) and q.dtype == k_cache.dtype == cos.dtype and rot % 2 == 0 and 0 < rot <= Dh
-            and cos.shape == (q.shape[0], 1, 1, rot) and norm_rule(q_norm, k_norm, q) is not None)
+    return (usable_for(q, Dh, q.shape[2] // k_cache.shape[1]) and q.dtype == k_cache.dtype == cos.dtype
+            and rot % 2 == 0 and 0 < rot <= Dh and cos.shape == (q.shape[0], 1, 1, rot) and norm_rule(q_norm, k_norm, q) is not None)
 
 
 def step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -84,20 +84,27 @@ def _kernel(triton, tl):
     return step_attention
 
 
-def shared_bytes(head_dim: int, element_size: int) -> int:
-    """Shared memory a program asks for (at most; a query tile of MIN_ROWS heads): its K and V blocks and its queries.
-    bf16 at head dim 128: 72 KB; fp32: 144 KB, beyond a 99 KB SM's (RTX 4090, L40S)."""
-    return 2 * (block_for(head_dim) + MIN_ROWS) * head_dim * element_size
+def query_rows(groups: int) -> int:
+    """The query tile's rows: the G query heads of a KV head, padded to a power of two >= MIN_ROWS."""
+    return max(MIN_ROWS, 1 << (groups - 1).bit_length())
 
 
-def usable_for(x: torch.Tensor, head_dim: int) -> bool:
+def shared_bytes(head_dim: int, element_size: int, groups: int = 1) -> int:
+    """Shared memory a program asks for, at most: its K and V blocks and its query tile (exact at G <= MIN_ROWS:
+    bf16 at head dim 128 72 KB, fp32 144 KB, beyond a 99 KB SM's such as an RTX 4090's or an L40S's); doubled for
+    each doubling of the query tile past MIN_ROWS rows, which holds what the compiler asked for at 32 and 64."""
+    rows = query_rows(groups)
+    return 2 * (block_for(head_dim) + rows) * head_dim * element_size * (rows // MIN_ROWS)
+
+
+def usable_for(x: torch.Tensor, head_dim: int, groups: int = 1) -> bool:
     """The kernel can run on `x` here (CUDA, or the interpreter; not under torch.compile) for this head dim (a power
-    of two >= 16: one [G, Dh] tile), its blocks within the device's shared memory."""
+    of two >= 16: one [G, Dh] tile) and G query heads a KV head, its blocks within the device's shared memory."""
     from trainer.triton_device import runs_on, shared_memory_limit
 
     return (_kernel() is not None and runs_on(x.device) and not torch.compiler.is_compiling()
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and shared_bytes(head_dim, x.element_size()) <= shared_memory_limit(x.device))
+            and shared_bytes(head_dim, x.element_size(), groups) <= shared_memory_limit(x.device))
 
 
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
@@ -122,7 +129,7 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch
     o = out[:, 0]  # [R, H, Dh]
     _kernel()[(R, Hkv)](q, k, v, pos.contiguous(), rows.contiguous(), o, scale, q.stride(0), q.stride(1),
                         k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1), N_SLOTS=k.shape[2], G=G,
-                        GP=max(MIN_ROWS, 1 << (G - 1).bit_length()), UPCAST=interpreting(),
+                        GP=query_rows(G), UPCAST=interpreting(),
                         # fp32 products stay fp32 (tl.dot would round fp32 inputs to TF32); bf16 ones take the default
                         PRECISION="ieee" if interpreting() or q.dtype == torch.float32 else "tf32",
                         HEAD_DIM=Dh, BLOCK=block_for(Dh), LOADED_BOUND=not interpreting(), STAGES=STAGES,

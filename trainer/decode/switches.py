@@ -12,7 +12,8 @@ import os
 from dflash_ops.wire import DECODE_KERNELS_OFF_VAR
 
 KERNELS = {
-    "moe": "an MoE layer's SiLU-GLU experts at decode (trainer/decode/moe_kernel.py)",
+    "moe": "an MoE layer's SiLU-GLU experts at decode, and the combine of a prefill's grouped expert GEMMs "
+           "(trainer/decode/moe_kernel.py)",
     "route": "an MoE layer's softmax top-k router and sort by expert at decode (trainer/decode/route_kernel.py)",
     "overlap": "with moe: an MoE layer's shared expert on a second CUDA stream beside the experts kernels "
                "(trainer/decode/layers/moe.py)",

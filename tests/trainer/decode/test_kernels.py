@@ -187,9 +187,12 @@ for dt in ("bf16", "fp32"):
                 "o_ptr": "*" + dt,
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
     # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and the interpreter's form
-    for name, bound, dh in (("step", True, 128), ("step256", True, 256), ("step_interpreted", False, 128)):
+    # and query tiles of 32 and 64 rows (G = 32, 64 query heads a KV head)
+    for name, bound, dh, g in (("step", True, 128, 4), ("step256", True, 256, 4), ("step_interpreted", False, 128, 4),
+                               ("step_g32", True, 128, 32), ("step_g64", True, 256, 64)):
         out[f"{name}_" + dt] = build(step_attention, step_sig,
-                                     {"N_SLOTS": 400, "G": 4, "GP": 16, "HEAD_DIM": dh, "BLOCK": block_for(dh),
+                                     {"N_SLOTS": 400, "G": g, "GP": step_kernel.query_rows(g), "HEAD_DIM": dh,
+                                      "BLOCK": block_for(dh),
                                       "UPCAST": False, "PRECISION": "ieee" if dt == "fp32" else "tf32",
                                       "LOADED_BOUND": bound, "STAGES": STAGES}, WARPS)
 print("COMPILED " + json.dumps(out))
@@ -204,13 +207,14 @@ def test_kernels_compile_for_the_h200(tmp_path):
 
     compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
     assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "rms_norm_offset", "rms_norm_residual",
-                                                  "rms_norm_offset_residual", "step", "step256", "step_interpreted")
+                                                  "rms_norm_offset_residual", "step", "step256", "step_interpreted",
+                                                  "step_g32", "step_g64")
                              for dt in ("bf16", "fp32")}
     assert all("cubin" in c["stages"] and "ptx" in c["stages"] for c in compiled.values())
     # what one program asks of an SM's shared memory, within the H200's 227 KB (the launch would fail past it)
     assert all(0 <= c["shared"] <= 227 * 1024 for c in compiled.values()), {n: c["shared"] for n, c in compiled.items()}
     # and at most step_kernel.shared_bytes, what usable_for checks against a device's
     for dt, size in (("bf16", 2), ("fp32", 4)):
-        for name, dh in (("step", 128), ("step256", 256)):
-            assert compiled[f"{name}_{dt}"]["shared"] <= step_kernel.shared_bytes(dh, size), (name, dt)
+        for name, dh, g in (("step", 128, 4), ("step256", 256, 4), ("step_g32", 128, 32), ("step_g64", 256, 64)):
+            assert compiled[f"{name}_{dt}"]["shared"] <= step_kernel.shared_bytes(dh, size, g), (name, dt)
     assert step_kernel.shared_bytes(128, 2) <= 101_376 < step_kernel.shared_bytes(128, 4)  # a 99 KB SM: bf16 only
