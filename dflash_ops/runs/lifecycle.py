@@ -17,7 +17,7 @@ from dflash_ops.errors import HostUnreachable, OpsError, Refused, RemoteFailed, 
 from dflash_ops.runs import launch_scripts, parse, read_scripts, shellcmd, stop_scripts
 from dflash_ops.runs import prune as prune_mod
 from dflash_ops.runs.runbooks import run_spec
-from dflash_ops.spec import EXITED, LOCAL, Completed, Launched, Runbook, RunSpec, RunStatus, Target
+from dflash_ops.spec import EXITED, LOCAL, LOST, Completed, Launched, Runbook, RunSpec, RunStatus, Target
 from dflash_ops.ssh.transport import Transport
 
 LAST_LINES = 20
@@ -290,7 +290,11 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
         status = parse.status(probe.raw, {"name": spec.name, "runbook": spec.runbook}, probe.now, spec.runs_dir)
         lines = probe.log_tail.decode("utf-8", "replace").splitlines()
         matched = next((ln for ln in lines if pattern.search(ln)), None)
-        if status.state != "running":
+        # lost (no live process, no exit code) is looked at again within the deadline: the launch script's own
+        # probe, in the shell whose child the wrapper is, was seen to read neither the pid nor the exit code of a
+        # job that had just ended at once, both files there (1 launch in ~50); the next probe reads them
+        transient = status.state == LOST and time.monotonic() < deadline
+        if status.state != "running" and not transient:
             if status.state == EXITED and status.exit_code == 0:
                 return status, matched
             paths = relative_paths(spec.extra_args)
@@ -299,7 +303,7 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
             raise RunFailed(f"run {spec.run_id} {status.state_text} during its liveness check",
                             hint=f"log: {spec.log_path}{where}",
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
-        if matched is not None:
+        if matched is not None and not transient:
             return status, matched
         if time.monotonic() >= deadline:
             where = s.target.cli_args
