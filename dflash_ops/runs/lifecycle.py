@@ -293,7 +293,8 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
         # lost (no live process, no exit code) is looked at again within the deadline: the launch script's own
         # probe, in the shell whose child the wrapper is, was seen to read neither the pid nor the exit code of a
         # job that had just ended at once, both files there (1 launch in ~50); the next probe reads them
-        transient = status.state == LOST and time.monotonic() < deadline
+        in_time = time.monotonic() < deadline
+        transient = status.state == LOST and in_time
         if status.state != "running" and not transient:
             if status.state == EXITED and status.exit_code == 0:
                 return status, matched
@@ -305,7 +306,7 @@ def prove_alive(s: Session, spec: RunSpec, probe: parse.Probe, *, deadline: floa
                             detail="\n".join(lines[-LAST_LINES:]) or "(log is empty)")
         if matched is not None and not transient:
             return status, matched
-        if time.monotonic() >= deadline:
+        if not in_time:
             where = s.target.cli_args
             raise RunFailed(f"run {spec.run_id} is alive (pid {status.pid}) but no log line matched "
                             f"/{spec.liveness.pattern}/ in time",
