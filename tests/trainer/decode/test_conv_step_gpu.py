@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.trainer.decode.test_conv_step import assert_silu_of_the_rounded_conv, random_inputs, torch_ops
+from tests.trainer.decode.test_generate import prompts_of
 from tests.trainer.decode.test_recurrent_kernel import hf_layer
 from tests.trainer.decode.test_recurrent_kernel_gpu import DIM, ROWS, replayed_steps
 from tests.trainer.families import HYBRID_FAMILIES
@@ -96,9 +97,7 @@ def test_the_batch_generator_with_the_conv_kernel_replays_as_it_runs_eagerly(fam
     monkeypatch.setattr(conv_step, "conv_gates_step", lambda *args: calls.append(1) or kernel_step(*args))
     target = load_target(family_dirs["qwen3_5"], num_draft_layers=2, layer_ids=(1, 3), device="cuda",
                          dtype="bfloat16", truncate=False)
-    g = torch.Generator().manual_seed(0)
-    vocab = target.embed_tokens.weight.shape[0]
-    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
+    prompts = prompts_of(target, (3, 11, 7, 5, 9), seed=0)
     graphed = BatchGenerator(target, rows=4, max_len=48, stop_ids=[])
     eager = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=False)
     layers = graphed.static.linear

@@ -11,6 +11,7 @@ import torch
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import _default_apply_gate
 
+from tests.trainer.decode.test_generate import prompts_of
 from tests.trainer.decode.test_static_moe import redrawn_block
 from trainer.decode import moe_kernel
 from trainer.decode.layers.moe import MoeMLP, Routing, grouped_linear, route, routing_of, sort_by_expert
@@ -110,9 +111,7 @@ def test_the_batch_generator_with_the_moe_kernels_replays_as_it_runs_eagerly(fam
     cuda()
     target = load_target(family_dirs[family], num_draft_layers=2, layer_ids=(1, 3), device="cuda",
                          dtype="bfloat16", truncate=False)
-    g = torch.Generator().manual_seed(0)
-    vocab = target.embed_tokens.weight.shape[0]
-    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
+    prompts = prompts_of(target, (3, 11, 7, 5, 9), seed=0)
     graphed = BatchGenerator(target, rows=4, max_len=48, stop_ids=[])
     eager = BatchGenerator(target, rows=4, max_len=48, stop_ids=[], graphs=False)
     mlps = [m for m in graphed.static.mlps if isinstance(m, MoeMLP)]
@@ -193,9 +192,7 @@ def test_the_shared_expert_beside_the_experts_kernels_changes_no_token(family_di
     cuda()
     target = load_target(family_dirs["qwen3_5_moe"], num_draft_layers=2, layer_ids=(1, 3), device="cuda",
                          dtype="bfloat16", truncate=False)
-    g = torch.Generator().manual_seed(1)
-    vocab = target.embed_tokens.weight.shape[0]
-    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (3, 11, 7, 5, 9)]
+    prompts = prompts_of(target, (3, 11, 7, 5, 9), seed=1)
     answers = {}
     for overlap in (False, True):
         kernels_off(["overlap"], off=not overlap)
