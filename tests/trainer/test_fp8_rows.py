@@ -84,8 +84,7 @@ def test_project_shared_equals_each_linear_alone():
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.model import fp8_rows
 
 fn = fp8_rows._kernel()
@@ -95,11 +94,7 @@ for dt in ("bf16", "fp32"):
         sig = {"x_ptr": "*" + dt, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "x_stride": "i32", "q_stride": "i32"}
         block = fp8_rows.row_block(K)
         consts = {"K": K, "FP8_MAX": fp8_rows.E4M3_MAX, "INV_FP8_MAX": fp8_rows.INV_E4M3_MAX, "BLOCK": block}
-        names = list(sig) + list(consts)
-        sig = {**sig, **{name: "constexpr" for name in consts}}
-        aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*"}
-        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, aligned),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": fp8_rows.row_warps(block)})
+        compiled = sm90(fn, sig, consts, num_warps=fp8_rows.row_warps(block))
         out[f"{dt}-{K}"] = {"stages": sorted(compiled.asm), "ptx": compiled.asm["ptx"]}
 print("COMPILED " + json.dumps(out))
 '''

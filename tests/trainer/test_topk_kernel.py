@@ -121,8 +121,7 @@ def test_dflash2_candidates_through_the_ce_kernels_maxes_and_the_select_kernel(i
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.model import topk_kernel as tk
 
 fn = tk._kernel()
@@ -134,11 +133,7 @@ for dt in ("bf16", "fp16", "fp32"):
         n_chunks = -(-V // 128)
         consts = {"V": V, "N_FULL": V // 128, "CHUNK": 128, "K": k, "K_P": tk._pow2(k), "NP": tk._pow2(n_chunks),
                   "SENT": tk.SENTINEL, "LOW": tk.LOW}
-        names = list(sig) + list(consts)
-        sig = {**sig, **{name: "constexpr" for name in consts}}
-        aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*"}
-        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, aligned),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        compiled = sm90(fn, sig, consts, num_warps=8)
         out[f"{dt}-{V}-{k}"] = {"stages": sorted(compiled.asm), "ptx": compiled.asm["ptx"]}
 print("COMPILED " + json.dumps(out))
 '''

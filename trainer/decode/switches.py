@@ -17,7 +17,8 @@ KERNELS = {
     "route": "an MoE layer's softmax top-k router and sort by expert at decode (trainer/decode/route_kernel.py)",
     "overlap": "with moe: an MoE layer's shared expert on a second CUDA stream beside the experts kernels "
                "(trainer/decode/layers/moe.py)",
-    "conv": "a Gated DeltaNet layer's one-token conv, SiLU, state shift and gates (trainer/decode/conv_step.py)",
+    "conv": "a Gated DeltaNet layer's one-token conv, SiLU, state shift and gates (trainer/decode/conv_step.py), and "
+            "a prefill's conv and SiLU (trainer/decode/conv_prefill.py)",
 }
 ENV = DECODE_KERNELS_OFF_VAR
 _off: set[str] | None = None  # read from ENV at the first question

@@ -248,17 +248,14 @@ def test_the_generator_answers_as_hf_through_the_fused_kernels(interpreter, fami
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.decode import fused
 
 out = {}
 for dt in ("bf16", "fp32"):
-    sig = {"gu_ptr": "*" + dt, "h_ptr": "*" + dt, "gu_stride": "i32", "n": "i32", "BLOCK": "constexpr",
-           "LIBDEVICE": "constexpr"}
-    src = triton.compiler.ASTSource(fused._kernel(), sig, {"BLOCK": fused.SILU_BLOCK, "LIBDEVICE": True},
-                                    {(i,): [["tt.divisibility", 16]] for i in range(4)})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    sig = {"gu_ptr": "*" + dt, "h_ptr": "*" + dt, "gu_stride": "i32", "n": "i32"}
+    compiled = sm90(fused._kernel(), sig, {"BLOCK": fused.SILU_BLOCK, "LIBDEVICE": True}, num_warps=4,
+                    aligned_ints=True)
     out[dt] = {"stages": sorted(compiled.asm), "ptx": compiled.asm["ptx"]}
 print("COMPILED " + json.dumps(out))
 '''

@@ -73,19 +73,15 @@ def test_without_the_interpreter_a_cpu_tensor_takes_hfs_module():
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.decode import gated_norm
 
 fn = gated_norm._kernel()
 out = {}
 for dt in ("bf16", "fp32"):
     sig = {"x_ptr": "*" + dt, "z_ptr": "*" + dt, "w_ptr": "*" + dt, "y_ptr": "*" + dt, "n_cols": "i32", "heads": "i32",
-           "stride_zo": "i32", "stride_zh": "i32", "eps": "fp32", "BLOCK": "constexpr"}
-    names = list(sig)
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*"}
-    compiled = triton.compile(triton.compiler.ASTSource(fn, sig, {"BLOCK": 128}, aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+           "stride_zo": "i32", "stride_zh": "i32", "eps": "fp32"}
+    compiled = sm90(fn, sig, {"BLOCK": 128}, num_warps=1)
     out[dt] = sorted(compiled.asm)
 print("COMPILED " + json.dumps(out))
 '''

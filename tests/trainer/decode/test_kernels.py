@@ -155,8 +155,7 @@ def test_eval_config_refuses_invariant_with_a_compiled_target():
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.decode import kernels, step_kernel
 
 _, rms_norm_rows, attention_rows = kernels._kernels()
@@ -164,11 +163,7 @@ step_attention = step_kernel._kernel()
 block_for, STAGES, WARPS = step_kernel.block_for, step_kernel.STAGES, step_kernel.WARPS
 
 def build(fn, sig, consts, num_warps):
-    names = list(sig) + list(consts)
-    sig = {**sig, **{name: "constexpr" for name in consts}}
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*" or sig[n] == "i32"}
-    compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    compiled = sm90(fn, sig, consts, num_warps, aligned_ints=True)
     return {"stages": sorted(compiled.asm), "shared": compiled.metadata.shared}
 
 out = {}

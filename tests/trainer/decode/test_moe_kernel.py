@@ -190,8 +190,7 @@ def test_the_combine_kernel_sums_the_copies_and_adds_the_gated_shared_expert(int
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.decode import moe_kernel, route_kernel
 
 up, down, combine = moe_kernel._kernels()
@@ -234,13 +233,8 @@ kernels = {
 }
 out = {}
 for name, (fn, sig, consts, warps) in kernels.items():
-    names = list(sig) + list(consts)
-    full = {**sig, **{n: "constexpr" for n in consts}}
-    # pointers and the strides (all multiples of 16 here) as Triton's launch specializes them
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if full[n][0] == "*" or full[n] == "i32"}
-    options = {"num_warps": warps, **(moe_kernel.COMBINE_OPTIONS if fn is combine else {})}  # as each launch asks
-    compiled = triton.compile(triton.compiler.ASTSource(fn, full, consts, aligned),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+    # the strides (all multiples of 16 here) as Triton's launch specializes them; each launch's options
+    compiled = sm90(fn, sig, consts, warps, aligned_ints=True, **(moe_kernel.COMBINE_OPTIONS if fn is combine else {}))
     ptx = compiled.asm["ptx"]
     out[name] = {"stages": sorted(compiled.asm), "mma": "mma" in ptx, "ieee_division": "div.rn.f32" in ptx,
                  "async_copies": "cp.async" in ptx, "shared_bytes": compiled.metadata.shared,

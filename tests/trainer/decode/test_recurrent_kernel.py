@@ -115,8 +115,7 @@ def test_the_layer_refuses_a_fused_step_where_no_kernel_runs():
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.decode import recurrent_kernel
 
 fn = recurrent_kernel._kernel()
@@ -126,11 +125,7 @@ for dt in ("bf16", "fp32"):
            "s_ptr": "*fp32", "o_ptr": "*" + dt, "scale": "fp32",
            **{n: "i32" for n in "sq_r sq_h sk_r sk_h sv_r sv_h sg_r sb_r so_r so_h".split()}}
     consts = {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": recurrent_kernel.BLOCK_V}
-    names = list(sig) + list(consts)
-    sig = {**sig, **{name: "constexpr" for name in consts}}
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*"}
-    compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = sm90(fn, sig, consts, num_warps=4)
     out[dt] = sorted(compiled.asm)
 print("COMPILED " + json.dumps(out))
 '''

@@ -205,8 +205,7 @@ def test_the_batch_generator_steps_through_the_kernel_as_hf_generates(interprete
 
 COMPILE_FOR_H200 = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
+from tests.trainer.cubin import sm90
 from trainer.decode import step_inputs
 
 kernel = step_inputs._kernel()
@@ -218,11 +217,7 @@ for dt in ("bf16", "fp32"):
     for name, dh, rot, offset in (("qwen3", 128, 128, False), ("qwen3_5", 256, 64, True)):
         consts = {"H": 32, "HKV": 8, "HEAD_DIM": dh, "ROT": rot, "NORM": True, "OFFSET": offset, "ASM_MUL": True,
                   "K_OUT": offset}
-        names = list(sig) + list(consts)
-        full = {**sig, **{n: "constexpr" for n in consts}}
-        aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if full[n][0] == "*" or full[n] == "i32"}
-        compiled = triton.compile(triton.compiler.ASTSource(kernel, full, consts, aligned),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        compiled = sm90(kernel, sig, consts, num_warps=1, aligned_ints=True)
         out[f"{name}_{dt}"] = {"stages": sorted(compiled.asm), "ptx": compiled.asm["ptx"]}
 print("COMPILED " + json.dumps(out))
 '''

@@ -12,9 +12,9 @@ block's rule terms (`BlockTerms`: keys, corrected values, decays; O(L (dk + dv))
 `commit(accepted)` then sets each row's state to the one after its accepted prefix, on the device. A decode step
 is one token through the rule's recurrent form (on CUDA with fla, `recurrent_kernel.py`'s fused kernel, which reads each
 row's state once and writes it back in place), its convolution, conv-state shift and gates one `conv_step.py` kernel
-unless switched off (the kernel "conv", `decode/switches.py`); `prefill` runs blocks of CHUNK tokens (or fla's chunked
-kernel on CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the
-state.
+unless switched off (the kernel "conv", `decode/switches.py`); `prefill` convolves the whole chunk (one
+`conv_prefill.py` kernel under the same switch), runs the rule in blocks of CHUNK tokens (or fla's chunked kernel on
+CUDA) and commits each row's valid prefix, so a right-padded prompt chunk leaves the padding out of the state.
 
 Every method is free of host syncs and value-dependent shapes: the counts are device tensors, the block length a
 Python int fixed per captured graph.
@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from trainer.decode import conv_step, switches
+from trainer.decode import conv_prefill, conv_step, switches
 from trainer.decode.gated_norm import GatedRMSNorm
 from trainer.decode.recurrent_kernel import gated_delta_step_, usable_for
 from trainer.model.linear_attention import (
@@ -70,7 +70,8 @@ class GatedDeltaNetDecode:
     always runs `gated_delta_block`. fused (default: kernel == "fla"): a one-token step through
     `recurrent_kernel.gated_delta_step_`, the state updated in place, else `gated_delta_step` and a copy back.
     conv_kernel (default: unless the kernel "conv" is switched off, `switches.py`): a one-token step's convolution,
-    SiLU, conv-state shift and gates through `conv_step.conv_gates_step` where it is usable, else the torch ops."""
+    SiLU, conv-state shift and gates through `conv_step.conv_gates_step`, and a prefill's convolution and SiLU through
+    `conv_prefill.conv_silu`, where each is usable, else the torch ops."""
 
     def __init__(self, inner: nn.Module, rows: int, block: int, kernel: str = "torch",
                  fused: bool | None = None, conv_kernel: bool | None = None) -> None:
@@ -217,36 +218,43 @@ class GatedDeltaNetDecode:
     def prefill(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """x [R, L, D] (any L) from the committed state -> out [R, L, D]; row r takes its first valid[r] tokens
         (valid [R] long, device; default L) into its state, so a right-padded chunk leaves its padding out and a row
-        with valid 0 is unchanged. Outputs past a row's valid tokens are not meaningful."""
+        with valid 0 is unchanged. Outputs past a row's valid tokens are not meaningful. The convolution runs over
+        the whole chunk (`_prefill_conv`); the rule through fla's chunked kernel (kernel "fla": the tokens past
+        valid[r] get g = 0 and beta = 0, no decay and no write, so its final state is the state after the valid
+        ones) or per CHUNK tokens (`gated_delta_block`, each row's state advanced by its valid tokens of the chunk)."""
         rows, length, _ = x.shape
         if valid is None:
             valid = torch.full((rows,), length, dtype=torch.long, device=x.device)
-        if self.kernel == "fla":
-            return self._prefill_fla(x, valid)
-        outs = []
-        for lo in range(0, length, CHUNK):
-            hi = min(lo + CHUNK, length)
-            out, window, terms = self._block(x[:, lo:hi])
-            self._advance(window, terms, (valid - lo).clamp(0, hi - lo))
-            outs.append(out)
-        return torch.cat(outs, dim=1)
-
-    def _prefill_fla(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """`prefill` through fla's chunked kernel: the tokens past valid[r] get g = 0 and beta = 0 (no decay, no
-        write), so the kernel's final state is the state after the valid ones."""
         m = self.inner
-        length = x.shape[1]
         qkv, z, b, a = project(m, x, self.joined)
-        window, mixed = self._convolve(qkv)
-        q, k, v = split_heads(m, mixed)
+        q, k, v = split_heads(m, self._prefill_conv(qkv, valid))
         g, beta = gates(m, a, b)
-        past = (torch.arange(length, device=x.device)[None] >= valid[:, None])[..., None]  # [R, L, 1]
-        g, beta = g.masked_fill(past, 0.0), beta.masked_fill(past, 0.0)
-        core, final = fla_gated_delta_rule_from(q, k, v, g.float(), beta.to(q.dtype), self.state)
-        at = (valid.view(-1, 1) + self.taps_at)[..., None].expand(-1, -1, window.shape[-1])
-        self.conv.copy_(window.gather(1, at).transpose(1, 2))
-        self.state.copy_(final)
+        if self.kernel == "fla":
+            past = (torch.arange(length, device=x.device)[None] >= valid[:, None])[..., None]  # [R, L, 1]
+            g, beta = g.masked_fill(past, 0.0), beta.masked_fill(past, 0.0)
+            core, final = fla_gated_delta_rule_from(q, k, v, g.float(), beta.to(q.dtype), self.state)
+            self.state.copy_(final)
+        else:
+            cores = []
+            for lo in range(0, length, CHUNK):
+                hi = min(lo + CHUNK, length)
+                core, terms = gated_delta_block(*(t[:, lo:hi] for t in (q, k, v, g, beta)), self.state)
+                self.state.copy_(state_after(self.state, terms, (valid - lo).clamp(0, hi - lo)))
+                cores.append(core)
+            core = torch.cat(cores, dim=1)
         return gated_output(m, core, z, self.gated_norm)
+
+    def _prefill_conv(self, qkv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """qkv [R, L, C] after the committed conv state -> the causal conv + SiLU [R, L, C]; each row's conv state
+        set to its last K-1 inputs after valid[r] tokens. One kernel where on and usable (`conv_prefill.py`), else
+        the torch ops over the window."""
+        weight = self.inner.conv1d.weight.squeeze(1)
+        if self.conv_kernel and conv_prefill.usable(qkv, self.conv, weight):
+            mixed = conv_prefill.conv_silu(qkv, self.conv, weight)
+        else:
+            _, mixed = self._convolve(qkv)
+        self.conv.copy_(conv_prefill.state_after(self.conv, qkv, valid))
+        return mixed
 
     def reset(self, rows: torch.Tensor) -> None:
         """rows [R] bool (device): zero those rows' conv and recurrent state (a new sequence starts there, as a
