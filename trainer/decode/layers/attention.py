@@ -272,8 +272,8 @@ class AttentionLayer:
         """The heads' outputs [R, L, H, Dh] -> gated (a gated layer) and through o_proj, [R, L, D]."""
         R, L = out.shape[:2]
         out = out.reshape(R, L, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(R, L, -1))
+        if gate is not None:  # the sigmoid reads the strided gate (a chunk of q's projection): no copy of it first
+            out = out * torch.sigmoid(gate).reshape(R, L, -1)
         return self.module.o_proj(out)
 
     def _norms(self) -> tuple:
