@@ -231,6 +231,9 @@ def fla_gated_delta_rule_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dtype) -> (out [R, S, Hv, dv], the final state fp32). An opaque op, as `_fla_gated_delta_rule`."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    # contiguous: fla's Triton path copies its inputs so itself, but a backend it dispatches to first (FlashQLA on
+    # sm_90) takes them as they are, and the decode prefill hands over views of one [R, S, C] tensor
+    q, k, v = (t.contiguous() for t in (q, k, v))
     out, final = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                                         use_qk_l2norm_in_kernel=True)
     return out, final
