@@ -76,22 +76,8 @@ def _block(shape: str):
     return cfg, block
 
 
-def _graphed(fn, torch):
-    """fn captured in a CUDA graph (warmed on a side stream first): -> (replay, the captured output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
-
-
 def _run(a, torch) -> int:
-    from bench.timing import median_call_ms
+    from bench.timing import graphed, median_call_ms
     from trainer.decode import moe_kernel, route_kernel
     from trainer.decode.layers.moe import MoeMLP, grouped_linear, route, routing_of, sort_by_expert
 
@@ -139,7 +125,7 @@ def _run(a, torch) -> int:
              "route-torch": route_torch,
              "route-kernel": lambda: route_kernel.route_and_sort(logits, k, routing)[0],
              "down-kernel": lambda: moe_kernel.experts_down(experts, act, order, offsets, weights)}
-    captured = {name: (None, *_graphed(calls[name], torch))
+    captured = {name: (None, *graphed(calls[name]))
                 for name in ("grouped", "up-grouped", "down-grouped", "route-torch", "route-kernel")}
     rows = list(captured.items())
     default = (moe_kernel.UP_TILES, moe_kernel.DOWN_TILES)
@@ -155,7 +141,7 @@ def _run(a, torch) -> int:
             moe_kernel.UP_TILES = moe_kernel.DOWN_TILES = setting
         for name in ("kernel", "up-kernel", "down-kernel"):
             try:
-                rows.append((name, (tiles, *_graphed(calls[name], torch))))
+                rows.append((name, (tiles, *graphed(calls[name]))))
             except Exception as e:  # a tile setting the compiler refuses (shared memory): the others still run
                 print("MOE_BENCH " + json.dumps({"form": name, "tiles": tiles, "error": repr(e)[:200]}), flush=True)
     moe_kernel.UP_TILES, moe_kernel.DOWN_TILES = default

@@ -76,6 +76,20 @@ def time_steps(step: Callable[[int], torch.Tensor], steps: int, *, device: torch
     return Timed(step_s, [float(x) for x in losses], mem, elapsed)
 
 
+def graphed(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
+    """fn captured in a CUDA graph (warmed on a side stream first) -> (replay, the captured output). CUDA only."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
 def median_call_ms(fn: Callable[[], object], reps: int) -> float:
     """Median ms of `reps` calls of `fn`, each between its own CUDA events, after 3 untimed calls (compilation runs
     there). CUDA only."""

@@ -24,6 +24,7 @@ import torch
 from trainer.triton_device import triton_kernels
 
 BLOCK_V = 32  # dv columns a program: a [128, 32] fp32 tile is 16 KB, 4 programs per (row, head) at dv = 128
+WARPS = 4  # (both read at each launch: `python -m bench.linear_step --tiles` times other settings)
 
 
 @triton_kernels
@@ -89,7 +90,7 @@ def gated_delta_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     _kernel()[(R, Hv, -(-dv // bv))](q, k, v, g, beta, state, o, dk ** -0.5, q.stride(0), q.stride(1), k.stride(0),
                                      k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), o.stride(0),
                                      o.stride(1), HV=Hv, GROUP=Hv // Hk, DK=dk, DV=dv,
-                                     BK=1 << (dk - 1).bit_length(), BV=bv, num_warps=4)
+                                     BK=1 << (dk - 1).bit_length(), BV=bv, num_warps=WARPS)
     return out
 
 
