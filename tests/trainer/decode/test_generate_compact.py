@@ -16,6 +16,8 @@ from trainer.decode.stops import cut_at_stop
 
 TAIL_LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6, 8, 2)  # 10 prompts through 8 rows: one refill, then the tail
 MAX_NEW = 40
+# the sampled pair: past the first check (step 15), where compaction starts; sampled answers run long
+SAMPLED_MAX_NEW = 24
 
 
 def tail_workload(target):
@@ -47,7 +49,7 @@ def test_compacted_tail_steps_answer_as_every_row_steps(interpreter, two_layer_d
     # Sampled, on the same generator and on one whose every row steps (greedy, that one answers as HF does:
     # tests/trainer/decode/test_step_inputs.py): the compacted steps draw what every row's steps draw, in as many
     # steps, with the same live share of the full grid and a larger one of the rows computed.
-    hot = Sampling(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=3)
+    hot = Sampling(max_new_tokens=SAMPLED_MAX_NEW, temperature=1.0, top_p=0.9, seed=3)
     full = BatchGenerator(target, rows=8, max_len=60, stop_ids=stops, compact=False)
     assert full.widths == [] and gen.generate(prompts, hot) == full.generate(prompts, hot)
     every, run = full.last_run, gen.last_run

@@ -183,8 +183,8 @@ for dt in ("bf16", "fp32"):
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
     # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and the interpreter's form
     # and query tiles of 32 and 64 rows (G = 32, 64 query heads a KV head)
-    for name, bound, dh, g in (("step", True, 128, 4), ("step256", True, 256, 4), ("step_interpreted", False, 128, 4),
-                               ("step_g32", True, 128, 32), ("step_g64", True, 256, 64)):
+    for name, bound, dh, g in (("step", True, 128, 4), ("step256", True, 256, 4), ("step_g32", True, 128, 32),
+                               ("step_g64", True, 256, 64)):
         out[f"{name}_" + dt] = build(step_attention, step_sig,
                                      {"N_SLOTS": 400, "G": g, "GP": step_kernel.query_rows(g), "HEAD_DIM": dh,
                                       "BLOCK": block_for(dh),
@@ -202,7 +202,7 @@ def test_kernels_compile_for_the_h200(tmp_path):
 
     compiled = compile_for_h200(COMPILE_FOR_H200, tmp_path)
     assert set(compiled) == {f"{k}_{dt}" for k in ("attention", "rms_norm", "rms_norm_offset", "rms_norm_residual",
-                                                  "rms_norm_offset_residual", "step", "step256", "step_interpreted",
+                                                  "rms_norm_offset_residual", "step", "step256",
                                                   "step_g32", "step_g64")
                              for dt in ("bf16", "fp32")}
     assert all("cubin" in c["stages"] and "ptx" in c["stages"] for c in compiled.values())
