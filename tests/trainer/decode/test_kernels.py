@@ -181,8 +181,8 @@ for dt in ("bf16", "fp32"):
     step_sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "pos_ptr": "*i64", "rows_ptr": "*i64",
                 "o_ptr": "*" + dt,
                 "scale": "fp32", **{n: "i32" for n in "sq_r sq_h sk_r sk_h sk_s so_r so_h".split()}}
-    # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and the interpreter's form
-    # and query tiles of 32 and 64 rows (G = 32, 64 query heads a KV head)
+    # the GPU's loop to the loaded position at qwen3-8b's and Qwen3.5's head dims, and query tiles of 32 and 64
+    # rows (G = 32, 64 query heads a KV head)
     for name, bound, dh, g in (("step", True, 128, 4), ("step256", True, 256, 4), ("step_g32", True, 128, 32),
                                ("step_g64", True, 256, 64)):
         out[f"{name}_" + dt] = build(step_attention, step_sig,
