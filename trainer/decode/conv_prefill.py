@@ -29,7 +29,7 @@ import torch
 
 from trainer.triton_device import interpreting, runs_on, triton_kernels
 
-# Not tuned on the GPU: a 4 K-element tile a program (2,048 programs at the prefill above); K shifted reads a tile.
+# Not tuned on the GPU: a 4 K-element tile a program (32,768 programs at the prefill above); K shifted reads a tile.
 BLOCK_T = 16
 BLOCK_C = 256
 MAX_TAPS = 8  # the taps are unrolled
