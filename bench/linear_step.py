@@ -52,17 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _layer(shape: str):
-    """The shape's first layer's Gated DeltaNet module, bf16 on CUDA (a one-layer model of the shape)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The shape's first layer's Gated DeltaNet module, bf16 on CUDA (every hybrid shape's first layer is one)."""
+    from bench.shapes import first_layer
 
-    from bench.shapes import target_config
-
-    cfg = target_config(shape, 4096)
-    cfg.num_hidden_layers, cfg.layer_types = 1, ["linear_attention"]
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    return cfg, model.to("cuda").model.layers[0].linear_attn
+    cfg, layer = first_layer(shape)
+    if not hasattr(layer, "linear_attn"):
+        raise SystemExit(f"bench.linear_step: {shape}'s first layer is not a Gated DeltaNet layer")
+    return cfg, layer.linear_attn
 
 
 def _run(a, torch) -> int:

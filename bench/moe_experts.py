@@ -56,17 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 def _block(shape: str):
     """The shape's first MoE block, bf16 on CUDA, the router drawn wide."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from bench.shapes import target_config
+    from bench.shapes import first_layer
 
-    cfg = target_config(shape, 4096)
-    cfg.num_hidden_layers = 1
-    if hasattr(cfg, "layer_types"):
-        cfg.layer_types = cfg.layer_types[:1]
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    block = model.to("cuda").model.layers[0].mlp  # .to: a no-op where the device context was honoured
+    cfg, layer = first_layer(shape)
+    block = layer.mlp
     router = getattr(block, "gate", None) or block.router
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():

@@ -181,3 +181,18 @@ def useful_flops(s: FlopShape, c: StepCounts) -> dict[str, float]:
     total = target + drafter + head
     # matmul: what GEMM kernels compute (total less the attention pairs), the profile's GEMM-rate numerator
     return {"target": target, "drafter": drafter, "lm_head": head, "total": total, "matmul": total - attention}
+
+
+def first_layer(name: str):
+    """(the HF config, the first decoder layer) of a one-layer model of a named shape, random weights, bf16 on CUDA:
+    what the kernel benches time a layer's modules on (its first layer's kind, where the shape has several)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = target_config(name, 4096)
+    cfg.num_hidden_layers = 1
+    if hasattr(cfg, "layer_types"):
+        cfg.layer_types = cfg.layer_types[:1]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return cfg, model.to("cuda").model.layers[0]  # .to: a no-op where the device context was honoured
