@@ -1,6 +1,7 @@
 """A hybrid target's Gated DeltaNet prefill convolution as one Triton kernel: the causal depthwise convolution of a
 prompt chunk continuing each row's conv state, and its SiLU. The decode layer's prefill (`layers/linear.py`) runs it
-unless switched off (the kernel "conv", `switches.py`); `state_after` is the conv state the prefill leaves, either way.
+unless switched off (the kernel "conv", `switches.py`); `state_after` is the conv state a prefill leaves, either way
+(and a verify's commit of its accepted prefix).
 
 Why: the torch form concatenates the state and the chunk ([R, K-1+L, C]), runs a depthwise conv1d on its transpose
 (a layout cuDNN copies first), SiLU, and hands back a transposed result that the heads' reshape copies again: at

@@ -95,7 +95,6 @@ class GatedDeltaNetDecode:
                                 v_new=torch.zeros(rows, heads, block, dv, device=dev),
                                 cum=torch.zeros(rows, heads, block, device=dev))
         self.pending = 0  # the last forward's L (a Python int: fixed per captured graph)
-        self.taps_at = torch.arange(taps - 1, device=dev)
         self.gated_norm = GatedRMSNorm(inner.norm)  # one kernel where it runs (gated_norm.py), else HF's module
         self.joined = None  # the input projections as one GEMM (decode/fused.py), or None: each its own
         # fused: a one-token step through recurrent_kernel.py, the state updated in place (default: with fla's kernel)
@@ -135,8 +134,7 @@ class GatedDeltaNetDecode:
 
     def _advance(self, window: torch.Tensor, terms: BlockTerms, n: torch.Tensor) -> None:
         """Set each row's buffers to those after the first n[r] tokens of the block (`window`, `terms`)."""
-        at = (n.view(-1, 1) + self.taps_at)[..., None].expand(-1, -1, window.shape[-1])  # [R, K-1, C]
-        self.conv.copy_(window.gather(1, at).transpose(1, 2))
+        self.conv.copy_(conv_prefill.state_after(self.conv, window[:, self.taps - 1:], n))  # window: state, block
         self.state.copy_(state_after(self.state, terms, n))
 
     # ------------------------------------------------------------ the stack's mixer
