@@ -23,8 +23,11 @@ import torch
 
 from trainer.triton_device import triton_kernels
 
-BLOCK_V = 32  # dv columns a program: a [128, 32] fp32 tile is 16 KB, 4 programs per (row, head) at dv = 128
-WARPS = 4  # (both read at each launch: `python -m bench.linear_step --tiles` times other settings)
+# dv columns a program and its warps (both read at each launch): a [128, 64] fp32 tile is 32 KB, 2 programs per
+# (row, head) at dv = 128. The fastest of `python -m bench.linear_step --shape qwen3.5-35b-a3b --rows 64 --tiles
+# "32,4;16,4;64,4;32,2;32,8;64,8;16,2;128,8"` on the H200 (docs/benchmarks.md).
+BLOCK_V = 64
+WARPS = 4
 
 
 @triton_kernels

@@ -32,13 +32,17 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 def assert_silu_of_the_rounded_conv(mixed, qkv, conv, weight) -> None:
     """bf16 `mixed` [R, L, C] against the rule from the window (the state `conv` before the call, then qkv [R, L, C]):
-    SiLU of each of the conv's sums rounded to bf16, rounded. An fp32 ulp of a sum (its order) can flip the first
-    rounding, and the interpreter's cast truncates: SiLU of the rounded sum or of a bf16 neighbour, within an ulp. The
-    flip can move SiLU's output by more than an ulp (where it is flat relative to its input, as far below 0)."""
-    window = torch.cat([conv.transpose(1, 2).to(qkv.dtype), qkv], dim=1).double()  # [R, K-1+L, C]
-    w = weight.to(qkv.dtype).double().T  # [K, C]
-    total = sum(window[:, j:j + qkv.shape[1]] * w[j] for j in range(w.shape[0]))  # [R, L, C], products exact
-    rounded = total.float().bfloat16().double()
+    SiLU of each of the conv's sums rounded to bf16, rounded. The sum is the kernels': K fp32 products (exact, of bf16
+    factors) added in tap order, rounded once each, not the exact sum: where the taps cancel, an fp32 ulp of the
+    partial sums is many bf16 ulps of the result (such sums turn up in 134M outputs at the 35B's prefill). The
+    interpreter's cast truncates and torch's own sum order may differ: SiLU of the rounded sum or of a bf16
+    neighbour, within an ulp (a flip can move SiLU's output by more than an ulp where it is flat, as far below 0)."""
+    window = torch.cat([conv.transpose(1, 2).to(qkv.dtype), qkv], dim=1).float()  # [R, K-1+L, C]
+    w = weight.to(qkv.dtype).float().T  # [K, C]
+    total = torch.zeros_like(window[:, :qkv.shape[1]])
+    for j in range(w.shape[0]):
+        total += window[:, j:j + qkv.shape[1]] * w[j]  # [R, L, C]
+    rounded = total.bfloat16().double()
     step = bf16_ulp(rounded)
     silus = torch.stack([torch.nn.functional.silu(rounded + d * step) for d in (-1, 0, 1)])
     lo, hi = silus.min(0).values, silus.max(0).values

@@ -125,7 +125,7 @@ for dt in ("bf16", "fp32"):
            "s_ptr": "*fp32", "o_ptr": "*" + dt, "scale": "fp32",
            **{n: "i32" for n in "sq_r sq_h sk_r sk_h sv_r sv_h sg_r sb_r so_r so_h".split()}}
     consts = {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": recurrent_kernel.BLOCK_V}
-    compiled = sm90(fn, sig, consts, num_warps=4)
+    compiled = sm90(fn, sig, consts, num_warps=recurrent_kernel.WARPS)
     out[dt] = sorted(compiled.asm)
 print("COMPILED " + json.dumps(out))
 '''
