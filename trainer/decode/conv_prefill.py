@@ -18,8 +18,9 @@ Grid: (rows, token blocks of BLOCK_T, channel blocks of BLOCK_C); each program r
 
 Rounding: `conv_step.py`'s (the same sum of K fp32 products in tap order, rounded to the activation dtype, SiLU as
 x / (1 + exp(-x)) in fp32 with CUDA's expf and an IEEE division, rounded), and where bits may differ from torch's
-conv1d for the same reason: its sum order, which survives the rounding only at a rounding boundary; in fp32 torch may
-take cuDNN's TF32 path. Under Triton's interpreter (the CPU tests) fp32 -> bf16 casts round toward zero.
+conv1d for the same reason: its sum order, which survives the rounding at a rounding boundary and where the taps
+cancel (an fp32 ulp of the partial sums is then many ulps of the small result); in fp32 torch may take cuDNN's TF32
+path. Under Triton's interpreter (the CPU tests) fp32 -> bf16 casts round toward zero.
 
 Runs on CUDA, and on CPU under Triton's interpreter (the tests); not under torch.compile (`usable`).
 Shape legend: R rows, L tokens, C conv channels, K conv taps.

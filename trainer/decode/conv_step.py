@@ -25,8 +25,8 @@ activation dtype; SiLU in fp32 on that rounded value as x / (1 + exp(-x)) with C
 division, rounded; softplus with libdevice's log1p and expf; sigmoid as 1 / (1 + exp(-b)) in fp32, rounded. Where bits
 may differ from torch's ops: the conv's sum order (torch runs cuDNN or its own depthwise kernel depending on layout and
 version; the latter sums taps in order with FMAs, as here): an fp32 ulp in the sum, which survives the rounding to
-bf16 only at a rounding boundary, and then moves SiLU's output by about an ulp of its input's relative size (more than
-an output ulp far below 0, where SiLU is small). In fp32 torch's convolution may take cuDNN's TF32 path
+bf16 at a rounding boundary and where the taps cancel (many ulps of a small result then), and then moves SiLU's
+output by about an ulp of its input's relative size (more than an output ulp far below 0, where SiLU is small). In fp32 torch's convolution may take cuDNN's TF32 path
 (`torch.backends.cudnn.allow_tf32`, on by default), whose products see 10-bit mantissas; the kernel's stay fp32. g and
 beta use torch's CUDA formulas and math library (expf, log1pf), so they are expected equal.
 Under Triton's interpreter (the CPU tests) exp and log are numpy's (log1p there in Kahan's form, log(u) x / (u - 1)
