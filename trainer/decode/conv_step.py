@@ -26,9 +26,10 @@ division, rounded; softplus with libdevice's log1p and expf; sigmoid as 1 / (1 +
 may differ from torch's ops: the conv's sum order (torch runs cuDNN or its own depthwise kernel depending on layout and
 version; the latter sums taps in order with FMAs, as here): an fp32 ulp in the sum, which survives the rounding to
 bf16 at a rounding boundary and where the taps cancel (many ulps of a small result then), and then moves SiLU's
-output by about an ulp of its input's relative size (more than an output ulp far below 0, where SiLU is small). In fp32 torch's convolution may take cuDNN's TF32 path
-(`torch.backends.cudnn.allow_tf32`, on by default), whose products see 10-bit mantissas; the kernel's stay fp32. g and
-beta use torch's CUDA formulas and math library (expf, log1pf), so they are expected equal.
+output by about an ulp of its input's relative size (more than an output ulp far below 0, where SiLU is small).
+In fp32 torch's convolution may take cuDNN's TF32 path (`torch.backends.cudnn.allow_tf32`, on by default), whose
+products see 10-bit mantissas; the kernel's stay fp32. g and beta use torch's CUDA formulas and math library (expf,
+log1pf), so they are expected equal.
 Under Triton's interpreter (the CPU tests) exp and log are numpy's (log1p there in Kahan's form, log(u) x / (u - 1)
 for u = 1 + x), within an fp32 ulp or two of torch's CPU ops, and fp32 -> bf16 casts round toward zero, so a bf16
 output there is SiLU of the sum rounded to its bf16 value or a neighbour, within an ulp (the CPU tests' bound).
