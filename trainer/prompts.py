@@ -22,12 +22,11 @@ not a JSON object of a known format, or holds no non-blank user turn is malforme
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.data.source import (ROLES, BadLine, BadLineFile, LoadReport, MalformedLine, decode_line,
-                                 enforce_bad_lines, read_lines)
+                                 enforce_bad_lines, json_of, read_lines)
 from trainer.errors import DataError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -125,11 +124,7 @@ def parse_prompt_line(line: bytes) -> tuple[str, tuple[dict, ...]]:
     """One non-blank line -> (format, turns). Raises MalformedLine with the reason."""
     text = decode_line(line).strip()
     if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MalformedLine(f"invalid JSON: {e}") from None
-        fmt, turns = conversation_of(obj)
+        fmt, turns = conversation_of(json_of(text))
     else:
         fmt, turns = "text", ({"role": "user", "content": text},)
     if not turns[-1]["content"].strip():
@@ -165,10 +160,12 @@ def read_prompt_set(path: str | Path) -> PromptSet:
 
 
 def read_prompt_files(paths: list[str] | tuple[str, ...], max_bad_fraction: float,
-                      bad_file: BadLineFile | None = None) -> tuple[list[PromptLine], LoadReport]:
+                      bad_file: BadLineFile | None = None, *, write_always: bool = True
+                      ) -> tuple[list[PromptLine], LoadReport]:
     """Every line of every prompt file -> the good lines and the report; malformed lines are skipped under the
     training data's rule (more than `max_bad_fraction` of them, or none left: DataError, exit 3), and a file with no
-    line at all is refused on its own."""
+    line at all is refused on its own. The malformed lines go to `bad_file` always, or with `write_always` False only
+    when refused (a caller that may still be refused for another reason writes them itself later)."""
     good: list[PromptLine] = []
     bad: list[BadLine] = []
     lines = 0
@@ -187,8 +184,8 @@ def read_prompt_files(paths: list[str] | tuple[str, ...], max_bad_fraction: floa
         if not in_file:
             raise DataError(f"prompt file {raw_path} is empty", hint=FORMATS_HINT)
         lines += in_file
-    report = enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file, what="prompt",
-                               knob="--max-bad-fraction", hint="check --prompts")
+    report = enforce_bad_lines(paths, lines, bad, max_bad_fraction, bad_file, write_always=write_always,
+                               what="prompt", knob="--max-bad-fraction", hint="check --prompts")
     if not good:
         raise DataError(f"no readable prompt in {list(paths)}: {report.summary()}", hint=FORMATS_HINT)
     return good, report

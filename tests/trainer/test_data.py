@@ -80,6 +80,18 @@ def test_malformed_lines_are_reported_with_line_numbers(tmp_path, target):
         load_samples([path], target.tokenizer, VOCAB, max_bad_fraction=0.4)
 
 
+def test_a_lone_surrogate_escape_is_a_malformed_line_and_a_pair_is_text(tmp_path, target):
+    """json accepts `\\ud800` alone (a cut emoji in scraped dumps); the tokenizer would fail on it mid-load."""
+    pair = json.dumps({"conversations": [{"role": "user", "content": "smile"},
+                                         {"role": "assistant", "content": "\U0001F600 ok"}]})  # escaped as a pair
+    lone = pair.replace("\\ude00", "")
+    assert "\\ud83d\\ude00" in pair and "\\ude00" not in lone
+    path = write_lines(tmp_path / "d.jsonl", [GOOD, lone, pair])
+    samples, report = load_samples([path], target.tokenizer, VOCAB, max_bad_fraction=0.5)
+    assert len(samples) == 2 and [b.line_no for b in report.bad] == [2]
+    assert "a lone surrogate escape" in report.bad[0].reason
+
+
 def test_vocab_constant_matches_the_tiny_target(target):
     assert target.embed_tokens.weight.shape[0] == VOCAB
 

@@ -12,7 +12,8 @@ import pytest
 from trainer.errors import ConfigError
 from trainer.regen import memory, outfile
 from trainer.regen.accounting import PROMPT_TOO_LONG, TEMPLATE_REFUSED, Failure, tally
-from trainer.regen.rows import NO_ANSWER, TRUNCATED, UNCLOSED_THINKING, ThinkMarkers, drop_thinking, finish
+from trainer.regen.rows import (NO_ANSWER, TRUNCATED, UNCLOSED_THINKING, Row, ThinkMarkers, drop_thinking,
+                                finish)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE = REPO_ROOT / "trainer" / "assets" / "smoke.jsonl"
@@ -64,6 +65,9 @@ def test_thinking_keep_and_drop_on_a_qwen3_style_template():
     row = finish(prompt, open_only, False, thinking="drop", markers=m)
     assert (row.answer, row.skipped) == (open_only, UNCLOSED_THINKING)
     assert finish(prompt, ids(tok, "<think> 1 </think>"), False, thinking="drop", markers=m).skipped == NO_ANSWER
+    # nothing after </think> but its stop id: no answer either (a row of only <|im_end|> would teach nothing)
+    bare = ids(tok, "<think> 1 </think> <|im_end|>")
+    assert finish(prompt, bare, True, thinking="drop", markers=m) == Row(prompt, bare, NO_ANSWER)
     # thinking off: the template closes an empty block in the prompt; the answer has none and stays whole
     off = render(tok, turns, {"enable_thinking": False})
     assert off[-2:] == [m.open_id, m.close_id]

@@ -62,6 +62,18 @@ def test_every_format_becomes_a_conversation_through_its_last_user_turn(tmp_path
         read_prompt_files([str(f), str(tmp_path / "empty.txt")], 0.5)
 
 
+def test_a_lone_surrogate_escape_is_a_malformed_prompt_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok one"}\n{"prompt": "bad \\ud800 half"}\n{"prompt": "pair \\ud83d\\ude00"}\n')
+    listing = BadLineFile(tmp_path / "bad.txt")
+    lines, report = read_prompt_files([str(f)], 0.5, listing)
+    assert [x.line_no for x in lines] == [1, 3] and lines[1].turns[-1]["content"] == "pair \U0001F600"
+    assert listing.path.read_text().splitlines() == [
+        f"{f}:2: a lone surrogate escape (\\ud800-\\udfff without its pair), which UTF-8 cannot encode"]
+    prompts, _ = distinct_prompts(lines, None)  # keyed by their UTF-8 bytes: no encoding error left
+    assert len(prompts) == 2
+
+
 def test_prompts_are_keyed_by_what_the_target_sees_and_answered_once(tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("a\nb\na\nc\n")
@@ -83,6 +95,8 @@ def test_prompts_are_keyed_by_what_the_target_sees_and_answered_once(tmp_path):
     (dict(sampling=SamplingSettings(temperature=float("inf"))), "--temperature must be a finite number >= 0"),
     (dict(sampling=SamplingSettings(temperature=float("nan"))), "--temperature must be a finite number >= 0"),
     (dict(sampling=SamplingSettings(temperature=-0.5)), "--temperature must be a finite number >= 0"),
+    (dict(sampling=SamplingSettings(seed=-1)), r"--seed must be in \[0, 2\*\*64\).*got -1"),
+    (dict(sampling=SamplingSettings(seed=2 ** 64)), r"--seed must be in \[0, 2\*\*64\)"),
 ])
 def test_bad_settings_are_refused(change, message):
     check_settings(RegenSettings(sampling=SamplingSettings(temperature=0.7), continuations=3))
@@ -227,6 +241,7 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
         "out not writable": (["--out", "/sys/dflash-regen.jsonl"], 2, "error: cannot write --out /sys/"),
         "greedy continuations": (["--continuations", "2"], 2, "error: --continuations 2 needs --temperature > 0"),
         "infinite temperature": (["--temperature", "inf"], 2, "error: --temperature must be a finite number >= 0"),
+        "seed out of range": (["--seed", "-1"], 2, "error: --seed must be in [0, 2**64)"),
         "max-new past the positions": (["--target", str(fake_target(tmp_path / "short", {
             "model_type": "qwen3", "max_position_embeddings": 64})), "--max-new", "64"], 2,
                                        "error: --max-new 64 leaves no room for a prompt in the target's 64 positions"),
@@ -242,7 +257,7 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], int, str]:
                                   "quantized",
                                   "multimodal", "no weights", "a shard missing", "no tokenizer",
                                   "empty prompt file", "invalid UTF-8", "out not writable", "greedy continuations",
-                                  "infinite temperature", "max-new past the positions"])
+                                  "infinite temperature", "seed out of range", "max-new past the positions"])
 def test_bad_input_is_one_line_and_an_exit_code_before_torch(tmp_path, name):
     from tests.trainer.test_cli import imported
 
@@ -447,17 +462,38 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_holds_it(tiny_t
     import fcntl
 
     prompts = tmp_path / "p.txt"
-    prompts.write_text("count from 1 to 4\nadd 2 and 3\n")
+    prompts.write_text('count from 1 to 4\nadd 2 and 3\n{"unknown": 1}\n')
     out = tmp_path / "regen.jsonl"
-    args = ("--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(out), "--max-new", "4")
+    listing = outfile.bad_lines_path(out)
+    listing.write_text("the first job's listing\n")
+    args = ("--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(out), "--max-new", "4",
+            "--max-bad-fraction", "0.5")
     with out.open("ab") as held:  # as the first job's lock_out holds it
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         code, _out, err = regenerate(capsys, *args)
         assert code == 2 and f"error: another regenerate is writing --out {out}" in err, err
         assert out.read_bytes() == b""
+        assert listing.read_text() == "the first job's listing\n"  # the refused job's own lines are not its
     code, _out, err = regenerate(capsys, *args)
     assert code == 0, err
     assert len(records(out)) == 2
+    assert listing.read_text() == f"{prompts}:3: a JSON object of no known prompt format\n"
+
+
+def test_a_job_whose_every_prompt_fails_is_refused_not_done(tiny_target_dir, tmp_path, capsys):
+    """Every prompt too long for the target's positions (a reading --max-bad-fraction 1 allows): exit 3 after the
+    tokenizer, before any weight loads, not a `done` job of no answer that a pipeline would train on."""
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(" ".join(["count from 1 to 4"] * 12) + "\n")
+    out = tmp_path / "regen.jsonl"
+    code, _out, err = regenerate(capsys, "--target", str(target), "--prompts", str(prompts), "--out", str(out),
+                                 "--max-new", "6", "--max-bad-fraction", "1")
+    assert code == 3 and f"error: no prompt to answer in ['{prompts}']: 1 of 1 lines malformed: {prompts}:1 (" in err, err
+    assert "loading the target" not in err
+    assert outfile.bad_lines_path(out).read_text().startswith(f"{prompts}:1: ")
 
 
 @pytest.mark.slow

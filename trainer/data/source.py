@@ -18,6 +18,7 @@ number the first ten.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -165,13 +166,29 @@ def decode_line(line: bytes) -> str:
         raise MalformedLine(f"invalid UTF-8 at byte {e.start + 1} of the line ({e.reason})") from None
 
 
-def parse_record(line: bytes) -> dict:
-    """One non-blank line -> its JSON object, checked against the formats (everything but tokenization)."""
-    text = decode_line(line)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def json_of(text: str):
+    """A line's text -> its JSON value. Raises MalformedLine for invalid JSON and for a lone surrogate escape (as
+    `\\ud800`, left by a cut emoji in scraped dumps): json accepts it, but no UTF-8 text holds it, so the tokenizer and
+    every file written after would fail on it."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise MalformedLine(f"invalid JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(text):  # a pair decodes to one code point: only an unpaired half is left in a string
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise MalformedLine("a lone surrogate escape (\\ud800-\\udfff without its pair), which UTF-8 cannot "
+                                "encode") from None
+    return obj
+
+
+def parse_record(line: bytes) -> dict:
+    """One non-blank line -> its JSON object, checked against the formats (everything but tokenization)."""
+    obj = json_of(decode_line(line))
     if not isinstance(obj, dict):
         raise MalformedLine("not a JSON object")
     key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None

@@ -110,8 +110,8 @@ class Answerer:
             if time.perf_counter() > deadline:
                 return
             # HF draws from torch's RNG: one seed per batch, in order (reproducible for the same batches, not per
-            # prompt)
-            seeded = replace(self.sampling, seed=self.sampling.seed + self.hf_batches)
+            # prompt), wrapping within torch's seed range
+            seeded = replace(self.sampling, seed=(self.sampling.seed + self.hf_batches) % 2 ** 64)
             self.hf_batches += 1
             chunk = order[at:at + self.batch]
             yield from zip(chunk, hf_generate(self.target.model, [prompts[i] for i in chunk], seeded, self.stops,

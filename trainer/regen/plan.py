@@ -69,6 +69,7 @@ def check_settings(s: RegenSettings) -> None:
         (math.isfinite(p.temperature) and p.temperature >= 0.0,
          f"--temperature must be a finite number >= 0 (0 = greedy), got {p.temperature}"),
         (0.0 < p.top_p <= 1.0, "--top-p must be in (0, 1]"),
+        (0 <= p.seed < 2 ** 64, f"--seed must be in [0, 2**64) (torch's seed range), got {p.seed}"),
         (s.continuations >= 1, "--continuations must be >= 1"),
         (s.continuations == 1 or p.temperature > 0.0,
          f"--continuations {s.continuations} needs --temperature > 0: greedy answers of one prompt are all equal"),

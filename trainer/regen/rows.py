@@ -9,7 +9,8 @@
                      template renders an earlier assistant turn); where the generation prompt itself opened the
                      segment (templates that end it with `<think>`), the prompt is cut before that `<think>`. An
                      answer whose reasoning never closed (it reached --max-new inside it) is left out (reason
-                     `unclosed thinking`), as is one with nothing after `</think>` (reason `no answer after thinking`).
+                     `unclosed thinking`), as is one with nothing after `</think>` but blanks and its stop id
+                     (reason `no answer after thinking`).
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def _open_at_end(prompt: list[int], m: ThinkMarkers) -> int | None:
 
 
 def drop_thinking(prompt: list[int], answer: list[int], m: ThinkMarkers,
-                  is_blank: Callable[[int], bool]) -> Row:
-    """The row without its reasoning segment (module docstring); an answer with none is returned as it is."""
+                  is_blank: Callable[[int], bool], stopped: bool = False) -> Row:
+    """The row without its reasoning segment (module docstring); an answer with none is returned as it is. `stopped`:
+    the answer's last token is its stop id, which alone after `</think>` is no answer."""
     opened = _open_at_end(prompt, m)
     if opened is not None:
         prompt, body = prompt[:opened], answer
@@ -70,7 +72,7 @@ def drop_thinking(prompt: list[int], answer: list[int], m: ThinkMarkers,
     rest = body[body.index(m.close_id) + 1:]
     start = next((i for i, t in enumerate(rest) if not is_blank(t)), len(rest))
     rest = rest[start:]
-    return Row(prompt, rest) if rest else Row(prompt, answer, NO_ANSWER)
+    return Row(prompt, rest) if rest[:-1 if stopped else None] else Row(prompt, answer, NO_ANSWER)
 
 
 def finish(prompt: list[int], answer: list[int], stopped: bool, *, thinking: str = "keep",
@@ -82,6 +84,6 @@ def finish(prompt: list[int], answer: list[int], stopped: bool, *, thinking: str
     if thinking == "drop":
         if markers is None:
             raise ValueError("--thinking drop needs the tokenizer's <think> and </think> ids")
-        row = drop_thinking(prompt, answer, markers, is_blank)
+        row = drop_thinking(prompt, answer, markers, is_blank, stopped)
         return Row(prompt, answer, row.skipped) if row.skipped else row
     return Row(prompt, answer)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.source import BadLine, BadLineFile, LoadReport, MalformedLine, enforce_bad_lines
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DataError
 from trainer.prompts import read_prompt_files
 from trainer.regen import outfile
 from trainer.regen.accounting import PROMPT_TOO_LONG, TEMPLATE_REFUSED, Failure, tally
@@ -91,7 +91,9 @@ def check_before_torch(args) -> Job:
     resume = outfile.scan_out(out)
     outfile.check_same_run(resume.meta, target_record(target), settings.output_settings())
     bad_file = BadLineFile(outfile.bad_lines_path(out))
-    lines, report = read_prompt_files(args.prompts, settings.max_bad_fraction, bad_file)
+    # listed here only when refused: otherwise under OUT's lock (`prepare`), so that a job refused because another
+    # holds OUT leaves that job's listing as it was
+    lines, report = read_prompt_files(args.prompts, settings.max_bad_fraction, bad_file, write_always=False)
     prompts, repeats = distinct_prompts(lines, settings.system, settings.limit)
     return Job(settings=settings, target=target, out=out, prompt_files=tuple(args.prompts), prompts=prompts,
                report=report, repeats=repeats, resume=resume, bad_file=bad_file)
@@ -148,11 +150,14 @@ def prepare(job: Job, console):
         tokenizer = AutoTokenizer.from_pretrained(job.target.path, local_files_only=True)
         stops = stop_ids(tokenizer, job.target.generation_eos_ids)
         ids, token_bad, failures = tokenize(job, tokenizer)
-        job.bad_file.write(token_bad)
         bad = list(job.report.bad) + token_bad
+        job.bad_file.write(bad)
         report = enforce_bad_lines(job.prompt_files, job.report.lines, bad, s.max_bad_fraction, None, what="prompt",
                                    knob="--max-bad-fraction", hint="check --prompts")
         job.bad_file.finish()
+        if not ids:  # every prompt of the job refused by the template or too long: nothing to answer is no success
+            raise DataError(f"no prompt to answer in {list(job.prompt_files)}: {report.summary()}",
+                            hint=f"every one listed in {job.bad_file.path}")
         todo = [(p, i) for p, i in pending(job.prompts, s.continuations, job.resume.done) if p.key in ids]
         todo.sort(key=lambda pi: -len(ids[pi[0].key]))  # stable: longest first, file order among equals
         notes.append(f"stop ids {list(stops)}")
