@@ -200,7 +200,9 @@ def export_drafter(out_dir: Path, drafter: Drafter, config: ExportConfig, dtype:
 
 def load_exported(export_dir: Path, device: torch.device | str = "cpu",
                   backend: str = "sdpa") -> tuple[Drafter, ExportConfig]:
-    """Rebuild a Drafter (fp32) from an export dir -> (drafter, its ExportConfig)."""
+    """Rebuild a Drafter (fp32) from an export dir -> (drafter, its ExportConfig). Weights cut short, not
+    safetensors, or not those its config.json describes: one ConfigError naming the file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from trainer.rundir import read_export_config
@@ -208,8 +210,18 @@ def load_exported(export_dir: Path, device: torch.device | str = "cpu",
     export_dir = Path(export_dir)
     config = ExportConfig.from_json(read_export_config(export_dir), str(export_dir / "config.json"))
     drafter = Drafter(config.drafter, backend=backend)
-    state = load_file(str(export_dir / "model.safetensors"))
-    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    weights = export_dir / "model.safetensors"
+    hint = "export it again (python -m trainer export --run-dir RUN), or copy the whole export directory again"
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{weights} cannot be read as safetensors (cut short or not one?): {e}", hint=hint) from None
+    try:
+        drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    except RuntimeError as e:  # missing or unexpected keys, other shapes: torch lists them, the first line says which
+        detail = " ".join(str(e).split())[:300]
+        raise ConfigError(f"{weights} does not hold the drafter its config.json describes: {detail}",
+                          hint=hint) from None
     return drafter.to(device).eval(), config
 
 

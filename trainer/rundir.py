@@ -228,27 +228,36 @@ def check_target_there(cfg: TrainCfg, run_dir: Path) -> None:
                            "and weights are checked against the run's)")
 
 
-def check_same_inputs(cfg: TrainCfg, run_dir: Path, recorded: dict) -> None:
-    """A resume reads the target and the data files the run started with (`recorded`: its config.json), where they
-    were or where they moved to (RESUME_MAY_MOVE): the target with the config.json and weights data.json
-    fingerprinted, each data file, in order, at the size data.json recorded. What data.json did not record (a run
-    that started before it did) is not checked, and may not move."""
+def read_data_record(run_dir: Path) -> dict:
+    """The run's data.json (the target's fingerprint, each data file's size), {} where it has none."""
     try:
         record = json.loads(data_record_path(run_dir).read_text())
     except (OSError, ValueError):
         record = {}
-    record = record if isinstance(record, dict) else {}
+    return record if isinstance(record, dict) else {}
+
+
+def is_the_runs_target(record: dict, target: str) -> bool:
+    """`target` holds what data.json fingerprinted (its config.json and weights); True where it recorded none."""
+    return record.get("target") is None or target_record(target) == record["target"]
+
+
+def check_same_inputs(cfg: TrainCfg, run_dir: Path, recorded: dict, what: str = "--resume") -> None:
+    """A resume (or `what`: eval run) reads the target and the data files the run started with (`recorded`: its
+    config.json), where they were or where they moved to (RESUME_MAY_MOVE): the target with the config.json and
+    weights data.json fingerprinted, each data file, in order, at the size data.json recorded. What data.json did
+    not record (a run that started before it did) is not checked, and may not move."""
+    record = read_data_record(run_dir)
     files = record.get("files") if isinstance(record.get("files"), dict) else {}
     check_target_there(cfg, run_dir)
     was, now = (recorded.get("model") or {}).get("target", cfg.model.target), cfg.model.target
-    fingerprint = target_record(now) if record.get("target") is not None else None
     if record.get("target") is None and now != was:
-        raise ConfigError(f"--resume with model.target={now}: the run started with {was} and recorded no "
+        raise ConfigError(f"{what} with model.target={now}: the run started with {was} and recorded no "
                           "fingerprint of it to check another copy against", hint=f"put the target back at {was}")
-    if fingerprint is not None and fingerprint != record["target"]:
-        raise ConfigError(f"--resume: the target {now} is not the one the run started with"
+    if not is_the_runs_target(record, now):
+        raise ConfigError(f"{what}: the target {now} is not the one the run started with"
                           f"{f' ({was})' if now != was else ''}: its config.json or its weights differ",
-                          hint="resume with the run's own target (another target is another run)")
+                          hint="use the run's own target (another target is another run)")
     missing, changed = [], []
     for key in ("paths", "eval_paths"):
         new = list(getattr(cfg.data, key))
@@ -267,13 +276,15 @@ def check_same_inputs(cfg: TrainCfg, run_dir: Path, recorded: dict) -> None:
             elif size != files[raw_was]:
                 changed.append(f"{label} ({files[raw_was]} -> {size} bytes)")
     if missing:
-        raise ConfigError(f"--resume: data file missing since the run started: {'; '.join(missing)}",
+        raise ConfigError(f"{what}: data file missing since the run started: {'; '.join(missing)}",
                           hint="if it moved, resume with --set 'data.paths=[...]' (or data.eval_paths) naming where "
                                "each file is now, in the same order: their sizes are checked against the run's")
     if changed:
-        raise ConfigError(f"--resume: data changed since the run started: {', '.join(changed)}; the resumed data "
-                          "order and schedule would not be the run's",
-                          hint="resume with the files as they were, or start a new run on the new data")
+        raise ConfigError(f"{what}: data changed since the run started: {', '.join(changed)}; the "
+                          + ("resumed data order and schedule would not be the run's" if what == "--resume" else
+                             "held-out split would not be the run's (rows it trained on among them)"),
+                          hint="put the files back as they were" + (", or start a new run on the new data"
+                                                                    if what == "--resume" else ""))
 
 
 # Settings a resume may change: how often the run logs and checkpoints, how many checkpoints it keeps, its CPU
@@ -357,13 +368,19 @@ def newest_checkpoint(run_dir: Path) -> Path:
 
 def export_source(run_dir: Path, target: str | None = None) -> tuple[TrainCfg, Path]:
     """What `trainer export` rebuilds, checked before torch: the run's config on the CPU (`on_cpu`) with its target,
-    or `target` (where it is now, if it moved: checked against the run's shape), and the newest checkpoint."""
+    or `target` (where it is now, if it moved: checked against the run's shape, then its config.json and weights
+    against the run's data.json), and the newest checkpoint."""
     from trainer.config import on_cpu
     from trainer.targetdir import check_target_loads
 
     cfg = on_cpu(load_run_config(run_dir))
     if target is not None:
-        check_target_loads(cfg.model, target)
+        check_target_loads(cfg.model, target)  # there, and of the run's shape; then the very target
+        if not is_the_runs_target(read_data_record(run_dir), target):
+            raise ConfigError(f"--target {target} is not the target the run trained with ({cfg.model.target}): its "
+                              "config.json or its weights differ",
+                              hint="pass the run's own target where it is now (a drafter serves the target it "
+                                   "learned from)")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=target))
     elif not (Path(cfg.model.target) / "config.json").is_file():
         raise ConfigError(f"the run's target {cfg.model.target} is not there (moved or removed since the run)",

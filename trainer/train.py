@@ -195,9 +195,10 @@ def export_run(run_dir: Path, target: str | None = None) -> Path:
     or a run directory that was moved with its tiny target), checked against the run's shape (rundir.export_source,
     which the CLI runs before torch too)."""
     cfg, newest = rundir.export_source(run_dir, target)
+    weights = checkpoint.load_drafter(newest)  # a checkpoint that cannot be read is refused before the target loads
     target = load_run_target(cfg, "cpu", truncate=True, dtype="float32")
     state = build_state(cfg, target, torch.device("cpu"))
-    state.drafter.load_state_dict(checkpoint.load_drafter(newest))
+    state.drafter.load_state_dict(weights)
     if weights_nonfinite(state.drafter):
         raise NonFiniteLoss(f"checkpoint {newest} holds non-finite (NaN/inf) weights: nothing exported",
                             hint="remove that step's directory to export the one before it")

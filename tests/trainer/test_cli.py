@@ -783,6 +783,19 @@ def test_a_resume_takes_the_target_and_the_data_where_they_moved_when_they_are_t
     assert (cfg["model"]["target"], cfg["data"]["paths"]) == (str(moved_target), [str(moved_data)])
     assert json.loads((run / "data.json").read_text())["files"] == {str(moved_data): size}
     assert run_cli("export", "--run-dir", str(run)).returncode == 0  # no --target: the run knows where it is now
+    # another target (same config, other weights) is refused by export before torch, the export left as it was
+    exported = (run / "export" / "config.json").read_bytes()
+    p = run_cli("export", "--run-dir", str(run), "--target", str(other), flags=("-X", "importtime"))
+    assert p.returncode == 2 and error_lines(p.stderr)[0] == (
+        f"error: --target {other} is not the target the run trained with ({moved_target}): its config.json or its "
+        "weights differ"), p.stderr[-2000:]
+    assert "torch" not in imported(p.stderr) and (run / "export" / "config.json").read_bytes() == exported
+    # eval run on data that changed since: its held-out split would not be the run's
+    moved_data.write_bytes(moved_data.read_bytes() * 2)
+    p = run_cli("eval", "run", "--run-dir", str(run))
+    assert p.returncode == 2 and error_lines(p.stderr)[0].startswith(
+        f"error: eval run: data changed since the run started: {moved_data} ({size} -> {2 * size} bytes); the "
+        "held-out split would not be the run's"), p.stderr[-2000:]
 
 
 def test_make_tiny_target_refuses_negative_steps_and_its_help_names_both_families(tmp_path):

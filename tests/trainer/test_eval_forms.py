@@ -122,6 +122,29 @@ def test_eval_export_evaluates_an_export_on_a_file(trained_run, tiny_target_dir,
     assert 1.0 <= record["tau"] <= 16.0 and record["blocks"] > 0
 
 
+def test_an_export_whose_weights_are_cut_short_or_others_is_one_line(trained_run, tiny_target_dir, tmp_path, capsys):
+    """model.safetensors cut short (a copy that stopped), or another drafter's under this config.json: exit 2 naming
+    the file, not a safetensors or load_state_dict traceback."""
+    import shutil
+
+    from trainer.__main__ import main
+
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(SMOKE.read_text().splitlines(keepends=True)[:8]))
+    export = shutil.copytree(trained_run / "export", tmp_path / "export")
+    weights = export / "model.safetensors"
+    whole = weights.read_bytes()
+    argv = ["eval", "export", "--drafter", str(export), "--target", str(tiny_target_dir), "--data", str(data)]
+    weights.write_bytes(whole[:len(whole) // 2])
+    assert main(argv) == 2
+    assert f"error: {weights} cannot be read as safetensors (cut short or not one?): " in capsys.readouterr().err
+    config = json.loads((export / "config.json").read_text())
+    weights.write_bytes(whole)
+    (export / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    assert main(argv) == 2
+    assert f"error: {weights} does not hold the drafter its config.json describes: " in capsys.readouterr().err
+
+
 def test_eval_prompts_decodes_a_prompt_file(trained_run, tiny_target_dir, tmp_path, capsys):
     from trainer.__main__ import main
 

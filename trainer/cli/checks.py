@@ -63,7 +63,8 @@ def check_eval_export(req: EvalRequest) -> tuple[EvalRequest, str]:
 
 def check_eval_run(run_dir) -> str:
     """eval run: the run's config.json, its export, its held-out data and its target, each refused in one line as
-    train refuses them."""
+    train refuses them, and the data files and target the run recorded in data.json (sizes, fingerprint) as a
+    resume checks them."""
     from trainer import rundir
     from trainer.data.source import scan
     from trainer.targetdir import check_target_loads
@@ -80,6 +81,9 @@ def check_eval_run(run_dir) -> str:
                           hint=f"evaluate its export with the target where it is now: python -m trainer eval export "
                                f"--drafter {export} --target DIR --data FILE")
     check_target_loads(cfg.model, cfg.model.target)
+    # the held-out split is a seeded draw over the samples: other data (or another target) would evaluate rows the
+    # drafter trained on
+    rundir.check_same_inputs(cfg, run_dir, {}, what="eval run")
     lines = sum(scan(paths, cfg.data.max_bad_fraction).lines for paths in (cfg.data.paths, cfg.data.eval_paths)
                 if paths)
     return f"{lines} data lines"

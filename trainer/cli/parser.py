@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="(re)write <run-dir>/export from the newest checkpoint")
     x.add_argument("--run-dir", type=user_path, required=True)
     x.add_argument("--target", type=user_path, default=None,
-                   help="the run's target where it is now, if it moved since the run (default: the run's model.target)")
+                   help="the run's target where it is now, if it moved since the run (default: the run's model.target;"
+                        " its weights and config.json are checked against the run's)")
     m = sub.add_parser("make-tiny-target", help="build and save a tiny Qwen3 or Llama 3 target + tokenizer",
                        description="A target + tokenizer (with a chat template) built offline: by default the tiny "
                                    "Qwen3 the tests use, briefly trained on the bundled chat data; --family llama: "
