@@ -25,7 +25,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from trainer.errors import ConfigError, TrainerError, run_cli  # noqa: E402
+from trainer.errors import ConfigError, DataError, TrainerError, run_cli  # noqa: E402
 
 
 def _quiet_libraries() -> None:
@@ -115,10 +115,14 @@ def cmd_eval(args) -> int:
         return decode_sets(req, sets, console)
     if req.form == "run":
         with console.phase(f"evaluating the simulated tau of {req.run_dir} on its held-out rows"):
-            evaluate_run(req.run_dir)
+            result = evaluate_run(req.run_dir)
     else:
         with console.phase(f"evaluating the simulated tau of {req.drafter} on {req.data}"):
-            evaluate_export(req.drafter, req.target, req.data, max_bad_fraction=req.max_bad_fraction)
+            result = evaluate_export(req.drafter, req.target, req.data, max_bad_fraction=req.max_bad_fraction)
+    if not result["blocks"]:  # a tau of nothing is no measurement: not a success a script could take for one
+        raise DataError("no block to evaluate: the rows hold no two consecutive supervised tokens (tau undefined)",
+                        hint="check data.eval_paths / data.eval_fraction" if req.form == "run" else
+                        "check --data: answers of two tokens or more")
     return 0
 
 

@@ -99,8 +99,11 @@ def trained_run(tmp_path_factory, tiny_target_dir):
 
 
 def _eval_records(capsys) -> list[dict]:
-    out = capsys.readouterr().out.splitlines()
-    return [json.loads(x.split(" ", 1)[1]) for x in out if x.startswith("DFLASH_EVAL ")]
+    return _eval_records_of(capsys.readouterr().out)
+
+
+def _eval_records_of(out: str) -> list[dict]:
+    return [json.loads(x.split(" ", 1)[1]) for x in out.splitlines() if x.startswith("DFLASH_EVAL ")]
 
 
 def test_eval_run_evaluates_the_run_s_held_out_rows(trained_run, capsys):
@@ -143,6 +146,20 @@ def test_an_export_whose_weights_are_cut_short_or_others_is_one_line(trained_run
     (export / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
     assert main(argv) == 2
     assert f"error: {weights} does not hold the drafter its config.json describes: " in capsys.readouterr().err
+
+
+def test_eval_export_on_rows_with_no_block_is_exit_3_not_a_tau_of_nothing(trained_run, tiny_target_dir, tmp_path,
+                                                                        capsys):
+    from trainer.__main__ import main
+
+    held = tmp_path / "held.jsonl"  # no two consecutive supervised tokens: no block to draft
+    held.write_text("".join(json.dumps({"input_ids": list(range(3, 11)), "loss_mask": [0, 1] * 4}) + "\n"
+                            for _ in range(4)))
+    assert main(["eval", "export", "--drafter", str(trained_run / "export"), "--target", str(tiny_target_dir),
+                 "--data", str(held)]) == 3
+    captured = capsys.readouterr()
+    assert [r["blocks"] for r in _eval_records_of(captured.out)] == [0]
+    assert "error: no block to evaluate: the rows hold no two consecutive supervised tokens" in captured.err
 
 
 def test_eval_prompts_decodes_a_prompt_file(trained_run, tiny_target_dir, tmp_path, capsys):
