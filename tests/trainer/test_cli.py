@@ -546,6 +546,8 @@ USAGE = "eval needs --run-dir D, or --drafter EXPORT_DIR --target T with --data 
     (["--drafter", "X", "--data", "f.jsonl"],
      "eval --data needs --target: eval --drafter EXPORT_DIR --target T --data F"),
     (["--drafter", "X", "--target", "T", "--prompts", "p.jsonl", "--limit", "0"], "--limit must be >= 1, got 0"),
+    (["--drafter", "X", "--target", "T", "--prompts", "p.jsonl", "--max-new", "1"],
+     "--max-new must be >= 2 (the first new token is the target's alone: one drafts nothing to measure), got 1"),
     (["--target", "T"], USAGE),
     (["--run-dir", "D", "--max-bad-fraction", "0.5"],
      "--max-bad-fraction applies only to eval --data, not to eval --run-dir"),

@@ -51,7 +51,7 @@ def test_prompt_defaults_apply_and_a_flag_before_the_form_is_kept():
      "eval prompts needs --prompts: eval prompts --drafter EXPORT_DIR --target T --prompts FILE..."),
     (["run"], "eval run needs --run-dir: eval run --run-dir D"),
     (["prompts", "--drafter", "X", "--target", "T", "--prompts", "p.txt", "--max-new", "0"],
-     "--max-new must be >= 1, got 0"),
+     "--max-new must be >= 2 (the first new token is the target's alone: one drafts nothing to measure), got 0"),
 ])
 def test_a_flag_of_another_form_is_refused_naming_its_form_before_torch(tmp_path, args, message):
     p = run_cli("eval", *args, cwd=tmp_path, flags=("-X", "importtime"))

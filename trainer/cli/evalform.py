@@ -106,9 +106,12 @@ def check_eval(form: str, given: dict[str, object], spelling: Spelling = NEW) ->
     missing = [f for f in REQUIRED[form] if f not in given]
     if missing:
         raise ConfigError(f"eval {name[form]} needs {' and '.join(missing)}: eval {usage[form]}")
-    for flag in ("--limit", "--max-new"):
-        if flag in given and given[flag] < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {given[flag]}")
+    if "--limit" in given and given["--limit"] < 1:
+        raise ConfigError(f"--limit must be >= 1, got {given['--limit']}")
+    # The target's first new token comes from the prompt's forward alone: with one, no block is drafted or measured.
+    if "--max-new" in given and given["--max-new"] < 2:
+        raise ConfigError(f"--max-new must be >= 2 (the first new token is the target's alone: one drafts nothing "
+                          f"to measure), got {given['--max-new']}")
     values = {FLAGS[f]: v for f, v in given.items()}
     if "prompts" in values:
         values["prompts"] = tuple(values["prompts"])

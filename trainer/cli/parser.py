@@ -173,7 +173,7 @@ def _eval_flags(p: argparse.ArgumentParser, own: tuple[str, ...]) -> None:
                               f"{DataCfg().max_bad_fraction})", type=float, metavar="F")
     add("--prompts", "prompt files", type=user_path, nargs="+", metavar="FILE")
     add("--limit", f"prompts per file (default: {D['limit']})", type=int, metavar="N")
-    add("--max-new", f"new tokens per prompt at most (default: {D['max_new']})", type=int, metavar="N")
+    add("--max-new", f"new tokens per prompt at most, 2 or more (default: {D['max_new']})", type=int, metavar="N")
     add("--engine", f"static: static caches, CUDA-graph replays; hf: the HF-cache reference (default: {D['engine']})",
         choices=("static", "hf"))
     add("--target-dtype", "the target's dtype while decoding (default: bf16 on CUDA, fp32 on CPU)", choices=DTYPES)
