@@ -22,6 +22,7 @@ not a JSON object of a known format, or holds no non-blank user turn is malforme
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,9 +133,41 @@ def parse_prompt_line(line: bytes) -> tuple[str, tuple[dict, ...]]:
     return fmt, turns
 
 
-def read_prompt_set(path: str | Path) -> PromptSet:
-    """A prompt file -> its PromptSet of first user turns (eval); a missing or promptless file is one DataError."""
+def set_names(paths) -> list[str]:
+    """The name of each prompt file's set: its stem, or where stems collide, the stem under the fewest parent
+    directories that tell those files apart ("gsm8k/test", "humaneval/test"), else the file name under them
+    ("test.jsonl", "test.txt"); a file given again gets "#2" and so on. A unique stem stays the name."""
+    full = [Path(os.path.abspath(p)) for p in paths]
+    distinct = list(dict.fromkeys(full))
+    name_of = {}
+    for p in distinct:
+        group = [q for q in distinct if q.stem == p.stem]
+        name_of[p] = p.stem if len(group) == 1 else _apart(group)[group.index(p)]
+    seen: dict[Path, int] = {}
+    names = []
+    for p in full:
+        seen[p] = seen.get(p, 0) + 1
+        names.append(name_of[p] if seen[p] == 1 else f"{name_of[p]}#{seen[p]}")
+    return names
+
+
+def _apart(group: list[Path]) -> list[str]:
+    """Distinct absolute paths of one stem -> the shortest names that tell them apart (the whole path at worst)."""
+    depth = max(len(q.parts) for q in group)
+    for leaf, first in (("stem", 1), ("name", 0)):
+        for k in range(first, depth):
+            names = ["/".join((*q.parent.parts[1:][max(0, len(q.parts) - 2 - k):], getattr(q, leaf))) for q in group]
+            if len(set(names)) == len(names):
+                return names
+    raise AssertionError(group)  # distinct paths differ in full
+
+
+def read_prompt_set(path: str | Path, name: str | None = None) -> PromptSet:
+    """A prompt file -> its PromptSet of first user turns (eval), named `name` (default: the file's stem); a
+    missing, non-file or promptless file is one DataError."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"prompt file {path} is a directory, not a file", hint=f"pass the files in it: {path}/*.jsonl")
     if not path.is_file():
         raise DataError(f"prompt file {path} not found")
     prompts, formats, bad = [], [], []
@@ -156,7 +189,7 @@ def read_prompt_set(path: str | Path) -> PromptSet:
     if not prompts:
         raise DataError(f"prompt file {path} holds no prompt" + (f" ({len(bad)} unreadable lines)" if bad else ""),
                         hint=FORMATS_HINT)
-    return PromptSet(name=path.stem, prompts=tuple(prompts), formats=tuple(formats), bad_lines=tuple(bad))
+    return PromptSet(name=name or path.stem, prompts=tuple(prompts), formats=tuple(formats), bad_lines=tuple(bad))
 
 
 def read_prompt_files(paths: list[str] | tuple[str, ...], max_bad_fraction: float,

@@ -188,6 +188,17 @@ def read_target_dir(path: str | Path) -> TargetDir:
                      max_positions=_positions(config))
 
 
+def check_answers_fit(target: TargetDir, given: str, command: str, max_new: int) -> None:
+    """A target that answers rendered prompts (regenerate, eval prompts): a chat template to render them with, and
+    room for a prompt beside --max-new new tokens in its positions; else one ConfigError (exit 2)."""
+    if not target.has_chat_template:
+        raise ConfigError(f"target {given} has no chat template: {command} renders each prompt with it",
+                          hint="use a chat (instruct) target, or add a chat_template to its tokenizer_config.json")
+    if target.max_positions is not None and max_new >= target.max_positions:
+        raise ConfigError(f"--max-new {max_new} leaves no room for a prompt in the target's {target.max_positions} "
+                          f"positions", hint=f"pass --max-new below {target.max_positions}")
+
+
 def weight_files(path: Path) -> list[Path]:
     """The directory's weight files: one of WEIGHT_FILES, or every shard its index names, all there; else one
     ConfigError (a partial download otherwise fails only once the model loads, after torch and the data)."""

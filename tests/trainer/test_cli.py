@@ -652,6 +652,8 @@ def _eval_export_case(tmp_path, tiny_target_dir, name):
     no_weights.mkdir()
     (no_weights / "config.json").write_text("{}\n")
     weightless = fake_target(tmp_path / "weightless", {"model_type": "qwen3", "num_hidden_layers": 6}, weights=False)
+    base = fake_target(tmp_path / "base", {"model_type": "qwen3", "num_hidden_layers": 2}, template=False)
+    short = fake_target(tmp_path / "short", {"model_type": "qwen3", "max_position_embeddings": 64})
     nowhere = tmp_path / "nowhere"
     cut = "(JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"
     cases = {
@@ -680,6 +682,18 @@ def _eval_export_case(tmp_path, tiny_target_dir, name):
         "eval --prompts, a target without weights": (["eval", "--drafter", str(export), "--target", str(weightless),
                                                       "--prompts", str(tmp_path / "p.txt")], 2,
                                                      f"error: target {weightless}: no weights", None),
+        "eval --prompts, a target without a chat template": (
+            ["eval", "prompts", "--drafter", str(export), "--target", str(base), "--prompts", str(tmp_path / "p.txt")],
+            2, f"error: target {base} has no chat template: eval prompts renders each prompt with it",
+            "hint: use a chat (instruct) target, or add a chat_template to its tokenizer_config.json"),
+        "eval --prompts, --max-new past the target's positions": (
+            ["eval", "prompts", "--drafter", str(export), "--target", str(short), "--prompts", str(tmp_path / "p.txt"),
+             "--max-new", "64"], 2, "error: --max-new 64 leaves no room for a prompt in the target's 64 positions",
+            "hint: pass --max-new below 64"),
+        "eval --prompts, a directory as a prompt file": (
+            ["eval", "prompts", "--drafter", str(export), "--target", str(tiny_target_dir), "--prompts",
+             str(tmp_path)], 3, f"error: prompt file {tmp_path} is a directory, not a file",
+            f"hint: pass the files in it: {tmp_path}/*.jsonl"),
         "eval --data, malformed lines": (["eval", "--drafter", str(export), "--target", str(tiny_target_dir), "--data",
                                           str(tmp_path / "bad.jsonl")], 3,
                                          "error: too many malformed lines (100.0% > --max-bad-fraction=0.01)",
@@ -693,7 +707,10 @@ def _eval_export_case(tmp_path, tiny_target_dir, name):
 @pytest.mark.parametrize("name", ["eval, no run dir", "eval, a run's config cut short", "export, no run dir",
                                   "export, a run's config cut short", "eval, no export",
                                   "eval, an export without weights", "eval --data, a target without weights",
-                                  "eval --prompts, a target without weights", "eval --data, malformed lines",
+                                  "eval --prompts, a target without weights",
+                                  "eval --prompts, a target without a chat template",
+                                  "eval --prompts, --max-new past the target's positions",
+                                  "eval --prompts, a directory as a prompt file", "eval --data, malformed lines",
                                   "eval --data, no file"])
 def test_eval_and_export_refuse_their_inputs_in_one_line_before_torch(tmp_path, tiny_target_dir, name):
     """eval and export check the run's config.json, the export and the target directory (train's checks: weights,

@@ -66,6 +66,25 @@ def test_alpaca_prompt_and_content_part_lines_are_read(tmp_path):
     assert ps.formats == ("alpaca", "prompt", "chat") and ps.bad_lines == (5,)  # an image part has no text to answer
 
 
+def test_a_directory_is_not_a_prompt_file(tmp_path):
+    with pytest.raises(DataError, match=f"^prompt file {tmp_path} is a directory, not a file$"):
+        read_prompt_set(tmp_path)
+
+
+def test_files_of_one_stem_are_named_apart_and_a_unique_stem_keeps_its_name(tmp_path):
+    from trainer.prompts import set_names
+
+    assert set_names(["ds/gsm8k/test.jsonl", "ds/humaneval/test.jsonl", "mtbench.jsonl"]) == \
+        ["gsm8k/test", "humaneval/test", "mtbench"]
+    assert set_names(["x/a/test.jsonl", "y/a/test.jsonl"]) == ["x/a/test", "y/a/test"]
+    assert set_names(["d/test.jsonl", "d/test.txt", "d/test.jsonl"]) == ["test.jsonl", "test.txt", "test.jsonl#2"]
+    assert set_names([str(tmp_path / "a" / "t.jsonl"), str(tmp_path / "t.jsonl")]) == ["a/t", f"{tmp_path.name}/t"]
+    f = tmp_path / "gsm8k" / "test.jsonl"
+    f.parent.mkdir()
+    f.write_text("count from 3 to 9\n")
+    assert read_prompt_set(f, "gsm8k/test").name == "gsm8k/test" and read_prompt_set(f).name == "test"
+
+
 @pytest.mark.slow
 def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp_path):
     from tests.trainer.conftest import make_state

@@ -38,15 +38,15 @@ def check_train(cfg, run_dir: Path, resume: bool) -> str:
     return f"{sum(counts)} data lines in {files} file(s)"
 
 
-def check_eval_pair(drafter, target) -> None:
+def check_eval_pair(drafter, target):
     """An export and a target, for eval export / eval prompts: the export's files (rundir.read_export_config) and a
     target directory this trainer can load (targetdir.read_target_dir: family, weights, tokenizer), as train checks
-    its."""
+    its -> the target's TargetDir."""
     from trainer.rundir import read_export_config
     from trainer.targetdir import read_target_dir
 
     read_export_config(Path(drafter))
-    read_target_dir(target)
+    return read_target_dir(target)
 
 
 def check_eval_export(req: EvalRequest) -> tuple[EvalRequest, str]:
@@ -90,10 +90,12 @@ def check_eval_run(run_dir) -> str:
 
 
 def check_eval_prompts(req: EvalRequest) -> list:
-    """eval prompts: every prompt file read (prompts.read_prompt_set: a missing or unreadable file is refused), then
-    the pair -> the prompt sets, in the order given."""
-    from trainer.prompts import read_prompt_set
+    """eval prompts: every prompt file read (prompts.read_prompt_set: a missing or unreadable file is refused; files
+    of one stem named apart by prompts.set_names), then the pair, and a target that answers rendered prompts with
+    room for --max-new (regenerate's rule: targetdir.check_answers_fit) -> the prompt sets, in the order given."""
+    from trainer.prompts import read_prompt_set, set_names
+    from trainer.targetdir import check_answers_fit
 
-    sets = [read_prompt_set(p) for p in req.prompts]
-    check_eval_pair(req.drafter, req.target)
+    sets = [read_prompt_set(p, name) for p, name in zip(req.prompts, set_names(req.prompts))]
+    check_answers_fit(check_eval_pair(req.drafter, req.target), req.target, "eval prompts", req.max_new)
     return sets

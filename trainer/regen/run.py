@@ -31,7 +31,7 @@ from trainer.regen import outfile
 from trainer.regen.accounting import PROMPT_TOO_LONG, TEMPLATE_REFUSED, Failure, tally
 from trainer.regen.plan import (Prompt, RegenSettings, SamplingSettings, check_settings, distinct_prompts, pending,
                                 stream_of, template_kwargs)
-from trainer.targetdir import TargetDir, read_target_dir, weights_fingerprint
+from trainer.targetdir import TargetDir, check_answers_fit, read_target_dir, weights_fingerprint
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,7 @@ def check_before_torch(args) -> Job:
     (exit 3: missing, empty, more malformed lines than --max-bad-fraction)."""
     settings = settings_of(args)
     target = read_target_dir(args.target)
-    if not target.has_chat_template:
-        raise ConfigError(f"target {args.target} has no chat template: regenerate renders each prompt with it",
-                          hint="use a chat (instruct) target, or add a chat_template to its tokenizer_config.json")
-    if target.max_positions is not None and settings.sampling.max_new_tokens >= target.max_positions:
-        raise ConfigError(f"--max-new {settings.sampling.max_new_tokens} leaves no room for a prompt in the target's "
-                          f"{target.max_positions} positions", hint=f"pass --max-new below {target.max_positions}")
+    check_answers_fit(target, args.target, "regenerate", settings.sampling.max_new_tokens)
     out = Path(args.out)
     outfile.check_writable(out)
     resume = outfile.scan_out(out)
