@@ -85,6 +85,67 @@ def test_files_of_one_stem_are_named_apart_and_a_unique_stem_keeps_its_name(tmp_
     assert read_prompt_set(f, "gsm8k/test").name == "gsm8k/test" and read_prompt_set(f).name == "test"
 
 
+def _fit(tiny_target_dir, prompts, positions, max_new=20, limit=64):
+    from transformers import AutoTokenizer
+
+    from trainer.cli.evalform import EvalRequest
+    from trainer.cli.evalprompts import fit_sets
+    from trainer.prompts import PromptSet
+
+    req = EvalRequest(form="prompts", max_new=max_new, limit=limit)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir, local_files_only=True)
+    return fit_sets(req, [PromptSet("s", tuple(prompts), ("text",))], tokenizer, positions)
+
+
+def test_a_prompt_too_long_for_the_targets_positions_is_skipped_and_counted(tiny_target_dir):
+    """Regenerate's rule (its rendering + --max-new within the target's positions), on the first --limit prompts:
+    the short prompt renders to 10 tokens on the tiny target, the long one to 105."""
+    short, long = "count from 3 to 9", "count from 3 to 9 " * 20
+    [(ps, too_long)] = _fit(tiny_target_dir, [long, short, long], positions=40)
+    assert ps.prompts == (short,) and too_long == 2
+    [(ps, too_long)] = _fit(tiny_target_dir, [short, long], positions=40, limit=1)
+    assert ps.prompts == (short,) and too_long == 0
+    assert _fit(tiny_target_dir, [long], positions=None)[0][1] == 0
+    with pytest.raises(DataError, match=r"^prompt set s: each of its 2 prompts and --max-new 20 exceed the target's 40 "
+                                        r"positions \(the shortest renders to 105 tokens\)$") as e:
+        _fit(tiny_target_dir, [long, long], positions=40)
+    assert e.value.hint == "leave the set out, or shorten its prompts"
+    with pytest.raises(DataError) as e:
+        _fit(tiny_target_dir, [long], positions=120)
+    assert e.value.hint == "pass --max-new 15 or less, or leave the set out"
+
+
+@pytest.mark.slow
+def test_sets_of_one_stem_and_prompts_too_long_through_the_cli(tiny_target_dir, target, tmp_path, capsys):
+    """Two files named test.jsonl are two sets named apart; the prompt too long for the target's positions (here
+    cut to 40) is skipped, counted in its set's DFLASH_EVAL line and in DFLASH_DONE, and the rest decode."""
+    import shutil
+
+    from tests.trainer.conftest import make_state
+    from trainer.__main__ import main
+    from trainer.export import ExportConfig, export_drafter
+
+    short = shutil.copytree(tiny_target_dir, tmp_path / "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    state = make_state(target, block_size=4, seed=1)
+    export_drafter(tmp_path / "export", state.drafter, ExportConfig.of(state.drafter.cfg, target, 4),
+                   dtype=torch.float32)
+    for sub, lines in (("gsm8k", ["count from 3 to 9", "count from 3 to 9 " * 20]), ("mbpp", ["repeat : cat dog"])):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "test.jsonl").write_text("".join(line + "\n" for line in lines))
+    assert main(["eval", "prompts", "--drafter", str(tmp_path / "export"), "--target", str(short), "--prompts",
+                 str(tmp_path / "gsm8k" / "test.jsonl"), str(tmp_path / "mbpp" / "test.jsonl"),
+                 "--max-new", "12"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    records = [json.loads(x.split(" ", 1)[1]) for x in out if x.startswith("DFLASH_EVAL ")]
+    assert [(r["set"], r["prompts"], r["too_long"]) for r in records] == [("gsm8k/test", 1, 1), ("mbpp/test", 1, 0)]
+    assert "eval gsm8k/test: 1 prompts skipped: too long for the target's 40 positions with --max-new 12" in out
+    done = [json.loads(x.split(" ", 1)[1]) for x in out if x.startswith("DFLASH_DONE ")]
+    assert [(d["done"], d["total"], d["too_long"], d["sets"]) for d in done] == [(2, 2, 1, ["gsm8k/test",
+                                                                                           "mbpp/test"])]
+
+
 @pytest.mark.slow
 def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp_path):
     from tests.trainer.conftest import make_state
@@ -118,7 +179,7 @@ def test_real_decoding_of_every_set_through_the_cli(tiny_target_dir, target, tmp
     assert progress[0]["job"] == "eval" and progress[0]["unit"] == "prompts" and progress[-1]["done"] == 10
     done = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("DFLASH_DONE ")]
     assert done == [{"job": "eval", "done": 10, "total": 10, "tokens": sum(r["tokens"] for r in records),
-                     "sets": ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]}]
+                     "sets": ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"], "too_long": 0}]
     for r in records:
         assert r["prompts"] == 2 and r["identical"] == 2  # equal outputs, though not lossless by construction:
         assert 1.0 <= r["tau"] <= 4 and len(r["accept_by_pos"]) == 3 and r["speedup"] > 0
