@@ -304,9 +304,11 @@ def test_thinking_drop_on_a_template_that_opens_the_segment(tmp_path, capsys):
 def test_thinking_drop_needs_the_markers(tiny_target_dir, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("count from 1 to 4\n")
+    out = tmp_path / "new" / "o.jsonl"
     code, _, err = regenerate(capsys, "--target", str(tiny_target_dir), "--prompts", str(prompts), "--out",
-                              str(tmp_path / "o.jsonl"), "--thinking", "drop")
+                              str(out), "--thinking", "drop")
     assert code == 2 and "error: --thinking drop: the tokenizer of" in err and "no <think> and </think>" in err
+    assert not (tmp_path / "new").exists()  # refused once OUT was its own: nothing left, the folder it made included
 
 
 def test_a_batch_that_does_not_fit_is_refused_before_the_weights_load_naming_one_that_does(tiny_target_dir,
@@ -332,6 +334,7 @@ def test_a_batch_that_does_not_fit_is_refused_before_the_weights_load_naming_one
     code, out, err = regenerate(capsys, *args, "--batch", "64")
     errors = [x for x in err.splitlines() if x.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "--batch 12 does not fit" in errors[0], err
+    assert not (tmp_path / "o.jsonl").exists() and not outfile.meta_path(tmp_path / "o.jsonl").exists()
     fits = int(errors[0].rsplit("--batch ", 1)[1].split()[0])
     assert fits == 10 and "hint: pass --batch 10" in err
     assert not any("loading the target" in x for x in out)  # refused before the model

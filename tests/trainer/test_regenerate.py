@@ -494,6 +494,7 @@ def test_a_job_whose_every_prompt_fails_is_refused_not_done(tiny_target_dir, tmp
     assert code == 3 and f"error: no prompt to answer in ['{prompts}']: 1 of 1 lines malformed: {prompts}:1 (" in err, err
     assert "loading the target" not in err
     assert outfile.bad_lines_path(out).read_text().startswith(f"{prompts}:1: ")
+    assert not out.exists() and not outfile.meta_path(out).exists()  # no empty OUT a pipeline could train on
 
 
 @pytest.mark.slow

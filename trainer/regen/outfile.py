@@ -55,8 +55,7 @@ def check_writable(out: Path) -> None:
     above = next(p for p in out.parents if p.exists())
     if not above.is_dir():
         raise ConfigError(f"cannot write --out {out}: {above} is not a directory", hint=hint)
-    created = [p for p in (out, meta_path(out)) if not p.exists()]
-    new_dirs = [p for p in out.parents if not p.exists()]  # innermost first
+    made = not_there_yet(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         for path in (out, meta_path(out)):
@@ -65,14 +64,36 @@ def check_writable(out: Path) -> None:
     except OSError as e:
         raise ConfigError(f"cannot write --out {out}: {e.strerror or e}", hint=hint) from None
     finally:
-        for path in created:
-            if path.is_file() and path.stat().st_size == 0:
-                path.unlink()
-        for path in new_dirs:
-            try:
-                path.rmdir()
-            except OSError:  # not made here after all, or something was written into it meanwhile: it stays
-                break
+        take_back(made)
+
+
+@dataclass(frozen=True)
+class Made:
+    """What a job on OUT may make that was not there before it (`not_there_yet`), for `take_back`."""
+    out: Path
+    out_new: bool
+    meta_new: bool
+    dirs: tuple[Path, ...]  # innermost first
+
+
+def not_there_yet(out: Path) -> Made:
+    return Made(out, not out.exists(), not meta_path(out).exists(), tuple(p for p in out.parents if not p.exists()))
+
+
+def take_back(made: Made) -> None:
+    """Remove what the job made where it holds nothing: OUT if it is new and empty, its new sidecar if empty or if
+    it spoke of that OUT, the new directories if empty. A refused job leaves no trace; an answer keeps everything."""
+    out, meta = made.out, meta_path(made.out)
+    out_gone = made.out_new and out.is_file() and out.stat().st_size == 0
+    if out_gone:
+        out.unlink()
+    if made.meta_new and meta.is_file() and (out_gone or meta.stat().st_size == 0):
+        meta.unlink()
+    for path in made.dirs:
+        try:
+            path.rmdir()
+        except OSError:  # not made here after all, or something was written into it meanwhile: it stays
+            break
 
 
 @dataclass(frozen=True)

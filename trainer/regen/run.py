@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.source import BadLine, BadLineFile, LoadReport, MalformedLine, enforce_bad_lines
-from trainer.errors import ConfigError, DataError
+from trainer.errors import ConfigError, DataError, TrainerError
 from trainer.prompts import read_prompt_files
 from trainer.regen import outfile
 from trainer.regen.accounting import PROMPT_TOO_LONG, TEMPLATE_REFUSED, Failure, tally
@@ -236,11 +236,16 @@ def run(job: Job, console) -> dict:
     """Tokenize, load, answer every pending (prompt, sample) into OUT -> the DFLASH_DONE record. OUT is held for this
     job alone from before the target loads to the end (outfile.lock_out)."""
     check_target_fp8(job.settings)
+    made = outfile.not_there_yet(job.out)
     with outfile.lock_out(job.out):
-        # read again under the lock: a job that held OUT while this one was checked may have appended since
-        resume = outfile.scan_out(job.out)
-        outfile.check_same_run(resume.meta, target_record(job.target), job.settings.output_settings())
-        return _run(dataclasses.replace(job, resume=resume), console)
+        try:
+            # read again under the lock: a job that held OUT while this one was checked may have appended since
+            resume = outfile.scan_out(job.out)
+            outfile.check_same_run(resume.meta, target_record(job.target), job.settings.output_settings())
+            return _run(dataclasses.replace(job, resume=resume), console)
+        except TrainerError:  # refused once OUT was ours (--device, the memory estimate, no prompt to answer, ...):
+            outfile.take_back(made)  # under the lock, so no other job can be writing the OUT it removes
+            raise
 
 
 def row_rule(job: Job, tokenizer):
