@@ -480,6 +480,25 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_holds_it(tiny_t
     assert listing.read_text() == f"{prompts}:3: a JSON object of no known prompt format\n"
 
 
+def test_a_resume_answers_in_the_dtype_its_answers_were_made_in(tiny_target_dir, tmp_path, capsys):
+    """--dtype auto is bfloat16 on CUDA and float32 on a CPU: the sidecar records what it resolved to, and a resume
+    that would answer in another (an OUT begun on a GPU, resumed on a CPU) is refused, OUT as it was."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("count from 1 to 4\n")
+    out = tmp_path / "regen.jsonl"
+    args = ("--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(out), "--max-new", "4")
+    assert regenerate(capsys, *args)[0] == 0
+    meta = json.loads(outfile.meta_path(out).read_text())
+    assert meta["answer_dtype"] == "float32" and meta["settings"]["dtype"] == "auto"
+    outfile.meta_path(out).write_text(json.dumps({**meta, "answer_dtype": "bfloat16"}))  # as a GPU start wrote it
+    prompts.write_text("count from 1 to 4\nadd 2 and 3\n")
+    before = out.read_bytes()
+    code, _out, err = regenerate(capsys, *args)
+    assert code == 2 and f"error: --out {out} holds answers the target made in bfloat16; this start would answer in " \
+        "float32 (--dtype auto on cpu)" in err, err
+    assert out.read_bytes() == before
+
+
 def test_a_job_whose_every_prompt_fails_is_refused_not_done(tiny_target_dir, tmp_path, capsys):
     """Every prompt too long for the target's positions (a reading --max-bad-fraction 1 allows): exit 3 after the
     tokenizer, before any weight loads, not a `done` job of no answer that a pipeline would train on."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import ConfigError
+from trainer.regen.plan import resolved_dtype
 from trainer.targetdir import GATED_DELTANET_FAMILIES, LINEAR_LAYER_TYPE, text_config, weight_files
 
 GIB = 2 ** 30
@@ -39,10 +40,8 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F16"
 
 
 def dtype_bytes(dtype: str, device_type: str) -> int:
-    """The job's --dtype as bytes per element (auto: bf16 on CUDA, fp32 on CPU)."""
-    if dtype == "auto":
-        return 2 if device_type == "cuda" else 4
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    """The job's --dtype as bytes per element (auto: bf16 on CUDA, fp32 on CPU: plan.resolved_dtype)."""
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[resolved_dtype(dtype, device_type)]
 
 
 def safetensors_elements(path: Path) -> int:

@@ -61,6 +61,13 @@ class RegenSettings:
         return out
 
 
+def resolved_dtype(dtype: str, device_type: str) -> str:
+    """--dtype as the target runs: auto is bfloat16 on CUDA, float32 elsewhere. Pure."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
 def check_settings(s: RegenSettings) -> None:
     """One ConfigError (exit 2) for the first bad setting."""
     p = s.sampling

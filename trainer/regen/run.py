@@ -30,7 +30,7 @@ from trainer.prompts import read_prompt_files
 from trainer.regen import outfile
 from trainer.regen.accounting import PROMPT_TOO_LONG, TEMPLATE_REFUSED, Failure, tally
 from trainer.regen.plan import (Prompt, RegenSettings, SamplingSettings, check_settings, distinct_prompts, pending,
-                                stream_of, template_kwargs)
+                                resolved_dtype, stream_of, template_kwargs)
 from trainer.targetdir import TargetDir, check_answers_fit, read_target_dir, weights_fingerprint
 
 
@@ -125,9 +125,24 @@ def tokenize(job: Job, tokenizer) -> tuple[dict[str, list[int]], list[BadLine], 
     return ids, bad, failures
 
 
+def answer_dtype(job: Job) -> str:
+    """The dtype this start's target answers in (--dtype, auto resolved on its device). Answers of one OUT come from
+    one: a resume of answers made in another (auto is bfloat16 on CUDA, float32 on a CPU) is one ConfigError."""
+    from trainer.placement import local_device
+
+    device = local_device(job.settings.device)
+    dtype = resolved_dtype(job.settings.dtype, device.type)
+    was = (job.resume.meta or {}).get("answer_dtype")
+    if was is not None and was != dtype:
+        raise ConfigError(f"--out {job.out} holds answers the target made in {was}; this start would answer in "
+                          f"{dtype} (--dtype {job.settings.dtype} on {device})",
+                          hint=f"resume on the kind of device it ran on, or pass another --out for {dtype} answers")
+    return dtype
+
+
 def meta_record(job: Job, stops, engines: list[str], answers: int, total: int, state: str,
-                accounting: dict | None = None) -> dict:
-    return {"target": target_record(job.target), "settings": job.settings.output_settings(),
+                accounting: dict | None = None, dtype: str | None = None) -> dict:
+    return {"target": target_record(job.target), "settings": job.settings.output_settings(), "answer_dtype": dtype,
             "stop_ids": list(stops), "engines": engines, "engine_asked": job.settings.engine,
             "prompts": [str(Path(p).resolve()) for p in job.prompt_files], "answers": answers, "total": total,
             "state": state, "accounting": accounting}
@@ -272,6 +287,7 @@ def _run(job: Job, console) -> dict:
 
     from trainer.metrics import JobProgress
 
+    dtype = answer_dtype(job)
     tokenizer, stops, ids, todo, failures = prepare(job, console)
     row_of = row_rule(job, tokenizer)
     total = len(ids) * job.settings.continuations
@@ -290,7 +306,7 @@ def _run(job: Job, console) -> dict:
                        malformed=len(job.report.bad), repeats=job.repeats)
         # this start's engine as it is now: "static" becomes "static->hf" where the static engine fails midway
         now = [engine.used] if engine is not None and engine.used not in earlier else []
-        return meta_record(job, stops, earlier + now, done, total, state, counts)
+        return meta_record(job, stops, earlier + now, done, total, state, counts, dtype)
 
     writer = outfile.AnswerWriter(job.out, job.resume.keep_bytes)
     left_out = outfile.AnswerWriter(outfile.skipped_path(job.out), job.resume.skipped.keep_bytes)
