@@ -11,8 +11,8 @@ pre-tokenized data and ignores `regen`.
 OUT.meta.json (the sidecar, replaced atomically) records what made them: the target directory and the SHA-256 of
 its config.json, the settings that decide the answers (sampling, continuations, chat-template keyword arguments,
 system turn, dtype), the dtype that resolved to (`answer_dtype`), the stop ids, the engines that ran, the prompt
-files, and the counts. A restarted job checks them: the same target, settings and answer dtype continue the file, anything else is refused (a file of mixed settings would
-teach the drafter two distributions).
+files, and the counts. A restarted job checks them: the same target, settings and answer dtype continue the file,
+anything else is refused (a file of mixed settings would teach the drafter two distributions).
 
 Each line is written and flushed on its own, so a job killed mid-write loses at most that line; the torn rest it
 leaves after the last newline is cut off when the job resumes. OUT.bad_lines.txt lists every malformed prompt line
