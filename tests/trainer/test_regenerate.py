@@ -510,7 +510,8 @@ def test_a_job_whose_every_prompt_fails_is_refused_not_done(tiny_target_dir, tmp
     out = tmp_path / "regen.jsonl"
     code, _out, err = regenerate(capsys, "--target", str(target), "--prompts", str(prompts), "--out", str(out),
                                  "--max-new", "6", "--max-bad-fraction", "1")
-    assert code == 3 and f"error: no prompt to answer in ['{prompts}']: 1 of 1 lines malformed: {prompts}:1 (" in err, err
+    assert code == 3, err
+    assert f"error: no prompt to answer in ['{prompts}']: 1 of 1 lines malformed: {prompts}:1 (" in err, err
     assert "loading the target" not in err
     assert outfile.bad_lines_path(out).read_text().startswith(f"{prompts}:1: ")
     assert not out.exists() and not outfile.meta_path(out).exists()  # no empty OUT a pipeline could train on
