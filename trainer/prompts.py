@@ -138,11 +138,12 @@ def set_names(paths) -> list[str]:
     directories that tell those files apart ("gsm8k/test", "humaneval/test"), else the file name under them
     ("test.jsonl", "test.txt"); a file given again gets "#2" and so on. A unique stem stays the name."""
     full = [Path(os.path.abspath(p)) for p in paths]
-    distinct = list(dict.fromkeys(full))
+    by_stem: dict[str, list[Path]] = {}
+    for p in dict.fromkeys(full):
+        by_stem.setdefault(p.stem, []).append(p)
     name_of = {}
-    for p in distinct:
-        group = [q for q in distinct if q.stem == p.stem]
-        name_of[p] = p.stem if len(group) == 1 else _apart(group)[group.index(p)]
+    for stem, group in by_stem.items():
+        name_of.update(zip(group, [stem] if len(group) == 1 else _apart(group)))
     seen: dict[Path, int] = {}
     names = []
     for p in full:

@@ -249,6 +249,7 @@ def check_same_inputs(cfg: TrainCfg, run_dir: Path, recorded: dict, what: str = 
     not record (a run that started before it did) is not checked, and may not move."""
     record = read_data_record(run_dir)
     files = record.get("files") if isinstance(record.get("files"), dict) else {}
+    resuming = what == "--resume"  # a resume may name where files moved; eval run reads the run's config as it is
     check_target_there(cfg, run_dir)
     was, now = (recorded.get("model") or {}).get("target", cfg.model.target), cfg.model.target
     if record.get("target") is None and now != was:
@@ -278,13 +279,14 @@ def check_same_inputs(cfg: TrainCfg, run_dir: Path, recorded: dict, what: str = 
     if missing:
         raise ConfigError(f"{what}: data file missing since the run started: {'; '.join(missing)}",
                           hint="if it moved, resume with --set 'data.paths=[...]' (or data.eval_paths) naming where "
-                               "each file is now, in the same order: their sizes are checked against the run's")
+                               "each file is now, in the same order: their sizes are checked against the run's"
+                          if resuming else "put it back where the run read it")
     if changed:
         raise ConfigError(f"{what}: data changed since the run started: {', '.join(changed)}; the "
-                          + ("resumed data order and schedule would not be the run's" if what == "--resume" else
+                          + ("resumed data order and schedule would not be the run's" if resuming else
                              "held-out split would not be the run's (rows it trained on among them)"),
                           hint="put the files back as they were" + (", or start a new run on the new data"
-                                                                    if what == "--resume" else ""))
+                                                                    if resuming else ""))
 
 
 # Settings a resume may change: how often the run logs and checkpoints, how many checkpoints it keeps, its CPU
